@@ -1,0 +1,1 @@
+"""FSDP Handbook library."""

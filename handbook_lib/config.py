@@ -1,0 +1,190 @@
+"""The run-config vocabulary shared by every experiment in the book.
+
+Chapter 1 introduces it; every run of ``handbook_lib.runs`` takes a :class:`RunConfig` (or, for a
+special-purpose run, another dataclass built on :class:`FlatConfig`). Keys are flat and the same
+everywhere, settable from a notebook (``config={"num_layers": 2}``) and from the terminal
+(``--set num_layers=2``). An unknown key or a value outside the accepted set raises
+``ValueError`` listing what is accepted: nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar, get_type_hints
+
+from handbook_lib.model import ModelConfig
+
+__all__ = [
+    "FlatConfig",
+    "RunConfig",
+    "STRATEGIES",
+    "APIS",
+    "PRECISIONS",
+    "OPTIMIZERS",
+    "parse_overrides",
+]
+
+STRATEGIES = ("DDP", "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+"""Sharding strategies, in FSDP1's spelling (plus DDP); FSDP2's spelling is derived from them."""
+APIS = ("fsdp2", "fsdp1")
+"""``fsdp2`` is ``torch.distributed.fsdp.fully_shard``; ``fsdp1`` is ``FullyShardedDataParallel``."""
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")
+
+_C = TypeVar("_C", bound="FlatConfig")
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (true/false), got {text!r}")
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, str]:
+    """Split ``["key=value", ...]`` (the CLI's ``--set`` arguments) into a dict of strings.
+
+    Raises:
+        ValueError: if an item has no ``=`` or an empty key.
+    """
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+@dataclass(frozen=True)
+class FlatConfig:
+    """Base of every run config: a frozen dataclass of flat, typed, validated keys.
+
+    Subclasses declare fields (``int``, ``float``, ``bool`` or ``str``) and may list accepted
+    values per field in ``CHOICES``.
+    """
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    def __post_init__(self) -> None:
+        hints = get_type_hints(type(self))
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            kind = hints[field.name]
+            ok = (
+                isinstance(value, bool) if kind is bool
+                else isinstance(value, int) and not isinstance(value, bool) if kind is int
+                else isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
+                else isinstance(value, kind)
+            )
+            if not ok:
+                raise ValueError(
+                    f"config key {field.name!r} must be {kind.__name__}, got {value!r}"
+                )
+            accepted = self.CHOICES.get(field.name)
+            if accepted is not None and value not in accepted:
+                raise ValueError(
+                    f"config key {field.name!r} got {value!r}; accepted values: {', '.join(accepted)}"
+                )
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """The accepted keys, in declaration order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_mapping(cls: type[_C], mapping: Mapping[str, Any] | None = None) -> _C:
+        """Build a config from a dict; values may be typed or strings (as from ``--set``).
+
+        Raises:
+            ValueError: on an unknown key (listing the accepted keys) or a bad value.
+        """
+        mapping = dict(mapping or {})
+        unknown = sorted(set(mapping) - set(cls.keys()))
+        if unknown:
+            raise ValueError(
+                f"unknown config key(s) {', '.join(map(repr, unknown))} for {cls.__name__}; "
+                f"accepted keys: {', '.join(cls.keys())}"
+            )
+        hints = get_type_hints(cls)
+        values = {}
+        for key, value in mapping.items():
+            if isinstance(value, str) and hints[key] is not str:
+                try:
+                    value = _parse_bool(value) if hints[key] is bool else hints[key](value)
+                except ValueError as err:
+                    raise ValueError(f"config key {key!r}: {err}") from None
+            values[key] = value
+        return cls(**values)
+
+    def replace(self: _C, **changes: Any) -> _C:
+        """A copy with some keys changed (validated like :meth:`from_mapping`)."""
+        return self.from_mapping({**self.to_dict(), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as a plain, JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class RunConfig(FlatConfig):
+    """One training experiment, in the book's vocabulary. Units are stated per field."""
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "strategy": STRATEGIES,
+        "api": APIS,
+        "precision": PRECISIONS,
+        "optimizer": OPTIMIZERS,
+    }
+
+    # model (see ModelConfig)
+    vocab_size: int = 10_000
+    d_model: int = 256
+    nhead: int = 4
+    dim_feedforward: int = 1024
+    num_layers: int = 6
+    # data
+    batch_size: int = 8
+    """Global batch: sequences per step summed over all ranks (must divide by world size)."""
+    seq_len: int = 64
+    """Tokens per sequence."""
+    steps: int = 5
+    """Optimizer steps to run."""
+    seed: int = 0
+    """Seeds the model's initial weights and the synthetic data."""
+    # sharding
+    strategy: str = "FULL_SHARD"
+    api: str = "fsdp2"
+    # numerics
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    """Learning rate (dimensionless)."""
+    # memory levers
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("batch_size", "seq_len", "steps"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"config key {key!r} must be >= 1, got {getattr(self, key)}")
+        if self.seed < 0:
+            raise ValueError(f"config key 'seed' must be >= 0, got {self.seed}")
+        if not self.lr > 0:
+            raise ValueError(f"config key 'lr' must be > 0, got {self.lr}")
+        self.model_config()  # validates the model keys
+
+    def model_config(self) -> ModelConfig:
+        """The :class:`~handbook_lib.model.ModelConfig` named by this run's model keys."""
+        return ModelConfig(
+            vocab_size=self.vocab_size,
+            d_model=self.d_model,
+            nhead=self.nhead,
+            dim_feedforward=self.dim_feedforward,
+            num_layers=self.num_layers,
+        )

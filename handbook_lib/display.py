@@ -1,0 +1,86 @@
+"""Formatting for people: byte sizes and small tables that read well in a terminal and a book.
+
+Chapter 1 introduces it. Everything else in the library works in plain numbers (bytes,
+seconds); only this module turns them into text. A :class:`Table` shows as aligned text
+(``repr``, which nbval compares) and as HTML in Jupyter and the rendered book.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from handbook_lib.results import Check, RunResult
+
+__all__ = ["format_bytes", "Table", "checks_table", "ranks_table"]
+
+_DECIMAL = [("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)]
+_BINARY = [("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)]
+
+
+def format_bytes(n: float, *, binary: bool = False, digits: int = 2) -> str:
+    """A byte count in human units: ``format_bytes(39_474_240) == '39.47 MB'``.
+
+    Args:
+        n: Bytes.
+        binary: Use powers of 1024 (MiB, GiB) instead of 1000 (MB, GB).
+        digits: Decimals shown.
+    """
+    for unit, size in _BINARY if binary else _DECIMAL:
+        if abs(n) >= size:
+            return f"{n / size:.{digits}f} {unit}"
+    return f"{int(n)} B" if float(n).is_integer() else f"{n:.{digits}f} B"
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:,.0f}"
+    return str(value)
+
+
+@dataclass(frozen=True)
+class Table:
+    """Rows under named columns; ints print with thousands separators, floats with 4 digits."""
+
+    columns: Sequence[str]
+    rows: Sequence[Sequence[Any]]
+
+    def text(self) -> str:
+        """The table as aligned plain text."""
+        cells = [list(self.columns)] + [[_cell(v) for v in row] for row in self.rows]
+        widths = [max(len(r[i]) for r in cells) for i in range(len(self.columns))]
+        lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.columns)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(_cell(v))}</td>" for v in row) + "</tr>"
+            for row in self.rows
+        )
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def checks_table(checks: RunResult | Iterable[Check]) -> Table:
+    """Predictions beside measurements: one row per check, with the error in the check's unit."""
+    items = checks.checks if isinstance(checks, RunResult) else list(checks)
+    return Table(
+        ["quantity", "rank", "predicted", "measured", "error", "unit"],
+        [[c.quantity, c.rank, c.predicted, c.measured, c.error, c.unit] for c in items],
+    )
+
+
+def ranks_table(result: RunResult, keys: Sequence[str]) -> Table:
+    """One row per rank with the chosen per-rank metrics."""
+    rows = sorted(result.ranks, key=lambda r: r["rank"])
+    return Table(["rank", *keys], [[r["rank"], *(r[k] for k in keys)] for r in rows])

@@ -1,0 +1,203 @@
+"""The handbook's model: a small decoder-style transformer, and its parameter count.
+
+Chapter 1 introduces it. Every later chapter trains, shards, measures and checkpoints this
+model, so its shapes are also the input of the memory (chapter 2) and communication (chapter 3)
+models. :func:`param_shapes` lists every parameter's shape from the config alone, without
+building a module, so those pure models never need ``torch``.
+
+Architecture (per layer, post-norm)::
+
+    x = norm1(x + self_attn(x))        # nn.MultiheadAttention, batch_first, causal mask
+    x = norm2(x + linear2(gelu(linear1(x))))
+
+and around the layers: a token embedding in front, a linear output head (with bias) behind.
+There is no positional embedding and no final norm: the model is a teaching object, kept to the
+parameters whose counts the book derives by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = [
+    "ModelConfig",
+    "TransformerLayer",
+    "SimpleTransformer",
+    "build_model",
+    "count_parameters",
+    "param_shapes",
+    "param_count",
+    "param_count_breakdown",
+]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of :class:`SimpleTransformer`. All fields are counts (no units).
+
+    The defaults are the book's running example: 9,868,560 parameters.
+    """
+
+    vocab_size: int = 10_000
+    """Number of distinct tokens: rows of the embedding, outputs of the head."""
+    d_model: int = 256
+    """Width of the residual stream (embedding size)."""
+    nhead: int = 4
+    """Attention heads; must divide ``d_model``."""
+    dim_feedforward: int = 1024
+    """Hidden width of each layer's feed-forward block."""
+    num_layers: int = 6
+    """Number of :class:`TransformerLayer` blocks."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "nhead", "dim_feedforward", "num_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.d_model % self.nhead:
+            raise ValueError(
+                f"ModelConfig.nhead={self.nhead} must divide d_model={self.d_model}"
+            )
+
+    def to_dict(self) -> dict[str, int]:
+        """The config as a plain dict (the keys of the run-config vocabulary)."""
+        return asdict(self)
+
+
+class TransformerLayer(nn.Module):
+    """One post-norm transformer block: self-attention then a GELU feed-forward.
+
+    This is the unit that FSDP wraps (one ``fully_shard`` call per layer).
+    """
+
+    def __init__(self, d_model: int, nhead: int, dim_feedforward: int) -> None:
+        super().__init__()
+        self.self_attn = nn.MultiheadAttention(d_model, nhead, batch_first=True)
+        self.linear1 = nn.Linear(d_model, dim_feedforward)
+        self.linear2 = nn.Linear(dim_feedforward, d_model)
+        self.norm1 = nn.LayerNorm(d_model)
+        self.norm2 = nn.LayerNorm(d_model)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the block to ``x`` of shape (batch, seq, d_model)."""
+        attn, _ = self.self_attn(x, x, x, attn_mask=attn_mask, need_weights=False)
+        x = self.norm1(x + attn)
+        return self.norm2(x + self.linear2(F.gelu(self.linear1(x))))
+
+
+class SimpleTransformer(nn.Module):
+    """Token embedding, ``num_layers`` :class:`TransformerLayer` blocks, linear output head.
+
+    ``forward(tokens)`` takes int64 token ids of shape (batch, seq) and returns logits of shape
+    (batch, seq, vocab_size). Attention is causal, so position t sees tokens 0..t only and the
+    model can be trained on next-token prediction.
+    """
+
+    def __init__(self, config: ModelConfig = ModelConfig()) -> None:
+        super().__init__()
+        self.config = config
+        self.embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(
+            TransformerLayer(config.d_model, config.nhead, config.dim_feedforward)
+            for _ in range(config.num_layers)
+        )
+        self.output = nn.Linear(config.d_model, config.vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        # Boolean mask: True marks a position that may NOT be attended to.
+        mask = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).triu(1)
+        x = self.embedding(tokens)
+        for layer in self.layers:
+            x = layer(x, attn_mask=mask)
+        return self.output(x)
+
+
+def build_model(config: ModelConfig = ModelConfig(), *, seed: int | None = None) -> SimpleTransformer:
+    """Construct a :class:`SimpleTransformer` on the CPU.
+
+    Args:
+        config: The model shape.
+        seed: If given, ``torch.manual_seed(seed)`` is called first, so every process that builds
+            the model with the same seed holds the same initial weights.
+    """
+    if seed is not None:
+        torch.manual_seed(seed)
+    return SimpleTransformer(config)
+
+
+def count_parameters(module: nn.Module) -> tuple[int, int]:
+    """Count a module's parameters by walking it.
+
+    Returns:
+        ``(total, trainable)``: numbers of scalar parameters (elements, not bytes).
+    """
+    total = sum(p.numel() for p in module.parameters())
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return total, trainable
+
+
+def param_shapes(config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """Every parameter's name and shape, in ``named_parameters()`` order, from the config alone.
+
+    This is the analytic twin of ``SimpleTransformer(config).named_parameters()``; the tests
+    check that the two agree for many configs. FSDP shards each of these tensors along its
+    first dimension, so the memory model (chapter 2) starts from this list.
+    """
+    v, d, f = config.vocab_size, config.d_model, config.dim_feedforward
+    layer = [
+        ("self_attn.in_proj_weight", (3 * d, d)),
+        ("self_attn.in_proj_bias", (3 * d,)),
+        ("self_attn.out_proj.weight", (d, d)),
+        ("self_attn.out_proj.bias", (d,)),
+        ("linear1.weight", (f, d)),
+        ("linear1.bias", (f,)),
+        ("linear2.weight", (d, f)),
+        ("linear2.bias", (d,)),
+        ("norm1.weight", (d,)),
+        ("norm1.bias", (d,)),
+        ("norm2.weight", (d,)),
+        ("norm2.bias", (d,)),
+    ]
+    shapes: list[tuple[str, tuple[int, ...]]] = [("embedding.weight", (v, d))]
+    for i in range(config.num_layers):
+        shapes.extend((f"layers.{i}.{name}", shape) for name, shape in layer)
+    shapes.extend([("output.weight", (v, d)), ("output.bias", (v,))])
+    return shapes
+
+
+def param_count_breakdown(config: ModelConfig) -> dict[str, int]:
+    """Parameter count by component, from the closed-form formulas of chapter 1.
+
+    With V = vocab_size, d = d_model, f = dim_feedforward, L = num_layers:
+
+    - embedding: V·d
+    - attention, per layer: 4d² + 4d (Q, K, V and output projections with biases)
+    - feed-forward, per layer: 2·d·f + f + d
+    - layer norms, per layer: 4d (two norms, weight and bias each)
+    - output head: d·V + V
+
+    Returns:
+        Counts (elements) keyed ``embedding``, ``attention``, ``feed_forward``, ``norms`` (the
+        three per-layer items summed over all L layers) and ``output``.
+    """
+    v, d, f, n = config.vocab_size, config.d_model, config.dim_feedforward, config.num_layers
+    return {
+        "embedding": v * d,
+        "attention": n * (4 * d * d + 4 * d),
+        "feed_forward": n * (2 * d * f + f + d),
+        "norms": n * 4 * d,
+        "output": d * v + v,
+    }
+
+
+def param_count(config: ModelConfig) -> int:
+    """Total number of parameters of ``SimpleTransformer(config)``, computed without building it.
+
+    Equals ``sum(param_count_breakdown(config).values())`` and the product-sum of
+    :func:`param_shapes`; the default config gives 9,868,560.
+    """
+    return sum(param_count_breakdown(config).values())

@@ -1,0 +1,154 @@
+"""The harness every run's ``__main__`` goes through, on every rank.
+
+Chapter 1 introduces it. A run module defines ``CONFIG`` (a :class:`~handbook_lib.config.FlatConfig`
+subclass) and ``run(config, ctx) -> RankReport``, and ends with::
+
+    if __name__ == "__main__":
+        main(sys.modules[__name__])
+
+so it can be started as ``torchrun --nproc-per-node N -m handbook_lib.runs.NAME --config cfg.json
+--out DIR``. The harness turns what the ranks do into files the launcher can read:
+
+- ``DIR/result.json`` — written by rank 0 once every rank's report is gathered (atomic);
+- ``DIR/ranks/rank{R}.json`` — each rank's end state: ``ok``, or ``error`` with the traceback;
+- ``DIR/ranks/rank{R}.stacks.txt`` — Python stacks of a rank stopped by a signal or about to
+  miss the launcher's deadline, so a hang shows where it hung.
+
+Every rank ends with ``os._exit``, after flushing and destroying the process group: this avoids
+an abort at interpreter exit in the gloo backend (upstream pytorch#190489).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import faulthandler
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from handbook_lib.config import parse_overrides
+from handbook_lib.distributed import RankContext, init_distributed, shutdown_distributed
+from handbook_lib.results import SCHEMA, Check, write_json_atomic
+
+__all__ = ["RankReport", "main", "DEADLINE_ENV"]
+
+DEADLINE_ENV = "HANDBOOK_DEADLINE"
+"""Environment variable the launcher sets: the Unix time (seconds) at which it kills the run."""
+
+
+@dataclass
+class RankReport:
+    """What one rank hands back from ``run``."""
+
+    metrics: dict[str, Any]
+    """This rank's measurements (JSON-ready), e.g. ``losses``, ``param_shard_bytes``."""
+    checks: list[Check] = field(default_factory=list)
+    """Predictions beside measurements made on this rank."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Top-level result keys (only rank 0's are kept)."""
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this rank if its torchrun agent dies, so no rank is orphaned."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # pragma: no cover - non-glibc systems
+            pass
+
+
+def _arm_stack_dumps(stacks_path: Path):
+    """Dump all threads' stacks on SIGTERM, and shortly before the launcher's deadline."""
+    handle = open(stacks_path, "w")  # noqa: SIM115 - must outlive this function
+    faulthandler.register(signal.SIGTERM, file=handle, all_threads=True, chain=True)
+    deadline = os.environ.get(DEADLINE_ENV)
+    if deadline:
+        seconds = float(deadline) - time.time() - 3.0
+        if seconds > 0:
+            faulthandler.dump_traceback_later(seconds, exit=False, file=handle)
+    return handle
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Run one handbook experiment on this rank.")
+    parser.add_argument("--config", type=Path, help="JSON file with config keys")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override one config key (repeatable)")
+    parser.add_argument("--out", type=Path, required=True, help="directory for result.json")
+    return parser.parse_args(argv)
+
+
+def _write_status(ranks_dir: Path, rank: int, status: dict[str, Any]) -> None:
+    write_json_atomic(ranks_dir / f"rank{rank}.json", {"rank": rank, "time": time.time(), **status})
+
+
+def _collect(report: RankReport, ctx: RankContext) -> list[RankReport] | None:
+    """Gather every rank's report on rank 0 (``None`` elsewhere)."""
+    if ctx.world_size == 1:
+        return [report]
+    gathered: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(report, gathered, dst=0)
+    return gathered
+
+
+def main(module: ModuleType, argv: list[str] | None = None) -> None:
+    """Run ``module.run`` on this rank and report; never returns (ends the process)."""
+    args = _parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    ranks_dir = args.out / "ranks"
+    ranks_dir.mkdir(parents=True, exist_ok=True)
+    _die_with_parent()
+    stacks = _arm_stack_dumps(ranks_dir / f"rank{rank}.stacks.txt")
+    code = 0
+    try:
+        mapping = json.loads(args.config.read_text()) if args.config else {}
+        mapping.update(parse_overrides(args.overrides))
+        config = module.CONFIG.from_mapping(mapping)
+        ctx = init_distributed()
+        report = module.run(config, ctx)
+        reports = _collect(report, ctx)
+        if reports is not None:
+            result = {
+                "schema": SCHEMA,
+                "run": module.__spec__.name.rsplit(".", 1)[-1],
+                "config": config.to_dict(),
+                "world_size": ctx.world_size,
+                "backend": ctx.backend,
+                "device": ctx.device.type,
+                "torch_version": torch.__version__,
+                "ranks": [{"rank": r, **rep.metrics} for r, rep in enumerate(reports)],
+                "checks": [c.to_dict() for rep in reports for c in rep.checks],
+                **reports[0].extra,
+            }
+            write_json_atomic(args.out / "result.json", result)
+        _write_status(ranks_dir, rank, {"status": "ok"})
+    except BaseException as exc:  # noqa: BLE001 - every failure must be reported, then exit
+        code = 1
+        traceback.print_exc()
+        _write_status(ranks_dir, rank, {
+            "status": "error",
+            "error_type": type(exc).__name__,
+            "message": str(exc),
+            "traceback": traceback.format_exc(),
+            "distributed_error": isinstance(exc, dist.DistError),
+        })
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        faulthandler.unregister(signal.SIGTERM)
+        if code == 0:
+            shutdown_distributed()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        stacks.close()
+        os._exit(code)

@@ -1,0 +1,76 @@
+"""A run that fails on purpose, to show (and test) what the launcher reports.
+
+Chapter 1 uses it to show a learner what a crashed, a silently killed and a hung rank look like.
+All ranks first meet in a barrier; then rank ``fail_rank`` misbehaves while the others wait for
+it in an all-reduce:
+
+- ``raise``: raises a Python exception (the launcher names the rank and shows its traceback);
+- ``exit``: ends its process abruptly with ``os._exit(3)``, leaving no traceback, as a rank
+  killed by the out-of-memory killer would;
+- ``hang``: sleeps instead of joining the all-reduce; the others' collective times out;
+- ``sleep``: every rank sleeps, so only the launcher's timeout ends the run;
+- ``none``: nothing goes wrong; the run writes a result.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from handbook_lib.config import FlatConfig
+from handbook_lib.distributed import RankContext
+from handbook_lib.runs.entry import RankReport, main
+
+
+@dataclass(frozen=True)
+class FaultConfig(FlatConfig):
+    """Which rank fails, and how."""
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "mode": ("raise", "exit", "hang", "sleep", "none"),
+    }
+
+    fail_rank: int = 1
+    """The rank that misbehaves."""
+    mode: str = "raise"
+    """How it misbehaves (see the module docstring)."""
+    sleep_s: float = 3600.0
+    """Seconds a ``hang`` or ``sleep`` rank sleeps."""
+
+
+CONFIG = FaultConfig
+
+
+def validate(config: FaultConfig, world_size: int) -> None:
+    """Raises ValueError if ``fail_rank`` is not a rank of a ``world_size``-process run."""
+    if not 0 <= config.fail_rank < world_size:
+        raise ValueError(f"fail_rank must be in [0, {world_size}), got {config.fail_rank}")
+
+
+def run(config: FaultConfig, ctx: RankContext) -> RankReport:
+    validate(config, ctx.world_size)
+    dist.barrier()
+    print(f"rank {ctx.rank} passed the barrier", flush=True)
+    if config.mode == "sleep":
+        time.sleep(config.sleep_s)
+    if ctx.rank == config.fail_rank:
+        if config.mode == "raise":
+            raise RuntimeError(f"deliberate failure on rank {ctx.rank} (fault run, mode=raise)")
+        if config.mode == "exit":
+            sys.stdout.flush()
+            os._exit(3)
+        if config.mode == "hang":
+            time.sleep(config.sleep_s)
+    value = torch.ones(1, device=ctx.device)
+    dist.all_reduce(value)
+    return RankReport(metrics={"all_reduce_sum": value.item()})
+
+
+if __name__ == "__main__":
+    main(sys.modules[__name__])

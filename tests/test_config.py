@@ -1,0 +1,65 @@
+"""handbook_lib.config: the run-config vocabulary rejects what it does not know."""
+
+import pytest
+
+from handbook_lib.config import APIS, OPTIMIZERS, PRECISIONS, STRATEGIES, RunConfig, parse_overrides
+from handbook_lib.model import ModelConfig
+
+
+def test_defaults_match_the_model_defaults():
+    assert RunConfig().model_config() == ModelConfig()
+
+
+def test_unknown_key_lists_accepted_keys():
+    with pytest.raises(ValueError) as err:
+        RunConfig.from_mapping({"stepz": 3})
+    message = str(err.value)
+    assert "'stepz'" in message
+    for key in RunConfig.keys():
+        assert key in message
+
+
+@pytest.mark.parametrize("key, values", [
+    ("strategy", STRATEGIES), ("api", APIS), ("precision", PRECISIONS), ("optimizer", OPTIMIZERS),
+])
+def test_bad_choice_lists_accepted_values(key, values):
+    with pytest.raises(ValueError) as err:
+        RunConfig.from_mapping({key: "nonsense"})
+    assert all(v in str(err.value) for v in values)
+    for value in values:  # and every accepted value is accepted
+        assert getattr(RunConfig.from_mapping({key: value}), key) == value
+
+
+def test_strings_are_converted_by_field_type():
+    config = RunConfig.from_mapping(parse_overrides(
+        ["steps=3", "lr=0.5", "activation_checkpointing=true", "cpu_offload=0", "strategy=SHARD_GRAD_OP"]
+    ))
+    assert (config.steps, config.lr, config.activation_checkpointing, config.cpu_offload) == (3, 0.5, True, False)
+    assert config.strategy == "SHARD_GRAD_OP"
+
+
+@pytest.mark.parametrize("mapping, match", [
+    ({"steps": "three"}, "steps"),
+    ({"steps": 0}, "steps"),
+    ({"batch_size": 2.5}, "batch_size"),
+    ({"cpu_offload": "maybe"}, "boolean"),
+    ({"lr": -1.0}, "lr"),
+    ({"nhead": 3}, "nhead=3 must divide"),
+])
+def test_bad_values_raise(mapping, match):
+    with pytest.raises(ValueError, match=match):
+        RunConfig.from_mapping(mapping)
+
+
+def test_round_trip_and_replace():
+    config = RunConfig(steps=7, precision="bf16-mixed")
+    assert RunConfig.from_mapping(config.to_dict()) == config
+    assert config.replace(steps=2).steps == 2
+    with pytest.raises(ValueError):
+        config.replace(unknown=1)
+
+
+@pytest.mark.parametrize("item", ["noequals", "=3", ""])
+def test_parse_overrides_rejects_malformed(item):
+    with pytest.raises(ValueError, match="key=value"):
+        parse_overrides([item])

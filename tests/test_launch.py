@@ -1,0 +1,115 @@
+"""handbook_lib.launch: real torchrun jobs with 2 gloo ranks that succeed, crash, hang, or are killed.
+
+Each test runs the ``fault`` run (cheap: a barrier and an all-reduce) and checks what the caller
+gets back and that no process of the run survives it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from handbook_lib.launch import RunFailed, RunTimeout, torchrun
+from tests.conftest import processes_mentioning
+
+
+def test_successful_run_returns_parsed_result_and_streams_prefixed_output(no_leftovers, capsys):
+    result = torchrun("fault", 2, {"mode": "none"}, out=no_leftovers, timeout_s=120)
+    assert (result.run, result.world_size, result.backend, result.device) == ("fault", 2, "gloo", "cpu")
+    assert result.metric("all_reduce_sum") == [2.0, 2.0]  # a real collective over 2 ranks
+    assert result.config == {"fail_rank": 1, "mode": "none", "sleep_s": 3600.0}
+    out = capsys.readouterr().out
+    assert "[rank0] rank 0 passed the barrier" in out and "[rank1] rank 1 passed the barrier" in out
+    assert sorted(p.name for p in (no_leftovers / "ranks").glob("*.json")) == ["rank0.json", "rank1.json"]
+
+
+def test_raising_rank_is_named_with_its_traceback(no_leftovers):
+    (no_leftovers / "result.json").write_text("{}")  # a stale result must not survive
+    with pytest.raises(RunFailed) as info:
+        torchrun("fault", 2, {"mode": "raise", "fail_rank": 1}, out=no_leftovers, stream=False, timeout_s=120)
+    err = info.value
+    assert err.rank == 1 and not isinstance(err, RunTimeout)
+    first = str(err).splitlines()[0]
+    assert first == ("run 'fault' failed: rank 1 raised RuntimeError: "
+                     "deliberate failure on rank 1 (fault run, mode=raise)")
+    assert 'fault.py", line' in err.rank_traceback and "traceback of rank 1" in str(err)
+    assert "then rank 0" in str(err)  # the peer's consequent error is mentioned after the cause
+    assert not (no_leftovers / "result.json").exists()
+
+
+def test_rank_dying_without_traceback_is_named(no_leftovers):
+    with pytest.raises(RunFailed) as info:
+        torchrun("fault", 2, {"mode": "exit", "fail_rank": 0}, out=no_leftovers, stream=False, timeout_s=120)
+    assert info.value.rank == 0
+    assert "rank 0 died without a Python traceback" in str(info.value)
+
+
+def test_timeout_kills_every_process_and_shows_where_ranks_were(no_leftovers):
+    start = time.monotonic()
+    with pytest.raises(RunTimeout) as info:
+        torchrun("fault", 2, {"mode": "sleep"}, out=no_leftovers, stream=False, timeout_s=10)
+    assert time.monotonic() - start < 25
+    message = str(info.value)
+    assert message.startswith("run 'fault' did not finish within 10 s and was stopped")
+    # torchrun + 2 ranks were signalled, and each rank's stack points into the sleeping line
+    assert "(3 processes killed)" in message
+    assert message.count('fault.py", line') >= 2
+    assert processes_mentioning(str(no_leftovers)) == []
+
+
+def test_interrupt_stops_the_run(no_leftovers):
+    timer = threading.Timer(6.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            torchrun("fault", 2, {"mode": "sleep"}, out=no_leftovers, stream=False, timeout_s=120)
+    finally:
+        timer.cancel()
+    assert processes_mentioning(str(no_leftovers)) == []
+
+
+def test_ranks_die_with_a_killed_torchrun_agent(no_leftovers):
+    """SIGKILL of torchrun itself (it cannot clean up) must not orphan its ranks."""
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+         "-m", "handbook_lib.runs.fault", "--set", "mode=sleep", "--out", str(no_leftovers)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    deadline = time.monotonic() + 60
+    ranks: list[psutil.Process] = []
+    while len(ranks) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        ranks = [p for p in psutil.Process(agent.pid).children() if "handbook_lib.runs.fault" in " ".join(p.cmdline())]
+    assert len(ranks) == 2, "ranks did not start"
+    while not all((no_leftovers / "ranks" / f"rank{r}.stacks.txt").exists() for r in (0, 1)):
+        time.sleep(0.2)  # the harness is armed (parent-death signal set) once this file exists
+    agent.kill()
+    agent.wait()
+    _, alive = psutil.wait_procs(ranks, timeout=10)
+    assert alive == []
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: torchrun("no_such_run"), "available runs: fault, fsdp_train"),
+    (lambda: torchrun("fault", 0), "nproc"),
+    (lambda: torchrun("fault", 2, {"modez": "raise"}), "accepted keys: fail_rank, mode, sleep_s"),
+    (lambda: torchrun("fault", 2, {"mode": "explode"}), "accepted values: raise, exit, hang, sleep, none"),
+    (lambda: torchrun("fault", 2, {"fail_rank": 2}), "fail_rank must be in"),
+    (lambda: torchrun("fsdp_train", 3, {"batch_size": 8}), "divisible"),
+    (lambda: torchrun("fsdp_train", 2, {"strategy": "HYBRID_SHARD"}), "FULL_SHARD or SHARD_GRAD_OP"),
+    (lambda: torchrun("fault", 2, timeout_s=0), "timeout_s"),
+])
+def test_bad_arguments_fail_before_any_process_starts(call, match):
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(ValueError, match=match):
+        call()
+    assert {p.pid for p in psutil.Process().children(recursive=True)} == before

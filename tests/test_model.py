@@ -1,0 +1,95 @@
+"""handbook_lib.model: the analytic parameter count must equal the module's, for every config."""
+
+import itertools
+
+import pytest
+import torch
+
+from handbook_lib.model import (
+    ModelConfig,
+    SimpleTransformer,
+    build_model,
+    count_parameters,
+    param_count,
+    param_count_breakdown,
+    param_shapes,
+)
+
+CONFIGS = [
+    ModelConfig(vocab_size=v, d_model=d, nhead=h, dim_feedforward=f, num_layers=n)
+    for v, (d, h), f, n in itertools.product(
+        (7, 100, 1001), ((8, 1), (12, 3), (64, 8)), (1, 17, 256), (1, 2, 5)
+    )
+]
+
+
+def test_default_config_has_the_books_parameter_count():
+    model = SimpleTransformer()
+    total, trainable = count_parameters(model)
+    # 9,868,560 is the figure the book (and its seed) states for the default config.
+    assert total == trainable == 9_868_560
+    assert param_count(ModelConfig()) == total
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_param_count_matches_module(config):
+    model = SimpleTransformer(config)
+    assert param_count(config) == count_parameters(model)[0]
+
+
+@pytest.mark.parametrize("config", CONFIGS[::7], ids=str)
+def test_param_shapes_match_named_parameters(config):
+    model = SimpleTransformer(config)
+    assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == param_shapes(config)
+
+
+def test_breakdown_components_sum_to_total_and_match_submodules():
+    config = ModelConfig(vocab_size=50, d_model=16, nhead=2, dim_feedforward=40, num_layers=3)
+    model = SimpleTransformer(config)
+    parts = param_count_breakdown(config)
+    assert parts["embedding"] == count_parameters(model.embedding)[0]
+    assert parts["output"] == count_parameters(model.output)[0]
+    assert parts["attention"] == sum(count_parameters(l.self_attn)[0] for l in model.layers)
+    ff = sum(count_parameters(l.linear1)[0] + count_parameters(l.linear2)[0] for l in model.layers)
+    assert parts["feed_forward"] == ff
+    norms = sum(count_parameters(l.norm1)[0] + count_parameters(l.norm2)[0] for l in model.layers)
+    assert parts["norms"] == norms
+
+
+def test_frozen_parameters_are_not_trainable():
+    model = SimpleTransformer(ModelConfig(vocab_size=10, d_model=8, nhead=2, dim_feedforward=8, num_layers=1))
+    model.embedding.weight.requires_grad_(False)
+    total, trainable = count_parameters(model)
+    assert total - trainable == 10 * 8
+
+
+def test_forward_shape_and_causality():
+    config = ModelConfig(vocab_size=20, d_model=16, nhead=2, dim_feedforward=32, num_layers=2)
+    model = build_model(config, seed=0).eval()
+    tokens = torch.randint(0, 20, (3, 6), generator=torch.Generator().manual_seed(1))
+    logits = model(tokens)
+    assert logits.shape == (3, 6, 20)
+    changed = tokens.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % 20
+    # Changing the last token must not change the logits of earlier positions (causal mask)...
+    torch.testing.assert_close(model(changed)[:, :-1], logits[:, :-1])
+    # ...but does change the last position's.
+    assert not torch.allclose(model(changed)[:, -1], logits[:, -1])
+
+
+def test_build_model_is_deterministic_in_seed():
+    config = ModelConfig(vocab_size=30, d_model=8, nhead=2, dim_feedforward=8, num_layers=1)
+    a, b, c = build_model(config, seed=3), build_model(config, seed=3), build_model(config, seed=4)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(a.embedding.weight, c.embedding.weight)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"d_model": 10, "nhead": 3}, "nhead=3 must divide d_model=10"),
+    ({"num_layers": 0}, "num_layers"),
+    ({"vocab_size": -1}, "vocab_size"),
+    ({"d_model": 2.5}, "d_model"),
+])
+def test_bad_config_raises(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**kwargs)
