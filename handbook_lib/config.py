@@ -159,6 +159,8 @@ class RunConfig(FlatConfig):
     # sharding
     strategy: str = "FULL_SHARD"
     api: str = "fsdp2"
+    shard_group_size: int = 0
+    """Ranks that shard one model copy in the HYBRID strategies (0: the ranks of one node)."""
     # numerics
     precision: str = "fp32"
     optimizer: str = "adamw"
@@ -173,6 +175,8 @@ class RunConfig(FlatConfig):
         for key in ("batch_size", "seq_len", "steps"):
             if getattr(self, key) < 1:
                 raise ValueError(f"config key {key!r} must be >= 1, got {getattr(self, key)}")
+        if self.shard_group_size < 0:
+            raise ValueError(f"config key 'shard_group_size' must be >= 0, got {self.shard_group_size}")
         if self.seed < 0:
             raise ValueError(f"config key 'seed' must be >= 0, got {self.seed}")
         if not self.lr > 0:

@@ -1,6 +1,6 @@
-"""Read what a rank really holds: bytes of parameter shards, gradients, optimizer state.
+"""Read what a rank really holds: bytes of parameter shards, gradients, optimizer state, peak.
 
-Chapter 1 introduces it. After ``fully_shard``, every parameter is a ``DTensor``; its local
+Chapter 1 introduces it; chapter 2 adds the step's peak and activations (:class:`StepMemoryTracker`). After ``fully_shard``, every parameter is a ``DTensor``; its local
 tensor is this rank's shard. Counting those local tensors' bytes is a measurement of the run,
 independent of the memory model's arithmetic, which is why the two can be compared.
 """
@@ -19,6 +19,8 @@ __all__ = [
     "measure_param_bytes",
     "measure_grad_bytes",
     "measure_optimizer_bytes",
+    "StepMemory",
+    "StepMemoryTracker",
 ]
 
 
@@ -85,3 +87,69 @@ def measure_optimizer_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]
             else:
                 other += _nbytes(local)
     return sharded, other
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Memory measured over one training step on one rank."""
+
+    peak_bytes: int
+    """Peak bytes of live tensors on the rank's device during the step."""
+    activation_bytes: int
+    """Bytes of tensors created by the forward pass and still alive when it returns."""
+    peak_breakdown: dict[str, int]
+    """The tracker's categories at the peak (bytes), e.g. ``Sharded Param``, ``Activation``."""
+    allocator_peak_bytes: int | None = None
+    """On CUDA: ``torch.cuda.max_memory_allocated`` over the step (``None`` on CPU)."""
+
+
+class StepMemoryTracker:
+    """Measure one training step's memory with PyTorch's FSDP memory tracker.
+
+    ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker`` follows every tensor's storage
+    and files it under a category (sharded or unsharded parameter, gradient, activation,
+    all-gather or reduce-scatter buffer, optimizer state, temporary). It works on CPU and GPU
+    alike; on CUDA the caching allocator's own peak is reported too, as a cross-check.
+
+    Usage (the training loop calls :meth:`after_forward` once the loss is computed)::
+
+        tracker = StepMemoryTracker(model, optimizer, device)
+        with tracker:
+            loss = model(x)...; tracker.after_forward(); loss.backward(); optimizer.step()
+        tracker.result
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        self._tracker = FSDPMemTracker(model, optimizer)
+        self._device = device
+        self._activations = 0
+        self.result: StepMemory | None = None
+
+    def __enter__(self) -> StepMemoryTracker:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+            torch.cuda.reset_peak_memory_stats(self._device)
+        self._tracker.__enter__()
+        return self
+
+    def after_forward(self) -> None:
+        """Record the bytes of activations alive now (call after the loss is computed)."""
+        snap = self._tracker.get_tracker_snapshot("current").get(self._device, {})
+        self._activations = int(sum(v for k, v in snap.items() if str(getattr(k, "value", k)) == "Activation"))
+
+    def __exit__(self, *exc: object) -> None:
+        self._tracker.__exit__(*exc)
+        peak = self._tracker.get_tracker_snapshot("peak").get(self._device, {})
+        breakdown = {str(getattr(k, "value", k)): int(v) for k, v in peak.items() if v}
+        allocator = None
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+            allocator = int(torch.cuda.max_memory_allocated(self._device))
+        self.result = StepMemory(
+            peak_bytes=breakdown.pop("Total", 0),
+            activation_bytes=self._activations,
+            peak_breakdown=breakdown,
+            allocator_peak_bytes=allocator,
+        )

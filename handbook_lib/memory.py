@@ -1,43 +1,85 @@
-"""The memory model: how many bytes of training state each rank holds. Pure: no ``torch``.
+"""The memory model: where a training job's bytes go, per rank. Pure: no ``torch``.
 
-Chapter 1 uses the first two ideas — model state costs 16 bytes per parameter in fp32 with Adam,
-and FSDP splits each parameter along its first dimension into equal, padded chunks. Chapter 2
-builds the full per-component model on top of them.
+Chapter 1 introduces the model state ("16 bytes per parameter") and FSDP's shards; chapter 2
+builds the full per-rank model of this module and checks it against real runs:
 
-FSDP's sharding rule (FSDP2 ``fully_shard`` and FSDP1 alike): a parameter whose first dimension
-is ``n`` is cut into ``world_size`` chunks of ``ceil(n / world_size)`` rows; rank ``r`` holds rows
-``[r·c, min((r+1)·c, n))`` (possibly none), and the storage of every shard is padded up to ``c``
-rows so that all ranks' shards have equal size for the all-gather.
+- **model state at rest** — sharded parameters, gradients and optimizer states, exact to the byte
+  (padding included) for the handbook's model;
+- **transients** — unsharded parameters of the unit(s) being computed and FSDP's all-gather
+  buffer, unsharded gradients, casts and reduce-scatter buffers, the loss's logits gradients;
+- **activations** (see :mod:`handbook_lib.activations`), with or without checkpointing.
+
+Peak memory is predicted as the largest of a few *phases* of a training step, each a sum of
+components alive at the same moment (see :func:`estimate_memory`). The phases follow what FSDP2
+does on every rank; chapter 2 shows each against a memory tracker's breakdown.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from math import prod
+from dataclasses import dataclass, field
 
+from handbook_lib.activations import (
+    DecoderShape,
+    estimate_activation_bytes,
+    estimate_decoder_activation_bytes,
+)
+from handbook_lib.config import PRECISIONS, STRATEGIES
 from handbook_lib.model import ModelConfig, param_count, param_shapes
+from handbook_lib.sharding import (
+    DTYPE_BYTES,
+    ShardBytes,
+    Unit,
+    check_world,
+    dtype_bytes,
+    estimate_shard_bytes,
+    fsdp_units,
+    shard_rows,
+)
 
 __all__ = [
-    "DTYPE_BYTES",
-    "OPTIMIZER_STATES",
-    "optimizer_states",
-    "ModelStateBytes",
-    "ShardBytes",
-    "dtype_bytes",
-    "shard_rows",
-    "estimate_shard_bytes",
-    "estimate_model_state_bytes",
+    "DTYPE_BYTES", "ShardBytes", "Unit", "dtype_bytes", "shard_rows", "estimate_shard_bytes",
+    "fsdp_units", "OPTIMIZER_STATES", "optimizer_states", "optimizer_step_bytes", "COMPONENTS", "PRECISION_DTYPES", "FSDP2_SPELLING",
+    "ZERO_STAGES", "ModelStateBytes", "MemoryEstimate", "estimate_model_state_bytes",
+    "estimate_zero_memory", "estimate_memory",
 ]
-
-DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
-"""Bytes per element of each floating-point dtype the book uses."""
-
 
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
 """State tensors per parameter, each the parameter's shape: Adam's two moments, SGD's momentum.
 
-(Adam also keeps one ``step`` scalar per parameter tensor; it is not sharded and not counted here.)
+(Adam also keeps one ``step`` scalar per parameter tensor; it is not sharded and is counted
+apart, as ``optimizer_other``.)
 """
+
+PRECISION_DTYPES: dict[str, tuple[str, str]] = {
+    "fp32": ("fp32", "fp32"),
+    "bf16-mixed": ("bf16", "fp32"),
+    "fp16-mixed": ("fp16", "fp32"),
+}
+"""Precision → (compute dtype of unsharded parameters, gradient-reduction dtype), as FSDP2's
+``MixedPrecisionPolicy(param_dtype, reduce_dtype)``. The sharded parameters, the gradients
+handed to the optimizer and the optimizer states stay fp32 in every case."""
+
+FSDP2_SPELLING: dict[str, str] = {
+    "DDP": "DistributedDataParallel (or replicate()); not FSDP",
+    "NO_SHARD": "none: FSDP2 has no NO_SHARD; use DDP",
+    "SHARD_GRAD_OP": "fully_shard(m, reshard_after_forward=False)",
+    "FULL_SHARD": "fully_shard(m, reshard_after_forward=True)",
+    "HYBRID_SHARD": "fully_shard(m, mesh=<2-D (replicate, shard) mesh>, reshard_after_forward=True)",
+    "HYBRID_SHARD_ZERO2": "fully_shard(m, mesh=<2-D (replicate, shard) mesh>, reshard_after_forward=False)",
+}
+"""How each FSDP1 ``ShardingStrategy`` is written with FSDP2's ``fully_shard``."""
+
+ZERO_STAGES: dict[int, str | None] = {0: "DDP", 1: None, 2: "SHARD_GRAD_OP", 3: "FULL_SHARD"}
+"""DeepSpeed ZeRO stage → the FSDP strategy with the same sharding. ZeRO-1 shards only the
+optimizer states; FSDP has no such strategy. ZeRO-2 keeps parameters replicated at rest, while
+FSDP's SHARD_GRAD_OP shards them between steps (both hold them unsharded from forward to
+backward)."""
+
+_SHARDED = ("SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+_RESHARD = ("FULL_SHARD", "HYBRID_SHARD")
+COMPONENTS = ("params", "grads", "optimizer", "unsharded_params", "grad_buffers",
+              "activations", "loss_buffers")
+"""Names of the per-rank memory components, in the order the book stacks them."""
 
 
 def optimizer_states(optimizer: str) -> int:
@@ -54,85 +96,18 @@ def optimizer_states(optimizer: str) -> int:
         ) from None
 
 
-def dtype_bytes(dtype: str) -> int:
-    """Bytes per element of ``dtype`` (one of :data:`DTYPE_BYTES`).
+def optimizer_step_bytes(model: ModelConfig, optimizer: str) -> int:
+    """Bytes of Adam's per-tensor ``step`` counters (a 4-byte float each; 0 for SGD).
 
-    Raises:
-        ValueError: for an unknown dtype, listing the accepted ones.
+    They are not sharded: every rank holds one per parameter tensor it has a shard of.
     """
-    try:
-        return DTYPE_BYTES[dtype]
-    except KeyError:
-        raise ValueError(
-            f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}"
-        ) from None
-
-
-def _check_world(world_size: int, rank: int | None = None) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if rank is not None and not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
-
-
-def shard_rows(dim0: int, world_size: int, rank: int) -> tuple[int, int]:
-    """Rows of a first dimension of size ``dim0`` that ``rank`` holds under FSDP.
-
-    Returns:
-        ``(rows, padded_rows)``: the rows holding real values on ``rank``, and the rows its
-        storage is padded to (the same on every rank: ``ceil(dim0 / world_size)``).
-    """
-    _check_world(world_size, rank)
-    if dim0 < 0:
-        raise ValueError(f"dim0 must be >= 0, got {dim0}")
-    chunk = -(-dim0 // world_size)
-    rows = max(0, min(chunk, dim0 - rank * chunk))
-    return rows, chunk
-
-
-@dataclass(frozen=True)
-class ShardBytes:
-    """Bytes of one rank's shards of every parameter (one copy: parameters, or gradients)."""
-
-    shard_bytes: int
-    """Bytes of real values this rank holds."""
-    padding_bytes: int
-    """Bytes of zero padding FSDP adds so that every rank's shard has equal size."""
-
-    @property
-    def padded_bytes(self) -> int:
-        """Bytes of storage the rank allocates: ``shard_bytes + padding_bytes``."""
-        return self.shard_bytes + self.padding_bytes
-
-
-def estimate_shard_bytes(
-    config: ModelConfig, world_size: int, rank: int, dtype: str = "fp32"
-) -> ShardBytes:
-    """Predict one rank's parameter-shard bytes for ``SimpleTransformer(config)`` under FSDP.
-
-    Every parameter is sharded separately along dim 0 (see :func:`shard_rows`). Over all ranks
-    the ``shard_bytes`` sum to the whole model's bytes; the padding is extra.
-
-    Args:
-        config: The model shape.
-        world_size: Number of ranks sharing the parameters.
-        rank: The rank to predict for.
-        dtype: Element type of the sharded copy (``fp32`` for FSDP's sharded parameters).
-    """
-    _check_world(world_size, rank)
-    size = dtype_bytes(dtype)
-    real = padded = 0
-    for _, shape in param_shapes(config):
-        rows, chunk = shard_rows(shape[0], world_size, rank)
-        row = prod(shape[1:])
-        real += rows * row * size
-        padded += chunk * row * size
-    return ShardBytes(shard_bytes=real, padding_bytes=padded - real)
+    optimizer_states(optimizer)  # validates the name
+    return 4 * len(param_shapes(model)) if optimizer in ("adam", "adamw") else 0
 
 
 @dataclass(frozen=True)
 class ModelStateBytes:
-    """Bytes of unsharded model state: parameters, gradients and optimizer states."""
+    """Bytes of model state: parameters, gradients and optimizer states."""
 
     params: int
     grads: int
@@ -142,6 +117,16 @@ class ModelStateBytes:
     def total(self) -> int:
         """Sum of the three components, bytes."""
         return self.params + self.grads + self.optimizer
+
+
+def _count(model: int | ModelConfig | DecoderShape) -> int:
+    if isinstance(model, ModelConfig):
+        return param_count(model)
+    if isinstance(model, DecoderShape):
+        return model.num_params
+    if isinstance(model, bool) or not isinstance(model, int) or model < 0:
+        raise ValueError(f"model must be an int >= 0, a ModelConfig or a DecoderShape, got {model!r}")
+    return model
 
 
 def estimate_model_state_bytes(
@@ -156,18 +141,209 @@ def estimate_model_state_bytes(
     The defaults are fp32 training with Adam: 4 B parameter + 4 B gradient + 8 B optimizer state
     (two fp32 moments) per parameter. Activations, temporary buffers and the Adam step counters
     are not included.
-
-    Args:
-        num_params: Number of parameters, or a model config to count.
-        param_bytes: Bytes per parameter of the weights.
-        grad_bytes: Bytes per parameter of the gradients.
-        optimizer_bytes: Bytes per parameter of the optimizer states.
     """
-    n = param_count(num_params) if isinstance(num_params, ModelConfig) else num_params
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"num_params must be an int >= 0 or a ModelConfig, got {num_params!r}")
+    n = _count(num_params)
     for name, value in (("param_bytes", param_bytes), ("grad_bytes", grad_bytes),
                         ("optimizer_bytes", optimizer_bytes)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
     return ModelStateBytes(params=n * param_bytes, grads=n * grad_bytes, optimizer=n * optimizer_bytes)
+
+
+def estimate_zero_memory(num_params: int, world_size: int, stage: int, *, k: int = 12) -> ModelStateBytes:
+    """Per-GPU model state in the ZeRO paper's accounting (Rajbhandari et al., 2020, Figure 1).
+
+    Mixed-precision Adam keeps fp16 parameters (2 B) and gradients (2 B), plus K = 12 bytes of
+    fp32 optimizer state (a master copy of the weights, momentum and variance): 2 + 2 + 12 = 16
+    bytes per parameter — the same total as fp32 Adam's 4 + 4 + 8, for different reasons.
+    Stage 1 shards the K bytes, stage 2 also the gradients, stage 3 also the parameters.
+    """
+    n = _count(num_params)
+    check_world(world_size)
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    shard = lambda b, from_stage: b * n / world_size if stage >= from_stage else b * n  # noqa: E731
+    return ModelStateBytes(params=round(shard(2, 3)), grads=round(shard(2, 2)),
+                           optimizer=round(shard(k, 1)))
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted bytes on one rank's device, by component, at the step's peak."""
+
+    components: dict[str, int]
+    """Bytes alive at the peak phase, keyed by :data:`COMPONENTS`."""
+    phases: dict[str, int]
+    """Total device bytes of each phase of the step; the peak is the largest."""
+    peak_phase: str
+    forward_activations: int = 0
+    """Bytes of activations alive at the end of the forward pass (all saved tensors)."""
+    host: int = 0
+    """Bytes kept in host memory instead (CPU offload)."""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    """What this estimate leaves out."""
+
+    @property
+    def peak(self) -> int:
+        """Predicted peak device bytes: the largest phase."""
+        return self.phases[self.peak_phase]
+
+    @property
+    def model_state(self) -> int:
+        """Parameters, gradients and optimizer states on the device (at rest)."""
+        return self.components["params"] + self.components["grads"] + self.components["optimizer"]
+
+    def __getattr__(self, name: str) -> int:
+        if name in COMPONENTS:
+            return self.components[name]
+        raise AttributeError(name)
+
+
+def _units_and_activations(model, group, c_name, micro_batch, seq_len, ac):
+    """(units' padded numels: layers list + root, activations total/head-free parts, T·V)."""
+    if isinstance(model, ModelConfig):
+        units = fsdp_units(model)
+        numels = [u.padded_numel(group) for u in units]
+        acts = estimate_activation_bytes(model, micro_batch, seq_len, c_name,
+                                         activation_checkpointing=ac) if micro_batch else None
+        return numels[:-1], numels[-1], acts, model.vocab_size
+    if isinstance(model, DecoderShape):
+        c = dtype_bytes(c_name)
+        layer = -(-12 * model.d_model**2 // group) * group
+        root = -(-model.vocab_size * model.d_model // group) * group
+        acts = None
+        if micro_batch:
+            layers = estimate_decoder_activation_bytes(model, micro_batch, seq_len,
+                                                       recompute="full" if ac else "none") * c // 2
+            tokens = micro_batch * seq_len
+            head = tokens * model.d_model * c + tokens * model.vocab_size * 4 + 16 * tokens
+            recompute = layers // model.num_layers if ac else 0
+            acts = _Acts(layers + head, recompute)
+        return [layer] * model.num_layers, root, acts, model.vocab_size
+    return [], 0, None, 0
+
+
+@dataclass(frozen=True)
+class _Acts:
+    total: int
+    recompute: int
+
+
+def estimate_memory(
+    model: int | ModelConfig | DecoderShape,
+    world_size: int,
+    strategy: str = "FULL_SHARD",
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    *,
+    micro_batch: int = 0,
+    seq_len: int = 0,
+    shard_group_size: int | None = None,
+    rank: int = 0,
+    activation_checkpointing: bool = False,
+    cpu_offload: bool = False,
+    reduce_dtype: str | None = None,
+) -> MemoryEstimate:
+    """Predict one rank's device memory for a training step, by component and phase.
+
+    Args:
+        model: A :class:`ModelConfig` (exact shapes, units and activations), a
+            :class:`DecoderShape` (a large GPT-style model: per-layer units, published activation
+            formula) or a parameter count (model state only: no units, no activations).
+        world_size: Ranks in the job.
+        strategy: One of :data:`handbook_lib.config.STRATEGIES`.
+        precision: ``fp32``, ``bf16-mixed`` or ``fp16-mixed`` (see :data:`PRECISION_DTYPES`).
+        optimizer: One of :data:`OPTIMIZER_STATES`.
+        micro_batch: Sequences per rank per step (0: leave activations out).
+        seq_len: Tokens per sequence.
+        shard_group_size: Ranks that shard one copy of the model, for the HYBRID strategies
+            (must divide ``world_size``); the others use ``world_size`` (or 1 for DDP/NO_SHARD).
+        rank: Which rank (matters only for uneven shards).
+        activation_checkpointing: Recompute each layer's activations in backward.
+        cpu_offload: Keep sharded parameters, gradients and optimizer states in host memory.
+        reduce_dtype: Gradient-reduction dtype, overriding the precision's (e.g. ``bf16``).
+
+    The phases (FSDP strategies; DDP and NO_SHARD keep the full state and add DDP's gradient
+    buckets):
+
+    - ``loss_backward``: all activations, plus the loss's two T·V fp32 gradients, plus whatever
+      stays unsharded after forward (everything, for SHARD_GRAD_OP);
+    - ``backward_start``: the log-softmax output is freed, the logits' gradient (compute dtype)
+      is alive, and FULL_SHARD all-gathers the root unit again: its unsharded parameters and
+      FSDP's all-gather buffer (2 copies in the compute dtype);
+    - ``root_reduce``: end of backward: the root's unsharded gradients, their cast to the reduce
+      dtype, and the reduce-scatter input buffer;
+    - ``layer_recompute`` (with checkpointing): one layer's activations recomputed, its unit
+      gathered (2 copies), the root still unsharded.
+    """
+    check_world(world_size, rank)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    k = optimizer_states(optimizer)
+    for name, value in (("micro_batch", micro_batch), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if bool(micro_batch) != bool(seq_len):
+        raise ValueError("micro_batch and seq_len must be given together (both > 0) or not at all")
+    group = world_size if strategy in _SHARDED else 1
+    if strategy.startswith("HYBRID"):
+        group = shard_group_size or world_size
+        if world_size % group:
+            raise ValueError(f"shard_group_size={group} must divide world_size={world_size}")
+    c_name, r_name = PRECISION_DTYPES[precision]
+    c, r = dtype_bytes(c_name), dtype_bytes(reduce_dtype or r_name)
+    n = _count(model)
+
+    if isinstance(model, ModelConfig):
+        shard = estimate_shard_bytes(model, group, rank % group).shard_bytes // 4
+        steps = optimizer_step_bytes(model, optimizer)
+    else:
+        shard, steps = -(-n // group), 0
+    state = {"params": 4 * shard, "grads": 4 * shard, "optimizer": 4 * k * shard + steps}
+    host = 0
+    if cpu_offload:
+        host, state = sum(state.values()), {key: 0 for key in state}
+
+    layers, root, acts, vocab = _units_and_activations(model, group, c_name, micro_batch, seq_len,
+                                                       activation_checkpointing)
+    tv = micro_batch * seq_len * vocab
+    act_total = acts.total if acts else 0
+    logsoftmax = 4 * tv
+
+    def phase(unsharded=0, grad_buffers=0, activations=0, loss=0):
+        return {**state, "unsharded_params": unsharded, "grad_buffers": grad_buffers,
+                "activations": activations, "loss_buffers": loss}
+
+    notes = []
+    if not acts:
+        notes.append("activations not included (no micro_batch/seq_len, or no model shape)")
+    if not layers and not root:
+        notes.append("unit sizes unknown: transient unsharded parameters and buffers not included")
+    phases: dict[str, dict[str, int]] = {}
+    if strategy in _SHARDED:
+        reshard = strategy in _RESHARD
+        everything = c * (sum(layers) + root)
+        kept = 0 if reshard else everything
+        cast = r * root if r != c else 0
+        phases["loss_backward"] = phase(kept, 0, act_total, 2 * logsoftmax)
+        phases["backward_start"] = phase(2 * c * root if reshard else kept, 0,
+                                         act_total - logsoftmax, c * tv)
+        phases["root_reduce"] = phase(0, c * root + cast + r * root, 0, 0)
+        if activation_checkpointing and acts:
+            biggest = max(layers, default=0)
+            unsharded = (c * root + 2 * c * biggest) if reshard else everything
+            phases["layer_recompute"] = phase(unsharded, 0, act_total - logsoftmax + acts.recompute,
+                                              c * tv)
+    else:
+        buckets = r * n if strategy == "DDP" else 0
+        phases["loss_backward"] = phase(0, 0, act_total, 2 * logsoftmax)
+        phases["backward_start"] = phase(0, buckets, act_total - logsoftmax, c * tv)
+        notes.append(f"{strategy}: transients modelled from DDP's design, not yet measured (chapter 5)")
+    totals = {name: sum(parts.values()) for name, parts in phases.items()}
+    peak_phase = max(totals, key=totals.get)
+    return MemoryEstimate(components=phases[peak_phase], phases=totals, peak_phase=peak_phase,
+                          forward_activations=act_total, host=host, notes=tuple(notes))

@@ -26,8 +26,9 @@ _REQUIRED = ("schema", "run", "config", "world_size", "backend", "device", "torc
 class Check:
     """One prediction beside one measurement.
 
-    ``predicted`` and ``measured`` are in ``unit`` (``"bytes"`` for exact quantities, which are
-    then ints). ``rank`` is ``None`` for a quantity of the whole job.
+    ``predicted`` and ``measured`` are in ``unit`` (``"bytes"`` are ints). ``rank`` is ``None``
+    for a quantity of the whole job. ``tolerance`` is the relative error the model claims for this
+    quantity: 0 for exact quantities (a single byte off is a failure).
     """
 
     quantity: str
@@ -35,6 +36,7 @@ class Check:
     predicted: float
     measured: float
     unit: str
+    tolerance: float = 0.0
 
     @property
     def error(self) -> float:
@@ -52,6 +54,11 @@ class Check:
     def exact(self) -> bool:
         """True when the measurement equals the prediction."""
         return self.measured == self.predicted
+
+    @property
+    def ok(self) -> bool:
+        """True when the relative error is within ``tolerance`` (equality when it is 0)."""
+        return self.exact or abs(self.relative_error) <= self.tolerance
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -105,9 +112,9 @@ class RunResult:
         """One per-rank metric, in rank order: ``result.metric("losses")``."""
         return [r[name] for r in sorted(self.ranks, key=lambda r: r["rank"])]
 
-    def failed_checks(self, rel_tol: float = 0.0) -> list[Check]:
-        """Checks whose relative error exceeds ``rel_tol`` (0: every inexact check)."""
-        return [c for c in self.checks if abs(c.relative_error) > rel_tol]
+    def failed_checks(self) -> list[Check]:
+        """Checks whose measurement is outside the check's own tolerance."""
+        return [c for c in self.checks if not c.ok]
 
 
 def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:

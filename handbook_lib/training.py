@@ -8,6 +8,7 @@ to learn and falls within a few steps.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import warnings
@@ -23,6 +24,7 @@ from tqdm import tqdm
 
 from handbook_lib.config import RunConfig
 from handbook_lib.distributed import RankContext
+from handbook_lib.measure import StepMemory, StepMemoryTracker
 from handbook_lib.model import SimpleTransformer, TransformerLayer, build_model
 
 __all__ = [
@@ -36,11 +38,19 @@ __all__ = [
     "apply_activation_checkpointing",
     "apply_fsdp2",
     "build_fsdp2_model",
+    "train_step",
     "train",
+    "shard_group",
 ]
 
-FSDP2_STRATEGIES: dict[str, bool] = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
-"""FSDP1 strategy name → FSDP2's ``reshard_after_forward`` for the strategies of a 1-D mesh."""
+FSDP2_STRATEGIES: dict[str, bool] = {
+    "FULL_SHARD": True,
+    "SHARD_GRAD_OP": False,
+    "HYBRID_SHARD": True,
+    "HYBRID_SHARD_ZERO2": False,
+}
+"""FSDP1 strategy name → FSDP2's ``reshard_after_forward``. The HYBRID strategies also use a
+2-D (replicate, shard) mesh (see :func:`build_mesh`)."""
 
 
 def make_batch(config: RunConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,9 +82,30 @@ def local_slice(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor
     return batch[rank * per_rank : (rank + 1) * per_rank]
 
 
-def build_mesh(ctx: RankContext) -> DeviceMesh:
-    """A 1-D device mesh over all ranks, on this rank's device type."""
-    return init_device_mesh(ctx.device.type, (ctx.world_size,))
+def shard_group(config: RunConfig, world_size: int) -> int:
+    """Ranks that shard one copy of the model: ``shard_group_size`` for HYBRID strategies (0
+    means all ranks of a node, torchrun's ``LOCAL_WORLD_SIZE``), else the whole world.
+
+    Raises:
+        ValueError: if the group does not divide the world size.
+    """
+    if not config.strategy.startswith("HYBRID"):
+        return world_size
+    group = config.shard_group_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if group < 1 or world_size % group:
+        raise ValueError(
+            f"shard_group_size={group} must be >= 1 and divide the number of ranks {world_size}"
+        )
+    return group
+
+
+def build_mesh(config: RunConfig, ctx: RankContext) -> DeviceMesh:
+    """The device mesh FSDP shards over: 1-D over all ranks, or 2-D (replicate, shard) for HSDP."""
+    if not config.strategy.startswith("HYBRID"):
+        return init_device_mesh(ctx.device.type, (ctx.world_size,))
+    group = shard_group(config, ctx.world_size)
+    return init_device_mesh(ctx.device.type, (ctx.world_size // group, group),
+                            mesh_dim_names=("replicate", "shard"))
 
 
 def build_mp_policy(precision: str) -> MixedPrecisionPolicy | None:
@@ -146,7 +177,7 @@ def build_fsdp2_model(config: RunConfig, ctx: RankContext) -> nn.Module:
     """
     if config.strategy not in FSDP2_STRATEGIES:
         raise ValueError(
-            f"strategy {config.strategy!r} is not available with api='fsdp2' on a 1-D mesh; "
+            f"strategy {config.strategy!r} is not available with api='fsdp2'; "
             f"accepted: {', '.join(FSDP2_STRATEGIES)}"
         )
     model = build_model(config.model_config(), seed=config.seed)
@@ -160,7 +191,7 @@ def build_fsdp2_model(config: RunConfig, ctx: RankContext) -> nn.Module:
         model.to(ctx.device)
     apply_fsdp2(
         model,
-        build_mesh(ctx),
+        build_mesh(config, ctx),
         reshard_after_forward=FSDP2_STRATEGIES[config.strategy],
         mp_policy=build_mp_policy(config.precision),
         offload_policy=offload,
@@ -192,7 +223,32 @@ class TrainLog:
     losses: list[float]
     """Mean cross-entropy over the global batch (nats per token), after each step's forward."""
     step_time_s: list[float]
-    """Wall time of each step (forward, backward, optimizer), seconds."""
+    """Wall time of each untracked step (forward, backward, optimizer), seconds."""
+    memory: StepMemory | None = None
+    """Memory of the last step, measured by :class:`StepMemoryTracker` (if asked for)."""
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    tracker: StepMemoryTracker | None = None,
+) -> torch.Tensor:
+    """One step: forward, next-token cross-entropy, backward, optimizer step. Returns the loss.
+
+    Gradients are zeroed, not freed (``set_to_none=False``), so their memory is part of the model
+    state at rest, as the memory model of chapter 2 assumes.
+    """
+    logits = model(inputs)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    del logits  # only what autograd saved stays alive
+    if tracker is not None:
+        tracker.after_forward()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+    return loss.detach()
 
 
 def train(
@@ -202,15 +258,19 @@ def train(
     ctx: RankContext,
     *,
     progress: bool = True,
+    track_memory: bool = False,
 ) -> TrainLog:
     """Run ``config.steps`` optimizer steps on this rank's share of each global batch.
 
     Every rank gets an equal slice of the same global batch, so the gradient FSDP averages over
     ranks is the gradient of the global batch's mean loss: the same as one process training on
     the whole batch. A tqdm progress bar is drawn on rank 0 (stderr) when ``progress`` is set.
+    With ``track_memory`` (and at least 2 steps, so that the optimizer state exists) the last
+    step runs under a :class:`StepMemoryTracker`; its time is not in ``step_time_s``.
     """
     losses: list[float] = []
     times: list[float] = []
+    memory = None
     model.train()
     bar = tqdm(total=config.steps, desc="train", unit="step", file=_ProgressLines(),
                disable=not (progress and ctx.is_main), mininterval=0, dynamic_ncols=False, ncols=80)
@@ -218,21 +278,24 @@ def train(
         inputs, targets = make_batch(config, step)
         inputs = local_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device)
         targets = local_slice(targets, ctx.rank, ctx.world_size).to(ctx.device)
+        tracked = track_memory and config.steps >= 2 and step == config.steps - 1
         start = time.perf_counter()
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        if tracked:
+            tracker = StepMemoryTracker(model, optimizer, ctx.device)
+            with tracker:
+                loss = train_step(model, optimizer, inputs, targets, tracker)
+            memory = tracker.result
+        else:
+            loss = train_step(model, optimizer, inputs, targets)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
-        times.append(time.perf_counter() - start)
-        global_loss = loss.detach().clone()
+        if not tracked:
+            times.append(time.perf_counter() - start)
         if dist.is_initialized():
-            dist.all_reduce(global_loss)  # SUM (gloo has no AVG), then divide
-            global_loss /= ctx.world_size
-        losses.append(global_loss.item())
+            dist.all_reduce(loss)  # SUM (gloo has no AVG), then divide
+            loss /= ctx.world_size
+        losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
         bar.update()
     bar.close()
-    return TrainLog(losses=losses, step_time_s=times)
+    return TrainLog(losses=losses, step_time_s=times, memory=memory)

@@ -67,7 +67,7 @@ def test_optimizer_states():
     (lambda: shard_rows(10, 2, 2), "rank"),
     (lambda: shard_rows(-1, 2, 0), "dim0"),
     (lambda: estimate_shard_bytes(ModelConfig(), 2, 0, "fp8"), "fp32, bf16, fp16"),
-    (lambda: estimate_model_state_bytes(-5), "num_params"),
+    (lambda: estimate_model_state_bytes(-5), "model must be an int >= 0"),
     (lambda: estimate_model_state_bytes(10, grad_bytes=-1), "grad_bytes"),
 ])
 def test_bad_input_raises_value_error(call, match):

@@ -13,7 +13,10 @@ def _result_dict(**changes):
         "backend": "gloo", "device": "cpu", "torch_version": "2.x",
         "ranks": [{"rank": 1, "x": 20}, {"rank": 0, "x": 10}],
         "checks": [{"quantity": "q", "rank": 0, "predicted": 4, "measured": 4, "unit": "bytes"},
-                   {"quantity": "q", "rank": 1, "predicted": 4, "measured": 5, "unit": "bytes"}],
+                   {"quantity": "q", "rank": 1, "predicted": 4, "measured": 5, "unit": "bytes",
+                    "tolerance": 0.0},
+                   {"quantity": "p", "rank": 1, "predicted": 100, "measured": 109, "unit": "bytes",
+                    "tolerance": 0.1}],
         "num_params": 3,
     }
     data.update(changes)
@@ -26,10 +29,12 @@ def test_round_trip_through_a_file(tmp_path):
     assert result.path == tmp_path / "result.json"
     assert result.metric("x") == [10, 20]  # rank order, whatever the file's order
     assert result.extra == {"num_params": 3}
-    assert result.to_dict() == _result_dict()
-    assert [c.exact for c in result.checks] == [True, False]
+    data = _result_dict()
+    data["checks"][0]["tolerance"] = 0.0  # the default is written out
+    assert result.to_dict() == data
+    assert [c.exact for c in result.checks] == [True, False, False]
+    assert [c.ok for c in result.checks] == [True, False, True]  # 9 % off, within its 10 %
     assert result.failed_checks() == [result.checks[1]]
-    assert result.failed_checks(rel_tol=0.3) == []
     assert list(tmp_path.iterdir()) == [tmp_path / "result.json"]  # no temp file left
 
 

@@ -1,10 +1,12 @@
-"""First real run: train the handbook's model with FSDP2 on N ranks and measure the shards.
+"""Train the handbook's model with FSDP2 on N ranks and measure every byte the memory model predicts.
 
-Chapter 1 launches it. Each rank builds the same seeded model, ``fully_shard``s every
-transformer layer and then the root, trains ``steps`` steps on its slice of the synthetic global
-batch, and then measures what it holds: parameter shards (and their padding), gradient shards,
-optimizer state. The memory model predicts the same quantities for the same config; both go
-into ``checks``.
+Chapter 1 launches it for the shards; chapter 2 for the whole memory model. Each rank builds the
+same seeded model, ``fully_shard``s every transformer layer and then the root (on a 2-D mesh for
+the HYBRID strategies), trains ``steps`` steps on its slice of the synthetic global batch — the
+last one under a memory tracker — and measures what it holds: parameter shards and their
+padding, gradient shards, optimizer state, activations and the step's peak. The memory model
+predicts the same quantities for the same config; both go into ``checks`` (exact for the model
+state, within a stated tolerance for activations and the peak).
 
 Launch::
 
@@ -20,13 +22,30 @@ import sys
 from handbook_lib.config import RunConfig
 from handbook_lib.distributed import RankContext
 from handbook_lib.measure import measure_grad_bytes, measure_optimizer_bytes, measure_param_bytes
-from handbook_lib.memory import estimate_shard_bytes, optimizer_states
+from handbook_lib.memory import (
+    estimate_memory,
+    estimate_shard_bytes,
+    optimizer_states,
+    optimizer_step_bytes,
+)
 from handbook_lib.model import param_count
 from handbook_lib.results import Check
 from handbook_lib.runs.entry import RankReport, main
-from handbook_lib.training import FSDP2_STRATEGIES, build_fsdp2_model, build_optimizer, train
+from handbook_lib.training import (
+    FSDP2_STRATEGIES,
+    build_fsdp2_model,
+    build_optimizer,
+    shard_group,
+    train,
+)
 
 CONFIG = RunConfig
+
+ACTIVATION_TOLERANCE = 0.05
+"""Relative tolerance of the activation check (the per-tensor count is exact on CPU; GPU
+attention kernels save slightly different tensors)."""
+PEAK_TOLERANCE = 0.10
+"""Relative tolerance of the peak-memory check."""
 
 
 def validate(config: RunConfig, world_size: int) -> None:
@@ -39,7 +58,8 @@ def validate(config: RunConfig, world_size: int) -> None:
         raise ValueError(f"fsdp_train supports api='fsdp2' only, got api={config.api!r}")
     if config.strategy not in FSDP2_STRATEGIES:
         raise ValueError(
-            f"fsdp_train supports strategy {' or '.join(FSDP2_STRATEGIES)}, got {config.strategy!r}"
+            f"fsdp_train supports strategy {', '.join(FSDP2_STRATEGIES)}; got {config.strategy!r}"
+            " (DDP and NO_SHARD: see chapter 5)"
         )
     if config.precision not in ("fp32", "bf16-mixed"):
         raise ValueError(
@@ -49,41 +69,67 @@ def validate(config: RunConfig, world_size: int) -> None:
         raise ValueError(
             f"batch_size={config.batch_size} must be divisible by the number of ranks {world_size}"
         )
+    if config.strategy.startswith("HYBRID") and config.shard_group_size:
+        shard_group(config, world_size)
 
 
 def run(config: RunConfig, ctx: RankContext) -> RankReport:
     validate(config, ctx.world_size)
+    group = shard_group(config, ctx.world_size)
     model = build_fsdp2_model(config, ctx)
     optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
-    log = train(model, optimizer, config, ctx)
+    log = train(model, optimizer, config, ctx, track_memory=True)
 
     params = measure_param_bytes(model)
     grads = measure_grad_bytes(model)
     opt_sharded, opt_other = measure_optimizer_bytes(optimizer)
-    shard = estimate_shard_bytes(config.model_config(), ctx.world_size, ctx.rank)
-    states = optimizer_states(config.optimizer)
+    model_config = config.model_config()
+    shard = estimate_shard_bytes(model_config, group, ctx.rank % group)
+    predicted = estimate_memory(
+        model_config, ctx.world_size, config.strategy, config.precision, config.optimizer,
+        micro_batch=config.batch_size // ctx.world_size, seq_len=config.seq_len,
+        shard_group_size=group, rank=ctx.rank, cpu_offload=config.cpu_offload,
+        activation_checkpointing=config.activation_checkpointing,
+    )
 
-    def check(quantity: str, predicted: int, measured: int) -> Check:
-        return Check(quantity, ctx.rank, predicted, measured, "bytes")
+    def check(quantity: str, expected: int, measured: int, tolerance: float = 0.0) -> Check:
+        return Check(quantity, ctx.rank, expected, measured, "bytes", tolerance)
 
-    num_params = param_count(config.model_config())
+    checks = [
+        check("param_shard_bytes", shard.shard_bytes, params.shard_bytes),
+        check("param_padding_bytes", shard.padding_bytes, params.padding_bytes),
+        check("grad_shard_bytes", shard.shard_bytes, grads),
+        check("optimizer_state_bytes", optimizer_states(config.optimizer) * shard.shard_bytes, opt_sharded),
+        check("optimizer_step_bytes", optimizer_step_bytes(model_config, config.optimizer), opt_other),
+    ]
+    metrics = {
+        "losses": log.losses,
+        "step_time_s": log.step_time_s,
+        "param_shard_bytes": params.shard_bytes,
+        "param_padding_bytes": params.padding_bytes,
+        "grad_shard_bytes": grads,
+        "optimizer_state_bytes": opt_sharded,
+        "optimizer_other_bytes": opt_other,
+        "param_device": str(next(model.parameters()).device),
+        "shard_group_size": group,
+        "predicted_peak_phase": predicted.peak_phase,
+        "predicted_components": predicted.components,
+    }
+    if log.memory is not None:
+        mem = log.memory
+        # On a CPU-only machine "device" and host are the same memory: offloaded state counts too.
+        peak = predicted.peak + (predicted.host if ctx.device.type == "cpu" else 0)
+        checks += [
+            check("activation_bytes", predicted.forward_activations, mem.activation_bytes,
+                  ACTIVATION_TOLERANCE),
+            check("peak_bytes", peak, mem.peak_bytes, PEAK_TOLERANCE),
+        ]
+        metrics.update(peak_bytes=mem.peak_bytes, activation_bytes=mem.activation_bytes,
+                       peak_breakdown=mem.peak_breakdown, allocator_peak_bytes=mem.allocator_peak_bytes)
     return RankReport(
-        metrics={
-            "losses": log.losses,
-            "step_time_s": log.step_time_s,
-            "param_shard_bytes": params.shard_bytes,
-            "param_padding_bytes": params.padding_bytes,
-            "grad_shard_bytes": grads,
-            "optimizer_state_bytes": opt_sharded,
-            "optimizer_other_bytes": opt_other,
-        },
-        checks=[
-            check("param_shard_bytes", shard.shard_bytes, params.shard_bytes),
-            check("param_padding_bytes", shard.padding_bytes, params.padding_bytes),
-            check("grad_shard_bytes", shard.shard_bytes, grads),
-            check("optimizer_state_bytes", states * shard.shard_bytes, opt_sharded),
-        ],
-        extra={"num_params": num_params, "model_bytes": 4 * num_params},
+        metrics=metrics,
+        checks=checks,
+        extra={"num_params": param_count(model_config), "model_bytes": 4 * param_count(model_config)},
     )
 
 

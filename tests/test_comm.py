@@ -1,0 +1,313 @@
+"""handbook_lib.comm: ring collectives, per-step traffic of each strategy, and the time model."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from handbook_lib import comm
+from handbook_lib.comm import (
+    COLLECTIVES,
+    STRATEGIES,
+    Unit,
+    estimate_collective,
+    estimate_collective_time,
+    estimate_compute_time,
+    estimate_step_bytes_for_params,
+    estimate_step_time,
+    estimate_step_traffic,
+    units_for_model,
+)
+from handbook_lib.config import STRATEGIES as CONFIG_STRATEGIES
+from handbook_lib.hardware import Link
+from handbook_lib.memory import estimate_shard_bytes
+from handbook_lib.model import ModelConfig, param_count
+
+SMALL = ModelConfig(vocab_size=101, d_model=8, nhead=2, dim_feedforward=16, num_layers=4)
+
+
+def flat(numel: int) -> Unit:
+    """A non-root unit holding one 1-D parameter of ``numel`` elements."""
+    return Unit("flat", ((numel,),))
+
+
+# --- collectives -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind, sent, steps", [
+    ("all_gather", 300, 3),       # N=4, B=400: receive the 3 chunks of 100 you lack, send 3
+    ("reduce_scatter", 300, 3),   # 3 partial chunks of 100 passed on
+    ("all_reduce", 600, 6),       # reduce-scatter then all-gather: 2 * 300
+    ("broadcast", 400, 3),        # pipelined chain: a middle rank forwards all 400
+])
+def test_ring_collectives_by_hand(kind, sent, steps):
+    cost = estimate_collective(kind, 400, 4)
+    assert (cost.sent_bytes, cost.received_bytes, cost.steps) == (sent, sent, steps)
+    assert (cost.kind, cost.buffer_bytes, cost.group_size) == (kind, 400, 4)
+    assert isinstance(cost.sent_bytes, int)
+
+
+@pytest.mark.parametrize("kind", COLLECTIVES)
+def test_a_group_of_one_moves_nothing(kind):
+    cost = estimate_collective(kind, 1000, 1)
+    assert (cost.sent_bytes, cost.received_bytes, cost.steps) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+def test_all_reduce_is_reduce_scatter_plus_all_gather(n):
+    b = 120 * n
+    ar = estimate_collective("all_reduce", b, n)
+    rs, ag = estimate_collective("reduce_scatter", b, n), estimate_collective("all_gather", b, n)
+    assert ar.sent_bytes == rs.sent_bytes + ag.sent_bytes == 2 * (n - 1) * 120
+    assert ar.steps == rs.steps + ag.steps == 2 * (n - 1)
+
+
+def test_all_reduce_of_an_uneven_buffer_uses_ceil_chunks():
+    # B=10 over N=3: chunks of ceil(10/3) = 4 bytes, 2 steps of each half: 2 * 2 * 4 = 16
+    assert estimate_collective("all_reduce", 10, 3).sent_bytes == 16
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
+def test_uneven_all_gather_or_reduce_scatter_is_refused(kind):
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        estimate_collective(kind, 10, 3)
+
+
+@pytest.mark.parametrize("args, match", [
+    (("allgather", 8, 2), "kind must be one of all_gather, reduce_scatter, all_reduce, broadcast"),
+    (("all_gather", -8, 2), "buffer_bytes"),
+    (("all_gather", 8.0, 2), "buffer_bytes"),
+    (("all_gather", 8, 0), "group_size"),
+    (("all_gather", 8, True), "group_size"),
+])
+def test_estimate_collective_rejects_bad_input(args, match):
+    with pytest.raises(ValueError, match=match):
+        estimate_collective(*args)
+
+
+# --- units -------------------------------------------------------------------------------
+
+def test_units_follow_apply_fsdp2_root_then_one_per_layer():
+    units = units_for_model(SMALL)
+    assert [u.name for u in units] == ["root", "layers.0", "layers.1", "layers.2", "layers.3"]
+    assert [u.root for u in units] == [True, False, False, False, False]
+    v, d, f = 101, 8, 16
+    assert units[0].shapes == ((v, d), (v, d), (v,))  # embedding, output.weight, output.bias
+    assert units[1].numel == 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
+    assert sum(u.numel for u in units) == param_count(SMALL)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_unit_padding_agrees_with_the_memory_model(world):
+    # the all-gather output of all units is world_size padded shards, as memory.py pads them
+    padded = sum(u.padded_numel(world) for u in units_for_model(SMALL)) * 4
+    assert padded == world * estimate_shard_bytes(SMALL, world, 0).padded_bytes
+
+
+def test_padding_by_hand():
+    # dim0 = 5 on 2 ranks pads to 6 rows; a (5, 3) weight pads to 6 * 3 elements
+    assert Unit("u", ((5,), (5, 3))).padded_numel(2) == 6 + 18
+    traffic = estimate_step_traffic([flat(5)], 2, "FULL_SHARD")
+    gather = traffic.records[0]
+    assert (gather.kind, gather.buffer_bytes, gather.sent_bytes) == ("all_gather", 6 * 4, 3 * 4)
+
+
+@pytest.mark.parametrize("shapes", [((),), ((3, -1),), ((2.0,),)])
+def test_unit_rejects_bad_shapes(shapes):
+    with pytest.raises(ValueError, match="shapes"):
+        Unit("bad", shapes)
+
+
+# --- strategies --------------------------------------------------------------------------
+
+def test_full_shard_counts_match_what_fsdp2_was_seen_to_issue():
+    # 4 layers + root, root kept unsharded: 5 forward + 4 backward all-gathers, 5 reduce-scatters
+    traffic = estimate_step_traffic(units_for_model(SMALL), 2, "FULL_SHARD")
+    assert traffic.counts == {"all_gather": 9, "reduce_scatter": 5, "all_reduce": 0, "broadcast": 0}
+    first = traffic.records[0]
+    assert (first.kind, first.unit, first.phase) == ("all_gather", "root", "forward")
+    regathered = [r.unit for r in traffic.records if r.kind == "all_gather" and r.phase == "backward"]
+    assert "root" not in regathered and len(regathered) == 4
+    resharded = estimate_step_traffic(units_for_model(SMALL), 2, "FULL_SHARD",
+                                      root_reshard_after_forward=True)
+    assert resharded.counts["all_gather"] == 10
+
+
+def test_shard_grad_op_gathers_once():
+    traffic = estimate_step_traffic(units_for_model(SMALL), 4, "SHARD_GRAD_OP")
+    assert traffic.counts == {"all_gather": 5, "reduce_scatter": 5, "all_reduce": 0, "broadcast": 0}
+    assert {r.phase for r in traffic.records if r.kind == "all_gather"} == {"forward"}
+
+
+def test_ddp_and_no_shard_all_reduce_the_unpadded_gradients():
+    units, n = units_for_model(SMALL), 4
+    grads = param_count(SMALL) * 4
+    ddp = estimate_step_traffic(units, n, "DDP")
+    assert len(ddp.records) == 1 and ddp.records[0].buffer_bytes == grads
+    assert ddp.records[0].group_size == n and ddp.records[0].phase == "backward"
+    no_shard = estimate_step_traffic(units, n, "NO_SHARD")
+    assert no_shard.counts["all_reduce"] == 5 and no_shard.counts["all_gather"] == 0
+    assert sum(r.buffer_bytes for r in no_shard.records) == grads
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8, 64])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_full_shard_moves_one_and_a_half_times_ddp(n, dtype):
+    p = 1_000 * n  # divisible by n: no padding
+    size = 4 if dtype == "fp32" else 2
+    ddp = estimate_step_bytes_for_params(p, n, "DDP", dtype, dtype)
+    full = estimate_step_bytes_for_params(p, n, "FULL_SHARD", dtype, dtype)
+    assert ddp == 2 * (n - 1) * (p // n) * size
+    assert full == 3 * (n - 1) * (p // n) * size
+    assert 2 * full == 3 * ddp  # the ratio is 1.5, not 3
+    assert estimate_step_bytes_for_params(p, n, "SHARD_GRAD_OP", dtype, dtype) == ddp
+
+
+def test_bf16_params_halve_the_all_gathers_only():
+    units = units_for_model(SMALL)
+    fp32 = estimate_step_traffic(units, 4, "FULL_SHARD")
+    bf16 = estimate_step_traffic(units, 4, "FULL_SHARD", param_dtype="bf16")
+
+    def total(traffic, kind):
+        return sum(r.sent_bytes for r in traffic.records if r.kind == kind)
+
+    assert 2 * total(bf16, "all_gather") == total(fp32, "all_gather")
+    assert total(bf16, "reduce_scatter") == total(fp32, "reduce_scatter")
+    assert {r.dtype for r in bf16.records if r.kind == "all_gather"} == {"bf16"}
+
+
+def test_hybrid_shard_by_hand():
+    # world 8 = 2 replicas x shard groups of 4; one unit of 8 fp32 elements = 32 bytes
+    traffic = estimate_step_traffic([flat(8)], 8, "HYBRID_SHARD", shard_group_size=4)
+    kinds = [(r.kind, r.phase, r.group_size, r.buffer_bytes, r.sent_bytes) for r in traffic.records]
+    assert kinds == [
+        ("all_gather", "forward", 4, 32, 24),         # 3/4 of 32
+        ("all_gather", "backward", 4, 32, 24),
+        ("reduce_scatter", "backward", 4, 32, 24),
+        ("all_reduce", "backward", 2, 8, 8),          # the 8-byte shard, 2 * (2-1)/2 * 8
+    ]
+    zero2 = estimate_step_traffic([flat(8)], 8, "HYBRID_SHARD_ZERO2", shard_group_size=4)
+    assert zero2.counts == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1, "broadcast": 0}
+
+
+def test_hybrid_pads_to_the_shard_group_not_the_world():
+    # dim0 = 10: shard group of 4 pads to 12 rows; the world of 8 would pad to 16
+    traffic = estimate_step_traffic([flat(10)], 8, "HYBRID_SHARD", shard_group_size=4)
+    assert traffic.records[0].buffer_bytes == 12 * 4
+    assert estimate_step_traffic([flat(10)], 8, "FULL_SHARD").records[0].buffer_bytes == 16 * 4
+
+
+def test_hybrid_with_one_replica_is_full_shard():
+    units = units_for_model(SMALL)
+    hybrid = estimate_step_traffic(units, 4, "HYBRID_SHARD", shard_group_size=4)
+    assert hybrid.sent_bytes == estimate_step_traffic(units, 4, "FULL_SHARD").sent_bytes
+    assert all(r.sent_bytes == 0 for r in hybrid.records if r.kind == "all_reduce")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_one_rank_sends_nothing(strategy):
+    hybrid = {"shard_group_size": 1} if strategy.startswith("HYBRID") else {}
+    traffic = estimate_step_traffic(units_for_model(SMALL), 1, strategy, **hybrid)
+    assert traffic.sent_bytes == traffic.received_bytes == 0
+
+
+@pytest.mark.parametrize("strategy", ["DDP", "FULL_SHARD", "SHARD_GRAD_OP"])
+def test_grad_accum_with_sync_repeats_the_step(strategy):
+    units = units_for_model(SMALL)
+    one = estimate_step_traffic(units, 4, strategy)
+    four = estimate_step_traffic(units, 4, strategy, grad_accum_steps=4)
+    assert four.sent_bytes == 4 * one.sent_bytes
+    assert four.counts == {k: 4 * c for k, c in one.counts.items()}
+    assert {r.micro_step for r in four.records} == {0, 1, 2, 3}
+
+
+def test_grad_accum_without_sync_reduces_once_but_gathers_every_micro_step():
+    units = units_for_model(SMALL)
+    full = estimate_step_traffic(units, 4, "FULL_SHARD", grad_accum_steps=4, sync_every_micro_step=False)
+    assert full.counts["all_gather"] == 4 * 9 and full.counts["reduce_scatter"] == 5
+    assert {r.micro_step for r in full.records if r.kind == "reduce_scatter"} == {3}
+    zero2 = estimate_step_traffic(units, 4, "SHARD_GRAD_OP", grad_accum_steps=4,
+                                  sync_every_micro_step=False)
+    assert zero2.counts["all_gather"] == 4 * 5 and zero2.counts["reduce_scatter"] == 5
+    ddp = estimate_step_traffic(units, 4, "DDP", grad_accum_steps=4, sync_every_micro_step=False)
+    assert ddp.counts["all_reduce"] == 1 and ddp.records[0].micro_step == 3
+    assert ddp.sent_bytes == estimate_step_traffic(units, 4, "DDP").sent_bytes
+
+
+def test_strategies_match_the_run_config_vocabulary():
+    assert STRATEGIES == CONFIG_STRATEGIES
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"strategy": "ZERO3"}, "strategy must be one of DDP, NO_SHARD"),
+    ({"world_size": 0}, "world_size"),
+    ({"param_dtype": "float32"}, "param_dtype must be one of fp32, bf16, fp16"),
+    ({"reduce_dtype": "int8"}, "reduce_dtype must be one of fp32, bf16, fp16"),
+    ({"grad_accum_steps": 0}, "grad_accum_steps"),
+    ({"strategy": "HYBRID_SHARD", "world_size": 6, "shard_group_size": 4}, "must divide world_size"),
+    ({"strategy": "HYBRID_SHARD"}, "shard_group_size"),
+    ({"strategy": "HYBRID_SHARD_ZERO2", "shard_group_size": 0}, "shard_group_size"),
+    ({"shard_group_size": 2}, "shard_group_size applies only to"),
+    ({"units": []}, "units must be a non-empty list of Unit"),
+])
+def test_estimate_step_traffic_rejects_bad_input(kwargs, match):
+    args = {"units": units_for_model(SMALL), "world_size": 4, "strategy": "FULL_SHARD", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        estimate_step_traffic(args.pop("units"), args.pop("world_size"), args.pop("strategy"), **args)
+
+
+def test_step_bytes_for_params_rejects_a_negative_count():
+    with pytest.raises(ValueError, match="num_params"):
+        estimate_step_bytes_for_params(-1, 2, "DDP")
+
+
+# --- time --------------------------------------------------------------------------------
+
+def test_alpha_beta_by_hand():
+    link = Link("toy", bandwidth_bytes_per_s=100.0, latency_s=1.0, source="test")
+    # N=4, B=400 all-gather: 3 steps of 1 s, 300 bytes at 100 bytes/s
+    assert estimate_collective_time(estimate_collective("all_gather", 400, 4), link) == 3 + 3
+    # all-reduce: 6 steps, 600 bytes
+    assert estimate_collective_time(estimate_collective("all_reduce", 400, 4), link) == 6 + 6
+
+
+def test_step_time_with_and_without_overlap_by_hand():
+    # FULL_SHARD, one 8-element fp32 unit on 2 ranks: three collectives of 16 bytes and 1 step
+    # each; at 16 bytes/s and 1 s latency each takes 2 s, so comm = 6 s, the first gather 2 s
+    link = Link("toy", bandwidth_bytes_per_s=16.0, latency_s=1.0, source="test")
+    traffic = estimate_step_traffic([flat(8)], 2, "FULL_SHARD")
+    serial = estimate_step_time(traffic, link, compute_s=10.0, overlap=False)
+    assert (serial.comm_s, serial.total_s, serial.bound) == (6.0, 16.0, "compute")
+    hidden = estimate_step_time(traffic, link, compute_s=10.0, overlap=True)
+    assert (hidden.exposed_comm_s, hidden.total_s) == (2.0, 2.0 + 10.0)
+    starved = estimate_step_time(traffic, link, compute_s=1.0, overlap=True)
+    assert (starved.total_s, starved.bound) == (2.0 + 4.0, "communication")
+    # two micro-steps: two first gathers exposed
+    twice = estimate_step_traffic([flat(8)], 2, "FULL_SHARD", grad_accum_steps=2)
+    assert estimate_step_time(twice, link, compute_s=20.0, overlap=True).exposed_comm_s == 4.0
+    with pytest.raises(ValueError, match="compute_s"):
+        estimate_step_time(traffic, link, compute_s=-1.0, overlap=True)
+
+
+def test_six_p_t_rule_by_hand():
+    # 1e9 params, 1e6 tokens: 6e15 FLOPs at 1e15 FLOP/s * 50% = 12 s
+    assert estimate_compute_time(10**9, 10**6, 1e15, 0.5) == pytest.approx(12.0)
+    assert estimate_compute_time(10**9, 10**6, 1e15) == pytest.approx(6e15 / 4e14)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((-1, 10, 1e12), "num_params"),
+    ((10, -1, 1e12), "tokens"),
+    ((10, 10, 0.0), "peak_flops"),
+    ((10, 10, 1e12, 0.0), "utilization"),
+    ((10, 10, 1e12, 1.5), "utilization"),
+])
+def test_compute_time_rejects_bad_input(args, match):
+    with pytest.raises(ValueError, match=match):
+        estimate_compute_time(*args)
+
+
+def test_module_imports_no_torch():
+    tree = ast.parse(Path(comm.__file__).read_text())
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in imported if m.split(".")[0] == "torch"]
