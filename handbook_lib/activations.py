@@ -1,4 +1,4 @@
-"""Activation memory: what the forward pass keeps for the backward pass. Pure: no ``torch``.
+"""Activation memory: what the forward pass keeps for the backward pass. Pure arithmetic.
 
 Chapter 2 teaches it, with two models:
 
@@ -20,6 +20,7 @@ from handbook_lib.model import ModelConfig
 __all__ = [
     "ActivationBytes",
     "DecoderShape",
+    "DECODER_SHAPES",
     "estimate_activation_bytes",
     "estimate_decoder_activation_bytes",
 ]
@@ -71,22 +72,24 @@ def estimate_activation_bytes(
     - ``T·f·c`` ×2: GELU's input and output (the inputs of GELU and of linear2);
     - ``4·T·4`` bytes: each LayerNorm's mean and reciprocal std (fp32, two norms);
     - ``h·T·4`` bytes: the attention's log-sum-exp (fp32, fused CPU attention kernel);
-    - ``micro_batch·seq_len²`` bytes: the boolean causal mask, expanded per sequence.
+    - ``s²·c`` bytes: the boolean causal mask, converted by the attention into an additive
+      (1, 1, s, s) float mask in the compute dtype.
 
-    That is ``T·(8d + 2f)·c + T·(16 + 4h) + b·s²`` bytes. Outside the layers the model saves the
-    token ids and targets (int64), the head's input (``T·d·c``) and the log-softmax output of the
-    loss, always fp32 (``T·V·4``). With activation checkpointing each layer keeps only its input
+    That is ``T·(8d + 2f)·c + T·(16 + 4h) + s²·c`` bytes. Outside the layers the model saves the
+    token ids and targets (int64), the head's input (``T·d·c``), the log-softmax output of the
+    loss, always fp32 (``T·V·4``), and the loss's 4-byte weight total. With activation checkpointing each layer keeps only its input
     (``T·d·c``) and recomputes the rest, one layer at a time, in backward.
 
-    The count is exact for PyTorch 2.x on CPU with ``micro_batch >= 2``; on GPUs the attention
-    kernels save slightly different tensors (the chapter-2 runs report the difference).
+    The count is exact for fp32 on PyTorch 2.x's CPU kernels (the tests compare it with the
+    tensors autograd saves); in bf16 and on GPUs the kernels save slightly different tensors
+    (the chapter-2 runs report the difference).
     """
     _check_positive(micro_batch=micro_batch, seq_len=seq_len)
     c = dtype_bytes(compute_dtype)
     d, f, h, v = config.d_model, config.dim_feedforward, config.nhead, config.vocab_size
     tokens = micro_batch * seq_len
-    per_layer = tokens * (8 * d + 2 * f) * c + tokens * (16 + 4 * h) + micro_batch * seq_len**2
-    head = 2 * tokens * _INDEX_BYTES + tokens * d * c + tokens * v * 4
+    per_layer = tokens * (8 * d + 2 * f) * c + tokens * (16 + 4 * h) + seq_len**2 * c
+    head = 2 * tokens * _INDEX_BYTES + tokens * d * c + tokens * v * 4 + 4
     if activation_checkpointing:
         layers = config.num_layers * tokens * d * c
         recompute = per_layer
@@ -112,19 +115,33 @@ class DecoderShape:
         return 12 * self.num_layers * self.d_model**2 + self.vocab_size * self.d_model
 
 
+DECODER_SHAPES: dict[str, DecoderShape] = {
+    # Depth, width and heads of well-known decoders (Llama 2 paper, Touvron et al. 2023, for the
+    # 7B/13B/70B sizes; GPT-3 paper, Brown et al. 2020, Table 2.1, for 175B), approximated as
+    # GPT-style blocks with a 4d feed-forward: the counts land within ~10 % of the names.
+    "7b": DecoderShape("7B", num_layers=32, d_model=4096, num_heads=32, vocab_size=32_000),
+    "13b": DecoderShape("13B", num_layers=40, d_model=5120, num_heads=40, vocab_size=32_000),
+    "70b": DecoderShape("70B", num_layers=80, d_model=8192, num_heads=64, vocab_size=32_000),
+    "175b": DecoderShape("175B", num_layers=96, d_model=12288, num_heads=96, vocab_size=50_257),
+}
+"""Shapes for the chapter-2 scenarios, by nominal size (chapter 4 adds exact presets)."""
+
+
 def estimate_decoder_activation_bytes(
     shape: DecoderShape,
     micro_batch: int,
     seq_len: int,
     *,
     recompute: str = "none",
+    fused_attention: bool = True,
 ) -> int:
     """Activation bytes of a GPT-style decoder in 16-bit training (Korthikanti et al., 2022).
 
     Per layer, with s = seq_len, b = micro_batch, h = d_model, a = heads:
 
-    - ``none``: ``s·b·h·(34 + 5·a·s/h)`` bytes (includes dropout masks and the ``a·s²``
-      attention scores that a non-fused kernel stores);
+    - ``none``: ``34·s·b·h`` bytes, plus ``5·a·s²·b`` for the attention scores, their softmax
+      and dropout that an unfused ("eager") attention stores; a fused kernel (FlashAttention,
+      PyTorch's SDPA) stores none of them, which is why ``fused_attention`` defaults to True;
     - ``selective`` (recompute attention only): ``34·s·b·h``;
     - ``full`` (checkpoint every layer): ``2·s·b·h``, the layer input.
 
@@ -134,7 +151,7 @@ def estimate_decoder_activation_bytes(
     _check_positive(micro_batch=micro_batch, seq_len=seq_len)
     sbh = seq_len * micro_batch * shape.d_model
     per_layer = {
-        "none": sbh * 34 + 5 * shape.num_heads * seq_len * seq_len * micro_batch,
+        "none": sbh * 34 + (0 if fused_attention else 5 * shape.num_heads * seq_len**2 * micro_batch),
         "selective": 34 * sbh,
         "full": 2 * sbh,
     }

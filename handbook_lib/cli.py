@@ -5,7 +5,9 @@ Chapter 1 introduces it. Commands:
 - ``runs`` — list the experiments that can be launched;
 - ``run NAME --nproc N [--set key=value ...] [--out DIR] [--timeout S]`` — launch one with
   torchrun, stream its ranks' output, leave ``DIR/result.json`` and print its checks;
-- ``params [--set key=value ...]`` — the model's parameter count, by component.
+- ``params [--set key=value ...]`` — the model's parameter count, by component;
+- ``memory (--params N | --model 7b | --set key=value ...) --world-size N ...`` — the memory
+  model's per-rank bytes by component (``--json`` for bytes).
 
 Exit status: 0 on success, 1 if a run failed or a check was off, 2 for a bad argument.
 """
@@ -14,11 +16,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 
-from handbook_lib.config import RunConfig, parse_overrides
+from handbook_lib.activations import DECODER_SHAPES
+from handbook_lib.config import OPTIMIZERS, PRECISIONS, STRATEGIES, RunConfig, parse_overrides
 from handbook_lib.display import Table, checks_table, format_bytes
 from handbook_lib.launch import RunFailed, torchrun
+from handbook_lib.memory import estimate_memory
 from handbook_lib.model import param_count, param_count_breakdown
 from handbook_lib.runs import available_runs
 
@@ -44,7 +49,54 @@ def build_parser() -> argparse.ArgumentParser:
     params = sub.add_parser("params", help="parameter count of the model, by component")
     params.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="a model key: vocab_size, d_model, nhead, dim_feedforward, num_layers")
+    mem = sub.add_parser("memory", help="predicted per-rank memory, by component")
+    what = mem.add_mutually_exclusive_group()
+    what.add_argument("--params", type=float, help="a model known by its parameter count (e.g. 7e9)")
+    what.add_argument("--model", choices=sorted(DECODER_SHAPES), help="a decoder shape (chapter 2)")
+    mem.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="the handbook's model, with model keys changed (the default model)")
+    mem.add_argument("--world-size", type=int, default=8, help="ranks (GPUs), default 8")
+    mem.add_argument("--strategy", default="FULL_SHARD", help=f"one of {', '.join(STRATEGIES)}")
+    mem.add_argument("--precision", default="bf16-mixed", help=f"one of {', '.join(PRECISIONS)}")
+    mem.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS)}")
+    mem.add_argument("--micro-batch", type=int, default=0, help="sequences per rank (0: no activations)")
+    mem.add_argument("--seq-len", type=int, default=0, help="tokens per sequence")
+    mem.add_argument("--shard-group-size", type=int, default=None, help="HYBRID: ranks per shard group")
+    mem.add_argument("--activation-checkpointing", action="store_true")
+    mem.add_argument("--cpu-offload", action="store_true")
+    mem.add_argument("--json", action="store_true", help="print bytes as JSON")
     return parser
+
+
+def _cmd_memory(args: argparse.Namespace) -> int:
+    if args.params is not None:
+        if args.overrides:
+            raise ValueError("--set applies to the handbook's model; do not combine it with --params")
+        if args.params < 0 or args.params != int(args.params):
+            raise ValueError(f"--params must be a whole number >= 0, got {args.params}")
+        model: object = int(args.params)
+    elif args.model is not None:
+        model = DECODER_SHAPES[args.model]
+    else:
+        model = RunConfig.from_mapping(parse_overrides(args.overrides)).model_config()
+    est = estimate_memory(model, args.world_size, args.strategy, args.precision, args.optimizer,
+                          micro_batch=args.micro_batch, seq_len=args.seq_len,
+                          shard_group_size=args.shard_group_size,
+                          activation_checkpointing=args.activation_checkpointing,
+                          cpu_offload=args.cpu_offload)
+    if args.json:
+        print(json.dumps({"components": est.components, "peak": est.peak, "peak_phase": est.peak_phase,
+                          "phases": est.phases, "host": est.host, "notes": list(est.notes)}, indent=2))
+        return 0
+    rows = [[name, b, format_bytes(b)] for name, b in est.components.items()]
+    rows.append([f"peak ({est.peak_phase})", est.peak, format_bytes(est.peak)])
+    if est.host:
+        rows.append(["host (offloaded)", est.host, format_bytes(est.host)])
+    print(f"per-rank memory: {args.strategy}, {args.world_size} ranks, {args.precision}, {args.optimizer}")
+    print(Table(["component", "bytes", "human"], rows))
+    for note in est.notes:
+        print(f"note: {note}")
+    return 0
 
 
 def _cmd_runs() -> int:
@@ -86,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_runs()
         if args.command == "run":
             return _cmd_run(args)
+        if args.command == "memory":
+            return _cmd_memory(args)
         return _cmd_params(args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

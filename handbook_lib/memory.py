@@ -1,4 +1,4 @@
-"""The memory model: where a training job's bytes go, per rank. Pure: no ``torch``.
+"""The memory model: where a training job's bytes go, per rank. Pure arithmetic: no ``torch.distributed``, no side effects.
 
 Chapter 1 introduces the model state ("16 bytes per parameter") and FSDP's shards; chapter 2
 builds the full per-rank model of this module and checks it against real runs:
@@ -225,6 +225,15 @@ def _units_and_activations(model, group, c_name, micro_batch, seq_len, ac):
     return [], 0, None, 0
 
 
+def _head_numel(model) -> int:
+    """Elements of the output head (its gradients are computed first in backward)."""
+    if isinstance(model, ModelConfig):
+        return model.d_model * model.vocab_size + model.vocab_size
+    if isinstance(model, DecoderShape):
+        return model.d_model * model.vocab_size
+    return 0
+
+
 @dataclass(frozen=True)
 class _Acts:
     total: int
@@ -273,6 +282,8 @@ def estimate_memory(
     - ``backward_start``: the log-softmax output is freed, the logits' gradient (compute dtype)
       is alive, and FULL_SHARD all-gathers the root unit again: its unsharded parameters and
       FSDP's all-gather buffer (2 copies in the compute dtype);
+    - ``layer_backward``: the last layer's backward: the root still unsharded, the head's
+      gradients waiting for the root's reduce-scatter, the layer gathered (2 copies);
     - ``root_reduce``: end of backward: the root's unsharded gradients, their cast to the reduce
       dtype, and the reduce-scatter input buffer;
     - ``layer_recompute`` (with checkpointing): one layer's activations recomputed, its unit
@@ -310,6 +321,7 @@ def estimate_memory(
 
     layers, root, acts, vocab = _units_and_activations(model, group, c_name, micro_batch, seq_len,
                                                        activation_checkpointing)
+    head = _head_numel(model)
     tv = micro_batch * seq_len * vocab
     act_total = acts.total if acts else 0
     logsoftmax = 4 * tv
@@ -326,16 +338,21 @@ def estimate_memory(
     phases: dict[str, dict[str, int]] = {}
     if strategy in _SHARDED:
         reshard = strategy in _RESHARD
+        copies = 2 if group > 1 else 1  # all-gather output buffer + unsharded params (1 rank: a copy)
         everything = c * (sum(layers) + root)
+        biggest = max(layers, default=0)
         kept = 0 if reshard else everything
         cast = r * root if r != c else 0
         phases["loss_backward"] = phase(kept, 0, act_total, 2 * logsoftmax)
-        phases["backward_start"] = phase(2 * c * root if reshard else kept, 0,
+        phases["backward_start"] = phase(copies * c * root if reshard else kept, 0,
                                          act_total - logsoftmax, c * tv)
+        # first layer backward: the root stays unsharded, its head's gradients wait for the
+        # root's reduce-scatter, and the layer is gathered with its gradients being computed
+        phases["layer_backward"] = phase(c * root + copies * c * biggest if reshard else kept,
+                                         c * head + c * biggest, act_total - logsoftmax, 0)
         phases["root_reduce"] = phase(0, c * root + cast + r * root, 0, 0)
         if activation_checkpointing and acts:
-            biggest = max(layers, default=0)
-            unsharded = (c * root + 2 * c * biggest) if reshard else everything
+            unsharded = (c * root + copies * c * biggest) if reshard else everything
             phases["layer_recompute"] = phase(unsharded, 0, act_total - logsoftmax + acts.recompute,
                                               c * tv)
     else:

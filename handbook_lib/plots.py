@@ -1,18 +1,20 @@
 """Figures for the book. Each ``plot_*`` function returns a matplotlib ``Figure``.
 
-Chapter 1 introduces :func:`plot_rank_bytes`. Figures are built with the object-oriented API
+Chapter 1 introduces :func:`plot_rank_bytes`; chapter 2 adds :func:`plot_memory_breakdown` and
+:func:`plot_predicted_vs_measured`. Figures are built with the object-oriented API
 (no ``pyplot`` state), so a notebook cell shows a returned figure exactly once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from matplotlib.figure import Figure
 
+from handbook_lib.memory import MemoryEstimate
 from handbook_lib.results import RunResult
 
-__all__ = ["plot_rank_bytes"]
+__all__ = ["plot_rank_bytes", "plot_memory_breakdown", "plot_predicted_vs_measured"]
 
 _COMPONENTS = (
     ("param_shard_bytes", "parameters"),
@@ -55,4 +57,63 @@ def plot_rank_bytes(
     ax.set_ylim(0, max(bottom) * 1.15)
     ax.set_title(f"{title} ({result.world_size} ranks, {result.backend})")
     ax.legend(loc="upper right", fontsize=8)
+    return fig
+
+
+_COMPONENT_LABELS = {
+    "params": "parameters", "grads": "gradients", "optimizer": "optimizer state",
+    "unsharded_params": "unsharded params + all-gather", "grad_buffers": "gradient buffers",
+    "activations": "activations", "loss_buffers": "loss buffers",
+}
+
+
+def plot_memory_breakdown(
+    estimates: Mapping[str, MemoryEstimate],
+    *,
+    title: str = "Predicted peak memory per rank",
+    limit_bytes: int | None = None,
+    limit_label: str = "device memory",
+) -> Figure:
+    """Stacked bars of :class:`~handbook_lib.memory.MemoryEstimate` components at each peak.
+
+    Args:
+        estimates: Bar label → estimate (e.g. ``"FULL_SHARD\\n8 GPUs"``).
+        title: Figure title.
+        limit_bytes: Draw a horizontal line at this many bytes (e.g. a GPU's memory).
+        limit_label: Legend label of that line.
+    """
+    labels = list(estimates)
+    fig = Figure(figsize=(max(6.4, 1.0 * len(labels)), 4.0), layout="constrained")
+    ax = fig.add_subplot()
+    bottom = [0.0] * len(labels)
+    for key, name in _COMPONENT_LABELS.items():
+        values = [estimates[label].components[key] / 1e9 for label in labels]
+        if any(values):
+            ax.bar(labels, values, bottom=bottom, label=name)
+            bottom = [b + v for b, v in zip(bottom, values)]
+    if limit_bytes is not None:
+        ax.axhline(limit_bytes / 1e9, color="black", linestyle="--", linewidth=1, label=limit_label)
+    ax.set_ylabel("bytes per rank (GB, 10^9)")
+    ax.set_title(title)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.legend(fontsize=7, loc="upper right")
+    return fig
+
+
+def plot_predicted_vs_measured(
+    pairs: Sequence[tuple[str, float, float]],
+    *,
+    title: str = "Peak memory per rank: model vs run",
+) -> Figure:
+    """Side-by-side bars of predicted and measured bytes, one pair per label (MB, 10^6)."""
+    labels = [p[0] for p in pairs]
+    xs = range(len(labels))
+    fig = Figure(figsize=(max(6.4, 1.1 * len(labels)), 3.8), layout="constrained")
+    ax = fig.add_subplot()
+    ax.bar([x - 0.2 for x in xs], [p[1] / 1e6 for p in pairs], width=0.4, label="predicted")
+    ax.bar([x + 0.2 for x in xs], [p[2] / 1e6 for p in pairs], width=0.4, label="measured")
+    ax.set_xticks(list(xs), labels, fontsize=8)
+    ax.set_ylabel("bytes (MB, 10^6)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
     return fig

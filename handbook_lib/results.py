@@ -2,7 +2,7 @@
 
 Chapter 1 introduces it. A run writes one file; its ``checks`` list is where the book's models
 meet reality: each record puts a prediction beside a measurement of the same quantity on the
-same rank. Pure: no ``torch``.
+same rank. Pure arithmetic: no ``torch.distributed``, no side effects.
 """
 
 from __future__ import annotations

@@ -73,3 +73,116 @@ def test_optimizer_states():
 def test_bad_input_raises_value_error(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# --- estimate_memory and the ZeRO accounting (chapter 2) -------------------------------------
+
+from handbook_lib.activations import DECODER_SHAPES, estimate_activation_bytes  # noqa: E402
+from handbook_lib.memory import (  # noqa: E402
+    COMPONENTS,
+    FSDP2_SPELLING,
+    ZERO_STAGES,
+    estimate_memory,
+    estimate_zero_memory,
+    optimizer_step_bytes,
+)
+from handbook_lib.config import STRATEGIES  # noqa: E402
+
+
+@pytest.mark.parametrize("stage, gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_figure_1(stage, gb):
+    # Rajbhandari et al. 2020, Figure 1: 7.5B parameters, 64 GPUs, K = 12.
+    assert round(estimate_zero_memory(7_500_000_000, 64, stage).total / 1e9, 1) == gb
+
+
+def test_sixteen_bytes_two_ways():
+    fp32 = estimate_model_state_bytes(1000)
+    zero = estimate_zero_memory(1000, 1, 0)
+    assert fp32.total == zero.total == 16_000
+    assert (fp32.params, fp32.grads, fp32.optimizer) == (4000, 4000, 8000)
+    assert (zero.params, zero.grads, zero.optimizer) == (2000, 2000, 12000)
+
+
+def test_model_state_shards_exactly_by_strategy():
+    config = ModelConfig(vocab_size=1001)
+    n = param_count(config)
+    steps = optimizer_step_bytes(config, "adamw")
+    assert steps == 4 * len(param_shapes(config))
+    for strategy, group in [("DDP", 1), ("NO_SHARD", 1), ("SHARD_GRAD_OP", 4), ("FULL_SHARD", 4),
+                            ("HYBRID_SHARD", 2), ("HYBRID_SHARD_ZERO2", 2)]:
+        est = estimate_memory(config, 4, strategy, shard_group_size=2 if "HYBRID" in strategy else None, rank=1)
+        shard = estimate_shard_bytes(config, group, 1 % group).shard_bytes
+        assert (est.params, est.grads, est.optimizer) == (shard, shard, 2 * shard + steps), strategy
+    assert estimate_memory(config, 1, "DDP").params == 4 * n
+
+
+def test_precision_changes_transients_not_the_sharded_state():
+    config = ModelConfig()
+    fp32 = estimate_memory(config, 2, "FULL_SHARD", "fp32", micro_batch=4, seq_len=64)
+    bf16 = estimate_memory(config, 2, "FULL_SHARD", "bf16-mixed", micro_batch=4, seq_len=64)
+    assert fp32.model_state == bf16.model_state
+    assert bf16.forward_activations < fp32.forward_activations
+    root = 2 * 256 * 10_000 + 10_000  # embedding + head, even split at 2 ranks: no padding
+    assert fp32.phases["backward_start"] - fp32.model_state - fp32.components["activations"] \
+        - fp32.components["loss_buffers"] == 2 * 4 * root  # all-gather buffer + unsharded root
+
+
+def test_shard_grad_op_keeps_every_parameter_unsharded_after_forward():
+    config = ModelConfig()
+    est = estimate_memory(config, 4, "SHARD_GRAD_OP", "fp32", micro_batch=8, seq_len=64)
+    assert est.peak_phase == "loss_backward"
+    assert est.components["unsharded_params"] == 4 * param_count(config)  # 10,000 and 256 split by 4
+
+
+def test_activations_come_from_the_activation_model():
+    config = ModelConfig()
+    est = estimate_memory(config, 2, micro_batch=4, seq_len=64, activation_checkpointing=True)
+    assert est.forward_activations == estimate_activation_bytes(config, 4, 64, activation_checkpointing=True).total
+    assert "layer_recompute" in est.phases
+
+
+def test_peak_never_grows_with_more_gpus_under_full_shard():
+    shape = DECODER_SHAPES["13b"]
+    peaks = [estimate_memory(shape, n, "FULL_SHARD", "bf16-mixed", micro_batch=1, seq_len=2048).peak
+             for n in (1, 2, 4, 8, 16, 64)]
+    assert peaks == sorted(peaks, reverse=True)
+
+
+def test_cpu_offload_moves_the_state_to_the_host():
+    config = ModelConfig()
+    on = estimate_memory(config, 2, cpu_offload=True, micro_batch=4, seq_len=64)
+    off = estimate_memory(config, 2, micro_batch=4, seq_len=64)
+    assert on.model_state == 0 and on.host == off.model_state
+    assert on.peak < off.peak
+
+
+def test_parameter_count_alone_gives_model_state_and_says_what_is_missing():
+    est = estimate_memory(7_000_000_000, 8, "FULL_SHARD", "bf16-mixed")
+    assert est.peak == 16 * 7_000_000_000 // 8
+    assert any("activations not included" in n for n in est.notes)
+    assert set(est.components) == set(COMPONENTS)
+
+
+def test_vocabulary_tables_cover_every_strategy():
+    assert set(FSDP2_SPELLING) == set(STRATEGIES)
+    assert ZERO_STAGES[1] is None and ZERO_STAGES[3] == "FULL_SHARD"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"strategy": "ZERO3"}, "strategy must be one of"),
+    ({"precision": "fp8"}, "precision must be one of"),
+    ({"optimizer": "lion"}, "optimizer must be one of"),
+    ({"strategy": "HYBRID_SHARD", "shard_group_size": 3}, "must divide world_size"),
+    ({"micro_batch": 2}, "together"),
+    ({"micro_batch": -1, "seq_len": 4}, "micro_batch"),
+    ({"world_size": 0}, "world_size"),
+])
+def test_estimate_memory_rejects_bad_input(kwargs, match):
+    args = {"world_size": 4, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        estimate_memory(ModelConfig(), **args)
+
+
+def test_zero_rejects_bad_input():
+    with pytest.raises(ValueError, match="stage must be one of 0, 1, 2, 3"):
+        estimate_zero_memory(10, 2, 4)

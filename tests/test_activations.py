@@ -1,0 +1,89 @@
+"""handbook_lib.activations: the per-tensor count against what autograd really saves."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from handbook_lib.activations import (
+    DECODER_SHAPES,
+    DecoderShape,
+    estimate_activation_bytes,
+    estimate_decoder_activation_bytes,
+)
+from handbook_lib.model import ModelConfig, build_model
+
+
+def saved_activation_bytes(config: ModelConfig, micro_batch: int, seq_len: int) -> int:
+    """Measure: bytes of the distinct storages autograd saves in one forward + loss, parameters excluded."""
+    model = build_model(config, seed=0)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (micro_batch, seq_len), generator=gen)
+    targets = torch.randint(0, config.vocab_size, (micro_batch, seq_len), generator=gen)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(tokens)
+        F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("config, micro_batch, seq_len", [
+    (ModelConfig(vocab_size=300, d_model=32, nhead=2, dim_feedforward=64, num_layers=2), 2, 16),
+    (ModelConfig(vocab_size=1001, d_model=64, nhead=4, dim_feedforward=96, num_layers=3), 4, 24),
+    (ModelConfig(vocab_size=50, d_model=48, nhead=3, dim_feedforward=200, num_layers=1), 3, 7),
+])
+def test_fp32_count_equals_saved_tensors(config, micro_batch, seq_len):
+    measured = saved_activation_bytes(config, micro_batch, seq_len)
+    assert estimate_activation_bytes(config, micro_batch, seq_len).total == measured
+
+
+def test_checkpointing_keeps_layer_inputs_and_recomputes_one_layer():
+    config = ModelConfig(vocab_size=100, d_model=32, nhead=2, dim_feedforward=64, num_layers=4)
+    full = estimate_activation_bytes(config, 2, 8)
+    ac = estimate_activation_bytes(config, 2, 8, activation_checkpointing=True)
+    tokens = 2 * 8
+    assert ac.layers == 4 * tokens * 32 * 4 and ac.head == full.head
+    assert ac.recompute == full.per_layer and full.recompute == 0
+    assert ac.total < full.total
+
+
+def test_bf16_halves_the_compute_tensors_not_the_fp32_ones():
+    config = ModelConfig()
+    fp32 = estimate_activation_bytes(config, 4, 64, "fp32")
+    bf16 = estimate_activation_bytes(config, 4, 64, "bf16")
+    tokens, d, f = 4 * 64, config.d_model, config.dim_feedforward
+    assert fp32.per_layer - bf16.per_layer == tokens * (8 * d + 2 * f) * 2 + 64**2 * 2  # and the mask
+    assert fp32.head - bf16.head == tokens * d * 2  # the log-softmax output stays fp32
+
+
+def test_decoder_formula_matches_the_paper_by_hand():
+    shape = DecoderShape("t", num_layers=2, d_model=8, num_heads=2, vocab_size=10)
+    s, b, h, a = 16, 3, 8, 2
+    assert estimate_decoder_activation_bytes(shape, b, s, fused_attention=False) == 2 * (s * b * h * 34 + 5 * a * s * s * b)
+    assert estimate_decoder_activation_bytes(shape, b, s) == 2 * 34 * s * b * h
+    assert estimate_decoder_activation_bytes(shape, b, s, recompute="selective") == 2 * 34 * s * b * h
+    assert estimate_decoder_activation_bytes(shape, b, s, recompute="full") == 2 * 2 * s * b * h
+
+
+def test_scenario_shapes_are_near_their_names():
+    for name, shape in DECODER_SHAPES.items():
+        nominal = float(name.rstrip("b")) * 1e9
+        assert abs(shape.num_params - nominal) / nominal < 0.10, name
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: estimate_activation_bytes(ModelConfig(), 0, 8), "micro_batch"),
+    (lambda: estimate_activation_bytes(ModelConfig(), 2, -1), "seq_len"),
+    (lambda: estimate_activation_bytes(ModelConfig(), 2, 8, "int8"), "fp32, bf16, fp16"),
+    (lambda: estimate_decoder_activation_bytes(DECODER_SHAPES["7b"], 1, 8, recompute="some"), "none, selective, full"),
+])
+def test_bad_input_raises(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
