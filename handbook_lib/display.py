@@ -8,13 +8,13 @@ seconds); only this module turns them into text. A :class:`Table` shows as align
 from __future__ import annotations
 
 import html
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from handbook_lib.results import Check, RunResult
 
-__all__ = ["format_bytes", "Table", "checks_table", "ranks_table"]
+__all__ = ["format_bytes", "Table", "checks_table", "ranks_table", "summarize_runs"]
 
 _DECIMAL = [("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)]
 _BINARY = [("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)]
@@ -84,3 +84,23 @@ def ranks_table(result: RunResult, keys: Sequence[str]) -> Table:
     """One row per rank with the chosen per-rank metrics."""
     rows = sorted(result.ranks, key=lambda r: r["rank"])
     return Table(["rank", *keys], [[r["rank"], *(r[k] for k in keys)] for r in rows])
+
+
+def summarize_runs(results: Mapping[str, RunResult]) -> Table:
+    """One row per run: how its checks came out, over all ranks.
+
+    Columns: the exact checks and the largest byte error among them (0 when the model is exact),
+    and the worst relative errors of the activation and peak checks (percent), with the peaks.
+    """
+    rows = []
+    for label, result in results.items():
+        exact = [c for c in result.checks if c.tolerance == 0]
+        def worst(quantity: str) -> Check:
+            return max((c for c in result.checks if c.quantity == quantity),
+                       key=lambda c: abs(c.relative_error))
+        act, peak = worst("activation_bytes"), worst("peak_bytes")
+        rows.append([label, result.world_size, len(exact), max(abs(c.error) for c in exact),
+                     f"{100 * act.relative_error:+.2f} %", format_bytes(peak.predicted),
+                     format_bytes(peak.measured), f"{100 * peak.relative_error:+.2f} %"])
+    return Table(["run", "ranks", "exact checks", "max byte error", "activations error",
+                  "peak predicted", "peak measured", "peak error"], rows)

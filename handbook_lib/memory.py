@@ -1,4 +1,6 @@
-"""The memory model: where a training job's bytes go, per rank. Pure arithmetic: no ``torch.distributed``, no side effects.
+"""The memory model: where a training job's bytes go, per rank.
+
+Pure arithmetic: no ``torch.distributed``, no side effects.
 
 Chapter 1 introduces the model state ("16 bytes per parameter") and FSDP's shards; chapter 2
 builds the full per-rank model of this module and checks it against real runs:
@@ -40,7 +42,7 @@ __all__ = [
     "DTYPE_BYTES", "ShardBytes", "Unit", "dtype_bytes", "shard_rows", "estimate_shard_bytes",
     "fsdp_units", "OPTIMIZER_STATES", "optimizer_states", "optimizer_step_bytes", "COMPONENTS", "PRECISION_DTYPES", "FSDP2_SPELLING",
     "ZERO_STAGES", "ModelStateBytes", "MemoryEstimate", "estimate_model_state_bytes",
-    "estimate_zero_memory", "estimate_memory",
+    "estimate_zero_memory", "estimate_memory", "estimate_seed_model_state", "min_gpus_to_fit",
 ]
 
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
@@ -364,3 +366,55 @@ def estimate_memory(
     peak_phase = max(totals, key=totals.get)
     return MemoryEstimate(components=phases[peak_phase], phases=totals, peak_phase=peak_phase,
                           forward_activations=act_total, host=host, notes=tuple(notes))
+
+
+def estimate_seed_model_state(num_params: int, world_size: int, strategy: str) -> int:
+    """Per-GPU bytes by the simplified model this course started from (the "seed").
+
+    Its assumptions: fp32 training with Adam, 16 bytes per parameter, model state only (no
+    activations, no transient buffers, no padding), three strategies: ``NO_SHARD`` replicates
+    everything (16P), ``SHARD_GRAD_OP`` shards gradients and optimizer states (4P + 12P/N),
+    ``FULL_SHARD`` shards everything (16P/N). Chapter 2 reproduces it, then shows where it is
+    wrong: SHARD_GRAD_OP's parameters are unsharded during forward and backward, and at long
+    sequences activations, not model state, decide what fits.
+    """
+    n = _count(num_params)
+    check_world(world_size)
+    formulas = {"NO_SHARD": 16 * n, "SHARD_GRAD_OP": 4 * n + 12 * n // world_size,
+                "FULL_SHARD": 16 * n // world_size}
+    if strategy not in formulas:
+        raise ValueError(f"strategy must be one of {', '.join(formulas)} (the seed's three), got {strategy!r}")
+    return formulas[strategy]
+
+
+def min_gpus_to_fit(
+    model: int | ModelConfig | DecoderShape,
+    device_bytes: int,
+    *,
+    max_gpus: int = 4096,
+    headroom: float = 0.0,
+    **kwargs,
+) -> int | None:
+    """Smallest power-of-two GPU count whose predicted peak fits in ``device_bytes``.
+
+    Args:
+        model: As for :func:`estimate_memory`.
+        device_bytes: Memory of one GPU, bytes.
+        max_gpus: Give up above this many GPUs.
+        headroom: Fraction of ``device_bytes`` kept free (e.g. 0.1 for fragmentation and the
+            CUDA context).
+        **kwargs: Passed to :func:`estimate_memory` (strategy, precision, micro_batch, ...).
+
+    Returns:
+        The GPU count, or ``None`` if even ``max_gpus`` do not suffice (e.g. activations alone
+        exceed the budget: they do not shrink with more GPUs).
+    """
+    if device_bytes <= 0 or not 0 <= headroom < 1:
+        raise ValueError(f"device_bytes must be > 0 and headroom in [0, 1), got {device_bytes}, {headroom}")
+    budget = device_bytes * (1 - headroom)
+    n = 1
+    while n <= max_gpus:
+        if estimate_memory(model, n, **kwargs).peak <= budget:
+            return n
+        n *= 2
+    return None

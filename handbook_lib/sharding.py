@@ -1,4 +1,6 @@
-"""How FSDP cuts parameters into shards, and how it groups them into units. Pure arithmetic: no ``torch.distributed``, no side effects.
+"""How FSDP cuts parameters into shards, and how it groups them into units.
+
+Pure arithmetic: no ``torch.distributed``, no side effects.
 
 Chapter 1 introduces the shard rule; chapters 2 and 3 use the units. FSDP (FSDP2's
 ``fully_shard`` and FSDP1 alike) shards each parameter along its first dimension: a first
