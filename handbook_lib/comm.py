@@ -1,5 +1,5 @@
 """The communication model: bytes each rank sends per collective and per training step, and how
-long they take. Pure: no ``torch``. Chapter 3 teaches it.
+long they take. Pure arithmetic: no ``torch.distributed``. Chapter 3 teaches it.
 
 Collectives run as rings over a group of N ranks on a buffer of B bytes, where B is always the
 full, unsharded buffer (all-gather output, reduce-scatter input, all-reduce and broadcast size).
@@ -23,11 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from math import prod
 
 from handbook_lib.hardware import Link
-from handbook_lib.memory import DTYPE_BYTES, dtype_bytes, shard_rows
-from handbook_lib.model import ModelConfig, param_shapes
+from handbook_lib.model import ModelConfig
+from handbook_lib.sharding import DTYPE_BYTES, Unit, dtype_bytes, fsdp_units
 
 __all__ = [
     "COLLECTIVES", "STRATEGIES", "CollectiveCost", "estimate_collective", "Unit",
@@ -111,47 +110,10 @@ def estimate_collective(kind: str, buffer_bytes: int, group_size: int) -> Collec
     return CollectiveCost(kind, b, n, moved, moved, steps)
 
 
-@dataclass(frozen=True)
-class Unit:
-    """One FSDP unit: the parameters one ``fully_shard`` call groups into one collective."""
-
-    name: str
-    """e.g. ``"layers.0"`` or ``"root"``."""
-    shapes: tuple[tuple[int, ...], ...]
-    """Shape of each parameter, in elements; FSDP shards (and pads) dimension 0."""
-    root: bool = False
-    """True for the root unit, which FSDP2 keeps unsharded between forward and backward."""
-
-    def __post_init__(self) -> None:
-        shapes = tuple(tuple(s) for s in self.shapes)
-        for shape in shapes:
-            if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
-                raise ValueError(f"shapes of unit {self.name!r} must be non-empty tuples of ints "
-                                 f">= 0, got {shape!r}")
-        object.__setattr__(self, "shapes", shapes)
-
-    @property
-    def numel(self) -> int:
-        """Elements of the unit, unpadded."""
-        return sum(prod(s) for s in self.shapes)
-
-    def padded_numel(self, group_size: int) -> int:
-        """Elements of the unit's all-gather output when sharded over ``group_size`` ranks: every
-        parameter's dim 0 padded up to a multiple of ``group_size``."""
-        return group_size * sum(shard_rows(s[0], group_size, 0)[1] * prod(s[1:]) for s in self.shapes)
-
-
 def units_for_model(config: ModelConfig) -> list[Unit]:
-    """The FSDP units of ``SimpleTransformer(config)`` as ``handbook_lib.training.apply_fsdp2``
-    wraps it: the root (embedding and output head) first, then one unit per layer."""
-    root: list[tuple[int, ...]] = []
-    layers: dict[str, list[tuple[int, ...]]] = {}
-    for name, shape in param_shapes(config):
-        if name.startswith("layers."):
-            layers.setdefault(".".join(name.split(".")[:2]), []).append(shape)
-        else:
-            root.append(shape)
-    return [Unit("root", tuple(root), root=True)] + [Unit(n, tuple(s)) for n, s in layers.items()]
+    """The FSDP units of ``SimpleTransformer(config)``, in forward order (root first): see
+    :func:`handbook_lib.sharding.fsdp_units`."""
+    return fsdp_units(config)
 
 
 @dataclass(frozen=True)
@@ -214,6 +176,9 @@ def estimate_step_traffic(
       ``shard_group_size`` = S ranks (padding to multiples of S), then an all-reduce of each
       reduce-scattered shard (1/S of the buffer) across the R = world_size / S replicas.
 
+    FSDP skips collectives over a group of one rank: on a single rank it issues none, and HSDP
+    with one replica issues no all-reduce.
+
     With ``grad_accum_steps`` = k > 1 and ``sync_every_micro_step=False`` (DDP's ``no_sync``,
     FSDP2's ``set_requires_gradient_sync(False)``), gradients are reduced only on the last
     micro-step; all-gathers still happen on every micro-step. The price is memory: until that
@@ -268,17 +233,19 @@ def estimate_step_traffic(
                 for u in reversed(units):
                     add("all_reduce", u.name, "backward", reduce_dtype, u.numel * r_size, world_size)
             continue
+        if group == 1 and replicas == 1:
+            continue  # FSDP on one rank issues no collectives at all
         for u in units:
-            add("all_gather", u.name, "forward", param_dtype, u.padded_numel(group) * p_size, group)
+            if group > 1:
+                add("all_gather", u.name, "forward", param_dtype, u.padded_numel(group) * p_size, group)
         for u in reversed(units):
             numel = u.padded_numel(group)
-            if strategy in _REGATHER and (not u.root or root_reshard_after_forward):
+            if group > 1 and strategy in _REGATHER and (not u.root or root_reshard_after_forward):
                 add("all_gather", u.name, "backward", param_dtype, numel * p_size, group)
-            if sync:
+            if sync and group > 1:
                 add("reduce_scatter", u.name, "backward", reduce_dtype, numel * r_size, group)
-                if strategy in _HYBRID:
-                    add("all_reduce", u.name, "backward", reduce_dtype,
-                        numel * r_size // group, replicas)
+            if sync and strategy in _HYBRID and replicas > 1:
+                add("all_reduce", u.name, "backward", reduce_dtype, numel * r_size // group, replicas)
     return StepTraffic(strategy, world_size, grad_accum_steps, tuple(records))
 
 

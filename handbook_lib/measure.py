@@ -1,6 +1,7 @@
 """Read what a rank really holds: bytes of parameter shards, gradients, optimizer state, peak.
 
-Chapter 1 introduces it; chapter 2 adds the step's peak and activations (:class:`StepMemoryTracker`). After ``fully_shard``, every parameter is a ``DTensor``; its local
+Chapter 1 introduces it; chapter 2 adds the step's peak and activations (:class:`StepMemoryTracker`),
+chapter 3 the collectives of a step (:class:`CollectiveCounter`). After ``fully_shard``, every parameter is a ``DTensor``; its local
 tensor is this rank's shard. Counting those local tensors' bytes is a measurement of the run,
 independent of the memory model's arithmetic, which is why the two can be compared.
 """
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "ParamBytes",
@@ -21,6 +23,8 @@ __all__ = [
     "measure_optimizer_bytes",
     "StepMemory",
     "StepMemoryTracker",
+    "CollectiveCall",
+    "CollectiveCounter",
 ]
 
 
@@ -104,11 +108,12 @@ class StepMemory:
 
 
 class StepMemoryTracker:
-    """Measure one training step's memory with PyTorch's FSDP memory tracker.
+    """Measure one training step's memory with PyTorch's memory trackers.
 
     ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker`` follows every tensor's storage
     and files it under a category (sharded or unsharded parameter, gradient, activation,
-    all-gather or reduce-scatter buffer, optimizer state, temporary). It works on CPU and GPU
+    all-gather or reduce-scatter buffer, optimizer state, temporary); for a DDP (or plain) model
+    its parent ``MemTracker`` does the same with fewer categories. It works on CPU and GPU
     alike; on CUDA the caching allocator's own peak is reported too, as a cross-check.
 
     Usage (the training loop calls :meth:`after_forward` once the loss is computed)::
@@ -121,8 +126,14 @@ class StepMemoryTracker:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+        from torch.distributed._tools.mem_tracker import MemTracker
+        from torch.distributed.fsdp import FSDPModule
 
-        self._tracker = FSDPMemTracker(model, optimizer)
+        if isinstance(model, FSDPModule):
+            self._tracker = FSDPMemTracker(model, optimizer)
+        else:  # DDP or a plain module: the generic tracker, told what to watch
+            self._tracker = MemTracker()
+            self._tracker.track_external(model, optimizer)
         self._device = device
         self._activations = 0
         self.result: StepMemory | None = None
@@ -153,3 +164,79 @@ class StepMemoryTracker:
             peak_breakdown=breakdown,
             allocator_peak_bytes=allocator,
         )
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One collective a rank issued, as the dispatcher saw it."""
+
+    kind: str
+    """``all_gather``, ``reduce_scatter``, ``all_reduce`` or ``broadcast``."""
+    dtype: str
+    """Element type, e.g. ``fp32``."""
+    buffer_bytes: int
+    """The full buffer: all-gather output, reduce-scatter input, all-reduce/broadcast tensor."""
+    group_size: int
+    """Ranks in the process group it ran on."""
+
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _tensors(arg: object) -> list[torch.Tensor]:
+    if isinstance(arg, torch.Tensor):
+        return [arg]
+    if isinstance(arg, (list, tuple)):
+        return [t for a in arg for t in _tensors(a)]
+    return []
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Record every collective issued while active: kind, dtype, buffer bytes, group size.
+
+    ``torch.distributed``'s collectives go through the dispatcher as ``c10d`` operators
+    (``c10d._allgather_base_``, ``c10d._reduce_scatter_base_``, ``c10d.allreduce_``, ...), on
+    gloo and NCCL alike; this mode reads their tensor arguments. What it records is the logical
+    collective; how many bytes each rank then puts on the wire depends on the algorithm (the ring
+    model of chapter 3 says ``(N-1)/N`` of the buffer), and gloo on CPU even runs FSDP's
+    reduce-scatter as an all-reduce.
+    """
+
+    # op name -> (kind, index of the argument holding the full buffer)
+    _OPS = {
+        "_allgather_base_": ("all_gather", 0),
+        "allgather_into_tensor_coalesced_": ("all_gather", 0),
+        "allgather_": ("all_gather", 0),
+        "_reduce_scatter_base_": ("reduce_scatter", 1),
+        "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+        "reduce_scatter_": ("reduce_scatter", 1),
+        "allreduce_": ("all_reduce", 0),
+        "allreduce_coalesced_": ("all_reduce", 0),
+        "broadcast_": ("broadcast", 0),
+    }
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[CollectiveCall] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.namespace == "c10d" and func._opname in self._OPS:
+            kind, index = self._OPS[func._opname]
+            buffers = _tensors(args[index])
+            group = next((a for a in args if hasattr(a, "size") and not isinstance(a, torch.Tensor)), None)
+            self.calls.append(CollectiveCall(
+                kind=kind,
+                dtype=_DTYPE_NAMES.get(buffers[0].dtype, str(buffers[0].dtype)),
+                buffer_bytes=sum(_nbytes(t) for t in buffers),
+                group_size=int(group.size()) if group is not None else 1,
+            ))
+        return func(*args, **(kwargs or {}))
+
+    def totals(self) -> dict[str, dict[str, int]]:
+        """Per kind: ``count`` of calls and ``buffer_bytes`` summed."""
+        out: dict[str, dict[str, int]] = {}
+        for call in self.calls:
+            entry = out.setdefault(call.kind, {"count": 0, "buffer_bytes": 0})
+            entry["count"] += 1
+            entry["buffer_bytes"] += call.buffer_bytes
+        return out

@@ -210,7 +210,7 @@ def _units_and_activations(model, group, c_name, micro_batch, seq_len, ac):
         numels = [u.padded_numel(group) for u in units]
         acts = estimate_activation_bytes(model, micro_batch, seq_len, c_name,
                                          activation_checkpointing=ac) if micro_batch else None
-        return numels[:-1], numels[-1], acts, model.vocab_size
+        return numels[1:], numels[0], acts, model.vocab_size
     if isinstance(model, DecoderShape):
         c = dtype_bytes(c_name)
         layer = -(-12 * model.d_model**2 // group) * group

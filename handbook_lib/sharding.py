@@ -107,10 +107,22 @@ def estimate_shard_bytes(
 
 @dataclass(frozen=True)
 class Unit:
-    """One FSDP unit: the parameters that are all-gathered and reduce-scattered together."""
+    """One FSDP unit: the parameters one ``fully_shard`` call gathers and reduces together."""
 
     name: str
+    """e.g. ``"layers.0"`` or ``"root"``."""
     shapes: tuple[tuple[int, ...], ...]
+    """Shape of each parameter, in elements; FSDP shards (and pads) dimension 0."""
+    root: bool = False
+    """True for the root unit (the module ``fully_shard`` was called on last)."""
+
+    def __post_init__(self) -> None:
+        shapes = tuple(tuple(s) for s in self.shapes)
+        for shape in shapes:
+            if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+                raise ValueError(f"shapes of unit {self.name!r} must be non-empty tuples of ints "
+                                 f">= 0, got {shape!r}")
+        object.__setattr__(self, "shapes", shapes)
 
     @property
     def numel(self) -> int:
@@ -124,10 +136,10 @@ class Unit:
 
 
 def fsdp_units(config: ModelConfig) -> list[Unit]:
-    """The units :func:`handbook_lib.training.apply_fsdp2` creates: layers in order, then root.
+    """The units :func:`handbook_lib.training.apply_fsdp2` creates, in forward order.
 
-    One unit per transformer layer (``layers.0`` ...), then the root unit with what is left:
-    the embedding and the output head.
+    The root unit first (the embedding and the output head: what no layer holds; it is gathered
+    first in forward), then one unit per transformer layer (``layers.0`` ...).
     """
     layers: dict[str, list[tuple[int, ...]]] = {}
     root: list[tuple[int, ...]] = []
@@ -136,4 +148,4 @@ def fsdp_units(config: ModelConfig) -> list[Unit]:
             layers.setdefault(".".join(name.split(".")[:2]), []).append(shape)
         else:
             root.append(shape)
-    return [Unit(n, tuple(s)) for n, s in layers.items()] + [Unit("root", tuple(root))]
+    return [Unit("root", tuple(root), root=True)] + [Unit(n, tuple(s)) for n, s in layers.items()]

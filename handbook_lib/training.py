@@ -8,6 +8,7 @@ to learn and falls within a few steps.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -24,7 +25,7 @@ from tqdm import tqdm
 
 from handbook_lib.config import RunConfig
 from handbook_lib.distributed import RankContext
-from handbook_lib.measure import StepMemory, StepMemoryTracker
+from handbook_lib.measure import CollectiveCall, CollectiveCounter, StepMemory, StepMemoryTracker
 from handbook_lib.model import SimpleTransformer, TransformerLayer, build_model
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "apply_fsdp2",
     "build_fsdp2_model",
+    "build_ddp_model",
     "train_step",
     "train",
     "shard_group",
@@ -84,11 +86,14 @@ def local_slice(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor
 
 def shard_group(config: RunConfig, world_size: int) -> int:
     """Ranks that shard one copy of the model: ``shard_group_size`` for HYBRID strategies (0
-    means all ranks of a node, torchrun's ``LOCAL_WORLD_SIZE``), else the whole world.
+    means all ranks of a node, torchrun's ``LOCAL_WORLD_SIZE``), 1 for DDP and NO_SHARD (no
+    sharding), else the whole world.
 
     Raises:
         ValueError: if the group does not divide the world size.
     """
+    if config.strategy in ("DDP", "NO_SHARD"):
+        return 1
     if not config.strategy.startswith("HYBRID"):
         return world_size
     group = config.shard_group_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -216,6 +221,20 @@ class _ProgressLines:
         sys.stderr.flush()
 
 
+def build_ddp_model(config: RunConfig, ctx: RankContext) -> nn.Module:
+    """The seeded model, replicated with ``DistributedDataParallel`` (the chapter-3 baseline).
+
+    DDP all-reduces the gradients in buckets during backward; every rank keeps the full
+    parameters, gradients and optimizer states.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = build_model(config.model_config(), seed=config.seed).to(ctx.device)
+    if config.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    return DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+
+
 @dataclass(frozen=True)
 class TrainLog:
     """What :func:`train` observed, per step."""
@@ -226,6 +245,8 @@ class TrainLog:
     """Wall time of each untracked step (forward, backward, optimizer), seconds."""
     memory: StepMemory | None = None
     """Memory of the last step, measured by :class:`StepMemoryTracker` (if asked for)."""
+    collectives: list[CollectiveCall] | None = None
+    """Collectives of the last step, recorded by :class:`CollectiveCounter` (if asked for)."""
 
 
 def train_step(
@@ -259,18 +280,20 @@ def train(
     *,
     progress: bool = True,
     track_memory: bool = False,
+    count_collectives: bool = False,
 ) -> TrainLog:
     """Run ``config.steps`` optimizer steps on this rank's share of each global batch.
 
     Every rank gets an equal slice of the same global batch, so the gradient FSDP averages over
     ranks is the gradient of the global batch's mean loss: the same as one process training on
     the whole batch. A tqdm progress bar is drawn on rank 0 (stderr) when ``progress`` is set.
-    With ``track_memory`` (and at least 2 steps, so that the optimizer state exists) the last
-    step runs under a :class:`StepMemoryTracker`; its time is not in ``step_time_s``.
+    With ``track_memory`` or ``count_collectives`` (and at least 2 steps, so that the optimizer
+    state exists) the last step runs under a :class:`StepMemoryTracker` and/or a
+    :class:`CollectiveCounter`; its time is not in ``step_time_s``.
     """
     losses: list[float] = []
     times: list[float] = []
-    memory = None
+    memory = collectives = None
     model.train()
     bar = tqdm(total=config.steps, desc="train", unit="step", file=_ProgressLines(),
                disable=not (progress and ctx.is_main), mininterval=0, dynamic_ncols=False, ncols=80)
@@ -278,13 +301,18 @@ def train(
         inputs, targets = make_batch(config, step)
         inputs = local_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device)
         targets = local_slice(targets, ctx.rank, ctx.world_size).to(ctx.device)
-        tracked = track_memory and config.steps >= 2 and step == config.steps - 1
+        tracked = (track_memory or count_collectives) and config.steps >= 2 and step == config.steps - 1
         start = time.perf_counter()
         if tracked:
-            tracker = StepMemoryTracker(model, optimizer, ctx.device)
-            with tracker:
+            tracker = StepMemoryTracker(model, optimizer, ctx.device) if track_memory else None
+            counter = CollectiveCounter() if count_collectives else None
+            with contextlib.ExitStack() as stack:
+                for mode in (tracker, counter):
+                    if mode is not None:
+                        stack.enter_context(mode)
                 loss = train_step(model, optimizer, inputs, targets, tracker)
-            memory = tracker.result
+            memory = tracker.result if tracker else None
+            collectives = counter.calls if counter else None
         else:
             loss = train_step(model, optimizer, inputs, targets)
         if ctx.device.type == "cuda":
@@ -298,4 +326,4 @@ def train(
         bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
         bar.update()
     bar.close()
-    return TrainLog(losses=losses, step_time_s=times, memory=memory)
+    return TrainLog(losses=losses, step_time_s=times, memory=memory, collectives=collectives)

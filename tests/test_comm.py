@@ -311,3 +311,14 @@ def test_module_imports_no_torch():
     imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert not [m for m in imported if m.split(".")[0] == "torch"]
+
+
+def test_fsdp_on_one_rank_or_one_replica_issues_no_collective():
+    from handbook_lib.comm import estimate_step_traffic, units_for_model
+    from handbook_lib.model import ModelConfig
+
+    units = units_for_model(ModelConfig(vocab_size=11, d_model=8, nhead=2, dim_feedforward=8, num_layers=2))
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        assert estimate_step_traffic(units, 1, strategy).records == ()
+    hybrid = estimate_step_traffic(units, 2, "HYBRID_SHARD", shard_group_size=2)
+    assert hybrid.counts["all_reduce"] == 0 and hybrid.counts["reduce_scatter"] == 3

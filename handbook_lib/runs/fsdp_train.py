@@ -19,20 +19,24 @@ from __future__ import annotations
 
 import sys
 
+from handbook_lib.comm import estimate_collective, estimate_step_traffic
 from handbook_lib.config import RunConfig
 from handbook_lib.distributed import RankContext
 from handbook_lib.measure import measure_grad_bytes, measure_optimizer_bytes, measure_param_bytes
 from handbook_lib.memory import (
+    PRECISION_DTYPES,
     estimate_memory,
     estimate_shard_bytes,
     optimizer_states,
     optimizer_step_bytes,
 )
 from handbook_lib.model import param_count
+from handbook_lib.sharding import fsdp_units
 from handbook_lib.results import Check
 from handbook_lib.runs.entry import RankReport, main
 from handbook_lib.training import (
     FSDP2_STRATEGIES,
+    build_ddp_model,
     build_fsdp2_model,
     build_optimizer,
     shard_group,
@@ -56,14 +60,21 @@ def validate(config: RunConfig, world_size: int) -> None:
     """
     if config.api != "fsdp2":
         raise ValueError(f"fsdp_train supports api='fsdp2' only, got api={config.api!r}")
-    if config.strategy not in FSDP2_STRATEGIES:
+    if config.strategy not in (*FSDP2_STRATEGIES, "DDP"):
         raise ValueError(
-            f"fsdp_train supports strategy {', '.join(FSDP2_STRATEGIES)}; got {config.strategy!r}"
-            " (DDP and NO_SHARD: see chapter 5)"
+            f"fsdp_train supports strategy {', '.join(FSDP2_STRATEGIES)} or DDP; got "
+            f"{config.strategy!r} (NO_SHARD: see chapter 5)"
         )
     if config.precision not in ("fp32", "bf16-mixed"):
         raise ValueError(
             f"fsdp_train supports precision fp32 or bf16-mixed, got {config.precision!r}"
+        )
+    if config.strategy == "DDP" and (config.precision != "fp32" or config.cpu_offload):
+        raise ValueError("fsdp_train runs DDP with precision='fp32' and cpu_offload=False only")
+    if config.strategy == "DDP" and config.steps < 3:
+        raise ValueError(
+            f"fsdp_train needs steps >= 3 with DDP (got {config.steps}): DDP rebuilds its gradient "
+            "buckets during the second step, so the measured (last) step must be the third or later"
         )
     if config.batch_size % world_size:
         raise ValueError(
@@ -76,9 +87,10 @@ def validate(config: RunConfig, world_size: int) -> None:
 def run(config: RunConfig, ctx: RankContext) -> RankReport:
     validate(config, ctx.world_size)
     group = shard_group(config, ctx.world_size)
-    model = build_fsdp2_model(config, ctx)
+    ddp = config.strategy == "DDP"
+    model = build_ddp_model(config, ctx) if ddp else build_fsdp2_model(config, ctx)
     optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
-    log = train(model, optimizer, config, ctx, track_memory=True)
+    log = train(model, optimizer, config, ctx, track_memory=True, count_collectives=True)
 
     params = measure_param_bytes(model)
     grads = measure_grad_bytes(model)
@@ -126,11 +138,42 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
         ]
         metrics.update(peak_bytes=mem.peak_bytes, activation_bytes=mem.activation_bytes,
                        peak_breakdown=mem.peak_breakdown, allocator_peak_bytes=mem.allocator_peak_bytes)
+    if log.collectives is not None:
+        checks += _collective_checks(config, ctx, group, log.collectives, check)
+        metrics["collectives"] = [vars(c) for c in log.collectives]
+        metrics["sent_bytes"] = sum(
+            estimate_collective(c.kind, c.buffer_bytes, c.group_size).sent_bytes for c in log.collectives)
     return RankReport(
         metrics=metrics,
         checks=checks,
         extra={"num_params": param_count(model_config), "model_bytes": 4 * param_count(model_config)},
     )
+
+
+def _collective_checks(config, ctx, group, calls, check) -> list[Check]:
+    """Counted collectives of the step beside the communication model's schedule.
+
+    In our wrapping the root is resharded after forward too (``fully_shard(model,
+    reshard_after_forward=True)``), so FULL_SHARD gathers it again in backward. DDP's bucket
+    count depends on its 25 MB bucketing, so only its bytes are checked.
+    """
+    param_dtype, reduce_dtype = PRECISION_DTYPES[config.precision]
+    traffic = estimate_step_traffic(
+        fsdp_units(config.model_config()), ctx.world_size, config.strategy,
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, root_reshard_after_forward=True,
+        shard_group_size=group if config.strategy.startswith("HYBRID") else None,
+    )
+    checks = []
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        predicted = [r for r in traffic.records if r.kind == kind]
+        measured = [c for c in calls if c.kind == kind]
+        if not predicted and not measured:
+            continue
+        if config.strategy != "DDP":
+            checks.append(Check(f"{kind}_count", ctx.rank, len(predicted), len(measured), "collectives"))
+        checks.append(check(f"{kind}_buffer_bytes", sum(r.buffer_bytes for r in predicted),
+                            sum(c.buffer_bytes for c in measured)))
+    return checks
 
 
 if __name__ == "__main__":
