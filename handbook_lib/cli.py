@@ -7,7 +7,9 @@ Chapter 1 introduces it. Commands:
   torchrun, stream its ranks' output, leave ``DIR/result.json`` and print its checks;
 - ``params [--set key=value ...]`` — the model's parameter count, by component;
 - ``memory (--params N | --model 7b | --set key=value ...) --world-size N ...`` — the memory
-  model's per-rank bytes by component (``--json`` for bytes).
+  model's per-rank bytes by component (``--json`` for bytes);
+- ``comm (--params N | --model 70b) --world-size N --strategy S --link nvlink4 ...`` — bytes
+  each rank sends per step, and the time they take (``--json`` for bytes and seconds).
 
 Exit status: 0 on success, 1 if a run failed or a check was off, 2 for a bad argument.
 """
@@ -22,8 +24,16 @@ import sys
 from handbook_lib.activations import DECODER_SHAPES
 from handbook_lib.config import OPTIMIZERS, PRECISIONS, STRATEGIES, RunConfig, parse_overrides
 from handbook_lib.display import Table, checks_table, format_bytes
+from handbook_lib.comm import (
+    estimate_compute_time,
+    estimate_step_time,
+    estimate_step_traffic,
+    units_for_decoder,
+)
+from handbook_lib.hardware import ACCELERATORS, LINKS, get_accelerator, get_link
 from handbook_lib.launch import RunFailed, torchrun
-from handbook_lib.memory import estimate_memory
+from handbook_lib.memory import PRECISION_DTYPES, estimate_memory
+from handbook_lib.sharding import Unit
 from handbook_lib.model import param_count, param_count_breakdown
 from handbook_lib.runs import available_runs
 
@@ -65,7 +75,61 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--activation-checkpointing", action="store_true")
     mem.add_argument("--cpu-offload", action="store_true")
     mem.add_argument("--json", action="store_true", help="print bytes as JSON")
+    comm = sub.add_parser("comm", help="bytes sent per step and their time on a link")
+    what = comm.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=float, help="a model known by its parameter count (one flat unit)")
+    what.add_argument("--model", choices=sorted(DECODER_SHAPES), help="a decoder shape: one unit per layer")
+    comm.add_argument("--world-size", type=int, default=8, help="ranks (GPUs), default 8")
+    comm.add_argument("--strategy", default="FULL_SHARD", help=f"one of {', '.join(STRATEGIES)}")
+    comm.add_argument("--precision", default="bf16-mixed", help=f"one of {', '.join(PRECISIONS)}")
+    comm.add_argument("--shard-group-size", type=int, default=None, help="HYBRID: ranks per shard group")
+    comm.add_argument("--link", default="nvlink4", help=f"one of {', '.join(LINKS)}")
+    comm.add_argument("--gpu", default=None, help=f"for compute time: one of {', '.join(ACCELERATORS)}")
+    comm.add_argument("--tokens", type=int, default=0, help="tokens per GPU per step, for compute time")
+    comm.add_argument("--json", action="store_true", help="print bytes and seconds as JSON")
     return parser
+
+
+def _cmd_comm(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        shape = DECODER_SHAPES[args.model]
+        units, num_params = units_for_decoder(shape), shape.num_params
+    else:
+        if args.params < 1 or args.params != int(args.params):
+            raise ValueError(f"--params must be a whole number >= 1, got {args.params}")
+        num_params = int(args.params)
+        units = [Unit("model", ((num_params,),))]
+    param_dtype, reduce_dtype = PRECISION_DTYPES[args.precision]
+    traffic = estimate_step_traffic(units, args.world_size, args.strategy, param_dtype=param_dtype,
+                                    reduce_dtype=reduce_dtype, shard_group_size=args.shard_group_size)
+    link = get_link(args.link)
+    compute_s = 0.0
+    if args.gpu or args.tokens:
+        if not (args.gpu and args.tokens > 0):
+            raise ValueError("compute time needs both --gpu and --tokens > 0")
+        compute_s = estimate_compute_time(num_params, args.tokens, get_accelerator(args.gpu).peak_flops_bf16)
+    plain = estimate_step_time(traffic, link, compute_s, overlap=False)
+    hidden = estimate_step_time(traffic, link, compute_s, overlap=True)
+    if args.json:
+        print(json.dumps({"counts": traffic.counts, "sent_bytes": traffic.sent_bytes,
+                          "received_bytes": traffic.received_bytes, "comm_s": plain.comm_s,
+                          "compute_s": compute_s, "step_s_no_overlap": plain.total_s,
+                          "step_s_overlap": hidden.total_s, "bound": hidden.bound}, indent=2))
+        return 0
+    rows = []
+    for kind, count in traffic.counts.items():
+        if count:
+            sent = sum(r.sent_bytes for r in traffic.records if r.kind == kind)
+            rows.append([kind, count, sent, format_bytes(sent)])
+    rows.append(["total", sum(traffic.counts.values()), traffic.sent_bytes, format_bytes(traffic.sent_bytes)])
+    print(f"per rank and step: {args.strategy}, {args.world_size} ranks, {args.precision}, link {link.name}")
+    print(Table(["collective", "calls", "bytes sent", "human"], rows))
+    print(f"communication: {plain.comm_s * 1e3:.2f} ms on {link.name}")
+    if compute_s:
+        print(f"compute (6PT at 40 % of {args.gpu}'s bf16 peak): {compute_s * 1e3:.2f} ms")
+        print(f"step: {plain.total_s * 1e3:.2f} ms without overlap, {hidden.total_s * 1e3:.2f} ms with; "
+              f"{hidden.bound}-bound")
+    return 0
 
 
 def _cmd_memory(args: argparse.Namespace) -> int:
@@ -140,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_run(args)
         if args.command == "memory":
             return _cmd_memory(args)
+        if args.command == "comm":
+            return _cmd_comm(args)
         return _cmd_params(args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

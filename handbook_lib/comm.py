@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
+from handbook_lib.activations import DecoderShape
 from handbook_lib.hardware import Link
 from handbook_lib.model import ModelConfig
 from handbook_lib.sharding import DTYPE_BYTES, Unit, dtype_bytes, fsdp_units
@@ -32,7 +33,8 @@ __all__ = [
     "COLLECTIVES", "STRATEGIES", "CollectiveCost", "estimate_collective", "Unit",
     "units_for_model", "CollectiveRecord", "StepTraffic", "estimate_step_traffic",
     "estimate_step_bytes_for_params", "StepTime", "estimate_collective_time",
-    "estimate_step_time", "estimate_compute_time",
+    "estimate_step_time", "estimate_compute_time", "units_for_decoder", "AlphaBeta",
+    "fit_alpha_beta",
 ]
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
@@ -347,3 +349,60 @@ def estimate_compute_time(num_params: int, tokens: int, peak_flops: float,
     if not 0 < utilization <= 1:
         raise ValueError(f"utilization must be in (0, 1], got {utilization!r}")
     return 6 * num_params * tokens / (peak_flops * utilization)
+
+
+def units_for_decoder(shape: DecoderShape) -> list[Unit]:
+    """FSDP units of a GPT-style decoder known by its shape: the root (the embedding, V·d) and one
+    unit per layer (12·d² parameters: attention 4d², feed-forward 8d²), each as one flat tensor."""
+    root = Unit("root", ((shape.vocab_size * shape.d_model,),), root=True)
+    return [root] + [Unit(f"layers.{i}", ((12 * shape.d_model**2,),)) for i in range(shape.num_layers)]
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """A fitted alpha-beta model of one collective on the machine at hand."""
+
+    kind: str
+    group_size: int
+    alpha_s: float
+    """Latency per ring step, seconds."""
+    beta_bytes_per_s: float
+    """Bandwidth: bytes per second a rank sends."""
+
+    def predict_s(self, buffer_bytes: int) -> float:
+        """Predicted seconds for one collective on a buffer of ``buffer_bytes``."""
+        cost = estimate_collective(self.kind, buffer_bytes, self.group_size)
+        return cost.steps * self.alpha_s + cost.sent_bytes / self.beta_bytes_per_s
+
+
+def fit_alpha_beta(kind: str, group_size: int, buffer_bytes: list[int], seconds: list[float]) -> AlphaBeta:
+    """Least-squares fit of ``t = steps·alpha + sent_bytes/beta`` to measured collective times.
+
+    ``steps`` and ``sent_bytes`` come from :func:`estimate_collective` for each buffer size, so
+    the fit is linear in (alpha, 1/beta). Fitting relative errors (each equation divided by its
+    time) keeps the small, latency-bound messages from being drowned by the large ones.
+
+    Raises:
+        ValueError: with fewer than two distinct sizes, mismatched lists or a group of one rank.
+    """
+    if len(buffer_bytes) != len(seconds) or len(set(buffer_bytes)) < 2:
+        raise ValueError("fit_alpha_beta needs two or more distinct buffer sizes, one time each")
+    _check_int("group_size", group_size, 2)
+    if any(not t > 0 for t in seconds):
+        raise ValueError(f"seconds must all be > 0, got {seconds!r}")
+    rows = []
+    for b, t in zip(buffer_bytes, seconds):
+        cost = estimate_collective(kind, b, group_size)
+        rows.append((cost.steps / t, cost.sent_bytes / t))
+    # normal equations of min sum (x0*a + x1*g - 1)^2, with g = 1/beta
+    s00 = sum(x0 * x0 for x0, _ in rows)
+    s01 = sum(x0 * x1 for x0, x1 in rows)
+    s11 = sum(x1 * x1 for _, x1 in rows)
+    r0 = sum(x0 for x0, _ in rows)
+    r1 = sum(x1 for _, x1 in rows)
+    det = s00 * s11 - s01 * s01
+    alpha = (r0 * s11 - r1 * s01) / det
+    inv_beta = (s00 * r1 - s01 * r0) / det
+    if inv_beta <= 0:
+        raise ValueError("the measured times do not grow with the message size: no bandwidth to fit")
+    return AlphaBeta(kind, group_size, max(alpha, 0.0), 1.0 / inv_beta)

@@ -63,9 +63,12 @@ class Table:
         return self.text()
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.columns)
+        pad = "padding:2px 12px;"
+        head = "".join(f'<th style="{pad}text-align:right">{html.escape(c)}</th>' for c in self.columns)
         body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(_cell(v))}</td>" for v in row) + "</tr>"
+            "<tr>" + "".join(
+                f'<td style="{pad}text-align:{"right" if isinstance(v, (int, float)) else "left"}">'
+                f"{html.escape(_cell(v))}</td>" for v in row) + "</tr>"
             for row in self.rows
         )
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"

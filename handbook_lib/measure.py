@@ -191,6 +191,19 @@ def _tensors(arg: object) -> list[torch.Tensor]:
     return []
 
 
+def _group_size(args: tuple) -> int:
+    """Size of the process group among a ``c10d`` operator's arguments (boxed as ScriptObjects)."""
+    from torch.distributed.distributed_c10d import ProcessGroup
+
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject):
+            try:
+                return int(ProcessGroup.unbox(arg).size())
+            except (RuntimeError, TypeError):
+                continue  # another boxed argument, e.g. the reduce op
+    raise RuntimeError("no process group among the collective's arguments")
+
+
 class CollectiveCounter(TorchDispatchMode):
     """Record every collective issued while active: kind, dtype, buffer bytes, group size.
 
@@ -223,12 +236,11 @@ class CollectiveCounter(TorchDispatchMode):
         if func.namespace == "c10d" and func._opname in self._OPS:
             kind, index = self._OPS[func._opname]
             buffers = _tensors(args[index])
-            group = next((a for a in args if hasattr(a, "size") and not isinstance(a, torch.Tensor)), None)
             self.calls.append(CollectiveCall(
                 kind=kind,
                 dtype=_DTYPE_NAMES.get(buffers[0].dtype, str(buffers[0].dtype)),
                 buffer_bytes=sum(_nbytes(t) for t in buffers),
-                group_size=int(group.size()) if group is not None else 1,
+                group_size=_group_size(args),
             ))
         return func(*args, **(kwargs or {}))
 

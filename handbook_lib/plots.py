@@ -1,7 +1,7 @@
 """Figures for the book. Each ``plot_*`` function returns a matplotlib ``Figure``.
 
 Chapter 1 introduces :func:`plot_rank_bytes`; chapter 2 adds :func:`plot_memory_breakdown` and
-:func:`plot_predicted_vs_measured`. Figures are built with the object-oriented API
+:func:`plot_predicted_vs_measured`; chapter 3 the communication plots. Figures are built with the object-oriented API
 (no ``pyplot`` state), so a notebook cell shows a returned figure exactly once.
 """
 
@@ -14,7 +14,10 @@ from matplotlib.figure import Figure
 from handbook_lib.memory import MemoryEstimate
 from handbook_lib.results import RunResult
 
-__all__ = ["plot_rank_bytes", "plot_memory_breakdown", "plot_predicted_vs_measured"]
+__all__ = [
+    "plot_rank_bytes", "plot_memory_breakdown", "plot_predicted_vs_measured",
+    "plot_collective_bench", "plot_volume_vs_memory", "plot_step_time_by_link",
+]
 
 _COMPONENTS = (
     ("param_shard_bytes", "parameters"),
@@ -114,6 +117,72 @@ def plot_predicted_vs_measured(
     ax.bar([x + 0.2 for x in xs], [p[2] / 1e6 for p in pairs], width=0.4, label="measured")
     ax.set_xticks(list(xs), labels, fontsize=8)
     ax.set_ylabel("bytes (MB, 10^6)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_collective_bench(result: RunResult) -> Figure:
+    """Measured collective times (points) against the fitted alpha-beta model (lines), log-log.
+
+    Args:
+        result: A ``comm_bench`` run (its ``measurements`` and ``fits``).
+    """
+    from handbook_lib.comm import AlphaBeta
+
+    fig = Figure(figsize=(6.4, 4.0), layout="constrained")
+    ax = fig.add_subplot()
+    for kind, fit in result.extra["fits"].items():
+        points = [m for m in result.extra["measurements"] if m["kind"] == kind]
+        sizes = [m["buffer_bytes"] for m in points]
+        model = AlphaBeta(kind, result.world_size, fit["alpha_s"], fit["beta_bytes_per_s"])
+        line = ax.plot(sizes, [model.predict_s(b) * 1e3 for b in sizes], label=f"{kind} (fit)")[0]
+        ax.scatter(sizes, [m["seconds"] * 1e3 for m in points], color=line.get_color(), s=14)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("buffer (bytes)")
+    ax.set_ylabel("time per collective (ms)")
+    ax.set_title(f"Collectives here: {result.world_size} ranks, {result.backend} (points: measured, lines: fit)")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_volume_vs_memory(points: Sequence[tuple[str, float, float]], *, title: str) -> Figure:
+    """Scatter of strategies: memory per rank (x, GB) against bytes sent per step (y, GB).
+
+    Args:
+        points: ``(label, memory_bytes, sent_bytes)`` per strategy.
+        title: Figure title.
+    """
+    fig = Figure(figsize=(6.4, 4.0), layout="constrained")
+    ax = fig.add_subplot()
+    for label, memory_bytes, sent in points:
+        ax.scatter([memory_bytes / 1e9], [sent / 1e9], s=40)
+        ax.annotate(label, (memory_bytes / 1e9, sent / 1e9), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    ax.set_xlabel("peak memory per rank (GB, 10^9)")
+    ax.set_ylabel("bytes sent per rank per step (GB, 10^9)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def plot_step_time_by_link(rows: Sequence[tuple[str, float, float, float]], *, title: str) -> Figure:
+    """Bars of compute and communication time per link, with the overlapped step time marked.
+
+    Args:
+        rows: ``(link name, compute_s, comm_s, overlapped_step_s)`` per link.
+        title: Figure title.
+    """
+    labels = [r[0] for r in rows]
+    xs = range(len(rows))
+    fig = Figure(figsize=(max(6.4, 1.1 * len(rows)), 4.0), layout="constrained")
+    ax = fig.add_subplot()
+    ax.bar([x - 0.2 for x in xs], [r[1] for r in rows], width=0.4, label="compute")
+    ax.bar([x + 0.2 for x in xs], [r[2] for r in rows], width=0.4, label="communication")
+    ax.scatter(list(xs), [r[3] for r in rows], color="black", marker="_", s=400, label="step, overlapped", zorder=3)
+    ax.set_xticks(list(xs), labels, fontsize=8, rotation=20)
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds per step")
     ax.set_title(title)
     ax.legend(fontsize=8)
     return fig

@@ -30,4 +30,27 @@ def test_run_writes_result_json_single_rank(tmp_path, capsys):
 
 def test_module_entry_point_lists_runs():
     done = subprocess.run([sys.executable, "-m", "handbook_lib", "runs"], capture_output=True, text=True, check=True)
-    assert [line.split()[0] for line in done.stdout.splitlines()] == ["fault", "fsdp_train"]
+    assert [line.split()[0] for line in done.stdout.splitlines()] == ["comm_bench", "fault", "fsdp_train"]
+
+
+def test_memory_command_text_and_json(capsys):
+    assert main(["memory", "--params", "7e9", "--world-size", "8", "--strategy", "FULL_SHARD",
+                 "--precision", "bf16-mixed", "--optimizer", "adamw"]) == 0
+    out = capsys.readouterr().out
+    assert "params   3,500,000,000" in out  # 4 bytes x 7e9 / 8 ranks
+    assert "note: activations not included" in out
+    assert main(["memory", "--params", "7e9", "--world-size", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["components"]["params"] == 4 * 7_000_000_000 // 8 and data["peak"] == 16 * 7_000_000_000 // 8
+
+
+def test_comm_command(capsys):
+    assert main(["comm", "--params", "8e6", "--world-size", "4", "--strategy", "FULL_SHARD",
+                 "--precision", "fp32", "--link", "nvlink4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    # two all-gathers and one reduce-scatter of 8e6 fp32 values, each sending 3/4 of the buffer
+    assert data["sent_bytes"] == 3 * (3 * 8_000_000 * 4 // 4)
+    assert data["counts"] == {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 0, "broadcast": 0}
+    assert main(["comm", "--model", "70b", "--link", "nvlink4", "--gpu", "h100-80gb", "--tokens", "4096"]) == 0
+    assert "compute-bound" in capsys.readouterr().out
+    assert main(["comm", "--params", "1e6", "--link", "carrier-pigeon"]) == 2

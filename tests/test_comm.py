@@ -322,3 +322,39 @@ def test_fsdp_on_one_rank_or_one_replica_issues_no_collective():
         assert estimate_step_traffic(units, 1, strategy).records == ()
     hybrid = estimate_step_traffic(units, 2, "HYBRID_SHARD", shard_group_size=2)
     assert hybrid.counts["all_reduce"] == 0 and hybrid.counts["reduce_scatter"] == 3
+
+
+def test_fit_recovers_a_known_alpha_and_beta():
+    from handbook_lib.comm import AlphaBeta, fit_alpha_beta
+
+    truth = AlphaBeta("reduce_scatter", 4, alpha_s=2e-5, beta_bytes_per_s=3e9)
+    sizes = [4096 * 4**k for k in range(6)]
+    # times built by hand from the ring model: 3 steps, (N-1)/N of the buffer sent
+    times = [3 * 2e-5 + (3 * b // 4) / 3e9 for b in sizes]
+    fit = fit_alpha_beta("reduce_scatter", 4, sizes, times)
+    assert fit.alpha_s == pytest.approx(2e-5, rel=1e-9)
+    assert fit.beta_bytes_per_s == pytest.approx(3e9, rel=1e-9)
+    assert truth.predict_s(sizes[2]) == pytest.approx(times[2])
+
+
+@pytest.mark.parametrize("args, match", [
+    (("all_gather", 2, [4096], [1.0]), "two or more"),
+    (("all_gather", 1, [4096, 8192], [1.0, 2.0]), "group_size"),
+    (("all_gather", 2, [4096, 8192], [1.0, 0.0]), "seconds"),
+    (("all_gather", 2, [4096, 8192], [2.0, 1.0]), "do not grow"),
+])
+def test_fit_rejects_bad_input(args, match):
+    from handbook_lib.comm import fit_alpha_beta
+
+    with pytest.raises(ValueError, match=match):
+        fit_alpha_beta(*args)
+
+
+def test_decoder_units():
+    from handbook_lib.activations import DecoderShape
+    from handbook_lib.comm import units_for_decoder
+
+    shape = DecoderShape("t", num_layers=3, d_model=8, num_heads=2, vocab_size=100)
+    units = units_for_decoder(shape)
+    assert [u.name for u in units] == ["root", "layers.0", "layers.1", "layers.2"] and units[0].root
+    assert sum(u.numel for u in units) == shape.num_params

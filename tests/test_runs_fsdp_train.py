@@ -51,9 +51,11 @@ def test_no_check_is_off_not_even_by_a_byte(case):
     kinds = {"DDP": ["all_reduce"], "HYBRID_SHARD_ZERO2": ["all_gather", "reduce_scatter", "all_reduce"]}.get(
         config["strategy"], ["all_gather", "reduce_scatter"] if nproc > 1 else [])  # 1 rank: none
     comm = {f"{k}_buffer_bytes" for k in kinds} | ({f"{k}_count" for k in kinds} if config["strategy"] != "DDP" else set())
+    comm |= {"sent_bytes"} if kinds else set()
     assert {c.quantity for c in result.checks} == memory | comm
     assert len(result.checks) == nproc * len(memory | comm)
-    assert {c.quantity for c in result.checks if c.tolerance > 0} == {"activation_bytes", "peak_bytes"}
+    tolerated = {"activation_bytes", "peak_bytes"} | ({"sent_bytes"} if config["strategy"] == "DDP" else set())
+    assert {c.quantity for c in result.checks if c.tolerance > 0} == tolerated
     off = [(c.quantity, c.rank, c.predicted, c.measured) for c in result.checks if not c.ok]
     assert off == []
 
@@ -97,6 +99,9 @@ def test_counted_collectives_follow_the_strategy(case):
         dtype = "bf16" if config.get("precision") == "bf16-mixed" else "fp32"
         assert {c["dtype"] for c in gathers} == {dtype}
         assert {c["dtype"] for c in calls if c["kind"] == "reduce_scatter"} == {"fp32"}
+        group = result.ranks[0]["shard_group_size"]
+        assert {c["group_size"] for c in calls if c["kind"] != "all_reduce"} == {group}
+        assert {c["group_size"] for c in calls if c["kind"] == "all_reduce"} <= {nproc // group}
 
 
 def test_peak_is_within_ten_percent_and_reported(case):

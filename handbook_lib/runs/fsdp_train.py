@@ -173,6 +173,12 @@ def _collective_checks(config, ctx, group, calls, check) -> list[Check]:
             checks.append(Check(f"{kind}_count", ctx.rank, len(predicted), len(measured), "collectives"))
         checks.append(check(f"{kind}_buffer_bytes", sum(r.buffer_bytes for r in predicted),
                             sum(c.buffer_bytes for c in measured)))
+    if calls or traffic.records:
+        # the ring model applied to what was counted (kinds, buffers, group sizes); DDP's buckets
+        # round each all-reduce's chunks separately, a few bytes off one all-reduce of everything
+        sent = sum(estimate_collective(c.kind, c.buffer_bytes, c.group_size).sent_bytes for c in calls)
+        checks.append(check("sent_bytes", traffic.sent_bytes, sent,
+                            1e-6 if config.strategy == "DDP" else 0.0))
     return checks
 
 

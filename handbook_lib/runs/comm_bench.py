@@ -1,0 +1,112 @@
+"""Micro-benchmark: time all-gather, reduce-scatter and all-reduce over message sizes, fit alpha/beta.
+
+Chapter 3 launches it to measure the reader's own machine (gloo over loopback on a CPU, NCCL
+over NVLink or PCIe on GPUs). For each collective and each buffer size (geometric, from
+``min_bytes`` to ``max_bytes``) every rank runs ``warmup`` untimed and ``repeats`` timed calls;
+the time of a call is the slowest rank's, and the median over repeats is kept. Rank 0 then fits
+the alpha-beta model of :func:`handbook_lib.comm.fit_alpha_beta` to each collective.
+
+Launch::
+
+    python -m handbook_lib run comm_bench --nproc 2 --set max_bytes=16777216
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from handbook_lib.comm import fit_alpha_beta
+from handbook_lib.config import FlatConfig
+from handbook_lib.distributed import RankContext
+from handbook_lib.runs.entry import RankReport, main
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+@dataclass(frozen=True)
+class BenchConfig(FlatConfig):
+    """Message sizes and repetitions of the benchmark."""
+
+    min_bytes: int = 4096
+    """Smallest full buffer (all-gather output, reduce-scatter input), bytes."""
+    max_bytes: int = 8 * 2**20
+    """Largest full buffer, bytes."""
+    points: int = 7
+    """Buffer sizes, spaced geometrically between the two."""
+    repeats: int = 5
+    """Timed calls per size (the median is kept)."""
+    warmup: int = 2
+    """Untimed calls per size before the timed ones."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.min_bytes < self.max_bytes:
+            raise ValueError(f"need 0 < min_bytes < max_bytes, got {self.min_bytes}, {self.max_bytes}")
+        for key in ("points", "repeats"):
+            if getattr(self, key) < 2:
+                raise ValueError(f"config key {key!r} must be >= 2, got {getattr(self, key)}")
+        if self.warmup < 0:
+            raise ValueError(f"config key 'warmup' must be >= 0, got {self.warmup}")
+
+
+CONFIG = BenchConfig
+
+
+def validate(config: BenchConfig, world_size: int) -> None:
+    """Raises ValueError for a single rank: a collective over one rank moves nothing."""
+    if world_size < 2:
+        raise ValueError("comm_bench needs at least 2 ranks (nproc >= 2)")
+
+
+def buffer_sizes(config: BenchConfig, world_size: int) -> list[int]:
+    """Geometric sizes, each rounded to a whole number of fp32 elements per rank."""
+    quantum = 4 * world_size
+    ratio = (config.max_bytes / config.min_bytes) ** (1 / (config.points - 1))
+    sizes = {max(quantum, round(config.min_bytes * ratio**i / quantum) * quantum) for i in range(config.points)}
+    return sorted(sizes)
+
+
+def _time_call(fn, ctx: RankContext) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a collective ends when its slowest rank does
+    return float(elapsed.item())
+
+
+def run(config: BenchConfig, ctx: RankContext) -> RankReport:
+    validate(config, ctx.world_size)
+    n = ctx.world_size
+    measurements = []
+    for size in buffer_sizes(config, n):
+        full = torch.ones(size // 4, device=ctx.device)
+        shard = torch.ones(size // 4 // n, device=ctx.device)
+        calls = {
+            "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
+            "all_reduce": lambda: dist.all_reduce(full),
+        }
+        for kind in KINDS:
+            for _ in range(config.warmup):
+                calls[kind]()
+            times = [_time_call(calls[kind], ctx) for _ in range(config.repeats)]
+            measurements.append({"kind": kind, "buffer_bytes": size, "seconds": statistics.median(times)})
+    fits = {}
+    for kind in KINDS:
+        points = [m for m in measurements if m["kind"] == kind]
+        fit = fit_alpha_beta(kind, n, [m["buffer_bytes"] for m in points], [m["seconds"] for m in points])
+        fits[kind] = {"alpha_s": fit.alpha_s, "beta_bytes_per_s": fit.beta_bytes_per_s}
+    return RankReport(metrics={}, extra={"measurements": measurements, "fits": fits})
+
+
+if __name__ == "__main__":
+    main(sys.modules[__name__])

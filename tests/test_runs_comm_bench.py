@@ -1,0 +1,37 @@
+"""handbook_lib.runs.comm_bench: a real 2-rank benchmark returns times and a fit for each collective."""
+
+import pytest
+
+from handbook_lib.comm import AlphaBeta
+from handbook_lib.launch import torchrun
+from handbook_lib.runs.comm_bench import BenchConfig, buffer_sizes
+
+
+def test_sizes_are_geometric_and_divisible():
+    sizes = buffer_sizes(BenchConfig(min_bytes=1000, max_bytes=10**6, points=4), world_size=4)
+    assert len(sizes) == 4 and sizes == sorted(sizes)
+    assert all(s % 16 == 0 for s in sizes)  # whole fp32 elements on each of 4 ranks
+    assert sizes[0] <= 1008 and sizes[-1] >= 10**6 - 16
+
+
+def test_bench_measures_every_collective(tmp_path):
+    config = {"min_bytes": 2048, "max_bytes": 2**18, "points": 3, "repeats": 2, "warmup": 1}
+    result = torchrun("comm_bench", 2, config, out=tmp_path, timeout_s=120, stream=False)
+    kinds = ("all_gather", "reduce_scatter", "all_reduce")
+    assert [m["kind"] for m in result.extra["measurements"]] == list(kinds) * 3
+    assert all(m["seconds"] > 0 for m in result.extra["measurements"])
+    for kind in kinds:
+        fit = result.extra["fits"][kind]
+        model = AlphaBeta(kind, 2, fit["alpha_s"], fit["beta_bytes_per_s"])
+        assert fit["alpha_s"] >= 0 and fit["beta_bytes_per_s"] > 0
+        assert model.predict_s(2**18) > model.predict_s(2048)
+
+
+@pytest.mark.parametrize("config, nproc, match", [
+    ({"min_bytes": 10, "max_bytes": 5}, 2, "min_bytes < max_bytes"),
+    ({"points": 1}, 2, "points"),
+    ({}, 1, "at least 2 ranks"),
+])
+def test_bad_bench_config(config, nproc, match):
+    with pytest.raises(ValueError, match=match):
+        torchrun("comm_bench", nproc, config)
