@@ -135,9 +135,12 @@ def plot_collective_bench(result: RunResult) -> Figure:
     for kind, fit in result.extra["fits"].items():
         points = [m for m in result.extra["measurements"] if m["kind"] == kind]
         sizes = [m["buffer_bytes"] for m in points]
-        model = AlphaBeta(kind, result.world_size, fit["alpha_s"], fit["beta_bytes_per_s"])
-        line = ax.plot(sizes, [model.predict_s(b) * 1e3 for b in sizes], label=f"{kind} (fit)")[0]
-        ax.scatter(sizes, [m["seconds"] * 1e3 for m in points], color=line.get_color(), s=14)
+        dots = ax.scatter(sizes, [m["seconds"] * 1e3 for m in points], s=14,
+                          label=kind if fit is None else None)
+        if fit is not None:
+            model = AlphaBeta(kind, result.world_size, fit["alpha_s"], fit["beta_bytes_per_s"])
+            ax.plot(sizes, [model.predict_s(b) * 1e3 for b in sizes], color=dots.get_facecolor()[0],
+                    label=f"{kind} (fit)")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("buffer (bytes)")

@@ -4,7 +4,8 @@ Chapter 3 launches it to measure the reader's own machine (gloo over loopback on
 over NVLink or PCIe on GPUs). For each collective and each buffer size (geometric, from
 ``min_bytes`` to ``max_bytes``) every rank runs ``warmup`` untimed and ``repeats`` timed calls;
 the time of a call is the slowest rank's, and the median over repeats is kept. Rank 0 then fits
-the alpha-beta model of :func:`handbook_lib.comm.fit_alpha_beta` to each collective.
+the alpha-beta model of :func:`handbook_lib.comm.fit_alpha_beta` to each collective (``None``,
+with a note, where noise leaves no growth with size to fit).
 
 Launch::
 
@@ -100,12 +101,18 @@ def run(config: BenchConfig, ctx: RankContext) -> RankReport:
                 calls[kind]()
             times = [_time_call(calls[kind], ctx) for _ in range(config.repeats)]
             measurements.append({"kind": kind, "buffer_bytes": size, "seconds": statistics.median(times)})
-    fits = {}
+    fits: dict[str, dict[str, float] | None] = {}
+    notes = []
     for kind in KINDS:
         points = [m for m in measurements if m["kind"] == kind]
-        fit = fit_alpha_beta(kind, n, [m["buffer_bytes"] for m in points], [m["seconds"] for m in points])
+        try:
+            fit = fit_alpha_beta(kind, n, [m["buffer_bytes"] for m in points], [m["seconds"] for m in points])
+        except ValueError as err:  # noise can swamp a narrow range of small messages
+            fits[kind] = None
+            notes.append(f"{kind}: no fit ({err}); widen min_bytes..max_bytes or add repeats")
+            continue
         fits[kind] = {"alpha_s": fit.alpha_s, "beta_bytes_per_s": fit.beta_bytes_per_s}
-    return RankReport(metrics={}, extra={"measurements": measurements, "fits": fits})
+    return RankReport(metrics={}, extra={"measurements": measurements, "fits": fits, "notes": notes})
 
 
 if __name__ == "__main__":
