@@ -59,7 +59,8 @@ PRECISION_DTYPES: dict[str, tuple[str, str]] = {
 }
 """Precision → (compute dtype of unsharded parameters, gradient-reduction dtype), as FSDP2's
 ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``. The sharded parameters, the gradients
-handed to the optimizer and the optimizer states stay fp32 in every case."""
+handed to the optimizer and the optimizer states stay fp32 in every case. fp16 also needs a
+gradient scaler, whose state (a scale and a step counter) is a few bytes and is not counted."""
 
 FSDP2_SPELLING: dict[str, str] = {
     "DDP": "DistributedDataParallel (or replicate()); not FSDP",
