@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from handbook_lib.architecture import ModelConfig
+from handbook_lib.presets import DECODER_SHAPES, DecoderShape
 from handbook_lib.sharding import dtype_bytes
-from handbook_lib.model import ModelConfig
 
 __all__ = [
     "ActivationBytes",
@@ -99,34 +100,6 @@ def estimate_activation_bytes(
     return ActivationBytes(per_layer=per_layer, layers=layers, head=head, recompute=recompute)
 
 
-@dataclass(frozen=True)
-class DecoderShape:
-    """Shape of a GPT-style decoder (4d feed-forward), enough to estimate its memory."""
-
-    name: str
-    num_layers: int
-    d_model: int
-    num_heads: int
-    vocab_size: int = 50_257
-
-    @property
-    def num_params(self) -> int:
-        """Approximate parameter count: ``12·L·d² + V·d`` (layers plus tied embedding)."""
-        return 12 * self.num_layers * self.d_model**2 + self.vocab_size * self.d_model
-
-
-DECODER_SHAPES: dict[str, DecoderShape] = {
-    # Depth, width and heads of well-known decoders (Llama 2 paper, Touvron et al. 2023, for the
-    # 7B/13B/70B sizes; GPT-3 paper, Brown et al. 2020, Table 2.1, for 175B), approximated as
-    # GPT-style blocks with a 4d feed-forward: the counts land within ~10 % of the names.
-    "7b": DecoderShape("7B", num_layers=32, d_model=4096, num_heads=32, vocab_size=32_000),
-    "13b": DecoderShape("13B", num_layers=40, d_model=5120, num_heads=40, vocab_size=32_000),
-    "70b": DecoderShape("70B", num_layers=80, d_model=8192, num_heads=64, vocab_size=32_000),
-    "175b": DecoderShape("175B", num_layers=96, d_model=12288, num_heads=96, vocab_size=50_257),
-}
-"""Shapes for the chapter-2 scenarios, by nominal size (chapter 4 adds exact presets)."""
-
-
 def estimate_decoder_activation_bytes(
     shape: DecoderShape,
     micro_batch: int,
@@ -135,7 +108,10 @@ def estimate_decoder_activation_bytes(
     recompute: str = "none",
     fused_attention: bool = True,
 ) -> int:
-    """Activation bytes of a GPT-style decoder in 16-bit training (Korthikanti et al., 2022).
+    """Activation bytes of a decoder in 16-bit training (Korthikanti et al., 2022).
+
+    The formula was derived for GPT-style layers (a 4d feed-forward); for Llama's gated
+    feed-forward and grouped-query attention it is an approximation.
 
     Per layer, with s = seq_len, b = micro_batch, h = d_model, a = heads:
 

@@ -9,7 +9,9 @@ Chapter 1 introduces it. Commands:
 - ``memory (--params N | --model 7b | --set key=value ...) --world-size N ...`` — the memory
   model's per-rank bytes by component (``--json`` for bytes);
 - ``comm (--params N | --model 70b) --world-size N --strategy S --link nvlink4 ...`` — bytes
-  each rank sends per step, and the time they take (``--json`` for bytes and seconds).
+  each rank sends per step, and the time they take (``--json`` for bytes and seconds);
+- ``plan --model llama2-7b --gpu h100-80gb --gpus 8 --seq-len 4096 --micro-batch 1`` — every
+  option priced, and a recommendation with its reasons (``--json`` for tools).
 
 Exit status: 0 on success, 1 if a run failed or a check was off, 2 for a bad argument.
 """
@@ -17,6 +19,7 @@ Exit status: 0 on success, 1 if a run failed or a check was off, 2 for a bad arg
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import sys
@@ -34,7 +37,8 @@ from handbook_lib.hardware import ACCELERATORS, LINKS, get_accelerator, get_link
 from handbook_lib.launch import RunFailed, torchrun
 from handbook_lib.memory import PRECISION_DTYPES, estimate_memory
 from handbook_lib.sharding import Unit
-from handbook_lib.model import param_count, param_count_breakdown
+from handbook_lib.strategy import plan
+from handbook_lib.architecture import param_count, param_count_breakdown
 from handbook_lib.runs import available_runs
 
 __all__ = ["main", "build_parser"]
@@ -87,7 +91,36 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_argument("--gpu", default=None, help=f"for compute time: one of {', '.join(ACCELERATORS)}")
     comm.add_argument("--tokens", type=int, default=0, help="tokens per GPU per step, for compute time")
     comm.add_argument("--json", action="store_true", help="print bytes and seconds as JSON")
+    pl = sub.add_parser("plan", help="price every strategy and recommend one")
+    pl.add_argument("--model", required=True, choices=sorted(DECODER_SHAPES), help="a model preset")
+    pl.add_argument("--gpu", required=True, choices=sorted(ACCELERATORS), help="a GPU preset")
+    pl.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    pl.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+    pl.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per step")
+    pl.add_argument("--gpus-per-node", type=int, default=8)
+    pl.add_argument("--inter-link", default="ib-ndr400", help=f"one of {', '.join(LINKS)}")
+    pl.add_argument("--precision", default="bf16-mixed", help=f"one of {', '.join(PRECISIONS)}")
+    pl.add_argument("--headroom", type=float, default=0.10, help="fraction of GPU memory kept free")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    result = plan(args.model, args.gpu, args.gpus, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                  gpus_per_node=args.gpus_per_node, inter_link=args.inter_link,
+                  precision=args.precision, headroom=args.headroom)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(result), indent=2))
+        return 0
+    print(f"{result.model} ({result.num_params:,} parameters) on {result.gpus} x {result.gpu}, "
+          f"seq {args.seq_len}, micro-batch {args.micro_batch}, {args.precision}")
+    rows = [[o.name, o.gpus, format_bytes(o.peak_bytes), "yes" if o.fits else "no",
+             round(o.comm_s, 3), round(o.compute_s, 3), round(o.step_s, 3), o.bound] for o in result.options]
+    print(Table(["option", "GPUs", "peak per GPU", "fits", "comm (s)", "compute (s)", "step (s)", "bound"], rows))
+    for reason in result.reasons:
+        print(f"- {reason}")
+    print(f"(the seed's rule, fp32 model state only, would answer: {result.seed_answer})")
+    return 0
 
 
 def _cmd_comm(args: argparse.Namespace) -> int:
@@ -206,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_memory(args)
         if args.command == "comm":
             return _cmd_comm(args)
+        if args.command == "plan":
+            return _cmd_plan(args)
         return _cmd_params(args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

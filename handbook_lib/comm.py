@@ -21,12 +21,12 @@ transformer layer, plus the root); :func:`estimate_step_traffic` lists it, and
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
-from handbook_lib.activations import DecoderShape
+from handbook_lib.presets import DecoderShape
 from handbook_lib.hardware import Link
-from handbook_lib.model import ModelConfig
+from handbook_lib.architecture import ModelConfig
 from handbook_lib.sharding import DTYPE_BYTES, Unit, dtype_bytes, fsdp_units
 
 __all__ = [
@@ -300,8 +300,16 @@ class StepTime:
     """``"communication"`` if ``comm_s > compute_s``, else ``"compute"``."""
 
 
-def estimate_step_time(traffic: StepTraffic, link: Link, compute_s: float, overlap: bool) -> StepTime:
+def estimate_step_time(
+    traffic: StepTraffic,
+    link: Link | Callable[[CollectiveRecord], Link],
+    compute_s: float,
+    overlap: bool,
+) -> StepTime:
     """Time of one step: its collectives on ``link`` plus ``compute_s`` seconds of compute.
+
+    ``link`` is one link for every collective, or a function choosing the link of each (e.g.
+    NVLink inside a node, InfiniBand for HSDP's all-reduce across nodes).
 
     Without overlap, ``total = comm + compute``. With overlap, FSDP prefetches each unit's
     all-gather while the previous unit computes and reduce-scatters while the next one does;
@@ -310,10 +318,11 @@ def estimate_step_time(traffic: StepTraffic, link: Link, compute_s: float, overl
     """
     if not compute_s >= 0:
         raise ValueError(f"compute_s must be >= 0, got {compute_s!r}")
+    choose = link if callable(link) else (lambda record: link)
     comm = exposed = 0.0
     started: set[int] = set()
     for r in traffic.records:
-        t = estimate_collective_time(r, link)
+        t = estimate_collective_time(r, choose(r))
         comm += t
         if r.kind == "all_gather" and r.phase == "forward" and r.micro_step not in started:
             started.add(r.micro_step)
@@ -352,10 +361,10 @@ def estimate_compute_time(num_params: int, tokens: int, peak_flops: float,
 
 
 def units_for_decoder(shape: DecoderShape) -> list[Unit]:
-    """FSDP units of a GPT-style decoder known by its shape: the root (the embedding, V·d) and one
-    unit per layer (12·d² parameters: attention 4d², feed-forward 8d²), each as one flat tensor."""
-    root = Unit("root", ((shape.vocab_size * shape.d_model,),), root=True)
-    return [root] + [Unit(f"layers.{i}", ((12 * shape.d_model**2,),)) for i in range(shape.num_layers)]
+    """FSDP units of a decoder known by its shape: the root (embeddings, head, final norm) and one
+    unit per layer, each as one flat tensor."""
+    root = Unit("root", ((shape.root_params,),), root=True)
+    return [root] + [Unit(f"layers.{i}", ((shape.layer_params,),)) for i in range(shape.num_layers)]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar, get_type_hints
 
-from handbook_lib.model import ModelConfig
+from handbook_lib.architecture import ModelConfig
 
 __all__ = [
     "FlatConfig",

@@ -26,7 +26,7 @@ from handbook_lib.activations import (
     estimate_decoder_activation_bytes,
 )
 from handbook_lib.config import PRECISIONS, STRATEGIES
-from handbook_lib.model import ModelConfig, param_count, param_shapes
+from handbook_lib.architecture import ModelConfig, param_count, param_shapes
 from handbook_lib.sharding import (
     DTYPE_BYTES,
     ShardBytes,
@@ -214,8 +214,8 @@ def _units_and_activations(model, group, c_name, micro_batch, seq_len, ac):
         return numels[1:], numels[0], acts, model.vocab_size
     if isinstance(model, DecoderShape):
         c = dtype_bytes(c_name)
-        layer = -(-12 * model.d_model**2 // group) * group
-        root = -(-model.vocab_size * model.d_model // group) * group
+        layer = -(-model.layer_params // group) * group
+        root = -(-model.root_params // group) * group
         acts = None
         if micro_batch:
             layers = estimate_decoder_activation_bytes(model, micro_batch, seq_len,

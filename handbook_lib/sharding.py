@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from handbook_lib.model import ModelConfig, param_shapes
+from handbook_lib.architecture import ModelConfig, param_shapes
 
 __all__ = [
     "DTYPE_BYTES",

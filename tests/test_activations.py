@@ -72,12 +72,6 @@ def test_decoder_formula_matches_the_paper_by_hand():
     assert estimate_decoder_activation_bytes(shape, b, s, recompute="full") == 2 * 2 * s * b * h
 
 
-def test_scenario_shapes_are_near_their_names():
-    for name, shape in DECODER_SHAPES.items():
-        nominal = float(name.rstrip("b")) * 1e9
-        assert abs(shape.num_params - nominal) / nominal < 0.10, name
-
-
 @pytest.mark.parametrize("call, match", [
     (lambda: estimate_activation_bytes(ModelConfig(), 0, 8), "micro_batch"),
     (lambda: estimate_activation_bytes(ModelConfig(), 2, -1), "seq_len"),

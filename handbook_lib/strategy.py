@@ -1,0 +1,237 @@
+"""Choosing a strategy: every option's memory and time, and a recommendation with its reasons.
+
+Chapter 4 teaches it. :func:`plan` prices every lever — DDP, SHARD_GRAD_OP, FULL_SHARD,
+HYBRID_SHARD across nodes, activation checkpointing, CPU offload, more GPUs — with the chapter-2
+memory model (peak per GPU, mixed precision, activations, FSDP's buffers) and the chapter-3
+communication model (link speeds, overlap), then recommends the fastest option that fits with
+headroom, and says why in words. :func:`seed_recommendation` keeps the simplified rule this
+course started from, to compare. Pure arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from handbook_lib.comm import (
+    CollectiveRecord,
+    estimate_compute_time,
+    estimate_step_time,
+    estimate_step_traffic,
+    units_for_decoder,
+)
+from handbook_lib.hardware import ACCELERATORS, LINKS, Accelerator, Link, get_accelerator, get_link
+from handbook_lib.memory import (
+    PRECISION_DTYPES,
+    estimate_memory,
+    estimate_seed_model_state,
+    min_gpus_to_fit,
+)
+from handbook_lib.presets import DecoderShape, get_shape
+
+__all__ = ["Option", "Plan", "plan", "seed_recommendation", "OFFLOAD_LINK"]
+
+OFFLOAD_LINK = "pcie4"
+"""Host link the CPU-offload option moves sharded parameters and gradients over."""
+_ORDER = ("DDP", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to run the job, priced."""
+
+    name: str
+    strategy: str
+    gpus: int
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    shard_group_size: int | None = None
+    peak_bytes: int = 0
+    """Predicted peak device memory per GPU, bytes."""
+    fits: bool = False
+    """Peak within the GPU's memory less the headroom."""
+    comm_s: float = 0.0
+    """Communication per step, seconds (all collectives back to back, plus offload traffic)."""
+    compute_s: float = 0.0
+    """Compute per step, seconds (recomputation included)."""
+    step_s: float = 0.0
+    """Step time with communication overlapped with compute, seconds."""
+    bound: str = ""
+    """``communication`` or ``compute``."""
+    peak_phase: str = ""
+    activation_bytes: int = 0
+    model_state_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every option, the recommendation, and the reasons for it."""
+
+    model: str
+    num_params: int
+    gpu: str
+    gpus: int
+    options: list[Option]
+    recommended: Option | None
+    reasons: list[str] = field(default_factory=list)
+    seed_answer: str = ""
+    """What the seed's rule (fp32 model state only) would have answered."""
+
+
+def seed_recommendation(num_params: int, gpu_memory_bytes: int, gpus: int) -> str:
+    """The seed's rule: the first of NO_SHARD, SHARD_GRAD_OP, FULL_SHARD whose fp32 model state
+    (16 bytes per parameter, :func:`~handbook_lib.memory.estimate_seed_model_state`) fits the
+    GPU; ``"does not fit"`` otherwise. No activations, no buffers, no headroom."""
+    for strategy in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"):
+        if estimate_seed_model_state(num_params, gpus, strategy) <= gpu_memory_bytes:
+            return strategy
+    return "does not fit"
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def plan(
+    model: DecoderShape | str,
+    gpu: Accelerator | str,
+    gpus: int,
+    *,
+    micro_batch: int = 1,
+    seq_len: int = 2048,
+    gpus_per_node: int = 8,
+    intra_link: Link | str | None = None,
+    inter_link: Link | str = "ib-ndr400",
+    precision: str = "bf16-mixed",
+    optimizer: str = "adamw",
+    headroom: float = 0.10,
+    utilization: float = 0.4,
+) -> Plan:
+    """Price every option for training ``model`` on ``gpus`` GPUs and recommend one.
+
+    Args:
+        model: A :class:`DecoderShape` or a preset name (``llama2-7b`` ...).
+        gpu: An :class:`Accelerator` or a preset name (``h100-80gb`` ...).
+        gpus: GPUs in the job.
+        micro_batch: Sequences per GPU per step.
+        seq_len: Tokens per sequence.
+        gpus_per_node: GPUs sharing the intra-node link.
+        intra_link: Link inside a node (default: NVLink 4 for H100/H200, NVLink 3 for A100,
+            PCIe 4 otherwise).
+        inter_link: Link between nodes.
+        precision: As for :func:`~handbook_lib.memory.estimate_memory`.
+        optimizer: As for :func:`~handbook_lib.memory.estimate_memory`.
+        headroom: Fraction of the GPU's memory kept free (CUDA context, NCCL, fragmentation).
+        utilization: Fraction of the bf16 peak that compute achieves.
+
+    Raises:
+        ValueError: for unknown presets, ``gpus < 1``, ``micro_batch``/``seq_len`` < 1, or a
+            headroom outside [0, 1).
+    """
+    shape = get_shape(model) if isinstance(model, str) else model
+    acc = get_accelerator(gpu) if isinstance(gpu, str) else gpu
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus must be an int >= 1, got {gpus!r}")
+    if micro_batch < 1 or seq_len < 1:
+        raise ValueError(f"micro_batch and seq_len must be >= 1, got {micro_batch}, {seq_len}")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom must be in [0, 1), got {headroom}")
+    intra = _default_intra(acc) if intra_link is None else intra_link
+    intra = get_link(intra) if isinstance(intra, str) else intra
+    inter = get_link(inter_link) if isinstance(inter_link, str) else inter_link
+    per_node = min(gpus_per_node, gpus)
+    budget = acc.memory_bytes * (1 - headroom)
+    param_dtype, reduce_dtype = PRECISION_DTYPES[precision]
+    tokens = micro_batch * seq_len
+
+    def price(strategy: str, n: int, ac: bool, offload: bool, name: str) -> Option:
+        group = per_node if strategy == "HYBRID_SHARD" else None
+        mem = estimate_memory(shape, n, strategy, precision, optimizer, micro_batch=micro_batch,
+                              seq_len=seq_len, shard_group_size=group, activation_checkpointing=ac,
+                              cpu_offload=offload)
+        traffic = estimate_step_traffic(units_for_decoder(shape), n, strategy, param_dtype=param_dtype,
+                                        reduce_dtype=reduce_dtype, shard_group_size=group)
+
+        def link_of(record: CollectiveRecord) -> Link:
+            crosses = record.group_size > per_node or (strategy == "HYBRID_SHARD" and record.kind == "all_reduce")
+            return inter if crosses and n > per_node else intra
+
+        compute = estimate_compute_time(shape.num_params, tokens, acc.peak_flops_bf16, utilization)
+        compute *= 4 / 3 if ac else 1  # recomputing the forward: 8PT instead of 6PT
+        time = estimate_step_time(traffic, link_of, compute, overlap=True)
+        comm, step = time.comm_s, time.total_s
+        if offload:  # sharded fp32 params up and fp32 grads down over the host link, not hidden
+            moved = 8 * -(-shape.num_params // n)
+            extra = moved / get_link(OFFLOAD_LINK).bandwidth_bytes_per_s
+            comm, step = comm + extra, step + extra
+        return Option(name, strategy, n, ac, offload, group, mem.peak, mem.peak <= budget, comm,
+                      compute, step, "communication" if comm > compute else "compute",
+                      mem.peak_phase, mem.components["activations"], mem.model_state)
+
+    options = []
+    for strategy in _ORDER:
+        if strategy == "HYBRID_SHARD" and gpus <= per_node:
+            continue  # one node: hybrid is FULL_SHARD
+        for ac in (False, True):
+            options.append(price(strategy, gpus, ac, False, strategy + (" + AC" if ac else "")))
+    options.append(price("FULL_SHARD", gpus, True, True, "FULL_SHARD + AC + offload"))
+    more = min_gpus_to_fit(shape, acc.memory_bytes, headroom=headroom, strategy="FULL_SHARD",
+                           precision=precision, optimizer=optimizer, micro_batch=micro_batch,
+                           seq_len=seq_len, activation_checkpointing=True)
+    if more is not None and more > gpus:
+        options.append(price("FULL_SHARD", more, True, False, f"FULL_SHARD + AC on {more} GPUs"))
+
+    here = [o for o in options if o.fits and o.gpus == gpus]
+    # fastest first; at equal speed, fewer levers (no recomputation, no offload), then less memory
+    recommended = min(here, key=lambda o: (round(o.step_s, 6), o.activation_checkpointing,
+                                           o.cpu_offload, o.peak_bytes)) if here else None
+    if recommended is None:
+        bigger = [o for o in options if o.fits]
+        recommended = bigger[0] if bigger else None
+    reasons = _reasons(options, recommended, acc, budget, gpus)
+    return Plan(shape.name, shape.num_params, acc.name, gpus, options, recommended, reasons,
+                seed_recommendation(shape.num_params, acc.memory_bytes, gpus))
+
+
+def _default_intra(acc: Accelerator) -> str:
+    name = acc.name.lower()
+    if "h100" in name or "h200" in name:
+        return "nvlink4"
+    if "a100" in name:
+        return "nvlink3"
+    return "pcie4"
+
+
+def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, budget: float,
+             gpus: int) -> list[str]:
+    reasons = []
+    by_name = {o.name: o for o in options}
+    for name in ("DDP", "SHARD_GRAD_OP", "FULL_SHARD"):
+        o = by_name.get(name)
+        if o and not o.fits:
+            what = ("activations decide" if o.activation_bytes > o.model_state_bytes
+                    else "model state decides")
+            reasons.append(f"{name} does not fit: {_gb(o.peak_bytes)} per GPU against {_gb(budget)} "
+                           f"usable on {acc.name}; {what} ({_gb(o.activation_bytes)} "
+                           f"activations, {_gb(o.model_state_bytes)} model state).")
+    if chosen is None:
+        reasons.append("No option fits, even with activation checkpointing on more GPUs: the "
+                       "activations of one sequence exceed a GPU; shorten the sequence or add "
+                       "tensor/sequence parallelism (not covered by FSDP).")
+        return reasons
+    faster = [o for o in options if o.gpus == gpus and o.fits and o is not chosen]
+    reasons.append(f"Recommended: {chosen.name} on {chosen.gpus} GPUs — peak {_gb(chosen.peak_bytes)} "
+                   f"per GPU ({chosen.peak_phase}), step {chosen.step_s:.3f} s, {chosen.bound}-bound.")
+    if chosen.gpus > gpus:
+        reasons.append(f"Nothing fits on {gpus} GPUs; {chosen.gpus} are the fewest that do.")
+    plain = by_name.get(chosen.strategy)
+    if chosen.activation_checkpointing and chosen.gpus == gpus and plain is not None and not plain.fits:
+        reasons.append("Activation checkpointing is needed: it trades one more forward pass "
+                       "(a third more compute) for keeping only each layer's input.")
+    if faster:
+        runner = min(faster, key=lambda o: o.step_s)
+        reasons.append(f"Next best: {runner.name} ({runner.step_s:.3f} s per step, "
+                       f"{_gb(runner.peak_bytes)} per GPU).")
+    if chosen.bound == "communication":
+        reasons.append("Communication is not hidden by compute on these links: a faster "
+                       "interconnect, HYBRID_SHARD, or a larger micro-batch would help.")
+    return reasons

@@ -1,0 +1,78 @@
+"""handbook_lib.strategy: the planner, against the seed's rule and the memory model."""
+
+import pytest
+
+from handbook_lib.hardware import ACCELERATORS
+from handbook_lib.memory import estimate_memory, estimate_seed_model_state
+from handbook_lib.presets import DECODER_SHAPES, get_shape
+from handbook_lib.strategy import plan, seed_recommendation
+
+SCENARIOS = [("llama2-7b", "h100-80gb", 8), ("llama2-13b", "a100-40gb", 8), ("llama2-70b", "a100-80gb", 16),
+             ("llama2-70b", "h100-80gb", 64), ("gpt3-175b", "a100-80gb", 64)]
+
+
+def test_seed_rule_by_hand():
+    # 1e9 params: NO_SHARD needs 16 GB, SHARD_GRAD_OP on 8 GPUs 4 + 12/8 = 5.5 GB, FULL_SHARD 2 GB
+    assert seed_recommendation(10**9, 20 * 10**9, 8) == "NO_SHARD"
+    assert seed_recommendation(10**9, 10 * 10**9, 8) == "SHARD_GRAD_OP"
+    assert seed_recommendation(10**9, 3 * 10**9, 8) == "FULL_SHARD"
+    assert seed_recommendation(10**9, 1 * 10**9, 8) == "does not fit"
+
+
+@pytest.mark.parametrize("model, gpu, gpus", SCENARIOS)
+def test_every_option_is_priced_by_the_memory_model(model, gpu, gpus):
+    result = plan(model, gpu, gpus, seq_len=4096)
+    shape = get_shape(model)
+    budget = ACCELERATORS[gpu].memory_bytes * 0.9
+    for option in result.options:
+        expected = estimate_memory(shape, option.gpus, option.strategy, "bf16-mixed", micro_batch=1, seq_len=4096,
+                                   shard_group_size=option.shard_group_size,
+                                   activation_checkpointing=option.activation_checkpointing,
+                                   cpu_offload=option.cpu_offload).peak
+        assert option.peak_bytes == expected and option.fits == (expected <= budget)
+        assert option.step_s >= max(option.compute_s, 0) > 0
+    assert result.recommended is not None and result.recommended.fits
+    assert result.reasons and result.reasons[0]
+    assert result.seed_answer == seed_recommendation(shape.num_params, ACCELERATORS[gpu].memory_bytes, gpus)
+
+
+def test_agrees_with_the_seed_where_model_state_decides():
+    # short sequences: activations are small, so the seed's fp32 answer and the planner agree
+    # that FULL_SHARD is needed for 13B on 8 x 40 GB (the seed: SHARD_GRAD_OP needs 4P = 52 GB)
+    result = plan("llama2-13b", "a100-40gb", 8, seq_len=128)
+    assert result.seed_answer == "FULL_SHARD" and result.recommended.strategy == "FULL_SHARD"
+    assert not result.recommended.activation_checkpointing
+
+
+def test_differs_from_the_seed_when_activations_decide():
+    result = plan("llama2-13b", "a100-40gb", 8, seq_len=4096)
+    assert result.seed_answer == "FULL_SHARD"
+    assert result.recommended.name == "FULL_SHARD + AC"
+    assert any("activations decide" in r for r in result.reasons)
+
+
+def test_more_gpus_never_need_more_memory_under_full_shard():
+    for name in ("llama2-7b", "llama2-70b", "gpt3-175b"):
+        peaks = [estimate_memory(DECODER_SHAPES[name], n, "FULL_SHARD", "bf16-mixed", micro_batch=1,
+                                 seq_len=2048, activation_checkpointing=True).peak for n in (8, 16, 32, 64, 128)]
+        assert peaks == sorted(peaks, reverse=True)
+
+
+def test_suggests_more_gpus_when_nothing_fits():
+    result = plan("gpt3-175b", "a100-40gb", 8, seq_len=2048)
+    more = [o for o in result.options if o.gpus > 8]
+    assert more and more[0].fits
+    assert estimate_seed_model_state(DECODER_SHAPES["gpt3-175b"].num_params, 8, "FULL_SHARD") > 40e9
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"model": "gpt5"}, "model must be one of"),
+    ({"gpu": "tpu"}, "accelerator name must be one of|must be one of"),
+    ({"gpus": 0}, "gpus"),
+    ({"seq_len": 0}, "seq_len"),
+    ({"headroom": 1.5}, "headroom"),
+])
+def test_bad_input(kwargs, match):
+    args = {"model": "llama2-7b", "gpu": "h100-80gb", "gpus": 8, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        plan(args.pop("model"), args.pop("gpu"), args.pop("gpus"), **args)
