@@ -1,7 +1,8 @@
 """Figures for the book. Each ``plot_*`` function returns a matplotlib ``Figure``.
 
 Chapter 1 introduces :func:`plot_rank_bytes`; chapter 2 adds :func:`plot_memory_breakdown` and
-:func:`plot_predicted_vs_measured`; chapter 3 the communication plots. Figures are built with the object-oriented API
+:func:`plot_predicted_vs_measured`; chapter 3 the communication plots; chapter 4
+:func:`plot_fit_map`. Figures are built with the object-oriented API
 (no ``pyplot`` state), so a notebook cell shows a returned figure exactly once.
 """
 
@@ -16,7 +17,7 @@ from handbook_lib.results import RunResult
 
 __all__ = [
     "plot_rank_bytes", "plot_memory_breakdown", "plot_predicted_vs_measured",
-    "plot_collective_bench", "plot_volume_vs_memory", "plot_step_time_by_link",
+    "plot_collective_bench", "plot_volume_vs_memory", "plot_step_time_by_link", "plot_fit_map",
 ]
 
 _COMPONENTS = (
@@ -188,4 +189,33 @@ def plot_step_time_by_link(rows: Sequence[tuple[str, float, float, float]], *, t
     ax.set_ylabel("seconds per step")
     ax.set_title(title)
     ax.legend(fontsize=8)
+    return fig
+
+
+def plot_fit_map(
+    answers: Mapping[tuple[str, int], str],
+    *,
+    title: str = "What the planner recommends",
+) -> Figure:
+    """A grid of recommendations: models (rows) by GPU counts (columns), coloured by option.
+
+    Args:
+        answers: ``(model name, GPU count)`` → the recommended option's name (or "none").
+        title: Figure title.
+    """
+    models = list(dict.fromkeys(m for m, _ in answers))
+    counts = sorted({n for _, n in answers})
+    labels = sorted(set(answers.values()))
+    index = {label: i for i, label in enumerate(labels)}
+    grid = [[index[answers[(m, n)]] for n in counts] for m in models]
+    fig = Figure(figsize=(1.3 * len(counts) + 2.5, 0.8 * len(models) + 1.8), layout="constrained")
+    ax = fig.add_subplot()
+    ax.imshow(grid, cmap="tab10", vmin=0, vmax=9, aspect="auto")
+    for r, m in enumerate(models):
+        for c, n in enumerate(counts):
+            ax.text(c, r, answers[(m, n)].replace(" + ", "\n+ "), ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(counts)), [str(n) for n in counts])
+    ax.set_yticks(range(len(models)), models)
+    ax.set_xlabel("GPUs")
+    ax.set_title(title)
     return fig

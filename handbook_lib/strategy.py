@@ -18,7 +18,9 @@ from handbook_lib.comm import (
     estimate_step_time,
     estimate_step_traffic,
     units_for_decoder,
+    units_for_model,
 )
+from handbook_lib.architecture import ModelConfig, param_count
 from handbook_lib.hardware import ACCELERATORS, LINKS, Accelerator, Link, get_accelerator, get_link
 from handbook_lib.memory import (
     PRECISION_DTYPES,
@@ -92,7 +94,7 @@ def _gb(n: float) -> str:
 
 
 def plan(
-    model: DecoderShape | str,
+    model: DecoderShape | ModelConfig | str,
     gpu: Accelerator | str,
     gpus: int,
     *,
@@ -109,7 +111,8 @@ def plan(
     """Price every option for training ``model`` on ``gpus`` GPUs and recommend one.
 
     Args:
-        model: A :class:`DecoderShape` or a preset name (``llama2-7b`` ...).
+        model: A :class:`DecoderShape`, a preset name (``llama2-7b`` ...), or the handbook's
+            own :class:`ModelConfig` (to compare the plan with runs on this machine).
         gpu: An :class:`Accelerator` or a preset name (``h100-80gb`` ...).
         gpus: GPUs in the job.
         micro_batch: Sequences per GPU per step.
@@ -128,6 +131,10 @@ def plan(
             headroom outside [0, 1).
     """
     shape = get_shape(model) if isinstance(model, str) else model
+    if isinstance(shape, ModelConfig):
+        units, num_params, name = units_for_model(shape), param_count(shape), "handbook model"
+    else:
+        units, num_params, name = units_for_decoder(shape), shape.num_params, shape.name
     acc = get_accelerator(gpu) if isinstance(gpu, str) else gpu
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be an int >= 1, got {gpus!r}")
@@ -148,19 +155,20 @@ def plan(
         mem = estimate_memory(shape, n, strategy, precision, optimizer, micro_batch=micro_batch,
                               seq_len=seq_len, shard_group_size=group, activation_checkpointing=ac,
                               cpu_offload=offload)
-        traffic = estimate_step_traffic(units_for_decoder(shape), n, strategy, param_dtype=param_dtype,
+        traffic = estimate_step_traffic(units, n, strategy, param_dtype=param_dtype,
                                         reduce_dtype=reduce_dtype, shard_group_size=group)
 
         def link_of(record: CollectiveRecord) -> Link:
             crosses = record.group_size > per_node or (strategy == "HYBRID_SHARD" and record.kind == "all_reduce")
             return inter if crosses and n > per_node else intra
 
-        compute = estimate_compute_time(shape.num_params, tokens, acc.peak_flops_bf16, utilization)
+        peak_flops = acc.peak_flops_bf16 if precision != "fp32" else acc.peak_flops_fp32
+        compute = estimate_compute_time(num_params, tokens, peak_flops, utilization)
         compute *= 4 / 3 if ac else 1  # recomputing the forward: 8PT instead of 6PT
         time = estimate_step_time(traffic, link_of, compute, overlap=True)
         comm, step = time.comm_s, time.total_s
         if offload:  # sharded fp32 params up and fp32 grads down over the host link, not hidden
-            moved = 8 * -(-shape.num_params // n)
+            moved = 8 * -(-num_params // n)
             extra = moved / get_link(OFFLOAD_LINK).bandwidth_bytes_per_s
             comm, step = comm + extra, step + extra
         return Option(name, strategy, n, ac, offload, group, mem.peak, mem.peak <= budget, comm,
@@ -188,8 +196,8 @@ def plan(
         bigger = [o for o in options if o.fits]
         recommended = bigger[0] if bigger else None
     reasons = _reasons(options, recommended, acc, budget, gpus)
-    return Plan(shape.name, shape.num_params, acc.name, gpus, options, recommended, reasons,
-                seed_recommendation(shape.num_params, acc.memory_bytes, gpus))
+    return Plan(name, num_params, acc.name, gpus, options, recommended, reasons,
+                seed_recommendation(num_params, acc.memory_bytes, gpus))
 
 
 def _default_intra(acc: Accelerator) -> str:

@@ -54,3 +54,22 @@ def test_comm_command(capsys):
     assert main(["comm", "--model", "70b", "--link", "nvlink4", "--gpu", "h100-80gb", "--tokens", "4096"]) == 0
     assert "compute-bound" in capsys.readouterr().out
     assert main(["comm", "--params", "1e6", "--link", "carrier-pigeon"]) == 2
+
+
+def test_plan_command_is_fast_and_explains(capsys):
+    import time
+
+    start = time.perf_counter()
+    assert main(["plan", "--model", "llama2-13b", "--gpu", "a100-40gb", "--gpus", "8", "--seq-len", "4096"]) == 0
+    assert time.perf_counter() - start < 1.0
+    out = capsys.readouterr().out
+    assert "- Recommended: FULL_SHARD + AC on 8 GPUs" in out and "activations decide" in out
+    assert main(["plan", "--model", "llama2-7b", "--gpu", "h100-80gb", "--gpus", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["recommended"]["name"] == "FULL_SHARD" and len(data["options"]) == 7
+
+
+def test_planning_commands_do_not_import_torch():
+    code = "import sys, handbook_lib.cli; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
