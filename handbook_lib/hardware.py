@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from handbook_lib.names import lookup
+
 __all__ = [
     "Link",
     "Accelerator",
@@ -159,10 +161,7 @@ def get_link(name: str) -> Link:
     Raises:
         ValueError: for an unknown name, listing the accepted ones.
     """
-    try:
-        return LINKS[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"link name must be one of {', '.join(LINKS)}, got {name!r}") from None
+    return lookup(LINKS, name, "link name")
 
 
 def get_accelerator(name: str) -> Accelerator:
@@ -171,9 +170,4 @@ def get_accelerator(name: str) -> Accelerator:
     Raises:
         ValueError: for an unknown name, listing the accepted ones.
     """
-    try:
-        return ACCELERATORS[name]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"accelerator name must be one of {', '.join(ACCELERATORS)}, got {name!r}"
-        ) from None
+    return lookup(ACCELERATORS, name, "accelerator name")

@@ -26,6 +26,7 @@ from handbook_lib.activations import (
     estimate_decoder_activation_bytes,
 )
 from handbook_lib.config import PRECISIONS, STRATEGIES
+from handbook_lib.names import lookup
 from handbook_lib.architecture import ModelConfig, param_count, param_shapes
 from handbook_lib.sharding import (
     DTYPE_BYTES,
@@ -91,12 +92,7 @@ def optimizer_states(optimizer: str) -> int:
     Raises:
         ValueError: for an unknown optimizer, listing the accepted ones.
     """
-    try:
-        return OPTIMIZER_STATES[optimizer]
-    except KeyError:
-        raise ValueError(
-            f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}"
-        ) from None
+    return lookup(OPTIMIZER_STATES, optimizer, "optimizer")
 
 
 def optimizer_step_bytes(model: ModelConfig, optimizer: str) -> int:

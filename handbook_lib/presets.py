@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from handbook_lib.names import lookup
+
 __all__ = ["DecoderShape", "DECODER_SHAPES", "get_shape"]
 
 
@@ -99,7 +101,4 @@ DECODER_SHAPES.update({"7b": DECODER_SHAPES["llama2-7b"], "13b": DECODER_SHAPES[
 
 def get_shape(name: str) -> DecoderShape:
     """The preset called ``name``. Raises ValueError listing the presets for an unknown name."""
-    try:
-        return DECODER_SHAPES[name]
-    except KeyError:
-        raise ValueError(f"model must be one of {', '.join(DECODER_SHAPES)}, got {name!r}") from None
+    return lookup(DECODER_SHAPES, name, "model")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from math import prod
 
 from handbook_lib.architecture import ModelConfig, param_shapes
+from handbook_lib.names import lookup
 
 __all__ = [
     "DTYPE_BYTES",
@@ -36,10 +37,7 @@ def dtype_bytes(dtype: str) -> int:
     Raises:
         ValueError: for an unknown dtype, listing the accepted ones.
     """
-    try:
-        return DTYPE_BYTES[dtype]
-    except KeyError:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}") from None
+    return lookup(DTYPE_BYTES, dtype, "dtype")
 
 
 def check_world(world_size: int, rank: int | None = None) -> None:
