@@ -109,3 +109,25 @@ def test_peak_is_within_ten_percent_and_reported(case):
     peaks = [c for c in result.checks if c.quantity == "peak_bytes"]
     assert all(c.tolerance == 0.10 and abs(c.relative_error) <= 0.10 for c in peaks)
     assert all(r["peak_breakdown"] for r in result.ranks)
+
+
+def test_losses_equal_one_process_on_the_global_batch(case):
+    """Sharding must not change the maths: in fp32, every run's losses equal those of one plain
+    process training on the whole global batch (relative difference <= 1e-5)."""
+    import torch
+
+    from handbook_lib.distributed import RankContext
+    from handbook_lib.model import build_model
+    from handbook_lib.training import build_optimizer, train
+
+    _, config, result = case
+    if config.get("precision", "fp32") != "fp32":
+        pytest.skip("bf16 mixed precision rounds differently from fp32 by design")
+    run_config = RunConfig.from_mapping(config)
+    model = build_model(run_config.model_config(), seed=run_config.seed)
+    one = RankContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
+    baseline = train(model, build_optimizer(model.parameters(), run_config.optimizer, run_config.lr),
+                     run_config, one, progress=False).losses
+    worst = max(abs(a - b) / abs(b) for a, b in zip(result.metric("losses")[0], baseline))
+    print(f"{result.world_size} ranks, {config['strategy']}: max relative loss difference {worst:.2e}")
+    assert worst <= 1e-5, f"max relative loss difference {worst:.2e}"
