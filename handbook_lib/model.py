@@ -1,9 +1,8 @@
-"""The handbook's model: a small decoder-style transformer, and its parameter count.
+"""The handbook's model: a small decoder-style transformer, as a ``torch`` module.
 
 Chapter 1 introduces it. Every later chapter trains, shards, measures and checkpoints this
-model, so its shapes are also the input of the memory (chapter 2) and communication (chapter 3)
-models. :func:`param_shapes` lists every parameter's shape from the config alone, without
-building a module, so those pure models never need ``torch``.
+model. Its config and its parameter count, which need no ``torch``, live in
+:mod:`handbook_lib.architecture` and are re-exported here.
 
 Architecture (per layer, post-norm)::
 
@@ -17,7 +16,6 @@ parameters whose counts the book derives by hand.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
