@@ -25,21 +25,21 @@ import json
 import sys
 
 from handbook_lib.activations import DECODER_SHAPES
-from handbook_lib.config import OPTIMIZERS, PRECISIONS, STRATEGIES, RunConfig, parse_overrides
-from handbook_lib.display import Table, checks_table, format_bytes
+from handbook_lib.architecture import param_count, param_count_breakdown
 from handbook_lib.comm import (
     estimate_compute_time,
     estimate_step_time,
     estimate_step_traffic,
     units_for_decoder,
 )
+from handbook_lib.config import OPTIMIZERS, PRECISIONS, STRATEGIES, RunConfig, parse_overrides
+from handbook_lib.display import Table, checks_table, format_bytes
 from handbook_lib.hardware import ACCELERATORS, LINKS, get_accelerator, get_link
 from handbook_lib.launch import RunFailed, torchrun
 from handbook_lib.memory import PRECISION_DTYPES, estimate_memory
+from handbook_lib.runs import available_runs
 from handbook_lib.sharding import Unit
 from handbook_lib.strategy import plan
-from handbook_lib.architecture import param_count, param_count_breakdown
-from handbook_lib.runs import available_runs
 
 __all__ = ["main", "build_parser"]
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
-from handbook_lib.presets import DecoderShape
-from handbook_lib.hardware import Link
 from handbook_lib.architecture import ModelConfig
+from handbook_lib.hardware import Link
+from handbook_lib.presets import DecoderShape
 from handbook_lib.sharding import DTYPE_BYTES, Unit, dtype_bytes, fsdp_units
 
 __all__ = [

@@ -25,9 +25,9 @@ from handbook_lib.activations import (
     estimate_activation_bytes,
     estimate_decoder_activation_bytes,
 )
+from handbook_lib.architecture import ModelConfig, param_count, param_shapes
 from handbook_lib.config import PRECISIONS, STRATEGIES
 from handbook_lib.names import lookup
-from handbook_lib.architecture import ModelConfig, param_count, param_shapes
 from handbook_lib.sharding import (
     DTYPE_BYTES,
     ShardBytes,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from handbook_lib.architecture import ModelConfig, param_count
 from handbook_lib.comm import (
     CollectiveRecord,
     estimate_compute_time,
@@ -20,8 +21,7 @@ from handbook_lib.comm import (
     units_for_decoder,
     units_for_model,
 )
-from handbook_lib.architecture import ModelConfig, param_count
-from handbook_lib.hardware import ACCELERATORS, LINKS, Accelerator, Link, get_accelerator, get_link
+from handbook_lib.hardware import Accelerator, Link, get_accelerator, get_link
 from handbook_lib.memory import (
     PRECISION_DTYPES,
     estimate_memory,

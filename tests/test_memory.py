@@ -78,6 +78,7 @@ def test_bad_input_raises_value_error(call, match):
 # --- estimate_memory and the ZeRO accounting (chapter 2) -------------------------------------
 
 from handbook_lib.activations import DECODER_SHAPES, estimate_activation_bytes  # noqa: E402
+from handbook_lib.config import STRATEGIES  # noqa: E402
 from handbook_lib.memory import (  # noqa: E402
     COMPONENTS,
     FSDP2_SPELLING,
@@ -86,7 +87,6 @@ from handbook_lib.memory import (  # noqa: E402
     estimate_zero_memory,
     optimizer_step_bytes,
 )
-from handbook_lib.config import STRATEGIES  # noqa: E402
 
 
 @pytest.mark.parametrize("stage, gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])

@@ -31,9 +31,9 @@ from handbook_lib.memory import (
     optimizer_step_bytes,
 )
 from handbook_lib.model import param_count
-from handbook_lib.sharding import fsdp_units
 from handbook_lib.results import Check
 from handbook_lib.runs.entry import RankReport, main
+from handbook_lib.sharding import fsdp_units
 from handbook_lib.training import (
     FSDP2_STRATEGIES,
     build_ddp_model,
