@@ -25,7 +25,7 @@ import json
 import sys
 
 from handbook_lib.activations import DECODER_SHAPES
-from handbook_lib.architecture import param_count, param_count_breakdown
+from handbook_lib.architecture import ModelConfig, param_count, param_count_breakdown
 from handbook_lib.comm import (
     estimate_compute_time,
     estimate_step_time,
@@ -37,6 +37,7 @@ from handbook_lib.display import Table, checks_table, format_bytes
 from handbook_lib.hardware import ACCELERATORS, LINKS, get_accelerator, get_link
 from handbook_lib.launch import RunFailed, torchrun
 from handbook_lib.memory import PRECISION_DTYPES, estimate_memory
+from handbook_lib.presets import DecoderShape
 from handbook_lib.runs import available_runs
 from handbook_lib.sharding import Unit
 from handbook_lib.strategy import plan
@@ -123,15 +124,27 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_comm(args: argparse.Namespace) -> int:
+def _chosen_model(args: argparse.Namespace, minimum_params: int) -> int | DecoderShape | ModelConfig:
+    """The model named on the command line: ``--params N``, ``--model NAME``, or the handbook's
+    model with ``--set`` keys (where the command has them)."""
+    overrides = getattr(args, "overrides", [])
+    if args.params is not None:
+        if overrides:
+            raise ValueError("--set applies to the handbook's model; do not combine it with --params")
+        if args.params < minimum_params or args.params != int(args.params):
+            raise ValueError(f"--params must be a whole number >= {minimum_params}, got {args.params}")
+        return int(args.params)
     if args.model is not None:
-        shape = DECODER_SHAPES[args.model]
-        units, num_params = units_for_decoder(shape), shape.num_params
+        return DECODER_SHAPES[args.model]
+    return RunConfig.from_mapping(parse_overrides(overrides)).model_config()
+
+
+def _cmd_comm(args: argparse.Namespace) -> int:
+    model = _chosen_model(args, minimum_params=1)
+    if isinstance(model, int):
+        units, num_params = [Unit("model", ((model,),))], model
     else:
-        if args.params < 1 or args.params != int(args.params):
-            raise ValueError(f"--params must be a whole number >= 1, got {args.params}")
-        num_params = int(args.params)
-        units = [Unit("model", ((num_params,),))]
+        units, num_params = units_for_decoder(model), model.num_params
     param_dtype, reduce_dtype = PRECISION_DTYPES[args.precision]
     traffic = estimate_step_traffic(units, args.world_size, args.strategy, param_dtype=param_dtype,
                                     reduce_dtype=reduce_dtype, shard_group_size=args.shard_group_size)
@@ -166,16 +179,7 @@ def _cmd_comm(args: argparse.Namespace) -> int:
 
 
 def _cmd_memory(args: argparse.Namespace) -> int:
-    if args.params is not None:
-        if args.overrides:
-            raise ValueError("--set applies to the handbook's model; do not combine it with --params")
-        if args.params < 0 or args.params != int(args.params):
-            raise ValueError(f"--params must be a whole number >= 0, got {args.params}")
-        model: object = int(args.params)
-    elif args.model is not None:
-        model = DECODER_SHAPES[args.model]
-    else:
-        model = RunConfig.from_mapping(parse_overrides(args.overrides)).model_config()
+    model = _chosen_model(args, minimum_params=0)
     est = estimate_memory(model, args.world_size, args.strategy, args.precision, args.optimizer,
                           micro_batch=args.micro_batch, seq_len=args.seq_len,
                           shard_group_size=args.shard_group_size,

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from handbook_lib.activations import (
+    ActivationBytes,
     DecoderShape,
     estimate_activation_bytes,
     estimate_decoder_activation_bytes,
@@ -218,8 +219,9 @@ def _units_and_activations(model, group, c_name, micro_batch, seq_len, ac):
                                                        recompute="full" if ac else "none") * c // 2
             tokens = micro_batch * seq_len
             head = tokens * model.d_model * c + tokens * model.vocab_size * 4 + 16 * tokens
-            recompute = layers // model.num_layers if ac else 0
-            acts = _Acts(layers + head, recompute)
+            per_layer = layers // model.num_layers
+            acts = ActivationBytes(per_layer=per_layer, layers=layers, head=head,
+                                   recompute=per_layer if ac else 0)
         return [layer] * model.num_layers, root, acts, model.vocab_size
     return [], 0, None, 0
 
@@ -231,12 +233,6 @@ def _head_numel(model) -> int:
     if isinstance(model, DecoderShape):
         return model.d_model * model.vocab_size
     return 0
-
-
-@dataclass(frozen=True)
-class _Acts:
-    total: int
-    recompute: int
 
 
 def estimate_memory(

@@ -139,10 +139,12 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
         metrics.update(peak_bytes=mem.peak_bytes, activation_bytes=mem.activation_bytes,
                        peak_breakdown=mem.peak_breakdown, allocator_peak_bytes=mem.allocator_peak_bytes)
     if log.collectives is not None:
-        checks += _collective_checks(config, ctx, group, log.collectives, check)
+        # the ring model applied to what was counted (kinds, buffers, group sizes)
+        sent = sum(estimate_collective(c.kind, c.buffer_bytes, c.group_size).sent_bytes
+                   for c in log.collectives)
+        checks += _collective_checks(config, ctx, group, log.collectives, sent, check)
         metrics["collectives"] = [vars(c) for c in log.collectives]
-        metrics["sent_bytes"] = sum(
-            estimate_collective(c.kind, c.buffer_bytes, c.group_size).sent_bytes for c in log.collectives)
+        metrics["sent_bytes"] = sent
     return RankReport(
         metrics=metrics,
         checks=checks,
@@ -150,7 +152,7 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
     )
 
 
-def _collective_checks(config, ctx, group, calls, check) -> list[Check]:
+def _collective_checks(config, ctx, group, calls, sent, check) -> list[Check]:
     """Counted collectives of the step beside the communication model's schedule.
 
     In our wrapping the root is resharded after forward too (``fully_shard(model,
@@ -174,9 +176,8 @@ def _collective_checks(config, ctx, group, calls, check) -> list[Check]:
         checks.append(check(f"{kind}_buffer_bytes", sum(r.buffer_bytes for r in predicted),
                             sum(c.buffer_bytes for c in measured)))
     if calls or traffic.records:
-        # the ring model applied to what was counted (kinds, buffers, group sizes); DDP's buckets
-        # round each all-reduce's chunks separately, a few bytes off one all-reduce of everything
-        sent = sum(estimate_collective(c.kind, c.buffer_bytes, c.group_size).sent_bytes for c in calls)
+        # DDP's buckets round each all-reduce's chunks separately: a few bytes off one
+        # all-reduce of everything
         checks.append(check("sent_bytes", traffic.sent_bytes, sent,
                             1e-6 if config.strategy == "DDP" else 0.0))
     return checks
