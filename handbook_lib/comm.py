@@ -39,7 +39,8 @@ __all__ = [
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 """Collective kinds, spelled as ``torch.distributed`` spells their functions."""
-STRATEGIES = ("DDP", "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+STRATEGIES = ("NONE", "DDP", "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD",
+              "HYBRID_SHARD_ZERO2")
 """Training strategies, as in the run-config vocabulary (``handbook_lib.config.STRATEGIES``)."""
 _HYBRID = ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 _REGATHER = ("FULL_SHARD", "HYBRID_SHARD")  # reshard after forward, so gather again in backward
@@ -161,10 +162,11 @@ def estimate_step_traffic(
     units: Iterable[Unit], world_size: int, strategy: str, *,
     param_dtype: str = "fp32", reduce_dtype: str = "fp32", root_reshard_after_forward: bool = False,
     grad_accum_steps: int = 1, sync_every_micro_step: bool = True, shard_group_size: int | None = None,
+    flat_params: bool = False, grad_scaler_group: int | None = None,
 ) -> StepTraffic:
     """List the collectives of one optimizer step of ``strategy`` on ``world_size`` ranks.
 
-    Per micro-step:
+    Per micro-step (``NONE``, one plain process, communicates nothing):
 
     - ``DDP``: one all-reduce of every gradient (``reduce_dtype``, unpadded). Real DDP cuts it
       into ~25 MB buckets; the bytes are the same, so we record one collective.
@@ -197,6 +199,13 @@ def estimate_step_traffic(
         grad_accum_steps: Micro-steps per optimizer step.
         sync_every_micro_step: Reduce gradients on every micro-step, or only on the last.
         shard_group_size: S, for the hybrid strategies only; must divide ``world_size``.
+        flat_params: FSDP1's ``FlatParameter``: each unit's buffer is its numel padded once to
+            a multiple of the group (:meth:`Unit.flat_padded_numel`), not each parameter.
+        grad_scaler_group: With fp16's gradient scaler: the ranks over which it all-reduces its
+            found-inf flag (one fp32 scalar, 4 bytes) once per optimizer step — FSDP1's
+            ``ShardedGradScaler`` over the world, FSDP2's DTensors over the shard group.
+
+    A unit without parameters (e.g. a root whose children are all wrapped) issues nothing.
 
     Raises:
         ValueError: for a bad strategy, dtype, world size, shard group or micro-step count.
@@ -220,6 +229,10 @@ def estimate_step_traffic(
     replicas = world_size // group
 
     records: list[CollectiveRecord] = []
+    units = [u for u in units if u.numel]
+
+    def padded(u: Unit) -> int:
+        return u.flat_padded_numel(group) if flat_params else u.padded_numel(group)
 
     def add(kind: str, unit: str, phase: str, dtype: str, buffer: int, size: int) -> None:
         cost = asdict(estimate_collective(kind, buffer, size))
@@ -227,6 +240,8 @@ def estimate_step_traffic(
 
     for m in range(grad_accum_steps):
         sync = sync_every_micro_step or m == grad_accum_steps - 1
+        if strategy == "NONE":
+            continue
         if strategy in ("DDP", "NO_SHARD"):
             if sync and strategy == "DDP":
                 add("all_reduce", "model", "backward", reduce_dtype,
@@ -239,15 +254,18 @@ def estimate_step_traffic(
             continue  # FSDP on one rank issues no collectives at all
         for u in units:
             if group > 1:
-                add("all_gather", u.name, "forward", param_dtype, u.padded_numel(group) * p_size, group)
+                add("all_gather", u.name, "forward", param_dtype, padded(u) * p_size, group)
         for u in reversed(units):
-            numel = u.padded_numel(group)
+            numel = padded(u)
             if group > 1 and strategy in _REGATHER and (not u.root or root_reshard_after_forward):
                 add("all_gather", u.name, "backward", param_dtype, numel * p_size, group)
             if sync and group > 1:
                 add("reduce_scatter", u.name, "backward", reduce_dtype, numel * r_size, group)
             if sync and strategy in _HYBRID and replicas > 1:
                 add("all_reduce", u.name, "backward", reduce_dtype, numel * r_size // group, replicas)
+    if grad_scaler_group is not None and grad_scaler_group > 1:
+        m = grad_accum_steps - 1
+        add("all_reduce", "grad_scaler", "optimizer", "fp32", 4, grad_scaler_group)
     return StepTraffic(strategy, world_size, grad_accum_steps, tuple(records))
 
 

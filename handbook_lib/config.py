@@ -23,15 +23,24 @@ __all__ = [
     "APIS",
     "PRECISIONS",
     "OPTIMIZERS",
+    "WRAPS",
     "parse_overrides",
 ]
 
-STRATEGIES = ("DDP", "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
-"""Sharding strategies, in FSDP1's spelling (plus DDP); FSDP2's spelling is derived from them."""
+STRATEGIES = ("NONE", "DDP", "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD",
+              "HYBRID_SHARD_ZERO2")
+"""Sharding strategies, in FSDP1's spelling (plus DDP, and NONE: the plain model in one process,
+the baseline every other strategy must reproduce); FSDP2's spelling is derived from them."""
 APIS = ("fsdp2", "fsdp1")
 """``fsdp2`` is ``torch.distributed.fsdp.fully_shard``; ``fsdp1`` is ``FullyShardedDataParallel``."""
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")
+WRAPS = ("layer", "model", "size")
+"""Wrapping policies: ``layer`` — one FSDP unit per transformer layer plus the root (FSDP1's
+``transformer_auto_wrap_policy``; what chapters 1–4 use); ``model`` — nothing wrapped but the
+root, one unit holding every parameter; ``size`` — FSDP1's ``size_based_auto_wrap_policy``: a
+submodule whose not-yet-wrapped parameters reach ``wrap_min_params`` becomes a unit (see
+:func:`handbook_lib.sharding.wrap_units`)."""
 
 _C = TypeVar("_C", bound="FlatConfig")
 
@@ -139,6 +148,7 @@ class RunConfig(FlatConfig):
         "api": APIS,
         "precision": PRECISIONS,
         "optimizer": OPTIMIZERS,
+        "wrap": WRAPS,
     }
 
     # model (see ModelConfig)
@@ -161,11 +171,22 @@ class RunConfig(FlatConfig):
     api: str = "fsdp2"
     shard_group_size: int = 0
     """Ranks that shard one model copy in the HYBRID strategies (0: the ranks of one node)."""
+    wrap: str = "layer"
+    """Which modules become FSDP units: ``layer`` (each transformer layer, then the root),
+    ``model`` (the root only: one unit) or ``size`` (FSDP1's size-based policy)."""
+    wrap_min_params: int = 100_000
+    """With ``wrap="size"``: parameters (elements) a module must hold to become a unit."""
     # numerics
     precision: str = "fp32"
     optimizer: str = "adamw"
     lr: float = 1e-3
     """Learning rate (dimensionless)."""
+    grad_scaler: bool = True
+    """With ``fp16-mixed``: scale the loss (FSDP2: ``torch.amp.GradScaler``; FSDP1:
+    ``ShardedGradScaler``). Off shows what fp16 does without it."""
+    grad_scale_init: float = 65536.0
+    """The scaler's first factor (PyTorch's default, 2**16); a too-large one shows the scaler
+    skipping overflowing steps and halving itself."""
     # memory levers
     activation_checkpointing: bool = False
     cpu_offload: bool = False
@@ -175,10 +196,14 @@ class RunConfig(FlatConfig):
         for key in ("batch_size", "seq_len", "steps"):
             if getattr(self, key) < 1:
                 raise ValueError(f"config key {key!r} must be >= 1, got {getattr(self, key)}")
+        if self.wrap_min_params < 1:
+            raise ValueError(f"config key 'wrap_min_params' must be >= 1, got {self.wrap_min_params}")
         if self.shard_group_size < 0:
             raise ValueError(f"config key 'shard_group_size' must be >= 0, got {self.shard_group_size}")
         if self.seed < 0:
             raise ValueError(f"config key 'seed' must be >= 0, got {self.seed}")
+        if not self.grad_scale_init > 0:
+            raise ValueError(f"config key 'grad_scale_init' must be > 0, got {self.grad_scale_init}")
         if not self.lr > 0:
             raise ValueError(f"config key 'lr' must be > 0, got {self.lr}")
         self.model_config()  # validates the model keys

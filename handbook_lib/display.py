@@ -12,9 +12,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from handbook_lib.results import Check, RunResult
+from handbook_lib.results import Check, RunResult, max_relative_difference
 
-__all__ = ["format_bytes", "Table", "checks_table", "ranks_table", "summarize_runs"]
+__all__ = ["format_bytes", "Table", "checks_table", "ranks_table", "summarize_runs", "compare_runs",
+           "step_time_table"]
 
 _DECIMAL = [("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)]
 _BINARY = [("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)]
@@ -101,9 +102,57 @@ def summarize_runs(results: Mapping[str, RunResult]) -> Table:
         def worst(quantity: str) -> Check:
             return max((c for c in result.checks if c.quantity == quantity),
                        key=lambda c: abs(c.relative_error))
-        act, peak = worst("activation_bytes"), worst("peak_bytes")
-        rows.append([label, result.world_size, len(exact), max(abs(c.error) for c in exact),
-                     f"{100 * act.relative_error:+.2f} %", format_bytes(peak.predicted),
-                     format_bytes(peak.measured), f"{100 * peak.relative_error:+.2f} %"])
+        act = worst("activation_bytes")
+        row = [label, result.world_size, len(exact), max(abs(c.error) for c in exact),
+               f"{100 * act.relative_error:+.2f} %"]
+        if any(c.quantity == "peak_bytes" for c in result.checks):
+            peak = worst("peak_bytes")
+            row += [format_bytes(peak.predicted), format_bytes(peak.measured),
+                    f"{100 * peak.relative_error:+.2f} %"]
+        else:  # e.g. FSDP1: the peak is measured but not predicted
+            row += ["-", format_bytes(max(result.metric("peak_bytes"))), "-"]
+        rows.append(row)
     return Table(["run", "ranks", "exact checks", "max byte error", "activations error",
                   "peak predicted", "peak measured", "peak error"], rows)
+
+
+def compare_runs(results: Mapping[str, RunResult], baseline: str) -> Table:
+    """One row per training run: what each rank holds, its peak, and its losses against
+    ``baseline``'s (one of the keys, e.g. the one-process run).
+
+    Columns: ranks; model state per rank (parameter shards + gradients + optimizer state, the
+    largest over ranks); peak per rank (the largest); both as a fraction of the baseline's;
+    the max relative difference of the per-step losses (rank 0's, which all ranks share).
+    Timing is left out on purpose (it varies run to run): see :func:`step_time_table`.
+    """
+    def state(result: RunResult) -> int:
+        return max(r["param_shard_bytes"] + r["param_padding_bytes"] + r["grad_shard_bytes"]
+                   + r["optimizer_state_bytes"] + r["optimizer_other_bytes"] for r in result.ranks)
+
+    base = results[baseline]
+    base_state, base_peak = state(base), max(base.metric("peak_bytes"))
+    rows = []
+    for label, result in results.items():
+        peak = max(result.metric("peak_bytes"))
+        diff = max_relative_difference(result.metric("losses")[0], base.metric("losses")[0])
+        rows.append([label, result.world_size, format_bytes(state(result)),
+                     f"{state(result) / base_state:.2f}", format_bytes(peak), f"{peak / base_peak:.2f}",
+                     f"{diff:.1e}"])
+    return Table(["run", "ranks", "model state / rank", f"vs {baseline}", "peak / rank",
+                  f"vs {baseline} ", "max loss difference"], rows)
+
+
+def step_time_table(result: RunResult) -> Table:
+    """Rank 0's step times of a ``step_time`` run: per strategy, the median over repeats of the
+    mean step time (seconds) and of its ratio to DDP, with the smallest and largest ratio."""
+    import statistics
+
+    ranks = sorted(result.ranks, key=lambda r: r["rank"])[0]
+    rows = []
+    for name in result.extra["variants"]:
+        ratios = ranks["ratio_to_ddp"][name]
+        rows.append([name, f"{statistics.median(ranks['step_time_s'][name]):.3f}",
+                     f"{statistics.median(ratios):.2f}", f"{min(ratios):.2f} - {max(ratios):.2f}",
+                     len(ratios)])
+    return Table(["strategy", "step time (s, median)", "ratio to DDP (median)", "ratio range",
+                  "repeats"], rows)

@@ -21,6 +21,7 @@ __all__ = [
     "measure_param_bytes",
     "measure_grad_bytes",
     "measure_optimizer_bytes",
+    "measure_fsdp_units",
     "StepMemory",
     "StepMemoryTracker",
     "CollectiveCall",
@@ -57,11 +58,18 @@ def measure_param_bytes(module: nn.Module) -> ParamBytes:
 
     FSDP2 keeps each parameter's shard in its own padded buffer and exposes the unpadded rows as
     the DTensor's local tensor (a view of that buffer), so the buffer's size reveals the padding.
-    For a plain (unsharded) module both numbers are the full parameter bytes.
+    FSDP1 (``use_orig_params=False``) exposes one ``FlatParameter`` per unit instead: its local
+    shard includes the padding, whose size it records (``_shard_numel_padded``). For a plain
+    (unsharded) module both numbers are the full parameter bytes.
     """
     shard = storage = 0
     for p in module.parameters():
         local = local_tensor(p)
+        padding = getattr(p, "_shard_numel_padded", None)
+        if padding is not None:  # FSDP1's FlatParameter: one unit's shard, padded at its end
+            shard += (local.numel() - padding) * local.element_size()
+            storage += _nbytes(local)
+            continue
         shard += _nbytes(local)
         storage += local.untyped_storage().nbytes() if local.numel() else 0
     return ParamBytes(shard_bytes=shard, storage_bytes=storage)
@@ -91,6 +99,30 @@ def measure_optimizer_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]
             else:
                 other += _nbytes(local)
     return sharded, other
+
+
+def measure_fsdp_units(model: nn.Module) -> list[str]:
+    """Names of the FSDP units that hold parameters, as the wrapped model reports them
+    (``root`` for the outermost), in module order; ``[]`` for a model FSDP did not wrap.
+
+    FSDP2: modules ``fully_shard`` was applied to that manage a parameter group; FSDP1: the
+    ``FullyShardedDataParallel`` instances that own a ``FlatParameter``.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, FSDP1):
+            holds = module._flat_param is not None
+        elif isinstance(module, FSDPModule):
+            holds = module._get_fsdp_state()._fsdp_param_group is not None
+        else:
+            continue
+        if holds:
+            parts = [p for p in name.split(".") if p not in ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")]
+            names.append(".".join(parts) or "root")
+    return names
 
 
 @dataclass(frozen=True)
@@ -209,7 +241,9 @@ class CollectiveCounter(TorchDispatchMode):
 
     ``torch.distributed``'s collectives go through the dispatcher as ``c10d`` operators
     (``c10d._allgather_base_``, ``c10d._reduce_scatter_base_``, ``c10d.allreduce_``, ...), on
-    gloo and NCCL alike; this mode reads their tensor arguments. What it records is the logical
+    gloo and NCCL alike; this mode reads their tensor arguments. It does not see collectives a
+    DTensor issues inside its own dispatch (e.g. FSDP2's gradient scaler reducing its inf flag):
+    a dispatch mode is switched off while it handles an operator. What it records is the logical
     collective; how many bytes each rank then puts on the wire depends on the algorithm (the ring
     model of chapter 3 says ``(N-1)/N`` of the buffer), and gloo on CPU even runs FSDP's
     reduce-scatter as an all-reduce.

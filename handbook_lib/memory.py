@@ -18,6 +18,7 @@ does on every rank; chapter 2 shows each against a memory tracker's breakdown.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from handbook_lib.activations import (
@@ -65,6 +66,7 @@ handed to the optimizer and the optimizer states stay fp32 in every case. fp16 a
 gradient scaler, whose state (a scale and a step counter) is a few bytes and is not counted."""
 
 FSDP2_SPELLING: dict[str, str] = {
+    "NONE": "the plain module, one process: no wrapper",
     "DDP": "DistributedDataParallel (or replicate()); not FSDP",
     "NO_SHARD": "none: FSDP2 has no NO_SHARD; use DDP",
     "SHARD_GRAD_OP": "fully_shard(m, reshard_after_forward=False)",
@@ -96,13 +98,16 @@ def optimizer_states(optimizer: str) -> int:
     return lookup(OPTIMIZER_STATES, optimizer, "optimizer")
 
 
-def optimizer_step_bytes(model: ModelConfig, optimizer: str) -> int:
+def optimizer_step_bytes(model: ModelConfig, optimizer: str, units: Sequence[Unit] | None = None) -> int:
     """Bytes of Adam's per-tensor ``step`` counters (a 4-byte float each; 0 for SGD).
 
-    They are not sharded: every rank holds one per parameter tensor it has a shard of.
+    They are not sharded: every rank holds one per parameter tensor it has a shard of. With
+    FSDP1's flat parameters, pass the ``units``: the optimizer then sees one tensor per unit
+    that has parameters.
     """
     optimizer_states(optimizer)  # validates the name
-    return 4 * len(param_shapes(model)) if optimizer in ("adam", "adamw") else 0
+    tensors = len(param_shapes(model)) if units is None else sum(1 for u in units if u.numel)
+    return 4 * tensors if optimizer in ("adam", "adamw") else 0
 
 
 @dataclass(frozen=True)
@@ -201,11 +206,13 @@ class MemoryEstimate:
         raise AttributeError(name)
 
 
-def _units_and_activations(model, group, c_name, micro_batch, seq_len, ac):
+def _units_and_activations(model, group, c_name, micro_batch, seq_len, ac, units=None, flat=False):
     """(units' padded numels: layers list + root, activations total/head-free parts, T·V)."""
     if isinstance(model, ModelConfig):
-        units = fsdp_units(model)
-        numels = [u.padded_numel(group) for u in units]
+        units = list(units) if units is not None else fsdp_units(model)
+        if not units or not units[0].root:
+            raise ValueError("units must start with the root unit (see wrap_units)")
+        numels = [u.flat_padded_numel(group) if flat else u.padded_numel(group) for u in units]
         acts = estimate_activation_bytes(model, micro_batch, seq_len, c_name,
                                          activation_checkpointing=ac) if micro_batch else None
         return numels[1:], numels[0], acts, model.vocab_size
@@ -249,6 +256,8 @@ def estimate_memory(
     activation_checkpointing: bool = False,
     cpu_offload: bool = False,
     reduce_dtype: str | None = None,
+    units: Sequence[Unit] | None = None,
+    flat_params: bool = False,
 ) -> MemoryEstimate:
     """Predict one rank's device memory for a training step, by component and phase.
 
@@ -268,8 +277,13 @@ def estimate_memory(
         activation_checkpointing: Recompute each layer's activations in backward.
         cpu_offload: Keep sharded parameters, gradients and optimizer states in host memory.
         reduce_dtype: Gradient-reduction dtype, overriding the precision's (e.g. ``bf16``).
+        units: The FSDP units, root first (default: one per layer, :func:`fsdp_units`; see
+            :func:`handbook_lib.sharding.wrap_units` for the other wrapping policies). Only for
+            a :class:`ModelConfig`.
+        flat_params: FSDP1's flat parameters: each unit padded once (chapter 5).
 
-    The phases (FSDP strategies; DDP and NO_SHARD keep the full state and add DDP's gradient
+    The phases (FSDP strategies; DDP, NO_SHARD and NONE — one plain process — keep the full
+    state, and DDP adds its gradient
     buckets):
 
     - ``loss_backward``: all activations, plus the loss's two T·V fp32 gradients, plus whatever
@@ -306,7 +320,7 @@ def estimate_memory(
 
     if isinstance(model, ModelConfig):
         shard = estimate_shard_bytes(model, group, rank % group).shard_bytes // 4
-        steps = optimizer_step_bytes(model, optimizer)
+        steps = optimizer_step_bytes(model, optimizer, units if flat_params else None)
     else:
         shard, steps = -(-n // group), 0
     state = {"params": 4 * shard, "grads": 4 * shard, "optimizer": 4 * k * shard + steps}
@@ -314,8 +328,10 @@ def estimate_memory(
     if cpu_offload:
         host, state = sum(state.values()), {key: 0 for key in state}
 
+    if units is not None and not isinstance(model, ModelConfig):
+        raise ValueError("units can be given only with a ModelConfig")
     layers, root, acts, vocab = _units_and_activations(model, group, c_name, micro_batch, seq_len,
-                                                       activation_checkpointing)
+                                                       activation_checkpointing, units, flat_params)
     head = _head_numel(model)
     tv = micro_batch * seq_len * vocab
     act_total = acts.total if acts else 0
@@ -354,7 +370,8 @@ def estimate_memory(
         buckets = r * n if strategy == "DDP" else 0
         phases["loss_backward"] = phase(0, 0, act_total, 2 * logsoftmax)
         phases["backward_start"] = phase(0, buckets, act_total - logsoftmax, c * tv)
-        notes.append(f"{strategy}: transients modelled from DDP's design, not yet measured (chapter 5)")
+        if strategy == "NO_SHARD":
+            notes.append("NO_SHARD: transients modelled from DDP's design, not measured")
     totals = {name: sum(parts.values()) for name, parts in phases.items()}
     peak_phase = max(totals, key=totals.get)
     return MemoryEstimate(components=phases[peak_phase], phases=totals, peak_phase=peak_phase,

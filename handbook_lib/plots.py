@@ -2,7 +2,7 @@
 
 Chapter 1 introduces :func:`plot_rank_bytes`; chapter 2 adds :func:`plot_memory_breakdown` and
 :func:`plot_predicted_vs_measured`; chapter 3 the communication plots; chapter 4
-:func:`plot_fit_map`. Figures are built with the object-oriented API
+:func:`plot_fit_map`; chapter 5 :func:`plot_loss_curves` and :func:`plot_peak_by_run`. Figures are built with the object-oriented API
 (no ``pyplot`` state), so a notebook cell shows a returned figure exactly once.
 """
 
@@ -18,6 +18,7 @@ from handbook_lib.results import RunResult
 __all__ = [
     "plot_rank_bytes", "plot_memory_breakdown", "plot_predicted_vs_measured",
     "plot_collective_bench", "plot_volume_vs_memory", "plot_step_time_by_link", "plot_fit_map",
+    "plot_loss_curves", "plot_peak_by_run",
 ]
 
 _COMPONENTS = (
@@ -218,4 +219,42 @@ def plot_fit_map(
     ax.set_yticks(range(len(models)), models)
     ax.set_xlabel("GPUs")
     ax.set_title(title)
+    return fig
+
+
+def plot_loss_curves(
+    curves: Mapping[str, Sequence[float]], *, title: str = "Training loss, per run"
+) -> Figure:
+    """One line per run: loss (nats per token) against optimizer step. Runs that compute the
+    same thing lie on top of each other; markers differ so that every run stays visible."""
+    fig = Figure(figsize=(6.4, 3.8), layout="constrained")
+    ax = fig.add_subplot()
+    markers = "o^sDvx+*<>ph"
+    for i, (label, losses) in enumerate(curves.items()):
+        ax.plot(range(1, len(losses) + 1), losses, marker=markers[i % len(markers)],
+                markersize=9 - 0.5 * i, fillstyle="none", linewidth=1, label=label)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats per token)")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    return fig
+
+
+def plot_peak_by_run(
+    results: Mapping[str, RunResult], *, title: str = "Peak memory per rank, measured"
+) -> Figure:
+    """Bars of each run's measured peak per rank (the largest over ranks, MB = 10^6 bytes),
+    with the model-state part (parameter shards, gradients, optimizer state) shaded."""
+    labels = list(results)
+    peaks = [max(r.metric("peak_bytes")) / 1e6 for r in results.values()]
+    states = [max(x["param_shard_bytes"] + x["grad_shard_bytes"] + x["optimizer_state_bytes"]
+                  for x in r.ranks) / 1e6 for r in results.values()]
+    fig = Figure(figsize=(max(6.4, 1.0 * len(labels)), 3.8), layout="constrained")
+    ax = fig.add_subplot()
+    ax.bar(labels, peaks, color="tab:orange", label="peak (measured)")
+    ax.bar(labels, states, color="tab:blue", label="model state at rest")
+    ax.set_ylabel("bytes per rank (MB, 10^6)")
+    ax.set_title(title)
+    ax.tick_params(axis="x", labelsize=8, rotation=20)
+    ax.legend(fontsize=8)
     return fig

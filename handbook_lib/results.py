@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SCHEMA", "Check", "RunResult", "load_result", "write_json_atomic"]
+__all__ = ["SCHEMA", "Check", "RunResult", "load_result", "write_json_atomic", "max_relative_difference"]
 
 SCHEMA = "handbook.result/1"
 """Version tag of the result format; bump it when a key changes meaning."""
@@ -115,6 +116,19 @@ class RunResult:
     def failed_checks(self) -> list[Check]:
         """Checks whose measurement is outside the check's own tolerance."""
         return [c for c in self.checks if not c.ok]
+
+
+def max_relative_difference(values: Sequence[float], reference: Sequence[float]) -> float:
+    """``max |a - b| / |b|`` over paired values (e.g. two runs' per-step losses); 0.0 for none.
+
+    Raises:
+        ValueError: if the sequences differ in length or a reference value is 0.
+    """
+    if len(values) != len(reference):
+        raise ValueError(f"cannot compare {len(values)} values with {len(reference)}")
+    if any(b == 0 for b in reference):
+        raise ValueError("a reference value is 0: the relative difference is undefined")
+    return max((abs(a - b) / abs(b) for a, b in zip(values, reference)), default=0.0)
 
 
 def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:

@@ -7,6 +7,12 @@ Chapter 1 introduces the shard rule; chapters 2 and 3 use the units. FSDP (FSDP2
 dimension of ``n`` rows is cut into ``world_size`` chunks of ``ceil(n / world_size)`` rows; rank
 ``r`` holds rows ``[r·c, min((r+1)·c, n))`` (possibly none), and every rank's storage is padded to
 ``c`` rows so that all shards have equal size for the all-gather.
+
+FSDP1 (``FullyShardedDataParallel``, ``use_orig_params=False``) differs in one detail that
+chapter 5 measures: it flattens each unit's parameters into one ``FlatParameter`` and pads and
+shards that flat vector, so its padding is per unit, not per parameter
+(:func:`estimate_flat_shard_bytes`). Which modules become units is the wrapping policy
+(:data:`WRAPS`, :func:`wrap_units`).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import dataclass
 from math import prod
 
 from handbook_lib.architecture import ModelConfig, param_shapes
+from handbook_lib.config import WRAPS
 from handbook_lib.names import lookup
 
 __all__ = [
@@ -25,6 +32,9 @@ __all__ = [
     "shard_rows",
     "estimate_shard_bytes",
     "fsdp_units",
+    "WRAPS",
+    "wrap_units",
+    "estimate_flat_shard_bytes",
 ]
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -127,6 +137,12 @@ class Unit:
         """Elements of the unit's parameters (unpadded)."""
         return sum(prod(s) for s in self.shapes)
 
+    def flat_padded_numel(self, world_size: int) -> int:
+        """Elements of FSDP1's unsharded ``FlatParameter``: the unit's numel padded to a multiple
+        of N (one padding per unit, not per parameter)."""
+        check_world(world_size)
+        return -(-self.numel // world_size) * world_size
+
     def padded_numel(self, world_size: int) -> int:
         """Elements of the unit's unsharded buffer: every dim 0 padded to a multiple of N."""
         check_world(world_size)
@@ -147,3 +163,89 @@ def fsdp_units(config: ModelConfig) -> list[Unit]:
         else:
             root.append(shape)
     return [Unit("root", tuple(root), root=True)] + [Unit(n, tuple(s)) for n, s in layers.items()]
+
+
+_MODULE_CONTAINERS = ("layers",)
+"""Module paths of ``nn.ModuleList`` containers, never wrapped themselves (FSDP1's
+``exclude_wrap_modules``)."""
+_LEAF_MODULES = ("self_attn",)
+"""Path components of ``nn.MultiheadAttention`` modules: FSDP1's size policy neither recurses
+into them nor wraps them (``force_leaf_modules``), so their parameters count for the parent."""
+
+
+def wrap_units(config: ModelConfig, wrap: str = "layer", min_params: int = 100_000) -> list[Unit]:
+    """The FSDP units a wrapping policy makes of ``SimpleTransformer(config)``: root first, then
+    the wrapped submodules in forward order.
+
+    ``size`` follows FSDP1's ``size_based_auto_wrap_policy`` from the parameter names alone:
+    visiting modules children-first, a module (not the root, not a ``ModuleList``) becomes a unit
+    when the elements of its parameters not already inside a unit reach ``min_params``; an
+    ``nn.MultiheadAttention`` is neither visited nor wrapped (its parameters count for its layer).
+    The root unit keeps what is left (possibly nothing: a root unit with no shapes).
+
+    Raises:
+        ValueError: for an unknown ``wrap`` or a ``min_params`` below 1.
+    """
+    lookup(dict.fromkeys(WRAPS), wrap, "wrap")
+    if wrap == "layer":
+        return fsdp_units(config)
+    shapes = param_shapes(config)
+    if wrap == "model":
+        return [Unit("root", tuple(s for _, s in shapes), root=True)]
+    if isinstance(min_params, bool) or not isinstance(min_params, int) or min_params < 1:
+        raise ValueError(f"min_params must be an int >= 1, got {min_params!r}")
+    modules: dict[str, list[tuple[int, ...]]] = {"": []}
+    children: dict[str, list[str]] = {}
+    for name, shape in shapes:
+        parts = name.split(".")[:-1]
+        # a parameter inside a MultiheadAttention belongs to the attention's parent module
+        for i, part in enumerate(parts):
+            if part in _LEAF_MODULES:
+                parts = parts[:i]
+                break
+        path = ".".join(parts)
+        for depth in range(len(parts) + 1):
+            prefix = ".".join(parts[:depth])
+            modules.setdefault(prefix, [])
+            if depth:
+                parent = ".".join(parts[: depth - 1])
+                kids = children.setdefault(parent, [])
+                if prefix not in kids:
+                    kids.append(prefix)
+        modules[path].append(shape)
+    units: list[Unit] = []
+
+    def visit(path: str) -> list[tuple[int, ...]]:
+        """Shapes under ``path`` not yet in a unit, after wrapping what qualifies below it."""
+        left = list(modules[path])
+        for child in children.get(path, []):
+            left += visit(child)
+        if path and path not in _MODULE_CONTAINERS and sum(prod(s) for s in left) >= min_params:
+            units.append(Unit(path, tuple(left)))
+            return []
+        return left
+
+    root = visit("")
+    order = {path: i for i, path in enumerate(modules)}  # first-parameter order = forward order
+    units.sort(key=lambda u: order[u.name])
+    return [Unit("root", tuple(root), root=True), *units]
+
+
+def estimate_flat_shard_bytes(
+    units: list[Unit], world_size: int, rank: int, dtype: str = "fp32"
+) -> ShardBytes:
+    """One rank's bytes of FSDP1's sharded ``FlatParameter``s (``use_orig_params=False``).
+
+    Each unit's parameters are flattened into one vector of ``numel`` elements, cut into chunks
+    of ``ceil(numel / N)``; rank ``r`` holds ``min(chunk, numel - r·chunk)`` real elements
+    (possibly none) and is padded to ``chunk``. A unit without parameters has no flat parameter.
+    """
+    check_world(world_size, rank)
+    size = dtype_bytes(dtype)
+    real = padded = 0
+    for unit in units:
+        if unit.numel:
+            rows, chunk = shard_rows(unit.numel, world_size, rank)
+            real += rows * size
+            padded += chunk * size
+    return ShardBytes(shard_bytes=real, padding_bytes=padded - real)

@@ -1,7 +1,8 @@
 """Build, shard and train the model on one rank: the runtime behind every training run.
 
 Chapter 1 introduces it (FSDP2 with ``fully_shard``, per layer then the root); chapter 5 adds the
-other strategies. Data are synthetic and made in code, the same on every machine: each sequence
+other strategies and levers: the plain one-process baseline (``NONE``), DDP, FSDP1's
+``FullyShardedDataParallel``, the wrapping policies, fp16 with a gradient scaler. Data are synthetic and made in code, the same on every machine: each sequence
 follows ``next = (3 * token + 1) mod vocab_size`` from a random start, so the loss has something
 to learn and falls within a few steps.
 """
@@ -13,7 +14,8 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -25,8 +27,15 @@ from tqdm import tqdm
 
 from handbook_lib.config import RunConfig
 from handbook_lib.distributed import RankContext
-from handbook_lib.measure import CollectiveCall, CollectiveCounter, StepMemory, StepMemoryTracker
+from handbook_lib.measure import (
+    CollectiveCall,
+    CollectiveCounter,
+    StepMemory,
+    StepMemoryTracker,
+    local_tensor,
+)
 from handbook_lib.model import SimpleTransformer, TransformerLayer, build_model
+from handbook_lib.sharding import wrap_units
 
 __all__ = [
     "FSDP2_STRATEGIES",
@@ -39,7 +48,12 @@ __all__ = [
     "apply_activation_checkpointing",
     "apply_fsdp2",
     "build_fsdp2_model",
+    "build_fsdp1_model",
     "build_ddp_model",
+    "build_plain_model",
+    "build_training_model",
+    "build_grad_scaler",
+    "grad_zero_fraction",
     "train_step",
     "train",
     "shard_group",
@@ -113,20 +127,40 @@ def build_mesh(config: RunConfig, ctx: RankContext) -> DeviceMesh:
                             mesh_dim_names=("replicate", "shard"))
 
 
+_COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
 def build_mp_policy(precision: str) -> MixedPrecisionPolicy | None:
     """FSDP2 mixed-precision policy for a ``precision`` value (``None`` for fp32).
 
-    ``bf16-mixed`` computes in bf16 (all-gathered parameters in bf16) and reduces gradients in
-    fp32; the sharded parameters and the optimizer stay fp32.
+    ``bf16-mixed`` / ``fp16-mixed`` compute in bf16 / fp16 (parameters are all-gathered in that
+    dtype) and reduce gradients in fp32; the sharded parameters and the optimizer stay fp32.
+    fp16 also needs a gradient scaler (:func:`build_grad_scaler`).
     """
     if precision == "fp32":
         return None
-    if precision == "bf16-mixed":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    raise ValueError(
-        f"precision {precision!r} is not supported here; accepted: fp32, bf16-mixed "
-        "(fp16-mixed needs a gradient scaler, see chapter 5)"
-    )
+    if precision in _COMPUTE_DTYPES:
+        return MixedPrecisionPolicy(param_dtype=_COMPUTE_DTYPES[precision], reduce_dtype=torch.float32)
+    raise ValueError(f"precision must be fp32, bf16-mixed or fp16-mixed; got {precision!r}")
+
+
+def build_grad_scaler(config: RunConfig, ctx: RankContext):  # -> GradScaler | None
+    """The gradient scaler fp16 needs, or ``None`` (fp32, bf16, or ``grad_scaler=False``).
+
+    fp16's smallest positive value is about 6e-8 (5.96e-8, subnormal); smaller gradients round
+    to zero. The scaler multiplies the loss by a large factor (2**16 at first) so gradients are
+    computed scaled, divides them back in fp32 before the optimizer step, skips a step whose
+    gradients overflowed to inf/NaN and halves the factor then (and doubles it after 2,000 good
+    steps). With FSDP1 the check for inf must agree across ranks, which ``ShardedGradScaler``
+    does with an all-reduce; FSDP2's DTensor gradients let ``torch.amp.GradScaler`` do the same.
+    """
+    if config.precision != "fp16-mixed" or not config.grad_scaler:
+        return None
+    if config.api == "fsdp1" and config.strategy not in ("NONE", "DDP"):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=ctx.device.type, init_scale=config.grad_scale_init)
+    return torch.amp.GradScaler(ctx.device.type, init_scale=config.grad_scale_init)
 
 
 def build_optimizer(params, name: str, lr: float) -> torch.optim.Optimizer:
@@ -157,21 +191,42 @@ def apply_fsdp2(
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
+    units: list[nn.Module] | None = None,
 ) -> None:
-    """Shard ``model`` in place: ``fully_shard`` each transformer layer, then the root.
+    """Shard ``model`` in place: ``fully_shard`` each unit's module, then the root.
 
-    Each layer becomes one FSDP unit (all-gathered just before it runs, freed after); the root
-    unit holds what is left, the embedding and the output head.
+    By default every transformer layer becomes one FSDP unit (all-gathered just before it
+    runs, freed after) and the root unit holds what is left, the embedding and the output head.
+    ``units`` names other modules instead (children before parents, as
+    :func:`handbook_lib.sharding.wrap_units` lists them in forward order): ``[]`` leaves one
+    unit, the root, holding every parameter.
     """
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     if offload_policy is not None:
         kwargs["offload_policy"] = offload_policy
-    for module in model.modules():
-        if isinstance(module, TransformerLayer):
-            fully_shard(module, **kwargs)
+    if units is None:
+        units = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    # fully_shard a child before its parent: the parent's unit then skips the child's parameters
+    for module in sorted(units, key=lambda m: -_depth(model, m)):
+        fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
+
+
+def _depth(root: nn.Module, module: nn.Module) -> int:
+    for name, candidate in root.named_modules():
+        if candidate is module:
+            return name.count(".") + 1 if name else 0
+    raise ValueError("module is not inside the model")
+
+
+def _unit_modules(model: SimpleTransformer, config: RunConfig) -> list[nn.Module]:
+    """The modules the run's wrapping policy makes units of (root excluded), found by name
+    before any activation-checkpointing wrapper changes the paths."""
+    names = [u.name for u in wrap_units(config.model_config(), config.wrap, config.wrap_min_params)
+             if not u.root]
+    return [model.get_submodule(name) for name in names]
 
 
 def build_fsdp2_model(config: RunConfig, ctx: RankContext) -> nn.Module:
@@ -186,6 +241,7 @@ def build_fsdp2_model(config: RunConfig, ctx: RankContext) -> nn.Module:
             f"accepted: {', '.join(FSDP2_STRATEGIES)}"
         )
     model = build_model(config.model_config(), seed=config.seed)
+    units = _unit_modules(model, config)
     if config.activation_checkpointing:
         apply_activation_checkpointing(model)
     # The output head returns a view (nn.Linear on a 3-D input); FSDP2 warns that an in-place op
@@ -200,8 +256,103 @@ def build_fsdp2_model(config: RunConfig, ctx: RankContext) -> nn.Module:
         reshard_after_forward=FSDP2_STRATEGIES[config.strategy],
         mp_policy=build_mp_policy(config.precision),
         offload_policy=offload,
+        units=units,
     )
     return model
+
+
+FSDP1_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+"""Strategies of FSDP1's ``ShardingStrategy`` (HYBRID_SHARD_ZERO2 is its ``_HYBRID_SHARD_ZERO2``)."""
+
+
+def build_fsdp1_model(config: RunConfig, ctx: RankContext) -> nn.Module:
+    """The seeded model wrapped with FSDP1's ``FullyShardedDataParallel`` on ``ctx.device``.
+
+    This is the seed's ``wrap_model_with_fsdp``, made device-aware: ``device_id`` is the rank's
+    device (FSDP1 refuses a CPU model without ``device_id=torch.device("cpu")``), the HYBRID
+    strategies get an explicit 2-D mesh (without one FSDP1 silently shards within groups of one
+    rank and never syncs gradients across them), and the wrapping policy follows ``wrap``:
+    ``transformer_auto_wrap_policy`` on :class:`TransformerLayer`, none (one unit), or
+    ``size_based_auto_wrap_policy``. Parameters are flattened per unit (``use_orig_params=False``).
+    """
+    import functools
+
+    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+    if config.strategy not in FSDP1_STRATEGIES:
+        raise ValueError(f"strategy {config.strategy!r} is not available with api='fsdp1'; "
+                         f"accepted: {', '.join(FSDP1_STRATEGIES)}")
+    policy = {
+        "layer": functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerLayer}),
+        "model": None,
+        "size": functools.partial(size_based_auto_wrap_policy, min_num_params=config.wrap_min_params),
+    }[config.wrap]
+    strategy = ShardingStrategy["_HYBRID_SHARD_ZERO2" if config.strategy == "HYBRID_SHARD_ZERO2"
+                                else config.strategy]
+    mixed = None
+    if config.precision in _COMPUTE_DTYPES:
+        dtype = _COMPUTE_DTYPES[config.precision]
+        mixed = MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype)
+    if config.cpu_offload and ctx.device.type == "cpu":
+        raise ValueError("FSDP1's CPUOffload pins host memory, which needs an accelerator: on a "
+                         "CPU-only machine use api='fsdp2' (CPUOffloadPolicy(pin_memory=False))")
+    model = build_model(config.model_config(), seed=config.seed)
+    if config.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    warnings.filterwarnings("ignore", message=r".*NO_SHARD.* is deprecated")  # said in chapter 5
+    return FSDP(
+        model,
+        sharding_strategy=strategy,
+        auto_wrap_policy=policy,
+        mixed_precision=mixed,
+        cpu_offload=CPUOffload(offload_params=True) if config.cpu_offload else None,
+        device_id=ctx.device,
+        device_mesh=build_mesh(config, ctx) if config.strategy.startswith("HYBRID") else None,
+        use_orig_params=False,
+    )
+
+
+def build_plain_model(config: RunConfig, ctx: RankContext) -> nn.Module:
+    """The seeded model on ``ctx.device``, unwrapped: strategy ``NONE``, one process."""
+    model = build_model(config.model_config(), seed=config.seed).to(ctx.device)
+    if config.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    return model
+
+
+def build_training_model(config: RunConfig, ctx: RankContext) -> nn.Module:
+    """The model the run config asks for: plain (``NONE``), DDP, FSDP2 or FSDP1.
+
+    Raises:
+        ValueError: for a combination no builder implements (e.g. ``NONE`` on several ranks).
+    """
+    if config.strategy == "NONE":
+        if ctx.world_size != 1:
+            raise ValueError(f"strategy 'NONE' is one plain process; got {ctx.world_size} ranks")
+        return build_plain_model(config, ctx)
+    if config.strategy == "DDP":
+        return build_ddp_model(config, ctx)
+    if config.api == "fsdp1":
+        return build_fsdp1_model(config, ctx)
+    return build_fsdp2_model(config, ctx)
+
+
+def grad_zero_fraction(model: nn.Module) -> float:
+    """Fraction of this rank's gradient elements that are exactly zero (0.0–1.0).
+
+    Embedding rows of tokens absent from the batch have zero gradients in any precision; in
+    fp16 without loss scaling, gradients below ~6e-8 also round to zero (underflow), which this
+    fraction makes visible.
+    """
+    zeros = total = 0
+    for p in model.parameters():
+        if p.grad is not None:
+            g = local_tensor(p.grad)
+            zeros += int((g == 0).sum())
+            total += g.numel()
+    return zeros / total if total else 0.0
 
 
 class _ProgressLines:
@@ -247,6 +398,13 @@ class TrainLog:
     """Memory of the last step, measured by :class:`StepMemoryTracker` (if asked for)."""
     collectives: list[CollectiveCall] | None = None
     """Collectives of the last step, recorded by :class:`CollectiveCounter` (if asked for)."""
+    grad_zero_fraction: list[float] = field(default_factory=list)
+    """Per untracked step, this rank's fraction of gradient elements exactly zero after backward
+    (before unscaling): see :func:`grad_zero_fraction`."""
+    grad_scale: list[float] = field(default_factory=list)
+    """Per step, the gradient scaler's factor used in that step (empty without a scaler)."""
+    skipped_steps: list[int] = field(default_factory=list)
+    """Steps whose optimizer step the scaler skipped (inf/NaN gradients found)."""
 
 
 def train_step(
@@ -255,19 +413,30 @@ def train_step(
     inputs: torch.Tensor,
     targets: torch.Tensor,
     tracker: StepMemoryTracker | None = None,
+    *,
+    scaler=None,
+    after_backward: Callable[[nn.Module], None] | None = None,
 ) -> torch.Tensor:
     """One step: forward, next-token cross-entropy, backward, optimizer step. Returns the loss.
 
     Gradients are zeroed, not freed (``set_to_none=False``), so their memory is part of the model
-    state at rest, as the memory model of chapter 2 assumes.
+    state at rest, as the memory model of chapter 2 assumes. With a ``scaler`` (fp16), the
+    backward pass runs on the scaled loss and the scaler unscales, checks and steps.
+    ``after_backward(model)`` is called between backward and the optimizer step.
     """
     logits = model(inputs)
     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
     del logits  # only what autograd saved stays alive
     if tracker is not None:
         tracker.after_forward()
-    loss.backward()
-    optimizer.step()
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    if after_backward is not None:
+        after_backward(model)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=False)
     return loss.detach()
 
@@ -281,6 +450,7 @@ def train(
     progress: bool = True,
     track_memory: bool = False,
     count_collectives: bool = False,
+    scaler=None,
 ) -> TrainLog:
     """Run ``config.steps`` optimizer steps on this rank's share of each global batch.
 
@@ -289,10 +459,17 @@ def train(
     the whole batch. A tqdm progress bar is drawn on rank 0 (stderr) when ``progress`` is set.
     With ``track_memory`` or ``count_collectives`` (and at least 2 steps, so that the optimizer
     state exists) the last step runs under a :class:`StepMemoryTracker` and/or a
-    :class:`CollectiveCounter`; its time is not in ``step_time_s``.
+    :class:`CollectiveCounter`; its time is not in ``step_time_s``. ``scaler`` is a gradient
+    scaler for fp16 (see :func:`build_grad_scaler`).
     """
     losses: list[float] = []
     times: list[float] = []
+    zeros: list[float] = []
+    scales: list[float] = []
+    skipped: list[int] = []
+
+    def inspect(module: nn.Module) -> None:
+        zeros.append(grad_zero_fraction(module))
     memory = collectives = None
     model.train()
     bar = tqdm(total=config.steps, desc="train", unit="step", file=_ProgressLines(),
@@ -302,6 +479,8 @@ def train(
         inputs = local_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device)
         targets = local_slice(targets, ctx.rank, ctx.world_size).to(ctx.device)
         tracked = (track_memory or count_collectives) and config.steps >= 2 and step == config.steps - 1
+        if scaler is not None:
+            scales.append(float(scaler.get_scale()))
         start = time.perf_counter()
         if tracked:
             tracker = StepMemoryTracker(model, optimizer, ctx.device) if track_memory else None
@@ -310,15 +489,17 @@ def train(
                 for mode in (tracker, counter):
                     if mode is not None:
                         stack.enter_context(mode)
-                loss = train_step(model, optimizer, inputs, targets, tracker)
+                loss = train_step(model, optimizer, inputs, targets, tracker, scaler=scaler)
             memory = tracker.result if tracker else None
             collectives = counter.calls if counter else None
         else:
-            loss = train_step(model, optimizer, inputs, targets)
+            loss = train_step(model, optimizer, inputs, targets, scaler=scaler, after_backward=inspect)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         if not tracked:
             times.append(time.perf_counter() - start)
+        if scaler is not None and scaler.get_scale() < scales[-1]:
+            skipped.append(step)  # the scale only drops when inf/NaN gradients were found
         if dist.is_initialized():
             dist.all_reduce(loss)  # SUM (gloo has no AVG), then divide
             loss /= ctx.world_size
@@ -326,4 +507,5 @@ def train(
         bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
         bar.update()
     bar.close()
-    return TrainLog(losses=losses, step_time_s=times, memory=memory, collectives=collectives)
+    return TrainLog(losses=losses, step_time_s=times, memory=memory, collectives=collectives,
+                    grad_zero_fraction=zeros, grad_scale=scales, skipped_steps=skipped)

@@ -238,7 +238,7 @@ def test_strategies_match_the_run_config_vocabulary():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"strategy": "ZERO3"}, "strategy must be one of DDP, NO_SHARD"),
+    ({"strategy": "ZERO3"}, "strategy must be one of NONE, DDP, NO_SHARD"),
     ({"world_size": 0}, "world_size"),
     ({"param_dtype": "float32"}, "param_dtype must be one of fp32, bf16, fp16"),
     ({"reduce_dtype": "int8"}, "reduce_dtype must be one of fp32, bf16, fp16"),
@@ -358,3 +358,29 @@ def test_decoder_units():
     units = units_for_decoder(shape)
     assert [u.name for u in units] == ["root", "layers.0", "layers.1", "layers.2"] and units[0].root
     assert sum(u.numel for u in units) == shape.num_params
+
+
+def test_flat_parameters_pad_per_unit_and_empty_units_issue_nothing():
+    from handbook_lib.comm import estimate_step_traffic
+    from handbook_lib.sharding import Unit
+
+    units = [Unit("root", (), root=True), Unit("a", ((3, 5), (3,))), Unit("b", ((7,),))]
+    flat = estimate_step_traffic(units, 4, "SHARD_GRAD_OP", flat_params=True)
+    per_param = estimate_step_traffic(units, 4, "SHARD_GRAD_OP")
+    assert {r.unit for r in flat.records} == {"a", "b"}  # the empty root communicates nothing
+    gathers = {r.unit: r.buffer_bytes for r in flat.records if r.kind == "all_gather"}
+    assert gathers == {"a": 4 * 20, "b": 4 * 8}  # 18 -> 20 and 7 -> 8 elements, padded once
+    assert {r.unit: r.buffer_bytes for r in per_param.records if r.kind == "all_gather"} == {
+        "a": 4 * (4 * 5 + 4), "b": 4 * 8}  # each parameter's rows padded: 3 -> 4 rows, 3 -> 4
+
+
+def test_the_grad_scaler_adds_one_four_byte_all_reduce_and_none_communicates_nothing():
+    from handbook_lib.comm import estimate_step_traffic
+    from handbook_lib.sharding import Unit
+
+    units = [Unit("root", ((8, 2),), root=True)]
+    base = estimate_step_traffic(units, 2, "FULL_SHARD")
+    scaled = estimate_step_traffic(units, 2, "FULL_SHARD", grad_scaler_group=2)
+    extra = [r for r in scaled.records if r not in base.records]
+    assert [(r.kind, r.buffer_bytes, r.group_size) for r in extra] == [("all_reduce", 4, 2)]
+    assert estimate_step_traffic(units, 1, "NONE").records == ()

@@ -63,3 +63,15 @@ def test_round_trip_and_replace():
 def test_parse_overrides_rejects_malformed(item):
     with pytest.raises(ValueError, match="key=value"):
         parse_overrides([item])
+
+
+def test_chapter5_keys_are_validated():
+    config = RunConfig.from_mapping({"strategy": "NONE", "wrap": "size", "wrap_min_params": "5000",
+                                     "grad_scaler": "false", "grad_scale_init": "1024"})
+    assert (config.wrap_min_params, config.grad_scaler, config.grad_scale_init) == (5000, False, 1024.0)
+    with pytest.raises(ValueError, match="accepted values: layer, model, size"):
+        RunConfig(wrap="blocks")
+    with pytest.raises(ValueError, match="wrap_min_params"):
+        RunConfig(wrap_min_params=0)
+    with pytest.raises(ValueError, match="grad_scale_init"):
+        RunConfig(grad_scale_init=0.0)

@@ -63,3 +63,14 @@ def test_write_json_atomic_replaces(tmp_path):
     write_json_atomic(target, {"v": 1})
     write_json_atomic(target, {"v": 2})
     assert json.loads(target.read_text()) == {"v": 2}
+
+
+def test_max_relative_difference():
+    from handbook_lib.results import max_relative_difference
+
+    assert max_relative_difference([1.0, 2.2], [1.0, 2.0]) == pytest.approx(0.1)
+    assert max_relative_difference([], []) == 0.0
+    with pytest.raises(ValueError, match="cannot compare 1 values with 2"):
+        max_relative_difference([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="is 0"):
+        max_relative_difference([1.0], [0.0])

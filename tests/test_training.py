@@ -39,9 +39,33 @@ def test_single_process_training_lowers_the_loss():
 
 
 def test_unsupported_choices_raise():
-    with pytest.raises(ValueError, match="gradient scaler"):
-        build_mp_policy("fp16-mixed")
+    with pytest.raises(ValueError, match="fp16-mixed"):
+        build_mp_policy("fp8")
+    fp16 = build_mp_policy("fp16-mixed")
+    assert (fp16.param_dtype, fp16.reduce_dtype) == (torch.float16, torch.float32)
     with pytest.raises(ValueError, match="sgd-momentum"):
         build_optimizer([torch.nn.Parameter(torch.ones(1))], "lion", 0.1)
     assert build_mp_policy("fp32") is None
     assert build_mp_policy("bf16-mixed").param_dtype == torch.bfloat16
+
+
+def test_fsdp1_size_policy_makes_the_units_the_pure_rule_predicts():
+    """FSDP1's own size_based_auto_wrap_policy, on the real module, against sharding.wrap_units."""
+    import torch.distributed as dist
+
+    from handbook_lib.measure import measure_fsdp_units
+    from handbook_lib.sharding import wrap_units
+    from handbook_lib.training import build_fsdp1_model
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ctx = RankContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+        for min_params in (5_000, 20_000, 10**9):
+            config = RunConfig(vocab_size=1001, d_model=64, nhead=2, dim_feedforward=96, num_layers=2,
+                               api="fsdp1", wrap="size", wrap_min_params=min_params)
+            predicted = [u.name for u in wrap_units(config.model_config(), "size", min_params) if u.numel]
+            assert measure_fsdp_units(build_fsdp1_model(config, ctx)) == predicted
+        with pytest.raises(ValueError, match="pins host memory"):
+            build_fsdp1_model(RunConfig(api="fsdp1", cpu_offload=True), ctx)
+    finally:
+        dist.destroy_process_group()

@@ -1,8 +1,10 @@
-"""Train the handbook's model with FSDP2 on N ranks and measure every byte the memory model predicts.
+"""Train the handbook's model on N ranks and measure every byte the memory model predicts.
 
-Chapter 1 launches it for the shards; chapter 2 for the whole memory model. Each rank builds the
-same seeded model, ``fully_shard``s every transformer layer and then the root (on a 2-D mesh for
-the HYBRID strategies), trains ``steps`` steps on its slice of the synthetic global batch — the
+Chapter 1 launches it for the shards; chapter 2 for the whole memory model; chapter 5 for every
+strategy: one plain process (``NONE``), DDP, FSDP2 and FSDP1, each wrapping policy, fp32 /
+bf16 / fp16 (with or without a gradient scaler), activation checkpointing and CPU offload. Each
+rank builds the same seeded model, wraps it as asked (FSDP2: ``fully_shard`` every unit of the
+wrapping policy and then the root, on a 2-D mesh for the HYBRID strategies), trains ``steps`` steps on its slice of the synthetic global batch — the
 last one under a memory tracker — and measures what it holds: parameter shards and their
 padding, gradient shards, optimizer state, activations and the step's peak. The memory model
 predicts the same quantities for the same config; both go into ``checks`` (exact for the model
@@ -22,7 +24,12 @@ import sys
 from handbook_lib.comm import estimate_collective, estimate_step_traffic
 from handbook_lib.config import RunConfig
 from handbook_lib.distributed import RankContext
-from handbook_lib.measure import measure_grad_bytes, measure_optimizer_bytes, measure_param_bytes
+from handbook_lib.measure import (
+    measure_fsdp_units,
+    measure_grad_bytes,
+    measure_optimizer_bytes,
+    measure_param_bytes,
+)
 from handbook_lib.memory import (
     PRECISION_DTYPES,
     estimate_memory,
@@ -33,12 +40,13 @@ from handbook_lib.memory import (
 from handbook_lib.model import param_count
 from handbook_lib.results import Check
 from handbook_lib.runs.entry import RankReport, main
-from handbook_lib.sharding import fsdp_units
+from handbook_lib.sharding import estimate_flat_shard_bytes, wrap_units
 from handbook_lib.training import (
+    FSDP1_STRATEGIES,
     FSDP2_STRATEGIES,
-    build_ddp_model,
-    build_fsdp2_model,
+    build_grad_scaler,
     build_optimizer,
+    build_training_model,
     shard_group,
     train,
 )
@@ -58,19 +66,18 @@ def validate(config: RunConfig, world_size: int) -> None:
     Raises:
         ValueError: naming the key and the values this run accepts.
     """
-    if config.api != "fsdp2":
-        raise ValueError(f"fsdp_train supports api='fsdp2' only, got api={config.api!r}")
-    if config.strategy not in (*FSDP2_STRATEGIES, "DDP"):
+    accepted = {"fsdp2": (*FSDP2_STRATEGIES,), "fsdp1": FSDP1_STRATEGIES}[config.api]
+    if config.strategy not in ("NONE", "DDP", *accepted):
         raise ValueError(
-            f"fsdp_train supports strategy {', '.join(FSDP2_STRATEGIES)} or DDP; got "
-            f"{config.strategy!r} (NO_SHARD: see chapter 5)"
+            f"fsdp_train with api={config.api!r} supports strategy NONE, DDP, {', '.join(accepted)}; "
+            f"got {config.strategy!r}"
         )
-    if config.precision not in ("fp32", "bf16-mixed"):
-        raise ValueError(
-            f"fsdp_train supports precision fp32 or bf16-mixed, got {config.precision!r}"
-        )
-    if config.strategy == "DDP" and (config.precision != "fp32" or config.cpu_offload):
-        raise ValueError("fsdp_train runs DDP with precision='fp32' and cpu_offload=False only")
+    unwrapped = config.strategy in ("NONE", "DDP")
+    if unwrapped and (config.precision != "fp32" or config.cpu_offload or config.wrap != "layer"):
+        raise ValueError(f"fsdp_train runs {config.strategy} with precision='fp32', cpu_offload=False "
+                         "and wrap='layer' only (mixed precision, offload and wrapping are FSDP's)")
+    if config.strategy == "NONE" and world_size != 1:
+        raise ValueError(f"strategy 'NONE' is the one-process baseline: launch it with 1 rank, not {world_size}")
     if config.strategy == "DDP" and config.steps < 3:
         raise ValueError(
             f"fsdp_train needs steps >= 3 with DDP (got {config.steps}): DDP rebuilds its gradient "
@@ -87,21 +94,28 @@ def validate(config: RunConfig, world_size: int) -> None:
 def run(config: RunConfig, ctx: RankContext) -> RankReport:
     validate(config, ctx.world_size)
     group = shard_group(config, ctx.world_size)
-    ddp = config.strategy == "DDP"
-    model = build_ddp_model(config, ctx) if ddp else build_fsdp2_model(config, ctx)
+    flat = config.api == "fsdp1" and config.strategy not in ("NONE", "DDP")
+    model = build_training_model(config, ctx)
     optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
-    log = train(model, optimizer, config, ctx, track_memory=True, count_collectives=True)
+    scaler = build_grad_scaler(config, ctx)
+    log = train(model, optimizer, config, ctx, track_memory=True, count_collectives=True, scaler=scaler)
 
     params = measure_param_bytes(model)
     grads = measure_grad_bytes(model)
     opt_sharded, opt_other = measure_optimizer_bytes(optimizer)
     model_config = config.model_config()
-    shard = estimate_shard_bytes(model_config, group, ctx.rank % group)
+    units = wrap_units(model_config, config.wrap, config.wrap_min_params)
+    if flat:  # FSDP1: one padded FlatParameter per unit; grads and states are as padded
+        shard = estimate_flat_shard_bytes(units, group, ctx.rank % group)
+        state = shard.padded_bytes
+    else:
+        shard = estimate_shard_bytes(model_config, group, ctx.rank % group)
+        state = shard.shard_bytes
     predicted = estimate_memory(
         model_config, ctx.world_size, config.strategy, config.precision, config.optimizer,
         micro_batch=config.batch_size // ctx.world_size, seq_len=config.seq_len,
         shard_group_size=group, rank=ctx.rank, cpu_offload=config.cpu_offload,
-        activation_checkpointing=config.activation_checkpointing,
+        activation_checkpointing=config.activation_checkpointing, units=units, flat_params=flat,
     )
 
     def check(quantity: str, expected: int, measured: int, tolerance: float = 0.0) -> Check:
@@ -110,10 +124,14 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
     checks = [
         check("param_shard_bytes", shard.shard_bytes, params.shard_bytes),
         check("param_padding_bytes", shard.padding_bytes, params.padding_bytes),
-        check("grad_shard_bytes", shard.shard_bytes, grads),
-        check("optimizer_state_bytes", optimizer_states(config.optimizer) * shard.shard_bytes, opt_sharded),
-        check("optimizer_step_bytes", optimizer_step_bytes(model_config, config.optimizer), opt_other),
+        check("grad_shard_bytes", state, grads),
+        check("optimizer_state_bytes", optimizer_states(config.optimizer) * state, opt_sharded),
+        check("optimizer_step_bytes", optimizer_step_bytes(model_config, config.optimizer, units if flat else None),
+              opt_other),
     ]
+    wrapped = measure_fsdp_units(model)
+    if config.strategy not in ("NONE", "DDP"):
+        checks.append(Check("fsdp_unit_count", ctx.rank, sum(1 for u in units if u.numel), len(wrapped), "units"))
     metrics = {
         "losses": log.losses,
         "step_time_s": log.step_time_s,
@@ -124,6 +142,11 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
         "optimizer_other_bytes": opt_other,
         "param_device": str(next(model.parameters()).device),
         "shard_group_size": group,
+        "units": [u.name for u in units if u.numel],
+        "measured_units": wrapped,
+        "grad_zero_fraction": log.grad_zero_fraction,
+        "grad_scale": log.grad_scale,
+        "skipped_steps": log.skipped_steps,
         "predicted_peak_phase": predicted.peak_phase,
         "predicted_components": predicted.components,
     }
@@ -131,18 +154,17 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
         mem = log.memory
         # On a CPU-only machine "device" and host are the same memory: offloaded state counts too.
         peak = predicted.peak + (predicted.host if ctx.device.type == "cpu" else 0)
-        checks += [
-            check("activation_bytes", predicted.forward_activations, mem.activation_bytes,
-                  ACTIVATION_TOLERANCE),
-            check("peak_bytes", peak, mem.peak_bytes, PEAK_TOLERANCE),
-        ]
-        metrics.update(peak_bytes=mem.peak_bytes, activation_bytes=mem.activation_bytes,
+        checks.append(check("activation_bytes", predicted.forward_activations, mem.activation_bytes,
+                            ACTIVATION_TOLERANCE))
+        if not flat:  # the phase model is FSDP2's: FSDP1's peak is reported, not predicted
+            checks.append(check("peak_bytes", peak, mem.peak_bytes, PEAK_TOLERANCE))
+        metrics.update(predicted_peak_bytes=peak, peak_bytes=mem.peak_bytes, activation_bytes=mem.activation_bytes,
                        peak_breakdown=mem.peak_breakdown, allocator_peak_bytes=mem.allocator_peak_bytes)
     if log.collectives is not None:
         # the ring model applied to what was counted (kinds, buffers, group sizes)
         sent = sum(estimate_collective(c.kind, c.buffer_bytes, c.group_size).sent_bytes
                    for c in log.collectives)
-        checks += _collective_checks(config, ctx, group, log.collectives, sent, check)
+        checks += _collective_checks(config, ctx, group, units, log.collectives, sent, check)
         metrics["collectives"] = [vars(c) for c in log.collectives]
         metrics["sent_bytes"] = sent
     return RankReport(
@@ -152,18 +174,36 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
     )
 
 
-def _collective_checks(config, ctx, group, calls, sent, check) -> list[Check]:
+def _scaler_group(config: RunConfig, world_size: int) -> int | None:
+    """Ranks the fp16 gradient scaler all-reduces its inf flag over, as counted (``None``: none).
+
+    FSDP1's ``ShardedGradScaler`` calls ``all_reduce`` over the world, which the counter sees.
+    With FSDP2, DTensor reduces the flag inside its own dispatch, where a dispatch mode cannot
+    see it: not counted, so not predicted either.
+    """
+    if config.precision != "fp16-mixed" or not config.grad_scaler or config.api != "fsdp1":
+        return None
+    return world_size
+
+
+def _collective_checks(config, ctx, group, units, calls, sent, check) -> list[Check]:
     """Counted collectives of the step beside the communication model's schedule.
 
-    In our wrapping the root is resharded after forward too (``fully_shard(model,
-    reshard_after_forward=True)``), so FULL_SHARD gathers it again in backward. DDP's bucket
-    count depends on its 25 MB bucketing, so only its bytes are checked.
+    In our FSDP2 wrapping the root is resharded after forward too (``fully_shard(model,
+    reshard_after_forward=True)``), so FULL_SHARD gathers it again in backward; FSDP1 keeps its
+    root unsharded between forward and backward, and pads each unit's flat parameter once.
+    DDP's bucket count depends on its 25 MB bucketing, so only its bytes are checked. One plain
+    process (``NONE``) must issue no collective at all.
     """
+    if config.strategy == "NONE":
+        return [Check("collective_count", ctx.rank, 0, len(calls), "collectives")]
     param_dtype, reduce_dtype = PRECISION_DTYPES[config.precision]
+    fsdp1 = config.api == "fsdp1" and config.strategy != "DDP"
     traffic = estimate_step_traffic(
-        fsdp_units(config.model_config()), ctx.world_size, config.strategy,
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, root_reshard_after_forward=True,
-        shard_group_size=group if config.strategy.startswith("HYBRID") else None,
+        units, ctx.world_size, config.strategy,
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, root_reshard_after_forward=not fsdp1,
+        shard_group_size=group if config.strategy.startswith("HYBRID") else None, flat_params=fsdp1,
+        grad_scaler_group=_scaler_group(config, ctx.world_size),
     )
     checks = []
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):

@@ -1,0 +1,132 @@
+"""Time DDP and FSDP steps side by side in one job: the price of sharding in step time.
+
+Chapter 5 launches it. Timing separate jobs one after another on a shared machine compares the
+machine's moods as much as the strategies; here every rank builds one model per strategy in
+``variants`` (same seed, same data), and then, ``repeats`` times, runs ``steps`` timed steps of
+each — in a rotated order every repeat, so a slow moment does not always hit the same
+strategy. Each repeat gives one ratio per strategy (its mean step time over DDP's); the chapter
+reports their median and spread. Because every variant trains on the same batches, their fp32
+losses must agree too: the ``checks`` compare each variant's last loss with DDP's.
+
+Launch::
+
+    python -m handbook_lib run step_time --nproc 2 --set repeats=5
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from handbook_lib.config import STRATEGIES, RunConfig
+from handbook_lib.distributed import RankContext
+from handbook_lib.results import Check
+from handbook_lib.runs.entry import RankReport, main
+from handbook_lib.training import build_optimizer, build_training_model, local_slice, make_batch, train_step
+
+LOSS_TOLERANCE = 1e-5
+"""Relative tolerance between a variant's fp32 loss and DDP's on the same batches."""
+
+
+@dataclass(frozen=True)
+class StepTimeConfig(RunConfig):
+    """A :class:`RunConfig` plus what to time: ``steps`` is the timed steps per repeat."""
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = RunConfig.CHOICES
+
+    variants: str = "DDP,FULL_SHARD,SHARD_GRAD_OP"
+    """Comma-separated strategies to time, DDP first (the reference of every ratio)."""
+    repeats: int = 5
+    """Rounds of ``steps`` timed steps per variant."""
+    warmup: int = 1
+    """Untimed steps per variant before the first round (lazy initialisation, allocator)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        names = self.variant_list()
+        if names[:1] != ["DDP"] or len(set(names)) != len(names):
+            raise ValueError(f"config key 'variants' must start with DDP and not repeat, got {self.variants!r}")
+        bad = [n for n in names if n not in STRATEGIES or n == "NONE"]
+        if bad:
+            raise ValueError(f"config key 'variants': unknown strategy {bad[0]!r}; accepted: "
+                             f"{', '.join(s for s in STRATEGIES if s != 'NONE')}")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ValueError("config keys 'repeats' >= 1 and 'warmup' >= 0 required")
+
+    def variant_list(self) -> list[str]:
+        """The strategies of ``variants``, in order."""
+        return [v.strip() for v in self.variants.split(",") if v.strip()]
+
+
+CONFIG = StepTimeConfig
+
+
+def validate(config: StepTimeConfig, world_size: int) -> None:
+    """Reject, before any process starts, a config this run cannot execute."""
+    if world_size < 2:
+        raise ValueError("step_time compares DDP with FSDP: launch it with 2 or more ranks")
+    if config.batch_size % world_size:
+        raise ValueError(f"batch_size={config.batch_size} must be divisible by the number of ranks {world_size}")
+    if config.precision != "fp32" or config.cpu_offload:
+        raise ValueError("step_time times fp32 runs without offload (DDP's setting)")
+
+
+def run(config: StepTimeConfig, ctx: RankContext) -> RankReport:
+    validate(config, ctx.world_size)
+    names = config.variant_list()
+    models, optimizers, step = {}, {}, {}
+    for name in names:
+        variant = config.replace(strategy=name)
+        models[name] = build_training_model(variant, ctx)
+        optimizers[name] = build_optimizer(models[name].parameters(), config.optimizer, config.lr)
+        step[name] = 0
+
+    def advance(name: str) -> float:
+        """One training step of variant ``name`` on its next batch; returns its loss."""
+        inputs, targets = make_batch(config, step[name])
+        inputs = local_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device)
+        targets = local_slice(targets, ctx.rank, ctx.world_size).to(ctx.device)
+        step[name] += 1
+        return float(train_step(models[name], optimizers[name], inputs, targets))
+
+    for name in names:
+        for _ in range(config.warmup):
+            advance(name)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    losses: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(config.repeats):
+        order = names[rep % len(names):] + names[:rep % len(names)]
+        for name in order:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(config.steps):
+                losses[name].append(advance(name))
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize(ctx.device)
+            times[name].append((time.perf_counter() - start) / config.steps)
+        if ctx.is_main:
+            print(f"repeat {rep + 1}/{config.repeats}: " + ", ".join(
+                f"{n} {times[n][-1]:.3f} s" for n in names), flush=True)
+    ratios = {n: [t / d for t, d in zip(times[n], times["DDP"])] for n in names}
+    checks = [Check(f"loss_{n}_vs_DDP", ctx.rank, losses["DDP"][-1], losses[n][-1], "nats", LOSS_TOLERANCE)
+              for n in names[1:]]
+    return RankReport(
+        metrics={
+            "step_time_s": times,
+            "ratio_to_ddp": ratios,
+            "median_ratio_to_ddp": {n: statistics.median(r) for n, r in ratios.items()},
+            "local_losses": losses,
+        },
+        checks=checks,
+        extra={"variants": names},
+    )
+
+
+if __name__ == "__main__":
+    main(sys.modules[__name__])
