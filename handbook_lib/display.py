@@ -15,7 +15,7 @@ from typing import Any
 from handbook_lib.results import Check, RunResult, max_relative_difference
 
 __all__ = ["format_bytes", "Table", "checks_table", "ranks_table", "summarize_runs", "compare_runs",
-           "step_time_table"]
+           "step_time_table", "run_summary"]
 
 _DECIMAL = [("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)]
 _BINARY = [("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)]
@@ -114,6 +114,16 @@ def summarize_runs(results: Mapping[str, RunResult]) -> Table:
         rows.append(row)
     return Table(["run", "ranks", "exact checks", "max byte error", "activations error",
                   "peak predicted", "peak measured", "peak error"], rows)
+
+
+def run_summary(result: RunResult) -> str:
+    """Two lines on a training run: rank 0's per-step losses (4 decimals, which repeat across
+    executions on one machine) and how many of its checks passed."""
+    losses = " ".join(f"{x:.4f}" for x in result.metric("losses")[0])
+    failed = result.failed_checks()
+    text = f"losses: {losses}\n{len(result.checks)} checks, {len(failed)} failed"
+    return text + "".join(f"\n  failed: {c.quantity} rank {c.rank}: predicted {c.predicted}, measured {c.measured}"
+                          for c in failed)
 
 
 def compare_runs(results: Mapping[str, RunResult], baseline: str) -> Table:

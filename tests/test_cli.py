@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 from handbook_lib.cli import main
+from handbook_lib.runs import available_runs
 
 
 def test_params_prints_the_breakdown(capsys):
@@ -30,7 +31,9 @@ def test_run_writes_result_json_single_rank(tmp_path, capsys):
 
 def test_module_entry_point_lists_runs():
     done = subprocess.run([sys.executable, "-m", "handbook_lib", "runs"], capture_output=True, text=True, check=True)
-    assert [line.split()[0] for line in done.stdout.splitlines()] == ["comm_bench", "fault", "fsdp_train"]
+    listed = [line.split()[0] for line in done.stdout.splitlines()]
+    assert listed == available_runs()  # every run module, sorted
+    assert {"checkpoint_resume", "comm_bench", "fault", "fsdp_train", "step_time"} <= set(listed)
 
 
 def test_memory_command_text_and_json(capsys):

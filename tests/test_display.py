@@ -59,3 +59,13 @@ def test_step_time_table_reports_median_ratios():
     result.extra["variants"] = ["DDP", "FULL_SHARD"]
     assert [row[2] for row in step_time_table(result).rows] == ["1.00", "1.50"]
     assert step_time_table(result).rows[1][3] == "1.20 - 2.00"
+
+
+def test_run_summary_lists_losses_and_failed_checks():
+    from handbook_lib.display import run_summary
+    from handbook_lib.results import Check
+
+    result = _run(1, [2.0, 1.23456], 1, 1)
+    assert run_summary(result) == "losses: 2.0000 1.2346\n0 checks, 0 failed"
+    result.checks.append(Check("peak_bytes", 0, 100, 120, "bytes", 0.1))
+    assert run_summary(result).endswith("1 checks, 1 failed\n  failed: peak_bytes rank 0: predicted 100, measured 120")

@@ -1,0 +1,45 @@
+"""handbook_lib.runs.step_time: DDP and FSDP timed in one job, in turns, with identical losses."""
+
+import pytest
+
+from handbook_lib.launch import torchrun
+from handbook_lib.runs.step_time import StepTimeConfig, validate
+
+TINY = {"vocab_size": 1001, "d_model": 64, "nhead": 2, "dim_feedforward": 96, "num_layers": 2,
+        "batch_size": 4, "seq_len": 16, "steps": 1, "repeats": 3, "variants": "DDP,FULL_SHARD"}
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    return torchrun("step_time", 2, TINY, out=tmp_path_factory.mktemp("step_time"), timeout_s=300, stream=False)
+
+
+def test_every_variant_is_timed_every_repeat(result):
+    rank0 = result.ranks[0]
+    assert result.extra["variants"] == ["DDP", "FULL_SHARD"]
+    for name in ("DDP", "FULL_SHARD"):
+        assert len(rank0["step_time_s"][name]) == TINY["repeats"]
+        assert all(t > 0 for t in rank0["step_time_s"][name])
+        ratios = [t / d for t, d in zip(rank0["step_time_s"][name], rank0["step_time_s"]["DDP"])]
+        assert rank0["ratio_to_ddp"][name] == pytest.approx(ratios)
+    assert rank0["ratio_to_ddp"]["DDP"] == [1.0] * TINY["repeats"]
+
+
+def test_variants_train_identically(result):
+    # warm-up + repeats x steps batches each, the same batches in the same order for every variant
+    losses = result.ranks[0]["local_losses"]
+    assert len(losses["DDP"]) == TINY["repeats"] * TINY["steps"]
+    assert max(abs(a - b) / b for a, b in zip(losses["FULL_SHARD"], losses["DDP"])) <= 1e-5
+    assert [c.quantity for c in result.checks] == ["loss_FULL_SHARD_vs_DDP"] * 2
+    assert not result.failed_checks()
+
+
+@pytest.mark.parametrize("changes, world, match", [
+    ({"variants": "FULL_SHARD,DDP"}, 2, "must start with DDP"),
+    ({"variants": "DDP,ZERO3"}, 2, "unknown strategy 'ZERO3'"),
+    ({}, 1, "2 or more ranks"),
+    ({"precision": "bf16-mixed"}, 2, "fp32"),
+])
+def test_bad_configs_are_rejected_before_launch(changes, world, match):
+    with pytest.raises(ValueError, match=match):
+        validate(StepTimeConfig.from_mapping({**TINY, **changes}), world)
