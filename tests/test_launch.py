@@ -99,13 +99,15 @@ def test_ranks_die_with_a_killed_torchrun_agent(no_leftovers):
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda: torchrun("no_such_run"), "available runs: comm_bench, fault, fsdp_train"),
+    (lambda: torchrun("no_such_run"), "available runs: .*comm_bench, fault, fsdp_train"),
     (lambda: torchrun("fault", 0), "nproc"),
     (lambda: torchrun("fault", 2, {"modez": "raise"}), "accepted keys: fail_rank, mode, sleep_s"),
     (lambda: torchrun("fault", 2, {"mode": "explode"}), "accepted values: raise, exit, hang, sleep, none"),
     (lambda: torchrun("fault", 2, {"fail_rank": 2}), "fail_rank must be in"),
     (lambda: torchrun("fsdp_train", 3, {"batch_size": 8}), "divisible"),
-    (lambda: torchrun("fsdp_train", 2, {"strategy": "NO_SHARD"}), "supports strategy FULL_SHARD, SHARD_GRAD_OP"),
+    (lambda: torchrun("fsdp_train", 2, {"strategy": "NO_SHARD"}), "api='fsdp2' supports strategy NONE, DDP, FULL_SHARD"),
+    (lambda: torchrun("fsdp_train", 2, {"strategy": "NONE"}), "one-process baseline: launch it with 1 rank"),
+    (lambda: torchrun("fsdp_train", 2, {"strategy": "DDP", "wrap": "model"}), "wrapping are FSDP's"),
     (lambda: torchrun("fsdp_train", 2, {"strategy": "DDP", "steps": 2}), "steps >= 3 with DDP"),
     (lambda: torchrun("fsdp_train", 4, {"strategy": "HYBRID_SHARD", "shard_group_size": 3}), "divide"),
     (lambda: torchrun("fault", 2, timeout_s=0), "timeout_s"),

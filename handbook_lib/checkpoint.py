@@ -1,0 +1,494 @@
+"""Checkpoints a long training job can rely on: sharded, atomic, reshardable, exportable.
+
+Chapter 6 teaches it. Everything is written with ``torch.distributed.checkpoint`` (DCP) and the
+state-dict helpers of ``torch.distributed.checkpoint.state_dict``; there is no format of our own.
+On disk, under a root directory::
+
+    root/latest              "step_000004": the name of the newest complete checkpoint
+    root/step_000004/        one complete checkpoint
+        __0_0.distcp ...     one file per rank: that rank's shards (DCP)
+        .metadata            DCP's index: every tensor's global shape and where its pieces are
+        checkpoint.json      our manifest, written last: step, world size, extra state, files
+    root/step_000006.tmp/    a save in progress (or one that died): never loaded
+
+A save is written into ``step_K.tmp``, and becomes ``step_K`` (a rename) and ``latest`` (a
+pointer file replaced atomically) only after every rank's shard, DCP's ``.metadata`` and the
+manifest are on disk. A job killed at any moment therefore leaves ``latest`` pointing to a
+complete checkpoint; loading an incomplete one raises :class:`CheckpointError` naming what is
+missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from handbook_lib.architecture import ModelConfig, param_count, param_shapes
+from handbook_lib.measure import local_tensor
+from handbook_lib.memory import optimizer_states, optimizer_step_bytes
+from handbook_lib.model import SimpleTransformer
+from handbook_lib.results import write_json_atomic
+
+__all__ = [
+    "CHECKPOINT_SCHEMA", "MANIFEST", "LATEST", "FSDP1_STATE_DICT_TYPES", "CheckpointError",
+    "TensorCount", "SavedCheckpoint", "LoadedCheckpoint", "checkpoint_name", "save_checkpoint",
+    "resolve_checkpoint", "validate_checkpoint", "load_checkpoint", "checkpoint_files", "checkpoint_items",
+    "count_state_tensors", "count_checkpoint", "estimate_checkpoint_count",
+    "export_full_state_dict", "load_exported",
+]
+
+CHECKPOINT_SCHEMA = "handbook.checkpoint/1"
+"""Version tag of the manifest."""
+MANIFEST = "checkpoint.json"
+"""The manifest: written last, so its presence marks a complete save."""
+LATEST = "latest"
+"""The pointer file under the root: the directory name of the newest complete checkpoint."""
+
+FSDP1_STATE_DICT_TYPES: dict[str, tuple[str, str, str]] = {
+    "FULL_STATE_DICT": (
+        ("every parameter all-gathered to its full shape; with rank0_only and offload_to_cpu, "
+         "only rank 0 holds it, in CPU memory; one torch.save file"),
+        ("get_model_state_dict(m, StateDictOptions(full_state_dict=True, cpu_offload=True)): "
+         "export_full_state_dict"),
+        "the final artifact: loads into a plain module, for inference or another framework",
+    ),
+    "SHARDED_STATE_DICT": (
+        ("each rank keeps only its shards (ShardedTensor in FSDP1, DTensor in FSDP2), saved by "
+         "DCP: one file per rank plus .metadata; no gather, reshardable at load"),
+        "get_state_dict(m, opt) + dcp.save (FSDP2's default): save_checkpoint",
+        "intermediate saves during training: fast, no rank holds the full model",
+    ),
+    "LOCAL_STATE_DICT": (
+        ("each rank's raw flat parameter (FSDP1's FlatParameter, padded), with no shape "
+         "information: loads only into the same world size and wrapping"),
+        "none: FSDP2 has no flat parameters (a DTensor's to_local() is the nearest thing)",
+        "rarely: fastest, but not portable; DCP's sharded format replaced it",
+    ),
+}
+"""FSDP1 ``StateDictType`` → (what is saved, the DCP / FSDP2 counterpart, when to use it)."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or unreadable. The message says what and where."""
+
+
+@dataclass(frozen=True)
+class TensorCount:
+    """Tensors and their bytes (``numel * element_size``)."""
+
+    tensors: int
+    bytes: int
+    """Bytes of tensor data (no file headers)."""
+
+    def __add__(self, other: TensorCount) -> TensorCount:
+        return TensorCount(self.tensors + other.tensors, self.bytes + other.bytes)
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """What :func:`save_checkpoint` wrote."""
+
+    path: Path
+    step: int
+    seconds: float
+    """Wall time of the save on this rank, seconds (state dict, DCP write, commit)."""
+    files: dict[str, int] = field(default_factory=dict)
+    """File name → bytes on disk (empty on ranks other than 0)."""
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """What :func:`load_checkpoint` read."""
+
+    path: Path
+    step: int
+    world_size: int
+    """World size of the job that saved it."""
+    extra: dict[str, Any]
+    """The ``extra`` state saved with it (e.g. the data position)."""
+    rng_restored: bool
+    """True if this rank's RNG state was restored (only at the saving world size)."""
+    seconds: float
+    """Wall time of the load on this rank, seconds."""
+
+
+def checkpoint_name(step: int) -> str:
+    """Directory name of the checkpoint after ``step`` optimizer steps: ``step_000004``."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step_{step:06d}"
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _single() -> bool:
+    """True without a process group: DCP then reads and writes in this process alone."""
+    return not (dist.is_available() and dist.is_initialized())
+
+
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Silence DCP's warning that it saves or loads in one process: that is intended here."""
+    with warnings.catch_warnings():
+        if _single():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _barrier() -> None:
+    if _world()[1] > 1:
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_key(rank: int) -> str:
+    return f"rank{rank}"
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file writer, with a hook called once this rank's shard file is on disk."""
+
+    def __init__(self, path: Path, after_write: Callable[[], None] | None) -> None:
+        super().__init__(path)
+        self._after_write = after_write
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        if self._after_write is not None:
+            future.wait()
+            self._after_write()
+        return future
+
+
+def save_checkpoint(
+    root: str | os.PathLike[str],
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    keep_last: int = 0,
+    after_shard_written: Callable[[], None] | None = None,
+) -> SavedCheckpoint:
+    """Save model, optimizer and every rank's RNG state as ``root/step_K``, then point ``latest`` at it.
+
+    Collective: every rank calls it. Each rank writes its own shards (DCP); rank 0 writes the
+    manifest (``step``, the world size, ``extra``, every file with its size), renames the
+    directory from ``.tmp`` and replaces the ``latest`` pointer.
+
+    Args:
+        root: Directory holding the checkpoints.
+        step: Optimizer steps done; names the checkpoint.
+        extra: JSON-ready state to resume with (e.g. ``{"data_position": step}``).
+        keep_last: Keep only this many complete checkpoints: this one and the newest others
+            (0: keep all). Old ones are deleted only after ``latest`` points to this one.
+        after_shard_written: Called on this rank once its shard file is on disk, before the
+            save is committed. Chapter 6 kills the rank there to show an interrupted save.
+    """
+    start = time.perf_counter()
+    root = Path(root)
+    rank, world = _world()
+    name = checkpoint_name(step)
+    tmp, final = root / f"{name}.tmp", root / name
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a save of an earlier job that died
+    _barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd, "rng": {_rng_key(rank): torch.get_rng_state()}}
+    with _single_process_quiet():  # returns once .metadata is written
+        dcp.save(state, storage_writer=_Writer(tmp, after_shard_written), no_dist=_single())
+    files: dict[str, int] = {}
+    if rank == 0:
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+        write_json_atomic(tmp / MANIFEST, {
+            "schema": CHECKPOINT_SCHEMA, "step": step, "world_size": world,
+            "extra": dict(extra or {}), "files": files,
+        })
+        files[MANIFEST] = (tmp / MANIFEST).stat().st_size
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_pointer(root, name)
+        if keep_last > 0:
+            _prune(root, keep_last, name)
+    _barrier()
+    return SavedCheckpoint(final, step, time.perf_counter() - start, files)
+
+
+def _write_pointer(root: Path, name: str) -> None:
+    tmp = root / f".{LATEST}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    _fsync_dir(root)
+
+
+def _prune(root: Path, keep_last: int, current: str) -> None:
+    """Delete complete checkpoints but ``current`` (the new ``latest``) and the newest others."""
+    others = sorted(p for p in root.glob("step_*")
+                    if p.is_dir() and not p.name.endswith(".tmp") and p.name != current)
+    for old in others[:max(0, len(others) - (keep_last - 1))]:
+        shutil.rmtree(old)
+
+
+def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """The checkpoint directory ``path`` names: itself, or the target of ``path/latest``.
+
+    Raises:
+        CheckpointError: if ``path`` is neither a checkpoint nor a root with a valid pointer.
+    """
+    p = Path(path)
+    pointer = p / LATEST
+    if pointer.is_file():
+        target = p / pointer.read_text().strip()
+        if not target.is_dir():
+            raise CheckpointError(f"{pointer} points to {target.name!r}, which does not exist")
+        return target
+    if p.is_dir() and ((p / MANIFEST).exists() or (p / ".metadata").exists() or p.name.startswith("step_")):
+        return p
+    raise CheckpointError(f"no checkpoint at {p}: neither a checkpoint directory nor a root with "
+                          f"a {LATEST!r} pointer")
+
+
+def validate_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Check that a checkpoint is complete and return its manifest.
+
+    Complete means: the manifest exists and parses, and every file it lists (DCP's
+    ``.metadata`` among them) exists with the listed size in bytes.
+
+    Raises:
+        CheckpointError: naming the first thing missing or wrong.
+    """
+    ckpt = resolve_checkpoint(path)
+    manifest_path = ckpt / MANIFEST
+    if not manifest_path.exists():
+        dcp_done = "present" if (ckpt / ".metadata").exists() else "missing too"
+        raise CheckpointError(
+            f"incomplete checkpoint {ckpt}: {MANIFEST} is missing (DCP's .metadata is {dcp_done}), "
+            "so the save never finished: a rank died or the job was stopped mid-save. "
+            f"Load the previous checkpoint (the root's {LATEST!r} pointer never points to this one)."
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"corrupt checkpoint {ckpt}: {MANIFEST} is unreadable ({err})") from None
+    if not isinstance(manifest, dict) or manifest.get("schema") != CHECKPOINT_SCHEMA:
+        raise CheckpointError(f"corrupt checkpoint {ckpt}: {MANIFEST} is not a {CHECKPOINT_SCHEMA!r} manifest")
+    files = manifest.get("files", {})
+    if ".metadata" not in files:
+        raise CheckpointError(f"corrupt checkpoint {ckpt}: its manifest lists no DCP .metadata")
+    for name, size in files.items():
+        file = ckpt / name
+        if not file.exists():
+            raise CheckpointError(f"incomplete checkpoint {ckpt}: file {name} is missing")
+        if file.stat().st_size != size:
+            raise CheckpointError(f"corrupt checkpoint {ckpt}: {name} has {file.stat().st_size} bytes, "
+                                  f"the manifest says {size}")
+    return manifest
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    restore_rng: bool = True,
+) -> LoadedCheckpoint:
+    """Load a checkpoint into ``model`` (and ``optimizer``), resharding to this job's ranks.
+
+    Collective when a process group exists. ``path`` is a checkpoint directory or a root (its
+    ``latest`` is loaded). Works at any world size, and without a process group into a plain
+    module. Each rank's RNG state is restored only at the world size that saved it.
+
+    Raises:
+        CheckpointError: if the checkpoint is incomplete, corrupt or does not fit the model.
+    """
+    start = time.perf_counter()
+    ckpt = resolve_checkpoint(path)
+    manifest = validate_checkpoint(ckpt)
+    rank, world = _world()
+    if optimizer is None:
+        state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    rng = restore_rng and manifest["world_size"] == world
+    if rng:
+        state["rng"] = {_rng_key(rank): torch.empty_like(torch.get_rng_state())}
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=ckpt, no_dist=_single())
+    except (Exception, dcp.CheckpointException) as err:  # DCP's own exception is a BaseException
+        raise CheckpointError(f"cannot load checkpoint {ckpt}: {_summary(err)}") from err
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if rng:
+        torch.set_rng_state(state["rng"][_rng_key(rank)])
+    return LoadedCheckpoint(ckpt, manifest["step"], manifest["world_size"], manifest["extra"], rng,
+                            time.perf_counter() - start)
+
+
+def _summary(err: BaseException) -> str:
+    """One line per failing rank: DCP's exception carries every rank's error and traceback."""
+    if isinstance(err, dcp.CheckpointException):
+        return "; ".join(f"rank {rank}: {_summary(exc)}" for rank, (exc, _) in sorted(err.failures.items()))
+    first = next((line for line in str(err).splitlines() if line.strip()), "")
+    return f"{type(err).__name__}: {first}"
+
+
+def checkpoint_files(path: str | os.PathLike[str]) -> list[tuple[str, int]]:
+    """``(file name, bytes)`` of every file in a checkpoint directory (complete or not), by name."""
+    p = Path(path)
+    return [(f.name, f.stat().st_size) for f in sorted(p.iterdir()) if f.is_file()]
+
+
+def _read_metadata(path: Path):
+    try:
+        return FileSystemReader(path).read_metadata()
+    except Exception as err:  # noqa: BLE001 - a missing file or a bad pickle: both mean "unreadable"
+        raise CheckpointError(f"cannot read DCP metadata of {path}: {_summary(err)}") from None
+
+
+def checkpoint_items(path: str | os.PathLike[str]) -> dict[str, tuple[int, int]]:
+    """Which shard file holds what, from DCP's index: file name → (items, bytes of those items).
+
+    An item is one tensor piece or one non-tensor value (an optimizer hyperparameter); a
+    replicated item (Adam's ``step`` counter) is written once, by one rank. Bytes include each
+    item's serialization headers, so they add up to the file's size.
+    """
+    files: dict[str, tuple[int, int]] = {}
+    for info in _read_metadata(Path(path)).storage_data.values():
+        items, size = files.get(info.relative_path, (0, 0))
+        files[info.relative_path] = (items + 1, size + info.length)
+    return dict(sorted(files.items()))
+
+
+def count_state_tensors(state: Any, *, nested: bool = True) -> TensorCount:
+    """Tensors (and their bytes) in a state dict; for a DTensor, this rank's shard.
+
+    With ``nested=False`` only the top level is looked at — the seed's mistake: an optimizer's
+    ``state_dict()`` is ``{"state": {...}, "param_groups": [...]}``, with no tensor at the top,
+    so it counted 0.
+    """
+    if isinstance(state, torch.Tensor):
+        local = local_tensor(state)
+        return TensorCount(1, local.numel() * local.element_size())
+    if isinstance(state, Mapping):
+        values: Any = state.values()
+    elif isinstance(state, (list, tuple)):
+        values = state
+    else:
+        return TensorCount(0, 0)
+    total = TensorCount(0, 0)
+    for value in values:
+        if nested or isinstance(value, torch.Tensor):
+            total += count_state_tensors(value, nested=nested)
+    return total
+
+
+def count_checkpoint(path: str | os.PathLike[str]) -> dict[str, TensorCount]:
+    """What a DCP checkpoint holds, read from its ``.metadata``: global tensors, by top-level key.
+
+    Keys are the state's top level (``model``, ``optim``, ``rng``) and ``total``. Each tensor is
+    counted once, at its global shape, however many ranks hold pieces of it; nested optimizer
+    state (every ``exp_avg``, ``exp_avg_sq`` and ``step``) is included.
+
+    Raises:
+        CheckpointError: if ``.metadata`` is missing or unreadable.
+    """
+    counts: dict[str, TensorCount] = {}
+    for key, item in _read_metadata(Path(path)).state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            group = key.split(".", 1)[0]
+            size = item.size.numel() * item.properties.dtype.itemsize
+            counts[group] = counts.get(group, TensorCount(0, 0)) + TensorCount(1, size)
+    counts["total"] = sum(counts.values(), TensorCount(0, 0))
+    return counts
+
+
+def estimate_checkpoint_count(config: ModelConfig, optimizer: str) -> dict[str, TensorCount]:
+    """Predicted ``model`` and ``optim`` counts of a checkpoint, from the model's shape alone.
+
+    Model: one fp32 tensor per parameter tensor, 4 bytes per parameter. Optimizer: the
+    parameter-shaped states (Adam's two moments, SGD's momentum) plus Adam's ``step`` scalars.
+    """
+    tensors = len(param_shapes(config))
+    states = optimizer_states(optimizer)
+    steps = tensors if optimizer_step_bytes(config, optimizer) else 0
+    return {
+        "model": TensorCount(tensors, 4 * param_count(config)),
+        "optim": TensorCount(states * tensors + steps,
+                             states * 4 * param_count(config) + optimizer_step_bytes(config, optimizer)),
+    }
+
+
+def export_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> int:
+    """Gather the full (unsharded) model state to rank 0's CPU memory and ``torch.save`` it.
+
+    Collective: every rank calls it; only rank 0 holds the full tensors and writes (atomically:
+    a temporary file, then a rename). The file loads into a plain module (:func:`load_exported`).
+
+    Returns:
+        Bytes of the file on rank 0 (0 on other ranks).
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    if _world()[0] != 0:
+        return 0
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    torch.save(state, tmp)
+    os.replace(tmp, target)
+    return target.stat().st_size
+
+
+def load_exported(path: str | os.PathLike[str], config: ModelConfig) -> SimpleTransformer:
+    """A plain :class:`SimpleTransformer` with the weights of an exported file (``weights_only``).
+
+    Raises:
+        RuntimeError: if the file's tensors do not match ``config``'s parameters (strict load).
+    """
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    model = SimpleTransformer(config)
+    model.load_state_dict(state, strict=True)
+    return model

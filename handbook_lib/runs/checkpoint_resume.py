@@ -1,0 +1,223 @@
+"""Train with FSDP2, save sharded checkpoints, get killed, resume: the proof behind chapter 6.
+
+Each rank builds the seeded model, shards it (:func:`~handbook_lib.training.build_fsdp2_model`)
+and trains from step 0 — or, with ``resume``, from the newest complete checkpoint under
+``ckpt_dir`` (any world size: DCP reshards), continuing with the very batch where the saved job
+stopped. Every ``save_every`` steps all ranks save a checkpoint (:mod:`handbook_lib.checkpoint`).
+To interrupt the job for real, rank ``kill_rank`` sends itself SIGKILL after step
+``kill_at_step`` (and after that step's save), or — with ``kill_in_save`` — during that step's
+save, once its shard file is on disk but before the save is committed. The launcher then raises
+``RunFailed``; a second launch with ``resume=true`` continues. With ``export`` the trained model
+is also gathered to rank 0 and written as one plain ``torch.save`` file.
+
+``result.json`` holds the losses with their global step numbers, save and load times (seconds),
+each checkpoint's files and bytes, and ``checks``: the tensors and bytes the newest checkpoint
+holds (read from DCP's metadata) beside their prediction from the model's shape — exact.
+
+Launch::
+
+    python -m handbook_lib run checkpoint_resume --nproc 2 --set ckpt_dir=/tmp/ck --set save_every=2
+    python -m handbook_lib run checkpoint_resume --nproc 4 --set ckpt_dir=/tmp/ck --set resume=true
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from handbook_lib.checkpoint import (
+    LATEST,
+    checkpoint_name,
+    count_checkpoint,
+    estimate_checkpoint_count,
+    export_full_state_dict,
+    load_checkpoint,
+    save_checkpoint,
+)
+from handbook_lib.config import RunConfig
+from handbook_lib.distributed import RankContext
+from handbook_lib.results import Check
+from handbook_lib.runs.entry import RankReport, main
+from handbook_lib.training import build_fsdp2_model, build_optimizer, local_slice, make_batch, train_step
+
+EXPORT_FILE = "export.pt"
+"""File name, under ``ckpt_dir``, of the exported full state dict."""
+PROBE_FILE = "export_probe.pt"
+"""File name, under ``ckpt_dir``, of the probe batch and the sharded model's logits on it."""
+
+
+@dataclass(frozen=True)
+class CheckpointRunConfig(RunConfig):
+    """A training run with checkpoints, and the ways to interrupt and resume it."""
+
+    ckpt_dir: str = ""
+    """Root directory of the checkpoints (required)."""
+    save_every: int = 0
+    """Save after every this many steps (0: never)."""
+    keep_last: int = 0
+    """Keep only this many newest checkpoints (0: all)."""
+    resume: bool = False
+    """Start from a checkpoint under ``ckpt_dir`` (``latest``, or ``resume_step``) if there is one."""
+    resume_step: int = -1
+    """With ``resume``: the step of the checkpoint to load (-1: the one ``latest`` names)."""
+    kill_at_step: int = -1
+    """Rank ``kill_rank`` SIGKILLs itself after this step (and its save); -1: never."""
+    kill_in_save: bool = False
+    """Kill during the save of ``kill_at_step`` instead: shard written, save not committed."""
+    kill_rank: int = 1
+    """The rank that kills itself."""
+    export: bool = False
+    """After training, gather the full state dict to rank 0 and save it as ``ckpt_dir/export.pt``."""
+
+
+CONFIG = CheckpointRunConfig
+
+
+def validate(config: CheckpointRunConfig, world_size: int) -> None:
+    """Reject, before any process starts, a config this run cannot execute.
+
+    Raises:
+        ValueError: naming the key and the values this run accepts.
+    """
+    if not config.ckpt_dir:
+        raise ValueError("checkpoint_resume needs ckpt_dir (the root directory of the checkpoints)")
+    if config.api != "fsdp2" or config.strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        raise ValueError(f"checkpoint_resume supports api='fsdp2' with strategy FULL_SHARD or "
+                         f"SHARD_GRAD_OP; got api={config.api!r}, strategy={config.strategy!r}")
+    if config.precision not in ("fp32", "bf16-mixed") or config.cpu_offload:
+        raise ValueError("checkpoint_resume supports precision fp32 or bf16-mixed, without cpu_offload")
+    if config.batch_size % world_size:
+        raise ValueError(f"batch_size={config.batch_size} must be divisible by the number of ranks {world_size}")
+    for key in ("save_every", "keep_last"):
+        if getattr(config, key) < 0:
+            raise ValueError(f"config key {key!r} must be >= 0, got {getattr(config, key)}")
+    if config.resume_step != -1 and (not config.resume or config.resume_step < 0):
+        raise ValueError("resume_step must be -1, or >= 0 together with resume=true")
+    if config.kill_at_step != -1:
+        if not 1 <= config.kill_at_step <= config.steps:
+            raise ValueError(f"kill_at_step must be -1 or in [1, steps={config.steps}], got {config.kill_at_step}")
+        if not 0 <= config.kill_rank < world_size:
+            raise ValueError(f"kill_rank must be in [0, {world_size}), got {config.kill_rank}")
+    if config.kill_in_save and not (config.kill_at_step > 0 and config.save_every
+                                    and config.kill_at_step % config.save_every == 0):
+        raise ValueError("kill_in_save needs kill_at_step to be a step that saves (a multiple of save_every)")
+
+
+def _kill(ctx: RankContext, where: str) -> None:
+    print(f"rank {ctx.rank}: SIGKILL {where}", flush=True)
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _resume_path(config: CheckpointRunConfig, root: Path) -> Path | None:
+    if config.resume_step >= 0:
+        return root / checkpoint_name(config.resume_step)
+    return root if (root / LATEST).exists() else None
+
+
+def _export(config: CheckpointRunConfig, ctx: RankContext, model: torch.nn.Module, root: Path) -> dict:
+    """Export the full state dict, and save the sharded model's logits on an unseen batch."""
+    start = time.perf_counter()
+    size = export_full_state_dict(model, root / EXPORT_FILE)
+    seconds = time.perf_counter() - start
+    inputs, _ = make_batch(config, config.steps)
+    with torch.no_grad():
+        logits = model(inputs.to(ctx.device)).cpu()  # every rank: the whole probe batch
+    if ctx.is_main:
+        torch.save({"inputs": inputs, "logits": logits}, root / PROBE_FILE)
+    return {"file": EXPORT_FILE, "bytes": size, "seconds": seconds}
+
+
+def run(config: CheckpointRunConfig, ctx: RankContext) -> RankReport:
+    validate(config, ctx.world_size)
+    root = Path(config.ckpt_dir)
+    model = build_fsdp2_model(config, ctx)
+    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
+
+    start_step, loaded = 0, None
+    path = _resume_path(config, root) if config.resume else None
+    if path is not None:
+        info = load_checkpoint(path, model, optimizer)
+        if info.extra.get("data_position") != info.step:
+            raise RuntimeError(f"checkpoint {info.path} is at step {info.step} but its data position "
+                               f"is {info.extra.get('data_position')}")
+        start_step = info.step
+        loaded = {"name": info.path.name, "step": info.step, "saved_world_size": info.world_size,
+                  "rng_restored": info.rng_restored, "load_s": info.seconds}
+        if ctx.is_main:
+            print(f"resumed from {info.path.name} (saved by {info.world_size} ranks) in "
+                  f"{info.seconds:.2f} s", flush=True)
+
+    steps, losses, times, saves = [], [], [], []
+    model.train()
+    for index in range(start_step, config.steps):
+        step = index + 1  # optimizer steps done after this one
+        inputs, targets = make_batch(config, index)  # the data position is the step index
+        begin = time.perf_counter()
+        loss = train_step(model, optimizer, local_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device),
+                          local_slice(targets, ctx.rank, ctx.world_size).to(ctx.device))
+        times.append(time.perf_counter() - begin)
+        dist.all_reduce(loss)  # SUM (gloo has no AVG), then divide
+        losses.append((loss / ctx.world_size).item())
+        steps.append(step)
+        if ctx.is_main:
+            print(f"step {step}: loss {losses[-1]:.4f}", flush=True)
+        killing = step == config.kill_at_step and ctx.rank == config.kill_rank
+        if config.save_every and step % config.save_every == 0:
+            hook = functools.partial(_kill, ctx, f"during the save of step {step}, its shard written") \
+                if killing and config.kill_in_save else None
+            saved = save_checkpoint(root, step, model, optimizer, extra={"data_position": step},
+                                    keep_last=config.keep_last, after_shard_written=hook)
+            saves.append({"name": saved.path.name, "step": step, "save_s": saved.seconds, "files": saved.files})
+            if ctx.is_main:
+                print(f"saved {saved.path.name} in {saved.seconds:.2f} s", flush=True)
+        if killing:
+            _kill(ctx, f"after step {step}")
+
+    exported = _export(config, ctx, model, root) if config.export else None
+    checks, counted = [], None
+    newest = saves[-1]["name"] if saves else loaded["name"] if loaded else None
+    if ctx.is_main and newest is not None:
+        counted = count_checkpoint(root / newest)
+        predicted = estimate_checkpoint_count(config.model_config(), config.optimizer)
+        for group in ("model", "optim"):
+            checks += [
+                Check(f"checkpoint_{group}_tensors", None, predicted[group].tensors, counted[group].tensors, "tensors"),
+                Check(f"checkpoint_{group}_bytes", None, predicted[group].bytes, counted[group].bytes, "bytes"),
+            ]
+        if exported is not None:
+            checks.append(Check("export_tensor_bytes", None, predicted["model"].bytes,
+                                _exported_tensor_bytes(root / EXPORT_FILE), "bytes"))
+    metrics = {
+        "steps": steps,
+        "losses": losses,
+        "step_time_s": times,
+        "save_s": [s["save_s"] for s in saves],
+        "load_s": loaded["load_s"] if loaded else None,
+        "rng_restored": loaded["rng_restored"] if loaded else None,
+    }
+    extra = {
+        "start_step": start_step,
+        "loaded": loaded,
+        "saves": saves,
+        "export": exported,
+        "checkpoint_count": {k: vars(v) for k, v in counted.items()} if counted else None,
+    }
+    return RankReport(metrics=metrics, checks=checks, extra=extra)
+
+
+def _exported_tensor_bytes(path: Path) -> int:
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+if __name__ == "__main__":
+    main(sys.modules[__name__])

@@ -1,0 +1,249 @@
+"""handbook_lib.checkpoint in one process: counting, atomic saves, clear errors, export.
+
+DCP saves and loads without a process group (a world of one), so everything here runs in the
+test process on plain modules; the runs of ``test_runs_checkpoint_resume`` do the same with
+FSDP2 on 2 and 4 ranks, killed for real.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from torch.distributed.checkpoint import CheckpointException as DcpCheckpointException
+
+from handbook_lib import checkpoint as ckpt
+from handbook_lib.checkpoint import (
+    FSDP1_STATE_DICT_TYPES,
+    LATEST,
+    MANIFEST,
+    CheckpointError,
+    TensorCount,
+    checkpoint_files,
+    checkpoint_items,
+    checkpoint_name,
+    count_checkpoint,
+    count_state_tensors,
+    estimate_checkpoint_count,
+    export_full_state_dict,
+    load_checkpoint,
+    load_exported,
+    resolve_checkpoint,
+    save_checkpoint,
+    validate_checkpoint,
+)
+from handbook_lib.model import ModelConfig, build_model
+
+SMALL = ModelConfig(vocab_size=101, d_model=16, nhead=2, dim_feedforward=24, num_layers=2)
+
+
+def _trained(seed: int = 0, steps: int = 1, optimizer: str = "adamw"):
+    """A plain model and its optimizer after ``steps`` steps on fixed random tokens."""
+    model = build_model(SMALL, seed=seed)
+    opt = {"adamw": torch.optim.AdamW, "sgd-momentum": lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9),
+           "sgd": torch.optim.SGD}[optimizer](model.parameters(), lr=1e-2)
+    for step in range(steps):
+        _step(model, opt, step)
+    return model, opt
+
+
+def _step(model, opt, step: int) -> float:
+    tokens = torch.randint(0, SMALL.vocab_size, (4, 9), generator=torch.Generator().manual_seed(step))
+    loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _same_tensors(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_seed_counted_the_top_level_only():
+    model, opt = _trained()
+    params = list(model.parameters())
+    state = opt.state_dict()
+    assert count_state_tensors(state, nested=False) == TensorCount(0, 0)  # the seed's "0 tensors"
+    # AdamW: exp_avg and exp_avg_sq shaped like each parameter, plus one fp32 step scalar each
+    expected = TensorCount(3 * len(params), sum(8 * p.numel() + 4 for p in params))
+    assert count_state_tensors(state) == expected
+    assert count_state_tensors(model.state_dict()) == TensorCount(len(params), sum(4 * p.numel() for p in params))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd-momentum", "sgd"])
+def test_estimate_matches_a_real_state_dict(optimizer):
+    model, opt = _trained(optimizer=optimizer)
+    predicted = estimate_checkpoint_count(SMALL, optimizer)
+    assert predicted["model"] == count_state_tensors(model.state_dict())
+    assert predicted["optim"] == count_state_tensors(opt.state_dict())
+
+
+def test_save_writes_aside_then_points_latest(tmp_path):
+    model, opt = _trained()
+    saved = save_checkpoint(tmp_path, 1, model, opt, extra={"data_position": 1})
+    assert saved.path == tmp_path / "step_000001" and saved.seconds > 0
+    assert (tmp_path / LATEST).read_text() == "step_000001\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step_000001"]  # no .tmp left
+    assert dict(checkpoint_files(saved.path)) == saved.files
+    manifest = validate_checkpoint(tmp_path)
+    assert (manifest["step"], manifest["world_size"], manifest["extra"]) == (1, 1, {"data_position": 1})
+    assert set(manifest["files"]) == {".metadata", "__0_0.distcp"}  # written before the manifest
+    _step(model, opt, 1)
+    save_checkpoint(tmp_path, 2, model, opt)
+    assert resolve_checkpoint(tmp_path) == tmp_path / checkpoint_name(2)
+
+
+def test_checkpoint_count_is_read_from_metadata_and_exact(tmp_path):
+    model, opt = _trained(steps=2)
+    saved = save_checkpoint(tmp_path, 2, model, opt)
+    counts = count_checkpoint(saved.path)
+    assert counts["model"] == count_state_tensors(model.state_dict())
+    assert counts["optim"] == count_state_tensors(opt.state_dict())
+    assert counts["model"] == estimate_checkpoint_count(SMALL, "adamw")["model"]
+    rng = torch.get_rng_state()
+    assert counts["rng"] == TensorCount(1, rng.numel() * rng.element_size())
+    assert counts["total"] == counts["model"] + counts["optim"] + counts["rng"]
+    assert sum(saved.files.values()) > counts["total"].bytes  # files add headers and the index
+    # every tensor, plus one item per optimizer hyperparameter; the items fill the shard file
+    assert checkpoint_items(saved.path) == {
+        "__0_0.distcp": (counts["total"].tensors + len(opt.param_groups[0]), saved.files["__0_0.distcp"])}
+    (saved.path / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match="cannot read DCP metadata"):
+        count_checkpoint(saved.path)
+
+
+def test_resume_continues_exactly(tmp_path):
+    model, opt = _trained(steps=2)
+    save_checkpoint(tmp_path, 2, model, opt, extra={"data_position": 2})
+    expected = [_step(model, opt, s) for s in (2, 3)]
+    fresh, fresh_opt = _trained(seed=1, steps=0)
+    loaded = load_checkpoint(tmp_path, fresh, fresh_opt)
+    assert (loaded.step, loaded.extra, loaded.rng_restored) == (2, {"data_position": 2}, True)
+    assert [_step(fresh, fresh_opt, s) for s in (2, 3)] == expected  # bit for bit
+    assert _same_tensors(model.state_dict(), fresh.state_dict())
+
+
+def test_rng_state_is_restored_at_the_same_world_size(tmp_path):
+    model, opt = _trained()
+    torch.manual_seed(123)
+    saved_rng = torch.get_rng_state()
+    save_checkpoint(tmp_path, 1, model, opt)
+    torch.manual_seed(7)
+    load_checkpoint(tmp_path, model, opt)
+    assert torch.equal(torch.get_rng_state(), saved_rng)
+    torch.manual_seed(7)
+    assert not load_checkpoint(tmp_path, model, opt, restore_rng=False).rng_restored
+    assert not torch.equal(torch.get_rng_state(), saved_rng)
+
+
+def test_a_save_that_dies_leaves_the_previous_checkpoint(tmp_path):
+    model, opt = _trained()
+    save_checkpoint(tmp_path, 1, model, opt)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _step(model, opt, 1)
+
+    def die():  # in one process an exception stands in for the SIGKILL of the run tests
+        raise RuntimeError("stopped after the shard was written")
+
+    with pytest.raises(DcpCheckpointException):  # DCP reports every rank's failure in one exception
+        save_checkpoint(tmp_path, 2, model, opt, after_shard_written=die)
+    half = tmp_path / "step_000002.tmp"
+    assert (half / "__0_0.distcp").exists() and not (half / ".metadata").exists()
+    assert (tmp_path / LATEST).read_text() == "step_000001\n"
+    with pytest.raises(CheckpointError, match=r"incomplete checkpoint .*checkpoint\.json is missing"):
+        load_checkpoint(half, model, opt)
+    fresh, fresh_opt = _trained(seed=1, steps=0)
+    assert load_checkpoint(tmp_path, fresh, fresh_opt).step == 1
+    assert _same_tensors(fresh.state_dict(), before)
+    save_checkpoint(tmp_path, 2, model, opt)  # the next save of that step replaces the debris
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step_000001", "step_000002"]
+
+
+def test_pointer_is_replaced_atomically(tmp_path, monkeypatch):
+    model, opt = _trained()
+    save_checkpoint(tmp_path, 1, model, opt)
+    real_replace = os.replace
+
+    def fail_on_pointer(src, dst):
+        if os.path.basename(dst) == LATEST:
+            raise OSError("disk full")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "replace", fail_on_pointer)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path, 2, model, opt)
+    monkeypatch.undo()
+    assert (tmp_path / LATEST).read_text() == "step_000001\n"  # old pointer intact, never empty
+    assert resolve_checkpoint(tmp_path) == tmp_path / "step_000001"
+    validate_checkpoint(tmp_path / "step_000002")  # complete, just not (yet) latest
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncate_shard", r"__0_0\.distcp has \d+ bytes, the manifest says \d+"),
+    ("delete_metadata", r"file \.metadata is missing"),
+    ("garble_manifest", r"checkpoint\.json is unreadable"),
+    ("zero_shard", r"cannot load checkpoint"),
+    ("dangling_pointer", r"points to 'step_000009', which does not exist"),
+])
+def test_damaged_checkpoint_raises_a_clear_error(tmp_path, damage, message):
+    model, opt = _trained()
+    path = save_checkpoint(tmp_path, 1, model, opt).path
+    shard = path / "__0_0.distcp"
+    if damage == "truncate_shard":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    elif damage == "delete_metadata":
+        (path / ".metadata").unlink()
+    elif damage == "garble_manifest":
+        (path / MANIFEST).write_text('{"schema": ')
+    elif damage == "zero_shard":  # same size, content destroyed: only the load can tell
+        shard.write_bytes(bytes(shard.stat().st_size))
+    elif damage == "dangling_pointer":
+        (tmp_path / LATEST).write_text("step_000009\n")
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(tmp_path, *_trained(seed=1, steps=0))
+    assert issubclass(CheckpointError, RuntimeError)
+
+
+def test_no_checkpoint_and_a_wrong_model_are_clear_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        resolve_checkpoint(tmp_path / "nothing")
+    model, opt = _trained()
+    save_checkpoint(tmp_path, 1, model, opt)
+    other = build_model(ModelConfig(vocab_size=103, d_model=16, nhead=2, dim_feedforward=24, num_layers=2))
+    with pytest.raises(CheckpointError, match="cannot load checkpoint"):
+        load_checkpoint(tmp_path, other)
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path):
+    model, opt = _trained()
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, model, opt, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step_000002", "step_000003"]
+    save_checkpoint(tmp_path, 1, model, opt, keep_last=1)  # a job resumed from an older step
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step_000001"]  # latest is never pruned
+
+
+def test_export_loads_into_a_plain_module_with_weights_only(tmp_path):
+    model, _ = _trained(steps=2)
+    size = export_full_state_dict(model, tmp_path / "model.pt")
+    assert size == (tmp_path / "model.pt").stat().st_size
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]  # its temporary file is gone
+    plain = load_exported(tmp_path / "model.pt", SMALL)
+    assert _same_tensors(plain.state_dict(), model.state_dict())
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 8), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(plain(tokens), model(tokens))
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert json.dumps(sorted(state)) == json.dumps(sorted(model.state_dict()))
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        load_exported(tmp_path / "model.pt", ModelConfig(vocab_size=102, d_model=16, nhead=2,
+                                                         dim_feedforward=24, num_layers=2))
+
+
+def test_fsdp1_state_dict_types_are_all_explained():
+    assert set(FSDP1_STATE_DICT_TYPES) == {"FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"}
+    assert "final" in FSDP1_STATE_DICT_TYPES["FULL_STATE_DICT"][2]
+    assert "intermediate" in FSDP1_STATE_DICT_TYPES["SHARDED_STATE_DICT"][2]
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        checkpoint_name(-1)
