@@ -2,9 +2,11 @@
 
 Chapter 1 introduces it (FSDP2 with ``fully_shard``, per layer then the root); chapter 5 adds the
 other strategies and levers: the plain one-process baseline (``NONE``), DDP, FSDP1's
-``FullyShardedDataParallel``, the wrapping policies, fp16 with a gradient scaler. Data are synthetic and made in code, the same on every machine: each sequence
-follows ``next = (3 * token + 1) mod vocab_size`` from a random start, so the loss has something
-to learn and falls within a few steps.
+``FullyShardedDataParallel``, the wrapping policies, fp16 with a gradient scaler.
+
+Data are synthetic and made in code, the same on every machine: each sequence follows
+``next = (3 * token + 1) mod vocab_size`` from a random start, so the loss has something to learn
+and falls within a few steps.
 """
 
 from __future__ import annotations
@@ -144,7 +146,7 @@ def build_mp_policy(precision: str) -> MixedPrecisionPolicy | None:
     raise ValueError(f"precision must be fp32, bf16-mixed or fp16-mixed; got {precision!r}")
 
 
-def build_grad_scaler(config: RunConfig, ctx: RankContext):  # -> GradScaler | None
+def build_grad_scaler(config: RunConfig, ctx: RankContext) -> torch.amp.GradScaler | None:
     """The gradient scaler fp16 needs, or ``None`` (fp32, bf16, or ``grad_scaler=False``).
 
     fp16's smallest positive value is about 6e-8 (5.96e-8, subnormal); smaller gradients round
@@ -414,7 +416,7 @@ def train_step(
     targets: torch.Tensor,
     tracker: StepMemoryTracker | None = None,
     *,
-    scaler=None,
+    scaler: torch.amp.GradScaler | None = None,
     after_backward: Callable[[nn.Module], None] | None = None,
 ) -> torch.Tensor:
     """One step: forward, next-token cross-entropy, backward, optimizer step. Returns the loss.
@@ -450,7 +452,7 @@ def train(
     progress: bool = True,
     track_memory: bool = False,
     count_collectives: bool = False,
-    scaler=None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> TrainLog:
     """Run ``config.steps`` optimizer steps on this rank's share of each global batch.
 
@@ -467,9 +469,13 @@ def train(
     zeros: list[float] = []
     scales: list[float] = []
     skipped: list[int] = []
+    inspect_s = [0.0]  # time spent counting zero gradients, kept out of step_time_s
 
     def inspect(module: nn.Module) -> None:
+        begin = time.perf_counter()
         zeros.append(grad_zero_fraction(module))
+        inspect_s[0] = time.perf_counter() - begin
+
     memory = collectives = None
     model.train()
     bar = tqdm(total=config.steps, desc="train", unit="step", file=_ProgressLines(),
@@ -497,7 +503,7 @@ def train(
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         if not tracked:
-            times.append(time.perf_counter() - start)
+            times.append(time.perf_counter() - start - inspect_s[0])
         if scaler is not None and scaler.get_scale() < scales[-1]:
             skipped.append(step)  # the scale only drops when inf/NaN gradients were found
         if dist.is_initialized():

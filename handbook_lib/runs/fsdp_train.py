@@ -4,11 +4,13 @@ Chapter 1 launches it for the shards; chapter 2 for the whole memory model; chap
 strategy: one plain process (``NONE``), DDP, FSDP2 and FSDP1, each wrapping policy, fp32 /
 bf16 / fp16 (with or without a gradient scaler), activation checkpointing and CPU offload. Each
 rank builds the same seeded model, wraps it as asked (FSDP2: ``fully_shard`` every unit of the
-wrapping policy and then the root, on a 2-D mesh for the HYBRID strategies), trains ``steps`` steps on its slice of the synthetic global batch — the
-last one under a memory tracker — and measures what it holds: parameter shards and their
-padding, gradient shards, optimizer state, activations and the step's peak. The memory model
-predicts the same quantities for the same config; both go into ``checks`` (exact for the model
-state, within a stated tolerance for activations and the peak).
+wrapping policy and then the root, on a 2-D mesh for the HYBRID strategies), trains ``steps``
+steps on its slice of the synthetic global batch — the last one under a memory tracker and a
+collective counter — and measures what it holds: parameter shards and their padding, gradient
+shards, optimizer state, its FSDP units, activations and the step's peak. The memory and
+communication models predict the same quantities for the same config; both go into ``checks``
+(exact for the model state, the units and the collectives; within a stated tolerance for
+activations and the peak; FSDP1's peak is reported but not predicted).
 
 Launch::
 
