@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from handbook_lib.results import Check, RunResult, max_relative_difference
+from handbook_lib.results import Check, RunResult, max_relative_difference, model_state_bytes
 
 __all__ = ["format_bytes", "Table", "checks_table", "ranks_table", "summarize_runs", "compare_runs",
            "step_time_table", "run_summary"]
@@ -136,8 +136,7 @@ def compare_runs(results: Mapping[str, RunResult], baseline: str) -> Table:
     Timing is left out on purpose (it varies run to run): see :func:`step_time_table`.
     """
     def state(result: RunResult) -> int:
-        return max(r["param_shard_bytes"] + r["param_padding_bytes"] + r["grad_shard_bytes"]
-                   + r["optimizer_state_bytes"] + r["optimizer_other_bytes"] for r in result.ranks)
+        return max(model_state_bytes(r) for r in result.ranks)
 
     base = results[baseline]
     base_state, base_peak = state(base), max(base.metric("peak_bytes"))

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from matplotlib.figure import Figure
 
 from handbook_lib.memory import MemoryEstimate
-from handbook_lib.results import RunResult
+from handbook_lib.results import RunResult, model_state_bytes
 
 __all__ = [
     "plot_rank_bytes", "plot_memory_breakdown", "plot_predicted_vs_measured",
@@ -244,11 +244,10 @@ def plot_peak_by_run(
     results: Mapping[str, RunResult], *, title: str = "Peak memory per rank, measured"
 ) -> Figure:
     """Bars of each run's measured peak per rank (the largest over ranks, MB = 10^6 bytes),
-    with the model-state part (parameter shards, gradients, optimizer state) shaded."""
+    with the model-state part (:func:`~handbook_lib.results.model_state_bytes`) shaded."""
     labels = list(results)
     peaks = [max(r.metric("peak_bytes")) / 1e6 for r in results.values()]
-    states = [max(x["param_shard_bytes"] + x["grad_shard_bytes"] + x["optimizer_state_bytes"]
-                  for x in r.ranks) / 1e6 for r in results.values()]
+    states = [max(model_state_bytes(x) for x in r.ranks) / 1e6 for r in results.values()]
     fig = Figure(figsize=(max(6.4, 1.0 * len(labels)), 3.8), layout="constrained")
     ax = fig.add_subplot()
     ax.bar(labels, peaks, color="tab:orange", label="peak (measured)")

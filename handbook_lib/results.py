@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SCHEMA", "Check", "RunResult", "load_result", "write_json_atomic", "max_relative_difference"]
+__all__ = ["SCHEMA", "Check", "RunResult", "load_result", "write_json_atomic", "max_relative_difference",
+           "model_state_bytes"]
 
 SCHEMA = "handbook.result/1"
 """Version tag of the result format; bump it when a key changes meaning."""
@@ -129,6 +130,13 @@ def max_relative_difference(values: Sequence[float], reference: Sequence[float])
     if any(b == 0 for b in reference):
         raise ValueError("a reference value is 0: the relative difference is undefined")
     return max((abs(a - b) / abs(b) for a, b in zip(values, reference)), default=0.0)
+
+
+def model_state_bytes(rank: Mapping[str, Any]) -> int:
+    """A training run's rank's model state at rest, bytes: parameter shards and their padding,
+    gradients, optimizer state and the optimizer's other (step) tensors, from its metrics."""
+    return (rank["param_shard_bytes"] + rank["param_padding_bytes"] + rank["grad_shard_bytes"]
+            + rank["optimizer_state_bytes"] + rank["optimizer_other_bytes"])
 
 
 def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:

@@ -44,6 +44,7 @@ __all__ = [
     "TrainLog",
     "make_batch",
     "local_slice",
+    "local_batch",
     "build_mesh",
     "build_mp_policy",
     "build_optimizer",
@@ -98,6 +99,13 @@ def local_slice(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor
         )
     per_rank = batch.shape[0] // world_size
     return batch[rank * per_rank : (rank + 1) * per_rank]
+
+
+def local_batch(config: RunConfig, step: int, ctx: RankContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``(inputs, targets)`` of global batch ``step``, on the rank's device."""
+    inputs, targets = make_batch(config, step)
+    return (local_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device),
+            local_slice(targets, ctx.rank, ctx.world_size).to(ctx.device))
 
 
 def shard_group(config: RunConfig, world_size: int) -> int:
@@ -211,16 +219,10 @@ def apply_fsdp2(
     if units is None:
         units = [m for m in model.modules() if isinstance(m, TransformerLayer)]
     # fully_shard a child before its parent: the parent's unit then skips the child's parameters
-    for module in sorted(units, key=lambda m: -_depth(model, m)):
+    depth = {id(m): name.count(".") for name, m in model.named_modules() if name}
+    for module in sorted(units, key=lambda m: -depth[id(m)]):
         fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
-
-
-def _depth(root: nn.Module, module: nn.Module) -> int:
-    for name, candidate in root.named_modules():
-        if candidate is module:
-            return name.count(".") + 1 if name else 0
-    raise ValueError("module is not inside the model")
 
 
 def _unit_modules(model: SimpleTransformer, config: RunConfig) -> list[nn.Module]:
@@ -481,9 +483,7 @@ def train(
     bar = tqdm(total=config.steps, desc="train", unit="step", file=_ProgressLines(),
                disable=not (progress and ctx.is_main), mininterval=0, dynamic_ncols=False, ncols=80)
     for step in range(config.steps):
-        inputs, targets = make_batch(config, step)
-        inputs = local_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device)
-        targets = local_slice(targets, ctx.rank, ctx.world_size).to(ctx.device)
+        inputs, targets = local_batch(config, step, ctx)
         tracked = (track_memory or count_collectives) and config.steps >= 2 and step == config.steps - 1
         if scaler is not None:
             scales.append(float(scaler.get_scale()))

@@ -29,6 +29,7 @@ from handbook_lib.checkpoint import (
 from handbook_lib.config import RunConfig
 from handbook_lib.launch import RunFailed, torchrun
 from handbook_lib.model import SimpleTransformer
+from handbook_lib.results import max_relative_difference
 from handbook_lib.runs.checkpoint_resume import EXPORT_FILE, PROBE_FILE
 from tests.conftest import processes_mentioning
 
@@ -44,8 +45,8 @@ def _run(nproc, config, out, **extra):
 
 
 def _max_relative(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) and a
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+    assert a, "no losses to compare"
+    return max_relative_difference(a, b)  # raises if the lengths differ
 
 
 def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:

@@ -14,7 +14,7 @@ from handbook_lib.config import RunConfig
 from handbook_lib.launch import torchrun
 from handbook_lib.memory import estimate_shard_bytes
 from handbook_lib.model import param_count
-from handbook_lib.results import SCHEMA
+from handbook_lib.results import SCHEMA, max_relative_difference
 from handbook_lib.sharding import estimate_flat_shard_bytes, wrap_units
 
 TINY = {"vocab_size": 1001, "d_model": 64, "nhead": 2, "dim_feedforward": 96, "num_layers": 2,
@@ -197,7 +197,7 @@ def test_losses_equal_one_process_on_the_global_batch(case):
     one = RankContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
     baseline = train(model, build_optimizer(model.parameters(), run_config.optimizer, run_config.lr),
                      run_config, one, progress=False).losses
-    worst = max(abs(a - b) / abs(b) for a, b in zip(result.metric("losses")[0], baseline))
+    worst = max_relative_difference(result.metric("losses")[0], baseline)
     print(f"{result.world_size} ranks, {config['strategy']}: max relative loss difference {worst:.2e}")
     assert worst <= 1e-5, f"max relative loss difference {worst:.2e}"
 

@@ -3,6 +3,7 @@
 import pytest
 
 from handbook_lib.launch import torchrun
+from handbook_lib.results import max_relative_difference
 from handbook_lib.runs.step_time import StepTimeConfig, validate
 
 TINY = {"vocab_size": 1001, "d_model": 64, "nhead": 2, "dim_feedforward": 96, "num_layers": 2,
@@ -29,7 +30,7 @@ def test_variants_train_identically(result):
     # warm-up + repeats x steps batches each, the same batches in the same order for every variant
     losses = result.ranks[0]["local_losses"]
     assert len(losses["DDP"]) == TINY["repeats"] * TINY["steps"]
-    assert max(abs(a - b) / b for a, b in zip(losses["FULL_SHARD"], losses["DDP"])) <= 1e-5
+    assert max_relative_difference(losses["FULL_SHARD"], losses["DDP"]) <= 1e-5
     assert [c.quantity for c in result.checks] == ["loss_FULL_SHARD_vs_DDP"] * 2
     assert not result.failed_checks()
 

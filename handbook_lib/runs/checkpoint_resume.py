@@ -46,7 +46,7 @@ from handbook_lib.config import RunConfig
 from handbook_lib.distributed import RankContext
 from handbook_lib.results import Check
 from handbook_lib.runs.entry import RankReport, main
-from handbook_lib.training import build_fsdp2_model, build_optimizer, local_slice, make_batch, train_step
+from handbook_lib.training import build_fsdp2_model, build_optimizer, local_batch, make_batch, train_step
 
 EXPORT_FILE = "export.pt"
 """File name, under ``ckpt_dir``, of the exported full state dict."""
@@ -160,10 +160,9 @@ def run(config: CheckpointRunConfig, ctx: RankContext) -> RankReport:
     model.train()
     for index in range(start_step, config.steps):
         step = index + 1  # optimizer steps done after this one
-        inputs, targets = make_batch(config, index)  # the data position is the step index
+        inputs, targets = local_batch(config, index, ctx)  # the data position is the step index
         begin = time.perf_counter()
-        loss = train_step(model, optimizer, local_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device),
-                          local_slice(targets, ctx.rank, ctx.world_size).to(ctx.device))
+        loss = train_step(model, optimizer, inputs, targets)
         times.append(time.perf_counter() - begin)
         dist.all_reduce(loss)  # SUM (gloo has no AVG), then divide
         losses.append((loss / ctx.world_size).item())

@@ -166,7 +166,7 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
         # the ring model applied to what was counted (kinds, buffers, group sizes)
         sent = sum(estimate_collective(c.kind, c.buffer_bytes, c.group_size).sent_bytes
                    for c in log.collectives)
-        checks += _collective_checks(config, ctx, group, units, log.collectives, sent, check)
+        checks += _collective_checks(config, ctx, group, units, flat, log.collectives, sent, check)
         metrics["collectives"] = [vars(c) for c in log.collectives]
         metrics["sent_bytes"] = sent
     return RankReport(
@@ -188,7 +188,7 @@ def _scaler_group(config: RunConfig, world_size: int) -> int | None:
     return world_size
 
 
-def _collective_checks(config, ctx, group, units, calls, sent, check) -> list[Check]:
+def _collective_checks(config, ctx, group, units, flat, calls, sent, check) -> list[Check]:
     """Counted collectives of the step beside the communication model's schedule.
 
     In our FSDP2 wrapping the root is resharded after forward too (``fully_shard(model,
@@ -200,11 +200,10 @@ def _collective_checks(config, ctx, group, units, calls, sent, check) -> list[Ch
     if config.strategy == "NONE":
         return [Check("collective_count", ctx.rank, 0, len(calls), "collectives")]
     param_dtype, reduce_dtype = PRECISION_DTYPES[config.precision]
-    fsdp1 = config.api == "fsdp1" and config.strategy != "DDP"
     traffic = estimate_step_traffic(
         units, ctx.world_size, config.strategy,
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, root_reshard_after_forward=not fsdp1,
-        shard_group_size=group if config.strategy.startswith("HYBRID") else None, flat_params=fsdp1,
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, root_reshard_after_forward=not flat,
+        shard_group_size=group if config.strategy.startswith("HYBRID") else None, flat_params=flat,
         grad_scaler_group=_scaler_group(config, ctx.world_size),
     )
     checks = []

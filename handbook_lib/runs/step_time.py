@@ -28,7 +28,7 @@ from handbook_lib.config import STRATEGIES, RunConfig
 from handbook_lib.distributed import RankContext
 from handbook_lib.results import Check
 from handbook_lib.runs.entry import RankReport, main
-from handbook_lib.training import build_optimizer, build_training_model, local_slice, make_batch, train_step
+from handbook_lib.training import build_optimizer, build_training_model, local_batch, train_step
 
 LOSS_TOLERANCE = 1e-5
 """Relative tolerance between a variant's fp32 loss and DDP's on the same batches."""
@@ -89,9 +89,7 @@ def run(config: StepTimeConfig, ctx: RankContext) -> RankReport:
 
     def advance(name: str) -> float:
         """One training step of variant ``name`` on its next batch; returns its loss."""
-        inputs, targets = make_batch(config, step[name])
-        inputs = local_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device)
-        targets = local_slice(targets, ctx.rank, ctx.world_size).to(ctx.device)
+        inputs, targets = local_batch(config, step[name], ctx)
         step[name] += 1
         return float(train_step(models[name], optimizers[name], inputs, targets))
 
