@@ -14,7 +14,9 @@ What it guarantees:
 - the result comes back parsed from ``result.json`` (a :class:`~handbook_lib.results.RunResult`);
 - a failing rank raises :class:`RunFailed` naming the rank that caused it, with its traceback;
 - a run past ``timeout_s`` (or interrupted) is stopped with every one of its processes, and
-  raises :class:`RunTimeout` showing where each rank was.
+  raises :class:`RunTimeout` showing where each rank was;
+- a run whose ``checks`` include one outside its own tolerance raises :class:`ChecksFailed`
+  (the parsed result is attached): a model that disagrees with its measurement is a failure.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ import psutil
 from handbook_lib.results import RunResult, load_result
 from handbook_lib.runs import available_runs
 
-__all__ = ["RunFailed", "RunTimeout", "torchrun", "diagnose_failure", "RankFailure"]
+__all__ = ["RunFailed", "RunTimeout", "ChecksFailed", "torchrun", "diagnose_failure", "RankFailure",
+           "describe_failed_checks"]
 
 _RANK_PREFIX = re.compile(r"^\[default(\d+)\]:")
 _PROGRESS = re.compile(r"\d+%\|")
@@ -77,6 +80,35 @@ class RunFailed(RuntimeError):
 
 class RunTimeout(RunFailed):
     """A run did not finish within its timeout; all its processes were killed."""
+
+
+class ChecksFailed(RunFailed):
+    """A run finished and wrote its result, but at least one check is outside its tolerance.
+
+    Attributes:
+        result: The parsed ``result.json`` (every check, passed or not).
+        failed: The checks outside their tolerance.
+    """
+
+    def __init__(self, message: str, *, result: RunResult, **kwargs: Any) -> None:
+        super().__init__(message, rank=None, rank_traceback="", **kwargs)
+        self.result = result
+        self.failed = result.failed_checks()
+
+
+def describe_failed_checks(result: RunResult, limit: int = 10) -> str:
+    """One line per failed check (the first ``limit``): quantity, rank, prediction, measurement,
+    relative error and the tolerance it broke; ``""`` when every check passed."""
+    failed = result.failed_checks()
+    lines = []
+    for c in failed[:limit]:
+        allowed = "exact" if c.tolerance == 0 else f"within {c.tolerance:.0%}"
+        rel = "" if c.predicted == 0 else f", {c.relative_error:+.2%}"
+        lines.append(f"  {c.quantity} (rank {c.rank}): predicted {c.predicted:,}, measured "
+                     f"{c.measured:,} {c.unit}{rel}; the check is {allowed}")
+    if len(failed) > limit:
+        lines.append(f"  ... and {len(failed) - limit} more")
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -246,6 +278,7 @@ def torchrun(
     timeout_s: float = 600.0,
     stream: bool = True,
     env: dict[str, str] | None = None,
+    allow_failed_checks: bool = False,
 ) -> RunResult:
     """Run ``handbook_lib.runs.<run>`` on ``nproc`` processes and return its parsed result.
 
@@ -258,6 +291,8 @@ def torchrun(
         timeout_s: Seconds the whole run may take before all its processes are killed.
         stream: Print the ranks' output live (prefixed ``[rankR]``).
         env: Extra environment variables for the ranks.
+        allow_failed_checks: Return the result even if a check is outside its tolerance (for
+            code that studies a failing model); by default that raises :class:`ChecksFailed`.
 
     Returns:
         The run's ``result.json``, parsed.
@@ -266,6 +301,7 @@ def torchrun(
         ValueError: for an unknown run, a bad ``nproc`` or a config the run rejects.
         RunFailed: if a rank failed; the message names the rank and carries its traceback.
         RunTimeout: if the run took longer than ``timeout_s``.
+        ChecksFailed: if a check is outside its tolerance (unless ``allow_failed_checks``).
     """
     runs = available_runs()
     if run not in runs:
@@ -355,6 +391,11 @@ def torchrun(
     if stream:
         print(f"run {run!r}: {result.world_size} ranks, {result.backend} on {result.device}, "
               f"{wall_s:.1f} s wall; result in {out_dir}", flush=True)
+    if result.failed_checks() and not allow_failed_checks:
+        raise ChecksFailed(
+            f"run {run!r} finished, but {len(result.failed_checks())} of its {len(result.checks)} "
+            f"checks are outside their tolerance:\n{describe_failed_checks(result)}",
+            result=result, **common)
     return result
 
 

@@ -76,3 +76,15 @@ def test_planning_commands_do_not_import_torch():
     code = "import sys, handbook_lib.cli; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+def test_run_exits_1_on_a_failed_check_that_is_not_bytes(tmp_path, capsys):
+    """Any check outside its tolerance fails the CLI, whatever its unit (here: a count)."""
+    code = main(["run", "fault", "--nproc", "1", "--set", "mode=bad_check", "--set", "fail_rank=0",
+                 "--out", str(tmp_path), "--quiet"])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "1 of 1 checks are outside their tolerance" in captured.err
+    assert "ranks_counted (rank 0): predicted 2, measured 1.0 ranks" in captured.err
+    assert "ranks_counted" in captured.out  # the checks table is printed too
+    assert (tmp_path / "result.json").exists()  # the result is kept for inspection

@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 
-from handbook_lib.launch import RunFailed, RunTimeout, torchrun
+from handbook_lib.launch import ChecksFailed, RunFailed, RunTimeout, torchrun
 from tests.conftest import processes_mentioning
 
 
@@ -45,6 +45,20 @@ def test_raising_rank_is_named_with_its_traceback(no_leftovers):
     assert "then rank 0" in str(err) or "rank 0 was still running, at:" in str(err)
     assert str(err).index("traceback of rank 1") < str(err).index("rank 0")
     assert not (no_leftovers / "result.json").exists()
+
+
+def test_a_failed_check_fails_the_run_and_keeps_its_result(no_leftovers):
+    with pytest.raises(ChecksFailed) as info:
+        torchrun("fault", 2, {"mode": "bad_check"}, out=no_leftovers, stream=False, timeout_s=120)
+    err = info.value
+    assert str(err).startswith("run 'fault' finished, but 2 of its 2 checks are outside their tolerance")
+    assert "ranks_counted (rank 1): predicted 3, measured 2.0 ranks" in str(err)
+    assert [c.rank for c in err.failed] == [0, 1] and err.result.metric("all_reduce_sum") == [2.0, 2.0]
+    assert (no_leftovers / "result.json").exists()
+    # the same run, asked to hand back a failing result, returns it
+    kept = torchrun("fault", 2, {"mode": "bad_check"}, out=no_leftovers, stream=False, timeout_s=120,
+                    allow_failed_checks=True)
+    assert len(kept.failed_checks()) == 2
 
 
 def test_rank_dying_without_traceback_is_named(no_leftovers):
@@ -105,7 +119,7 @@ def test_ranks_die_with_a_killed_torchrun_agent(no_leftovers):
     (lambda: torchrun("no_such_run"), "available runs: .*comm_bench, fault, fsdp_train"),
     (lambda: torchrun("fault", 0), "nproc"),
     (lambda: torchrun("fault", 2, {"modez": "raise"}), "accepted keys: fail_rank, mode, sleep_s"),
-    (lambda: torchrun("fault", 2, {"mode": "explode"}), "accepted values: raise, exit, hang, sleep, none"),
+    (lambda: torchrun("fault", 2, {"mode": "explode"}), "accepted values: raise, exit, hang, sleep, bad_check, none"),
     (lambda: torchrun("fault", 2, {"fail_rank": 2}), "fail_rank must be in"),
     (lambda: torchrun("fsdp_train", 3, {"batch_size": 8}), "divisible"),
     (lambda: torchrun("fsdp_train", 2, {"strategy": "NO_SHARD"}), "api='fsdp2' supports strategy NONE, DDP, FULL_SHARD"),

@@ -9,6 +9,9 @@ it in an all-reduce:
   killed by the out-of-memory killer would;
 - ``hang``: sleeps instead of joining the all-reduce; the others' collective times out;
 - ``sleep``: every rank sleeps, so only the launcher's timeout ends the run;
+- ``bad_check``: nothing crashes, but every rank reports a count check whose measurement is
+  off by one (a model that disagrees with reality): the launcher raises ``ChecksFailed`` and
+  the CLI exits 1;
 - ``none``: nothing goes wrong; the run writes a result.
 """
 
@@ -25,6 +28,7 @@ import torch.distributed as dist
 
 from handbook_lib.config import FlatConfig
 from handbook_lib.distributed import RankContext
+from handbook_lib.results import Check
 from handbook_lib.runs.entry import RankReport, main
 
 
@@ -33,7 +37,7 @@ class FaultConfig(FlatConfig):
     """Which rank fails, and how."""
 
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
-        "mode": ("raise", "exit", "hang", "sleep", "none"),
+        "mode": ("raise", "exit", "hang", "sleep", "bad_check", "none"),
     }
 
     fail_rank: int = 1
@@ -69,7 +73,10 @@ def run(config: FaultConfig, ctx: RankContext) -> RankReport:
             time.sleep(config.sleep_s)
     value = torch.ones(1, device=ctx.device)
     dist.all_reduce(value)
-    return RankReport(metrics={"all_reduce_sum": value.item()})
+    checks = []
+    if config.mode == "bad_check":  # the all-reduce of ones counts the ranks: claim one more
+        checks.append(Check("ranks_counted", ctx.rank, ctx.world_size + 1, value.item(), "ranks"))
+    return RankReport(metrics={"all_reduce_sum": value.item()}, checks=checks)
 
 
 if __name__ == "__main__":
