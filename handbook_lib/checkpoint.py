@@ -8,18 +8,23 @@ On disk, under a root directory::
     root/step_000004/        one complete checkpoint
         __0_0.distcp ...     one file per rank: that rank's shards (DCP)
         .metadata            DCP's index: every tensor's global shape and where its pieces are
-        checkpoint.json      our manifest, written last: step, world size, extra state, files
+        checkpoint.json      our manifest, written last: step, world size, extra state, every
+                             file with its size and SHA-256 checksum
     root/step_000006.tmp/    a save in progress (or one that died): never loaded
 
 A save is written into ``step_K.tmp``, and becomes ``step_K`` (a rename) and ``latest`` (a
 pointer file replaced atomically) only after every rank's shard, DCP's ``.metadata`` and the
 manifest are on disk. A job killed at any moment therefore leaves ``latest`` pointing to a
 complete checkpoint; loading an incomplete one raises :class:`CheckpointError` naming what is
-missing.
+missing. Loading verifies every file's checksum (streamed, ~1.3 GB/s with SHA-256 on a CPU with
+SHA extensions), so a file changed after the save — even with its size unchanged — is refused
+by name, and the model's tensor names and shapes are compared with DCP's index before any
+tensor is read, so a checkpoint of another model is refused naming the tensors that differ.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -56,11 +61,16 @@ __all__ = [
     "TensorCount", "SavedCheckpoint", "LoadedCheckpoint", "checkpoint_name", "save_checkpoint",
     "resolve_checkpoint", "validate_checkpoint", "load_checkpoint", "checkpoint_files", "checkpoint_items",
     "count_state_tensors", "count_checkpoint", "estimate_checkpoint_count",
-    "export_full_state_dict", "load_exported",
+    "export_full_state_dict", "load_exported", "CHECKSUM", "file_checksum", "check_model_shapes",
 ]
 
-CHECKPOINT_SCHEMA = "handbook.checkpoint/1"
-"""Version tag of the manifest."""
+CHECKPOINT_SCHEMA = "handbook.checkpoint/2"
+"""Version tag of the manifest (2: with a checksum per file)."""
+CHECKSUM = "sha256"
+"""The hash of every file, in the manifest under this key. SHA-256 over blake2b: measured 1.35 vs
+0.81 GB/s on this book's CPU (SHA extensions), and it is what ``sha256sum`` prints."""
+_CHUNK = 1 << 20
+"""Bytes read at a time while hashing: the whole file is never in memory."""
 MANIFEST = "checkpoint.json"
 """The manifest: written last, so its presence marks a complete save."""
 LATEST = "latest"
@@ -116,6 +126,8 @@ class SavedCheckpoint:
     """Wall time of the save on this rank, seconds (state dict, DCP write, commit)."""
     files: dict[str, int] = field(default_factory=dict)
     """File name → bytes on disk (empty on ranks other than 0)."""
+    checksum_s: float = 0.0
+    """Of ``seconds``: time rank 0 spent hashing the files, seconds (0 on other ranks)."""
 
 
 @dataclass(frozen=True)
@@ -232,11 +244,15 @@ def save_checkpoint(
     with _single_process_quiet():  # returns once .metadata is written
         dcp.save(state, storage_writer=_Writer(tmp, after_shard_written), no_dist=_single())
     files: dict[str, int] = {}
+    checksum_s = 0.0
     if rank == 0:
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+        begin = time.perf_counter()
+        sums = {name: file_checksum(tmp / name) for name in files}
+        checksum_s = time.perf_counter() - begin
         write_json_atomic(tmp / MANIFEST, {
             "schema": CHECKPOINT_SCHEMA, "step": step, "world_size": world,
-            "extra": dict(extra or {}), "files": files,
+            "extra": dict(extra or {}), "files": files, CHECKSUM: sums,
         })
         files[MANIFEST] = (tmp / MANIFEST).stat().st_size
         _fsync_dir(tmp)
@@ -247,7 +263,16 @@ def save_checkpoint(
         if keep_last > 0:
             _prune(root, keep_last, name)
     _barrier()
-    return SavedCheckpoint(final, step, time.perf_counter() - start, files)
+    return SavedCheckpoint(final, step, time.perf_counter() - start, files, checksum_s)
+
+
+def file_checksum(path: str | os.PathLike[str]) -> str:
+    """The SHA-256 of a file as hex, read in 1 MiB chunks (constant memory)."""
+    digest = hashlib.new(CHECKSUM)
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _write_pointer(root: Path, name: str) -> None:
@@ -287,11 +312,13 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
                           f"a {LATEST!r} pointer")
 
 
-def validate_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Check that a checkpoint is complete and return its manifest.
+def validate_checkpoint(path: str | os.PathLike[str], *, verify_checksums: bool = True) -> dict[str, Any]:
+    """Check that a checkpoint is complete and intact, and return its manifest.
 
     Complete means: the manifest exists and parses, and every file it lists (DCP's
-    ``.metadata`` among them) exists with the listed size in bytes.
+    ``.metadata`` among them) exists with the listed size in bytes. Intact (with
+    ``verify_checksums``): every file's SHA-256 equals the one recorded at save, read in 1 MiB
+    chunks — about 1 ms per MB here.
 
     Raises:
         CheckpointError: naming the first thing missing or wrong.
@@ -321,7 +348,51 @@ def validate_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         if file.stat().st_size != size:
             raise CheckpointError(f"corrupt checkpoint {ckpt}: {name} has {file.stat().st_size} bytes, "
                                   f"the manifest says {size}")
+    sums = manifest.get(CHECKSUM)
+    if not isinstance(sums, dict) or set(sums) != set(files):
+        raise CheckpointError(f"corrupt checkpoint {ckpt}: its manifest has no {CHECKSUM} checksum for "
+                              f"every file it lists")
+    if verify_checksums:
+        for name in files:
+            if file_checksum(ckpt / name) != sums[name]:
+                raise CheckpointError(
+                    f"corrupt checkpoint {ckpt}: {name} does not match its {CHECKSUM} checksum (its "
+                    f"bytes changed after the save, though its size did not); load an earlier checkpoint")
     return manifest
+
+
+def check_model_shapes(path: str | os.PathLike[str], expected: Mapping[str, tuple[int, ...]],
+                       limit: int = 5) -> None:
+    """Refuse a checkpoint whose model tensors differ from ``expected``, before anything is loaded.
+
+    Reads DCP's ``.metadata`` only (no tensor data) and compares the names and global shapes of
+    the saved ``model`` tensors with ``expected``: a parameter name → its shape, e.g.
+    ``dict(param_shapes(config))`` or a model's state dict shapes.
+
+    Raises:
+        CheckpointError: naming (up to ``limit`` of each) the tensors missing from the
+            checkpoint, those it has that the model lacks, and those whose shapes differ.
+    """
+    ckpt = resolve_checkpoint(path)
+    saved = {key.split(".", 1)[1]: tuple(item.size)
+             for key, item in _read_metadata(ckpt).state_dict_metadata.items()
+             if key.startswith("model.") and isinstance(item, TensorStorageMetadata)}
+    expected = {k: tuple(v) for k, v in expected.items()}
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected]
+    differ = [f"{k} saved {saved[k]}, model {expected[k]}" for k in expected
+              if k in saved and saved[k] != expected[k]]
+
+    def listed(title: str, items: list[str]) -> str:
+        more = f" and {len(items) - limit} more" if len(items) > limit else ""
+        return f"{title} ({len(items)}): {', '.join(items[:limit])}{more}"
+
+    parts = [listed(title, items) for title, items in (
+        ("missing from the checkpoint", missing), ("in the checkpoint, not in the model", unexpected),
+        ("shapes differ", differ)) if items]
+    if parts:
+        raise CheckpointError(f"checkpoint {ckpt} holds another model's tensors ({len(saved)} saved, "
+                              f"{len(expected)} in the model); nothing was loaded. " + "; ".join(parts))
 
 
 def load_checkpoint(
@@ -337,6 +408,10 @@ def load_checkpoint(
     ``latest`` is loaded). Works at any world size, and without a process group into a plain
     module. Each rank's RNG state is restored only at the world size that saved it.
 
+    Every rank verifies every file's checksum (:func:`validate_checkpoint`) and compares the
+    model's tensor names and shapes with the checkpoint's (:func:`check_model_shapes`) before
+    any tensor is read.
+
     Raises:
         CheckpointError: if the checkpoint is incomplete, corrupt or does not fit the model.
     """
@@ -349,6 +424,7 @@ def load_checkpoint(
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
+    check_model_shapes(ckpt, {k: tuple(v.shape) for k, v in state["model"].items()})
     rng = restore_rng and manifest["world_size"] == world
     if rng:
         state["rng"] = {_rng_key(rank): torch.empty_like(torch.get_rng_state())}

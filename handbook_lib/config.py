@@ -10,6 +10,8 @@ everywhere, settable from a notebook (``config={"num_layers": 2}``) and from the
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar, get_type_hints
@@ -74,7 +76,8 @@ class FlatConfig:
     """Base of every run config: a frozen dataclass of flat, typed, validated keys.
 
     Subclasses declare fields (``int``, ``float``, ``bool`` or ``str``) and may list accepted
-    values per field in ``CHOICES``.
+    values per field in ``CHOICES``. A ``float`` key must be finite: ``nan`` and ``inf`` are
+    refused (an infinite learning rate would only train to NaN).
     """
 
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {}
@@ -94,6 +97,8 @@ class FlatConfig:
                 raise ValueError(
                     f"config key {field.name!r} must be {kind.__name__}, got {value!r}"
                 )
+            if kind is float and not math.isfinite(value):
+                raise ValueError(f"config key {field.name!r} must be a finite number, got {value!r}")
             accepted = self.CHOICES.get(field.name)
             if accepted is not None and value not in accepted:
                 raise ValueError(
@@ -115,8 +120,10 @@ class FlatConfig:
         mapping = dict(mapping or {})
         unknown = sorted(set(mapping) - set(cls.keys()))
         if unknown:
-            raise ValueError(
-                f"unknown config key(s) {', '.join(map(repr, unknown))} for {cls.__name__}; "
+            hints = [f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key) for key in unknown
+                     for close in [difflib.get_close_matches(key, cls.keys(), n=1)]]
+            raise ValueError(  # the first line stays short; the whole list follows
+                f"unknown config key(s) {', '.join(hints)} for {cls.__name__}\n"
                 f"accepted keys: {', '.join(cls.keys())}"
             )
         hints = get_type_hints(cls)

@@ -14,8 +14,9 @@ from typing import Any
 
 from handbook_lib.results import Check, RunResult, max_relative_difference, model_state_bytes
 
-__all__ = ["format_bytes", "Table", "checks_table", "ranks_table", "summarize_runs", "compare_runs",
-           "step_time_table", "run_summary"]
+__all__ = ["format_bytes", "Table", "checks_table", "checks_verdict", "checks_legend",
+           "format_tolerance", "ranks_table", "summarize_runs", "compare_runs", "step_time_table",
+           "step_time_summary", "fit_table", "run_summary"]
 
 _DECIMAL = [("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)]
 _BINARY = [("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)]
@@ -75,13 +76,49 @@ class Table:
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def format_tolerance(tolerance: float) -> str:
+    """A check's tolerance in words: ``"exact"`` for 0, else the relative error allowed,
+    e.g. ``"±10%"`` for 0.1 and ``"±0.001%"`` for 1e-5."""
+    return "exact" if tolerance == 0 else f"±{tolerance * 100:.3g}%"
+
+
 def checks_table(checks: RunResult | Iterable[Check]) -> Table:
-    """Predictions beside measurements: one row per check, with the error in the check's unit."""
+    """Predictions beside measurements: one row per check.
+
+    Columns: quantity; rank (``all`` for a quantity of the whole job); predicted and measured;
+    error (measured - predicted, in the check's unit); unit; tolerance (``exact``, or the
+    relative error allowed, e.g. ``±10%``); ok (``yes`` within the tolerance, ``NO`` outside).
+    """
     items = checks.checks if isinstance(checks, RunResult) else list(checks)
     return Table(
-        ["quantity", "rank", "predicted", "measured", "error", "unit"],
-        [[c.quantity, c.rank, c.predicted, c.measured, c.error, c.unit] for c in items],
+        ["quantity", "rank", "predicted", "measured", "error", "unit", "tolerance", "ok"],
+        [[c.quantity, "all" if c.rank is None else c.rank, c.predicted, c.measured, c.error, c.unit,
+          format_tolerance(c.tolerance), "yes" if c.ok else "NO"] for c in items],
     )
+
+
+def checks_verdict(checks: RunResult | Iterable[Check]) -> str:
+    """One line under a checks table, e.g. ``"26 checks: 26 within tolerance"`` or
+    ``"26 checks: 24 within tolerance, 2 outside (ok = NO)"``."""
+    items = checks.checks if isinstance(checks, RunResult) else list(checks)
+    bad = sum(not c.ok for c in items)
+    return (f"{len(items)} checks: {len(items) - bad} within tolerance"
+            + (f", {bad} outside (ok = NO)" if bad else ""))
+
+
+_UNIT_WORDS = {
+    "nats": "nats = loss in natural-log units (cross-entropy)",
+    "units": "units = FSDP units (groups of parameters gathered together)",
+    "collectives": "collectives = calls of all-gather, reduce-scatter, all-reduce",
+}
+
+
+def checks_legend(checks: RunResult | Iterable[Check]) -> str:
+    """A legend line for the jargon of a checks table: the units it uses that are not plain
+    (``nats``, ``units``, ``collectives``); ``""`` if there are none."""
+    items = checks.checks if isinstance(checks, RunResult) else list(checks)
+    used = sorted({c.unit for c in items} & set(_UNIT_WORDS))
+    return "; ".join(_UNIT_WORDS[u] for u in used)
 
 
 def ranks_table(result: RunResult, keys: Sequence[str]) -> Table:
@@ -165,3 +202,38 @@ def step_time_table(result: RunResult) -> Table:
                      len(ratios)])
     return Table(["strategy", "step time (s, median)", "ratio to DDP (median)", "ratio range",
                   "repeats"], rows)
+
+
+def step_time_summary(result: RunResult) -> str:
+    """One line on a ``step_time`` run: each FSDP variant's median step-time ratio to DDP,
+    e.g. ``"FSDP/DDP step time (median of 5 repeats): FULL_SHARD 1.32x, SHARD_GRAD_OP 1.18x"``."""
+    import statistics
+
+    rank0 = sorted(result.ranks, key=lambda r: r["rank"])[0]
+    names = [n for n in result.extra["variants"] if n != "DDP"]
+    parts = [f"{n} {statistics.median(rank0['ratio_to_ddp'][n]):.2f}x" for n in names]
+    repeats = len(rank0["ratio_to_ddp"]["DDP"])
+    return f"FSDP/DDP step time (median of {repeats} repeats): " + ", ".join(parts)
+
+
+def fit_table(result: RunResult) -> Table:
+    """The alpha-beta fit of a ``comm_bench`` run, one row per collective: latency alpha
+    (microseconds per ring step) and bandwidth beta (GB/s a rank sends), and the time the fit
+    predicts for the largest buffer measured beside the measured time. A collective without a
+    fit (noise left no growth with size) shows ``-``."""
+    from handbook_lib.comm import AlphaBeta
+
+    rows = []
+    for kind, fit in result.extra["fits"].items():
+        points = [m for m in result.extra["measurements"] if m["kind"] == kind]
+        top = max(points, key=lambda m: m["buffer_bytes"])
+        if fit is None:
+            rows.append([kind, "-", "-", format_bytes(top["buffer_bytes"], binary=True), "-",
+                         f"{top['seconds'] * 1e3:.3f}"])
+            continue
+        model = AlphaBeta(kind, result.world_size, fit["alpha_s"], fit["beta_bytes_per_s"])
+        rows.append([kind, f"{fit['alpha_s'] * 1e6:.1f}", f"{fit['beta_bytes_per_s'] / 1e9:.3f}",
+                     format_bytes(top["buffer_bytes"], binary=True),
+                     f"{model.predict_s(top['buffer_bytes']) * 1e3:.3f}", f"{top['seconds'] * 1e3:.3f}"])
+    return Table(["collective", "alpha (us)", "beta (GB/s)", "largest buffer", "fit (ms)",
+                  "measured (ms)"], rows)

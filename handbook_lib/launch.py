@@ -13,16 +13,22 @@ What it guarantees:
 - the rendezvous is on 127.0.0.1 with a port the OS picks, so runs never collide;
 - the result comes back parsed from ``result.json`` (a :class:`~handbook_lib.results.RunResult`);
 - a failing rank raises :class:`RunFailed` naming the rank that caused it, with its traceback;
-- a run past ``timeout_s`` (or interrupted) is stopped with every one of its processes, and
-  raises :class:`RunTimeout` showing where each rank was;
+- a run past ``timeout_s`` is stopped with every one of its processes, and raises
+  :class:`RunTimeout` showing where each rank was; Ctrl-C stops them too and raises
+  :class:`RunInterrupted` (a ``KeyboardInterrupt``) with a one-line message;
+- ``out`` is never shared or silently reused: a run claims its folder with a marker file and a
+  lock, refuses a folder holding anything else, and replaces an earlier run's files only with
+  ``overwrite=True``;
 - a run whose ``checks`` include one outside its own tolerance raises :class:`ChecksFailed`
   (the parsed result is attached): a model that disagrees with its measurement is a failure.
 """
 
 from __future__ import annotations
 
+import fcntl
 import importlib
 import json
+import math
 import os
 import re
 import selectors
@@ -33,6 +39,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -42,8 +49,8 @@ import psutil
 from handbook_lib.results import RunResult, load_result
 from handbook_lib.runs import available_runs
 
-__all__ = ["RunFailed", "RunTimeout", "ChecksFailed", "torchrun", "diagnose_failure", "RankFailure",
-           "describe_failed_checks"]
+__all__ = ["RunFailed", "RunTimeout", "ChecksFailed", "RunInterrupted", "torchrun", "diagnose_failure",
+           "RankFailure", "describe_failed_checks", "RUN_MARKER", "RUN_FILES"]
 
 _RANK_PREFIX = re.compile(r"^\[default(\d+)\]:")
 _PROGRESS = re.compile(r"\d+%\|")
@@ -53,6 +60,12 @@ _CONSEQUENTIAL = re.compile(
     re.IGNORECASE,
 )
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+RUN_MARKER = ".handbook-run"
+"""File a run writes into its ``out`` folder: it names the run, marks the folder as a run's, and is
+the lock (``fcntl.flock``) held for the whole run so two runs never share a folder."""
+RUN_FILES = ("result.json", "config.json", "ranks", "logs")
+"""What a run writes into its ``out`` folder (besides :data:`RUN_MARKER`); only these are removed
+when a run overwrites an earlier run's folder."""
 
 
 class RunFailed(RuntimeError):
@@ -80,6 +93,27 @@ class RunFailed(RuntimeError):
 
 class RunTimeout(RunFailed):
     """A run did not finish within its timeout; all its processes were killed."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A run stopped by Ctrl-C (SIGINT in the launching process); torchrun and its ranks were killed.
+
+    A :class:`KeyboardInterrupt` (so ``except Exception`` does not swallow a user's Ctrl-C), whose
+    message is one line, e.g. ``run 'fsdp_train' interrupted; torchrun and 2 ranks stopped``.
+    IPython and Jupyter show only that line (``_render_traceback_``), not the launcher's frames.
+
+    Attributes:
+        run: The run's name.
+        out_dir: The run's directory (whatever the ranks wrote before they were stopped).
+    """
+
+    def __init__(self, message: str, *, run: str, out_dir: Path) -> None:
+        super().__init__(message)
+        self.run = run
+        self.out_dir = out_dir
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
 
 
 class ChecksFailed(RunFailed):
@@ -118,7 +152,8 @@ class RankFailure:
     rank: int
     status: str
     """``ok``; ``error`` (raised a Python exception); ``stopped`` (killed by a signal, stacks
-    dumped); ``silent`` (died without a word: ``os._exit``, a segfault, SIGKILL, out of memory)."""
+    dumped); ``silent`` (died without a word: ``os._exit``, a segfault, SIGKILL, out of memory);
+    ``starting`` (never reached the run's code: still starting, or died while importing)."""
     summary: str
     traceback: str = ""
     consequential: bool = False
@@ -135,7 +170,13 @@ def _read_rank(ranks_dir: Path, rank: int) -> RankFailure:
         summary = f"{info['error_type']}: {info['message']}".strip()
         consequential = bool(info.get("distributed_error")) or bool(_CONSEQUENTIAL.search(summary))
         return RankFailure(rank, "error", summary, info.get("traceback", ""), consequential)
-    stacks = stacks_file.read_text() if stacks_file.exists() else ""
+    if not stacks_file.exists():  # the harness creates it first thing: this rank never got there
+        return RankFailure(
+            rank, "starting",
+            "ended before reaching the run's code (while Python started or imported torch and the "
+            "run's modules); its own output is under logs/",
+        )
+    stacks = stacks_file.read_text()
     if stacks.strip():
         return RankFailure(rank, "stopped", "stopped by a signal; its Python stacks follow", stacks)
     return RankFailure(
@@ -165,7 +206,8 @@ def diagnose_failure(out_dir: Path, world_size: int) -> tuple[RankFailure | None
     errors = sorted((s for s in states if s.status == "error"), key=when)
     for group in (
         [s for s in errors if not s.consequential],
-        [s for s in states if s.status == "silent"],
+        [s for s in states if s.status in ("silent", "starting")],
+        _hung(errors, states),
         errors,
         [s for s in states if s.status == "stopped"],
     ):
@@ -174,35 +216,130 @@ def diagnose_failure(out_dir: Path, world_size: int) -> tuple[RankFailure | None
     return None, states
 
 
-def _kill_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> int:
-    """Stop torchrun and all its ranks; return how many processes were signalled.
+_SELF_EXPLAINED = ("NonFiniteLoss:",)
+"""Errors whose message says all (which step, which rank, why): their traceback is kept on
+:attr:`RunFailed.rank_traceback` and in ``logs/``, not printed in the message."""
+_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+
+
+def _hung(errors: list[RankFailure], states: list[RankFailure]) -> list[RankFailure]:
+    """A rank that hung: others timed out waiting in a collective while it, still running, was
+    stopped. It is the cause, not the ranks that waited for it."""
+    if not errors or not all(e.consequential and _TIMED_OUT.search(e.summary) for e in errors):
+        return []
+    waited = errors[0]
+    first_line = waited.summary.splitlines()[0][:200]
+    stopped = [s for s in states if s.status == "stopped"]
+    # a rank stopped inside a collective was waiting too: blame first one stopped elsewhere
+    stopped.sort(key=lambda s: "torch/distributed" in _first_stack(s.traceback))
+    return [
+        dataclasses.replace(s, summary=(
+            f"hung: it never joined the collective that rank {waited.rank} waited in until it "
+            f"timed out ({first_line}); rank {s.rank} was still running when it was stopped, at:"))
+        for s in stopped
+    ]
+
+
+def _kill_tree(proc: subprocess.Popen, grace_s: float = 5.0, *, mentions: tuple[str, ...] = ()
+               ) -> tuple[int, int]:
+    """Stop torchrun and all its ranks; return ``(processes signalled, ranks among them)``.
 
     torchrun starts each rank in a session of its own, so signalling torchrun's process group is
-    not enough: the ranks are found by walking the process tree first. SIGTERM lets torchrun
-    stop its ranks (which dump their stacks); whatever survives ``grace_s`` gets SIGKILL.
+    not enough, and a rank it starts while the tree is walked would be missed (and orphaned once
+    torchrun dies). So torchrun is first frozen (SIGSTOP: it starts nothing more), then the tree
+    is walked again and again until no new process appears; every rank gets SIGTERM (it dumps
+    its stacks), whatever survives ``grace_s`` gets SIGKILL, and torchrun last. A final sweep
+    kills any process whose command line holds every string of ``mentions`` (this run's module
+    and output folder), should one have escaped the tree.
     """
     try:
-        tree = [psutil.Process(proc.pid)]
-        tree += tree[0].children(recursive=True)
+        agent: psutil.Process | None = psutil.Process(proc.pid)
+        agent.suspend()
     except psutil.NoSuchProcess:
-        tree = []
-    for p in tree:
+        agent = None
+    seen: dict[int, psutil.Process] = {}
+    ranks = 0
+    quiet_walks = 0
+    while agent is not None and quiet_walks < 3:  # three walks in a row without a new process
         try:
-            p.send_signal(signal.SIGTERM)
+            children = agent.children(recursive=True)
+            direct = {p.pid for p in agent.children()}
         except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(tree, timeout=grace_s)
+            break
+        fresh = [p for p in children if p.pid not in seen]
+        for p in fresh:
+            seen[p.pid] = p
+            ranks += p.pid in direct
+            try:
+                p.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+        quiet_walks = 0 if fresh else quiet_walks + 1
+        time.sleep(0.02)
+    alive = _wait_gone(list(seen.values()), grace_s)
     for p in alive:
         try:
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(alive, timeout=grace_s)
+    _wait_gone(alive, grace_s)
+    if agent is not None:
+        try:
+            agent.kill()  # SIGKILL ends a stopped process too
+        except psutil.NoSuchProcess:
+            pass
     try:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
         pass
-    return len(tree)
+    if mentions:
+        escaped = _processes_mentioning(mentions, exclude=set(seen) | {proc.pid})
+        for p in escaped:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        _wait_gone(escaped, grace_s)
+        seen.update({p.pid: p for p in escaped})
+    return len(seen) + (agent is not None), ranks
+
+
+def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Wait up to ``timeout_s`` seconds for processes to end; return those still running.
+
+    A zombie counts as ended: the ranks' parent (torchrun, frozen) cannot reap them yet, and
+    ``psutil.wait_procs`` would wait the whole timeout for them.
+    """
+    deadline = time.monotonic() + timeout_s
+    alive = list(procs)
+    while True:
+        still = []
+        for p in alive:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    still.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        alive = still
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.02)
+
+
+def _processes_mentioning(mentions: tuple[str, ...], exclude: set[int]) -> list[psutil.Process]:
+    """Live processes (not this one or its ancestors) whose command line holds every string."""
+    mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.pid in mine or p.pid in exclude or p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            line = " ".join(p.info["cmdline"] or [])
+            if all(m in line for m in mentions):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
 
 
 class _Streamer:
@@ -254,19 +391,105 @@ class _Streamer:
         self._write(line + "\n")
 
 
-def _prepare_out_dir(run: str, out: str | os.PathLike[str] | None) -> Path:
+_OUT_ACCEPTS = "accepted: a new or empty folder, or a run's (overwrite=True, --overwrite)"
+
+
+class _OutDir:
+    """A run's output folder, claimed: its marker written and its lock held until :meth:`release`."""
+
+    def __init__(self, path: Path, lock_fd: int) -> None:
+        self.path = path
+        self._fd: int | None = lock_fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the flock
+            self._fd = None
+
+
+def _marked_run(marker: Path) -> str:
+    """The run named in a marker file (``"?"`` when it cannot be read)."""
+    try:
+        return str(json.loads(marker.read_text()).get("run", "?"))
+    except (OSError, ValueError, AttributeError):
+        return "?"
+
+
+def _prepare_out_dir(run: str, out: str | os.PathLike[str] | None, overwrite: bool = False) -> _OutDir:
+    """Create or claim the folder a run writes into, and lock it for the whole run.
+
+    A folder is accepted when it does not exist yet, is empty, or carries :data:`RUN_MARKER`
+    (an earlier run's folder: only with ``overwrite``, and then only :data:`RUN_FILES` are
+    removed). A folder locked by a running run is refused at once. Nothing is created or removed
+    in a folder that is refused.
+
+    Raises:
+        ValueError: one line naming ``out`` (``--out``) and what is accepted.
+    """
     if out is None:
-        return Path(tempfile.mkdtemp(prefix=f"handbook-{run}-"))
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # A previous run's files must never be taken for this run's.
-    for stale in ("result.json", "ranks", "logs"):
-        target = out_dir / stale
-        if target.is_dir():
-            shutil.rmtree(target)
-        elif target.exists():
-            target.unlink()
-    return out_dir
+        out_dir = Path(tempfile.mkdtemp(prefix=f"handbook-{run}-"))
+    else:
+        if not isinstance(out, (str, os.PathLike)) or not str(out).strip():
+            raise ValueError(f"out (--out) must be a folder path, got {out!r}")
+        out_dir = Path(out)
+        if out_dir.exists() and not out_dir.is_dir():
+            raise ValueError(f"out (--out) {str(out_dir)!r} is a file, not a folder; {_OUT_ACCEPTS}")
+        marker = out_dir / RUN_MARKER
+        if out_dir.is_dir() and not marker.is_file() and any(out_dir.iterdir()):
+            raise ValueError(f"out (--out) {str(out_dir)!r} is not empty and no run wrote it; {_OUT_ACCEPTS}")
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"out (--out) {str(out_dir)!r} cannot be created: {err.strerror or err}") from None
+    marker = out_dir / RUN_MARKER
+    try:
+        fd = os.open(marker, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        raise ValueError(f"out (--out) {str(out_dir)!r} cannot be written: {err.strerror or err}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(f"out (--out) {str(out_dir)!r} is in use by another run (run "
+                         f"{_marked_run(marker)!r} holds its lock): give each run its own folder") from None
+    claimed = _OutDir(out_dir, fd)
+    try:
+        earlier = [name for name in RUN_FILES if (out_dir / name).exists()]
+        if earlier and not overwrite:
+            raise ValueError(f"out (--out) {str(out_dir)!r} holds the files of an earlier run "
+                             f"{_marked_run(marker)!r} ({', '.join(earlier)}); pass overwrite=True "
+                             f"(--overwrite) to replace them")
+        for name in earlier:  # only what a run writes: a user's own files are never touched
+            target = out_dir / name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            else:
+                target.unlink()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps({"run": run, "pid": os.getpid(), "started": time.time()}) + "\n").encode(), 0)
+    except BaseException:
+        claimed.release()
+        raise
+    return claimed
+
+
+def _check_call(config: Any, timeout_s: Any, env: Any, overwrite: Any) -> None:
+    """Reject arguments of the wrong type before anything is created or started."""
+    if config is not None and not isinstance(config, dict):
+        raise ValueError(f"config must be a dict of key -> value (e.g. {{'mode': 'none'}}), got "
+                         f"{type(config).__name__} {config!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+            or not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise ValueError(f"timeout_s (--timeout) must be a finite number of seconds > 0, got {timeout_s!r}")
+    if env is not None:
+        if not isinstance(env, dict):
+            raise ValueError(f"env must be a dict of str -> str, got {type(env).__name__}")
+        bad = {k: v for k, v in env.items() if not (isinstance(k, str) and isinstance(v, str))}
+        if bad:
+            raise ValueError(f"env must map str to str (environment variables are text); not: "
+                             f"{', '.join(f'{k!r}: {v!r}' for k, v in bad.items())}")
+    if not isinstance(overwrite, bool):
+        raise ValueError(f"overwrite must be True or False, got {overwrite!r}")
 
 
 def torchrun(
@@ -279,6 +502,7 @@ def torchrun(
     stream: bool = True,
     env: dict[str, str] | None = None,
     allow_failed_checks: bool = False,
+    overwrite: bool = False,
 ) -> RunResult:
     """Run ``handbook_lib.runs.<run>`` on ``nproc`` processes and return its parsed result.
 
@@ -287,36 +511,52 @@ def torchrun(
         nproc: Number of processes (ranks). With GPUs, at most one per visible GPU.
         config: Config keys for the run; unknown keys or bad values raise before anything starts.
         out: Directory for ``result.json``, the rank logs and states; a fresh temporary directory
-            if ``None``. Files of an earlier run there are removed first.
-        timeout_s: Seconds the whole run may take before all its processes are killed.
+            if ``None``. It must not exist yet, be empty, or be an earlier run's folder (it holds
+            the :data:`RUN_MARKER` file) — the last only with ``overwrite``. A folder holding
+            other files is refused, and no file a run did not write is ever removed. The folder
+            is locked for the whole run: a second run given it at the same time is refused.
+        timeout_s: Seconds the whole run may take before all its processes are killed (finite).
         stream: Print the ranks' output live (prefixed ``[rankR]``).
         env: Extra environment variables for the ranks.
         allow_failed_checks: Return the result even if a check is outside its tolerance (for
             code that studies a failing model); by default that raises :class:`ChecksFailed`.
+        overwrite: Reuse an earlier run's ``out`` folder: its ``result.json``, ``config.json``,
+            ``ranks/`` and ``logs/`` are removed first (nothing else is).
 
     Returns:
         The run's ``result.json``, parsed.
 
     Raises:
-        ValueError: for an unknown run, a bad ``nproc`` or a config the run rejects.
+        ValueError: for an unknown run, a bad ``nproc``, ``timeout_s``, ``env`` or ``out``, or a
+            config the run rejects (all before any file is written or process started).
         RunFailed: if a rank failed; the message names the rank and carries its traceback.
         RunTimeout: if the run took longer than ``timeout_s``.
         ChecksFailed: if a check is outside its tolerance (unless ``allow_failed_checks``).
+        RunInterrupted: on Ctrl-C (a :class:`KeyboardInterrupt`), once torchrun and every rank
+            are stopped; its message is one line.
     """
     runs = available_runs()
     if run not in runs:
         raise ValueError(f"unknown run {run!r}; available runs: {', '.join(runs)}")
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be an int >= 1, got {nproc!r}")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    _check_call(config, timeout_s, env, overwrite)
     module = importlib.import_module(f"handbook_lib.runs.{run}")
     cfg = module.CONFIG.from_mapping(config)
     if hasattr(module, "validate"):
         module.validate(cfg, nproc)
     _check_gpus(nproc)
 
-    out_dir = _prepare_out_dir(run, out)
+    claimed = _prepare_out_dir(run, out, overwrite)
+    try:
+        return _launch(run, nproc, cfg, claimed.path, timeout_s, stream, env, allow_failed_checks)
+    finally:
+        claimed.release()
+
+
+def _launch(run: str, nproc: int, cfg: Any, out_dir: Path, timeout_s: float, stream: bool,
+            env: dict[str, str] | None, allow_failed_checks: bool) -> RunResult:
+    """:func:`torchrun` once its arguments are checked and ``out_dir`` is claimed."""
     config_path = out_dir / "config.json"
     config_path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     deadline = time.time() + timeout_s
@@ -342,15 +582,21 @@ def torchrun(
                             stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
     timed_out = False
     killed = 0
+    mentions = (f"handbook_lib.runs.{run}", str(out_dir))
     try:
         timed_out = not _pump(proc, streamer, deadline)
-    except BaseException:  # KeyboardInterrupt in a notebook: leave nothing behind
-        _kill_tree(proc)
+    except KeyboardInterrupt:  # Ctrl-C in a notebook or a terminal: leave nothing behind
+        _, ranks = _kill_tree(proc, mentions=mentions)
+        streamer.close()
+        raise RunInterrupted(f"run {run!r} interrupted; torchrun and {ranks} rank{'s' * (ranks != 1)} "
+                             f"stopped", run=run, out_dir=out_dir) from None
+    except BaseException:
+        _kill_tree(proc, mentions=mentions)
         streamer.close()
         raise
     finally:
         if timed_out:
-            killed = _kill_tree(proc)
+            killed, _ = _kill_tree(proc, mentions=mentions)
         _drain(proc, streamer)
         streamer.close()
         if proc.stdout:
@@ -361,10 +607,8 @@ def torchrun(
     if timed_out:
         _, states = diagnose_failure(out_dir, nproc)
         lines = [f"run {run!r} did not finish within {timeout_s:g} s and was stopped "
-                 f"({killed} processes killed). Where each rank was:"]
-        for s in states:
-            where = _first_stack(s.traceback) if s.status == "stopped" else s.summary
-            lines.append(f"--- rank {s.rank}:\n{where}")
+                 f"({killed} process{'es' * (killed != 1)} killed). Where each rank was:"]
+        lines += _where_ranks_were(states)
         raise RunTimeout("\n".join(lines), rank=None, rank_traceback="", **common)
     if proc.returncode != 0:
         cause, states = diagnose_failure(out_dir, nproc)
@@ -374,7 +618,9 @@ def torchrun(
                             f"rank reported; last output:\n{tail}", rank=None, rank_traceback="",
                             **common)
         message = f"run {run!r} failed: rank {cause.rank} {_verb(cause)}{cause.summary}"
-        if cause.traceback:
+        if cause.status == "stopped":
+            message += f"\n{_first_stack(cause.traceback)}"
+        elif cause.traceback and not cause.summary.startswith(_SELF_EXPLAINED):
             message += f"\n\n--- traceback of rank {cause.rank} ---\n{cause.traceback.rstrip()}"
         for s in states:
             if s.rank == cause.rank or s.status == "ok":
@@ -397,6 +643,41 @@ def torchrun(
             f"checks are outside their tolerance:\n{describe_failed_checks(result)}",
             result=result, **common)
     return result
+
+
+def _where_ranks_were(states: list[RankFailure]) -> list[str]:
+    """Timeout report lines: each stopped rank's stack; ranks in any other state grouped."""
+    lines: list[str] = []
+    others: dict[str, list[int]] = {}
+    for s in states:
+        if s.status == "stopped":
+            lines.append(f"--- rank {s.rank}:\n{_first_stack(s.traceback)}")
+        else:
+            summary = s.summary
+            if s.status == "starting":
+                summary = ("still starting (Python start-up or importing torch): it had not reached "
+                           "the run's code when the run was stopped")
+            elif s.status == "silent":
+                summary = "stopped before it could dump its stacks (killed while unresponsive)"
+            others.setdefault(summary, []).append(s.rank)
+    for summary, ranks in others.items():
+        label = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranges(ranks)}"
+        lines.append(f"--- {label}: {summary}")
+    return lines
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    parts: list[str] = []
+    start = prev = ranks[0]
+    for r in [*ranks[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ", ".join(parts)
 
 
 def _verb(state: RankFailure) -> str:

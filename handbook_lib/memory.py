@@ -275,7 +275,8 @@ def estimate_memory(
             (must divide ``world_size``); the others use ``world_size`` (or 1 for DDP/NO_SHARD).
         rank: Which rank (matters only for uneven shards).
         activation_checkpointing: Recompute each layer's activations in backward.
-        cpu_offload: Keep sharded parameters, gradients and optimizer states in host memory.
+        cpu_offload: Keep sharded parameters, gradients and optimizer states in host memory
+            (FSDP strategies only: refused with ``NONE`` and ``DDP``, as ``fsdp_train`` does).
         reduce_dtype: Gradient-reduction dtype, overriding the precision's (e.g. ``bf16``).
         units: The FSDP units, root first (default: one per layer, :func:`fsdp_units`; see
             :func:`handbook_lib.sharding.wrap_units` for the other wrapping policies). Only for
@@ -303,6 +304,9 @@ def estimate_memory(
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if cpu_offload and strategy in ("NONE", "DDP"):
+        raise ValueError(f"cpu_offload needs an FSDP strategy (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, "
+                         f"HYBRID_*): {strategy} keeps the whole model state on the device")
     k = optimizer_states(optimizer)
     for name, value in (("micro_batch", micro_batch), ("seq_len", seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:

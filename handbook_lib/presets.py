@@ -80,6 +80,20 @@ class DecoderShape:
         """All parameters: ``num_layers · layer_params + root_params``."""
         return self.num_layers * self.layer_params + self.root_params
 
+    def param_breakdown(self) -> dict[str, int]:
+        """Parameters (elements) by component, summing to :attr:`num_params`: ``embedding``,
+        ``position_embedding`` (learned positions only), ``layers`` (all of them), ``head``
+        (an untied output head only) and ``final_norm``."""
+        d = self.d_model
+        parts = {"embedding": self.vocab_size * d}
+        if self.max_positions:
+            parts["position_embedding"] = self.max_positions * d
+        parts["layers"] = self.num_layers * self.layer_params
+        if not self.tied_embeddings:
+            parts["head"] = self.vocab_size * d
+        parts["final_norm"] = d * (2 if self.bias else 1)
+        return parts
+
 
 _LLAMA2 = "Touvron et al. 2023, Llama 2 paper, Table 1 and the released configs"
 DECODER_SHAPES: dict[str, DecoderShape] = {

@@ -30,11 +30,19 @@ from handbook_lib.memory import (
 )
 from handbook_lib.presets import DecoderShape, get_shape
 
-__all__ = ["Option", "Plan", "plan", "seed_recommendation", "OFFLOAD_LINK"]
+__all__ = ["Option", "Plan", "plan", "seed_recommendation", "OFFLOAD_LINK", "PHASE_WORDS"]
 
 OFFLOAD_LINK = "pcie4"
 """Host link the CPU-offload option moves sharded parameters and gradients over."""
 _ORDER = ("DDP", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
+PHASE_WORDS = {
+    "loss_backward": "in the loss's backward",
+    "backward_start": "as backward starts",
+    "layer_backward": "in the last layer's backward",
+    "root_reduce": "at the end of backward",
+    "layer_recompute": "while a layer is recomputed",
+}
+"""When each phase of :func:`~handbook_lib.memory.estimate_memory` happens, in plain words."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,8 @@ class Option:
     peak_phase: str = ""
     activation_bytes: int = 0
     model_state_bytes: int = 0
+    host_bytes: int = 0
+    """Host (CPU) memory per GPU the option needs for what it offloads, bytes (0: none)."""
 
 
 @dataclass(frozen=True)
@@ -127,8 +137,9 @@ def plan(
         utilization: Fraction of the bf16 peak that compute achieves.
 
     Raises:
-        ValueError: for unknown presets, ``gpus < 1``, ``micro_batch``/``seq_len`` < 1, or a
-            headroom outside [0, 1).
+        ValueError: for unknown presets or precision, ``gpus < 1``, ``gpus_per_node < 1`` or
+            ``gpus`` more than one node and not a whole number of nodes, ``micro_batch``/``seq_len``
+            < 1, or a headroom outside [0, 1).
     """
     shape = get_shape(model) if isinstance(model, str) else model
     if isinstance(shape, ModelConfig):
@@ -138,9 +149,15 @@ def plan(
     acc = get_accelerator(gpu) if isinstance(gpu, str) else gpu
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be an int >= 1, got {gpus!r}")
+    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node must be an int >= 1, got {gpus_per_node!r}")
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        raise ValueError(f"gpus={gpus} is not a whole number of nodes of gpus_per_node={gpus_per_node}")
+    if precision not in PRECISION_DTYPES:
+        raise ValueError(f"precision must be one of {', '.join(PRECISION_DTYPES)}, got {precision!r}")
     if micro_batch < 1 or seq_len < 1:
         raise ValueError(f"micro_batch and seq_len must be >= 1, got {micro_batch}, {seq_len}")
-    if not 0 <= headroom < 1:
+    if not 0 <= headroom < 1:  # also refuses NaN
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
     intra = _default_intra(acc) if intra_link is None else intra_link
     intra = get_link(intra) if isinstance(intra, str) else intra
@@ -173,7 +190,7 @@ def plan(
             comm, step = comm + extra, step + extra
         return Option(name, strategy, n, ac, offload, group, mem.peak, mem.peak <= budget, comm,
                       compute, step, "communication" if comm > compute else "compute",
-                      mem.peak_phase, mem.components["activations"], mem.model_state)
+                      mem.peak_phase, mem.components["activations"], mem.model_state, mem.host)
 
     options = []
     for strategy in _ORDER:
@@ -195,7 +212,7 @@ def plan(
     if recommended is None:
         bigger = [o for o in options if o.fits]
         recommended = bigger[0] if bigger else None
-    reasons = _reasons(options, recommended, acc, budget, gpus)
+    reasons = _reasons(options, recommended, acc, budget, gpus, gpus_per_node)
     return Plan(name, num_params, acc.name, gpus, options, recommended, reasons,
                 seed_recommendation(num_params, acc.memory_bytes, gpus))
 
@@ -210,7 +227,7 @@ def _default_intra(acc: Accelerator) -> str:
 
 
 def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, budget: float,
-             gpus: int) -> list[str]:
+             gpus: int, gpus_per_node: int) -> list[str]:
     reasons = []
     by_name = {o.name: o for o in options}
     for name in ("DDP", "SHARD_GRAD_OP", "FULL_SHARD"):
@@ -228,7 +245,13 @@ def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, bud
         return reasons
     faster = [o for o in options if o.gpus == gpus and o.fits and o is not chosen]
     reasons.append(f"Recommended: {chosen.name} on {chosen.gpus} GPUs — peak {_gb(chosen.peak_bytes)} "
-                   f"per GPU ({chosen.peak_phase}), step {chosen.step_s:.3f} s, {chosen.bound}-bound.")
+                   f"per GPU {PHASE_WORDS.get(chosen.peak_phase, chosen.peak_phase)}, step "
+                   f"{chosen.step_s:.3f} s, {chosen.bound}-bound.")
+    if chosen.cpu_offload:
+        per_node = min(gpus_per_node, chosen.gpus)
+        node = f" ({_gb(chosen.host_bytes * per_node)} per node of {per_node} GPUs)" if per_node > 1 else ""
+        reasons.append(f"CPU offload needs {_gb(chosen.host_bytes)} of host RAM per GPU{node} for the "
+                       "offloaded parameters, gradients and optimizer state: check the machine has it.")
     if chosen.gpus > gpus:
         reasons.append(f"Nothing fits on {gpus} GPUs; {chosen.gpus} are the fewest that do.")
     plain = by_name.get(chosen.strategy)

@@ -12,6 +12,7 @@ and falls within a few steps.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import time
@@ -60,7 +61,33 @@ __all__ = [
     "train_step",
     "train",
     "shard_group",
+    "NonFiniteLoss",
+    "check_loss_finite",
 ]
+
+class NonFiniteLoss(FloatingPointError):
+    """The loss became NaN or infinite: training diverged. The message names the step and rank."""
+
+
+def check_loss_finite(loss: float, step: int | None = None, rank: int | None = None) -> None:
+    """Raise :class:`NonFiniteLoss` if ``loss`` (nats per token) is NaN or infinite.
+
+    Args:
+        loss: This rank's loss of one step.
+        step: The optimizer step it belongs to (1-based), named in the message if given.
+        rank: This rank (default: the process group's rank, else 0).
+
+    Raises:
+        NonFiniteLoss: e.g. ``loss is nan at step 3 on rank 1: training diverged (lr too large? ...)``.
+    """
+    if math.isfinite(loss):
+        return
+    if rank is None:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    where = f" at step {step}" if step is not None else ""
+    raise NonFiniteLoss(f"loss is {loss}{where} on rank {rank}: training diverged (lr too large? fp16 "
+                        f"without a gradient scaler?)")
+
 
 FSDP2_STRATEGIES: dict[str, bool] = {
     "FULL_SHARD": True,
@@ -420,6 +447,7 @@ def train_step(
     *,
     scaler: torch.amp.GradScaler | None = None,
     after_backward: Callable[[nn.Module], None] | None = None,
+    step: int | None = None,
 ) -> torch.Tensor:
     """One step: forward, next-token cross-entropy, backward, optimizer step. Returns the loss.
 
@@ -427,6 +455,11 @@ def train_step(
     state at rest, as the memory model of chapter 2 assumes. With a ``scaler`` (fp16), the
     backward pass runs on the scaled loss and the scaler unscales, checks and steps.
     ``after_backward(model)`` is called between backward and the optimizer step.
+
+    Raises:
+        NonFiniteLoss: if this rank's loss is NaN or infinite (checked once the step's
+            collectives are done, so the other ranks are not left waiting in one); ``step``
+            (1-based) is named in the message.
     """
     logits = model(inputs)
     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
@@ -442,7 +475,9 @@ def train_step(
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=False)
-    return loss.detach()
+    loss = loss.detach()
+    check_loss_finite(loss.item(), step)
+    return loss
 
 
 def train(
@@ -465,6 +500,10 @@ def train(
     state exists) the last step runs under a :class:`StepMemoryTracker` and/or a
     :class:`CollectiveCounter`; its time is not in ``step_time_s``. ``scaler`` is a gradient
     scaler for fp16 (see :func:`build_grad_scaler`).
+
+    Raises:
+        NonFiniteLoss: as soon as a rank's loss is NaN or infinite, naming the step and the rank
+            (the launcher then reports that rank as the cause of the failed run).
     """
     losses: list[float] = []
     times: list[float] = []
@@ -495,11 +534,12 @@ def train(
                 for mode in (tracker, counter):
                     if mode is not None:
                         stack.enter_context(mode)
-                loss = train_step(model, optimizer, inputs, targets, tracker, scaler=scaler)
+                loss = train_step(model, optimizer, inputs, targets, tracker, scaler=scaler, step=step + 1)
             memory = tracker.result if tracker else None
             collectives = counter.calls if counter else None
         else:
-            loss = train_step(model, optimizer, inputs, targets, scaler=scaler, after_backward=inspect)
+            loss = train_step(model, optimizer, inputs, targets, scaler=scaler, after_backward=inspect,
+                              step=step + 1)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         if not tracked:

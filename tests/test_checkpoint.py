@@ -183,7 +183,7 @@ def test_pointer_is_replaced_atomically(tmp_path, monkeypatch):
     ("truncate_shard", r"__0_0\.distcp has \d+ bytes, the manifest says \d+"),
     ("delete_metadata", r"file \.metadata is missing"),
     ("garble_manifest", r"checkpoint\.json is unreadable"),
-    ("zero_shard", r"cannot load checkpoint"),
+    ("zero_shard", r"__0_0\.distcp does not match its sha256 checksum"),  # size unchanged: the checksum tells
     ("dangling_pointer", r"points to 'step_000009', which does not exist"),
 ])
 def test_damaged_checkpoint_raises_a_clear_error(tmp_path, damage, message):
@@ -196,7 +196,7 @@ def test_damaged_checkpoint_raises_a_clear_error(tmp_path, damage, message):
         (path / ".metadata").unlink()
     elif damage == "garble_manifest":
         (path / MANIFEST).write_text('{"schema": ')
-    elif damage == "zero_shard":  # same size, content destroyed: only the load can tell
+    elif damage == "zero_shard":  # same size, content destroyed: only the checksum can tell
         shard.write_bytes(bytes(shard.stat().st_size))
     elif damage == "dangling_pointer":
         (tmp_path / LATEST).write_text("step_000009\n")
@@ -211,7 +211,9 @@ def test_no_checkpoint_and_a_wrong_model_are_clear_errors(tmp_path):
     model, opt = _trained()
     save_checkpoint(tmp_path, 1, model, opt)
     other = build_model(ModelConfig(vocab_size=103, d_model=16, nhead=2, dim_feedforward=24, num_layers=2))
-    with pytest.raises(CheckpointError, match="cannot load checkpoint"):
+    with pytest.raises(CheckpointError, match=r"another model's tensors .*nothing was loaded\. shapes differ \(3\): "
+                                              r"embedding\.weight saved \(101, 16\), model \(103, 16\), "
+                                              r"output\.weight saved .*output\.bias saved \(101,\), model \(103,\)$"):
         load_checkpoint(tmp_path, other)
 
 

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from handbook_lib.cli import main
 from handbook_lib.runs import available_runs
 
@@ -31,7 +33,7 @@ def test_run_writes_result_json_single_rank(tmp_path, capsys):
 
 def test_module_entry_point_lists_runs():
     done = subprocess.run([sys.executable, "-m", "handbook_lib", "runs"], capture_output=True, text=True, check=True)
-    listed = [line.split()[0] for line in done.stdout.splitlines()]
+    listed = [line.split()[0] for line in done.stdout.splitlines() if not line.startswith(" ")]  # not wrapped lines
     assert listed == available_runs()  # every run module, sorted
     assert {"checkpoint_resume", "comm_bench", "fault", "fsdp_train", "step_time"} <= set(listed)
 
@@ -87,4 +89,128 @@ def test_run_exits_1_on_a_failed_check_that_is_not_bytes(tmp_path, capsys):
     assert "1 of 1 checks are outside their tolerance" in captured.err
     assert "ranks_counted (rank 0): predicted 2, measured 1.0 ranks" in captured.err
     assert "ranks_counted" in captured.out  # the checks table is printed too
+    assert "1 checks: 0 within tolerance, 1 outside (ok = NO)" in captured.out  # with a verdict
     assert (tmp_path / "result.json").exists()  # the result is kept for inspection
+
+
+WIDE_OUTPUTS = [
+    ["runs"],
+    ["run", "--help"],
+    ["memory", "--help"],
+    ["plan", "--help"],
+    ["params"],
+    ["params", "--model", "llama2-70b"],
+    ["memory"],
+    ["memory", "--model", "13b", "--world-size", "16", "--micro-batch", "1", "--seq-len", "4096",
+     "--activation-checkpointing"],
+    ["memory", "--params", "7e9", "--strategy", "HYBRID_SHARD", "--shard-group-size", "4", "--cpu-offload"],
+    ["comm", "--model", "70b", "--gpu", "h100-80gb", "--tokens", "4096"],
+    ["comm", "--params", "7e9", "--world-size", "16", "--strategy", "HYBRID_SHARD", "--shard-group-size", "8"],
+    ["plan", "--model", "gpt3-175b", "--gpu", "h100-80gb", "--gpus", "1"],
+    ["plan", "--model", "llama2-70b", "--gpu", "h200-141gb", "--gpus", "16", "--seq-len", "4096"],
+    ["plan", "--model", "llama2-13b", "--gpu", "a100-40gb", "--gpus", "8", "--seq-len", "4096"],
+]
+
+
+@pytest.mark.parametrize("argv", WIDE_OUTPUTS, ids=lambda a: "-".join(a[:3]))
+def test_every_command_fits_100_columns(argv, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")  # argparse wraps --help to the terminal's width
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.strip()
+    widest = max(out.splitlines(), key=len)
+    assert len(widest) <= 100, widest
+
+
+def test_runs_and_run_help_answer_fast_without_torch():
+    import time
+
+    code = ("import sys; from handbook_lib.cli import main; main(['runs']); main(['run', '--help'])\n"
+            "print('torch imported:', 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.rstrip().endswith("torch imported: False")
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "handbook_lib", "runs"], capture_output=True, check=True)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_run_help_lists_the_runs_and_the_config_keys(capsys):
+    assert main(["run", "--help"]) == 0
+    out = capsys.readouterr().out
+    for name in available_runs():
+        assert f"\n  {name} " in out
+    for text in ("strategy: NONE | DDP | NO_SHARD", "precision: fp32 | bf16-mixed | fp16-mixed",
+                 "api: fsdp2 | fsdp1", "steps=5", "num_layers=6", "variants=DDP,FULL_SHARD,SHARD_GRAD_OP",
+                 "min_bytes=4096", "mode: raise | exit | hang | sleep | bad_check | none", "resume=False"):
+        assert text in out, text
+
+
+def test_params_of_a_preset(capsys):
+    assert main(["params", "--model", "llama2-7b"]) == 0
+    out = capsys.readouterr().out
+    assert "model: Llama-2 7B, 6,738,415,616 parameters" in out
+    assert "total  6,738,415,616" in out and "layers  6,476,267,520" in out
+    from handbook_lib.presets import DECODER_SHAPES
+
+    for shape in DECODER_SHAPES.values():  # the breakdown adds up, for tied and untied heads alike
+        assert sum(shape.param_breakdown().values()) == shape.num_params
+
+
+def test_planning_commands_name_the_model_and_their_assumptions(capsys):
+    assert main(["memory"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model: the handbook's model, 9,868,560 parameters")
+    assert "assumes: FULL_SHARD on 8 ranks, bf16-mixed, optimizer adamw; no activations" in out
+    assert "(runs default to fp32: add --precision fp32" in out
+    assert "peak = the step's largest phase; root_reduce = end of backward" in out
+    assert main(["comm", "--model", "13b", "--world-size", "16", "--strategy", "HYBRID_SHARD",
+                 "--shard-group-size", "8", "--precision", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model: Llama-2 13B, 13,015,864,320 parameters (--model 13b)")
+    assert "assumes: HYBRID_SHARD on 16 ranks (shard groups of 8), fp32, optimizer any" in out
+    assert main(["plan", "--model", "llama2-7b", "--gpu", "h100-80gb", "--gpus", "8"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # lines are wrapped at 100 columns
+    assert "assumes: 8 x NVIDIA H100 SXM 80GB (8 per node" in out and "optimizer adamw" in out
+    assert "AC = activation checkpointing" in out
+
+
+def test_plan_names_the_host_memory_offload_needs(capsys):
+    from handbook_lib.memory import estimate_memory
+    from handbook_lib.presets import get_shape
+
+    assert main(["plan", "--model", "gpt3-175b", "--gpu", "h100-80gb", "--gpus", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    chosen = data["recommended"]
+    assert chosen["cpu_offload"] and chosen["gpus"] == 1
+    host = estimate_memory(get_shape("gpt3-175b"), 1, "FULL_SHARD", "bf16-mixed", micro_batch=1, seq_len=2048,
+                           activation_checkpointing=True, cpu_offload=True).host
+    assert chosen["host_bytes"] == host == 16 * 174_604_259_328  # fp32 params, grads, Adam's 2 states
+    assert any(r.startswith(f"CPU offload needs {host / 1e9:.1f} GB of host RAM per GPU") for r in data["reasons"])
+    assert main(["plan", "--model", "gpt3-175b", "--gpu", "h100-80gb", "--gpus", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "host/GPU" in out and "2.79 TB" in out and "CPU offload needs 2793.7 GB of host RAM" in out
+
+
+def test_bad_inputs_get_one_line_naming_the_flag(capsys):
+    """A sample (the full table is tests/test_bad_inputs.py): the flag the user typed, not a key."""
+    assert main(["memory", "--params", "inf"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: argument --params: must be a whole number of parameters from 1 to 1e15 (e.g. 7e9)")
+    assert main(["plan", "--model", "7b", "--gpu", "h100-80gb", "--gpus", "16", "--gpus-per-node", "3"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "error: --gpus 16 is not a whole number of nodes of --gpus-per-node 3")
+    assert main(["memory", "--shard-group-size", "3", "--strategy", "FULL_SHARD", "--world-size", "6"]) == 2
+    assert "--shard-group-size applies to the HYBRID strategies" in capsys.readouterr().err
+    assert main(["memory", "--params", "7e9", "--micro-batch", "1", "--seq-len", "4096"]) == 2
+    assert "--params is only a count: use --model" in capsys.readouterr().err
+
+
+def test_ctrl_c_during_a_run_is_one_line(monkeypatch, capsys):
+    import handbook_lib.cli as cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "torchrun", interrupted)
+    assert main(["run", "fault", "--quiet"]) == 130
+    assert capsys.readouterr().err == "error: run 'fault' interrupted; torchrun and its ranks were stopped\n"

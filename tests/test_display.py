@@ -69,3 +69,61 @@ def test_run_summary_lists_losses_and_failed_checks():
     assert run_summary(result) == "losses: 2.0000 1.2346\n0 checks, 0 failed"
     result.checks.append(Check("peak_bytes", 0, 100, 120, "bytes", 0.1))
     assert run_summary(result).endswith("1 checks, 1 failed\n  failed: peak_bytes rank 0: predicted 100, measured 120")
+
+
+def test_checks_table_shows_tolerance_and_verdict():
+    from handbook_lib.display import checks_legend, checks_verdict, format_tolerance
+
+    checks = [Check("param_shard_bytes", 0, 10, 10, "bytes"), Check("peak_bytes", 1, 100, 120, "bytes", 0.1),
+              Check("loss_FULL_SHARD_vs_DDP", None, 9.35, 9.35, "nats", 1e-5)]
+    table = checks_table(checks)
+    assert list(table.columns) == ["quantity", "rank", "predicted", "measured", "error", "unit", "tolerance", "ok"]
+    assert [row[6:] for row in table.rows] == [["exact", "yes"], ["±10%", "NO"], ["±0.001%", "yes"]]
+    assert table.rows[2][1] == "all"  # a quantity of the whole job
+    assert format_tolerance(0.05) == "±5%"
+    assert checks_verdict(checks) == "3 checks: 2 within tolerance, 1 outside (ok = NO)"
+    assert checks_verdict(checks[:1]) == "1 checks: 1 within tolerance"
+    assert checks_legend(checks) == "nats = loss in natural-log units (cross-entropy)"
+    assert checks_legend(checks[:2]) == ""
+
+
+def test_checks_table_fits_100_columns_for_the_longest_quantities():
+    # fsdp_train's longest quantity names and units, with byte counts beyond the default model's
+    # (9.9M parameters: 158 MB of model state on one rank, peak about 250 MB)
+    checks = [Check("reduce_scatter_buffer_bytes", 3, 157_896_960, 157_896_960, "bytes"),
+              Check("optimizer_state_bytes", 3, 315_793_920, 315_793_921, "bytes"),
+              Check("peak_bytes", 3, 999_123_456, 998_012_345, "bytes", 0.1),
+              Check("reduce_scatter_count", 3, 9, 9, "collectives"),
+              Check("loss_SHARD_GRAD_OP_vs_DDP", 3, 9.352252960205078, 9.352252006530762, "nats", 1e-5)]
+    assert max(len(line) for line in checks_table(checks).text().splitlines()) <= 100
+
+
+def _bench(fits):
+    from handbook_lib.results import SCHEMA, RunResult
+
+    sizes = [2**14, 2**23]
+    measurements = [{"kind": k, "buffer_bytes": b, "seconds": 1e-4 + b / 1e9} for b in sizes for k in fits]
+    return RunResult.from_dict({"schema": SCHEMA, "run": "comm_bench", "config": {}, "world_size": 2,
+                                "backend": "gloo", "device": "cpu", "torch_version": "x", "ranks": [{"rank": 0}],
+                                "checks": [], "measurements": measurements, "fits": fits, "notes": []})
+
+
+def test_fit_table_shows_alpha_beta_and_the_fit_beside_the_measurement():
+    from handbook_lib.display import fit_table
+
+    table = fit_table(_bench({"all_reduce": {"alpha_s": 5e-5, "beta_bytes_per_s": 2e9}, "all_gather": None}))
+    assert list(table.columns) == ["collective", "alpha (us)", "beta (GB/s)", "largest buffer", "fit (ms)",
+                                   "measured (ms)"]
+    # all-reduce on 2 ranks: 2 ring steps of alpha, and 8 MiB sent (half the buffer, twice) at 2 GB/s
+    assert table.rows[0] == ["all_reduce", "50.0", "2.000", "8.00 MiB", f"{(2 * 5e-5 + 2**23 / 2e9) * 1e3:.3f}",
+                             f"{(1e-4 + 2**23 / 1e9) * 1e3:.3f}"]
+    assert table.rows[1][:3] == ["all_gather", "-", "-"]
+
+
+def test_step_time_summary_is_one_line_of_median_ratios():
+    from handbook_lib.display import step_time_summary
+
+    result = _run(2, [1.0], 1, 1, step_time_s={"DDP": [1.0] * 3, "FULL_SHARD": [1.5, 2.0, 1.2]},
+                  ratio_to_ddp={"DDP": [1.0] * 3, "FULL_SHARD": [1.5, 2.0, 1.2]})
+    result.extra["variants"] = ["DDP", "FULL_SHARD"]
+    assert step_time_summary(result) == "FSDP/DDP step time (median of 3 repeats): FULL_SHARD 1.50x"

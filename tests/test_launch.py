@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 
-from handbook_lib.launch import ChecksFailed, RunFailed, RunTimeout, torchrun
+from handbook_lib.launch import RUN_MARKER, ChecksFailed, RunFailed, RunInterrupted, RunTimeout, torchrun
 from tests.conftest import processes_mentioning
 
 
@@ -31,9 +31,12 @@ def test_successful_run_returns_parsed_result_and_streams_prefixed_output(no_lef
 
 
 def test_raising_rank_is_named_with_its_traceback(no_leftovers):
-    (no_leftovers / "result.json").write_text("{}")  # a stale result must not survive
+    (no_leftovers / RUN_MARKER).write_text('{"run": "fault"}')  # an earlier run's folder...
+    (no_leftovers / "result.json").write_text("{}")  # ...whose stale result must not survive
+    (no_leftovers / "notes.txt").write_text("mine")  # a file no run wrote is never removed
     with pytest.raises(RunFailed) as info:
-        torchrun("fault", 2, {"mode": "raise", "fail_rank": 1}, out=no_leftovers, stream=False, timeout_s=120)
+        torchrun("fault", 2, {"mode": "raise", "fail_rank": 1}, out=no_leftovers, stream=False, timeout_s=120,
+                 overwrite=True)
     err = info.value
     assert err.rank == 1 and not isinstance(err, RunTimeout)
     first = str(err).splitlines()[0]
@@ -45,6 +48,7 @@ def test_raising_rank_is_named_with_its_traceback(no_leftovers):
     assert "then rank 0" in str(err) or "rank 0 was still running, at:" in str(err)
     assert str(err).index("traceback of rank 1") < str(err).index("rank 0")
     assert not (no_leftovers / "result.json").exists()
+    assert (no_leftovers / "notes.txt").read_text() == "mine"
 
 
 def test_a_failed_check_fails_the_run_and_keeps_its_result(no_leftovers):
@@ -57,7 +61,7 @@ def test_a_failed_check_fails_the_run_and_keeps_its_result(no_leftovers):
     assert (no_leftovers / "result.json").exists()
     # the same run, asked to hand back a failing result, returns it
     kept = torchrun("fault", 2, {"mode": "bad_check"}, out=no_leftovers, stream=False, timeout_s=120,
-                    allow_failed_checks=True)
+                    allow_failed_checks=True, overwrite=True)
     assert len(kept.failed_checks()) == 2
 
 
@@ -85,10 +89,13 @@ def test_interrupt_stops_the_run(no_leftovers):
     timer = threading.Timer(6.0, lambda: os.kill(os.getpid(), signal.SIGINT))
     timer.start()
     try:
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt) as info:
             torchrun("fault", 2, {"mode": "sleep"}, out=no_leftovers, stream=False, timeout_s=120)
     finally:
         timer.cancel()
+    assert isinstance(info.value, RunInterrupted)
+    assert str(info.value) == "run 'fault' interrupted; torchrun and 2 ranks stopped"
+    assert info.value._render_traceback_() == ["RunInterrupted: " + str(info.value)]  # one line in Jupyter
     assert processes_mentioning(str(no_leftovers)) == []
 
 

@@ -176,6 +176,8 @@ def test_vocabulary_tables_cover_every_strategy():
     ({"micro_batch": 2}, "together"),
     ({"micro_batch": -1, "seq_len": 4}, "micro_batch"),
     ({"world_size": 0}, "world_size"),
+    ({"strategy": "DDP", "cpu_offload": True}, "cpu_offload needs an FSDP strategy.*DDP keeps the whole model state"),
+    ({"strategy": "NONE", "cpu_offload": True}, "cpu_offload needs an FSDP strategy"),
 ])
 def test_estimate_memory_rejects_bad_input(kwargs, match):
     args = {"world_size": 4, **kwargs}

@@ -57,7 +57,10 @@ def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     root = tmp_path_factory.mktemp("reference")
-    result = _run(2, {"ckpt_dir": str(root / "ckpt"), "save_every": 2, "export": True}, root / "out")
+    # resume_if_present on a folder with no checkpoint yet: starts from step 0 (the first launch
+    # of a job relaunched with one command)
+    result = _run(2, {"ckpt_dir": str(root / "ckpt"), "save_every": 2, "export": True, "resume": True,
+                      "resume_if_present": True}, root / "out")
     return root / "ckpt", result
 
 
@@ -96,6 +99,7 @@ def shrunk(grown, tmp_path_factory):
 
 def test_reference_saves_every_second_step_and_counts_exactly(reference):
     ckpt, result = reference
+    assert result.extra["start_step"] == 0 and result.extra["loaded"] is None  # nothing was present
     assert result.metric("steps") == [[1, 2, 3, 4, 5, 6]] * 2
     losses = result.metric("losses")
     assert losses[0] == losses[1] and all(0 < x < 20 for x in losses[0])

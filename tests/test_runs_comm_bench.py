@@ -14,7 +14,7 @@ def test_sizes_are_geometric_and_divisible():
     assert sizes[0] <= 1008 and sizes[-1] >= 10**6 - 16
 
 
-def test_bench_measures_every_collective(tmp_path):
+def test_bench_measures_every_collective(tmp_path, monkeypatch, capsys):
     # a range wide enough for bandwidth to dominate at the top, even on a busy 2-core machine
     config = {"min_bytes": 2**14, "max_bytes": 2**23, "points": 3, "repeats": 3, "warmup": 1}
     result = torchrun("comm_bench", 2, config, out=tmp_path, timeout_s=120, stream=False)
@@ -27,6 +27,20 @@ def test_bench_measures_every_collective(tmp_path):
         assert fit["alpha_s"] >= 0 and fit["beta_bytes_per_s"] > 0
         assert model.predict_s(2**23) > model.predict_s(2**14)
     assert result.extra["notes"] == []
+    # no deprecation warnings from torch in the ranks' output (it used to print eight)
+    logs = [p for p in tmp_path.rglob("*.log") if p.is_file()]
+    assert logs and not any("FutureWarning" in p.read_text(errors="replace") for p in logs)
+    # the CLI's `run comm_bench` prints the fit (alpha in microseconds, beta in GB/s)
+    from handbook_lib import cli
+    from handbook_lib.display import fit_table
+
+    table = fit_table(result)
+    assert [row[0] for row in table.rows] == list(kinds)
+    assert all(float(row[1]) >= 0 and float(row[2]) > 0 for row in table.rows)
+    monkeypatch.setattr(cli, "torchrun", lambda *args, **kwargs: result)
+    assert cli.main(["run", "comm_bench", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "alpha-beta fit: time = steps x alpha + bytes sent / beta" in out and table.text() in out
 
 
 @pytest.mark.parametrize("config, nproc, match", [

@@ -44,3 +44,20 @@ def test_variants_train_identically(result):
 def test_bad_configs_are_rejected_before_launch(changes, world, match):
     with pytest.raises(ValueError, match=match):
         validate(StepTimeConfig.from_mapping({**TINY, **changes}), world)
+
+
+def test_rank0_reports_progress_and_the_cli_prints_the_ratio(result, monkeypatch, capsys):
+    import handbook_lib.cli as cli
+    from handbook_lib.display import step_time_summary
+
+    logs = "".join(p.read_text(errors="replace") for p in result.path.parent.rglob("*.log"))
+    assert "step_time: building DDP, FULL_SHARD; then 1 warm-up step(s) each and 3 repeats" in logs
+    assert "warm-up done: FULL_SHARD" in logs and "repeat 3/3: DDP " in logs
+    assert step_time_summary(result).startswith("FSDP/DDP step time (median of 3 repeats): FULL_SHARD ")
+    # the CLI's `run step_time` prints the checks with a verdict, the ratio table and its summary
+    monkeypatch.setattr(cli, "torchrun", lambda *args, **kwargs: result)
+    assert cli.main(["run", "step_time", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "2 checks: 2 within tolerance" in out and "nats = loss in natural-log units" in out
+    assert "ratio to DDP (median)" in out and step_time_summary(result) in out
+    assert max(len(line) for line in out.splitlines()) <= 100

@@ -76,3 +76,28 @@ def test_bad_input(kwargs, match):
     args = {"model": "llama2-7b", "gpu": "h100-80gb", "gpus": 8, **kwargs}
     with pytest.raises(ValueError, match=match):
         plan(args.pop("model"), args.pop("gpu"), args.pop("gpus"), **args)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"gpus": 16, "gpus_per_node": 0}, "gpus_per_node must be an int >= 1, got 0"),
+    ({"gpus": 16, "gpus_per_node": 3}, "gpus=16 is not a whole number of nodes of gpus_per_node=3"),
+    ({"precision": "fp8"}, "precision must be one of fp32, bf16-mixed, fp16-mixed, got 'fp8'"),
+])
+def test_bad_arguments_name_themselves(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan("llama2-7b", "h100-80gb", **{"gpus": 8, **kwargs})
+
+
+def test_offload_states_the_host_memory_it_needs():
+    result = plan("llama2-70b", "h100-80gb", 16, seq_len=4096)
+    offload = next(o for o in result.options if o.cpu_offload)
+    shape = get_shape("llama2-70b")
+    assert offload.host_bytes == estimate_memory(shape, 16, "FULL_SHARD", "bf16-mixed", micro_batch=1, seq_len=4096,
+                                                 activation_checkpointing=True, cpu_offload=True).host > 0
+    assert all(o.host_bytes == 0 for o in result.options if not o.cpu_offload)
+    one = plan("gpt3-175b", "h100-80gb", 1)
+    assert one.recommended.cpu_offload
+    assert f"CPU offload needs {one.recommended.host_bytes / 1e9:.1f} GB of host RAM per GPU" in " ".join(one.reasons)
+    eight = plan("gpt3-175b", "h100-80gb", 8)  # per node: 8 GPUs' worth of host memory
+    assert eight.recommended.cpu_offload
+    assert f"({8 * eight.recommended.host_bytes / 1e9:.1f} GB per node of 8 GPUs)" in " ".join(eight.reasons)

@@ -2,15 +2,23 @@
 
 Every run module defines ``CONFIG`` (its config dataclass), ``run(config, ctx)`` and optionally
 ``validate(config, world_size)``, and ends by calling :func:`handbook_lib.runs.entry.main`.
+
+The functions here describe the runs *without importing them* (a run module imports torch,
+about 2 s): :func:`describe_runs` and :func:`run_config_fields` read the modules' source with
+:mod:`ast`, so ``python -m handbook_lib runs`` and ``run --help`` answer at once.
 """
 
 from __future__ import annotations
 
+import ast
 import pkgutil
+from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["available_runs"]
+__all__ = ["available_runs", "describe_runs", "RunConfigInfo", "run_config_fields"]
 
 _NOT_RUNS = {"entry"}
+_HERE = Path(__file__).resolve().parent
 
 
 def available_runs() -> list[str]:
@@ -19,3 +27,69 @@ def available_runs() -> list[str]:
         m.name for m in pkgutil.iter_modules(__path__)
         if not m.name.startswith("_") and m.name not in _NOT_RUNS
     )
+
+
+def _tree(name: str) -> ast.Module:
+    return ast.parse((_HERE / f"{name}.py").read_text(encoding="utf-8"))
+
+
+def describe_runs() -> dict[str, str]:
+    """Each run's name and the first line of its module docstring, read from the source file
+    (no import, no torch)."""
+    out = {}
+    for name in available_runs():
+        doc = (ast.get_docstring(_tree(name)) or "").strip()
+        out[name] = doc.splitlines()[0] if doc else ""
+    return out
+
+
+@dataclass(frozen=True)
+class RunConfigInfo:
+    """A run's config class, as written in its source.
+
+    Attributes:
+        class_name: The dataclass ``CONFIG`` names, e.g. ``"StepTimeConfig"``.
+        base: Its first base class (``"RunConfig"``, ``"FlatConfig"``), or the class itself when
+            the run uses ``RunConfig`` directly.
+        fields: ``(key, default as written)`` for the keys the class declares itself.
+        choices: Accepted values per key, where the class lists them in ``CHOICES``.
+    """
+
+    class_name: str
+    base: str
+    fields: tuple[tuple[str, str], ...]
+    choices: dict[str, tuple[str, ...]]
+
+
+def run_config_fields(name: str) -> RunConfigInfo:
+    """What run ``name`` accepts as config keys, read from its source (no import, no torch).
+
+    Raises:
+        ValueError: if ``name`` is not a run, or its module has no ``CONFIG = <class>`` line.
+    """
+    if name not in available_runs():
+        raise ValueError(f"unknown run {name!r}; available runs: {', '.join(available_runs())}")
+    tree = _tree(name)
+    config_name = next((node.value.id for node in tree.body if isinstance(node, ast.Assign)
+                        and any(isinstance(t, ast.Name) and t.id == "CONFIG" for t in node.targets)
+                        and isinstance(node.value, ast.Name)), None)
+    if config_name is None:
+        raise ValueError(f"run {name!r} has no 'CONFIG = <class>' line")
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == config_name), None)
+    if cls is None:  # imported, e.g. RunConfig itself
+        return RunConfigInfo(config_name, config_name, (), {})
+    fields, choices = [], {}
+    for node in cls.body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        if node.target.id == "CHOICES":
+            try:
+                choices = ast.literal_eval(node.value) if node.value is not None else {}
+            except ValueError:  # e.g. ``RunConfig.CHOICES``: inherited
+                choices = {}
+            continue
+        if "ClassVar" in ast.unparse(node.annotation):
+            continue
+        fields.append((node.target.id, ast.unparse(node.value) if node.value is not None else ""))
+    base = ast.unparse(cls.bases[0]) if cls.bases else config_name
+    return RunConfigInfo(config_name, base, tuple(fields), dict(choices))

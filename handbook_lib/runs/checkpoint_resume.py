@@ -10,6 +10,13 @@ save, once its shard file is on disk but before the save is committed. The launc
 ``RunFailed``; a second launch with ``resume=true`` continues. With ``export`` the trained model
 is also gathered to rank 0 and written as one plain ``torch.save`` file.
 
+Resuming never starts over silently. ``resume=true`` with a ``ckpt_dir`` that holds no checkpoint
+(a typo in the path, an empty folder) is refused before any process starts; add
+``resume_if_present=true`` to mean "resume if there is a checkpoint, else start from step 0" (a
+job that is simply relaunched until it finishes). A checkpoint of another model (say 6 layers,
+resumed into a 2-layer config) is refused before anything is loaded, naming the tensors that
+differ (read from DCP's ``.metadata``); every file's checksum is verified at load.
+
 ``result.json`` holds the losses with their global step numbers, save and load times (seconds),
 each checkpoint's files and bytes, and ``checks``: the tensors and bytes the newest checkpoint
 holds (read from DCP's metadata) beside their prediction from the model's shape — exact.
@@ -18,6 +25,8 @@ Launch::
 
     python -m handbook_lib run checkpoint_resume --nproc 2 --set ckpt_dir=/tmp/ck --set save_every=2
     python -m handbook_lib run checkpoint_resume --nproc 4 --set ckpt_dir=/tmp/ck --set resume=true
+    python -m handbook_lib run checkpoint_resume --nproc 2 --set ckpt_dir=/tmp/ck --set resume=true \
+        --set resume_if_present=true   # the same command for the first launch and every relaunch
 """
 
 from __future__ import annotations
@@ -33,14 +42,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from handbook_lib.architecture import param_shapes
 from handbook_lib.checkpoint import (
     LATEST,
+    CheckpointError,
+    check_model_shapes,
     checkpoint_name,
     count_checkpoint,
     estimate_checkpoint_count,
     export_full_state_dict,
     load_checkpoint,
     save_checkpoint,
+    validate_checkpoint,
 )
 from handbook_lib.config import RunConfig
 from handbook_lib.distributed import RankContext
@@ -65,7 +78,11 @@ class CheckpointRunConfig(RunConfig):
     keep_last: int = 0
     """Keep only this many newest checkpoints (0: all)."""
     resume: bool = False
-    """Start from a checkpoint under ``ckpt_dir`` (``latest``, or ``resume_step``) if there is one."""
+    """Start from a checkpoint under ``ckpt_dir`` (``latest``, or ``resume_step``); refused if
+    there is none, unless ``resume_if_present``."""
+    resume_if_present: bool = False
+    """With ``resume``: start from step 0 when ``ckpt_dir`` holds no checkpoint yet, instead of
+    failing (for a job relaunched with the same command until it finishes)."""
     resume_step: int = -1
     """With ``resume``: the step of the checkpoint to load (-1: the one ``latest`` names)."""
     kill_at_step: int = -1
@@ -101,6 +118,10 @@ def validate(config: CheckpointRunConfig, world_size: int) -> None:
             raise ValueError(f"config key {key!r} must be >= 0, got {getattr(config, key)}")
     if config.resume_step != -1 and (not config.resume or config.resume_step < 0):
         raise ValueError("resume_step must be -1, or >= 0 together with resume=true")
+    if config.resume_if_present and not config.resume:
+        raise ValueError("resume_if_present=true needs resume=true")
+    if config.resume:
+        _check_resumable(config)
     if config.kill_at_step != -1:
         if not 1 <= config.kill_at_step <= config.steps:
             raise ValueError(f"kill_at_step must be -1 or in [1, steps={config.steps}], got {config.kill_at_step}")
@@ -118,9 +139,31 @@ def _kill(ctx: RankContext, where: str) -> None:
 
 
 def _resume_path(config: CheckpointRunConfig, root: Path) -> Path | None:
+    """The checkpoint ``resume`` names, or ``None`` when there is none (see :func:`_check_resumable`)."""
     if config.resume_step >= 0:
-        return root / checkpoint_name(config.resume_step)
+        path = root / checkpoint_name(config.resume_step)
+        return path if path.is_dir() else None
     return root if (root / LATEST).exists() else None
+
+
+def _check_resumable(config: CheckpointRunConfig) -> None:
+    """With ``resume``: refuse a ``ckpt_dir`` with nothing to resume (unless ``resume_if_present``)
+    and a checkpoint of another model (its tensor names and shapes, from DCP's index)."""
+    root = Path(config.ckpt_dir)
+    path = _resume_path(config, root)
+    if path is None:
+        if config.resume_if_present:
+            return
+        what = ("does not exist" if not root.is_dir()
+                else f"has no checkpoint {checkpoint_name(config.resume_step)!r}" if config.resume_step >= 0
+                else f"has no {LATEST!r} pointer" if any(root.iterdir()) else "is empty")
+        raise ValueError(f"resume=true but ckpt_dir {config.ckpt_dir!r} {what}: check the path, or add "
+                         f"resume_if_present=true to start from step 0 when there is no checkpoint")
+    try:
+        validate_checkpoint(path, verify_checksums=False)  # complete? (checksums: at load, once)
+        check_model_shapes(path, dict(param_shapes(config.model_config())))
+    except CheckpointError as err:
+        raise ValueError(f"resume=true: {err}") from None
 
 
 def _export(config: CheckpointRunConfig, ctx: RankContext, model: torch.nn.Module, root: Path) -> dict:
@@ -162,7 +205,7 @@ def run(config: CheckpointRunConfig, ctx: RankContext) -> RankReport:
         step = index + 1  # optimizer steps done after this one
         inputs, targets = local_batch(config, index, ctx)  # the data position is the step index
         begin = time.perf_counter()
-        loss = train_step(model, optimizer, inputs, targets)
+        loss = train_step(model, optimizer, inputs, targets, step=step)  # raises on a NaN/inf loss
         times.append(time.perf_counter() - begin)
         dist.all_reduce(loss)  # SUM (gloo has no AVG), then divide
         losses.append((loss / ctx.world_size).item())

@@ -29,6 +29,13 @@ from handbook_lib.runs.entry import RankReport, main
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
+# torch 2.13 renamed the single-tensor collectives (``all_gather_into_tensor`` ->
+# ``all_gather_single``, ``reduce_scatter_tensor`` -> ``reduce_scatter_single``) and warns once per
+# rank and name on the old ones (a 220-column FutureWarning). Use the new names where they exist,
+# the old ones on older torch: the collective is the same.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass(frozen=True)
 class BenchConfig(FlatConfig):
@@ -92,8 +99,8 @@ def run(config: BenchConfig, ctx: RankContext) -> RankReport:
         full = torch.ones(size // 4, device=ctx.device)
         shard = torch.ones(size // 4 // n, device=ctx.device)
         calls = {
-            "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
-            "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
+            "all_gather": lambda: _all_gather(full, shard),
+            "reduce_scatter": lambda: _reduce_scatter(shard, full),
             "all_reduce": lambda: dist.all_reduce(full),
         }
         for kind in KINDS:

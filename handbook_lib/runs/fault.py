@@ -7,7 +7,8 @@ it in an all-reduce:
 - ``raise``: raises a Python exception (the launcher names the rank and shows its traceback);
 - ``exit``: ends its process abruptly with ``os._exit(3)``, leaving no traceback, as a rank
   killed by the out-of-memory killer would;
-- ``hang``: sleeps instead of joining the all-reduce; the others' collective times out;
+- ``hang``: sleeps instead of joining the all-reduce; the others' collective times out, and the
+  launcher blames this rank (the one that never joined), not the ones that waited;
 - ``sleep``: every rank sleeps, so only the launcher's timeout ends the run;
 - ``bad_check``: nothing crashes, but every rank reports a count check whose measurement is
   off by one (a model that disagrees with reality): the launcher raises ``ChecksFailed`` and

@@ -89,8 +89,17 @@ def validate(config: RunConfig, world_size: int) -> None:
         raise ValueError(
             f"batch_size={config.batch_size} must be divisible by the number of ranks {world_size}"
         )
-    if config.strategy.startswith("HYBRID") and config.shard_group_size:
-        shard_group(config, world_size)
+    if config.strategy.startswith("HYBRID"):
+        group = shard_group(config, world_size)
+        if group == world_size:
+            flat = {"HYBRID_SHARD": "FULL_SHARD", "HYBRID_SHARD_ZERO2": "SHARD_GRAD_OP"}[config.strategy]
+            size = f"shard_group_size={config.shard_group_size}" if config.shard_group_size else \
+                "the default shard group (shard_group_size=0: every rank of the node)"
+            raise ValueError(
+                f"strategy {config.strategy!r} needs >= 2 replicas, but {size} holds all {world_size} "
+                f"ranks: that is {flat} plus an all-reduce over 1 rank the communication model does "
+                f"not count; use strategy {flat!r}, or a shard_group_size giving >= 2 groups"
+            )
 
 
 def run(config: RunConfig, ctx: RankContext) -> RankReport:

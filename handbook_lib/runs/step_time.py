@@ -70,16 +70,22 @@ CONFIG = StepTimeConfig
 def validate(config: StepTimeConfig, world_size: int) -> None:
     """Reject, before any process starts, a config this run cannot execute."""
     if world_size < 2:
-        raise ValueError("step_time compares DDP with FSDP: launch it with 2 or more ranks")
+        raise ValueError(f"step_time compares DDP with FSDP: launch it with 2 or more ranks "
+                         f"(nproc >= 2), got {world_size}")
     if config.batch_size % world_size:
         raise ValueError(f"batch_size={config.batch_size} must be divisible by the number of ranks {world_size}")
     if config.precision != "fp32" or config.cpu_offload:
-        raise ValueError("step_time times fp32 runs without offload (DDP's setting)")
+        raise ValueError(f"step_time times fp32 runs without offload (DDP's setting): needs "
+                         f"precision=fp32 and cpu_offload=false, got precision={config.precision!r}, "
+                         f"cpu_offload={config.cpu_offload}")
 
 
 def run(config: StepTimeConfig, ctx: RankContext) -> RankReport:
     validate(config, ctx.world_size)
     names = config.variant_list()
+    if ctx.is_main:  # progress on rank 0: building and warming up takes a while on a CPU
+        print(f"step_time: building {', '.join(names)}; then {config.warmup} warm-up step(s) each and "
+              f"{config.repeats} repeats of {config.steps} timed step(s)", flush=True)
     models, optimizers, step = {}, {}, {}
     for name in names:
         variant = config.replace(strategy=name)
@@ -96,6 +102,8 @@ def run(config: StepTimeConfig, ctx: RankContext) -> RankReport:
     for name in names:
         for _ in range(config.warmup):
             advance(name)
+        if ctx.is_main and config.warmup:
+            print(f"warm-up done: {name}", flush=True)
     times: dict[str, list[float]] = {name: [] for name in names}
     losses: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(config.repeats):

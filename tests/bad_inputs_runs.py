@@ -1,0 +1,142 @@
+"""Bad inputs of part A of issue 12: the launcher, the ``run`` command, run configs, checkpoints.
+
+``ROWS`` is imported by ``tests/test_bad_inputs.py``, which runs each row in a fresh, empty
+current directory (``TMP`` in an argv names it) and checks the exit code or exception, that the
+fragment (the flag or config key at fault) is in the message, that no process is left and no
+file outside the row's folder is touched. Every row is refused before torchrun starts, except
+the one marked ``launches`` (a NaN loss is only seen at run time).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from tests.bad_input_row import TMP, BadInputRow
+
+RUN = ["run", "fsdp_train", "--quiet"]
+CKPT = ["run", "checkpoint_resume", "--quiet"]
+TINY = ["--set", "vocab_size=101", "--set", "d_model=16", "--set", "nhead=2", "--set", "dim_feedforward=24",
+        "--set", "num_layers=1", "--set", "seq_len=8"]
+
+
+def cli(id: str, argv: list[str], fragment: str, exit_code: int = 2, launches: bool = False) -> BadInputRow:
+    """A CLI row: ``main(argv)`` must return ``exit_code`` with ``fragment`` in stderr."""
+    return BadInputRow(id, argv, None, exit_code, None, fragment, launches)
+
+
+def api(id: str, call, fragment: str, raises: type[BaseException] = ValueError) -> BadInputRow:
+    """An API row: ``call()`` (or ``call(folder)``) must raise ``raises`` with ``fragment``."""
+    return BadInputRow(id, None, call, None, raises, fragment)
+
+
+def _torchrun(*args, **kwargs):
+    def call():
+        from handbook_lib.launch import torchrun
+
+        return torchrun(*args, **kwargs)
+
+    return call
+
+
+def _torchrun_out_parent(folder: Path):
+    """``out`` at the row folder's parent: not empty (it holds the row's folder), no run marker."""
+    from handbook_lib.launch import torchrun
+
+    return torchrun("fault", 2, {"mode": "none"}, out=folder.parent, overwrite=True)
+
+
+def _config(**values):
+    def call():
+        from handbook_lib.config import RunConfig
+
+        return RunConfig.from_mapping(values)
+
+    return call
+
+
+def _memory(*args, **kwargs):
+    def call():
+        from handbook_lib.memory import estimate_memory
+
+        return estimate_memory(*args, **kwargs)
+
+    return call
+
+
+def _load_missing_checkpoint(folder: Path):
+    from handbook_lib.checkpoint import load_checkpoint
+    from handbook_lib.model import ModelConfig, build_model
+
+    model = build_model(ModelConfig(vocab_size=11, d_model=8, nhead=2, dim_feedforward=8, num_layers=1))
+    return load_checkpoint(folder / "no-such-checkpoint", model)
+
+
+def _validate_file_as_checkpoint():
+    from handbook_lib.checkpoint import validate_checkpoint
+
+    return validate_checkpoint("/dev/null")
+
+
+ROWS: list[BadInputRow] = [
+    # --- issue 12, Bad 1: --out never wipes or shares a folder --------------------------------
+    cli("run-out-not-empty-no-marker", ["run", "fault", "--quiet", "--out", f"{TMP}/.."], "--out"),
+    cli("run-out-not-empty-overwrite", ["run", "fault", "--quiet", "--overwrite", "--out", f"{TMP}/.."], "--out"),
+    cli("run-out-empty-string", ["run", "fault", "--quiet", "--out", ""], "--out"),
+    cli("run-out-under-dev-null", ["run", "fault", "--quiet", "--out", "/dev/null/x/y"], "--out"),
+    api("api-out-not-empty-no-marker", _torchrun_out_parent, "out (--out)"),
+    api("api-out-is-a-file", _torchrun("fault", 2, {"mode": "none"}, out="/dev/null"), "out (--out)"),
+    api("api-out-impossible", _torchrun("fault", 2, {"mode": "none"}, out="/proc/1/handbook"), "out (--out)"),
+    api("api-out-not-a-path", _torchrun("fault", 2, {"mode": "none"}, out=3), "out (--out)"),
+    api("api-overwrite-not-bool", _torchrun("fault", 2, {"mode": "none"}, overwrite="yes"), "overwrite"),
+    # --- issue 12, Poor: the launcher API -----------------------------------------------------
+    api("api-timeout-none", _torchrun("fault", 2, {"mode": "none"}, timeout_s=None), "timeout_s"),
+    api("api-timeout-nan", _torchrun("fault", 2, {"mode": "none"}, timeout_s=math.nan), "timeout_s"),
+    api("api-timeout-text", _torchrun("fault", 2, {"mode": "none"}, timeout_s="10"), "timeout_s"),
+    api("api-config-a-string", _torchrun("fault", 2, "mode=none"), "config"),
+    api("api-config-a-list", _torchrun("fault", 2, [("mode", "none")]), "config"),
+    api("api-env-int-value", _torchrun("fault", 2, {"mode": "none"}, env={"X": 1}), "env"),
+    api("api-env-not-a-dict", _torchrun("fault", 2, {"mode": "none"}, env=["X=1"]), "env"),
+    api("api-nproc-bool", _torchrun("fault", True), "nproc"),
+    # --- issue 12, Bad 2: non-finite config values --------------------------------------------
+    cli("run-grad-scale-inf", [*RUN, "--set", "grad_scale_init=inf"], "grad_scale_init"),
+    cli("run-lr-infinity-word", [*RUN, "--set", "lr=Infinity"], "lr"),
+    cli("run-lr-overflow", [*RUN, "--set", "lr=1e400"], "lr"),
+    cli("fault-sleep-nan", ["run", "fault", "--quiet", "--set", "sleep_s=nan"], "sleep_s"),
+    cli("ckpt-lr-nan", [*CKPT, "--set", f"ckpt_dir={TMP}/ck", "--set", "lr=nan"], "lr"),
+    api("api-config-lr-inf", _config(lr=math.inf), "lr"),
+    api("api-config-grad-scale-nan-text", _config(grad_scale_init="nan"), "grad_scale_init"),
+    api("api-config-unknown-key-hint", _config(stepz=3), "did you mean 'steps'"),
+    # a NaN loss at run time: the run fails (exit 1) naming the step, the rank and lr
+    cli("run-loss-becomes-nan", [*RUN, *TINY, "--nproc", "2", "--set", "lr=1e6", "--set", "steps=3",
+                                 "--out", f"{TMP}/run"], "lr", exit_code=1, launches=True),
+    # --- issue 12, Bad 4: resume never starts over silently -----------------------------------
+    cli("ckpt-resume-missing-dir", [*CKPT, "--set", f"ckpt_dir={TMP}/typo", "--set", "resume=true"], "ckpt_dir"),
+    cli("ckpt-resume-empty-dir", [*CKPT, "--set", f"ckpt_dir={TMP}", "--set", "resume=true"], "resume_if_present"),
+    cli("ckpt-resume-step-missing", [*CKPT, "--set", f"ckpt_dir={TMP}", "--set", "resume=true",
+                                     "--set", "resume_step=4"], "step_000004"),
+    cli("ckpt-if-present-without-resume", [*CKPT, "--set", f"ckpt_dir={TMP}/ck", "--set", "resume_if_present=true"],
+        "resume_if_present"),
+    cli("ckpt-no-ckpt-dir", CKPT, "ckpt_dir"),
+    cli("ckpt-resume-step-without-resume", [*CKPT, "--set", f"ckpt_dir={TMP}/ck", "--set", "resume_step=2"],
+        "resume_step"),
+    cli("ckpt-kill-in-save-without-save", [*CKPT, "--set", f"ckpt_dir={TMP}/ck", "--set", "kill_at_step=2",
+                                           "--set", "kill_in_save=true"], "kill_in_save"),
+    cli("ckpt-kill-step-out-of-range", [*CKPT, "--set", f"ckpt_dir={TMP}/ck", "--set", "kill_at_step=9"],
+        "kill_at_step"),
+    cli("ckpt-ddp", [*CKPT, "--set", f"ckpt_dir={TMP}/ck", "--set", "strategy=DDP"], "strategy"),
+    cli("ckpt-offload", [*CKPT, "--set", f"ckpt_dir={TMP}/ck", "--set", "cpu_offload=true"], "cpu_offload"),
+    cli("ckpt-resume-not-bool", [*CKPT, "--set", f"ckpt_dir={TMP}/ck", "--set", "resume=if-present"], "resume"),
+    api("api-load-missing-checkpoint", _load_missing_checkpoint, "no checkpoint at",
+        raises=RuntimeError),  # CheckpointError is a RuntimeError
+    api("api-validate-a-file", _validate_file_as_checkpoint, "no checkpoint at", raises=RuntimeError),
+    # --- issue 12, Bad 5 and 7: combinations the models cannot price --------------------------
+    api("api-memory-none-offload", _memory(1000, 1, "NONE", cpu_offload=True), "cpu_offload"),
+    cli("run-hybrid-one-replica-default", ["run", "fsdp_train", "--quiet", "--nproc", "3", "--set", "batch_size=9",
+                                           "--set", "strategy=HYBRID_SHARD"], "shard_group_size"),
+    cli("run-hybrid-one-replica-explicit", [*RUN, "--nproc", "2", "--set", "strategy=HYBRID_SHARD",
+                                            "--set", "shard_group_size=2"], "shard_group_size"),
+    cli("run-fsdp1-hybrid-zero2-one-replica", [*RUN, "--nproc", "2", "--set", "api=fsdp1",
+                                               "--set", "strategy=HYBRID_SHARD_ZERO2"], "shard_group_size"),
+]
+"""Part A's rows: the launcher, ``run``, run configs, checkpoints and resume."""

@@ -1,0 +1,49 @@
+"""Non-finite numbers never pass silently: refused in the config, and a NaN loss stops training.
+
+In one process; the table of bad inputs (``tests/bad_inputs_runs.py``) launches the same
+divergence on 2 ranks and checks the CLI's exit code 1.
+"""
+
+import math
+
+import pytest
+import torch
+
+from handbook_lib.config import RunConfig
+from handbook_lib.distributed import RankContext
+from handbook_lib.model import build_model
+from handbook_lib.runs.fault import FaultConfig
+from handbook_lib.training import NonFiniteLoss, build_optimizer, check_loss_finite, train
+
+
+@pytest.mark.parametrize("key, value", [
+    ("lr", "inf"), ("lr", "nan"), ("lr", "-inf"), ("lr", "Infinity"), ("lr", "1e400"), ("lr", math.inf),
+    ("grad_scale_init", "nan"), ("grad_scale_init", math.inf),
+])
+def test_non_finite_config_values_are_refused_naming_the_key(key, value):
+    with pytest.raises(ValueError, match=rf"^config key '{key}' must be a finite number, got (-?inf|nan)$"):
+        RunConfig.from_mapping({key: value})
+
+
+def test_every_float_key_of_every_config_is_checked():
+    with pytest.raises(ValueError, match="config key 'sleep_s' must be a finite number"):
+        FaultConfig(sleep_s=math.nan)
+    assert RunConfig.from_mapping({"lr": "1e-2"}).lr == 0.01  # finite values still parse
+
+
+def test_a_diverging_run_stops_at_the_first_nan_loss_naming_step_and_rank():
+    config = RunConfig(vocab_size=50, d_model=32, nhead=2, dim_feedforward=64, num_layers=1,
+                       batch_size=4, seq_len=8, steps=6, lr=1e6)
+    model = build_model(config.model_config(), seed=0)
+    ctx = RankContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    with pytest.raises(NonFiniteLoss, match=r"^loss is nan at step 2 on rank 0: training diverged \(lr too large\?"):
+        train(model, build_optimizer(model.parameters(), "adamw", config.lr), config, ctx, progress=False)
+
+
+def test_check_loss_finite():
+    check_loss_finite(2.5, 1, 0)
+    with pytest.raises(NonFiniteLoss, match="^loss is inf at step 7 on rank 3:"):
+        check_loss_finite(math.inf, 7, 3)
+    with pytest.raises(NonFiniteLoss, match="^loss is nan on rank 0:"):  # no step known, no process group
+        check_loss_finite(math.nan)
+    assert issubclass(NonFiniteLoss, FloatingPointError)
