@@ -1,12 +1,22 @@
 # The FSDP Handbook: the two commands of the README, and a few helpers.
-#   make book        set up, then build the HTML book (offline) into _build/html
-#   make test        set up, then run the whole test suite (unit, distributed, notebooks, book)
+#   make book            set up, then build the HTML book (offline) into _build/html
+#   make test            set up, then run the whole test suite (unit, distributed, notebooks, book),
+#                        on CPU kernels other than those the notebooks' outputs were stored with
+#   make check-portable  only the notebooks, re-executed on those other kernels and compared
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: book test notebooks lab setup clean
+NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
+# Replay on other CPU kernels (ATen, oneDNN, MKL) than the stored outputs were made with, so that
+# an output whose digits depend on the CPU fails here, not on the next machine.
+# scripts/cpu_variant.py picks them from the notebooks' metadata; it fails if that is missing.
+OTHER_CPU = kernels="$$($(PY) scripts/cpu_variant.py --other)"; \
+	echo "CPU kernels for this run: $$(echo $$kernels) (notebooks stored with $$($(PY) scripts/cpu_variant.py --stored))"; \
+	env $$kernels
+
+.PHONY: book test check-portable notebooks lab setup clean
 
 setup:
 	scripts/setup.sh book,test,lab
@@ -17,9 +27,12 @@ book:
 	@echo "open _build/html/index.html"
 
 test: setup
-	$(PY) -m pytest tests notebooks --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
+	$(OTHER_CPU) $(PY) -m pytest tests notebooks $(NBVAL)
 
-notebooks: setup  ## re-execute every notebook and store its outputs
+check-portable: setup
+	$(OTHER_CPU) $(PY) -m pytest notebooks $(NBVAL)
+
+notebooks: setup  ## re-execute every notebook (native CPU kernels) and store its outputs
 	$(PY) scripts/execute_notebooks.py
 
 lab: setup

@@ -14,9 +14,10 @@ from typing import Any
 
 from handbook_lib.results import Check, RunResult, max_relative_difference, model_state_bytes
 
-__all__ = ["format_bytes", "Table", "checks_table", "checks_verdict", "checks_legend",
-           "format_tolerance", "ranks_table", "summarize_runs", "compare_runs", "step_time_table",
-           "step_time_summary", "fit_table", "run_summary"]
+__all__ = ["format_bytes", "format_loss", "format_losses", "format_bound", "LOSS_DECIMALS", "Table",
+           "checks_table", "checks_verdict", "checks_legend", "format_tolerance", "ranks_table",
+           "summarize_runs", "compare_runs", "step_time_table", "step_time_summary", "fit_table",
+           "run_summary"]
 
 _DECIMAL = [("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)]
 _BINARY = [("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)]
@@ -34,6 +35,55 @@ def format_bytes(n: float, *, binary: bool = False, digits: int = 2) -> str:
         if abs(n) >= size:
             return f"{n / size:.{digits}f} {unit}"
     return f"{int(n)} B" if float(n).is_integer() else f"{n:.{digits}f} B"
+
+
+LOSS_DECIMALS = 2
+"""Decimals a loss is shown with wherever an output is stored and compared (the notebooks).
+
+The last digits of a loss depend on the CPU's kernels: ATen's vector unit
+(``ATEN_CPU_CAPABILITY``), oneDNN's ISA and MKL's code branch. Measured on one machine, the same
+2-rank ``FULL_SHARD`` run (7,263,040 parameters, 6 steps) replayed with AVX-512, AVX2 and scalar
+kernels gave losses near 9 that spread by up to 2e-6 in fp32, 5e-5 in fp16-mixed and 4e-4 in
+bf16-mixed. A window of 2e-6 holds a rounding boundary for 2 % of fp32 losses at 4 decimals (they
+then print differently on another CPU), for 0.02 % at 2 decimals. bf16's 4e-4 still holds one
+for 4 % at 2 decimals: compared cells show bf16 losses only as a bound (:func:`format_bound`).
+Show more digits only in outputs that are not compared (nbval-ignored cells)."""
+
+
+def format_loss(x: float, decimals: int = LOSS_DECIMALS) -> str:
+    """One loss, at a precision the cross-CPU spread cannot reach (see :data:`LOSS_DECIMALS`)."""
+    return f"{x:.{decimals}f}"
+
+
+def format_losses(losses: Iterable[float], decimals: int = LOSS_DECIMALS) -> str:
+    """Per-step losses, space-separated, each as :func:`format_loss` shows it."""
+    return " ".join(format_loss(x, decimals) for x in losses)
+
+
+def format_bound(value: float, *, below: float | None = None, above: float | None = None) -> str:
+    """A quantity that is only noise, shown as the bound it meets, not as its noise digits.
+
+    ``format_bound(1.1e-07, below=1e-06) == "< 1e-06"``: the digits of a rounding difference
+    change from CPU to CPU; the statement that it is below a bound does not.
+
+    Args:
+        value: The quantity (e.g. a max relative difference of losses).
+        below: Show ``< below``; the value must be strictly smaller.
+        above: Show ``> above``; the value must be strictly larger.
+
+    Raises:
+        ValueError: if not exactly one bound is given, or the value does not meet it (the
+            stored output would then be a false statement).
+    """
+    if (below is None) == (above is None):
+        raise ValueError("format_bound needs exactly one of below= or above=")
+    if below is not None:
+        if not value < below:
+            raise ValueError(f"{value!r} is not below {below:.0e}")
+        return f"< {below:.0e}"
+    if not value > above:
+        raise ValueError(f"{value!r} is not above {above:.0e}")
+    return f"> {above:.0e}"
 
 
 def _cell(value: Any) -> str:
@@ -154,9 +204,9 @@ def summarize_runs(results: Mapping[str, RunResult]) -> Table:
 
 
 def run_summary(result: RunResult) -> str:
-    """Two lines on a training run: rank 0's per-step losses (4 decimals, which repeat across
-    executions on one machine) and how many of its checks passed."""
-    losses = " ".join(f"{x:.4f}" for x in result.metric("losses")[0])
+    """Two lines on a training run: rank 0's per-step losses (:func:`format_losses`, which repeat
+    on any CPU) and how many of its checks passed."""
+    losses = format_losses(result.metric("losses")[0])
     failed = result.failed_checks()
     text = f"losses: {losses}\n{len(result.checks)} checks, {len(failed)} failed"
     return text + "".join(f"\n  failed: {c.quantity} rank {c.rank}: predicted {c.predicted}, measured {c.measured}"

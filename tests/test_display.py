@@ -66,7 +66,7 @@ def test_run_summary_lists_losses_and_failed_checks():
     from handbook_lib.results import Check
 
     result = _run(1, [2.0, 1.23456], 1, 1)
-    assert run_summary(result) == "losses: 2.0000 1.2346\n0 checks, 0 failed"
+    assert run_summary(result) == "losses: 2.00 1.23\n0 checks, 0 failed"
     result.checks.append(Check("peak_bytes", 0, 100, 120, "bytes", 0.1))
     assert run_summary(result).endswith("1 checks, 1 failed\n  failed: peak_bytes rank 0: predicted 100, measured 120")
 
@@ -127,3 +127,27 @@ def test_step_time_summary_is_one_line_of_median_ratios():
                   ratio_to_ddp={"DDP": [1.0] * 3, "FULL_SHARD": [1.5, 2.0, 1.2]})
     result.extra["variants"] = ["DDP", "FULL_SHARD"]
     assert step_time_summary(result) == "FSDP/DDP step time (median of 3 repeats): FULL_SHARD 1.50x"
+
+
+def test_losses_are_shown_at_the_stored_precision():
+    from handbook_lib.display import LOSS_DECIMALS, format_loss, format_losses
+
+    assert LOSS_DECIMALS == 2
+    assert format_loss(9.166393280) == "9.17" and format_loss(9.166393280, 4) == "9.1664"
+    assert format_losses([9.155891418, 9.094903946]) == "9.16 9.09"
+    # the same run replayed with other CPU kernels (fp32, fp16-mixed, bf16-mixed): same text
+    for replay in ([9.166393280, 9.166395187], [9.131373405, 9.131326675], [9.094511032, 9.094879150]):
+        assert len({format_loss(x) for x in replay}) == 1
+
+
+def test_format_bound_states_the_bound_and_refuses_a_false_one():
+    from handbook_lib.display import format_bound
+
+    assert format_bound(1.1e-07, below=1e-06) == "< 1e-06"
+    assert format_bound(3e-02, above=1e-02) == "> 1e-02"
+    with pytest.raises(ValueError, match="is not below 1e-06"):
+        format_bound(2e-06, below=1e-06)
+    with pytest.raises(ValueError, match="is not above"):
+        format_bound(1e-03, above=1e-02)
+    with pytest.raises(ValueError, match="exactly one"):
+        format_bound(1.0)
