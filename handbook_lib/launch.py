@@ -260,34 +260,38 @@ def _kill_tree(proc: subprocess.Popen, grace_s: float = 5.0, *, mentions: tuple[
     seen: dict[int, psutil.Process] = {}
     ranks = 0
     quiet_walks = 0
-    while agent is not None and quiet_walks < 3:  # three walks in a row without a new process
-        try:
-            children = agent.children(recursive=True)
-            direct = {p.pid for p in agent.children()}
-        except psutil.NoSuchProcess:
-            break
-        fresh = [p for p in children if p.pid not in seen]
-        for p in fresh:
-            seen[p.pid] = p
-            ranks += p.pid in direct
+    try:
+        while agent is not None and quiet_walks < 3:  # three walks in a row without a new process
             try:
-                p.send_signal(signal.SIGTERM)
+                children = agent.children(recursive=True)
+                direct = {p.pid for p in agent.children()}
+            except psutil.NoSuchProcess:
+                break
+            fresh = [p for p in children if p.pid not in seen]
+            for p in fresh:
+                seen[p.pid] = p
+                ranks += p.pid in direct
+                try:
+                    p.send_signal(signal.SIGTERM)
+                except psutil.NoSuchProcess:
+                    pass
+            quiet_walks = 0 if fresh else quiet_walks + 1
+            time.sleep(0.02)
+        alive = _wait_gone(list(seen.values()), grace_s)
+        for p in alive:
+            try:
+                p.kill()
             except psutil.NoSuchProcess:
                 pass
-        quiet_walks = 0 if fresh else quiet_walks + 1
-        time.sleep(0.02)
-    alive = _wait_gone(list(seen.values()), grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    _wait_gone(alive, grace_s)
-    if agent is not None:
-        try:
-            agent.kill()  # SIGKILL ends a stopped process too
-        except psutil.NoSuchProcess:
-            pass
+        _wait_gone(alive, grace_s)
+    finally:
+        # Whatever happened above (even a second Ctrl-C), the frozen agent must not outlive this
+        # call: SIGKILL ends a stopped process too, and its ranks die with it (PR_SET_PDEATHSIG).
+        if agent is not None:
+            try:
+                agent.kill()
+            except psutil.NoSuchProcess:
+                pass
     try:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored

@@ -174,6 +174,11 @@ def test_counted_collectives_follow_the_strategy(case):
 
 
 def test_peak_is_within_ten_percent_and_reported(case):
+    """The peak is the one load-sensitive quantity: gloo runs FSDP2's reduce-scatters
+    asynchronously, and one that finishes late keeps a layer unit's gradient buffer alive into
+    the next phase (+3.2 % on 4 ranks in one chapter-2 execution under load; 0.00 % when idle).
+    Hence the run's 10 % tolerance on ``peak_bytes``; every model-state, unit and collective
+    check stays exact (``test_no_check_is_off_not_even_by_a_byte``)."""
     _, _, result = case
     peaks = [c for c in result.checks if c.quantity == "peak_bytes"]
     assert all(c.tolerance == 0.10 and abs(c.relative_error) <= 0.10 for c in peaks)

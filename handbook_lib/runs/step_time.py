@@ -97,7 +97,7 @@ def run(config: StepTimeConfig, ctx: RankContext) -> RankReport:
         """One training step of variant ``name`` on its next batch; returns its loss."""
         inputs, targets = local_batch(config, step[name], ctx)
         step[name] += 1
-        return float(train_step(models[name], optimizers[name], inputs, targets))
+        return float(train_step(models[name], optimizers[name], inputs, targets, step=step[name]))
 
     for name in names:
         for _ in range(config.warmup):
