@@ -25,6 +25,7 @@ What it guarantees:
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import importlib
 import json
@@ -39,7 +40,6 @@ import sys
 import tempfile
 import time
 from collections import deque
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -277,13 +277,7 @@ def _kill_tree(proc: subprocess.Popen, grace_s: float = 5.0, *, mentions: tuple[
                     pass
             quiet_walks = 0 if fresh else quiet_walks + 1
             time.sleep(0.02)
-        alive = _wait_gone(list(seen.values()), grace_s)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        _wait_gone(alive, grace_s)
+        _kill_and_wait(_wait_gone(list(seen.values()), grace_s), grace_s)
     finally:
         # Whatever happened above (even a second Ctrl-C), the frozen agent must not outlive this
         # call: SIGKILL ends a stopped process too, and its ranks die with it (PR_SET_PDEATHSIG).
@@ -298,14 +292,20 @@ def _kill_tree(proc: subprocess.Popen, grace_s: float = 5.0, *, mentions: tuple[
         pass
     if mentions:
         escaped = _processes_mentioning(mentions, exclude=set(seen) | {proc.pid})
-        for p in escaped:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        _wait_gone(escaped, grace_s)
+        _kill_and_wait(escaped, grace_s)
         seen.update({p.pid: p for p in escaped})
     return len(seen) + (agent is not None), ranks
+
+
+def _kill_and_wait(procs: list[psutil.Process], timeout_s: float) -> None:
+    """SIGKILL every process of ``procs`` still there, and wait up to ``timeout_s`` seconds for
+    them to be gone."""
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    _wait_gone(procs, timeout_s)
 
 
 def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:

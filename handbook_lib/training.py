@@ -65,6 +65,7 @@ __all__ = [
     "check_loss_finite",
 ]
 
+
 class NonFiniteLoss(FloatingPointError):
     """The loss became NaN or infinite: training diverged. The message names the step and rank."""
 
