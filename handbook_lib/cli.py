@@ -59,7 +59,7 @@ from handbook_lib.display import (
 )
 from handbook_lib.hardware import ACCELERATORS, LINKS, get_accelerator, get_link
 from handbook_lib.launch import RunFailed, describe_failed_checks, torchrun
-from handbook_lib.memory import PRECISION_DTYPES, estimate_memory
+from handbook_lib.memory import PHASE_WORDS, PRECISION_DTYPES, estimate_memory
 from handbook_lib.presets import DecoderShape
 from handbook_lib.runs import describe_runs, run_config_fields
 from handbook_lib.sharding import Unit
@@ -74,14 +74,6 @@ MAX_PARAMS = 10**15
 MODEL_KEYS = ("vocab_size", "d_model", "nhead", "dim_feedforward", "num_layers")
 """The ``--set`` keys of ``params`` and ``memory``: the handbook's model's shape."""
 _HYBRID = tuple(s for s in STRATEGIES if s.startswith("HYBRID"))
-_PHASES = {
-    "loss_backward": "the loss's backward, with every activation still saved",
-    "backward_start": "backward begins: the logits' gradient alive, the root unit gathered again",
-    "layer_backward": "the last layer's backward: that layer and the root gathered",
-    "root_reduce": "end of backward: the root's gradients cast and reduce-scattered",
-    "layer_recompute": "a layer's activations recomputed (activation checkpointing)",
-}
-"""What each phase of :func:`~handbook_lib.memory.estimate_memory` is, in plain words."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -343,7 +335,8 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     if est.host:
         rows.append(["host (offloaded)", est.host, format_bytes(est.host)])
     print(Table(["component", "bytes", "human"], rows))
-    print(_wrap(f"peak = the step's largest phase; {est.peak_phase} = {_PHASES.get(est.peak_phase, '')}",
+    what = PHASE_WORDS.get(est.peak_phase, ("", ""))[1]
+    print(_wrap(f"peak = the step's largest phase; {est.peak_phase} = {what}",
                 "  "))
     for note in est.notes:
         if note.startswith("activations not included"):

@@ -46,7 +46,24 @@ __all__ = [
     "fsdp_units", "OPTIMIZER_STATES", "optimizer_states", "optimizer_step_bytes", "COMPONENTS", "PRECISION_DTYPES", "FSDP2_SPELLING",
     "ZERO_STAGES", "ModelStateBytes", "MemoryEstimate", "estimate_model_state_bytes",
     "estimate_zero_memory", "estimate_memory", "estimate_seed_model_state", "min_gpus_to_fit",
+    "PHASE_WORDS",
 ]
+
+PHASE_WORDS: dict[str, tuple[str, str]] = {
+    "loss_backward": ("in the loss's backward",
+                      "the loss's backward, with every activation still saved"),
+    "backward_start": ("as backward starts",
+                       "backward begins: the logits' gradient alive, the root unit gathered again"),
+    "layer_backward": ("in the last layer's backward",
+                       "the last layer's backward: that layer and the root gathered"),
+    "root_reduce": ("at the end of backward",
+                    "end of backward: the root's gradients cast and reduce-scattered"),
+    "layer_recompute": ("while a layer is recomputed",
+                        "a layer's activations recomputed (activation checkpointing)"),
+}
+"""Each phase of :func:`estimate_memory` in plain words: ``(when, what)`` — when it happens, to
+end a sentence ("peak 33.8 GB per GPU in the last layer's backward"), and what is alive then,
+for a legend under a table."""
 
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
 """State tensors per parameter, each the parameter's shape: Adam's two moments, SGD's momentum.

@@ -23,6 +23,7 @@ from handbook_lib.comm import (
 )
 from handbook_lib.hardware import Accelerator, Link, get_accelerator, get_link
 from handbook_lib.memory import (
+    PHASE_WORDS,
     PRECISION_DTYPES,
     estimate_memory,
     estimate_seed_model_state,
@@ -30,19 +31,11 @@ from handbook_lib.memory import (
 )
 from handbook_lib.presets import DecoderShape, get_shape
 
-__all__ = ["Option", "Plan", "plan", "seed_recommendation", "OFFLOAD_LINK", "PHASE_WORDS"]
+__all__ = ["Option", "Plan", "plan", "seed_recommendation", "OFFLOAD_LINK"]
 
 OFFLOAD_LINK = "pcie4"
 """Host link the CPU-offload option moves sharded parameters and gradients over."""
 _ORDER = ("DDP", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
-PHASE_WORDS = {
-    "loss_backward": "in the loss's backward",
-    "backward_start": "as backward starts",
-    "layer_backward": "in the last layer's backward",
-    "root_reduce": "at the end of backward",
-    "layer_recompute": "while a layer is recomputed",
-}
-"""When each phase of :func:`~handbook_lib.memory.estimate_memory` happens, in plain words."""
 
 
 @dataclass(frozen=True)
@@ -245,7 +238,7 @@ def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, bud
         return reasons
     faster = [o for o in options if o.gpus == gpus and o.fits and o is not chosen]
     reasons.append(f"Recommended: {chosen.name} on {chosen.gpus} GPUs — peak {_gb(chosen.peak_bytes)} "
-                   f"per GPU {PHASE_WORDS.get(chosen.peak_phase, chosen.peak_phase)}, step "
+                   f"per GPU {PHASE_WORDS.get(chosen.peak_phase, (chosen.peak_phase,))[0]}, step "
                    f"{chosen.step_s:.3f} s, {chosen.bound}-bound.")
     if chosen.cpu_offload:
         per_node = min(gpus_per_node, chosen.gpus)
