@@ -19,6 +19,7 @@ argument if it is declared with one parameter.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,3 +63,26 @@ class BadInputRow:
             raise ValueError(f"row {self.id!r}: an API row needs raises")
         if not self.fragment:
             raise ValueError(f"row {self.id!r}: fragment must not be empty")
+
+
+def cli(id: str, argv: list[str], fragment: str, exit_code: int = 2, launches: bool = False) -> BadInputRow:
+    """A CLI row: ``main(argv)`` must return ``exit_code`` with ``fragment`` in stderr."""
+    return BadInputRow(id, argv, None, exit_code, None, fragment, launches)
+
+
+def api(id: str, call: Callable[..., object], fragment: str,
+        raises: type[BaseException] = ValueError) -> BadInputRow:
+    """An API row: ``call()`` (or ``call(folder)``) must raise ``raises`` with ``fragment``."""
+    return BadInputRow(id, None, call, None, raises, fragment)
+
+
+def later(module: str, name: str, *args: object, **kwargs: object) -> Callable[[], object]:
+    """``module.name(*args, **kwargs)`` as a zero-argument call, the module imported only when
+    the row runs; ``name`` may be dotted (``"RunConfig.from_mapping"``)."""
+    def call() -> object:
+        target: object = importlib.import_module(module)
+        for part in name.split("."):
+            target = getattr(target, part)
+        return target(*args, **kwargs)  # type: ignore[operator]
+
+    return call

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from tests.bad_input_row import TMP, BadInputRow
+from tests.bad_input_row import TMP, BadInputRow, api, cli, later
 
 RUN = ["run", "fsdp_train", "--quiet"]
 CKPT = ["run", "checkpoint_resume", "--quiet"]
@@ -20,23 +20,8 @@ TINY = ["--set", "vocab_size=101", "--set", "d_model=16", "--set", "nhead=2", "-
         "--set", "num_layers=1", "--set", "seq_len=8"]
 
 
-def cli(id: str, argv: list[str], fragment: str, exit_code: int = 2, launches: bool = False) -> BadInputRow:
-    """A CLI row: ``main(argv)`` must return ``exit_code`` with ``fragment`` in stderr."""
-    return BadInputRow(id, argv, None, exit_code, None, fragment, launches)
-
-
-def api(id: str, call, fragment: str, raises: type[BaseException] = ValueError) -> BadInputRow:
-    """An API row: ``call()`` (or ``call(folder)``) must raise ``raises`` with ``fragment``."""
-    return BadInputRow(id, None, call, None, raises, fragment)
-
-
 def _torchrun(*args, **kwargs):
-    def call():
-        from handbook_lib.launch import torchrun
-
-        return torchrun(*args, **kwargs)
-
-    return call
+    return later("handbook_lib.launch", "torchrun", *args, **kwargs)
 
 
 def _torchrun_out_parent(folder: Path):
@@ -47,21 +32,11 @@ def _torchrun_out_parent(folder: Path):
 
 
 def _config(**values):
-    def call():
-        from handbook_lib.config import RunConfig
-
-        return RunConfig.from_mapping(values)
-
-    return call
+    return later("handbook_lib.config", "RunConfig.from_mapping", values)
 
 
 def _memory(*args, **kwargs):
-    def call():
-        from handbook_lib.memory import estimate_memory
-
-        return estimate_memory(*args, **kwargs)
-
-    return call
+    return later("handbook_lib.memory", "estimate_memory", *args, **kwargs)
 
 
 def _load_missing_checkpoint(folder: Path):

@@ -35,7 +35,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.bad_input_row import TMP, BadInputRow
+from tests.bad_input_row import TMP, BadInputRow, api, cli, later
 
 try:
     from tests.bad_inputs_runs import ROWS as RUN_ROWS
@@ -46,26 +46,12 @@ REPO = Path(__file__).resolve().parent.parent
 MAX_FIRST_LINE = 200
 
 
-def cli(id: str, argv: list[str], fragment: str, exit_code: int = 2, launches: bool = False) -> BadInputRow:
-    """A CLI row: ``main(argv)`` must return ``exit_code`` with ``fragment`` in stderr."""
-    return BadInputRow(id, argv, None, exit_code, None, fragment, launches)
-
-
-def api(id: str, call, fragment: str, raises: type[BaseException] = ValueError) -> BadInputRow:
-    """An API row: ``call()`` must raise ``raises`` with ``fragment`` in its message."""
-    return BadInputRow(id, None, call, None, raises, fragment)
-
-
 def _memory(*args, **kwargs):
-    from handbook_lib.memory import estimate_memory
-
-    return lambda: estimate_memory(*args, **kwargs)
+    return later("handbook_lib.memory", "estimate_memory", *args, **kwargs)
 
 
 def _plan(model="llama2-7b", gpu="h100-80gb", gpus=8, **kwargs):
-    from handbook_lib.strategy import plan
-
-    return lambda: plan(model, gpu, gpus, **kwargs)
+    return later("handbook_lib.strategy", "plan", model, gpu, gpus, **kwargs)
 
 
 def _traffic(**kwargs):
@@ -77,15 +63,7 @@ def _traffic(**kwargs):
 
 
 def _torchrun(*args, **kwargs):
-    from handbook_lib.launch import torchrun
-
-    return lambda: torchrun(*args, **kwargs)
-
-
-def _call(module: str, name: str, *args, **kwargs):
-    import importlib
-
-    return lambda: getattr(importlib.import_module(module), name)(*args, **kwargs)
+    return later("handbook_lib.launch", "torchrun", *args, **kwargs)
 
 
 PLAN = ["plan", "--model", "llama2-7b", "--gpu", "h100-80gb"]
@@ -209,7 +187,7 @@ ROWS: list[BadInputRow] = [
     api("api-memory-micro-batch-alone", _memory(1000, 8, micro_batch=1), "seq_len"),
     api("api-memory-ddp-offload", _memory(1000, 8, "DDP", cpu_offload=True), "cpu_offload"),
     api("api-memory-negative-params", _memory(-1, 8), "model"),
-    api("api-runs-unknown-config", _call("handbook_lib.runs", "run_config_fields", "fsdp-train"), "available runs"),
+    api("api-runs-unknown-config", later("handbook_lib.runs", "run_config_fields", "fsdp-train"), "available runs"),
     api("api-plan-gpus-per-node-0", _plan(gpus=16, gpus_per_node=0), "gpus_per_node"),
     api("api-plan-gpus-per-node-3", _plan(gpus=16, gpus_per_node=3), "gpus_per_node"),
     api("api-plan-gpus-0", _plan(gpus=0), "gpus"),
@@ -219,14 +197,14 @@ ROWS: list[BadInputRow] = [
     api("api-plan-unknown-model", _plan(model="llama9"), "model"),
     api("api-plan-unknown-link", _plan(gpus=16, inter_link="ethernet"), "link"),
     api("api-traffic-group-not-hybrid", _traffic(shard_group_size=2), "shard_group_size"),
-    api("api-shape-unknown", _call("handbook_lib.presets", "get_shape", "gpt5"), "model"),
-    api("api-link-unknown", _call("handbook_lib.hardware", "get_link", "carrier-pigeon"), "link"),
-    api("api-gpu-unknown", _call("handbook_lib.hardware", "get_accelerator", "tpu"), "accelerator"),
-    api("api-config-steps-0", _call("handbook_lib.config", "RunConfig", steps=0), "steps"),
+    api("api-shape-unknown", later("handbook_lib.presets", "get_shape", "gpt5"), "model"),
+    api("api-link-unknown", later("handbook_lib.hardware", "get_link", "carrier-pigeon"), "link"),
+    api("api-gpu-unknown", later("handbook_lib.hardware", "get_accelerator", "tpu"), "accelerator"),
+    api("api-config-steps-0", later("handbook_lib.config", "RunConfig", steps=0), "steps"),
     api("api-config-unknown-key", lambda: __import__("handbook_lib.config").config.RunConfig.from_mapping(
         {"stepz": 3}), "stepz"),
-    api("api-overrides-no-equals", _call("handbook_lib.config", "parse_overrides", ["steps"]), "--set"),
-    api("api-compute-time-no-flops", _call("handbook_lib.comm", "estimate_compute_time", 10**9, 100, 0.0),
+    api("api-overrides-no-equals", later("handbook_lib.config", "parse_overrides", ["steps"]), "--set"),
+    api("api-compute-time-no-flops", later("handbook_lib.comm", "estimate_compute_time", 10**9, 100, 0.0),
         "peak_flops"),
     api("api-torchrun-unknown-run", _torchrun("fsdp-train"), "available runs"),
     api("api-torchrun-nproc-0", _torchrun("fault", 0), "nproc"),
