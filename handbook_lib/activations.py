@@ -127,7 +127,7 @@ def estimate_decoder_activation_bytes(
     _check_positive(micro_batch=micro_batch, seq_len=seq_len)
     sbh = seq_len * micro_batch * shape.d_model
     per_layer = {
-        "none": sbh * 34 + (0 if fused_attention else 5 * shape.num_heads * seq_len**2 * micro_batch),
+        "none": sbh * 34 + (0 if fused_attention else 5 * shape.nhead * seq_len**2 * micro_batch),
         "selective": 34 * sbh,
         "full": 2 * sbh,
     }

@@ -57,13 +57,14 @@ from handbook_lib.display import (
     step_time_summary,
     step_time_table,
 )
-from handbook_lib.hardware import ACCELERATORS, LINKS, get_accelerator, get_link
+from handbook_lib.hardware import ACCELERATORS, LINKS, get_accelerator, get_link, node_preset
 from handbook_lib.launch import RunFailed, describe_failed_checks, torchrun
-from handbook_lib.memory import PHASE_WORDS, PRECISION_DTYPES, estimate_memory
+from handbook_lib.memory import PHASE_WORDS, estimate_memory
+from handbook_lib.planner import check_whole_nodes, plan
 from handbook_lib.presets import DecoderShape
 from handbook_lib.runs import describe_runs, run_config_fields
 from handbook_lib.sharding import Unit
-from handbook_lib.strategy import plan
+from handbook_lib.strategies import get_strategy, strategies_where
 
 __all__ = ["main", "build_parser", "WIDTH", "MAX_PARAMS", "MODEL_KEYS"]
 
@@ -73,7 +74,7 @@ MAX_PARAMS = 10**15
 """Largest ``--params`` accepted: a quadrillion parameters, beyond any model trained so far."""
 MODEL_KEYS = ("vocab_size", "d_model", "nhead", "dim_feedforward", "num_layers")
 """The ``--set`` keys of ``params`` and ``memory``: the handbook's model's shape."""
-_HYBRID = tuple(s for s in STRATEGIES if s.startswith("HYBRID"))
+_HYBRID = strategies_where(hybrid=True)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -198,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpus", type=_whole(1), required=True, help="GPUs in the job")
     pl.add_argument("--seq-len", type=_whole(1), default=2048, help="tokens per sequence (default 2048)")
     pl.add_argument("--micro-batch", type=_whole(1), default=1, help="sequences per GPU per step (default 1)")
-    pl.add_argument("--gpus-per-node", type=_whole(1), default=8, help="GPUs per node (default 8)")
+    pl.add_argument("--gpus-per-node", type=_whole(1), default=None,
+                    help="GPUs per node (default: the GPU's usual node, 8 for the SXM presets)")
     pl.add_argument("--inter-link", default="ib-ndr400", choices=list(LINKS), metavar="L",
                     help=f"link between nodes: one of {', '.join(LINKS)}")
     pl.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS, metavar="P",
@@ -233,7 +235,7 @@ def _run_epilog() -> str:
         own += [_wrap(f"    {k}: {' | '.join(v)}", "      ") for k, v in info.choices.items()]
     lines.append("config keys (--set KEY=VALUE, repeatable; default values shown):")
     lines.append(_wrap(f"  {', '.join(users)} share the run config: " + " ".join(shared), "    "))
-    lines += [_wrap(f"    {k}: {' | '.join(v)}", "      ") for k, v in RunConfig.CHOICES.items()]
+    lines += [_wrap(f"    {k}: {' | '.join(v)}", "      ") for k, v in RunConfig.choices().items()]
     lines += own
     lines.append("example: python -m handbook_lib run fsdp_train --nproc 2 --set steps=3 --out runs/first")
     return "\n".join(lines)
@@ -279,14 +281,15 @@ def _chosen_model(args: argparse.Namespace) -> tuple[int | DecoderShape | ModelC
 
 def _check_sharding(args: argparse.Namespace) -> None:
     """Refuse flags that the chosen strategy would ignore or cannot honour."""
+    row = get_strategy(args.strategy)
     if args.shard_group_size is not None:
-        if args.strategy not in _HYBRID:
+        if not row.hybrid:
             raise ValueError(f"--shard-group-size applies to the HYBRID strategies ({', '.join(_HYBRID)}), "
                              f"not --strategy {args.strategy}")
         if args.world_size % args.shard_group_size:
             raise ValueError(f"--shard-group-size {args.shard_group_size} must divide "
                              f"--world-size {args.world_size}")
-    if args.strategy == "NONE" and args.world_size != 1:
+    if not row.distributed and args.world_size != 1:
         raise ValueError(f"--strategy NONE is one plain process: use --world-size 1, not {args.world_size}")
 
 
@@ -298,9 +301,7 @@ def _assumptions(args: argparse.Namespace, optimizer: str) -> str:
 
 def _cmd_memory(args: argparse.Namespace) -> int:
     _check_sharding(args)
-    if args.cpu_offload and args.strategy in ("NONE", "DDP"):
-        raise ValueError(f"--cpu-offload needs an FSDP strategy (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, "
-                         f"HYBRID_*): {args.strategy} keeps the whole model state on the GPU")
+    get_strategy(args.strategy).check_cpu_offload(args.cpu_offload, flag="--cpu-offload")
     if bool(args.micro_batch) != bool(args.seq_len):
         missing = "--seq-len" if args.micro_batch else "--micro-batch"
         raise ValueError(f"--micro-batch and --seq-len go together: give {missing} too (> 0), or neither")
@@ -356,7 +357,7 @@ def _cmd_comm(args: argparse.Namespace) -> int:
         units, num_params = [Unit("model", ((model,),))], model
     else:
         units, num_params = units_for_decoder(model), model.num_params
-    param_dtype, reduce_dtype = PRECISION_DTYPES[args.precision]
+    param_dtype, reduce_dtype = PRECISIONS[args.precision]
     traffic = estimate_step_traffic(units, args.world_size, args.strategy, param_dtype=param_dtype,
                                     reduce_dtype=reduce_dtype, shard_group_size=args.shard_group_size)
     link = get_link(args.link)
@@ -395,17 +396,16 @@ def _cmd_comm(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
-        raise ValueError(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node "
-                         f"{args.gpus_per_node}")
+    per_node = args.gpus_per_node or node_preset(args.gpu).gpus_per_node
+    check_whole_nodes(args.gpus, per_node, names=("--gpus {}", "--gpus-per-node {}"))
     result = plan(args.model, args.gpu, args.gpus, micro_batch=args.micro_batch, seq_len=args.seq_len,
-                  gpus_per_node=args.gpus_per_node, inter_link=args.inter_link,
+                  gpus_per_node=per_node, inter_link=args.inter_link,
                   precision=args.precision, headroom=args.headroom)
     if args.json:
         print(json.dumps(dataclasses.asdict(result), indent=2))
         return 0
     print(f"model: {result.model}, {result.num_params:,} parameters (--model {args.model})")
-    print(_wrap(f"assumes: {result.gpus} x {result.gpu} ({args.gpus_per_node} per node, "
+    print(_wrap(f"assumes: {result.gpus} x {result.gpu} ({per_node} per node, "
                 f"{args.inter_link} between nodes), {args.precision}, optimizer adamw, micro-batch "
                 f"{args.micro_batch} x {args.seq_len} tokens, {args.headroom:.0%} of GPU memory kept "
                 "free; every strategy priced", "  "))

@@ -28,6 +28,7 @@ from handbook_lib.architecture import ModelConfig
 from handbook_lib.hardware import Link
 from handbook_lib.presets import DecoderShape
 from handbook_lib.sharding import DTYPE_BYTES, Unit, dtype_bytes, fsdp_units
+from handbook_lib.strategies import STRATEGIES, get_strategy, strategies_where
 
 __all__ = [
     "COLLECTIVES", "STRATEGIES", "CollectiveCost", "estimate_collective", "Unit",
@@ -39,11 +40,6 @@ __all__ = [
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 """Collective kinds, spelled as ``torch.distributed`` spells their functions."""
-STRATEGIES = ("NONE", "DDP", "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD",
-              "HYBRID_SHARD_ZERO2")
-"""Training strategies, as in the run-config vocabulary (``handbook_lib.config.STRATEGIES``)."""
-_HYBRID = ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
-_REGATHER = ("FULL_SHARD", "HYBRID_SHARD")  # reshard after forward, so gather again in backward
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -214,18 +210,16 @@ def estimate_step_traffic(
     if not units or not all(isinstance(u, Unit) for u in units):
         raise ValueError(f"units must be a non-empty list of Unit, got {units!r}")
     _check_int("world_size", world_size, 1)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    row = get_strategy(strategy)
     p_size, r_size = _dtype_size("param_dtype", param_dtype), _dtype_size("reduce_dtype", reduce_dtype)
     _check_int("grad_accum_steps", grad_accum_steps, 1)
     group = world_size
-    if strategy in _HYBRID:
+    if row.hybrid:
         _check_int("shard_group_size", shard_group_size, 1)
-        if world_size % shard_group_size:
-            raise ValueError(f"shard_group_size={shard_group_size} must divide world_size={world_size}")
-        group = shard_group_size
+        group = row.shard_group(world_size, shard_group_size)
     elif shard_group_size is not None:
-        raise ValueError(f"shard_group_size applies only to {', '.join(_HYBRID)}, not {strategy!r}")
+        raise ValueError(f"shard_group_size applies only to {', '.join(strategies_where(hybrid=True))}, "
+                         f"not {strategy!r}")
     replicas = world_size // group
 
     records: list[CollectiveRecord] = []
@@ -240,10 +234,10 @@ def estimate_step_traffic(
 
     for m in range(grad_accum_steps):
         sync = sync_every_micro_step or m == grad_accum_steps - 1
-        if strategy == "NONE":
+        if not row.distributed:
             continue
-        if strategy in ("DDP", "NO_SHARD"):
-            if sync and strategy == "DDP":
+        if not row.shards_grads:  # replicas: every gradient all-reduced, whole
+            if sync and row.wrapper == "ddp":  # DDP's buckets: recorded as one collective
                 add("all_reduce", "model", "backward", reduce_dtype,
                     sum(u.numel for u in units) * r_size, world_size)
             elif sync:
@@ -257,11 +251,11 @@ def estimate_step_traffic(
                 add("all_gather", u.name, "forward", param_dtype, padded(u) * p_size, group)
         for u in reversed(units):
             numel = padded(u)
-            if group > 1 and strategy in _REGATHER and (not u.root or root_reshard_after_forward):
+            if group > 1 and row.reshard_after_forward and (not u.root or root_reshard_after_forward):
                 add("all_gather", u.name, "backward", param_dtype, numel * p_size, group)
             if sync and group > 1:
                 add("reduce_scatter", u.name, "backward", reduce_dtype, numel * r_size, group)
-            if sync and strategy in _HYBRID and replicas > 1:
+            if sync and row.hybrid and replicas > 1:
                 add("all_reduce", u.name, "backward", reduce_dtype, numel * r_size // group, replicas)
     if grad_scaler_group is not None and grad_scaler_group > 1:
         m = grad_accum_steps - 1

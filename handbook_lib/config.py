@@ -14,35 +14,98 @@ import difflib
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar, get_type_hints
+from typing import Any, Literal, NamedTuple, TypeVar, get_args, get_origin, get_type_hints
 
 from handbook_lib.architecture import ModelConfig
+from handbook_lib.strategies import STRATEGIES, StrategyName
 
 __all__ = [
+    "lookup",
     "FlatConfig",
     "RunConfig",
     "STRATEGIES",
     "APIS",
+    "Dtype",
+    "DTYPES",
+    "Precision",
     "PRECISIONS",
     "OPTIMIZERS",
     "WRAPS",
     "parse_overrides",
 ]
 
-STRATEGIES = ("NONE", "DDP", "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD",
-              "HYBRID_SHARD_ZERO2")
-"""Sharding strategies, in FSDP1's spelling (plus DDP, and NONE: the plain model in one process,
-the baseline every other strategy must reproduce); FSDP2's spelling is derived from them."""
-APIS = ("fsdp2", "fsdp1")
+_T = TypeVar("_T")
+
+
+def lookup(table: Mapping[str, _T], name: str, what: str) -> _T:
+    """``table[name]``: a preset or a vocabulary value by name.
+
+    Raises:
+        ValueError: ``"<what> must be one of <names>, got <name>"`` for an unknown name.
+    """
+    try:
+        return table[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"{what} must be one of {', '.join(table)}, got {name!r}") from None
+
+
+ApiName = Literal["fsdp2", "fsdp1"]
+APIS: tuple[str, ...] = get_args(ApiName)
 """``fsdp2`` is ``torch.distributed.fsdp.fully_shard``; ``fsdp1`` is ``FullyShardedDataParallel``."""
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")
-WRAPS = ("layer", "model", "size")
+
+
+class Dtype(NamedTuple):
+    """A floating-point element type, as the book names it."""
+
+    bytes: int
+    """Bytes per element."""
+    torch_name: str
+    """The ``torch`` attribute (``torch.float32`` ...): the runtime's only way to it."""
+
+
+DTYPES: dict[str, Dtype] = {
+    "fp32": Dtype(4, "float32"),
+    "bf16": Dtype(2, "bfloat16"),
+    "fp16": Dtype(2, "float16"),
+}
+"""The element types the book uses, by short name: the one dtype table (the pure models read
+the bytes, the runtime the ``torch`` name)."""
+
+
+class Precision(NamedTuple):
+    """A ``precision`` value: the dtype parameters are computed in, and the one gradients are
+    reduced in (FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``)."""
+
+    compute: str
+    """Key of :data:`DTYPES`: unsharded parameters, activations."""
+    reduce: str
+    """Key of :data:`DTYPES`: the gradient all-reduce / reduce-scatter."""
+
+
+PrecisionName = Literal["fp32", "bf16-mixed", "fp16-mixed"]
+PRECISIONS: dict[str, Precision] = {
+    "fp32": Precision("fp32", "fp32"),
+    "bf16-mixed": Precision("bf16", "fp32"),
+    "fp16-mixed": Precision("fp16", "fp32"),
+}
+"""Precision → (compute dtype, reduce dtype). The sharded parameters, the gradients handed to
+the optimizer and the optimizer states stay fp32 in every case. fp16 also needs a gradient
+scaler, whose state (a scale and a step counter) is a few bytes and is not counted."""
+
+OptimizerName = Literal["adamw", "adam", "sgd", "sgd-momentum"]
+OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
+WrapName = Literal["layer", "model", "size"]
+WRAPS: tuple[str, ...] = get_args(WrapName)
 """Wrapping policies: ``layer`` — one FSDP unit per transformer layer plus the root (FSDP1's
 ``transformer_auto_wrap_policy``; what chapters 1–4 use); ``model`` — nothing wrapped but the
 root, one unit holding every parameter; ``size`` — FSDP1's ``size_based_auto_wrap_policy``: a
 submodule whose not-yet-wrapped parameters reach ``wrap_min_params`` becomes a unit (see
 :func:`handbook_lib.sharding.wrap_units`)."""
+
+InitName = Literal["meta", "full"]
+
+if tuple(PRECISIONS) != get_args(PrecisionName):  # pragma: no cover - caught at import
+    raise AssertionError("PrecisionName and PRECISIONS list different precisions")
 
 _C = TypeVar("_C", bound="FlatConfig")
 
@@ -75,18 +138,22 @@ def parse_overrides(items: Iterable[str]) -> dict[str, str]:
 class FlatConfig:
     """Base of every run config: a frozen dataclass of flat, typed, validated keys.
 
-    Subclasses declare fields (``int``, ``float``, ``bool`` or ``str``) and may list accepted
-    values per field in ``CHOICES``. A ``float`` key must be finite: ``nan`` and ``inf`` are
-    refused (an infinite learning rate would only train to NaN).
+    Subclasses declare fields (``int``, ``float``, ``bool``, ``str``, or a ``Literal`` of the
+    accepted strings). A ``float`` key must be finite: ``nan`` and ``inf`` are refused (an
+    infinite learning rate would only train to NaN).
     """
-
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     def __post_init__(self) -> None:
         hints = get_type_hints(type(self))
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             kind = hints[field.name]
+            accepted = get_args(kind) if get_origin(kind) is Literal else None
+            if accepted is not None:
+                if value not in accepted:
+                    raise ValueError(f"config key {field.name!r} got {value!r}; accepted values: "
+                                     f"{', '.join(accepted)}")
+                continue
             ok = (
                 isinstance(value, bool) if kind is bool
                 else isinstance(value, int) and not isinstance(value, bool) if kind is int
@@ -99,11 +166,13 @@ class FlatConfig:
                 )
             if kind is float and not math.isfinite(value):
                 raise ValueError(f"config key {field.name!r} must be a finite number, got {value!r}")
-            accepted = self.CHOICES.get(field.name)
-            if accepted is not None and value not in accepted:
-                raise ValueError(
-                    f"config key {field.name!r} got {value!r}; accepted values: {', '.join(accepted)}"
-                )
+
+    @classmethod
+    def choices(cls) -> dict[str, tuple[str, ...]]:
+        """The accepted values of each ``Literal`` key, e.g. ``{"strategy": ("NONE", ...)}``."""
+        hints = get_type_hints(cls)
+        return {f.name: get_args(hints[f.name]) for f in dataclasses.fields(cls)
+                if get_origin(hints[f.name]) is Literal}
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -129,7 +198,7 @@ class FlatConfig:
         hints = get_type_hints(cls)
         values = {}
         for key, value in mapping.items():
-            if isinstance(value, str) and hints[key] is not str:
+            if isinstance(value, str) and hints[key] is not str and get_origin(hints[key]) is not Literal:
                 try:
                     value = _parse_bool(value) if hints[key] is bool else hints[key](value)
                 except ValueError as err:
@@ -150,20 +219,17 @@ class FlatConfig:
 class RunConfig(FlatConfig):
     """One training experiment, in the book's vocabulary. Units are stated per field."""
 
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
-        "strategy": STRATEGIES,
-        "api": APIS,
-        "precision": PRECISIONS,
-        "optimizer": OPTIMIZERS,
-        "wrap": WRAPS,
-    }
-
     # model (see ModelConfig)
     vocab_size: int = 10_000
+    """Tokens in the vocabulary: rows of the embedding, outputs of the head."""
     d_model: int = 256
+    """Width of the hidden state (elements per token)."""
     nhead: int = 4
+    """Attention heads per layer (must divide ``d_model``)."""
     dim_feedforward: int = 1024
+    """Hidden width of each layer's feed-forward block."""
     num_layers: int = 6
+    """Transformer layers (each one FSDP unit with ``wrap="layer"``)."""
     # data
     batch_size: int = 8
     """Global batch: sequences per step summed over all ranks (must divide by world size)."""
@@ -174,18 +240,22 @@ class RunConfig(FlatConfig):
     seed: int = 0
     """Seeds the model's initial weights and the synthetic data."""
     # sharding
-    strategy: str = "FULL_SHARD"
-    api: str = "fsdp2"
+    strategy: StrategyName = "FULL_SHARD"
+    """How the ranks share the model: a row of :data:`handbook_lib.strategies.STRATEGY_TABLE`."""
+    api: ApiName = "fsdp2"
+    """``fsdp2`` (``fully_shard``) or ``fsdp1`` (``FullyShardedDataParallel``, flat parameters)."""
     shard_group_size: int = 0
     """Ranks that shard one model copy in the HYBRID strategies (0: the ranks of one node)."""
-    wrap: str = "layer"
+    wrap: WrapName = "layer"
     """Which modules become FSDP units: ``layer`` (each transformer layer, then the root),
     ``model`` (the root only: one unit) or ``size`` (FSDP1's size-based policy)."""
     wrap_min_params: int = 100_000
     """With ``wrap="size"``: parameters (elements) a module must hold to become a unit."""
     # numerics
-    precision: str = "fp32"
-    optimizer: str = "adamw"
+    precision: PrecisionName = "fp32"
+    """Compute and reduce dtypes: a key of :data:`PRECISIONS` (sharded state stays fp32)."""
+    optimizer: OptimizerName = "adamw"
+    """``adamw``, ``adam`` (two moments per parameter), ``sgd-momentum`` (one), ``sgd`` (none)."""
     lr: float = 1e-3
     """Learning rate (dimensionless)."""
     grad_scaler: bool = True
@@ -194,9 +264,20 @@ class RunConfig(FlatConfig):
     grad_scale_init: float = 65536.0
     """The scaler's first factor (PyTorch's default, 2**16); a too-large one shows the scaler
     skipping overflowing steps and halving itself."""
+    grad_accum_steps: int = 1
+    """Micro-steps per optimizer step: each rank's share of the global batch is cut into this
+    many micro-batches, and gradients are reduced across ranks only in the last one's backward."""
+    max_grad_norm: float = 0.0
+    """Clip the gradients to this total L2 norm before each optimizer step (0: no clipping)."""
     # memory levers
     activation_checkpointing: bool = False
+    """Recompute each transformer layer's activations in backward instead of keeping them."""
     cpu_offload: bool = False
+    """Keep the sharded parameters, gradients and optimizer states in host memory (FSDP only)."""
+    init: InitName = "meta"
+    """How each rank builds the model: ``meta`` (shapes only, then each rank materialises and
+    fills just what it holds) or ``full`` (the whole seeded model on every rank, then wrapped).
+    The weights are the same; the host memory at init is not (chapter 5)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -211,6 +292,10 @@ class RunConfig(FlatConfig):
             raise ValueError(f"config key 'seed' must be >= 0, got {self.seed}")
         if not self.grad_scale_init > 0:
             raise ValueError(f"config key 'grad_scale_init' must be > 0, got {self.grad_scale_init}")
+        if self.grad_accum_steps < 1:
+            raise ValueError(f"config key 'grad_accum_steps' must be >= 1, got {self.grad_accum_steps}")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"config key 'max_grad_norm' must be >= 0 (0: no clipping), got {self.max_grad_norm}")
         if not self.lr > 0:
             raise ValueError(f"config key 'lr' must be > 0, got {self.lr}")
         self.model_config()  # validates the model keys

@@ -260,9 +260,9 @@ def step_time_summary(result: RunResult) -> str:
     import statistics
 
     rank0 = sorted(result.ranks, key=lambda r: r["rank"])[0]
-    names = [n for n in result.extra["variants"] if n != "DDP"]
+    baseline, *names = result.extra["variants"]  # the baseline (DDP) first
     parts = [f"{n} {statistics.median(rank0['ratio_to_ddp'][n]):.2f}x" for n in names]
-    repeats = len(rank0["ratio_to_ddp"]["DDP"])
+    repeats = len(rank0["ratio_to_ddp"][baseline])
     return f"FSDP/DDP step time (median of {repeats} repeats): " + ", ".join(parts)
 
 

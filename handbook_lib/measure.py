@@ -15,6 +15,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from handbook_lib.config import DTYPES
+
 __all__ = [
     "ParamBytes",
     "local_tensor",
@@ -137,6 +139,10 @@ class StepMemory:
     """The tracker's categories at the peak (bytes), e.g. ``Sharded Param``, ``Activation``."""
     allocator_peak_bytes: int | None = None
     """On CUDA: ``torch.cuda.max_memory_allocated`` over the step (``None`` on CPU)."""
+    held_between_micro_steps: int | None = None
+    """With gradient accumulation: bytes alive after the first micro-step's backward beyond
+    those alive when the step began (the unsharded gradients kept until the last micro-step
+    reduces them); ``None`` without accumulation."""
 
 
 class StepMemoryTracker:
@@ -165,10 +171,33 @@ class StepMemoryTracker:
             self._tracker = FSDPMemTracker(model, optimizer)
         else:  # DDP or a plain module: the generic tracker, told what to watch
             self._tracker = MemTracker()
-            self._tracker.track_external(model, optimizer)
+            # DDP's gradient buckets exist since the wrap; recorded by the parallelize step's
+            # comm hook during the previous step (none before the first backward)
+            buckets = list(getattr(model, "ddp_bucket_buffers", {}).values())
+            self._tracker.track_external(model, optimizer, *buckets)
         self._device = device
         self._activations = 0
+        self._start: int | None = None
+        self._between: int | None = None
         self.result: StepMemory | None = None
+
+    def _current_total(self) -> int:
+        snap = self._tracker.get_tracker_snapshot("current").get(self._device, {})
+        return int(sum(v for k, v in snap.items() if str(getattr(k, "value", k)) != "Total"))
+
+    def mark_start(self) -> None:
+        """Record the bytes alive as the step begins (gradient accumulation: before micro-step 1)."""
+        self._start = self._current_total()
+
+    def mark_between_micro_steps(self) -> None:
+        """Record the bytes alive after the first micro-step's backward."""
+        self._between = self._current_total()
+
+    def next_micro_step(self) -> None:
+        """Let the next forward of the same modules be tracked (gradient accumulation): the
+        trackers follow one forward per module, so their per-module records are cleared; the
+        step's peak and the tensors alive are kept."""
+        self._tracker.reset_mod_stats()
 
     def __enter__(self) -> StepMemoryTracker:
         if self._device.type == "cuda":
@@ -195,6 +224,8 @@ class StepMemoryTracker:
             activation_bytes=self._activations,
             peak_breakdown=breakdown,
             allocator_peak_bytes=allocator,
+            held_between_micro_steps=(self._between - self._start
+                                      if self._start is not None and self._between is not None else None),
         )
 
 
@@ -212,7 +243,8 @@ class CollectiveCall:
     """Ranks in the process group it ran on."""
 
 
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DTYPE_NAMES = {getattr(torch, d.torch_name): name for name, d in DTYPES.items()}
+"""``torch.dtype`` → the book's short name: :data:`handbook_lib.config.DTYPES` read backwards."""
 
 
 def _tensors(arg: object) -> list[torch.Tensor]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from math import prod
 
 from handbook_lib.activations import (
     ActivationBytes,
@@ -28,8 +29,7 @@ from handbook_lib.activations import (
     estimate_decoder_activation_bytes,
 )
 from handbook_lib.architecture import ModelConfig, param_count, param_shapes
-from handbook_lib.config import PRECISIONS, STRATEGIES
-from handbook_lib.names import lookup
+from handbook_lib.config import PRECISIONS, lookup
 from handbook_lib.sharding import (
     DTYPE_BYTES,
     ShardBytes,
@@ -40,16 +40,21 @@ from handbook_lib.sharding import (
     fsdp_units,
     shard_rows,
 )
+from handbook_lib.strategies import STRATEGY_TABLE, get_strategy
 
 __all__ = [
     "DTYPE_BYTES", "ShardBytes", "Unit", "dtype_bytes", "shard_rows", "estimate_shard_bytes",
-    "fsdp_units", "OPTIMIZER_STATES", "optimizer_states", "optimizer_step_bytes", "COMPONENTS", "PRECISION_DTYPES", "FSDP2_SPELLING",
+    "fsdp_units", "OPTIMIZER_STATES", "optimizer_states", "optimizer_step_bytes", "COMPONENTS", "FSDP2_SPELLING",
     "ZERO_STAGES", "ModelStateBytes", "MemoryEstimate", "estimate_model_state_bytes",
     "estimate_zero_memory", "estimate_memory", "estimate_seed_model_state", "min_gpus_to_fit",
-    "PHASE_WORDS",
+    "PHASE_WORDS", "SEED_STRATEGIES", "model_part_numels", "estimate_init_bytes",
+    "estimate_accumulation_bytes",
 ]
 
 PHASE_WORDS: dict[str, tuple[str, str]] = {
+    "forward_start": ("as forward starts",
+                      "forward begins: the root and the first layer gathered, each with its "
+                      "all-gather buffer"),
     "loss_backward": ("in the loss's backward",
                       "the loss's backward, with every activation still saved"),
     "backward_start": ("as backward starts",
@@ -60,6 +65,11 @@ PHASE_WORDS: dict[str, tuple[str, str]] = {
                     "end of backward: the root's gradients cast and reduce-scattered"),
     "layer_recompute": ("while a layer is recomputed",
                         "a layer's activations recomputed (activation checkpointing)"),
+    "head_backward": ("in the output head's backward",
+                      "the output head's backward: the logits' gradient, the head's weight gradients "
+                      "and the hidden states' gradient alive together"),
+    "optimizer_step": ("in the optimizer step",
+                       "the optimizer step: Adam's temporaries of the largest tensor"),
 }
 """Each phase of :func:`estimate_memory` in plain words: ``(when, what)`` — when it happens, to
 end a sentence ("peak 33.8 GB per GPU in the last layer's backward"), and what is alive then,
@@ -72,35 +82,19 @@ OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "s
 apart, as ``optimizer_other``.)
 """
 
-PRECISION_DTYPES: dict[str, tuple[str, str]] = {
-    "fp32": ("fp32", "fp32"),
-    "bf16-mixed": ("bf16", "fp32"),
-    "fp16-mixed": ("fp16", "fp32"),
+FSDP2_SPELLING: dict[str, str] = {s.name: s.fsdp2_spelling for s in STRATEGY_TABLE.values()}
+"""How each FSDP1 ``ShardingStrategy`` is written with FSDP2's ``fully_shard`` (from
+:data:`handbook_lib.strategies.STRATEGY_TABLE`)."""
+
+ZERO_STAGES: dict[int, str | None] = {
+    stage: next((s.name for s in STRATEGY_TABLE.values() if s.zero_stage == stage and not s.hybrid), None)
+    for stage in range(4)
 }
-"""Precision → (compute dtype of unsharded parameters, gradient-reduction dtype), as FSDP2's
-``MixedPrecisionPolicy(param_dtype, reduce_dtype)``. The sharded parameters, the gradients
-handed to the optimizer and the optimizer states stay fp32 in every case. fp16 also needs a
-gradient scaler, whose state (a scale and a step counter) is a few bytes and is not counted."""
+"""DeepSpeed ZeRO stage → the first FSDP strategy with the same sharding (from the strategy
+table): DDP, none, SHARD_GRAD_OP, FULL_SHARD. ZeRO-1 shards only the optimizer states; FSDP has
+no such strategy. ZeRO-2 keeps parameters replicated at rest, while FSDP's SHARD_GRAD_OP shards
+them between steps (both hold them unsharded from forward to backward)."""
 
-FSDP2_SPELLING: dict[str, str] = {
-    "NONE": "the plain module, one process: no wrapper",
-    "DDP": "DistributedDataParallel (or replicate()); not FSDP",
-    "NO_SHARD": "none: FSDP2 has no NO_SHARD; use DDP",
-    "SHARD_GRAD_OP": "fully_shard(m, reshard_after_forward=False)",
-    "FULL_SHARD": "fully_shard(m, reshard_after_forward=True)",
-    "HYBRID_SHARD": "fully_shard(m, mesh=<2-D (replicate, shard) mesh>, reshard_after_forward=True)",
-    "HYBRID_SHARD_ZERO2": "fully_shard(m, mesh=<2-D (replicate, shard) mesh>, reshard_after_forward=False)",
-}
-"""How each FSDP1 ``ShardingStrategy`` is written with FSDP2's ``fully_shard``."""
-
-ZERO_STAGES: dict[int, str | None] = {0: "DDP", 1: None, 2: "SHARD_GRAD_OP", 3: "FULL_SHARD"}
-"""DeepSpeed ZeRO stage → the FSDP strategy with the same sharding. ZeRO-1 shards only the
-optimizer states; FSDP has no such strategy. ZeRO-2 keeps parameters replicated at rest, while
-FSDP's SHARD_GRAD_OP shards them between steps (both hold them unsharded from forward to
-backward)."""
-
-_SHARDED = ("SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
-_RESHARD = ("FULL_SHARD", "HYBRID_SHARD")
 COMPONENTS = ("params", "grads", "optimizer", "unsharded_params", "grad_buffers",
               "activations", "loss_buffers")
 """Names of the per-rank memory components, in the order the book stacks them."""
@@ -250,6 +244,11 @@ def _units_and_activations(model, group, c_name, micro_batch, seq_len, ac, units
     return [], 0, None, 0
 
 
+def _d_model(model) -> int:
+    """Width of the hidden states (0 when unknown)."""
+    return model.d_model if isinstance(model, (ModelConfig, DecoderShape)) else 0
+
+
 def _head_numel(model) -> int:
     """Elements of the output head (its gradients are computed first in backward)."""
     if isinstance(model, ModelConfig):
@@ -275,6 +274,8 @@ def estimate_memory(
     reduce_dtype: str | None = None,
     units: Sequence[Unit] | None = None,
     flat_params: bool = False,
+    backend: str = "nccl",
+    grad_accum_steps: int = 1,
 ) -> MemoryEstimate:
     """Predict one rank's device memory for a training step, by component and phase.
 
@@ -284,7 +285,7 @@ def estimate_memory(
             formula) or a parameter count (model state only: no units, no activations).
         world_size: Ranks in the job.
         strategy: One of :data:`handbook_lib.config.STRATEGIES`.
-        precision: ``fp32``, ``bf16-mixed`` or ``fp16-mixed`` (see :data:`PRECISION_DTYPES`).
+        precision: ``fp32``, ``bf16-mixed`` or ``fp16-mixed`` (see :data:`handbook_lib.config.PRECISIONS`).
         optimizer: One of :data:`OPTIMIZER_STATES`.
         micro_batch: Sequences per rank per step (0: leave activations out).
         seq_len: Tokens per sequence.
@@ -299,43 +300,61 @@ def estimate_memory(
             :func:`handbook_lib.sharding.wrap_units` for the other wrapping policies). Only for
             a :class:`ModelConfig`.
         flat_params: FSDP1's flat parameters: each unit padded once (chapter 5).
+        backend: The process group's backend, ``nccl`` or ``gloo``: gloo's reduce-scatter
+            flattens its input into a temporary copy (one more reduce-dtype copy of the unit).
+        grad_accum_steps: Micro-steps per optimizer step, gradients reduced in the last one
+            only: a strategy that shards gradients then keeps every unsharded gradient until
+            that last micro-step (:func:`estimate_accumulation_bytes`), in every phase but the
+            end of backward.
 
-    The phases (FSDP strategies; DDP, NO_SHARD and NONE — one plain process — keep the full
-    state, and DDP adds its gradient
-    buckets):
+    The phases of a sharding strategy (FSDP2; measured on CPU to within 0.03 %, chapter 2):
 
+    - ``forward_start``: the root gathered (its unsharded parameters, and its all-gather buffer,
+      which FSDP2 keeps until the next unit's all-gather), the embedding's output, and the first
+      layer gathered (2 copies): the peak of SHARD_GRAD_OP with checkpointing and few layers;
     - ``loss_backward``: all activations, plus the loss's two T·V fp32 gradients, plus whatever
       stays unsharded after forward (everything, for SHARD_GRAD_OP);
     - ``backward_start``: the log-softmax output is freed, the logits' gradient (compute dtype)
       is alive, and FULL_SHARD all-gathers the root unit again: its unsharded parameters and
       FSDP's all-gather buffer (2 copies in the compute dtype);
+    - ``head_backward``: the output head's backward: the logits' gradient, the head's weight
+      and bias gradients and the hidden states' gradient alive together;
     - ``layer_backward``: the last layer's backward: the root still unsharded, the head's
       gradients waiting for the root's reduce-scatter, the layer gathered (2 copies);
-    - ``root_reduce``: end of backward: the root's unsharded gradients, their cast to the reduce
-      dtype, and the reduce-scatter input buffer;
+    - ``root_reduce``: end of backward, the larger of two moments: the root's unsharded
+      gradients (compute dtype) copied, and cast on the way, into the reduce-scatter input
+      (reduce dtype: FSDP2 makes no separate cast); then, the gradients freed, that input and
+      the reduce-scatter output (1/N of it), plus gloo's flattened copy of the input;
     - ``layer_recompute`` (with checkpointing): one layer's activations recomputed, its unit
       gathered (2 copies), the root still unsharded.
+
+    The replicating strategies (DDP, NO_SHARD, and NONE, one plain process) are one model: the
+    full state at rest, the same activation phases, plus what each wrapper adds. DDP keeps its
+    gradient buckets (``grad_bucket_copy`` in the strategy table: a second copy of every
+    gradient, r·n, allocated when DDP wraps the model); FSDP1's NO_SHARD all-reduces each unit's
+    flat gradient in place, which autograd concatenates from the parameters' gradients (both
+    alive at the end of backward), and with mixed precision keeps a compute-dtype copy of the
+    root's flat parameters through backward. Their ``optimizer_step`` phase holds Adam's two
+    fp32 temporaries of the largest tensor (PyTorch's per-tensor Adam, the CPU default; CUDA's
+    foreach Adam holds one temporary of every tensor, not modelled).
     """
     check_world(world_size, rank)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    row = get_strategy(strategy)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if cpu_offload and strategy in ("NONE", "DDP"):
-        raise ValueError(f"cpu_offload needs an FSDP strategy (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, "
-                         f"HYBRID_*): {strategy} keeps the whole model state on the device")
+    row.check_cpu_offload(cpu_offload)
     k = optimizer_states(optimizer)
     for name, value in (("micro_batch", micro_batch), ("seq_len", seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     if bool(micro_batch) != bool(seq_len):
         raise ValueError("micro_batch and seq_len must be given together (both > 0) or not at all")
-    group = world_size if strategy in _SHARDED else 1
-    if strategy.startswith("HYBRID"):
-        group = shard_group_size or world_size
-        if world_size % group:
-            raise ValueError(f"shard_group_size={group} must divide world_size={world_size}")
-    c_name, r_name = PRECISION_DTYPES[precision]
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+    if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}")
+    group = row.shard_group(world_size, shard_group_size if row.hybrid else None)
+    c_name, r_name = PRECISIONS[precision]
     c, r = dtype_bytes(c_name), dtype_bytes(reduce_dtype or r_name)
     n = _count(model)
 
@@ -344,7 +363,9 @@ def estimate_memory(
         steps = optimizer_step_bytes(model, optimizer, units if flat_params else None)
     else:
         shard, steps = -(-n // group), 0
-    state = {"params": 4 * shard, "grads": 4 * shard, "optimizer": 4 * k * shard + steps}
+    held = {flag: shard if flag else n for flag in (True, False)}  # elements: sharded or whole
+    state = {"params": 4 * held[row.shards_params], "grads": 4 * held[row.shards_grads],
+             "optimizer": 4 * k * held[row.shards_optimizer] + steps}
     host = 0
     if cpu_offload:
         host, state = sum(state.values()), {key: 0 for key in state}
@@ -355,48 +376,106 @@ def estimate_memory(
                                                        activation_checkpointing, units, flat_params)
     head = _head_numel(model)
     tv = micro_batch * seq_len * vocab
+    hidden = micro_batch * seq_len * _d_model(model)
     act_total = acts.total if acts else 0
     logsoftmax = 4 * tv
 
-    def phase(unsharded=0, grad_buffers=0, activations=0, loss=0):
-        return {**state, "unsharded_params": unsharded, "grad_buffers": grad_buffers,
+    accumulated = (estimate_accumulation_bytes(model, strategy, precision, reduce_dtype=reduce_dtype)
+                   if grad_accum_steps > 1 else 0)
+
+    def phase(unsharded=0, grad_buffers=0, activations=0, loss=0, accumulating=True):
+        return {**state, "unsharded_params": unsharded,
+                "grad_buffers": grad_buffers + (accumulated if accumulating else 0),
                 "activations": activations, "loss_buffers": loss}
 
     notes = []
     if not acts:
         notes.append("activations not included (no micro_batch/seq_len, or no model shape)")
-    if not layers and not root:
+    shape_known = bool(layers or root)
+    if not shape_known and row.shards_params and not row.reshard_after_forward:
+        notes.append(f"unit sizes unknown: {row.name} keeps every unit gathered from forward to "
+                     "backward, counted as P x compute-dtype bytes (no padding); the gather buffers "
+                     "of the unit in flight are not included (give a model shape)")
+    elif not shape_known:
         notes.append("unit sizes unknown: transient unsharded parameters and buffers not included")
     phases: dict[str, dict[str, int]] = {}
-    if strategy in _SHARDED:
-        reshard = strategy in _RESHARD
+    if row.shards_params:
+        reshard = row.reshard_after_forward
         copies = 2 if group > 1 else 1  # all-gather output buffer + unsharded params (1 rank: a copy)
-        everything = c * (sum(layers) + root)
+        # gathered once per step and kept: every unit (padded), or P elements for a bare count
+        everything = c * (sum(layers) + root) if shape_known else c * n
         biggest = max(layers, default=0)
         kept = 0 if reshard else everything
-        cast = r * root if r != c else 0
+        if acts:
+            first = layers[0] if layers else 0
+            phases["forward_start"] = phase(copies * c * (root + first), 0, c * hidden, 0)
         phases["loss_backward"] = phase(kept, 0, act_total, 2 * logsoftmax)
         phases["backward_start"] = phase(copies * c * root if reshard else kept, 0,
                                          act_total - logsoftmax, c * tv)
+        if acts:
+            phases["head_backward"] = phase(c * root if reshard else kept, c * head + c * hidden,
+                                            act_total - logsoftmax, c * tv)
         # first layer backward: the root stays unsharded, its head's gradients wait for the
         # root's reduce-scatter, and the layer is gathered with its gradients being computed
         phases["layer_backward"] = phase(c * root + copies * c * biggest if reshard else kept,
                                          c * head + c * biggest, act_total - logsoftmax, 0)
-        phases["root_reduce"] = phase(0, c * root + cast + r * root, 0, 0)
+        copy_in = c * root + r * root
+        scatter = r * root + r * root // group + (r * root if backend == "gloo" and group > 1 else 0)
+        phases["root_reduce"] = phase(0, max(copy_in, scatter), 0, 0, accumulating=False)
         if activation_checkpointing and acts:
             unsharded = (c * root + copies * c * biggest) if reshard else everything
             phases["layer_recompute"] = phase(unsharded, 0, act_total - logsoftmax + acts.recompute,
                                               c * tv)
     else:
-        buckets = r * n if strategy == "DDP" else 0
-        phases["loss_backward"] = phase(0, 0, act_total, 2 * logsoftmax)
-        phases["backward_start"] = phase(0, buckets, act_total - logsoftmax, c * tv)
-        if strategy == "NO_SHARD":
-            notes.append("NO_SHARD: transients modelled from DDP's design, not measured")
+        buckets = r * n if row.grad_bucket_copy else 0
+        flat_copy = row.wrapper == "fsdp" and c != 4  # FSDP1's compute-dtype flat parameters
+        root_copy = c * root if flat_copy else 0
+        phases["loss_backward"] = phase(0, buckets, act_total, 2 * logsoftmax)
+        phases["backward_start"] = phase(root_copy, buckets, act_total - logsoftmax, c * tv)
+        if acts:
+            phases["head_backward"] = phase(root_copy, buckets + c * head + c * hidden,
+                                            act_total - logsoftmax, c * tv)
+        if row.wrapper == "fsdp" and root:
+            # end of backward: the root's parameters' gradients and the flat gradient autograd
+            # concatenates from them; with mixed precision, the flat gradient's cast to the
+            # reduce dtype beside it is larger
+            phases["root_reduce"] = phase(root_copy, c * root + max(c * root, r * root if flat_copy else 0),
+                                          0, 0)
+        if k == 2:  # Adam: sqrt(v) / bias correction, two fp32 temporaries of the largest tensor
+            if isinstance(model, ModelConfig) and not flat_params:
+                largest = max(prod(shape) for _, shape in param_shapes(model))
+            else:
+                largest = max([*layers, root])
+            phases["optimizer_step"] = phase(0, buckets + 2 * 4 * largest, 0, 0)
     totals = {name: sum(parts.values()) for name, parts in phases.items()}
     peak_phase = max(totals, key=totals.get)
     return MemoryEstimate(components=phases[peak_phase], phases=totals, peak_phase=peak_phase,
                           forward_activations=act_total, host=host, notes=tuple(notes))
+
+
+SEED_STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
+"""The three strategies the seed's memory rule knows."""
+
+
+def estimate_accumulation_bytes(
+    model: int | ModelConfig | DecoderShape,
+    strategy: str = "FULL_SHARD",
+    precision: str = "fp32",
+    *,
+    reduce_dtype: str | None = None,
+) -> int:
+    """Bytes a rank holds between the micro-steps of gradient accumulation, beyond its state at
+    rest: with gradient sync off (FSDP2's ``set_requires_gradient_sync(False)``), a strategy
+    that shards gradients keeps every parameter's *unsharded* gradient, in the reduce dtype,
+    until the last micro-step reduce-scatters it: P·r bytes, where FSDP held P·4/N. A
+    replicating strategy (DDP, NO_SHARD) accumulates in the gradients it holds anyway: 0.
+    """
+    row = get_strategy(strategy)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if not row.shards_grads:
+        return 0
+    return _count(model) * dtype_bytes(reduce_dtype or PRECISIONS[precision].reduce)
 
 
 def estimate_seed_model_state(num_params: int, world_size: int, strategy: str) -> int:
@@ -411,11 +490,78 @@ def estimate_seed_model_state(num_params: int, world_size: int, strategy: str) -
     """
     n = _count(num_params)
     check_world(world_size)
-    formulas = {"NO_SHARD": 16 * n, "SHARD_GRAD_OP": 4 * n + 12 * n // world_size,
-                "FULL_SHARD": 16 * n // world_size}
-    if strategy not in formulas:
-        raise ValueError(f"strategy must be one of {', '.join(formulas)} (the seed's three), got {strategy!r}")
-    return formulas[strategy]
+    if strategy not in SEED_STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(SEED_STRATEGIES)} (the seed's three), "
+                         f"got {strategy!r}")
+    row = get_strategy(strategy)
+    # bytes per parameter: 4 (fp32 weight) + 4 (gradient) + 8 (Adam's two moments); the seed
+    # counts parameters as sharded only when they are freed after forward (FULL_SHARD)
+    parts = ((4, row.reshard_after_forward), (4, row.shards_grads), (8, row.shards_optimizer))
+    whole = sum(b for b, sharded in parts if not sharded)
+    split = sum(b for b, sharded in parts if sharded)
+    return whole * n + split * n // world_size
+
+
+def model_part_numels(model: ModelConfig) -> dict[str, int]:
+    """Elements of each top-level part of the handbook's model, in construction order:
+    ``embedding``, ``layers.0`` … ``output`` (as :func:`handbook_lib.model.model_parts` builds them)."""
+    parts: dict[str, int] = {}
+    for name, shape in param_shapes(model):
+        head = name.split(".")
+        part = ".".join(head[:2]) if head[0] == "layers" else head[0]
+        numel = 1
+        for size in shape:
+            numel *= size
+        parts[part] = parts.get(part, 0) + numel
+    return parts
+
+
+def estimate_init_bytes(
+    model: ModelConfig,
+    world_size: int,
+    strategy: str = "FULL_SHARD",
+    init: str = "meta",
+    *,
+    rank: int = 0,
+    shard_group_size: int | None = None,
+    units: Sequence[Unit] | None = None,
+) -> int:
+    """Peak bytes a rank holds while :func:`handbook_lib.parallelize.parallelize` builds and
+    wraps the model (fp32, FSDP2, DDP or one process), exact to the byte.
+
+    ``meta``: the rank materialises only what it keeps — its padded parameter shards with a
+    sharding strategy, the whole model otherwise — plus one top-level part
+    (:func:`model_part_numels`) built on the CPU to copy its values in. ``full``: every rank
+    first builds the whole seeded model (4 bytes per parameter); FSDP2 then shards unit by unit,
+    deepest first, and the peak comes with the first unit's shards, while every original is
+    still alive. FSDP's device mesh keeps one 4-byte rank id per rank. DDP allocates its
+    gradient buckets (a copy of every gradient, the strategy table's ``grad_bucket_copy``) when
+    it wraps, after the part is dropped: the peak is the larger of the two moments. FSDP1,
+    which flattens as it materialises, is measured but not predicted.
+
+    Args:
+        units: The FSDP units, root first (default: one per layer, :func:`fsdp_units`).
+    """
+    row = get_strategy(strategy)
+    check_world(world_size, rank)
+    if init not in ("meta", "full"):
+        raise ValueError(f"init must be 'meta' or 'full', got {init!r}")
+    n = param_count(model)
+    group = row.shard_group(world_size, shard_group_size if row.hybrid else None)
+    buckets = 4 * n if row.grad_bucket_copy else 0  # allocated by DDP's wrap, after the init
+    mesh = 4 * world_size if row.wrapper == "fsdp" else 0
+    if init == "full":
+        first = 0
+        if row.shards_params:
+            units = list(units) if units is not None else fsdp_units(model)
+            order = sorted((u for u in units if not u.root), key=lambda u: -u.name.count("."))
+            unit = next((u for u in order if u.numel), units[0])
+            first = 4 * unit.padded_numel(group) // group
+        return 4 * n + max(first + mesh, buckets)
+    held = 4 * n
+    if row.shards_params:
+        held = estimate_shard_bytes(model, group, rank % group).padded_bytes
+    return held + max(4 * max(model_part_numels(model).values()) + mesh, buckets)
 
 
 def min_gpus_to_fit(

@@ -16,6 +16,8 @@ parameters whose counts the book derives by hand.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -26,6 +28,7 @@ __all__ = [
     "ModelConfig",
     "TransformerLayer",
     "SimpleTransformer",
+    "model_parts",
     "build_model",
     "count_parameters",
     "param_shapes",
@@ -66,12 +69,10 @@ class SimpleTransformer(nn.Module):
     def __init__(self, config: ModelConfig = ModelConfig()) -> None:
         super().__init__()
         self.config = config
-        self.embedding = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(
-            TransformerLayer(config.d_model, config.nhead, config.dim_feedforward)
-            for _ in range(config.num_layers)
-        )
-        self.output = nn.Linear(config.d_model, config.vocab_size)
+        made = {name: make() for name, make in model_parts(config)}  # in the RNG's order
+        self.embedding = made["embedding"]
+        self.layers = nn.ModuleList(made[f"layers.{i}"] for i in range(config.num_layers))
+        self.output = made["output"]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq = tokens.shape[1]
@@ -81,6 +82,22 @@ class SimpleTransformer(nn.Module):
         for layer in self.layers:
             x = layer(x, attn_mask=mask)
         return self.output(x)
+
+
+def model_parts(config: ModelConfig) -> list[tuple[str, Callable[[], nn.Module]]]:
+    """The model's top-level parts, ``(name, constructor)``, in the order
+    :class:`SimpleTransformer` builds them: ``embedding``, ``layers.0`` ... ``layers.{L-1}``,
+    ``output``.
+
+    Each constructor draws its initial weights from torch's global random generator, so building
+    the parts one by one in this order from the same seed gives the very weights of
+    ``build_model(config, seed=...)``: :func:`handbook_lib.parallelize.seeded_parts` uses that to
+    initialise a model built on the meta device without ever holding all of it.
+    """
+    layer = lambda: TransformerLayer(config.d_model, config.nhead, config.dim_feedforward)  # noqa: E731
+    return [("embedding", lambda: nn.Embedding(config.vocab_size, config.d_model)),
+            *((f"layers.{i}", layer) for i in range(config.num_layers)),
+            ("output", lambda: nn.Linear(config.d_model, config.vocab_size))]
 
 
 def build_model(config: ModelConfig = ModelConfig(), *, seed: int | None = None) -> SimpleTransformer:

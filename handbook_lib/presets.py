@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from handbook_lib.names import lookup
+from handbook_lib.config import lookup
 
 __all__ = ["DecoderShape", "DECODER_SHAPES", "get_shape"]
 
@@ -21,12 +21,12 @@ class DecoderShape:
     name: str
     num_layers: int
     d_model: int
-    num_heads: int
+    nhead: int
     vocab_size: int = 50_257
-    ffn_dim: int = 0
+    dim_feedforward: int = 0
     """Hidden width of the feed-forward block (0: 4·d_model, GPT-style)."""
     num_kv_heads: int = 0
-    """Key/value heads (grouped-query attention); 0: as many as ``num_heads``."""
+    """Key/value heads (grouped-query attention); 0: as many as ``nhead``."""
     gated_mlp: bool = False
     """SwiGLU-style feed-forward with three projections (Llama) instead of two (GPT)."""
     tied_embeddings: bool = True
@@ -41,27 +41,27 @@ class DecoderShape:
     """Where the shape comes from."""
 
     def __post_init__(self) -> None:
-        for key in ("num_layers", "d_model", "num_heads", "vocab_size"):
+        for key in ("num_layers", "d_model", "nhead", "vocab_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"DecoderShape.{key} must be >= 1, got {getattr(self, key)}")
-        if self.d_model % self.num_heads or self.num_heads % self.kv_heads:
-            raise ValueError("num_heads must divide d_model, and num_kv_heads must divide num_heads")
+        if self.d_model % self.nhead or self.nhead % self.kv_heads:
+            raise ValueError("nhead must divide d_model, and num_kv_heads must divide nhead")
 
     @property
     def ffn(self) -> int:
         """The feed-forward width in use."""
-        return self.ffn_dim or 4 * self.d_model
+        return self.dim_feedforward or 4 * self.d_model
 
     @property
     def kv_heads(self) -> int:
         """The key/value heads in use."""
-        return self.num_kv_heads or self.num_heads
+        return self.num_kv_heads or self.nhead
 
     @property
     def layer_params(self) -> int:
         """Parameters of one transformer layer (one FSDP unit)."""
         d, f = self.d_model, self.ffn
-        kv = d * self.kv_heads // self.num_heads
+        kv = d * self.kv_heads // self.nhead
         attention = 2 * d * d + 2 * d * kv + (2 * d + 2 * kv if self.bias else 0)
         mlp = (3 if self.gated_mlp else 2) * d * f + ((f + d) if self.bias else 0)
         norms = 2 * d * (2 if self.bias else 1)
@@ -97,11 +97,11 @@ class DecoderShape:
 
 _LLAMA2 = "Touvron et al. 2023, Llama 2 paper, Table 1 and the released configs"
 DECODER_SHAPES: dict[str, DecoderShape] = {
-    "llama2-7b": DecoderShape("Llama-2 7B", 32, 4096, 32, 32_000, ffn_dim=11_008, gated_mlp=True,
+    "llama2-7b": DecoderShape("Llama-2 7B", 32, 4096, 32, 32_000, dim_feedforward=11_008, gated_mlp=True,
                               tied_embeddings=False, published_params=6_738_415_616, source=_LLAMA2),
-    "llama2-13b": DecoderShape("Llama-2 13B", 40, 5120, 40, 32_000, ffn_dim=13_824, gated_mlp=True,
+    "llama2-13b": DecoderShape("Llama-2 13B", 40, 5120, 40, 32_000, dim_feedforward=13_824, gated_mlp=True,
                                tied_embeddings=False, published_params=13_015_864_320, source=_LLAMA2),
-    "llama2-70b": DecoderShape("Llama-2 70B", 80, 8192, 64, 32_000, ffn_dim=28_672, num_kv_heads=8,
+    "llama2-70b": DecoderShape("Llama-2 70B", 80, 8192, 64, 32_000, dim_feedforward=28_672, num_kv_heads=8,
                                gated_mlp=True, tied_embeddings=False, published_params=68_976_648_192,
                                source=_LLAMA2),
     "gpt3-175b": DecoderShape("GPT-3 175B", 96, 12_288, 96, 50_257, bias=True, max_positions=2048,

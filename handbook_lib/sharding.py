@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from math import prod
 
 from handbook_lib.architecture import ModelConfig, param_shapes
-from handbook_lib.config import WRAPS
-from handbook_lib.names import lookup
+from handbook_lib.config import DTYPES, WRAPS, lookup
 
 __all__ = [
     "DTYPE_BYTES",
@@ -37,8 +36,9 @@ __all__ = [
     "estimate_flat_shard_bytes",
 ]
 
-DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
-"""Bytes per element of each floating-point dtype the book uses."""
+DTYPE_BYTES: dict[str, int] = {name: d.bytes for name, d in DTYPES.items()}
+"""Bytes per element of each floating-point dtype the book uses (from
+:data:`handbook_lib.config.DTYPES`)."""
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -150,7 +150,7 @@ class Unit:
 
 
 def fsdp_units(config: ModelConfig) -> list[Unit]:
-    """The units :func:`handbook_lib.training.apply_fsdp2` creates, in forward order.
+    """The units :func:`handbook_lib.parallelize.apply_fsdp2` creates, in forward order.
 
     The root unit first (the embedding and the output head: what no layer holds; it is gathered
     first in forward), then one unit per transformer layer (``layers.0`` ...).

@@ -1,8 +1,9 @@
-"""Build, shard and train the model on one rank: the runtime behind every training run.
+"""Train the model on one rank: the data, the optimizer and the one training loop of every run.
 
-Chapter 1 introduces it (FSDP2 with ``fully_shard``, per layer then the root); chapter 5 adds the
-other strategies and levers: the plain one-process baseline (``NONE``), DDP, FSDP1's
-``FullyShardedDataParallel``, the wrapping policies, fp16 with a gradient scaler.
+The model comes from :func:`handbook_lib.parallelize.parallelize` (built once, wrapped once).
+Chapter 1 introduces the loop; chapter 5 adds its levers: fp16 with a gradient scaler, gradient
+accumulation (micro-steps without gradient sync) and gradient clipping over sharded gradients;
+chapter 6 saves checkpoints from its per-step hook.
 
 Data are synthetic and made in code, the same on every machine: each sequence follows
 ``next = (3 * token + 1) mod vocab_size`` from a random start, so the loss has something to learn
@@ -13,18 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn import functional as F
 from tqdm import tqdm
 
@@ -37,30 +34,21 @@ from handbook_lib.measure import (
     StepMemoryTracker,
     local_tensor,
 )
-from handbook_lib.model import SimpleTransformer, TransformerLayer, build_model
-from handbook_lib.sharding import wrap_units
+from handbook_lib.strategies import get_strategy
 
 __all__ = [
-    "FSDP2_STRATEGIES",
     "TrainLog",
+    "StepEnd",
     "make_batch",
     "local_slice",
     "local_batch",
-    "build_mesh",
-    "build_mp_policy",
     "build_optimizer",
-    "apply_activation_checkpointing",
-    "apply_fsdp2",
-    "build_fsdp2_model",
-    "build_fsdp1_model",
-    "build_ddp_model",
-    "build_plain_model",
-    "build_training_model",
     "build_grad_scaler",
     "grad_zero_fraction",
+    "clip_grad_norm",
+    "full_grad_norm",
     "train_step",
     "train",
-    "shard_group",
     "NonFiniteLoss",
     "check_loss_finite",
 ]
@@ -88,16 +76,6 @@ def check_loss_finite(loss: float, step: int | None = None, rank: int | None = N
     where = f" at step {step}" if step is not None else ""
     raise NonFiniteLoss(f"loss is {loss}{where} on rank {rank}: training diverged (lr too large? fp16 "
                         f"without a gradient scaler?)")
-
-
-FSDP2_STRATEGIES: dict[str, bool] = {
-    "FULL_SHARD": True,
-    "SHARD_GRAD_OP": False,
-    "HYBRID_SHARD": True,
-    "HYBRID_SHARD_ZERO2": False,
-}
-"""FSDP1 strategy name → FSDP2's ``reshard_after_forward``. The HYBRID strategies also use a
-2-D (replicate, shard) mesh (see :func:`build_mesh`)."""
 
 
 def make_batch(config: RunConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,52 +114,6 @@ def local_batch(config: RunConfig, step: int, ctx: RankContext) -> tuple[torch.T
             local_slice(targets, ctx.rank, ctx.world_size).to(ctx.device))
 
 
-def shard_group(config: RunConfig, world_size: int) -> int:
-    """Ranks that shard one copy of the model: ``shard_group_size`` for HYBRID strategies (0
-    means all ranks of a node, torchrun's ``LOCAL_WORLD_SIZE``), 1 for DDP and NO_SHARD (no
-    sharding), else the whole world.
-
-    Raises:
-        ValueError: if the group does not divide the world size.
-    """
-    if config.strategy in ("DDP", "NO_SHARD"):
-        return 1
-    if not config.strategy.startswith("HYBRID"):
-        return world_size
-    group = config.shard_group_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if group < 1 or world_size % group:
-        raise ValueError(
-            f"shard_group_size={group} must be >= 1 and divide the number of ranks {world_size}"
-        )
-    return group
-
-
-def build_mesh(config: RunConfig, ctx: RankContext) -> DeviceMesh:
-    """The device mesh FSDP shards over: 1-D over all ranks, or 2-D (replicate, shard) for HSDP."""
-    if not config.strategy.startswith("HYBRID"):
-        return init_device_mesh(ctx.device.type, (ctx.world_size,))
-    group = shard_group(config, ctx.world_size)
-    return init_device_mesh(ctx.device.type, (ctx.world_size // group, group),
-                            mesh_dim_names=("replicate", "shard"))
-
-
-_COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
-
-
-def build_mp_policy(precision: str) -> MixedPrecisionPolicy | None:
-    """FSDP2 mixed-precision policy for a ``precision`` value (``None`` for fp32).
-
-    ``bf16-mixed`` / ``fp16-mixed`` compute in bf16 / fp16 (parameters are all-gathered in that
-    dtype) and reduce gradients in fp32; the sharded parameters and the optimizer stay fp32.
-    fp16 also needs a gradient scaler (:func:`build_grad_scaler`).
-    """
-    if precision == "fp32":
-        return None
-    if precision in _COMPUTE_DTYPES:
-        return MixedPrecisionPolicy(param_dtype=_COMPUTE_DTYPES[precision], reduce_dtype=torch.float32)
-    raise ValueError(f"precision must be fp32, bf16-mixed or fp16-mixed; got {precision!r}")
-
-
 def build_grad_scaler(config: RunConfig, ctx: RankContext) -> torch.amp.GradScaler | None:
     """The gradient scaler fp16 needs, or ``None`` (fp32, bf16, or ``grad_scaler=False``).
 
@@ -194,7 +126,7 @@ def build_grad_scaler(config: RunConfig, ctx: RankContext) -> torch.amp.GradScal
     """
     if config.precision != "fp16-mixed" or not config.grad_scaler:
         return None
-    if config.api == "fsdp1" and config.strategy not in ("NONE", "DDP"):
+    if config.api == "fsdp1" and get_strategy(config.strategy).wrapper == "fsdp":
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(device=ctx.device.type, init_scale=config.grad_scale_init)
@@ -212,163 +144,6 @@ def build_optimizer(params, name: str, lr: float) -> torch.optim.Optimizer:
     if name == "sgd-momentum":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
     raise ValueError(f"optimizer must be one of adamw, adam, sgd, sgd-momentum; got {name!r}")
-
-
-def apply_activation_checkpointing(model: SimpleTransformer) -> None:
-    """Wrap each :class:`TransformerLayer` so its activations are recomputed in backward."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    for i, layer in enumerate(model.layers):
-        model.layers[i] = checkpoint_wrapper(layer)
-
-
-def apply_fsdp2(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    *,
-    reshard_after_forward: bool = True,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    offload_policy: OffloadPolicy | None = None,
-    units: list[nn.Module] | None = None,
-) -> None:
-    """Shard ``model`` in place: ``fully_shard`` each unit's module, then the root.
-
-    By default every transformer layer becomes one FSDP unit (all-gathered just before it
-    runs, freed after) and the root unit holds what is left, the embedding and the output head.
-    ``units`` names other modules instead (children before parents, as
-    :func:`handbook_lib.sharding.wrap_units` lists them in forward order): ``[]`` leaves one
-    unit, the root, holding every parameter.
-    """
-    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
-    if offload_policy is not None:
-        kwargs["offload_policy"] = offload_policy
-    if units is None:
-        units = [m for m in model.modules() if isinstance(m, TransformerLayer)]
-    # fully_shard a child before its parent: the parent's unit then skips the child's parameters
-    depth = {id(m): name.count(".") for name, m in model.named_modules() if name}
-    for module in sorted(units, key=lambda m: -depth[id(m)]):
-        fully_shard(module, **kwargs)
-    fully_shard(model, **kwargs)
-
-
-def _unit_modules(model: SimpleTransformer, config: RunConfig) -> list[nn.Module]:
-    """The modules the run's wrapping policy makes units of (root excluded), found by name
-    before any activation-checkpointing wrapper changes the paths."""
-    names = [u.name for u in wrap_units(config.model_config(), config.wrap, config.wrap_min_params)
-             if not u.root]
-    return [model.get_submodule(name) for name in names]
-
-
-def build_fsdp2_model(config: RunConfig, ctx: RankContext) -> nn.Module:
-    """Build the model with the run's seed on the CPU, then shard it with FSDP2 on ``ctx.device``.
-
-    Raises:
-        ValueError: for a strategy or precision this FSDP2 path does not implement.
-    """
-    if config.strategy not in FSDP2_STRATEGIES:
-        raise ValueError(
-            f"strategy {config.strategy!r} is not available with api='fsdp2'; "
-            f"accepted: {', '.join(FSDP2_STRATEGIES)}"
-        )
-    model = build_model(config.model_config(), seed=config.seed)
-    units = _unit_modules(model, config)
-    if config.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    # The output head returns a view (nn.Linear on a 3-D input); FSDP2 warns that an in-place op
-    # on it would skip a hook. Nothing here modifies the logits in place, so silence that warning.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if config.cpu_offload else None
-    if offload is None:
-        model.to(ctx.device)
-    apply_fsdp2(
-        model,
-        build_mesh(config, ctx),
-        reshard_after_forward=FSDP2_STRATEGIES[config.strategy],
-        mp_policy=build_mp_policy(config.precision),
-        offload_policy=offload,
-        units=units,
-    )
-    return model
-
-
-FSDP1_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
-"""Strategies of FSDP1's ``ShardingStrategy`` (HYBRID_SHARD_ZERO2 is its ``_HYBRID_SHARD_ZERO2``)."""
-
-
-def build_fsdp1_model(config: RunConfig, ctx: RankContext) -> nn.Module:
-    """The seeded model wrapped with FSDP1's ``FullyShardedDataParallel`` on ``ctx.device``.
-
-    This is the seed's ``wrap_model_with_fsdp``, made device-aware: ``device_id`` is the rank's
-    device (FSDP1 refuses a CPU model without ``device_id=torch.device("cpu")``), the HYBRID
-    strategies get an explicit 2-D mesh (without one FSDP1 silently shards within groups of one
-    rank and never syncs gradients across them), and the wrapping policy follows ``wrap``:
-    ``transformer_auto_wrap_policy`` on :class:`TransformerLayer`, none (one unit), or
-    ``size_based_auto_wrap_policy``. Parameters are flattened per unit (``use_orig_params=False``).
-    """
-    import functools
-
-    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
-
-    if config.strategy not in FSDP1_STRATEGIES:
-        raise ValueError(f"strategy {config.strategy!r} is not available with api='fsdp1'; "
-                         f"accepted: {', '.join(FSDP1_STRATEGIES)}")
-    policy = {
-        "layer": functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerLayer}),
-        "model": None,
-        "size": functools.partial(size_based_auto_wrap_policy, min_num_params=config.wrap_min_params),
-    }[config.wrap]
-    strategy = ShardingStrategy["_HYBRID_SHARD_ZERO2" if config.strategy == "HYBRID_SHARD_ZERO2"
-                                else config.strategy]
-    mixed = None
-    if config.precision in _COMPUTE_DTYPES:
-        dtype = _COMPUTE_DTYPES[config.precision]
-        mixed = MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype)
-    if config.cpu_offload and ctx.device.type == "cpu":
-        raise ValueError("FSDP1's CPUOffload pins host memory, which needs an accelerator: on a "
-                         "CPU-only machine use api='fsdp2' (CPUOffloadPolicy(pin_memory=False))")
-    model = build_model(config.model_config(), seed=config.seed)
-    if config.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    warnings.filterwarnings("ignore", message=r".*NO_SHARD.* is deprecated")  # said in chapter 5
-    return FSDP(
-        model,
-        sharding_strategy=strategy,
-        auto_wrap_policy=policy,
-        mixed_precision=mixed,
-        cpu_offload=CPUOffload(offload_params=True) if config.cpu_offload else None,
-        device_id=ctx.device,
-        device_mesh=build_mesh(config, ctx) if config.strategy.startswith("HYBRID") else None,
-        use_orig_params=False,
-    )
-
-
-def build_plain_model(config: RunConfig, ctx: RankContext) -> nn.Module:
-    """The seeded model on ``ctx.device``, unwrapped: strategy ``NONE``, one process."""
-    model = build_model(config.model_config(), seed=config.seed).to(ctx.device)
-    if config.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    return model
-
-
-def build_training_model(config: RunConfig, ctx: RankContext) -> nn.Module:
-    """The model the run config asks for: plain (``NONE``), DDP, FSDP2 or FSDP1.
-
-    Raises:
-        ValueError: for a combination no builder implements (e.g. ``NONE`` on several ranks).
-    """
-    if config.strategy == "NONE":
-        if ctx.world_size != 1:
-            raise ValueError(f"strategy 'NONE' is one plain process; got {ctx.world_size} ranks")
-        return build_plain_model(config, ctx)
-    if config.strategy == "DDP":
-        return build_ddp_model(config, ctx)
-    if config.api == "fsdp1":
-        return build_fsdp1_model(config, ctx)
-    return build_fsdp2_model(config, ctx)
 
 
 def grad_zero_fraction(model: nn.Module) -> float:
@@ -404,20 +179,6 @@ class _ProgressLines:
         sys.stderr.flush()
 
 
-def build_ddp_model(config: RunConfig, ctx: RankContext) -> nn.Module:
-    """The seeded model, replicated with ``DistributedDataParallel`` (the chapter-3 baseline).
-
-    DDP all-reduces the gradients in buckets during backward; every rank keeps the full
-    parameters, gradients and optimizer states.
-    """
-    from torch.nn.parallel import DistributedDataParallel
-
-    model = build_model(config.model_config(), seed=config.seed).to(ctx.device)
-    if config.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    return DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-
-
 @dataclass(frozen=True)
 class TrainLog:
     """What :func:`train` observed, per step."""
@@ -437,6 +198,96 @@ class TrainLog:
     """Per step, the gradient scaler's factor used in that step (empty without a scaler)."""
     skipped_steps: list[int] = field(default_factory=list)
     """Steps whose optimizer step the scaler skipped (inf/NaN gradients found)."""
+    grad_norm: list[float] = field(default_factory=list)
+    """Per step, the total L2 norm of the global batch's gradient before clipping (only with
+    ``max_grad_norm`` > 0)."""
+    grad_norm_full: float | None = None
+    """With clipping, on the first step: the same norm computed as one process would, from the
+    whole gradient gathered to this rank (see :func:`full_grad_norm`)."""
+    steps: list[int] = field(default_factory=list)
+    """The optimizer step (1-based, counted from the job's start) of each entry of ``losses``."""
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """What the per-step hook of :func:`train` is told after each optimizer step."""
+
+    step: int
+    """Optimizer steps done, counted from the job's start (1-based)."""
+    loss: float
+    """The global batch's mean loss of that step (nats per token)."""
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+def _total_norm(grads: list[torch.Tensor]) -> float:
+    """The L2 norm of all ``grads`` together, each tensor's summed in float64 (a DTensor's norm
+    is reduced across its mesh by ``full_tensor()``)."""
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
+    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Clip the gradients to a total L2 norm of ``max_norm``; return the norm before clipping.
+
+    The norm is the whole model's, over every rank's shard: FSDP2's gradients are DTensors,
+    whose norms are reduced across the mesh; DDP and a plain module hold whole gradients; FSDP1
+    needs its own ``FullyShardedDataParallel.clip_grad_norm_``. As ``clip_grad_norm_`` does,
+    gradients are scaled by ``max_norm / (norm + 1e-6)`` when that is below 1 — but each
+    tensor's norm is summed in float64: ``clip_grad_norm_``'s fp32 sums drift by about 1e-4
+    relative on a 2.56M-element gradient on a CPU (chapter 5), more than sharding changes.
+    The same gradient then gives the same norm on one process and on N ranks.
+    """
+    if _is_fsdp1(model):
+        return float(model.clip_grad_norm_(max_norm))
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    total = _total_norm(grads)
+    coefficient = max_norm / (total + 1e-6)
+    if coefficient < 1:
+        for g in grads:
+            g.mul_(coefficient)
+    return total
+
+
+def _is_fsdp1(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    return isinstance(model, FSDP1)
+
+
+def full_grad_norm(model: nn.Module) -> float:
+    """The total L2 norm of the gradient as one process computes it: every gradient made
+    whole first (a DTensor's ``full_tensor()``, an all-gather), then each tensor's norm summed
+    in float64, as :func:`clip_grad_norm` does with the shards.
+
+    A check on :func:`clip_grad_norm`, which combines the norms of the shards across ranks
+    instead. Gathering costs a copy of every gradient; FSDP1's flat gradients are not DTensors
+    and are refused.
+
+    Raises:
+        TypeError: for an FSDP1 model.
+    """
+    if _is_fsdp1(model):
+        raise TypeError("full_grad_norm needs DTensor or whole gradients; FSDP1's are flat shards")
+    return _total_norm([p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                        for p in model.parameters() if p.grad is not None])
+
+
+def _gradient_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+    """Turn the gradient reduction of the next backward on or off (gradient accumulation).
+
+    FSDP2: ``set_requires_gradient_sync``; DDP and FSDP1: their ``no_sync()`` context; a plain
+    module has nothing to sync.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    if not sync and hasattr(model, "no_sync"):
+        return model.no_sync()
+    return contextlib.nullcontext()
 
 
 def train_step(
@@ -449,36 +300,82 @@ def train_step(
     scaler: torch.amp.GradScaler | None = None,
     after_backward: Callable[[nn.Module], None] | None = None,
     step: int | None = None,
+    grad_accum_steps: int = 1,
+    max_grad_norm: float = 0.0,
+    grad_norms: list[float] | None = None,
+    full_norms: list[float] | None = None,
 ) -> torch.Tensor:
-    """One step: forward, next-token cross-entropy, backward, optimizer step. Returns the loss.
+    """One optimizer step: forward, next-token cross-entropy, backward, optimizer step.
+    Returns this rank's mean loss over ``inputs``.
+
+    With ``grad_accum_steps`` = k > 1 the rows of ``inputs`` are cut into k equal micro-batches,
+    each one's loss divided by k, and gradients are reduced across ranks only in the last
+    micro-step's backward (:func:`_gradient_sync`): the optimizer sees the gradient of the
+    mean over all rows, as with k = 1. With ``max_grad_norm`` > 0 the gradients are clipped to
+    that total norm (after unscaling, with a scaler) and the norm before clipping is appended
+    to ``grad_norms`` (and, if ``full_norms`` is given, :func:`full_grad_norm` to it, first).
 
     Gradients are zeroed, not freed (``set_to_none=False``), so their memory is part of the model
     state at rest, as the memory model of chapter 2 assumes. With a ``scaler`` (fp16), the
     backward pass runs on the scaled loss and the scaler unscales, checks and steps.
-    ``after_backward(model)`` is called between backward and the optimizer step.
+    ``after_backward(model)`` is called between the last backward and the optimizer step.
 
     Raises:
+        ValueError: if ``inputs`` has a number of rows that ``grad_accum_steps`` does not divide.
         NonFiniteLoss: if this rank's loss is NaN or infinite (checked once the step's
             collectives are done, so the other ranks are not left waiting in one); ``step``
             (1-based) is named in the message.
     """
-    logits = model(inputs)
-    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-    del logits  # only what autograd saved stays alive
-    if tracker is not None:
-        tracker.after_forward()
-    (scaler.scale(loss) if scaler is not None else loss).backward()
+    k = grad_accum_steps
+    if k < 1 or inputs.shape[0] % k:
+        raise ValueError(f"grad_accum_steps={k} must be >= 1 and divide this rank's {inputs.shape[0]} "
+                         "sequences")
+    total = None
+    # (no chunk() for one micro-step: a view made under a memory tracker makes it count the
+    # batch's storage as the step's own)
+    pieces = [(inputs, targets)] if k == 1 else list(zip(inputs.chunk(k), targets.chunk(k)))
+    for micro, (x, y) in enumerate(pieces):
+        last = micro == k - 1
+        if tracker is not None and micro == 0 and k > 1:
+            tracker.mark_start()
+        if tracker is not None and micro > 0:
+            tracker.next_micro_step()
+        with _gradient_sync(model, last):
+            logits = model(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            if k > 1:
+                loss = loss / k
+            del logits  # only what autograd saved stays alive
+            if tracker is not None:
+                tracker.after_forward()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if k == 1:
+            total = loss.detach()
+        else:  # a Python float between micro-steps: no tensor of the loop's own stays alive
+            total = (total or 0.0) + loss.item()
+        del loss
+        if tracker is not None and micro == 0 and k > 1:
+            tracker.mark_between_micro_steps()
     if after_backward is not None:
         after_backward(model)
+    if max_grad_norm > 0:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        if full_norms is not None:
+            full_norms.append(full_grad_norm(model))
+        norm = clip_grad_norm(model, max_grad_norm)
+        if grad_norms is not None:
+            grad_norms.append(norm)
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=False)
-    loss = loss.detach()
-    check_loss_finite(loss.item(), step)
-    return loss
+    if k > 1:
+        total = torch.tensor(total, device=inputs.device)
+    check_loss_finite(total.item(), step)
+    return total
 
 
 def train(
@@ -487,20 +384,26 @@ def train(
     config: RunConfig,
     ctx: RankContext,
     *,
+    start_step: int = 0,
+    on_step: Callable[[StepEnd], None] | None = None,
     progress: bool = True,
     track_memory: bool = False,
     count_collectives: bool = False,
     scaler: torch.amp.GradScaler | None = None,
 ) -> TrainLog:
-    """Run ``config.steps`` optimizer steps on this rank's share of each global batch.
+    """Run optimizer steps ``start_step + 1`` … ``config.steps`` on this rank's share of each
+    global batch (the batch of step s is ``make_batch(config, s - 1)``: a resumed job continues
+    with the very data where it stopped).
 
     Every rank gets an equal slice of the same global batch, so the gradient FSDP averages over
     ranks is the gradient of the global batch's mean loss: the same as one process training on
-    the whole batch. A tqdm progress bar is drawn on rank 0 (stderr) when ``progress`` is set.
-    With ``track_memory`` or ``count_collectives`` (and at least 2 steps, so that the optimizer
-    state exists) the last step runs under a :class:`StepMemoryTracker` and/or a
-    :class:`CollectiveCounter`; its time is not in ``step_time_s``. ``scaler`` is a gradient
-    scaler for fp16 (see :func:`build_grad_scaler`).
+    the whole batch. ``config.grad_accum_steps`` and ``config.max_grad_norm`` are applied by
+    :func:`train_step`. After each step, ``on_step`` (if given) is called on every rank with a
+    :class:`StepEnd` (a checkpoint save, a log line). A tqdm progress bar is drawn on rank 0
+    (stderr) when ``progress`` is set. With ``track_memory`` or ``count_collectives`` (and at
+    least 2 steps, so that the optimizer state exists) the last step runs under a
+    :class:`StepMemoryTracker` and/or a :class:`CollectiveCounter`; its time is not in
+    ``step_time_s``. ``scaler`` is a gradient scaler for fp16 (see :func:`build_grad_scaler`).
 
     Raises:
         NonFiniteLoss: as soon as a rank's loss is NaN or infinite, naming the step and the rank
@@ -511,6 +414,9 @@ def train(
     zeros: list[float] = []
     scales: list[float] = []
     skipped: list[int] = []
+    norms: list[float] = []
+    full: list[float] = []
+    done: list[int] = []
     inspect_s = [0.0]  # time spent counting zero gradients, kept out of step_time_s
 
     def inspect(module: nn.Module) -> None:
@@ -520,9 +426,11 @@ def train(
 
     memory = collectives = None
     model.train()
-    bar = tqdm(total=config.steps, desc="train", unit="step", file=_ProgressLines(),
+    bar = tqdm(total=config.steps - start_step, desc="train", unit="step", file=_ProgressLines(),
                disable=not (progress and ctx.is_main), mininterval=0, dynamic_ncols=False, ncols=80)
-    for step in range(config.steps):
+    step_args = {"scaler": scaler, "grad_accum_steps": config.grad_accum_steps,
+                 "max_grad_norm": config.max_grad_norm, "grad_norms": norms}
+    for step in range(start_step, config.steps):
         inputs, targets = local_batch(config, step, ctx)
         tracked = (track_memory or count_collectives) and config.steps >= 2 and step == config.steps - 1
         if scaler is not None:
@@ -535,12 +443,13 @@ def train(
                 for mode in (tracker, counter):
                     if mode is not None:
                         stack.enter_context(mode)
-                loss = train_step(model, optimizer, inputs, targets, tracker, scaler=scaler, step=step + 1)
+                loss = train_step(model, optimizer, inputs, targets, tracker, step=step + 1, **step_args)
             memory = tracker.result if tracker else None
             collectives = counter.calls if counter else None
         else:
-            loss = train_step(model, optimizer, inputs, targets, scaler=scaler, after_backward=inspect,
-                              step=step + 1)
+            check_norm = step == start_step and config.max_grad_norm > 0 and not _is_fsdp1(model)
+            loss = train_step(model, optimizer, inputs, targets, after_backward=inspect, step=step + 1,
+                              full_norms=full if check_norm else None, **step_args)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         if not tracked:
@@ -551,8 +460,12 @@ def train(
             dist.all_reduce(loss)  # SUM (gloo has no AVG), then divide
             loss /= ctx.world_size
         losses.append(loss.item())
+        done.append(step + 1)
         bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
         bar.update()
+        if on_step is not None:
+            on_step(StepEnd(step + 1, losses[-1], model, optimizer))
     bar.close()
     return TrainLog(losses=losses, step_time_s=times, memory=memory, collectives=collectives,
-                    grad_zero_fraction=zeros, grad_scale=scales, skipped_steps=skipped)
+                    grad_zero_fraction=zeros, grad_scale=scales, skipped_steps=skipped,
+                    grad_norm=norms, grad_norm_full=full[0] if full else None, steps=done)

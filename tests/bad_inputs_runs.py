@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from handbook_lib.architecture import ModelConfig
 from tests.bad_input_row import TMP, BadInputRow, api, cli, later
 
 RUN = ["run", "fsdp_train", "--quiet"]
@@ -113,5 +114,15 @@ ROWS: list[BadInputRow] = [
                                             "--set", "shard_group_size=2"], "shard_group_size"),
     cli("run-fsdp1-hybrid-zero2-one-replica", [*RUN, "--nproc", "2", "--set", "api=fsdp1",
                                                "--set", "strategy=HYBRID_SHARD_ZERO2"], "shard_group_size"),
+    # --- issue 13: the one loop's levers, the build, the table's API rules --------------------
+    cli("run-grad-accum-zero", [*RUN, "--set", "grad_accum_steps=0"], "grad_accum_steps"),
+    cli("run-grad-accum-not-dividing", [*RUN, "--nproc", "2", "--set", "grad_accum_steps=3"], "grad_accum_steps"),
+    cli("run-max-grad-norm-negative", [*RUN, "--set", "max_grad_norm=-1"], "max_grad_norm"),
+    cli("run-init-unknown", [*RUN, "--set", "init=lazy"], "meta, full"),
+    cli("run-no-shard-fsdp2", [*RUN, "--nproc", "2", "--set", "strategy=NO_SHARD"], "api='fsdp2'"),
+    api("api-accumulation-unknown-strategy", later("handbook_lib.memory", "estimate_accumulation_bytes", 10, "ZERO3"),
+        "strategy must be one of"),
+    api("api-init-bytes-unknown-init", later("handbook_lib.memory", "estimate_init_bytes", ModelConfig(), 2,
+                                             "FULL_SHARD", "lazy"), "init must be 'meta' or 'full'"),
 ]
 """Part A's rows: the launcher, ``run``, run configs, checkpoints and resume."""

@@ -64,7 +64,7 @@ def test_bf16_halves_the_compute_tensors_not_the_fp32_ones():
 
 
 def test_decoder_formula_matches_the_paper_by_hand():
-    shape = DecoderShape("t", num_layers=2, d_model=8, num_heads=2, vocab_size=10)
+    shape = DecoderShape("t", num_layers=2, d_model=8, nhead=2, vocab_size=10)
     s, b, h, a = 16, 3, 8, 2
     assert estimate_decoder_activation_bytes(shape, b, s, fused_attention=False) == 2 * (s * b * h * 34 + 5 * a * s * s * b)
     assert estimate_decoder_activation_bytes(shape, b, s) == 2 * 34 * s * b * h

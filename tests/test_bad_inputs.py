@@ -51,7 +51,7 @@ def _memory(*args, **kwargs):
 
 
 def _plan(model="llama2-7b", gpu="h100-80gb", gpus=8, **kwargs):
-    return later("handbook_lib.strategy", "plan", model, gpu, gpus, **kwargs)
+    return later("handbook_lib.planner", "plan", model, gpu, gpus, **kwargs)
 
 
 def _traffic(**kwargs):

@@ -354,7 +354,7 @@ def test_decoder_units():
     from handbook_lib.activations import DecoderShape
     from handbook_lib.comm import units_for_decoder
 
-    shape = DecoderShape("t", num_layers=3, d_model=8, num_heads=2, vocab_size=100)
+    shape = DecoderShape("t", num_layers=3, d_model=8, nhead=2, vocab_size=100)
     units = units_for_decoder(shape)
     assert [u.name for u in units] == ["root", "layers.0", "layers.1", "layers.2"] and units[0].root
     assert sum(u.numel for u in units) == shape.num_params

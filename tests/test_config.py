@@ -75,3 +75,34 @@ def test_chapter5_keys_are_validated():
         RunConfig(wrap_min_params=0)
     with pytest.raises(ValueError, match="grad_scale_init"):
         RunConfig(grad_scale_init=0.0)
+
+
+def test_lookup_returns_the_entry_and_lists_choices_on_error():
+    """config.lookup: one lookup, one error message, for every preset and vocabulary table."""
+    from handbook_lib.config import lookup
+
+    table = {"a": 1, "b": 2}
+    assert lookup(table, "b", "letter") == 2
+    with pytest.raises(ValueError, match=r"^letter must be one of a, b, got 'c'$"):
+        lookup(table, "c", "letter")
+    with pytest.raises(ValueError, match="letter must be one of"):
+        lookup(table, ["unhashable"], "letter")
+
+
+def test_every_run_config_key_is_documented_and_choices_are_literals():
+    """A docstring under every field of RunConfig (read from the source), and the accepted
+    values of the choice keys come from their Literal annotations."""
+    import ast
+    import inspect
+
+    import handbook_lib.config as config_module
+
+    tree = ast.parse(inspect.getsource(config_module))
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RunConfig").body
+    documented = {node.target.id for node, after in zip(body, body[1:])
+                  if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
+                  and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)}
+    assert set(RunConfig.keys()) - documented == set()
+    assert RunConfig.choices() == {"strategy": STRATEGIES, "api": APIS, "wrap": ("layer", "model", "size"),
+                                   "precision": tuple(PRECISIONS), "optimizer": OPTIMIZERS,
+                                   "init": ("meta", "full")}

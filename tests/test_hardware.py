@@ -6,7 +6,17 @@ from pathlib import Path
 import pytest
 
 from handbook_lib import hardware
-from handbook_lib.hardware import ACCELERATORS, LINKS, Accelerator, Link, Node, get_accelerator, get_link
+from handbook_lib.hardware import (
+    ACCELERATORS,
+    LINKS,
+    Accelerator,
+    Link,
+    Node,
+    default_intra_link,
+    get_accelerator,
+    get_link,
+    node_preset,
+)
 
 
 @pytest.mark.parametrize("name, per_direction", [
@@ -18,6 +28,9 @@ from handbook_lib.hardware import ACCELERATORS, LINKS, Accelerator, Link, Node, 
     ("ib-hdr200", 200e9 / 8),
     ("100gbe", 100e9 / 8),
     ("25gbe", 25e9 / 8),
+    ("nvlink5", 1.8e12 / 2),    # 1.8 TB/s bidirectional
+    ("infinity-fabric", 896e9 / 2),  # 7 links x 128 GB/s bidirectional = 896 GB/s
+    ("loopback", 1e9),          # nominal
 ])
 def test_link_bandwidth_is_bytes_per_second_per_direction(name, per_direction):
     assert get_link(name).bandwidth_bytes_per_s == per_direction
@@ -25,7 +38,7 @@ def test_link_bandwidth_is_bytes_per_second_per_direction(name, per_direction):
 
 def test_link_presets_are_exactly_the_documented_ones():
     assert set(LINKS) == {"nvlink4", "nvlink3", "pcie4", "pcie5", "ib-ndr400", "ib-hdr200",
-                          "100gbe", "25gbe"}
+                          "100gbe", "25gbe", "nvlink5", "infinity-fabric", "loopback"}
 
 
 @pytest.mark.parametrize("name", sorted(LINKS))
@@ -46,6 +59,8 @@ def test_latencies_order_nvlink_below_infiniband_below_ethernet():
     ("h100-80gb", 80 * 1000**3, 989 * 1000**4, 67 * 1000**4),
     ("h200-141gb", 141 * 1000**3, 989 * 1000**4, 67 * 1000**4),
     ("l4-24gb", 24 * 1000**3, 242 * 1000**4 / 2, 30.3 * 1000**4),  # 242 with sparsity, halved
+    ("b200-180gb", 1440 * 1000**3 // 8, 36e15 / 8 / 2, 600e12 / 8),  # HGX/DGX B200 totals for 8 GPUs
+    ("mi300x-192gb", 192 * 1000**3, 1307.4e12, 163.4e12),  # as AMD states it (2614.9 with sparsity)
 ])
 def test_accelerator_datasheet_figures(name, memory, bf16, fp32):
     acc = get_accelerator(name)
@@ -62,7 +77,8 @@ def test_h200_has_h100_compute_and_more_memory():
 
 
 def test_cpu_entry_says_it_is_nominal():
-    assert set(ACCELERATORS) == {"a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "l4-24gb", "cpu"}
+    assert set(ACCELERATORS) == {"a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "l4-24gb",
+                                 "b200-180gb", "mi300x-192gb", "cpu"}
     assert "nominal" in get_accelerator("cpu").source
 
 
@@ -111,3 +127,89 @@ def test_module_imports_no_torch():
     imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert not [m for m in imported if m.split(".")[0] == "torch"]
+
+
+# --- Nodes: every accelerator preset states its own intra-node link and node size. ---
+
+@pytest.mark.parametrize("name", sorted(ACCELERATORS))
+def test_every_accelerator_preset_states_its_node(name):
+    acc = get_accelerator(name)
+    assert acc.intra_link in LINKS, f"{name} states no known intra-node link"
+    assert isinstance(acc.gpus_per_node, int) and acc.gpus_per_node >= 1
+    assert acc.node_source  # the link and the node size are sourced, in words
+    assert default_intra_link(name) is LINKS[acc.intra_link] is default_intra_link(acc)
+
+
+@pytest.mark.parametrize("name, link", [
+    ("a100-40gb", "nvlink3"), ("a100-80gb", "nvlink3"),    # as strategy's name matching did
+    ("h100-80gb", "nvlink4"), ("h200-141gb", "nvlink4"),
+    ("l4-24gb", "pcie4"),
+    ("b200-180gb", "nvlink5"), ("mi300x-192gb", "infinity-fabric"),  # their own, not PCIe 4
+])
+def test_intra_link_of_each_gpu(name, link):
+    assert default_intra_link(name) is LINKS[link]
+    assert node_preset(name).intra_link is LINKS[link]
+
+
+@pytest.mark.parametrize("name", ["b200-180gb", "mi300x-192gb"])
+def test_new_gpus_do_not_fall_back_to_pcie(name):
+    assert default_intra_link(name) is not LINKS["pcie4"]
+    assert default_intra_link(name).bandwidth_bytes_per_s > LINKS["nvlink4"].bandwidth_bytes_per_s / 2
+
+
+def test_usual_node_sizes():
+    for name in ("a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "l4-24gb", "b200-180gb",
+                 "mi300x-192gb"):
+        assert get_accelerator(name).gpus_per_node == 8, name
+
+
+def test_infinity_fabric_is_seven_links_each_way():
+    # 7 peer links of 128 GB/s bidirectional each: 64 GB/s each way per link, 448 in all.
+    assert LINKS["infinity-fabric"].bandwidth_bytes_per_s == 7 * 128e9 / 2 == 7 * 64e9
+
+
+def test_node_preset_builds_a_node_that_picks_links():
+    node = node_preset("h100-80gb")
+    assert isinstance(node, Node) and node.accelerator is get_accelerator("h100-80gb")
+    assert node.gpus_per_node == 8
+    assert node.link_for(8) is LINKS["nvlink4"] and node.link_for(9) is LINKS["ib-ndr400"]
+    b200 = node_preset(get_accelerator("b200-180gb"), inter_link=get_link("100gbe"), gpus_per_node=4)
+    assert b200.gpus_per_node == 4
+    assert b200.link_for(4) is LINKS["nvlink5"] and b200.link_for(5) is LINKS["100gbe"]
+    assert node_preset("l4-24gb", inter_link="25gbe", intra_link="pcie5").link_for(2) is LINKS["pcie5"]
+
+
+def test_node_preset_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="accelerator name must be one of"):
+        node_preset("b200")
+    with pytest.raises(ValueError, match="link name must be one of"):
+        node_preset("h100-80gb", inter_link="ib-xdr")
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        node_preset("h100-80gb", gpus_per_node=0)
+    with pytest.raises(ValueError, match="accelerator name must be one of"):
+        default_intra_link("tpu")
+
+
+def test_accelerator_without_a_link_is_refused_not_given_pcie():
+    mystery = Accelerator("Mystery GPU 64GB", 64 * 10**9, 1e15, 50e12, "test")  # old positional form
+    assert mystery.intra_link == "" and mystery.gpus_per_node is None
+    for call in (lambda: default_intra_link(mystery), lambda: node_preset(mystery)):
+        with pytest.raises(ValueError, match="Mystery GPU 64GB") as info:
+            call()
+        assert "pass intra_link explicitly" in str(info.value)
+    with pytest.raises(ValueError, match="Mystery GPU 64GB.*pass gpus_per_node explicitly"):
+        node_preset(mystery, intra_link="pcie5")
+    node = node_preset(mystery, intra_link="pcie5", gpus_per_node=4)
+    assert node.link_for(4) is LINKS["pcie5"]
+
+
+def test_accelerator_rejects_unknown_link_or_node_size():
+    with pytest.raises(ValueError, match="intra_link") as info:
+        Accelerator("x", 10**9, 1e12, 1e12, "test", "nvlink9", 8)
+    assert "'nvlink9'" in str(info.value)
+    for accepted in LINKS:
+        assert accepted in str(info.value)
+    for bad in (0, -8, True, 8.0):
+        with pytest.raises(ValueError, match="gpus_per_node"):
+            Accelerator("x", 10**9, 1e12, 1e12, "test", "nvlink4", bad)
+    assert Accelerator("x", 10**9, 1e12, 1e12, "test", "nvlink4", 8).gpus_per_node == 8

@@ -129,7 +129,7 @@ def test_ranks_die_with_a_killed_torchrun_agent(no_leftovers):
     (lambda: torchrun("fault", 2, {"mode": "explode"}), "accepted values: raise, exit, hang, sleep, bad_check, none"),
     (lambda: torchrun("fault", 2, {"fail_rank": 2}), "fail_rank must be in"),
     (lambda: torchrun("fsdp_train", 3, {"batch_size": 8}), "divisible"),
-    (lambda: torchrun("fsdp_train", 2, {"strategy": "NO_SHARD"}), "api='fsdp2' supports strategy NONE, DDP, FULL_SHARD"),
+    (lambda: torchrun("fsdp_train", 2, {"strategy": "NO_SHARD"}), "api='fsdp2' supports strategy NONE, DDP, SHARD_GRAD_OP, FULL_SHARD"),
     (lambda: torchrun("fsdp_train", 2, {"strategy": "NONE"}), "one-process baseline: launch it with 1 rank"),
     (lambda: torchrun("fsdp_train", 2, {"strategy": "DDP", "wrap": "model"}), "wrapping are FSDP's"),
     (lambda: torchrun("fsdp_train", 2, {"strategy": "DDP", "steps": 2}), "steps >= 3 with DDP"),

@@ -188,3 +188,93 @@ def test_estimate_memory_rejects_bad_input(kwargs, match):
 def test_zero_rejects_bad_input():
     with pytest.raises(ValueError, match="stage must be one of 0, 1, 2, 3"):
         estimate_zero_memory(10, 2, 4)
+
+
+# --- issue 13: the table's rows in one model; init, accumulation, the corrected phases ----------
+
+from handbook_lib.memory import (  # noqa: E402
+    estimate_accumulation_bytes,
+    estimate_init_bytes,
+    estimate_seed_model_state,
+    model_part_numels,
+)
+
+TINY = ModelConfig(vocab_size=1001, d_model=64, nhead=2, dim_feedforward=96, num_layers=2)
+# by hand: a layer is attention 4·64·64 + 4·64, feed-forward 2·64·96 + 96 + 64, norms 4·64
+TINY_LAYER = 4 * 64 * 64 + 4 * 64 + 2 * 64 * 96 + 96 + 64 + 4 * 64
+TINY_EMBEDDING, TINY_OUTPUT = 1001 * 64, 1001 * 64 + 1001
+
+
+def test_parts_are_the_construction_order_with_their_sizes():
+    assert model_part_numels(TINY) == {"embedding": TINY_EMBEDDING, "layers.0": TINY_LAYER,
+                                       "layers.1": TINY_LAYER, "output": TINY_OUTPUT}
+    assert sum(model_part_numels(TINY).values()) == param_count(TINY)
+
+
+def test_init_bytes_by_hand():
+    n = param_count(TINY)
+    # one process, nothing sharded: the model, plus the largest part (the head) being copied in
+    assert estimate_init_bytes(TINY, 1, "NONE", "meta") == 4 * n + 4 * TINY_OUTPUT
+    assert estimate_init_bytes(TINY, 1, "NONE", "full") == 4 * n
+    # DDP: its buckets (a second copy of every gradient) outweigh the part
+    assert estimate_init_bytes(TINY, 2, "DDP", "meta") == 4 * n + 4 * n
+    # FSDP on 2 ranks: the padded shards (vocab 1001: 501 rows each), the head, 2 mesh ids
+    shards = 4 * (501 * 64 + TINY_LAYER * 2 // 2 + 501 * 64 + 501)
+    assert shards == estimate_shard_bytes(TINY, 2, 0).padded_bytes  # no odd first dims in a layer
+    assert estimate_init_bytes(TINY, 2, "FULL_SHARD", "meta") == shards + 4 * TINY_OUTPUT + 8
+    # the full build: the whole model, plus the first layer's shards as fully_shard makes them
+    assert estimate_init_bytes(TINY, 2, "FULL_SHARD", "full") == 4 * n + 4 * TINY_LAYER // 2 + 8
+
+
+def test_accumulation_keeps_unsharded_gradients_only_when_they_are_sharded():
+    n = param_count(TINY)
+    assert estimate_accumulation_bytes(TINY, "FULL_SHARD", "fp32") == 4 * n
+    assert estimate_accumulation_bytes(TINY, "SHARD_GRAD_OP", "bf16-mixed") == 4 * n  # fp32 reduce
+    assert estimate_accumulation_bytes(TINY, "DDP") == estimate_accumulation_bytes(TINY, "NO_SHARD") == 0
+    one = estimate_memory(TINY, 2, "FULL_SHARD", micro_batch=2, seq_len=16)
+    two = estimate_memory(TINY, 2, "FULL_SHARD", micro_batch=2, seq_len=16, grad_accum_steps=2)
+    for phase, total in one.phases.items():
+        assert two.phases[phase] - total == (0 if phase == "root_reduce" else 4 * n), phase
+
+
+def test_bare_count_shard_grad_op_keeps_the_gathered_model():
+    """7B on 8 GPUs, bf16: FULL_SHARD's state at rest, 16P/8; SHARD_GRAD_OP adds the model kept
+    gathered in bf16 from forward to backward, 2P — not silently equal to FULL_SHARD."""
+    p = 7_000_000_000
+    full = estimate_memory(p, 8, "FULL_SHARD", "bf16-mixed")
+    sgo = estimate_memory(p, 8, "SHARD_GRAD_OP", "bf16-mixed")
+    assert full.peak == 16 * p // 8
+    assert sgo.peak == 16 * p // 8 + 2 * p
+    assert any("keeps every unit gathered" in n for n in sgo.notes)
+
+
+def test_ddp_and_no_shard_differ_by_the_buckets_alone_in_fp32():
+    """One model for the replicas: DDP's buckets (r·n) are the whole difference, phase by phase."""
+    n = param_count(TINY)
+    ddp = estimate_memory(TINY, 2, "DDP", micro_batch=2, seq_len=16)
+    ns = estimate_memory(TINY, 2, "NO_SHARD", micro_batch=2, seq_len=16)
+    assert ddp.model_state == ns.model_state == 16 * n + optimizer_step_bytes(TINY, "adamw")
+    for phase in ("loss_backward", "backward_start", "head_backward", "optimizer_step"):
+        assert ddp.phases[phase] - ns.phases[phase] == 4 * n, phase
+    assert "root_reduce" in ns.phases and "root_reduce" not in ddp.phases  # the flat gradient's cat
+
+
+def test_end_of_backward_by_backend():
+    """The root's gradients copied into the reduce-scatter input and cast there (c·R + r·R), or
+    the input, its 1/N output and — on gloo — gloo's flattened copy."""
+    R = 1004 * 64 * 2 + 1004  # the root unit, padded for 4 ranks: 1001 rows -> 4 x 251 = 1004
+    est = {b: estimate_memory(TINY, 4, "FULL_SHARD", "bf16-mixed", micro_batch=2, seq_len=16, backend=b)
+           for b in ("nccl", "gloo")}
+    rest = est["nccl"].model_state
+    assert est["nccl"].phases["root_reduce"] - rest == max(2 * R + 4 * R, 4 * R + 4 * R // 4)
+    assert est["gloo"].phases["root_reduce"] - rest == 4 * R + 4 * R // 4 + 4 * R
+    with pytest.raises(ValueError, match="backend must be 'nccl' or 'gloo'"):
+        estimate_memory(TINY, 4, backend="mpi")
+
+
+def test_seed_rule_by_hand():
+    assert estimate_seed_model_state(1000, 4, "NO_SHARD") == 16_000
+    assert estimate_seed_model_state(1000, 4, "SHARD_GRAD_OP") == 4000 + 12_000 // 4
+    assert estimate_seed_model_state(1000, 4, "FULL_SHARD") == 16_000 // 4
+    with pytest.raises(ValueError, match="the seed's three"):
+        estimate_seed_model_state(1000, 4, "DDP")

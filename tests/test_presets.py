@@ -20,8 +20,8 @@ def test_llama2_7b_by_hand():
 
 
 def test_grouped_query_attention_shrinks_k_and_v():
-    mha = DecoderShape("a", 1, 64, 8, 10, ffn_dim=128, gated_mlp=True)
-    gqa = DecoderShape("b", 1, 64, 8, 10, ffn_dim=128, gated_mlp=True, num_kv_heads=2)
+    mha = DecoderShape("a", 1, 64, 8, 10, dim_feedforward=128, gated_mlp=True)
+    gqa = DecoderShape("b", 1, 64, 8, 10, dim_feedforward=128, gated_mlp=True, num_kv_heads=2)
     assert mha.layer_params - gqa.layer_params == 2 * 64 * (64 - 16)
 
 

@@ -38,9 +38,15 @@ CASES = {
                                              "precision": "fp16-mixed"}),
     "2-FULL_SHARD-fp16-scaler-too-large": (2, {"strategy": "FULL_SHARD", "precision": "fp16-mixed", "steps": 4,
                                                "grad_scale_init": 2.0**20}),
+    # the table's other rows, run for real; one loop's accumulation and clipping
+    "2-FSDP1-NO_SHARD-bf16-adamw": (2, {"api": "fsdp1", "strategy": "NO_SHARD", "precision": "bf16-mixed",
+                                        "steps": 3}),
+    "2-FULL_SHARD-fp32-adamw-accum-clip": (2, {"strategy": "FULL_SHARD", "grad_accum_steps": 2,
+                                               "max_grad_norm": 0.5}),
 }
-"""Cases whose measured peak has no prediction: FSDP1 (the phase model is FSDP2's)."""
-UNPREDICTED_PEAK = {k for k, (_, o) in CASES.items() if o.get("api") == "fsdp1"}
+"""Cases whose measured peak has no prediction: FSDP1 sharding its flat parameters (the phase
+model of the sharding strategies is FSDP2's; NO_SHARD's is the replicated one's)."""
+UNPREDICTED_PEAK = {k for k, (_, o) in CASES.items() if o.get("api") == "fsdp1" and o["strategy"] != "NO_SHARD"}
 
 
 _RESULTS: dict[str, tuple] = {}
@@ -85,7 +91,7 @@ def _expected_kinds(nproc: int, config: dict) -> list[str]:
     strategy = config["strategy"]
     if strategy == "NONE" or (nproc == 1 and strategy != "DDP"):
         return []
-    if strategy == "DDP":
+    if strategy in ("DDP", "NO_SHARD"):  # replicas: every gradient all-reduced, nothing gathered
         return ["all_reduce"]
     kinds = ["all_gather", "reduce_scatter"]
     scaler = config.get("precision") == "fp16-mixed" and _fsdp1(config)  # ShardedGradScaler's inf check
@@ -97,15 +103,21 @@ def _expected_kinds(nproc: int, config: dict) -> list[str]:
 def test_no_check_is_off_not_even_by_a_byte(case):
     nproc, config, result = case
     memory = {"param_shard_bytes", "param_padding_bytes", "grad_shard_bytes", "optimizer_state_bytes",
-              "optimizer_step_bytes", "activation_bytes"} | (set() if _fsdp1(config) else {"peak_bytes"})
+              "optimizer_step_bytes", "activation_bytes"}
+    memory |= set() if _fsdp1(config) else {"init_bytes"}  # FSDP1 flattens as it materialises
+    memory |= set() if _fsdp1(config) and config["strategy"] != "NO_SHARD" else {"peak_bytes"}
+    memory |= {"held_between_micro_steps"} if config.get("grad_accum_steps", 1) > 1 else set()
+    memory |= {"grad_norm"} if config.get("max_grad_norm") and not _fsdp1(config) else set()
     kinds = _expected_kinds(nproc, config)
-    comm = {f"{k}_buffer_bytes" for k in kinds} | ({f"{k}_count" for k in kinds} if config["strategy"] != "DDP" else set())
+    comm = {f"{k}_buffer_bytes" for k in kinds}
+    comm |= {f"{k}_count" for k in kinds} if config["strategy"] != "DDP" else set()
     comm |= {"sent_bytes"} if kinds else set()
     comm |= {"collective_count"} if config["strategy"] == "NONE" else set()
     units = set() if config["strategy"] in ("NONE", "DDP") else {"fsdp_unit_count"}
     assert {c.quantity for c in result.checks} == memory | comm | units
     assert len(result.checks) == nproc * len(memory | comm | units)
-    tolerated = ({"activation_bytes", "peak_bytes"} & memory) | ({"sent_bytes"} if config["strategy"] == "DDP" else set())
+    tolerated = ({"activation_bytes", "peak_bytes", "grad_norm"} & memory) | (
+        {"sent_bytes"} if config["strategy"] == "DDP" else set())
     assert {c.quantity for c in result.checks if c.tolerance > 0} == tolerated
     off = [(c.quantity, c.rank, c.predicted, c.measured) for c in result.checks if not c.ok]
     assert off == []
@@ -115,7 +127,8 @@ def test_shards_sum_to_the_model_per_shard_group(case):
     nproc, config, result = case
     model = RunConfig.from_mapping(config).model_config()
     group = result.ranks[0]["shard_group_size"]
-    assert group == {"DDP": 1, "NONE": 1}.get(config["strategy"], config.get("shard_group_size") or nproc)
+    assert group == {"DDP": 1, "NONE": 1, "NO_SHARD": 1}.get(config["strategy"],
+                                                            config.get("shard_group_size") or nproc)
     shards = result.metric("param_shard_bytes")
     padding = result.metric("param_padding_bytes")
     for start in range(0, nproc, group):  # each replica's shard group holds the whole model once
@@ -152,16 +165,18 @@ def test_counted_collectives_follow_the_strategy(case):
     calls = result.ranks[0]["collectives"]
     if not _expected_kinds(nproc, config):
         assert calls == []  # one plain process, or FSDP on a single rank: nothing communicated
-    elif config["strategy"] == "DDP":
-        # buckets of every gradient, summed: exactly the fp32 model
+    elif config["strategy"] in ("DDP", "NO_SHARD"):
+        # DDP's buckets / NO_SHARD's flat gradient of each unit, summed: exactly the fp32 model
         assert {c["kind"] for c in calls} == {"all_reduce"}
         assert sum(c["buffer_bytes"] for c in calls) == result.extra["model_bytes"]
+        if config["strategy"] == "NO_SHARD":
+            assert len(calls) == len(_units(config))  # one all-reduce per unit
     else:
         units = _units(config)
         gathers = [c for c in calls if c["kind"] == "all_gather"]
         regathered = len(units) - (1 if _fsdp1(config) and units[0].root else 0)  # FSDP1 keeps its root
         again = regathered if config["strategy"] in ("FULL_SHARD", "HYBRID_SHARD") else 0
-        assert len(gathers) == len(units) + again
+        assert len(gathers) == (len(units) + again) * config.get("grad_accum_steps", 1)  # every micro-step
         dtype = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}.get(config.get("precision"), "fp32")
         assert {c["dtype"] for c in gathers} == {dtype}
         assert {c["dtype"] for c in calls if c["kind"] == "reduce_scatter"} == {"fp32"}
@@ -187,7 +202,8 @@ def test_peak_is_within_ten_percent_and_reported(case):
 
 def test_losses_equal_one_process_on_the_global_batch(case):
     """Sharding must not change the maths: in fp32, every run's losses equal those of one plain
-    process training on the whole global batch (relative difference <= 1e-5)."""
+    process training on the whole global batch (relative difference <= 1e-5), and with
+    clipping, the total gradient norm over the shards equals the one process's (<= 1e-6)."""
     import torch
 
     from handbook_lib.distributed import RankContext
@@ -200,11 +216,15 @@ def test_losses_equal_one_process_on_the_global_batch(case):
     run_config = RunConfig.from_mapping(config)
     model = build_model(run_config.model_config(), seed=run_config.seed)
     one = RankContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
-    baseline = train(model, build_optimizer(model.parameters(), run_config.optimizer, run_config.lr),
-                     run_config, one, progress=False).losses
-    worst = max_relative_difference(result.metric("losses")[0], baseline)
+    log = train(model, build_optimizer(model.parameters(), run_config.optimizer, run_config.lr),
+                run_config, one, progress=False)
+    worst = max_relative_difference(result.metric("losses")[0], log.losses)
     print(f"{result.world_size} ranks, {config['strategy']}: max relative loss difference {worst:.2e}")
     assert worst <= 1e-5, f"max relative loss difference {worst:.2e}"
+    if run_config.max_grad_norm:
+        assert len(log.grad_norm) == run_config.steps and min(log.grad_norm) > run_config.max_grad_norm  # clips
+        for norms in result.metric("grad_norm"):
+            assert max_relative_difference(norms, log.grad_norm) <= 1e-6
 
 
 def test_one_unit_holds_the_whole_model_at_once(tmp_path_factory):

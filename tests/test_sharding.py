@@ -1,4 +1,4 @@
-"""handbook_lib.sharding: FSDP's units, matching how training.apply_fsdp2 wraps the model."""
+"""handbook_lib.sharding: FSDP's units, matching how parallelize.apply_fsdp2 wraps the model."""
 
 import pytest
 

@@ -1,12 +1,15 @@
 """handbook_lib.training: synthetic data, batch slicing, and single-process training."""
 
+import math
+
 import pytest
 import torch
 
 from handbook_lib.config import RunConfig
 from handbook_lib.distributed import RankContext
 from handbook_lib.model import build_model
-from handbook_lib.training import build_mp_policy, build_optimizer, local_slice, make_batch, train
+from handbook_lib.parallelize import build_mp_policy
+from handbook_lib.training import build_optimizer, local_slice, make_batch, train
 
 
 def test_batches_follow_the_rule_and_are_deterministic():
@@ -54,8 +57,8 @@ def test_fsdp1_size_policy_makes_the_units_the_pure_rule_predicts():
     import torch.distributed as dist
 
     from handbook_lib.measure import measure_fsdp_units
+    from handbook_lib.parallelize import parallelize
     from handbook_lib.sharding import wrap_units
-    from handbook_lib.training import build_fsdp1_model
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -64,8 +67,31 @@ def test_fsdp1_size_policy_makes_the_units_the_pure_rule_predicts():
             config = RunConfig(vocab_size=1001, d_model=64, nhead=2, dim_feedforward=96, num_layers=2,
                                api="fsdp1", wrap="size", wrap_min_params=min_params)
             predicted = [u.name for u in wrap_units(config.model_config(), "size", min_params) if u.numel]
-            assert measure_fsdp_units(build_fsdp1_model(config, ctx)) == predicted
+            assert measure_fsdp_units(parallelize(config, ctx)) == predicted
         with pytest.raises(ValueError, match="pins host memory"):
-            build_fsdp1_model(RunConfig(api="fsdp1", cpu_offload=True), ctx)
+            parallelize(RunConfig(api="fsdp1", cpu_offload=True), ctx)
     finally:
         dist.destroy_process_group()
+
+
+def test_clip_norm_is_summed_in_float64_and_clips_like_pytorch():
+    """clip_grad_norm's norm is the float64 norm of the gradient (1e-12); PyTorch's fp32 sums
+    drift from it by more than that on the default model's 2.56M-element head (the reason
+    chapter 5 gives for summing in float64). Scaling follows clip_grad_norm_: max / (norm + 1e-6)."""
+    from handbook_lib.training import clip_grad_norm
+
+    config = RunConfig()
+    model = build_model(config.model_config(), seed=0)
+    inputs, targets = make_batch(config, 0)
+    torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    exact = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+    fp32 = float(torch.nn.utils.get_total_norm(grads))
+    drift = abs(fp32 - exact) / exact
+    print(f"fp32 norm drift on this CPU: {drift:.1e} relative")
+    assert drift > 1e-9  # fp32 sums do drift (here ~1e-4); float64 ones below do not
+    norm = clip_grad_norm(model, 0.5)
+    assert abs(norm - exact) / exact < 1e-12
+    scale = 0.5 / (exact + 1e-6)
+    assert all(torch.allclose(p.grad, g * scale, rtol=1e-6, atol=0) for p, g in zip(model.parameters(), grads))
+    assert clip_grad_norm(model, 10.0) == pytest.approx(0.5, rel=1e-5)  # below the threshold: untouched

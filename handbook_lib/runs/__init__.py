@@ -52,7 +52,7 @@ class RunConfigInfo:
         base: Its first base class (``"RunConfig"``, ``"FlatConfig"``), or the class itself when
             the run uses ``RunConfig`` directly.
         fields: ``(key, default as written)`` for the keys the class declares itself.
-        choices: Accepted values per key, where the class lists them in ``CHOICES``.
+        choices: Accepted values per key, where the class annotates it ``Literal[...]``.
     """
 
     class_name: str
@@ -82,14 +82,13 @@ def run_config_fields(name: str) -> RunConfigInfo:
     for node in cls.body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
-        if node.target.id == "CHOICES":
-            try:
-                choices = ast.literal_eval(node.value) if node.value is not None else {}
-            except ValueError:  # e.g. ``RunConfig.CHOICES``: inherited
-                choices = {}
-            continue
         if "ClassVar" in ast.unparse(node.annotation):
             continue
+        annotation = node.annotation
+        if (isinstance(annotation, ast.Subscript) and isinstance(annotation.value, ast.Name)
+                and annotation.value.id == "Literal"):
+            values = ast.literal_eval(annotation.slice)
+            choices[node.target.id] = values if isinstance(values, tuple) else (values,)
         fields.append((node.target.id, ast.unparse(node.value) if node.value is not None else ""))
     base = ast.unparse(cls.bases[0]) if cls.bases else config_name
     return RunConfigInfo(config_name, base, tuple(fields), dict(choices))

@@ -1,8 +1,9 @@
 """Train with FSDP2, save sharded checkpoints, get killed, resume: the proof behind chapter 6.
 
-Each rank builds the seeded model, shards it (:func:`~handbook_lib.training.build_fsdp2_model`)
-and trains from step 0 — or, with ``resume``, from the newest complete checkpoint under
-``ckpt_dir`` (any world size: DCP reshards), continuing with the very batch where the saved job
+Each rank builds the seeded model and shards it (:func:`~handbook_lib.parallelize.parallelize`),
+then trains in the one training loop (:func:`~handbook_lib.training.train`) from step 0 — or,
+with ``resume``, from the newest complete checkpoint under ``ckpt_dir`` (any world size: DCP
+reshards), continuing with the very batch where the saved job
 stopped. Every ``save_every`` steps all ranks save a checkpoint (:mod:`handbook_lib.checkpoint`).
 To interrupt the job for real, rank ``kill_rank`` sends itself SIGKILL after step
 ``kill_at_step`` (and after that step's save), or — with ``kill_in_save`` — during that step's
@@ -40,7 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from handbook_lib.architecture import param_shapes
 from handbook_lib.checkpoint import (
@@ -55,11 +55,13 @@ from handbook_lib.checkpoint import (
     save_checkpoint,
     validate_checkpoint,
 )
-from handbook_lib.config import RunConfig
+from handbook_lib.config import STRATEGIES, RunConfig
 from handbook_lib.distributed import RankContext
+from handbook_lib.parallelize import parallelize
 from handbook_lib.results import Check
 from handbook_lib.runs.entry import RankReport, main
-from handbook_lib.training import build_fsdp2_model, build_optimizer, local_batch, make_batch, train_step
+from handbook_lib.strategies import get_strategy
+from handbook_lib.training import StepEnd, build_optimizer, make_batch, train
 
 EXPORT_FILE = "export.pt"
 """File name, under ``ckpt_dir``, of the exported full state dict."""
@@ -106,9 +108,11 @@ def validate(config: CheckpointRunConfig, world_size: int) -> None:
     """
     if not config.ckpt_dir:
         raise ValueError("checkpoint_resume needs ckpt_dir (the root directory of the checkpoints)")
-    if config.api != "fsdp2" or config.strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
-        raise ValueError(f"checkpoint_resume supports api='fsdp2' with strategy FULL_SHARD or "
-                         f"SHARD_GRAD_OP; got api={config.api!r}, strategy={config.strategy!r}")
+    row = get_strategy(config.strategy)
+    if config.api != "fsdp2" or not row.fsdp2 or row.hybrid:
+        accepted = [s for s in STRATEGIES if get_strategy(s).fsdp2 and not get_strategy(s).hybrid]
+        raise ValueError(f"checkpoint_resume supports api='fsdp2' with strategy {' or '.join(accepted)}; "
+                         f"got api={config.api!r}, strategy={config.strategy!r}")
     if config.precision not in ("fp32", "bf16-mixed") or config.cpu_offload:
         raise ValueError("checkpoint_resume supports precision fp32 or bf16-mixed, without cpu_offload")
     if config.batch_size % world_size:
@@ -182,7 +186,7 @@ def _export(config: CheckpointRunConfig, ctx: RankContext, model: torch.nn.Modul
 def run(config: CheckpointRunConfig, ctx: RankContext) -> RankReport:
     validate(config, ctx.world_size)
     root = Path(config.ckpt_dir)
-    model = build_fsdp2_model(config, ctx)
+    model = parallelize(config, ctx)
     optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
 
     start_step, loaded = 0, None
@@ -199,31 +203,29 @@ def run(config: CheckpointRunConfig, ctx: RankContext) -> RankReport:
             print(f"resumed from {info.path.name} (saved by {info.world_size} ranks) in "
                   f"{info.seconds:.2f} s", flush=True)
 
-    steps, losses, times, saves = [], [], [], []
-    model.train()
-    for index in range(start_step, config.steps):
-        step = index + 1  # optimizer steps done after this one
-        inputs, targets = local_batch(config, index, ctx)  # the data position is the step index
-        begin = time.perf_counter()
-        loss = train_step(model, optimizer, inputs, targets, step=step)  # raises on a NaN/inf loss
-        times.append(time.perf_counter() - begin)
-        dist.all_reduce(loss)  # SUM (gloo has no AVG), then divide
-        losses.append((loss / ctx.world_size).item())
-        steps.append(step)
+    saves = []
+
+    def after_step(end: StepEnd) -> None:
+        """Print the loss, save every ``save_every`` steps, and kill this rank where asked."""
         if ctx.is_main:
-            print(f"step {step}: loss {losses[-1]:.4f}", flush=True)
-        killing = step == config.kill_at_step and ctx.rank == config.kill_rank
-        if config.save_every and step % config.save_every == 0:
-            hook = functools.partial(_kill, ctx, f"during the save of step {step}, its shard written") \
+            print(f"step {end.step}: loss {end.loss:.4f}", flush=True)
+        killing = end.step == config.kill_at_step and ctx.rank == config.kill_rank
+        if config.save_every and end.step % config.save_every == 0:
+            hook = functools.partial(_kill, ctx, f"during the save of step {end.step}, its shard written") \
                 if killing and config.kill_in_save else None
-            saved = save_checkpoint(root, step, model, optimizer, extra={"data_position": step},
-                                    keep_last=config.keep_last, after_shard_written=hook)
-            saves.append({"name": saved.path.name, "step": step, "save_s": saved.seconds, "files": saved.files})
+            saved = save_checkpoint(root, end.step, end.model, end.optimizer,
+                                    extra={"data_position": end.step}, keep_last=config.keep_last,
+                                    after_shard_written=hook)
+            saves.append({"name": saved.path.name, "step": end.step, "save_s": saved.seconds,
+                          "files": saved.files})
             if ctx.is_main:
                 print(f"saved {saved.path.name} in {saved.seconds:.2f} s", flush=True)
         if killing:
-            _kill(ctx, f"after step {step}")
+            _kill(ctx, f"after step {end.step}")
 
+    # the data position is the step index: a resumed job trains on the batches the saved one had not
+    log = train(model, optimizer, config, ctx, start_step=start_step, on_step=after_step, progress=False)
+    steps, losses, times = log.steps, log.losses, log.step_time_s
     exported = _export(config, ctx, model, root) if config.export else None
     checks, counted = [], None
     newest = saves[-1]["name"] if saves else loaded["name"] if loaded else None

@@ -22,7 +22,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -37,13 +37,9 @@ from handbook_lib.runs.entry import RankReport, main
 class FaultConfig(FlatConfig):
     """Which rank fails, and how."""
 
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
-        "mode": ("raise", "exit", "hang", "sleep", "bad_check", "none"),
-    }
-
     fail_rank: int = 1
     """The rank that misbehaves."""
-    mode: str = "raise"
+    mode: Literal["raise", "exit", "hang", "sleep", "bad_check", "none"] = "raise"
     """How it misbehaves (see the module docstring)."""
     sleep_s: float = 3600.0
     """Seconds a ``hang`` or ``sleep`` rank sleeps."""

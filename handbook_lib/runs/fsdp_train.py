@@ -24,7 +24,7 @@ from __future__ import annotations
 import sys
 
 from handbook_lib.comm import estimate_collective, estimate_step_traffic
-from handbook_lib.config import RunConfig
+from handbook_lib.config import PRECISIONS, RunConfig
 from handbook_lib.distributed import RankContext
 from handbook_lib.measure import (
     measure_fsdp_units,
@@ -33,25 +33,20 @@ from handbook_lib.measure import (
     measure_param_bytes,
 )
 from handbook_lib.memory import (
-    PRECISION_DTYPES,
+    estimate_accumulation_bytes,
+    estimate_init_bytes,
     estimate_memory,
     estimate_shard_bytes,
     optimizer_states,
     optimizer_step_bytes,
 )
 from handbook_lib.model import param_count
+from handbook_lib.parallelize import check_runnable, measure_init_bytes, shard_group
 from handbook_lib.results import Check
 from handbook_lib.runs.entry import RankReport, main
 from handbook_lib.sharding import estimate_flat_shard_bytes, wrap_units
-from handbook_lib.training import (
-    FSDP1_STRATEGIES,
-    FSDP2_STRATEGIES,
-    build_grad_scaler,
-    build_optimizer,
-    build_training_model,
-    shard_group,
-    train,
-)
+from handbook_lib.strategies import STRATEGY_TABLE
+from handbook_lib.training import build_grad_scaler, build_optimizer, train
 
 CONFIG = RunConfig
 
@@ -60,6 +55,10 @@ ACTIVATION_TOLERANCE = 0.05
 attention kernels save slightly different tensors)."""
 PEAK_TOLERANCE = 0.10
 """Relative tolerance of the peak-memory check."""
+NORM_TOLERANCE = 1e-6
+"""Relative tolerance of the gradient-norm check: the norms of the shards combined across ranks,
+against one process's norm of the whole gradient; both fp32, summed in different orders."""
+
 
 
 def validate(config: RunConfig, world_size: int) -> None:
@@ -68,31 +67,34 @@ def validate(config: RunConfig, world_size: int) -> None:
     Raises:
         ValueError: naming the key and the values this run accepts.
     """
-    accepted = {"fsdp2": (*FSDP2_STRATEGIES,), "fsdp1": FSDP1_STRATEGIES}[config.api]
-    if config.strategy not in ("NONE", "DDP", *accepted):
-        raise ValueError(
-            f"fsdp_train with api={config.api!r} supports strategy NONE, DDP, {', '.join(accepted)}; "
-            f"got {config.strategy!r}"
-        )
-    unwrapped = config.strategy in ("NONE", "DDP")
-    if unwrapped and (config.precision != "fp32" or config.cpu_offload or config.wrap != "layer"):
+    if not STRATEGY_TABLE[config.strategy].distributed and world_size != 1:
+        raise ValueError(f"strategy {config.strategy!r} is the one-process baseline: launch it with 1 rank, "
+                         f"not {world_size}")
+    try:
+        row = check_runnable(config, world_size)
+    except ValueError:
+        accepted = [s.name for s in STRATEGY_TABLE.values()
+                    if s.wrapper != "fsdp" or getattr(s, config.api)]
+        raise ValueError(f"fsdp_train with api={config.api!r} supports strategy {', '.join(accepted)}; "
+                         f"got {config.strategy!r}") from None
+    if row.wrapper != "fsdp" and (config.precision != "fp32" or config.cpu_offload or config.wrap != "layer"):
         raise ValueError(f"fsdp_train runs {config.strategy} with precision='fp32', cpu_offload=False "
                          "and wrap='layer' only (mixed precision, offload and wrapping are FSDP's)")
-    if config.strategy == "NONE" and world_size != 1:
-        raise ValueError(f"strategy 'NONE' is the one-process baseline: launch it with 1 rank, not {world_size}")
-    if config.strategy == "DDP" and config.steps < 3:
+    if row.wrapper == "ddp" and config.steps < 3:
         raise ValueError(
             f"fsdp_train needs steps >= 3 with DDP (got {config.steps}): DDP rebuilds its gradient "
             "buckets during the second step, so the measured (last) step must be the third or later"
         )
-    if config.batch_size % world_size:
+    if config.batch_size % (world_size * config.grad_accum_steps):
         raise ValueError(
             f"batch_size={config.batch_size} must be divisible by the number of ranks {world_size}"
+            + (f" times grad_accum_steps={config.grad_accum_steps}" if config.grad_accum_steps > 1 else "")
         )
-    if config.strategy.startswith("HYBRID"):
+    if row.hybrid:
         group = shard_group(config, world_size)
         if group == world_size:
-            flat = {"HYBRID_SHARD": "FULL_SHARD", "HYBRID_SHARD_ZERO2": "SHARD_GRAD_OP"}[config.strategy]
+            flat = next(s.name for s in STRATEGY_TABLE.values() if not s.hybrid and s.wrapper == "fsdp"
+                        and s.reshard_after_forward == row.reshard_after_forward and s.shards_params)
             size = f"shard_group_size={config.shard_group_size}" if config.shard_group_size else \
                 "the default shard group (shard_group_size=0: every rank of the node)"
             raise ValueError(
@@ -104,9 +106,10 @@ def validate(config: RunConfig, world_size: int) -> None:
 
 def run(config: RunConfig, ctx: RankContext) -> RankReport:
     validate(config, ctx.world_size)
+    row = check_runnable(config, ctx.world_size)
     group = shard_group(config, ctx.world_size)
-    flat = config.api == "fsdp1" and config.strategy not in ("NONE", "DDP")
-    model = build_training_model(config, ctx)
+    flat = config.api == "fsdp1" and row.wrapper == "fsdp"
+    model, init_bytes = measure_init_bytes(config, ctx, config.init)
     optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
     scaler = build_grad_scaler(config, ctx)
     log = train(model, optimizer, config, ctx, track_memory=True, count_collectives=True, scaler=scaler)
@@ -124,9 +127,10 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
         state = shard.shard_bytes
     predicted = estimate_memory(
         model_config, ctx.world_size, config.strategy, config.precision, config.optimizer,
-        micro_batch=config.batch_size // ctx.world_size, seq_len=config.seq_len,
-        shard_group_size=group, rank=ctx.rank, cpu_offload=config.cpu_offload,
+        micro_batch=config.batch_size // (ctx.world_size * config.grad_accum_steps), seq_len=config.seq_len,
+        shard_group_size=group if row.hybrid else None, rank=ctx.rank, cpu_offload=config.cpu_offload,
         activation_checkpointing=config.activation_checkpointing, units=units, flat_params=flat,
+        backend=ctx.backend, grad_accum_steps=config.grad_accum_steps,
     )
 
     def check(quantity: str, expected: int, measured: int, tolerance: float = 0.0) -> Check:
@@ -140,8 +144,15 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
         check("optimizer_step_bytes", optimizer_step_bytes(model_config, config.optimizer, units if flat else None),
               opt_other),
     ]
+    if not flat:  # FSDP1 flattens while it materialises: its init is reported, not predicted
+        checks.append(check("init_bytes", estimate_init_bytes(
+            model_config, ctx.world_size, config.strategy, config.init, rank=ctx.rank,
+            shard_group_size=group if row.hybrid else None, units=units), init_bytes))
+    if log.grad_norm_full is not None:  # clipping: the sharded norm against one process's
+        checks.append(Check("grad_norm", ctx.rank, log.grad_norm_full, log.grad_norm[0], "norm",
+                            NORM_TOLERANCE))
     wrapped = measure_fsdp_units(model)
-    if config.strategy not in ("NONE", "DDP"):
+    if row.wrapper == "fsdp":
         checks.append(Check("fsdp_unit_count", ctx.rank, sum(1 for u in units if u.numel), len(wrapped), "units"))
     metrics = {
         "losses": log.losses,
@@ -158,6 +169,8 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
         "grad_zero_fraction": log.grad_zero_fraction,
         "grad_scale": log.grad_scale,
         "skipped_steps": log.skipped_steps,
+        "init_bytes": init_bytes,
+        "grad_norm": log.grad_norm,
         "predicted_peak_phase": predicted.peak_phase,
         "predicted_components": predicted.components,
     }
@@ -167,10 +180,14 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
         peak = predicted.peak + (predicted.host if ctx.device.type == "cpu" else 0)
         checks.append(check("activation_bytes", predicted.forward_activations, mem.activation_bytes,
                             ACTIVATION_TOLERANCE))
-        if not flat:  # the phase model is FSDP2's: FSDP1's peak is reported, not predicted
+        if not flat or not row.shards_params:  # FSDP1 sharding its flat parameters: reported only
             checks.append(check("peak_bytes", peak, mem.peak_bytes, PEAK_TOLERANCE))
+        if config.grad_accum_steps > 1:
+            checks.append(check("held_between_micro_steps", estimate_accumulation_bytes(
+                model_config, config.strategy, config.precision), mem.held_between_micro_steps))
         metrics.update(predicted_peak_bytes=peak, peak_bytes=mem.peak_bytes, activation_bytes=mem.activation_bytes,
-                       peak_breakdown=mem.peak_breakdown, allocator_peak_bytes=mem.allocator_peak_bytes)
+                       peak_breakdown=mem.peak_breakdown, allocator_peak_bytes=mem.allocator_peak_bytes,
+                       held_between_micro_steps=mem.held_between_micro_steps)
     if log.collectives is not None:
         # the ring model applied to what was counted (kinds, buffers, group sizes)
         sent = sum(estimate_collective(c.kind, c.buffer_bytes, c.group_size).sent_bytes
@@ -206,13 +223,15 @@ def _collective_checks(config, ctx, group, units, flat, calls, sent, check) -> l
     DDP's bucket count depends on its 25 MB bucketing, so only its bytes are checked. One plain
     process (``NONE``) must issue no collective at all.
     """
-    if config.strategy == "NONE":
+    row = STRATEGY_TABLE[config.strategy]
+    if not row.distributed:
         return [Check("collective_count", ctx.rank, 0, len(calls), "collectives")]
-    param_dtype, reduce_dtype = PRECISION_DTYPES[config.precision]
+    param_dtype, reduce_dtype = PRECISIONS[config.precision]
     traffic = estimate_step_traffic(
         units, ctx.world_size, config.strategy,
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, root_reshard_after_forward=not flat,
-        shard_group_size=group if config.strategy.startswith("HYBRID") else None, flat_params=flat,
+        shard_group_size=group if row.hybrid else None, flat_params=flat,
+        grad_accum_steps=config.grad_accum_steps, sync_every_micro_step=False,
         grad_scaler_group=_scaler_group(config, ctx.world_size),
     )
     checks = []
@@ -221,7 +240,7 @@ def _collective_checks(config, ctx, group, units, flat, calls, sent, check) -> l
         measured = [c for c in calls if c.kind == kind]
         if not predicted and not measured:
             continue
-        if config.strategy != "DDP":
+        if row.wrapper != "ddp":  # DDP's bucket count follows its 25 MB bucketing
             checks.append(Check(f"{kind}_count", ctx.rank, len(predicted), len(measured), "collectives"))
         checks.append(check(f"{kind}_buffer_bytes", sum(r.buffer_bytes for r in predicted),
                             sum(c.buffer_bytes for c in measured)))
@@ -229,7 +248,7 @@ def _collective_checks(config, ctx, group, units, flat, calls, sent, check) -> l
         # DDP's buckets round each all-reduce's chunks separately: a few bytes off one
         # all-reduce of everything
         checks.append(check("sent_bytes", traffic.sent_bytes, sent,
-                            1e-6 if config.strategy == "DDP" else 0.0))
+                            1e-6 if row.wrapper == "ddp" else 0.0))
     return checks
 
 

@@ -19,26 +19,29 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
 from handbook_lib.config import STRATEGIES, RunConfig
 from handbook_lib.distributed import RankContext
+from handbook_lib.parallelize import parallelize
 from handbook_lib.results import Check
 from handbook_lib.runs.entry import RankReport, main
-from handbook_lib.training import build_optimizer, build_training_model, local_batch, train_step
+from handbook_lib.strategies import get_strategy
+from handbook_lib.training import build_optimizer, local_batch, train_step
 
 LOSS_TOLERANCE = 1e-5
 """Relative tolerance between a variant's fp32 loss and DDP's on the same batches."""
 
 
+BASELINE = "DDP"
+"""The variant every other is timed against (first in ``variants``)."""
+
+
 @dataclass(frozen=True)
 class StepTimeConfig(RunConfig):
     """A :class:`RunConfig` plus what to time: ``steps`` is the timed steps per repeat."""
-
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = RunConfig.CHOICES
 
     variants: str = "DDP,FULL_SHARD,SHARD_GRAD_OP"
     """Comma-separated strategies to time, DDP first (the reference of every ratio)."""
@@ -50,12 +53,14 @@ class StepTimeConfig(RunConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         names = self.variant_list()
-        if names[:1] != ["DDP"] or len(set(names)) != len(names):
-            raise ValueError(f"config key 'variants' must start with DDP and not repeat, got {self.variants!r}")
-        bad = [n for n in names if n not in STRATEGIES or n == "NONE"]
+        if names[:1] != [BASELINE] or len(set(names)) != len(names):
+            raise ValueError(f"config key 'variants' must start with {BASELINE} and not repeat, "
+                             f"got {self.variants!r}")
+        accepted = [s for s in STRATEGIES if get_strategy(s).distributed]
+        bad = [n for n in names if n not in accepted]
         if bad:
             raise ValueError(f"config key 'variants': unknown strategy {bad[0]!r}; accepted: "
-                             f"{', '.join(s for s in STRATEGIES if s != 'NONE')}")
+                             f"{', '.join(accepted)}")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError("config keys 'repeats' >= 1 and 'warmup' >= 0 required")
 
@@ -89,7 +94,7 @@ def run(config: StepTimeConfig, ctx: RankContext) -> RankReport:
     models, optimizers, step = {}, {}, {}
     for name in names:
         variant = config.replace(strategy=name)
-        models[name] = build_training_model(variant, ctx)
+        models[name] = parallelize(variant, ctx)
         optimizers[name] = build_optimizer(models[name].parameters(), config.optimizer, config.lr)
         step[name] = 0
 
@@ -119,9 +124,9 @@ def run(config: StepTimeConfig, ctx: RankContext) -> RankReport:
         if ctx.is_main:
             print(f"repeat {rep + 1}/{config.repeats}: " + ", ".join(
                 f"{n} {times[n][-1]:.3f} s" for n in names), flush=True)
-    ratios = {n: [t / d for t, d in zip(times[n], times["DDP"])] for n in names}
-    checks = [Check(f"loss_{n}_vs_DDP", ctx.rank, losses["DDP"][-1], losses[n][-1], "nats", LOSS_TOLERANCE)
-              for n in names[1:]]
+    ratios = {n: [t / d for t, d in zip(times[n], times[BASELINE])] for n in names}
+    checks = [Check(f"loss_{n}_vs_{BASELINE}", ctx.rank, losses[BASELINE][-1], losses[n][-1], "nats",
+                    LOSS_TOLERANCE) for n in names[1:]]
     return RankReport(
         metrics={
             "step_time_s": times,

@@ -1,11 +1,11 @@
-"""handbook_lib.strategy: the planner, against the seed's rule and the memory model."""
+"""handbook_lib.planner: the planner, against the seed's rule and the memory model."""
 
 import pytest
 
 from handbook_lib.hardware import ACCELERATORS
 from handbook_lib.memory import estimate_memory, estimate_seed_model_state
+from handbook_lib.planner import plan, seed_recommendation
 from handbook_lib.presets import DECODER_SHAPES, get_shape
-from handbook_lib.strategy import plan, seed_recommendation
 
 SCENARIOS = [("llama2-7b", "h100-80gb", 8), ("llama2-13b", "a100-40gb", 8), ("llama2-70b", "a100-80gb", 16),
              ("llama2-70b", "h100-80gb", 64), ("gpt3-175b", "a100-80gb", 64)]
@@ -101,3 +101,20 @@ def test_offload_states_the_host_memory_it_needs():
     eight = plan("gpt3-175b", "h100-80gb", 8)  # per node: 8 GPUs' worth of host memory
     assert eight.recommended.cpu_offload
     assert f"({8 * eight.recommended.host_bytes / 1e9:.1f} GB per node of 8 GPUs)" in " ".join(eight.reasons)
+
+
+def test_the_intra_node_link_comes_from_the_accelerator_preset():
+    """A new accelerator is priced on its own link, never a silent PCIe 4 (the old name match)."""
+    from handbook_lib.hardware import Accelerator, get_accelerator, get_link
+
+    for gpu, link in (("b200-180gb", "nvlink5"), ("mi300x-192gb", "infinity-fabric"), ("h100-80gb", "nvlink4")):
+        acc = get_accelerator(gpu)
+        assert acc.intra_link == link
+        priced = plan("7b", gpu, 8, seq_len=4096)
+        pinned = plan("7b", gpu, 8, seq_len=4096, intra_link=get_link(link))
+        assert [o.comm_s for o in priced.options] == [o.comm_s for o in pinned.options]
+        assert priced.gpus_per_node == acc.gpus_per_node
+    nameless = Accelerator("A new GPU", 96 * 10**9, 1e15, 5e13, "a test")
+    with pytest.raises(ValueError, match="states no intra-node link: pass intra_link"):
+        plan("7b", nameless, 8, gpus_per_node=8)
+    assert plan("7b", nameless, 8, gpus_per_node=8, intra_link="pcie5").recommended is not None

@@ -21,17 +21,19 @@ from handbook_lib.comm import (
     units_for_decoder,
     units_for_model,
 )
-from handbook_lib.hardware import Accelerator, Link, get_accelerator, get_link
+from handbook_lib.config import PRECISIONS
+from handbook_lib.hardware import Accelerator, Link, default_intra_link, get_accelerator, get_link, node_preset
 from handbook_lib.memory import (
     PHASE_WORDS,
-    PRECISION_DTYPES,
+    SEED_STRATEGIES,
     estimate_memory,
     estimate_seed_model_state,
     min_gpus_to_fit,
 )
 from handbook_lib.presets import DecoderShape, get_shape
+from handbook_lib.strategies import get_strategy
 
-__all__ = ["Option", "Plan", "plan", "seed_recommendation", "OFFLOAD_LINK"]
+__all__ = ["Option", "Plan", "plan", "seed_recommendation", "check_whole_nodes", "OFFLOAD_LINK"]
 
 OFFLOAD_LINK = "pcie4"
 """Host link the CPU-offload option moves sharded parameters and gradients over."""
@@ -80,16 +82,35 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
     seed_answer: str = ""
     """What the seed's rule (fp32 model state only) would have answered."""
+    gpus_per_node: int = 0
+    """GPUs per node the plan assumed (sharing the intra-node link)."""
 
 
 def seed_recommendation(num_params: int, gpu_memory_bytes: int, gpus: int) -> str:
     """The seed's rule: the first of NO_SHARD, SHARD_GRAD_OP, FULL_SHARD whose fp32 model state
     (16 bytes per parameter, :func:`~handbook_lib.memory.estimate_seed_model_state`) fits the
     GPU; ``"does not fit"`` otherwise. No activations, no buffers, no headroom."""
-    for strategy in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"):
+    for strategy in SEED_STRATEGIES:
         if estimate_seed_model_state(num_params, gpus, strategy) <= gpu_memory_bytes:
             return strategy
     return "does not fit"
+
+
+def check_whole_nodes(gpus: int, gpus_per_node: int, *,
+                      names: tuple[str, str] = ("gpus={}", "gpus_per_node={}")) -> None:
+    """Refuse a GPU count that is more than one node and not a whole number of nodes.
+
+    ``names`` formats the two values in the caller's words (the CLI passes ``"--gpus {}"``).
+
+    Raises:
+        ValueError: for ``gpus_per_node`` not an int >= 1, or e.g. ``gpus=12 is not a whole
+            number of nodes of gpus_per_node=8``.
+    """
+    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node must be an int >= 1, got {gpus_per_node!r}")
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        raise ValueError(f"{names[0].format(gpus)} is not a whole number of nodes of "
+                         f"{names[1].format(gpus_per_node)}")
 
 
 def _gb(n: float) -> str:
@@ -103,7 +124,7 @@ def plan(
     *,
     micro_batch: int = 1,
     seq_len: int = 2048,
-    gpus_per_node: int = 8,
+    gpus_per_node: int | None = None,
     intra_link: Link | str | None = None,
     inter_link: Link | str = "ib-ndr400",
     precision: str = "bf16-mixed",
@@ -120,9 +141,10 @@ def plan(
         gpus: GPUs in the job.
         micro_batch: Sequences per GPU per step.
         seq_len: Tokens per sequence.
-        gpus_per_node: GPUs sharing the intra-node link.
-        intra_link: Link inside a node (default: NVLink 4 for H100/H200, NVLink 3 for A100,
-            PCIe 4 otherwise).
+        gpus_per_node: GPUs sharing the intra-node link (default: the accelerator preset's
+            usual node, 8 for an H100; refused for an accelerator that states none).
+        intra_link: Link inside a node (default: the accelerator preset's own, e.g. NVLink 4
+            for an H100; refused for an accelerator that states none).
         inter_link: Link between nodes.
         precision: As for :func:`~handbook_lib.memory.estimate_memory`.
         optimizer: As for :func:`~handbook_lib.memory.estimate_memory`.
@@ -142,26 +164,26 @@ def plan(
     acc = get_accelerator(gpu) if isinstance(gpu, str) else gpu
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be an int >= 1, got {gpus!r}")
-    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
-        raise ValueError(f"gpus_per_node must be an int >= 1, got {gpus_per_node!r}")
-    if gpus > gpus_per_node and gpus % gpus_per_node:
-        raise ValueError(f"gpus={gpus} is not a whole number of nodes of gpus_per_node={gpus_per_node}")
-    if precision not in PRECISION_DTYPES:
-        raise ValueError(f"precision must be one of {', '.join(PRECISION_DTYPES)}, got {precision!r}")
+    if gpus_per_node is None:
+        gpus_per_node = node_preset(acc).gpus_per_node
+    check_whole_nodes(gpus, gpus_per_node)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if micro_batch < 1 or seq_len < 1:
         raise ValueError(f"micro_batch and seq_len must be >= 1, got {micro_batch}, {seq_len}")
     if not 0 <= headroom < 1:  # also refuses NaN
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
-    intra = _default_intra(acc) if intra_link is None else intra_link
+    intra = default_intra_link(acc) if intra_link is None else intra_link
     intra = get_link(intra) if isinstance(intra, str) else intra
     inter = get_link(inter_link) if isinstance(inter_link, str) else inter_link
     per_node = min(gpus_per_node, gpus)
     budget = acc.memory_bytes * (1 - headroom)
-    param_dtype, reduce_dtype = PRECISION_DTYPES[precision]
+    param_dtype, reduce_dtype = PRECISIONS[precision]
     tokens = micro_batch * seq_len
 
     def price(strategy: str, n: int, ac: bool, offload: bool, name: str) -> Option:
-        group = per_node if strategy == "HYBRID_SHARD" else None
+        row = get_strategy(strategy)
+        group = per_node if row.hybrid else None
         mem = estimate_memory(shape, n, strategy, precision, optimizer, micro_batch=micro_batch,
                               seq_len=seq_len, shard_group_size=group, activation_checkpointing=ac,
                               cpu_offload=offload)
@@ -169,7 +191,7 @@ def plan(
                                         reduce_dtype=reduce_dtype, shard_group_size=group)
 
         def link_of(record: CollectiveRecord) -> Link:
-            crosses = record.group_size > per_node or (strategy == "HYBRID_SHARD" and record.kind == "all_reduce")
+            crosses = record.group_size > per_node or (row.hybrid and record.kind == "all_reduce")
             return inter if crosses and n > per_node else intra
 
         peak_flops = acc.peak_flops_bf16 if precision != "fp32" else acc.peak_flops_fp32
@@ -187,7 +209,7 @@ def plan(
 
     options = []
     for strategy in _ORDER:
-        if strategy == "HYBRID_SHARD" and gpus <= per_node:
+        if get_strategy(strategy).hybrid and gpus <= per_node:
             continue  # one node: hybrid is FULL_SHARD
         for ac in (False, True):
             options.append(price(strategy, gpus, ac, False, strategy + (" + AC" if ac else "")))
@@ -207,16 +229,7 @@ def plan(
         recommended = bigger[0] if bigger else None
     reasons = _reasons(options, recommended, acc, budget, gpus, gpus_per_node)
     return Plan(name, num_params, acc.name, gpus, options, recommended, reasons,
-                seed_recommendation(num_params, acc.memory_bytes, gpus))
-
-
-def _default_intra(acc: Accelerator) -> str:
-    name = acc.name.lower()
-    if "h100" in name or "h200" in name:
-        return "nvlink4"
-    if "a100" in name:
-        return "nvlink3"
-    return "pcie4"
+                seed_recommendation(num_params, acc.memory_bytes, gpus), gpus_per_node)
 
 
 def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, budget: float,

@@ -1,0 +1,204 @@
+"""The strategy table: what each way of training on many ranks shards, and how each library
+spells it. Pure: no ``torch``. One row per strategy; every other module reads this table.
+
+Chapter 1 names the strategies, chapter 2 prices their memory, chapter 3 their communication,
+chapter 4 chooses between them, chapter 5 runs each, chapter 7 maps them to DeepSpeed ZeRO.
+
+A row says *what is sharded at rest* (between steps) — parameters, gradients, optimizer state —
+and *what happens inside a step*: whether parameters are freed after forward and gathered again
+in backward (``reshard_after_forward``), whether the ranks form a 2-D mesh that shards within a
+group and replicates across groups (``hybrid``), and how gradients are reduced. From those flags
+the memory model (:mod:`handbook_lib.memory`), the communication model (:mod:`handbook_lib.comm`),
+the planner (:mod:`handbook_lib.planner`) and the runtime (:mod:`handbook_lib.training`) derive
+everything they do; none of them compares a strategy's name.
+
+Adding a strategy is one row here plus, if it needs a new wrapper, one apply function in
+:mod:`handbook_lib.training` (see :data:`WRAPPERS`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+__all__ = [
+    "StrategyName",
+    "Wrapper",
+    "WRAPPERS",
+    "Strategy",
+    "STRATEGY_TABLE",
+    "STRATEGIES",
+    "get_strategy",
+    "strategies_where",
+]
+
+StrategyName = Literal["NONE", "DDP", "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD",
+                       "HYBRID_SHARD_ZERO2"]
+"""The run-config values of ``strategy`` (FSDP1's spelling, plus ``NONE`` and ``DDP``); the
+table's keys, in this order (a test keeps the two equal)."""
+
+Wrapper = Literal["none", "ddp", "fsdp"]
+WRAPPERS: dict[str, str] = {
+    "none": "the plain module in one process: no wrapper, no collective",
+    "ddp": "torch.nn.parallel.DistributedDataParallel: full replicas, gradients all-reduced in "
+           "buckets during backward",
+    "fsdp": "FSDP (FSDP2's fully_shard, or FSDP1's FullyShardedDataParallel): one collective per "
+            "unit, parameters sharded along dim 0",
+}
+"""What applies a strategy at run time (:func:`handbook_lib.training.parallelize` has one apply
+function per wrapper)."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One strategy: what it shards, when it gathers, and its names in FSDP1, FSDP2 and ZeRO."""
+
+    name: str
+    """The run-config value, FSDP1's ``ShardingStrategy`` spelling (``FULL_SHARD`` ...)."""
+    wrapper: Wrapper
+    """What applies it at run time: a key of :data:`WRAPPERS`."""
+    shards_params: bool
+    """Parameters are sharded at rest (between steps)."""
+    shards_grads: bool
+    """Gradients are reduce-scattered and kept as shards (else all-reduced, kept whole)."""
+    shards_optimizer: bool
+    """Optimizer states are sharded."""
+    reshard_after_forward: bool
+    """Parameters gathered for forward are freed after it and gathered again for backward
+    (FSDP2's ``reshard_after_forward``). False keeps them gathered from forward to backward."""
+    hybrid: bool
+    """Shard within groups of ``shard_group_size`` ranks, replicate across groups (a 2-D
+    (replicate, shard) mesh); gradients are then all-reduced across the groups."""
+    fsdp1: str | None
+    """FSDP1's ``torch.distributed.fsdp.ShardingStrategy`` member, or ``None``."""
+    fsdp2: bool
+    """Available with FSDP2's ``fully_shard`` (see :attr:`fsdp2_spelling`)."""
+    zero_stage: int | None
+    """The DeepSpeed ZeRO stage with the same sharding at rest, or ``None`` (see
+    :attr:`zero_note`)."""
+    zero_note: str
+    """How ZeRO's stage differs, in words (empty if it does not)."""
+    grad_bucket_copy: bool
+    """Gradients are also copied into separate communication buckets (DDP's default,
+    ``gradient_as_bucket_view=False``): one more gradient-sized buffer on every rank."""
+    summary: str
+    """One line for a table: what it shards."""
+
+    @property
+    def distributed(self) -> bool:
+        """Runs on several ranks (every strategy but ``NONE``)."""
+        return self.wrapper != "none"
+
+    @property
+    def sharded(self) -> bool:
+        """Shards anything across ranks."""
+        return self.shards_params or self.shards_grads or self.shards_optimizer
+
+    @property
+    def fsdp2_spelling(self) -> str:
+        """How the strategy is written with FSDP2 (or what replaces it)."""
+        if self.wrapper == "none":
+            return "the plain module, one process: no wrapper"
+        if self.wrapper == "ddp":
+            return "DistributedDataParallel (or replicate()); not FSDP"
+        if not self.fsdp2:
+            return f"none: FSDP2 has no {self.name}; use DDP"
+        mesh = "mesh=<2-D (replicate, shard) mesh>, " if self.hybrid else ""
+        return f"fully_shard(m, {mesh}reshard_after_forward={self.reshard_after_forward})"
+
+    def shard_group(self, world_size: int, shard_group_size: int | None = None) -> int:
+        """Ranks that shard one copy of the model.
+
+        The whole world for a sharded strategy; 1 for a replicating one (DDP, NO_SHARD, NONE);
+        ``shard_group_size`` for a hybrid one, where ``None`` or 0 means the whole world (the
+        caller resolves torchrun's "one node" default before asking).
+
+        Raises:
+            ValueError: if the world size is not an int >= 1, or the group is not >= 1 and a
+                divisor of it, or ``shard_group_size`` is given to a strategy that is not hybrid.
+        """
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if not self.hybrid:
+            if shard_group_size:
+                raise ValueError(f"shard_group_size applies only to the hybrid strategies "
+                                 f"({', '.join(strategies_where(hybrid=True))}), not {self.name}")
+            return world_size if self.sharded else 1
+        group = shard_group_size or world_size
+        if isinstance(group, bool) or not isinstance(group, int) or group < 1 or world_size % group:
+            raise ValueError(f"shard_group_size={group} must divide world_size={world_size} "
+                             f"(an int >= 1)")
+        return group
+
+    def check_cpu_offload(self, cpu_offload: bool, flag: str = "cpu_offload") -> None:
+        """Refuse CPU offload for a strategy without FSDP's offload (NONE, DDP).
+
+        Raises:
+            ValueError: naming ``flag`` (the key or option the caller was given) and the
+                strategies that offload.
+        """
+        if cpu_offload and self.wrapper != "fsdp":
+            raise ValueError(f"{flag} needs an FSDP strategy "
+                             f"({', '.join(strategies_where(wrapper='fsdp'))}): {self.name} keeps "
+                             "the whole model state on the device")
+
+    def deepspeed_config(self, shard_group_size: int | None = None) -> dict | None:
+        """The ``zero_optimization`` section of a DeepSpeed config with the same sharding at rest
+        (``None`` where DeepSpeed has none). HYBRID_SHARD maps to ZeRO-3 with MiCS
+        (``mics_shard_size``: shard within groups, replicate across)."""
+        if self.zero_stage is None:
+            return None
+        section: dict = {"stage": self.zero_stage}
+        if self.hybrid:
+            section["mics_shard_size"] = shard_group_size or -1
+        return section
+
+
+STRATEGY_TABLE: dict[str, Strategy] = {s.name: s for s in (
+    Strategy("NONE", "none", False, False, False, False, False, None, False, None, "",
+             False, "one plain process: nothing shared, nothing sharded (the baseline)"),
+    Strategy("DDP", "ddp", False, False, False, False, False, None, False, 0, "",
+             True, "full replicas; gradients all-reduced in buckets"),
+    Strategy("NO_SHARD", "fsdp", False, False, False, False, False, "NO_SHARD", False, 0,
+             "ZeRO-0 is DDP: DeepSpeed has no FSDP-style unit-by-unit all-reduce",
+             False, "full replicas, as DDP, gradients all-reduced unit by unit"),
+    Strategy("SHARD_GRAD_OP", "fsdp", True, True, True, False, False, "SHARD_GRAD_OP", True, 2,
+             "ZeRO-2 keeps the parameters whole at rest; FSDP shards them between steps",
+             False, "gradients and optimizer state sharded; parameters gathered once per step"),
+    Strategy("FULL_SHARD", "fsdp", True, True, True, True, False, "FULL_SHARD", True, 3, "",
+             False, "everything sharded; parameters gathered in forward and again in backward"),
+    Strategy("HYBRID_SHARD", "fsdp", True, True, True, True, True, "HYBRID_SHARD", True, 3,
+             "ZeRO-3 with MiCS (mics_shard_size) shards within groups like HSDP",
+             False, "FULL_SHARD within each group of ranks, replicas across groups"),
+    Strategy("HYBRID_SHARD_ZERO2", "fsdp", True, True, True, False, True, "_HYBRID_SHARD_ZERO2",
+             True, None, "DeepSpeed has no hybrid ZeRO-2", False,
+             "SHARD_GRAD_OP within each group of ranks, replicas across groups"),
+)}
+"""Every strategy, by run-config name, in the order the book presents them."""
+
+STRATEGIES: tuple[str, ...] = tuple(STRATEGY_TABLE)
+"""The names, in table order (the run config's accepted ``strategy`` values)."""
+
+if STRATEGIES != get_args(StrategyName):  # pragma: no cover - caught at import and by a test
+    raise AssertionError("StrategyName and STRATEGY_TABLE list different strategies")
+
+
+def get_strategy(name: str | Strategy) -> Strategy:
+    """The table row of ``name`` (a row is returned as is).
+
+    Raises:
+        ValueError: ``strategy must be one of NONE, DDP, ..., got 'X'`` for an unknown name.
+    """
+    if isinstance(name, Strategy):
+        return name
+    try:
+        return STRATEGY_TABLE[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {name!r}") from None
+
+
+def strategies_where(**flags: object) -> tuple[str, ...]:
+    """Names of the rows whose attributes equal ``flags``, e.g.
+    ``strategies_where(hybrid=True)`` → ``("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")``."""
+    return tuple(s.name for s in STRATEGY_TABLE.values()
+                 if all(getattr(s, k) == v for k, v in flags.items()))

@@ -1,0 +1,270 @@
+"""handbook_lib.plots: every ``plot_*`` figure draws its inputs where they say, in the stated unit.
+
+Expected values (MB = 10^6 bytes, GB = 10^9, ms, ring steps and bytes of an all-reduce) are
+computed here from the inputs, not by calling the plotting code; each test reads the artists
+back from the returned figure (bar heights and bottoms, line and scatter data, image cells,
+texts, tick labels, legend entries) and closes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.container import BarContainer  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from handbook_lib import plots  # noqa: E402
+from handbook_lib.memory import COMPONENTS, MemoryEstimate  # noqa: E402
+from handbook_lib.results import SCHEMA, RunResult  # noqa: E402
+
+
+@pytest.fixture
+def figs() -> Iterator[list[Figure]]:
+    """Figures a test made; all are closed afterwards, whatever the outcome."""
+    made: list[Figure] = []
+    yield made
+    for fig in made:
+        plt.close(fig)
+
+
+def _ax(fig: Figure) -> Axes:
+    assert len(fig.axes) == 1
+    return fig.axes[0]
+
+
+def _bars(ax: Axes) -> list[BarContainer]:
+    return [c for c in ax.containers if isinstance(c, BarContainer)]
+
+
+def _heights(bars: BarContainer) -> list[float]:
+    return [p.get_height() for p in bars.patches]
+
+
+def _bottoms(bars: BarContainer) -> list[float]:
+    return [p.get_y() for p in bars.patches]
+
+
+def _points(collection: Any) -> list[float]:
+    """A scatter's (x, y) offsets, flattened to x0, y0, x1, y1, ... (data coordinates)."""
+    return [float(v) for xy in collection.get_offsets() for v in xy]
+
+
+def _legend(ax: Axes) -> list[str]:
+    legend = ax.get_legend()
+    assert legend is not None
+    return [t.get_text() for t in legend.get_texts()]
+
+
+def _ticks(labels: list[Any]) -> list[str]:
+    return [t.get_text() for t in labels]
+
+
+def _run(ranks: list[dict[str, Any]], **extra: Any) -> RunResult:
+    return RunResult.from_dict({"schema": SCHEMA, "run": "fsdp_train", "config": {}, "world_size": len(ranks),
+                                "backend": "gloo", "device": "cpu", "torch_version": "x", "ranks": ranks,
+                                "checks": [], **extra})
+
+
+def _train_rank(rank: int, params: int, grads: int, optim: int, peak: int = 0, padding: int = 0,
+                other: int = 0) -> dict[str, Any]:
+    return {"rank": rank, "param_shard_bytes": params, "grad_shard_bytes": grads,
+            "optimizer_state_bytes": optim, "param_padding_bytes": padding,
+            "optimizer_other_bytes": other, "peak_bytes": peak}
+
+
+def _estimate(**components: int) -> MemoryEstimate:
+    full = {name: components.get(name, 0) for name in COMPONENTS}
+    return MemoryEstimate(components=full, phases={"peak": sum(full.values())}, peak_phase="peak")
+
+
+@pytest.mark.parametrize("unsharded", [None, (8_000_000, 8_000_000, 16_000_000)])
+def test_rank_bytes_stacks_each_component_in_mb(figs: list[Figure],
+                                                unsharded: tuple[int, int, int] | None) -> None:
+    # ranks given out of order: bars follow rank order
+    result = _run([_train_rank(1, 3_000_000, 3_000_000, 6_000_000),
+                   _train_rank(0, 4_000_000, 2_000_000, 5_000_000)])
+    figs.append(fig := plots.plot_rank_bytes(result, unsharded, title="State"))
+    ax = _ax(fig)
+    per_bar = [(4.0, 2.0, 5.0), (3.0, 3.0, 6.0)]
+    labels = ["rank 0", "rank 1"]
+    if unsharded is not None:
+        per_bar.insert(0, (8.0, 8.0, 16.0))
+        labels.insert(0, "one device\n(unsharded)")
+    bars = _bars(ax)
+    assert [b.get_label() for b in bars] == ["parameters", "gradients", "optimizer state"]
+    for i, container in enumerate(bars):
+        assert _heights(container) == pytest.approx([row[i] for row in per_bar])
+        assert _bottoms(container) == pytest.approx([sum(row[:i]) for row in per_bar])
+    assert _ticks(ax.get_xticklabels()) == labels
+    totals = [sum(row) for row in per_bar]
+    assert [t.get_text() for t in ax.texts] == [f"{t:.1f} MB" for t in totals]
+    assert ax.get_ylim()[1] >= max(totals)
+    assert "MB" in ax.get_ylabel()
+    assert ax.get_title() == "State (2 ranks, gloo)"
+    assert _legend(ax) == ["parameters", "gradients", "optimizer state"]
+
+
+def test_memory_breakdown_stacks_nonzero_components_in_gb_with_limit(figs: list[Figure]) -> None:
+    estimates = {
+        "NO_SHARD": _estimate(params=4_000_000_000, grads=4_000_000_000, optimizer=8_000_000_000,
+                              activations=2_000_000_000),
+        "FULL_SHARD": _estimate(params=1_000_000_000, grads=1_000_000_000, optimizer=2_000_000_000,
+                                unsharded_params=500_000_000, activations=2_000_000_000),
+    }
+    figs.append(fig := plots.plot_memory_breakdown(estimates, title="Peak", limit_bytes=80_000_000_000,
+                                                   limit_label="H100"))
+    ax = _ax(fig)
+    expected = {  # components with a nonzero value somewhere, in stacking order, GB
+        "parameters": [4.0, 1.0], "gradients": [4.0, 1.0], "optimizer state": [8.0, 2.0],
+        "unsharded params + all-gather": [0.0, 0.5], "activations": [2.0, 2.0],
+    }
+    bars = _bars(ax)
+    assert [b.get_label() for b in bars] == list(expected)
+    bottom = [0.0, 0.0]
+    for container, heights in zip(bars, expected.values()):
+        assert _heights(container) == pytest.approx(heights)
+        assert _bottoms(container) == pytest.approx(bottom)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    assert bottom == pytest.approx([e.peak / 1e9 for e in estimates.values()])
+    assert _ticks(ax.get_xticklabels()) == list(estimates)
+    (limit,) = ax.get_lines()
+    assert list(limit.get_ydata()) == pytest.approx([80.0, 80.0])
+    assert "GB" in ax.get_ylabel() and ax.get_title() == "Peak"
+    assert sorted(_legend(ax)) == sorted([*expected, "H100"])  # matplotlib lists lines first
+
+
+def test_memory_breakdown_without_limit_draws_no_line(figs: list[Figure]) -> None:
+    figs.append(fig := plots.plot_memory_breakdown({"a": _estimate(params=3_000_000_000)}))
+    ax = _ax(fig)
+    assert ax.get_lines() == []
+    assert [_heights(b) for b in _bars(ax)] == [pytest.approx([3.0])]
+    assert _legend(ax) == ["parameters"]
+
+
+def test_predicted_vs_measured_pairs_bars_per_label(figs: list[Figure]) -> None:
+    pairs = [("1 GPU", 100_000_000, 104_000_000), ("2 GPUs", 60_000_000, 59_500_000), ("4 GPUs", 40e6, 41e6)]
+    figs.append(fig := plots.plot_predicted_vs_measured(pairs, title="Peaks"))
+    ax = _ax(fig)
+    predicted, measured = _bars(ax)
+    assert _heights(predicted) == pytest.approx([100.0, 60.0, 40.0])
+    assert _heights(measured) == pytest.approx([104.0, 59.5, 41.0])
+    # each pair straddles its tick: predicted left, measured right
+    assert list(ax.get_xticks()) == [0, 1, 2]
+    assert _ticks(ax.get_xticklabels()) == ["1 GPU", "2 GPUs", "4 GPUs"]
+    for x, left, right in zip(range(3), predicted.patches, measured.patches):
+        assert left.get_x() + left.get_width() / 2 < x < right.get_x() + right.get_width() / 2
+    assert "MB" in ax.get_ylabel() and ax.get_title() == "Peaks"
+    assert _legend(ax) == ["predicted", "measured"]
+
+
+def test_collective_bench_points_and_alpha_beta_lines(figs: list[Figure]) -> None:
+    world, alpha, beta = 4, 1e-5, 1e9
+    sizes = [4_000, 400_000, 4_000_000]
+    measurements = [{"kind": kind, "buffer_bytes": b, "seconds": s * (i + 1)}
+                    for kind, s, n in (("all_reduce", 2e-4, 3), ("broadcast", 1e-4, 2))
+                    for i, b in enumerate(sizes[:n])]
+    fits = {"all_reduce": {"alpha_s": alpha, "beta_bytes_per_s": beta}, "broadcast": None}
+    result = _run([{"rank": r} for r in range(world)], measurements=measurements, fits=fits)
+    figs.append(fig := plots.plot_collective_bench(result))
+    ax = _ax(fig)
+    reduce_dots, broadcast_dots = ax.collections
+    # points: (bytes, ms)
+    assert _points(reduce_dots) == pytest.approx([4_000, 0.2, 400_000, 0.4, 4_000_000, 0.6])
+    assert _points(broadcast_dots) == pytest.approx([4_000, 0.1, 400_000, 0.2])
+    (line,) = ax.get_lines()  # only the fitted kind gets a model line
+    # ring all-reduce on N ranks: 2(N-1) steps, each rank sends 2(N-1)/N·B bytes
+    steps = 2 * (world - 1)
+    expected_ms = [(steps * alpha + 2 * (world - 1) * b / world / beta) * 1e3 for b in sizes]
+    assert list(line.get_xdata()) == sizes
+    assert list(line.get_ydata()) == pytest.approx(expected_ms)
+    assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
+    assert "bytes" in ax.get_xlabel() and "ms" in ax.get_ylabel()
+    assert "4 ranks" in ax.get_title() and "gloo" in ax.get_title()
+    assert sorted(_legend(ax)) == ["all_reduce (fit)", "broadcast"]
+
+
+def test_volume_vs_memory_places_each_strategy_in_gb(figs: list[Figure]) -> None:
+    points = [("DDP", 16e9, 2e9), ("FULL_SHARD", 4e9, 3e9), ("HSDP", 8e9, 2.5e9)]
+    figs.append(fig := plots.plot_volume_vs_memory(points, title="Trade-off"))
+    ax = _ax(fig)
+    assert len(ax.collections) == len(points)
+    for dots, (_, memory, sent) in zip(ax.collections, points):
+        assert _points(dots) == pytest.approx([memory / 1e9, sent / 1e9])
+    assert [(t.get_text(), *t.xy) for t in ax.texts] == [(n, m / 1e9, s / 1e9) for n, m, s in points]
+    assert "GB" in ax.get_xlabel() and "GB" in ax.get_ylabel()
+    assert "memory" in ax.get_xlabel() and "sent" in ax.get_ylabel()
+    assert ax.get_title() == "Trade-off"
+
+
+def test_step_time_by_link_bars_and_overlapped_marks(figs: list[Figure]) -> None:
+    rows = [("NVLink", 0.5, 0.1, 0.52), ("PCIe", 0.5, 0.8, 0.85), ("Ethernet", 0.5, 6.0, 6.1)]
+    figs.append(fig := plots.plot_step_time_by_link(rows, title="Step"))
+    ax = _ax(fig)
+    compute, comm = _bars(ax)
+    assert _heights(compute) == pytest.approx([0.5, 0.5, 0.5])
+    assert _heights(comm) == pytest.approx([0.1, 0.8, 6.0])
+    (marks,) = ax.collections
+    assert _points(marks) == pytest.approx([0, 0.52, 1, 0.85, 2, 6.1])
+    assert _ticks(ax.get_xticklabels()) == ["NVLink", "PCIe", "Ethernet"]
+    assert ax.get_yscale() == "log" and "seconds" in ax.get_ylabel()
+    assert ax.get_title() == "Step"
+    assert sorted(_legend(ax)) == ["communication", "compute", "step, overlapped"]
+
+
+def test_fit_map_grid_colours_and_texts(figs: list[Figure]) -> None:
+    answers = {("small", 8): "DDP", ("small", 1): "DDP", ("large", 1): "none",
+               ("large", 8): "FULL_SHARD + AC", ("small", 2): "DDP", ("large", 2): "none"}
+    figs.append(fig := plots.plot_fit_map(answers, title="Plan"))
+    ax = _ax(fig)
+    # rows: models in first-seen order; columns: GPU counts ascending; colour: rank of the sorted names
+    colour = {"DDP": 0, "FULL_SHARD + AC": 1, "none": 2}
+    grid = [[colour[answers[(m, n)]] for n in (1, 2, 8)] for m in ("small", "large")]
+    assert grid == [[0, 0, 0], [2, 2, 1]]
+    assert ax.images[0].get_array().tolist() == grid
+    assert _ticks(ax.get_xticklabels()) == ["1", "2", "8"]
+    assert _ticks(ax.get_yticklabels()) == ["small", "large"]
+    cells = {(t.get_position(), t.get_text()) for t in ax.texts}
+    assert cells == {((c, r), answers[(m, n)].replace(" + ", "\n+ "))
+                     for r, m in enumerate(["small", "large"]) for c, n in enumerate([1, 2, 8])}
+    assert ax.get_xlabel() == "GPUs" and ax.get_title() == "Plan"
+
+
+def test_loss_curves_one_line_per_run_from_step_one(figs: list[Figure]) -> None:
+    curves = {"1 GPU": [10.4, 9.8, 9.1, 8.7], "FULL_SHARD": [10.4, 9.8, 9.1, 8.7], "short": [10.0, 9.0]}
+    figs.append(fig := plots.plot_loss_curves(curves, title="Loss"))
+    ax = _ax(fig)
+    lines = ax.get_lines()
+    assert len(lines) == len(curves)
+    for line, losses in zip(lines, curves.values()):
+        assert list(line.get_xdata()) == list(range(1, len(losses) + 1))
+        assert list(line.get_ydata()) == losses
+    assert len({line.get_marker() for line in lines}) == len(curves)  # overlapping runs stay visible
+    assert "step" in ax.get_xlabel() and "nats" in ax.get_ylabel()
+    assert ax.get_title() == "Loss"
+    assert _legend(ax) == list(curves)
+
+
+def test_peak_by_run_max_over_ranks_in_mb(figs: list[Figure]) -> None:
+    results = {
+        "1 GPU": _run([_train_rank(0, 10_000_000, 10_000_000, 20_000_000, peak=70_000_000, other=8)]),
+        "FULL_SHARD": _run([_train_rank(0, 5_000_000, 5_000_000, 10_000_000, peak=38_000_000, padding=4),
+                            _train_rank(1, 5_000_000, 5_000_000, 10_000_000, peak=41_000_000,
+                                        padding=2_000_000)]),
+    }
+    figs.append(fig := plots.plot_peak_by_run(results, title="Peaks"))
+    ax = _ax(fig)
+    peak, state = _bars(ax)
+    assert _heights(peak) == pytest.approx([70.0, 41.0])
+    # model state: shards + padding + grads + optimizer states + other, largest rank
+    assert _heights(state) == pytest.approx([40.000008, 22.0])
+    assert _ticks(ax.get_xticklabels()) == list(results)
+    assert "MB" in ax.get_ylabel() and ax.get_title() == "Peaks"
+    assert _legend(ax) == ["peak (measured)", "model state at rest"]
