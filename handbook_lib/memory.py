@@ -55,12 +55,20 @@ PHASE_WORDS: dict[str, tuple[str, str]] = {
     "forward_start": ("as forward starts",
                       "forward begins: the root and the first layer gathered, each with its "
                       "all-gather buffer"),
+    "layer_forward": ("as a layer is gathered in forward",
+                      "a layer's all-gather in forward: its parameters copied out of the all-gather "
+                      "buffer, the previous unit's buffer still kept, the activations so far "
+                      "(SHARD_GRAD_OP: every unit gathered before it)"),
     "loss_backward": ("in the loss's backward",
                       "the loss's backward, with every activation still saved"),
     "backward_start": ("as backward starts",
                        "backward begins: the logits' gradient alive, the root unit gathered again"),
-    "layer_backward": ("in the last layer's backward",
-                       "the last layer's backward: that layer and the root gathered"),
+    "layer_backward": ("in a layer's backward",
+                       "a layer's backward: that layer and the root gathered, the next layer's "
+                       "all-gather buffer, the previous layer's reduce-scatter input kept"),
+    "layer_reduce": ("in a layer's reduce-scatter",
+                     "a layer's reduce-scatter: its gradients copied into the reduce-scatter input, "
+                     "then the input and its output (HSDP: the earlier layers' all-reduce buffers kept)"),
     "root_reduce": ("at the end of backward",
                     "end of backward: the root's gradients cast and reduce-scattered"),
     "layer_recompute": ("while a layer is recomputed",
@@ -72,7 +80,7 @@ PHASE_WORDS: dict[str, tuple[str, str]] = {
                        "the optimizer step: Adam's temporaries of the largest tensor"),
 }
 """Each phase of :func:`estimate_memory` in plain words: ``(when, what)`` — when it happens, to
-end a sentence ("peak 33.8 GB per GPU in the last layer's backward"), and what is alive then,
+end a sentence ("peak 34.0 GB per GPU in a layer's backward"), and what is alive then,
 for a legend under a table."""
 
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
@@ -307,7 +315,7 @@ def estimate_memory(
             that last micro-step (:func:`estimate_accumulation_bytes`), in every phase but the
             end of backward.
 
-    The phases of a sharding strategy (FSDP2; measured on CPU to within 0.03 %, chapter 2):
+    The phases of a sharding strategy (FSDP2; every fsdp_train run checks the peak they give):
 
     - ``forward_start``: the root gathered (its unsharded parameters, and its all-gather buffer,
       which FSDP2 keeps until the next unit's all-gather), the embedding's output, and the first
@@ -319,14 +327,28 @@ def estimate_memory(
       FSDP's all-gather buffer (2 copies in the compute dtype);
     - ``head_backward``: the output head's backward: the logits' gradient, the head's weight
       and bias gradients and the hidden states' gradient alive together;
-    - ``layer_backward``: the last layer's backward: the root still unsharded, the head's
-      gradients waiting for the root's reduce-scatter, the layer gathered (2 copies);
-    - ``root_reduce``: end of backward, the larger of two moments: the root's unsharded
-      gradients (compute dtype) copied, and cast on the way, into the reduce-scatter input
-      (reduce dtype: FSDP2 makes no separate cast); then, the gradients freed, that input and
-      the reduce-scatter output (1/N of it), plus gloo's flattened copy of the input;
+    - ``layer_backward``: a layer's backward, the largest over the layers (last first): the
+      root still unsharded, the head's gradients waiting for the root's reduce-scatter, the
+      layer gathered and its gradients computed, the next layer's all-gather buffer
+      (prefetched), and from the second layer on the previous layer's reduce-scatter input,
+      which FSDP2 keeps until the next unit's post-backward; each layer done frees its saved
+      activations. With HSDP (more than one replica) every reduced unit's all-reduce buffer
+      (its reduce-scatter output, r bytes per element of the shard) stays alive to the end of
+      backward, on top of the zeroed gradients;
+    - ``layer_reduce``: a layer's post-backward, the layer resharded, the larger of two moments:
+      its gradients copied into the reduce-scatter input (reduce dtype), then that input, its
+      1/N output and, on gloo, gloo's flattened copy of the input (plus the unit's last
+      gradient, which FSDP2's loop keeps);
+    - ``root_reduce``: end of backward, the same two moments for the root, with the
+      HSDP all-reduce buffers of every layer;
     - ``layer_recompute`` (with checkpointing): one layer's activations recomputed, its unit
-      gathered (2 copies), the root still unsharded.
+      gathered, the root still unsharded, the head's gradients alive (the logits' gradient is
+      freed by then), with the buffers ``layer_backward`` keeps.
+
+    On gloo, a finished collective's buffers are dropped by gloo's worker thread a moment after
+    the rank moves on; under load the root's all-gather buffer can meet the first layer's, or a
+    unit's flattened reduce-scatter copy the next unit's start. That bound is reported in
+    ``notes``, not counted in the peak (idle runs match the phases above).
 
     The replicating strategies (DDP, NO_SHARD, and NONE, one plain process) are one model: the
     full state at rest, the same activation phases, plus what each wrapper adds. DDP keeps its
@@ -404,28 +426,105 @@ def estimate_memory(
         copies = 2 if group > 1 else 1  # all-gather output buffer + unsharded params (1 rank: a copy)
         # gathered once per step and kept: every unit (padded), or P elements for a bare count
         everything = c * (sum(layers) + root) if shape_known else c * n
-        biggest = max(layers, default=0)
         kept = 0 if reshard else everything
         if acts:
             first = layers[0] if layers else 0
-            phases["forward_start"] = phase(copies * c * (root + first), 0, c * hidden, 0)
+            # the causal mask (bool, s x s), built before the first layer's all-gather
+            mask = seq_len * seq_len if isinstance(model, ModelConfig) else 0
+            phases["forward_start"] = phase(copies * c * (root + first), 0, c * hidden + mask, 0)
+            if layers and group > 1:
+                # each layer's all-gather copy-out in forward: FSDP2 keeps the previous unit's
+                # all-gather buffer until this one's copy-out is done (``all_gather_state``);
+                # SHARD_GRAD_OP also keeps every unit gathered so far
+                per = acts.layers // len(layers) if len(layers) == getattr(model, "num_layers", 0) else 0
+                forward = []
+                for i, unit in enumerate(layers):
+                    prev = layers[i - 1] if i else root
+                    gathered = c * root + (0 if reshard else c * sum(layers[:i]))
+                    forward.append(phase(gathered + c * prev + 2 * c * unit, 0,
+                                         c * hidden + mask + i * per, 0))
+                phases["layer_forward"] = max(forward, key=lambda p: sum(p.values()))
         phases["loss_backward"] = phase(kept, 0, act_total, 2 * logsoftmax)
         phases["backward_start"] = phase(copies * c * root if reshard else kept, 0,
                                          act_total - logsoftmax, c * tv)
         if acts:
             phases["head_backward"] = phase(c * root if reshard else kept, c * head + c * hidden,
                                             act_total - logsoftmax, c * tv)
-        # first layer backward: the root stays unsharded, its head's gradients wait for the
-        # root's reduce-scatter, and the layer is gathered with its gradients being computed
-        phases["layer_backward"] = phase(c * root + copies * c * biggest if reshard else kept,
-                                         c * head + c * biggest, act_total - logsoftmax, 0)
+        # Backward, unit by unit (last layer first). What a layer's backward finds alive besides
+        # its own unit, and what stays alive after its reduce-scatter (FSDP2, torch 2.x):
+        # - the root unsharded, and the head's gradients, reduced only at the end of backward;
+        # - the next unit's all-gather buffer, prefetched as this unit's backward starts;
+        # - the previous unit's reduce-scatter input (reduce dtype), which FSDP2 keeps until
+        #   the next unit's post-backward (``reduce_scatter_states``, one buffer by default);
+        # - with HSDP (replicas > 1), every reduced unit's all-reduce buffer, its reduce-scatter
+        #   output (r per element of its shard), kept until the end of backward
+        #   (``_all_reduce_state``): with gradients zeroed, not freed, they are extra memory.
+        # (FSDP2's; FSDP1's flat parameters keep the first-layer phases, not these two buffers)
+        replicas = world_size // group if row.hybrid and not flat_params else 1
+        keeps_input = not flat_params
+        gloo = backend == "gloo" and group > 1
+        whole_layers = (isinstance(model, (ModelConfig, DecoderShape)) and layers
+                        and len(layers) == model.num_layers)
+        saved = acts.layers // len(layers) if acts and whole_layers else 0  # freed per layer done
+        # the last parameter's gradient of a unit outlives the others in its reduce-scatter (a
+        # loop variable in FSDP2's foreach_reduce keeps it; only with more than one shard)
+        lasts = [0] * (len(layers) + 1)
+        if isinstance(model, ModelConfig) and group > 1 and not flat_params:
+            objs = list(units) if units is not None else fsdp_units(model)
+            lasts = [c * prod(u.shapes[-1]) if u.shapes else 0 for u in objs]
+        # with gradient accumulation, each unit's accumulated unsharded gradient is gone once its
+        # reduce-scatter has taken it: elements of each layer unit, unpadded
+        plain = [0] * len(layers)
+        if accumulated:
+            if isinstance(model, ModelConfig):
+                plain = [u.numel for u in (list(units) if units is not None else fsdp_units(model))[1:]]
+            elif isinstance(model, DecoderShape):
+                plain = [model.layer_params] * len(layers)
+        accumulated_done = 0
+        biggest = [0] * len(layers)  # each layer unit's largest parameter (elements)
+        if accumulated and isinstance(model, ModelConfig):
+            objs = (list(units) if units is not None else fsdp_units(model))[1:]
+            biggest = [max((prod(shape) for shape in u.shapes), default=0) for u in objs]
+        order = list(range(len(layers)))[::-1]
+        held_rs = held_ar = freed = 0
+        backward, reduce, recompute, late = [], [], [], []
+        for j, i in enumerate(order):
+            unit = layers[i]
+            following = layers[order[j + 1]] if j + 1 < len(order) else 0
+            if reshard:  # the root, and the next unit's all-gather buffer (prefetched)
+                others = c * root + (c * following if group > 1 else 0)
+            else:  # everything gathered, less the units already resharded after their backward
+                others = kept - freed - c * unit
+            left = act_total - logsoftmax - j * saved
+            # with accumulation the head's and this unit's new gradients are added in place to
+            # the unsharded gradients held (``accumulated``): one parameter's at a time
+            held = (0 if accumulated else c * head) + held_rs + held_ar
+            grads = c * (biggest[i] if accumulated and biggest[i] else unit)
+            if gloo and j:  # the previous unit's gloo copy, freed late, as this unit starts
+                start = c * root + 2 * c * unit if reshard else others + c * unit
+                late.append(sum(phase(start, held + held_rs, left, 0).values()))
+            backward.append(phase(others + c * unit, held + grads - accumulated_done, left, 0))
+            if activation_checkpointing and acts:
+                recompute.append(phase(others + c * unit, held - accumulated_done, left + acts.recompute, 0))
+            accumulated_done += plain[i] * r
+            # its post-backward: the unit resharded, the previous input released; the gradients
+            # copied into the reduce-scatter input, then the input, its 1/N output and gloo's copy
+            copy_in = c * unit + r * unit
+            scatter = r * unit + r * unit // group + (r * unit if gloo else 0) + lasts[i + 1]
+            reduce.append(phase(others, held - held_rs + max(copy_in, scatter) - accumulated_done,
+                                left - saved, 0))
+            held_rs = r * unit if keeps_input else 0
+            held_ar += r * unit // group if replicas > 1 else 0
+            freed += c * unit
+        if backward:
+            phases["layer_backward"] = max(backward, key=lambda p: sum(p.values()))
+            if not flat_params:
+                phases["layer_reduce"] = max(reduce, key=lambda p: sum(p.values()))
         copy_in = c * root + r * root
-        scatter = r * root + r * root // group + (r * root if backend == "gloo" and group > 1 else 0)
-        phases["root_reduce"] = phase(0, max(copy_in, scatter), 0, 0, accumulating=False)
-        if activation_checkpointing and acts:
-            unsharded = (c * root + copies * c * biggest) if reshard else everything
-            phases["layer_recompute"] = phase(unsharded, 0, act_total - logsoftmax + acts.recompute,
-                                              c * tv)
+        scatter = r * root + r * root // group + (r * root if gloo else 0) + lasts[0]
+        phases["root_reduce"] = phase(0, held_ar + max(copy_in, scatter), 0, 0, accumulating=False)
+        if recompute:
+            phases["layer_recompute"] = max(recompute, key=lambda p: sum(p.values()))
     else:
         buckets = r * n if row.grad_bucket_copy else 0
         flat_copy = row.wrapper == "fsdp" and c != 4  # FSDP1's compute-dtype flat parameters
@@ -449,6 +548,17 @@ def estimate_memory(
             phases["optimizer_step"] = phase(0, buckets + 2 * 4 * largest, 0, 0)
     totals = {name: sum(parts.values()) for name, parts in phases.items()}
     peak_phase = max(totals, key=totals.get)
+    if row.shards_params and backend == "gloo" and group > 1 and layers and not flat_params:
+        # gloo's worker thread drops a finished collective's buffers a moment after the rank
+        # moves on: under load, the root's all-gather buffer can meet the first layer's, or a
+        # unit's flattened reduce-scatter copy the next unit's start (not counted in the peak)
+        if reshard:
+            late.append(totals["backward_start"] + c * layers[-1])
+        worst = max(late, default=0)
+        if worst > totals[peak_phase]:
+            notes.append(f"gloo: a collective's buffers freed late by gloo's worker thread (under "
+                         f"load) can raise the peak to {worst:,} bytes "
+                         f"(+{100 * (worst / totals[peak_phase] - 1):.1f} %)")
     return MemoryEstimate(components=phases[peak_phase], phases=totals, peak_phase=peak_phase,
                           forward_activations=act_total, host=host, notes=tuple(notes))
 

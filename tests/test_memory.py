@@ -234,7 +234,20 @@ def test_accumulation_keeps_unsharded_gradients_only_when_they_are_sharded():
     one = estimate_memory(TINY, 2, "FULL_SHARD", micro_batch=2, seq_len=16)
     two = estimate_memory(TINY, 2, "FULL_SHARD", micro_batch=2, seq_len=16, grad_accum_steps=2)
     for phase, total in one.phases.items():
-        assert two.phases[phase] - total == (0 if phase == "root_reduce" else 4 * n), phase
+        if phase not in ("layer_backward", "layer_reduce"):
+            assert two.phases[phase] - total == (0 if phase == "root_reduce" else 4 * n), phase
+    # in backward each unit's accumulated gradients go with its reduce-scatter, and the new
+    # gradients are added in place, one parameter at a time: no head gradients apart, and one
+    # layer's largest gradient (in_proj, 3·64·64) instead of the whole layer's
+    L, R = TINY_LAYER, 1002 * 64 * 2 + 1002  # the root, 1001 rows padded to 1002
+    acts = estimate_activation_bytes(TINY, 2, 16)
+    left = acts.total - 4 * 32 * 1001  # the log-softmax output freed
+    # the first layer in backward (layers.1): the root, layers.1 and layers.0 (prefetched) gathered
+    assert two.phases["layer_backward"] - two.model_state == 4 * R + 2 * 4 * L + 4 * 3 * 64 * 64 + 4 * n + left
+    # its reduce-scatter: its accumulated gradients taken into the input; the larger moment is
+    # the copy-in (gradients + input)
+    assert two.phases["layer_reduce"] - two.model_state == (
+        4 * R + 4 * L + (4 * L + 4 * L) + 4 * n - 4 * L + left - acts.per_layer)
 
 
 def test_bare_count_shard_grad_op_keeps_the_gathered_model():
@@ -267,7 +280,9 @@ def test_end_of_backward_by_backend():
            for b in ("nccl", "gloo")}
     rest = est["nccl"].model_state
     assert est["nccl"].phases["root_reduce"] - rest == max(2 * R + 4 * R, 4 * R + 4 * R // 4)
-    assert est["gloo"].phases["root_reduce"] - rest == 4 * R + 4 * R // 4 + 4 * R
+    # + the head's bias gradient (bf16, 1001 elements), which FSDP2's foreach_reduce keeps in a
+    # loop variable through the collective
+    assert est["gloo"].phases["root_reduce"] - rest == 4 * R + 4 * R // 4 + 4 * R + 2 * 1001
     with pytest.raises(ValueError, match="backend must be 'nccl' or 'gloo'"):
         estimate_memory(TINY, 4, backend="mpi")
 
@@ -278,3 +293,27 @@ def test_seed_rule_by_hand():
     assert estimate_seed_model_state(1000, 4, "FULL_SHARD") == 16_000 // 4
     with pytest.raises(ValueError, match="the seed's three"):
         estimate_seed_model_state(1000, 4, "DDP")
+
+
+def test_backward_keeps_the_previous_reduce_scatter_input_and_the_hsdp_all_reduce_buffers():
+    """FSDP2 keeps a unit's reduce-scatter input (reduce dtype) until the next unit's
+    post-backward, and with HSDP every unit's all-reduce buffer (its reduce-scatter output)
+    until the end of backward; gloo adds its flattened copy of each reduce-scatter input."""
+    L = TINY_LAYER  # first dims all even: no padding in shard groups of 2
+    R = 1002 * 64 * 2 + 1002  # the root, 1001 rows padded to 1002
+    c, r = 2, 4  # bf16-mixed: bf16 compute, fp32 reduce
+    acts = estimate_activation_bytes(TINY, 1, 16, "bf16")
+    left = acts.total - 4 * 16 * 1001  # the log-softmax output freed
+    est = {b: estimate_memory(TINY, 4, "HYBRID_SHARD", "bf16-mixed", micro_batch=1, seq_len=16,
+                              shard_group_size=2, backend=b) for b in ("nccl", "gloo")}
+    rest = est["nccl"].model_state
+    # the second layer in backward (layers.0): root + the layer, the head's and the layer's
+    # gradients, layers.1's reduce-scatter input and its all-reduce buffer; layers.1's
+    # activations freed
+    assert est["nccl"].phases["layer_backward"] - rest == (
+        c * R + c * L + c * TINY_OUTPUT + c * L + r * L + r * L // 2 + left - acts.per_layer)
+    # end of backward: both layers' all-reduce buffers, the root's input and output, and the
+    # head's bias gradient (FSDP2's foreach_reduce keeps the last gradient in a loop variable)
+    assert est["nccl"].phases["root_reduce"] - rest == 2 * r * L // 2 + r * R + r * R // 2 + c * 1001
+    assert est["gloo"].phases["root_reduce"] - est["nccl"].phases["root_reduce"] == r * R
+    assert est["gloo"].phases["layer_reduce"] - est["nccl"].phases["layer_reduce"] == r * L
