@@ -38,7 +38,7 @@ from handbook_lib.config import DTYPES, PRECISIONS, InitName, RunConfig
 from handbook_lib.distributed import RankContext
 from handbook_lib.model import SimpleTransformer, TransformerLayer, model_parts
 from handbook_lib.sharding import wrap_units
-from handbook_lib.strategies import Strategy, get_strategy
+from handbook_lib.strategies import STRATEGY_TABLE, Strategy, get_strategy
 
 __all__ = [
     "InitMode",
@@ -258,14 +258,10 @@ def check_runnable(config: RunConfig, world_size: int) -> Strategy:
     row = get_strategy(config.strategy)
     if not row.distributed and world_size != 1:
         raise ValueError(f"strategy {row.name!r} is one plain process; got {world_size} ranks")
-    if row.wrapper == "fsdp":
-        attribute = "fsdp2" if config.api == "fsdp2" else "fsdp1"
-        if not getattr(row, attribute):
-            from handbook_lib.strategies import STRATEGY_TABLE
-
-            accepted = [s.name for s in STRATEGY_TABLE.values() if s.wrapper == "fsdp" and getattr(s, attribute)]
-            raise ValueError(f"strategy {row.name!r} is not available with api={config.api!r}; "
-                             f"accepted: {', '.join(accepted)}")
+    if not row.runs_with(config.api):
+        accepted = [s.name for s in STRATEGY_TABLE.values() if s.wrapper == "fsdp" and s.runs_with(config.api)]
+        raise ValueError(f"strategy {row.name!r} is not available with api={config.api!r}; "
+                         f"accepted: {', '.join(accepted)}")
     return row
 
 

@@ -106,6 +106,13 @@ class Strategy:
         mesh = "mesh=<2-D (replicate, shard) mesh>, " if self.hybrid else ""
         return f"fully_shard(m, {mesh}reshard_after_forward={self.reshard_after_forward})"
 
+    def runs_with(self, api: str) -> bool:
+        """Whether the runtime can apply this strategy with ``api`` (``fsdp2`` or ``fsdp1``);
+        a wrapper other than FSDP takes either."""
+        if self.wrapper != "fsdp":
+            return True
+        return self.fsdp2 if api == "fsdp2" else self.fsdp1 is not None
+
     def shard_group(self, world_size: int, shard_group_size: int | None = None) -> int:
         """Ranks that shard one copy of the model.
 

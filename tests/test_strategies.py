@@ -123,3 +123,10 @@ def test_no_module_decides_by_a_strategy_name():
             if _COMPARED.search(code) and not line.lstrip().startswith("#"):
                 offenders.append(f"{path.relative_to(LIBRARY)}:{number}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_which_api_runs_which_row():
+    assert get_strategy("NO_SHARD").runs_with("fsdp1") and not get_strategy("NO_SHARD").runs_with("fsdp2")
+    assert get_strategy("DDP").runs_with("fsdp2") and get_strategy("NONE").runs_with("fsdp1")
+    assert all(get_strategy(s).runs_with(api) for s in ("SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD",
+                                                          "HYBRID_SHARD_ZERO2") for api in ("fsdp1", "fsdp2"))

@@ -73,8 +73,7 @@ def validate(config: RunConfig, world_size: int) -> None:
     try:
         row = check_runnable(config, world_size)
     except ValueError:
-        accepted = [s.name for s in STRATEGY_TABLE.values()
-                    if s.wrapper != "fsdp" or getattr(s, config.api)]
+        accepted = [s.name for s in STRATEGY_TABLE.values() if s.runs_with(config.api)]
         raise ValueError(f"fsdp_train with api={config.api!r} supports strategy {', '.join(accepted)}; "
                          f"got {config.strategy!r}") from None
     if row.wrapper != "fsdp" and (config.precision != "fp32" or config.cpu_offload or config.wrap != "layer"):
