@@ -227,8 +227,7 @@ class MemoryEstimate:
 
 def _units_and_activations(model, group, c_name, micro_batch, seq_len, ac, units=None, flat=False):
     """(units' padded numels: layers list + root, activations total/head-free parts, T·V)."""
-    if isinstance(model, ModelConfig):
-        units = list(units) if units is not None else fsdp_units(model)
+    if isinstance(model, ModelConfig):  # units: resolved by estimate_memory, root first
         if not units or not units[0].root:
             raise ValueError("units must start with the root unit (see wrap_units)")
         numels = [u.flat_padded_numel(group) if flat else u.padded_numel(group) for u in units]
@@ -394,6 +393,8 @@ def estimate_memory(
 
     if units is not None and not isinstance(model, ModelConfig):
         raise ValueError("units can be given only with a ModelConfig")
+    if isinstance(model, ModelConfig):  # the units, root first, resolved once for every phase
+        units = list(units) if units is not None else fsdp_units(model)
     layers, root, acts, vocab = _units_and_activations(model, group, c_name, micro_batch, seq_len,
                                                        activation_checkpointing, units, flat_params)
     head = _head_numel(model)
@@ -470,21 +471,19 @@ def estimate_memory(
         # loop variable in FSDP2's foreach_reduce keeps it; only with more than one shard)
         lasts = [0] * (len(layers) + 1)
         if isinstance(model, ModelConfig) and group > 1 and not flat_params:
-            objs = list(units) if units is not None else fsdp_units(model)
-            lasts = [c * prod(u.shapes[-1]) if u.shapes else 0 for u in objs]
+            lasts = [c * prod(u.shapes[-1]) if u.shapes else 0 for u in units]
         # with gradient accumulation, each unit's accumulated unsharded gradient is gone once its
         # reduce-scatter has taken it: elements of each layer unit, unpadded
         plain = [0] * len(layers)
         if accumulated:
             if isinstance(model, ModelConfig):
-                plain = [u.numel for u in (list(units) if units is not None else fsdp_units(model))[1:]]
+                plain = [u.numel for u in units[1:]]
             elif isinstance(model, DecoderShape):
                 plain = [model.layer_params] * len(layers)
         accumulated_done = 0
         biggest = [0] * len(layers)  # each layer unit's largest parameter (elements)
         if accumulated and isinstance(model, ModelConfig):
-            objs = (list(units) if units is not None else fsdp_units(model))[1:]
-            biggest = [max((prod(shape) for shape in u.shapes), default=0) for u in objs]
+            biggest = [max((prod(shape) for shape in u.shapes), default=0) for u in units[1:]]
         order = list(range(len(layers)))[::-1]
         held_rs = held_ar = freed = 0
         backward, reduce, recompute, late = [], [], [], []
