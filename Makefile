@@ -19,15 +19,17 @@ OTHER_CPU = kernels="$$($(PY) scripts/cpu_variant.py --other)"; \
 .PHONY: book test check-portable notebooks lab setup clean
 
 setup:
-	scripts/setup.sh book,test,lab
+	scripts/setup.sh book,test,lab,frameworks
 
 book:
 	scripts/setup.sh book
 	$(VENV)/bin/jupyter-book build . -n -W --keep-going
 	@echo "open _build/html/index.html"
 
+# Two workers, one test file each at a time (--dist loadfile keeps a file's module-scoped runs
+# together): the torchrun jobs wait on their ranks' startup as much as they compute.
 test: setup
-	$(OTHER_CPU) $(PY) -m pytest tests notebooks $(NBVAL)
+	$(OTHER_CPU) $(PY) -m pytest -n 2 --dist loadfile tests notebooks $(NBVAL)
 
 check-portable: setup
 	$(OTHER_CPU) $(PY) -m pytest notebooks $(NBVAL)

@@ -210,7 +210,7 @@ def estimate_step_traffic(
     if not units or not all(isinstance(u, Unit) for u in units):
         raise ValueError(f"units must be a non-empty list of Unit, got {units!r}")
     _check_int("world_size", world_size, 1)
-    row = get_strategy(strategy)
+    row = get_strategy(strategy).torch_only("estimate_step_traffic")
     p_size, r_size = _dtype_size("param_dtype", param_dtype), _dtype_size("reduce_dtype", reduce_dtype)
     _check_int("grad_accum_steps", grad_accum_steps, 1)
     group = world_size

@@ -287,3 +287,25 @@ def fit_table(result: RunResult) -> Table:
                      f"{model.predict_s(top['buffer_bytes']) * 1e3:.3f}", f"{top['seconds'] * 1e3:.3f}"])
     return Table(["collective", "alpha (us)", "beta (GB/s)", "largest buffer", "fit (ms)",
                   "measured (ms)"], rows)
+
+
+def zero_vs_fsdp_table(results: Mapping[str, RunResult], rank: int = 0) -> Table:
+    """Bytes one rank holds, per ``deepspeed_zero`` run: DeepSpeed's buffers beside its FSDP2
+    twin's (measured in the same job, on the same batches), and the collectives of one step.
+
+    Columns: the run's label; who (DeepSpeed's stage or the FSDP strategy); parameters, fp32
+    master copy, gradients (after backward), optimizer state (moments and step counters), their
+    total; the collectives of the last step (count) and the bytes one rank sent in them (ring).
+    """
+    rows = []
+    for label, result in results.items():
+        r = result.ranks[rank]
+        ds = [r["params_bytes"], r["master_bytes"], r["grads_bytes"], r["optimizer_bytes"] + r["optimizer_step_bytes"]]
+        twin = r["fsdp2"]
+        fs = [twin["params"], 0, twin["grads"], twin["optimizer"] + twin["optimizer_step"]]
+        for who, values, calls in ((result.config["strategy"], ds, r["collectives"]),
+                                   (f"FSDP2 {twin['strategy']}", fs, twin["collectives"])):
+            rows.append([label, who, *values, sum(values), sum(c["count"] for c in calls.values()),
+                         sum(c["sent_bytes"] for c in calls.values())])
+    return Table(["run", "who", "params B", "master B", "grads B", "optimizer B", "total B", "collectives",
+                  "sent B"], rows)

@@ -95,7 +95,8 @@ FSDP2_SPELLING: dict[str, str] = {s.name: s.fsdp2_spelling for s in STRATEGY_TAB
 :data:`handbook_lib.strategies.STRATEGY_TABLE`)."""
 
 ZERO_STAGES: dict[int, str | None] = {
-    stage: next((s.name for s in STRATEGY_TABLE.values() if s.zero_stage == stage and not s.hybrid), None)
+    stage: next((s.name for s in STRATEGY_TABLE.values()
+                  if s.zero_stage == stage and not s.hybrid and s.wrapper != "deepspeed"), None)
     for stage in range(4)
 }
 """DeepSpeed ZeRO stage → the first FSDP strategy with the same sharding (from the strategy
@@ -360,7 +361,7 @@ def estimate_memory(
     foreach Adam holds one temporary of every tensor, not modelled).
     """
     check_world(world_size, rank)
-    row = get_strategy(strategy)
+    row = get_strategy(strategy).torch_only("estimate_memory")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     row.check_cpu_offload(cpu_offload)
@@ -579,7 +580,7 @@ def estimate_accumulation_bytes(
     until the last micro-step reduce-scatters it: P·r bytes, where FSDP held P·4/N. A
     replicating strategy (DDP, NO_SHARD) accumulates in the gradients it holds anyway: 0.
     """
-    row = get_strategy(strategy)
+    row = get_strategy(strategy).torch_only("estimate_accumulation_bytes")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if not row.shards_grads:
@@ -651,7 +652,7 @@ def estimate_init_bytes(
     Args:
         units: The FSDP units, root first (default: one per layer, :func:`fsdp_units`).
     """
-    row = get_strategy(strategy)
+    row = get_strategy(strategy).torch_only("estimate_init_bytes")
     check_world(world_size, rank)
     if init not in ("meta", "full"):
         raise ValueError(f"init must be 'meta' or 'full', got {init!r}")

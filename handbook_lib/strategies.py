@@ -13,7 +13,8 @@ the planner (:mod:`handbook_lib.planner`) and the runtime (:mod:`handbook_lib.tr
 everything they do; none of them compares a strategy's name.
 
 Adding a strategy is one row here plus, if it needs a new wrapper, one apply function in
-:mod:`handbook_lib.training` (see :data:`WRAPPERS`).
+:mod:`handbook_lib.parallelize` (see :data:`WRAPPERS`; DeepSpeed's engine is built by
+:mod:`handbook_lib.zero_engine`, since it owns the optimizer too).
 """
 
 from __future__ import annotations
@@ -33,17 +34,19 @@ __all__ = [
 ]
 
 StrategyName = Literal["NONE", "DDP", "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD",
-                       "HYBRID_SHARD_ZERO2"]
-"""The run-config values of ``strategy`` (FSDP1's spelling, plus ``NONE`` and ``DDP``); the
-table's keys, in this order (a test keeps the two equal)."""
+                       "HYBRID_SHARD_ZERO2", "ZERO1", "ZERO2", "ZERO3"]
+"""The run-config values of ``strategy`` (FSDP1's spelling, plus ``NONE``, ``DDP`` and DeepSpeed's
+ZeRO stages); the table's keys, in this order (a test keeps the two equal)."""
 
-Wrapper = Literal["none", "ddp", "fsdp"]
+Wrapper = Literal["none", "ddp", "fsdp", "deepspeed"]
 WRAPPERS: dict[str, str] = {
     "none": "the plain module in one process: no wrapper, no collective",
     "ddp": "torch.nn.parallel.DistributedDataParallel: full replicas, gradients all-reduced in "
            "buckets during backward",
     "fsdp": "FSDP (FSDP2's fully_shard, or FSDP1's FullyShardedDataParallel): one collective per "
             "unit, parameters sharded along dim 0",
+    "deepspeed": "a DeepSpeed engine (deepspeed.initialize) with ZeRO stage 1, 2 or 3: flat fp32 "
+                 "master partitions, one collective per module (stage 3)",
 }
 """What applies a strategy at run time (:func:`handbook_lib.training.parallelize` has one apply
 function per wrapper)."""
@@ -108,10 +111,25 @@ class Strategy:
 
     def runs_with(self, api: str) -> bool:
         """Whether the runtime can apply this strategy with ``api`` (``fsdp2`` or ``fsdp1``);
-        a wrapper other than FSDP takes either."""
+        no plain wrapper nor DDP needs one; a DeepSpeed row is applied by DeepSpeed, with
+        neither (the ``deepspeed_zero`` run)."""
+        if self.wrapper == "deepspeed":
+            return False
         if self.wrapper != "fsdp":
             return True
         return self.fsdp2 if api == "fsdp2" else self.fsdp1 is not None
+
+    def torch_only(self, what: str) -> Strategy:
+        """This row, if PyTorch applies it (no wrapper, DDP or FSDP); ``what`` names the caller.
+
+        Raises:
+            ValueError: for a DeepSpeed row, pointing to :mod:`handbook_lib.zero`, which models
+                DeepSpeed's own layout and collectives.
+        """
+        if self.wrapper == "deepspeed":
+            raise ValueError(f"{what} models PyTorch's strategies ({', '.join(strategies_where(wrapper='fsdp'))}, "
+                             f"DDP, NONE); {self.name} is DeepSpeed's: see handbook_lib.zero")
+        return self
 
     def shard_group(self, world_size: int, shard_group_size: int | None = None) -> int:
         """Ranks that shard one copy of the model.
@@ -138,16 +156,16 @@ class Strategy:
         return group
 
     def check_cpu_offload(self, cpu_offload: bool, flag: str = "cpu_offload") -> None:
-        """Refuse CPU offload for a strategy without FSDP's offload (NONE, DDP).
+        """Refuse CPU offload for a strategy without FSDP's or ZeRO's offload (NONE, DDP).
 
         Raises:
             ValueError: naming ``flag`` (the key or option the caller was given) and the
                 strategies that offload.
         """
-        if cpu_offload and self.wrapper != "fsdp":
-            raise ValueError(f"{flag} needs an FSDP strategy "
-                             f"({', '.join(strategies_where(wrapper='fsdp'))}): {self.name} keeps "
-                             "the whole model state on the device")
+        if cpu_offload and self.wrapper not in ("fsdp", "deepspeed"):
+            offloading = strategies_where(wrapper="fsdp") + strategies_where(wrapper="deepspeed")
+            raise ValueError(f"{flag} needs an FSDP or ZeRO strategy ({', '.join(offloading)}): "
+                             f"{self.name} keeps the whole model state on the device")
 
     def deepspeed_config(self, shard_group_size: int | None = None) -> dict | None:
         """The ``zero_optimization`` section of a DeepSpeed config with the same sharding at rest
@@ -180,6 +198,15 @@ STRATEGY_TABLE: dict[str, Strategy] = {s.name: s for s in (
     Strategy("HYBRID_SHARD_ZERO2", "fsdp", True, True, True, False, True, "_HYBRID_SHARD_ZERO2",
              True, None, "DeepSpeed has no hybrid ZeRO-2", False,
              "SHARD_GRAD_OP within each group of ranks, replicas across groups"),
+    Strategy("ZERO1", "deepspeed", False, False, True, False, False, None, False, 1,
+             "FSDP has no stage that shards only the optimizer state", False,
+             "DeepSpeed ZeRO-1: fp32 master weights and optimizer state sharded"),
+    Strategy("ZERO2", "deepspeed", False, True, True, False, False, None, False, 2,
+             "SHARD_GRAD_OP also shards the parameters between steps; ZeRO-2 keeps them whole",
+             False, "DeepSpeed ZeRO-2: ZeRO-1 plus gradients kept for this rank's partition only"),
+    Strategy("ZERO3", "deepspeed", True, True, True, True, False, None, False, 3,
+             "FULL_SHARD gathers per FSDP unit; ZeRO-3 per module, and keeps an fp32 master copy",
+             False, "DeepSpeed ZeRO-3: parameters sharded too, gathered module by module"),
 )}
 """Every strategy, by run-config name, in the order the book presents them."""
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or update) the project's virtual environment in .venv and install everything.
 #
-#   scripts/setup.sh [EXTRAS]     # default extras: book,test,lab
+#   scripts/setup.sh [EXTRAS]     # default extras: book,test,lab,frameworks
 #
 # On a machine without an NVIDIA GPU, the CPU build of torch is installed first (on the course's
 # machines `pip install torch==2.13.0` finds a CPU wheel on disk), so the range in pyproject.toml
@@ -9,7 +9,7 @@
 # torch from that range and gets the CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="${1:-book,test,lab}"
+extras="${1:-book,test,lab,frameworks}"
 venv="${VENV:-.venv}"
 stamp="$venv/.installed-$extras"
 

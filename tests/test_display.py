@@ -151,3 +151,22 @@ def test_format_bound_states_the_bound_and_refuses_a_false_one():
         format_bound(1e-03, above=1e-02)
     with pytest.raises(ValueError, match="exactly one"):
         format_bound(1.0)
+
+
+def test_zero_vs_fsdp_table_adds_up_each_side():
+    from handbook_lib.display import zero_vs_fsdp_table
+    from handbook_lib.results import SCHEMA, RunResult
+
+    calls = {"all_gather": {"count": 3, "buffer_bytes": 30, "sent_bytes": 15},
+             "all_reduce": {"count": 1, "buffer_bytes": 8, "sent_bytes": 8}}
+    rank = {"params_bytes": 100, "master_bytes": 50, "grads_bytes": 40, "optimizer_bytes": 100,
+            "optimizer_step_bytes": 4, "collectives": calls,
+            "fsdp2": {"strategy": "FULL_SHARD", "params": 60, "grads": 60, "optimizer": 120, "optimizer_step": 108,
+                      "collectives": {"all_gather": {"count": 5, "buffer_bytes": 50, "sent_bytes": 25}}}}
+    result = RunResult.from_dict({"schema": SCHEMA, "run": "deepspeed_zero", "config": {"strategy": "ZERO3"},
+                                  "world_size": 2, "backend": "gloo", "device": "cpu", "torch_version": "x",
+                                  "ranks": [rank, rank], "checks": []})
+    table = zero_vs_fsdp_table({"stage 3": result})
+    assert [row[:2] for row in table.rows] == [["stage 3", "ZERO3"], ["stage 3", "FSDP2 FULL_SHARD"]]
+    assert table.rows[0][2:] == [100, 50, 40, 104, 294, 4, 23]
+    assert table.rows[1][2:] == [60, 0, 60, 228, 348, 5, 25]

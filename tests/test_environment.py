@@ -22,7 +22,7 @@ def test_environment_pip_section_matches_pyproject():
     assert "-e ." in pip_section
     listed = [r for r in pip_section if r != "-e ."]
     expected = list(project["dependencies"])
-    for extra in ("book", "lab", "test", "accelerate"):
+    for extra in ("book", "lab", "test", "frameworks"):
         expected += project["optional-dependencies"][extra]
     assert sorted(set(listed)) == sorted(set(expected))
     assert len(listed) == len(set(listed))

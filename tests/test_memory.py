@@ -169,15 +169,16 @@ def test_vocabulary_tables_cover_every_strategy():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"strategy": "ZERO3"}, "strategy must be one of"),
+    ({"strategy": "ZERO4"}, "strategy must be one of"),
+    ({"strategy": "ZERO3"}, "estimate_memory models PyTorch's strategies .*ZERO3 is DeepSpeed's: see handbook_lib.zero"),
     ({"precision": "fp8"}, "precision must be one of"),
     ({"optimizer": "lion"}, "optimizer must be one of"),
     ({"strategy": "HYBRID_SHARD", "shard_group_size": 3}, "must divide world_size"),
     ({"micro_batch": 2}, "together"),
     ({"micro_batch": -1, "seq_len": 4}, "micro_batch"),
     ({"world_size": 0}, "world_size"),
-    ({"strategy": "DDP", "cpu_offload": True}, "cpu_offload needs an FSDP strategy.*DDP keeps the whole model state"),
-    ({"strategy": "NONE", "cpu_offload": True}, "cpu_offload needs an FSDP strategy"),
+    ({"strategy": "DDP", "cpu_offload": True}, "cpu_offload needs an FSDP or ZeRO strategy.*DDP keeps the whole model state"),
+    ({"strategy": "NONE", "cpu_offload": True}, "cpu_offload needs an FSDP or ZeRO strategy"),
 ])
 def test_estimate_memory_rejects_bad_input(kwargs, match):
     args = {"world_size": 4, **kwargs}

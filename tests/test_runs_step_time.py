@@ -38,6 +38,7 @@ def test_variants_train_identically(result):
 @pytest.mark.parametrize("changes, world, match", [
     ({"variants": "FULL_SHARD,DDP"}, 2, "must start with DDP"),
     ({"variants": "DDP,ZERO3"}, 2, "unknown strategy 'ZERO3'"),
+    ({"variants": "DDP,ZERO4"}, 2, "unknown strategy 'ZERO4'"),
     ({}, 1, "2 or more ranks"),
     ({"precision": "bf16-mixed"}, 2, "fp32"),
 ])

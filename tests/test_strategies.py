@@ -70,8 +70,9 @@ def test_shard_group_refuses(name, world, size, match):
 def test_lookup_and_filters():
     assert get_strategy("FULL_SHARD") is STRATEGY_TABLE["FULL_SHARD"]
     assert get_strategy(STRATEGY_TABLE["DDP"]) is STRATEGY_TABLE["DDP"]
-    with pytest.raises(ValueError, match=r"strategy must be one of NONE, DDP, .*got 'ZERO3'"):
-        get_strategy("ZERO3")
+    with pytest.raises(ValueError, match=r"strategy must be one of NONE, DDP, .*ZERO3, got 'ZERO4'"):
+        get_strategy("ZERO4")
+    assert strategies_where(wrapper="deepspeed") == ("ZERO1", "ZERO2", "ZERO3")
     assert strategies_where(hybrid=True) == ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
     assert strategies_where(wrapper="ddp") == ("DDP",)
 
@@ -79,7 +80,8 @@ def test_lookup_and_filters():
 def test_cpu_offload_needs_fsdp():
     get_strategy("NO_SHARD").check_cpu_offload(True)
     get_strategy("DDP").check_cpu_offload(False)
-    with pytest.raises(ValueError, match=r"^--cpu-offload needs an FSDP strategy .*DDP keeps"):
+    get_strategy("ZERO2").check_cpu_offload(True)
+    with pytest.raises(ValueError, match=r"^--cpu-offload needs an FSDP or ZeRO strategy .*ZERO3\): DDP keeps"):
         get_strategy("DDP").check_cpu_offload(True, flag="--cpu-offload")
 
 
@@ -90,6 +92,8 @@ def test_spellings_and_deepspeed_sections():
     assert get_strategy("FULL_SHARD").deepspeed_config() == {"stage": 3}
     assert get_strategy("HYBRID_SHARD").deepspeed_config(4) == {"stage": 3, "mics_shard_size": 4}
     assert get_strategy("HYBRID_SHARD_ZERO2").deepspeed_config() is None
+    assert [get_strategy(f"ZERO{k}").deepspeed_config() for k in (1, 2, 3)] == [{"stage": k} for k in (1, 2, 3)]
+    assert not any(get_strategy(f"ZERO{k}").runs_with(api) for k in (1, 2, 3) for api in ("fsdp1", "fsdp2"))
 
 
 def test_a_new_row_needs_no_other_module():

@@ -66,6 +66,8 @@ def validate(config: RunConfig, world_size: int) -> None:
     Raises:
         ValueError: naming the key and the values this run accepts.
     """
+    if STRATEGY_TABLE[config.strategy].wrapper == "deepspeed":
+        raise ValueError(f"fsdp_train runs PyTorch's strategies; {config.strategy} is DeepSpeed's: run deepspeed_zero")
     if not STRATEGY_TABLE[config.strategy].distributed and world_size != 1:
         raise ValueError(f"strategy {config.strategy!r} is the one-process baseline: launch it with 1 rank, "
                          f"not {world_size}")

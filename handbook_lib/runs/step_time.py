@@ -56,7 +56,7 @@ class StepTimeConfig(RunConfig):
         if names[:1] != [BASELINE] or len(set(names)) != len(names):
             raise ValueError(f"config key 'variants' must start with {BASELINE} and not repeat, "
                              f"got {self.variants!r}")
-        accepted = [s for s in STRATEGIES if get_strategy(s).distributed]
+        accepted = [s for s in STRATEGIES if get_strategy(s).distributed and get_strategy(s).wrapper != "deepspeed"]
         bad = [n for n in names if n not in accepted]
         if bad:
             raise ValueError(f"config key 'variants': unknown strategy {bad[0]!r}; accepted: "

@@ -1,0 +1,170 @@
+"""Train the handbook's model with DeepSpeed ZeRO and with FSDP2, side by side, and check DeepSpeed's bytes and collectives.
+
+Chapter 7 launches it. Each rank first trains the FSDP2 twin of the config (the FSDP strategy
+with ZeRO's sharding at rest: SHARD_GRAD_OP for ZeRO-2, FULL_SHARD for ZeRO-3 and ZeRO-1, which
+FSDP has no form of) and then the same seeded model under a DeepSpeed engine, on the same
+batches, in the same loop (:func:`handbook_lib.training.train`). The last step of each runs
+under a collective counter. It then measures where DeepSpeed keeps each byte — parameters, the
+fp32 master partition, gradients, optimizer state — and checks each against
+:func:`handbook_lib.zero.estimate_zero_rank_bytes` (exact), the collectives against
+:func:`handbook_lib.zero.estimate_zero_step_traffic` (exact bytes), and DeepSpeed's losses
+against FSDP2's (:data:`LOSS_TOLERANCE`). DeepSpeed's own memory estimators are reported beside
+them (rank 0).
+
+Launch::
+
+    python -m handbook_lib run deepspeed_zero --nproc 2 --set strategy=ZERO2 --out runs/zero2
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from handbook_lib.comm import estimate_collective
+from handbook_lib.config import InitName, RunConfig, StrategyName
+from handbook_lib.distributed import RankContext
+from handbook_lib.measure import measure_grad_bytes, measure_optimizer_bytes, measure_param_bytes
+from handbook_lib.memory import ZERO_STAGES
+from handbook_lib.model import param_count
+from handbook_lib.parallelize import parallelize
+from handbook_lib.results import Check
+from handbook_lib.runs.entry import RankReport, main
+from handbook_lib.strategies import get_strategy, strategies_where
+from handbook_lib.training import build_optimizer, train
+from handbook_lib.zero import estimate_zero_rank_bytes, estimate_zero_step_traffic, gather_units
+
+
+@dataclass(frozen=True)
+class ZeroRunConfig(RunConfig):
+    """A ZeRO run: the book's run config, a ZeRO strategy, and ZeRO-3's persistence threshold."""
+
+    strategy: StrategyName = "ZERO3"
+    """``ZERO1``, ``ZERO2`` or ``ZERO3`` (DeepSpeed's stage)."""
+    init: InitName = "full"
+    """DeepSpeed partitions the whole seeded model in ``deepspeed.initialize``: ``full`` only."""
+    persistence_threshold: int = 0
+    """ZeRO-3 keeps tensors of at most this many elements whole on every rank
+    (``stage3_param_persistence_threshold``; 0 shards every tensor; DeepSpeed's default is
+    100000)."""
+
+
+CONFIG = ZeroRunConfig
+
+LOSS_TOLERANCE = {"fp32": 1e-6, "bf16-mixed": 1e-3}
+"""Relative tolerance of DeepSpeed's losses against FSDP2's. fp32: the same arithmetic in
+another order (1e-6 of a loss near 7 is 7e-6 nats). bf16: both compute in bf16 from the same
+fp32 weights, but round in different places; 1e-3 is a quarter of bf16's 2**-8 spacing."""
+
+
+def validate(config: ZeroRunConfig, world_size: int) -> None:
+    """Reject, before any process starts, what this run cannot do.
+
+    Raises:
+        ValueError: naming the key and what is accepted.
+    """
+    row = get_strategy(config.strategy)
+    if row.wrapper != "deepspeed":
+        raise ValueError(f"deepspeed_zero runs strategy {', '.join(strategies_where(wrapper='deepspeed'))}; "
+                         f"got {config.strategy!r} (run FSDP and DDP with fsdp_train)")
+    if world_size < 2:
+        raise ValueError(f"deepspeed_zero needs >= 2 ranks to shard anything, got {world_size}")
+    if config.precision not in LOSS_TOLERANCE:
+        raise ValueError(f"deepspeed_zero runs precision {', '.join(LOSS_TOLERANCE)}; got {config.precision!r}")
+    if config.init != "full":
+        raise ValueError(f"deepspeed_zero accepts init='full' only (DeepSpeed partitions a whole model); "
+                         f"got {config.init!r}")
+    if config.grad_accum_steps != 1 or config.activation_checkpointing:
+        raise ValueError("deepspeed_zero runs grad_accum_steps=1 and activation_checkpointing=false only")
+    if config.steps < 2:
+        raise ValueError(f"deepspeed_zero needs steps >= 2 (the optimizer state exists after the first), "
+                         f"got {config.steps}")
+    if row.zero_stage == 3 and config.steps < 3:
+        raise ValueError(
+            f"deepspeed_zero needs steps >= 3 with ZeRO-3 (got {config.steps}): DeepSpeed records the "
+            "order of the modules in the first steps and compares it across ranks with broadcasts, so "
+            "the measured (last) step must be the third or later"
+        )
+    if config.batch_size % world_size:
+        raise ValueError(f"batch_size={config.batch_size} must be divisible by the number of ranks {world_size}")
+    if config.persistence_threshold < 0:
+        raise ValueError(f"config key 'persistence_threshold' must be >= 0, got {config.persistence_threshold}")
+
+
+def fsdp_twin(strategy: str) -> str:
+    """The FSDP strategy the run compares a ZeRO row with: the same sharding at rest where FSDP
+    has one (ZeRO-2 → SHARD_GRAD_OP, ZeRO-3 → FULL_SHARD), else FULL_SHARD."""
+    return ZERO_STAGES.get(get_strategy(strategy).zero_stage) or "FULL_SHARD"
+
+
+def _summary(calls) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for c in calls:
+        kind = out.setdefault(c.kind, {"count": 0, "buffer_bytes": 0, "sent_bytes": 0})
+        kind["count"] += 1
+        kind["buffer_bytes"] += c.buffer_bytes
+        kind["sent_bytes"] += estimate_collective(c.kind, c.buffer_bytes, c.group_size).sent_bytes
+    return out
+
+
+def _train_fsdp2(config: ZeroRunConfig, ctx: RankContext) -> dict:
+    """The FSDP2 twin's losses, bytes and collectives (its own checks are fsdp_train's)."""
+    twin = RunConfig.from_mapping({k: v for k, v in config.to_dict().items() if k in RunConfig.keys()})
+    twin = twin.replace(strategy=fsdp_twin(config.strategy), api="fsdp2", init="meta")
+    model = parallelize(twin, ctx)
+    optimizer = build_optimizer(model.parameters(), twin.optimizer, twin.lr)
+    log = train(model, optimizer, twin, ctx, count_collectives=True, progress=False)
+    params = measure_param_bytes(model)
+    sharded, other = measure_optimizer_bytes(optimizer)
+    return {"strategy": twin.strategy, "losses": log.losses,
+            "params": params.storage_bytes, "grads": measure_grad_bytes(model),
+            "optimizer": sharded, "optimizer_step": other, "collectives": _summary(log.collectives)}
+
+
+def run(config: ZeroRunConfig, ctx: RankContext) -> RankReport:
+    validate(config, ctx.world_size)
+    from handbook_lib.zero_engine import build_engine, deepspeed_estimates, measure_zero_bytes
+
+    fsdp = _train_fsdp2(config, ctx)
+    engine, optimizer, ds_config = build_engine(config, ctx, persistence_threshold=config.persistence_threshold)
+    log = train(engine, optimizer, config, ctx, count_collectives=True)
+    held = measure_zero_bytes(engine, optimizer.grad_bytes)
+    model = config.model_config()
+    kwargs = {"persistence_threshold": config.persistence_threshold, "cpu_offload": config.cpu_offload}
+    predicted = estimate_zero_rank_bytes(model, ctx.world_size, config.strategy, config.precision,
+                                         config.optimizer, rank=ctx.rank, **kwargs)
+    checks = [Check(f"{name}_bytes", ctx.rank, getattr(predicted, name), getattr(held, name), "bytes")
+              for name in ("params", "master", "grads", "optimizer", "optimizer_step")]
+    tolerance = LOSS_TOLERANCE[config.precision]
+    checks += [Check(f"loss_step{i + 1}_vs_fsdp2", ctx.rank, a, b, "nats", tolerance)
+               for i, (a, b) in enumerate(zip(fsdp["losses"], log.losses))]
+    traffic = estimate_zero_step_traffic(model, ctx.world_size, config.strategy, config.precision, **kwargs)
+    counted = _summary(log.collectives)
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        records = [r for r in traffic.records if r.kind == kind]
+        if not records and kind not in counted:
+            continue
+        measured = counted.get(kind, {"count": 0, "buffer_bytes": 0})
+        checks.append(Check(f"{kind}_buffer_bytes", ctx.rank, sum(r.buffer_bytes for r in records),
+                            measured["buffer_bytes"], "bytes"))
+        if kind == "all_gather":  # reductions are bucketed: only their bytes are the model's
+            checks.append(Check("all_gather_count", ctx.rank, len(records), measured["count"], "collectives"))
+    checks.append(Check("sent_bytes", ctx.rank, traffic.sent_bytes,
+                        sum(k["sent_bytes"] for k in counted.values()), "bytes"))
+    metrics = {
+        "losses": log.losses,
+        "step_time_s": log.step_time_s,
+        **{f"{name}_bytes": getattr(held, name) for name in ("params", "master", "grads", "optimizer",
+                                                              "optimizer_step")},
+        "collectives": counted,
+        "fsdp2": fsdp,
+    }
+    extra = {"num_params": param_count(model), "deepspeed_config": ds_config,
+             "gather_units": len(gather_units(model)),
+             "deepspeed_estimates": deepspeed_estimates(model, ctx.world_size) if ctx.is_main else None}
+    engine.destroy()
+    return RankReport(metrics=metrics, checks=checks, extra=extra)
+
+
+if __name__ == "__main__":
+    main(sys.modules[__name__])

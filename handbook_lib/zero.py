@@ -1,0 +1,236 @@
+"""DeepSpeed ZeRO's layout of one rank's state, and the collectives of one ZeRO step. Pure: no
+``torch``, no DeepSpeed.
+
+Chapter 7 checks both against real DeepSpeed runs (``deepspeed_zero``), byte for byte, beside
+FSDP's layout of the same model (:mod:`handbook_lib.memory`, :mod:`handbook_lib.sharding`).
+The rules are DeepSpeed's (release 0.19, the one ``pyproject.toml`` pins), read from its source
+and confirmed by those runs:
+
+- **ZeRO-1 and ZeRO-2** flatten every parameter into one buffer, padded to a multiple of
+  2 × N elements (``nccl_start_alignment_factor`` = 2 per rank), and keep it whole on every
+  rank in the compute dtype. Rank r owns the r-th of N equal partitions of it: an fp32 master
+  copy of that partition (kept even when training in fp32) and the optimizer state of it.
+  After backward a rank keeps the gradients of the tensors that overlap its partition — whole
+  tensors, in the compute dtype, the last rank also the padding —, or, with
+  ``offload_optimizer``, the fp32 gradient of its partition. Gradients are all-reduced (the
+  reduce dtype), and after the optimizer step the updated partitions are all-gathered into
+  the flat buffer.
+- **ZeRO-3** pads every tensor to a multiple of N and keeps 1/N of each (``ds_tensor``), plus an
+  fp32 master partition, a gradient partition (kept between steps) and the optimizer state.
+  A tensor of at most ``persistence_threshold`` elements is *persistent*: kept whole on every
+  rank as well (DeepSpeed's default threshold, 100000, keeps every tensor of a small model
+  whole — nothing is saved). The others are all-gathered module by module, in forward and
+  again in backward (with prefetching and reuse off, as :func:`handbook_lib.frameworks.
+  deepspeed_config` sets them); the gradients are reduce-scattered; the persistent tensors are
+  all-gathered once after the optimizer step.
+
+Every stage also all-reduces a few bytes of bookkeeping (:func:`bookkeeping_reductions`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from handbook_lib.architecture import ModelConfig, param_shapes
+from handbook_lib.comm import CollectiveRecord, StepTraffic, estimate_collective
+from handbook_lib.config import DTYPES, PRECISIONS, lookup
+from handbook_lib.strategies import get_strategy
+
+__all__ = [
+    "ALIGNMENT",
+    "DEFAULT_PERSISTENCE_THRESHOLD",
+    "ZeroRankBytes",
+    "zero_stage",
+    "flat_partition",
+    "gather_units",
+    "estimate_zero_rank_bytes",
+    "bookkeeping_reductions",
+    "estimate_zero_step_traffic",
+]
+
+ALIGNMENT = 2
+"""ZeRO-1/2 pad their flat buffer to a multiple of ``ALIGNMENT × N`` elements (DeepSpeed's
+``nccl_start_alignment_factor``: 4-byte alignment of 2-byte elements)."""
+DEFAULT_PERSISTENCE_THRESHOLD = 100_000
+"""DeepSpeed's ``stage3_param_persistence_threshold``: tensors of at most this many elements
+stay whole on every rank under ZeRO-3 unless the config says otherwise."""
+
+
+def zero_stage(strategy: str) -> int:
+    """The ZeRO stage of a strategy that DeepSpeed runs (``ZERO1``/``ZERO2``/``ZERO3``).
+
+    Raises:
+        ValueError: for a strategy of another wrapper, naming the ones accepted.
+    """
+    row = get_strategy(strategy)
+    if row.wrapper != "deepspeed":
+        raise ValueError(f"strategy must be a DeepSpeed ZeRO row (ZERO1, ZERO2, ZERO3), got {row.name!r}")
+    return row.zero_stage
+
+
+def _numels(model: ModelConfig) -> list[int]:
+    return [math.prod(shape) for _, shape in param_shapes(model)]
+
+
+def _check(world_size: int, rank: int, persistence_threshold: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank!r}")
+    if persistence_threshold < 0:
+        raise ValueError(f"persistence_threshold must be >= 0 elements, got {persistence_threshold}")
+
+
+def flat_partition(num_params: int, world_size: int) -> tuple[int, int]:
+    """``(padded, partition)``: ZeRO-1/2's flat buffer, in elements, padded to a multiple of
+    ``ALIGNMENT × world_size``, and each rank's partition of it (``padded / world_size``)."""
+    step = ALIGNMENT * world_size
+    padded = -(-num_params // step) * step
+    return padded, padded // world_size
+
+
+def gather_units(model: ModelConfig) -> list[tuple[str, list[int]]]:
+    """The modules ZeRO-3 gathers one by one, in forward order, with their tensors' element
+    counts: every module that owns parameters — but ``nn.MultiheadAttention`` reads its
+    ``out_proj`` tensors itself, so those are gathered with the attention module."""
+    units: dict[str, list[int]] = {}
+    for name, shape in param_shapes(model):
+        module = name.rsplit(".", 1)[0].replace(".out_proj", "")
+        units.setdefault(module, []).append(math.prod(shape))
+    return list(units.items())
+
+
+@dataclass(frozen=True)
+class ZeroRankBytes:
+    """One rank's model state under DeepSpeed ZeRO, bytes (see the module docstring)."""
+
+    params: int
+    """Parameters held between steps: the whole flat buffer (ZeRO-1/2), or the partition of
+    every tensor plus the persistent tensors whole (ZeRO-3); compute dtype."""
+    master: int
+    """The fp32 master partition."""
+    grads: int
+    """Gradients held between backward and the optimizer step (ZeRO-3: also between steps)."""
+    optimizer: int
+    """Optimizer state tensors (Adam: two fp32 moments of the master partition)."""
+    optimizer_step: int
+    """Adam's ``step`` counter: one fp32 scalar for the one flat group."""
+
+    @property
+    def total(self) -> int:
+        """Every component together: the model state just before the optimizer step."""
+        return self.params + self.master + self.grads + self.optimizer + self.optimizer_step
+
+
+def estimate_zero_rank_bytes(
+    model: ModelConfig, world_size: int, strategy: str, precision: str = "fp32", optimizer: str = "adamw",
+    *, rank: int = 0, persistence_threshold: int = 0, cpu_offload: bool = False,
+) -> ZeroRankBytes:
+    """Predict what DeepSpeed holds on ``rank`` for ``model`` under ZeRO ``strategy``.
+
+    Args:
+        model: The book's model (exact tensor shapes, :func:`param_shapes`).
+        world_size: Ranks, N.
+        strategy: ``ZERO1``, ``ZERO2`` or ``ZERO3``.
+        precision: A key of :data:`handbook_lib.config.PRECISIONS`: parameters and gradients are
+            kept in its compute dtype; master and optimizer state in fp32.
+        optimizer: ``adamw``/``adam`` (2 states), ``sgd-momentum`` (1), ``sgd`` (0).
+        rank: Which rank (ZeRO-1/2's gradients depend on where its partition falls).
+        persistence_threshold: ZeRO-3 keeps tensors of at most this many elements whole.
+        cpu_offload: ``offload_optimizer`` (ZeRO-1/2 then hold the fp32 partition's gradient).
+
+    Raises:
+        ValueError: for a strategy that is not a ZeRO row, or a bad world size, rank,
+            threshold, precision or optimizer.
+    """
+    from handbook_lib.memory import optimizer_states  # memory imports this module's neighbours
+
+    stage = zero_stage(strategy)
+    _check(world_size, rank, persistence_threshold)
+    compute = DTYPES[lookup(PRECISIONS, precision, "precision").compute].bytes
+    states = optimizer_states(optimizer)
+    numels = _numels(model)
+    step_bytes = 4 if states == 2 else 0
+    if stage < 3:
+        padded, part = flat_partition(sum(numels), world_size)
+        if cpu_offload:
+            grads = 4 * part
+        else:
+            start, end, offset, held = rank * part, (rank + 1) * part, 0, 0
+            for n in numels:
+                if offset < end and offset + n > start:
+                    held += n
+                offset += n
+            if rank == world_size - 1:
+                held += padded - sum(numels)
+            grads = compute * held
+        return ZeroRankBytes(params=compute * padded, master=4 * part, grads=grads,
+                             optimizer=4 * states * part, optimizer_step=step_bytes)
+    part = sum(-(-n // world_size) for n in numels)
+    whole = sum(-(-n // world_size) * world_size for n in numels if n <= persistence_threshold)
+    return ZeroRankBytes(params=compute * (part + whole), master=4 * part, grads=compute * part,
+                         optimizer=4 * states * part, optimizer_step=step_bytes)
+
+
+def bookkeeping_reductions(strategy: str, precision: str = "fp32", *, cpu_offload: bool = False) -> list[int]:
+    """Bytes of the small all-reduces DeepSpeed adds to every step, from its source (0.19):
+
+    - the squared gradient norm (computed even without clipping): ZeRO-3 reduces it in the
+      norm dtype, float64 (8 B), on the device path and as an fp32 scalar (4 B) on the offload
+      path; ZeRO-1/2 as an fp32 scalar (4 B);
+    - with a 16-bit compute dtype, ZeRO-1/2 also reduce a 1-byte overflow flag.
+    """
+    stage = zero_stage(strategy)
+    compute = lookup(PRECISIONS, precision, "precision").compute
+    if stage == 3:
+        return [4 if cpu_offload else 8]
+    return [4] + ([1] if DTYPES[compute].bytes == 2 else [])
+
+
+def estimate_zero_step_traffic(
+    model: ModelConfig, world_size: int, strategy: str, precision: str = "fp32",
+    *, persistence_threshold: int = 0, cpu_offload: bool = False,
+) -> StepTraffic:
+    """The collectives of one ZeRO optimizer step (one micro-step), in order, per rank.
+
+    DeepSpeed cuts its gradient reductions into buckets (``reduce_bucket_size``, 5e8 elements by
+    default: one bucket for the book's models); the records give one collective per reduction
+    and the bytes are exact — count only what the bucketing does not change.
+
+    Raises:
+        ValueError: as :func:`estimate_zero_rank_bytes`.
+    """
+    stage = zero_stage(strategy)
+    _check(world_size, 0, persistence_threshold)
+    compute, reduce = lookup(PRECISIONS, precision, "precision")
+    c, r = DTYPES[compute].bytes, DTYPES[reduce].bytes
+    n = world_size
+    records: list[CollectiveRecord] = []
+
+    def record(kind: str, buffer: int, unit: str, phase: str, dtype: str) -> None:
+        cost = estimate_collective(kind, buffer, n)
+        records.append(CollectiveRecord(**vars(cost), unit=unit, phase=phase, dtype=dtype, micro_step=0))
+
+    numels = _numels(model)
+    if stage < 3:
+        padded, _ = flat_partition(sum(numels), n)
+        record("all_reduce", r * sum(numels), "gradients", "backward", reduce)
+        for size in bookkeeping_reductions(strategy, precision, cpu_offload=cpu_offload):
+            record("all_reduce", size, "bookkeeping", "step", "fp32" if size == 4 else "flag")
+        record("all_gather", c * padded, "flat parameters", "step", compute)
+        return StepTraffic(strategy, n, 1, tuple(records))
+    units = [(name, [x for x in sizes if x > persistence_threshold]) for name, sizes in gather_units(model)]
+    units = [(name, sizes) for name, sizes in units if sizes]
+    padded = lambda sizes: sum(-(-x // n) * n for x in sizes)  # noqa: E731
+    for name, sizes in units:
+        record("all_gather", c * padded(sizes), name, "forward", compute)
+    for name, sizes in reversed(units):
+        record("all_gather", c * padded(sizes), name, "backward", compute)
+    record("reduce_scatter", r * padded(numels), "gradients", "backward", reduce)
+    for size in bookkeeping_reductions(strategy, precision, cpu_offload=cpu_offload):
+        record("all_reduce", size, "bookkeeping", "step", "fp64" if size == 8 else "fp32")
+    for x in numels:
+        if x <= persistence_threshold:
+            record("all_gather", c * padded([x]), "persistent tensor", "step", compute)
+    return StepTraffic(strategy, n, 1, tuple(records))

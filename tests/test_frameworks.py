@@ -1,0 +1,433 @@
+"""handbook_lib.frameworks: each config it writes is read by the library that owns it.
+
+Nothing is compared as text. The Accelerate file goes through ``accelerate launch``'s own path
+(its config loader, ``_validate_launch_command``, ``prepare_multi_gpu_env``) into the environment
+``FullyShardedDataParallelPlugin()`` reads; the Trainer keywords build ``TrainingArguments`` and
+then the plugin the Trainer builds from them; the DeepSpeed dict builds ``DeepSpeedConfig``. What
+each library understood is compared with what the run config asked for (round trips), and every
+refusal is pinned with its message.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from handbook_lib.config import DTYPES, PRECISIONS, RunConfig
+from handbook_lib.frameworks import LAYER_CLASS, accelerate_config, deepspeed_config, trainer_fsdp_args
+from handbook_lib.strategies import get_strategy
+from handbook_lib.training import build_optimizer
+
+yaml = pytest.importorskip("yaml")
+if not torch.cuda.is_available():  # DeepSpeed's CPU accelerator, as handbook_lib.zero_engine picks it
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import accelerate.utils.dataclasses as accelerate_dataclasses  # noqa: E402
+import accelerate.utils.launch as accelerate_launch  # noqa: E402
+import deepspeed.runtime.config as ds_config_module  # noqa: E402
+from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file  # noqa: E402
+from accelerate.commands.launch import _validate_launch_command, launch_command_parser  # noqa: E402
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, prepare_multi_gpu_env  # noqa: E402
+from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError  # noqa: E402
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum  # noqa: E402
+from torch.distributed.fsdp import (  # noqa: E402
+    BackwardPrefetch,
+    CPUOffload,
+    CPUOffloadPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+    StateDictType,
+)
+from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy  # noqa: E402
+from transformers import Trainer, TrainingArguments  # noqa: E402
+from transformers.trainer_utils import SchedulerType  # noqa: E402
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, DTYPES[name].torch_name)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No FSDP_* / ACCELERATE_* variable from outside, and every one the libraries set undone.
+
+    ``TrainingArguments`` and the plugin write ``FSDP_CPU_RAM_EFFICIENT_LOADING`` into
+    ``os.environ`` themselves; setting it through monkeypatch first makes the undo remove it.
+    """
+    for key in list(os.environ):
+        if key.startswith(("FSDP_", "ACCELERATE_")):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "")
+    monkeypatch.delenv("FSDP_CPU_RAM_EFFICIENT_LOADING")
+    return monkeypatch
+
+
+@pytest.fixture
+def one_cuda_device(monkeypatch):
+    """The plugin as on a GPU node: with ``sync_module_states`` (FSDP1 with the efficient loading)
+    it asks for the current device and refuses a machine with none."""
+    monkeypatch.setattr(accelerate_dataclasses, "is_cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def launch(tmp_path, env_patch, file: dict):
+    """What ``accelerate launch --config_file <file> train.py`` hands the training processes:
+    the loaded file, the parsed launch arguments and the plugin ``Accelerator`` builds from the
+    environment (``FullyShardedDataParallelPlugin()``), with the mixed precision applied as
+    ``AcceleratorState`` applies it (``fsdp_plugin.set_mixed_precision``)."""
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(yaml.safe_dump(file))
+    # whether a port of this machine is taken says nothing about the file (with several machines
+    # a taken port is an error)
+    env_patch.setattr(accelerate_launch, "is_port_in_use", lambda port=None: False)
+    loaded = load_config_from_file(str(path))
+    args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+    args, _, _ = _validate_launch_command(args)
+    env = prepare_multi_gpu_env(args)
+    for key, value in env.items():
+        if key.startswith(("FSDP_", "ACCELERATE_")):
+            env_patch.setenv(key, value)
+    plugin = FullyShardedDataParallelPlugin()
+    if env["ACCELERATE_MIXED_PRECISION"] != "no":
+        plugin.set_mixed_precision(env["ACCELERATE_MIXED_PRECISION"])
+    return loaded, args, plugin
+
+
+def check_plugin(plugin: FullyShardedDataParallelPlugin, config: RunConfig) -> None:
+    """The plugin runs what ``config`` asks for (mixed precision apart: see :func:`check_mixed`)."""
+    row = get_strategy(config.strategy)
+    fsdp2 = config.api == "fsdp2"
+    assert plugin.fsdp_version == (2 if fsdp2 else 1)
+    if fsdp2:
+        assert plugin.reshard_after_forward is row.reshard_after_forward
+        assert type(plugin.cpu_offload) is (CPUOffloadPolicy if config.cpu_offload else OffloadPolicy)
+    else:  # what Accelerator passes to FullyShardedDataParallel (accelerate/accelerator.py)
+        assert (plugin.sharding_strategy or plugin.reshard_after_forward) == ShardingStrategy[row.fsdp1]
+        assert plugin.cpu_offload == CPUOffload(offload_params=config.cpu_offload)
+        assert plugin.sync_module_states is (config.init == "meta")
+        assert plugin.use_orig_params is False
+        assert plugin.backward_prefetch == BackwardPrefetch.BACKWARD_PRE
+        assert plugin.forward_prefetch is False
+    if config.wrap == "layer":
+        assert plugin.auto_wrap_policy is transformer_auto_wrap_policy
+        assert plugin.transformer_cls_names_to_wrap == [LAYER_CLASS]
+    elif config.wrap == "size":
+        assert plugin.auto_wrap_policy is size_based_auto_wrap_policy
+        assert plugin.min_num_params == config.wrap_min_params
+    else:
+        assert plugin.auto_wrap_policy is None  # NO_WRAP: the root, one unit
+    assert plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT
+    assert plugin.activation_checkpointing is config.activation_checkpointing
+    assert plugin.cpu_ram_efficient_loading is (config.init == "meta")
+
+
+def check_mixed(plugin: FullyShardedDataParallelPlugin, config: RunConfig) -> None:
+    """fp32: no policy. A mixed precision (written with ``reduce_in_compute_dtype=True``):
+    parameters in the compute dtype, and gradients reduced in it too, which is why the writers
+    refuse a mixed precision unless told to accept that."""
+    compute, reduce = PRECISIONS[config.precision]
+    if compute == "fp32":
+        assert plugin.mixed_precision_policy is None
+        return
+    assert plugin.mixed_precision_policy.param_dtype == torch_dtype(compute)
+    assert plugin.mixed_precision_policy.reduce_dtype == torch_dtype(compute) != torch_dtype(reduce)
+
+
+# ---- Accelerate ---------------------------------------------------------------------------
+
+ACCELERATE_CASES = [
+    dict(api=api, strategy=strategy, precision=precision, cpu_offload=offload)
+    for api, strategy, precision, offload in itertools.product(
+        ("fsdp2", "fsdp1"), ("FULL_SHARD", "SHARD_GRAD_OP"), ("fp32", "bf16-mixed"), (False, True))
+] + [
+    dict(api="fsdp1", strategy="NO_SHARD"),
+    dict(api="fsdp1", strategy="FULL_SHARD", wrap="size", wrap_min_params=50_000),
+    dict(api="fsdp2", wrap="model"),
+    dict(api="fsdp1", wrap="model", init="full"),
+    dict(api="fsdp2", activation_checkpointing=True, init="full"),
+    dict(api="fsdp1", activation_checkpointing=True, strategy="SHARD_GRAD_OP", init="full"),
+    dict(api="fsdp2", precision="fp16-mixed"),
+]
+
+
+@pytest.mark.parametrize("keys", ACCELERATE_CASES, ids=lambda keys: "-".join(f"{v}" for v in keys.values()))
+def test_accelerate_launch_reads_the_file_as_the_run(keys, tmp_path, clean_env, one_cuda_device):
+    config = RunConfig(**keys)
+    file = accelerate_config(config, num_processes=4, reduce_in_compute_dtype=True)
+    loaded, args, plugin = launch(tmp_path, clean_env, file)
+    assert isinstance(loaded, ClusterConfig)
+    assert loaded.distributed_type == DistributedType.FSDP
+    assert args.use_fsdp and (args.num_processes, args.num_machines) == (4, 1)
+    check_plugin(plugin, config)
+    check_mixed(plugin, config)
+
+
+def test_accelerate_processes_and_machines(tmp_path, clean_env):
+    file = accelerate_config(RunConfig(), num_processes=8, num_machines=2)
+    file.update(main_process_ip="10.0.0.1", main_process_port=29511)  # the caller's, per cluster
+    _, args, _ = launch(tmp_path, clean_env, file)
+    assert (args.nproc_per_node, args.nnodes, args.node_rank) == ("4", "2", 0)
+
+
+def test_accelerate_fsdp1_strategy_needs_the_sharding_strategy_key(tmp_path, clean_env):
+    """Why the FSDP1 file also says ``fsdp_sharding_strategy``: ``accelerate launch`` exports it
+    (default FULL_SHARD), and the plugin then ignores ``fsdp_reshard_after_forward``."""
+    config = RunConfig(api="fsdp1", strategy="SHARD_GRAD_OP", init="full")
+    file = accelerate_config(config, num_processes=2)
+    assert file["fsdp_config"]["fsdp_sharding_strategy"] == "SHARD_GRAD_OP"
+    del file["fsdp_config"]["fsdp_sharding_strategy"]
+    _, _, plugin = launch(tmp_path, clean_env, file)
+    assert (plugin.sharding_strategy or plugin.reshard_after_forward) == ShardingStrategy.FULL_SHARD
+
+
+def test_accelerate_fsdp1_meta_init_on_a_cpu_only_machine(tmp_path, clean_env):
+    """The file is for GPU nodes: FSDP1 with the efficient loading syncs module states, and the
+    plugin asks for the current accelerator (the tests above pretend one CUDA device)."""
+    clean_env.setattr(accelerate_dataclasses, "is_cuda_available", lambda: False)  # also on a GPU machine
+    file = accelerate_config(RunConfig(api="fsdp1", init="meta"), num_processes=2)
+    with pytest.raises(RuntimeError, match="no available devices"):
+        launch(tmp_path, clean_env, file)
+
+
+# ---- Transformers Trainer -------------------------------------------------------------------
+
+def training_args(tmp_path, keywords: dict) -> TrainingArguments:
+    # TrainingArguments refuses bf16 on a machine without a bf16-capable GPU unless use_cpu=True
+    # (transformers/training_args.py, "Your setup doesn't support bf16/gpu. You need to assign
+    # use_cpu ..."); FSDP itself is not refused without a GPU. use_cpu changes no key compared
+    # here (it turns off pinned data-loader memory and picks the CPU device).
+    return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **keywords)
+
+
+TRAINER_CASES = [
+    dict(api="fsdp2", strategy=strategy, precision=precision, cpu_offload=offload, grad_accum_steps=accum,
+         max_grad_norm=clip)
+    for strategy, precision, offload, (accum, clip) in itertools.product(
+        ("FULL_SHARD", "SHARD_GRAD_OP"), ("fp32", "bf16-mixed"), (False, True), ((1, 0.0), (4, 0.5)))
+] + [
+    dict(api="fsdp1", strategy="FULL_SHARD", init="full"),
+    dict(api="fsdp1", strategy="FULL_SHARD", cpu_offload=True, precision="bf16-mixed"),
+    dict(api="fsdp1", wrap="size", wrap_min_params=50_000, init="full"),
+    dict(api="fsdp2", wrap="model", init="full"),
+    dict(api="fsdp2", activation_checkpointing=True),
+    dict(api="fsdp2", precision="fp16-mixed"),
+]
+
+
+@pytest.mark.parametrize("keys", TRAINER_CASES, ids=lambda keys: "-".join(f"{v}" for v in keys.values()))
+def test_training_arguments_read_the_keywords_as_the_run(keys, tmp_path, clean_env, one_cuda_device):
+    config = RunConfig(**keys)
+    args = training_args(tmp_path, trainer_fsdp_args(config, reduce_in_compute_dtype=True))
+    compute = PRECISIONS[config.precision].compute
+    assert args.fsdp is True
+    assert args.mixed_precision == {"fp32": "no"}.get(compute, compute)
+    assert (args.bf16, args.fp16) == (compute == "bf16", compute == "fp16")
+    assert args.gradient_accumulation_steps == config.grad_accum_steps
+    assert args.max_grad_norm == config.max_grad_norm
+    assert args.learning_rate == config.lr
+    assert args.lr_scheduler_type == SchedulerType.CONSTANT
+    assert args.fsdp_plugin_args["fsdp_version"] == (2 if config.api == "fsdp2" else 1)
+    # the plugin as Trainer.create_accelerator_and_postprocess builds it, and the mixed
+    # precision as AcceleratorState applies it
+    plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
+    if args.mixed_precision != "no":
+        plugin.set_mixed_precision(args.mixed_precision)
+    check_plugin(plugin, config)
+    check_mixed(plugin, config)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adam", "sgd", "sgd-momentum"])
+def test_trainer_builds_the_books_optimizer(optimizer, tmp_path, clean_env):
+    """The Trainer's optimizer (``Trainer.get_optimizer_cls_and_kwargs``, with its
+    ``weight_decay``) has the hyperparameters of :func:`handbook_lib.training.build_optimizer`'s;
+    Adam is AdamW without weight decay, the same update."""
+    config = RunConfig(optimizer=optimizer, lr=3e-4)
+    args = training_args(tmp_path, trainer_fsdp_args(config))
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    theirs = cls(params, **kwargs, weight_decay=args.weight_decay).param_groups[0]
+    ours = build_optimizer(params, optimizer, config.lr).param_groups[0]
+    for key in ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", "nesterov", "amsgrad"):
+        assert theirs.get(key) == ours.get(key), key
+    assert cls is (torch.optim.SGD if optimizer.startswith("sgd") else torch.optim.AdamW)
+
+
+# ---- DeepSpeed ------------------------------------------------------------------------------
+
+@pytest.fixture
+def ds_world(monkeypatch):
+    """Set the world size DeepSpeedConfig sees. With ``mpu=None`` and no mesh it asks
+    ``deepspeed.comm.get_world_size()`` (and falls back to 1 when no process group exists)."""
+    def set_world(size: int) -> None:
+        monkeypatch.setattr(ds_config_module.dist, "get_world_size", lambda group=None: size)
+        monkeypatch.setattr(ds_config_module.dist, "get_rank", lambda group=None: 0)
+    return set_world
+
+
+DS_CASES = list(itertools.product(
+    ("ZERO1", "ZERO2", "ZERO3", "FULL_SHARD", "SHARD_GRAD_OP"), ("fp32", "bf16-mixed"), (False, True),
+    (1, 2), (0.0, 1.0)))
+
+
+@pytest.mark.parametrize("strategy, precision, offload, accum, clip", DS_CASES)
+def test_deepspeed_reads_the_config_as_the_run(strategy, precision, offload, accum, clip, ds_world):
+    world = 2
+    ds_world(world)
+    config = RunConfig(strategy=strategy, precision=precision, cpu_offload=offload, grad_accum_steps=accum,
+                       max_grad_norm=clip, batch_size=16)
+    ds = DeepSpeedConfig(deepspeed_config(config, world), mpu=None)
+    stage = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2}.get(strategy) or int(strategy[-1])
+    assert stage == get_strategy(strategy).zero_stage
+    compute, reduce = PRECISIONS[precision]
+    assert ds.world_size == world
+    assert ds.zero_optimization_stage == stage
+    assert ds.train_batch_size == config.batch_size
+    assert ds.gradient_accumulation_steps == accum
+    assert ds.train_micro_batch_size_per_gpu * world * accum == config.batch_size
+    assert ds.gradient_clipping == clip
+    assert ds.bfloat16_config.enabled is (compute == "bf16")
+    assert ds.float16_config.enabled is False
+    assert ds.communication_data_type == torch_dtype(reduce)
+    zero = ds.zero_config
+    assert (zero.offload_optimizer.device if offload else zero.offload_optimizer) == (
+        OffloadDeviceEnum.cpu if offload else None)
+    assert (zero.offload_param.device if offload and stage == 3 else zero.offload_param) == (
+        OffloadDeviceEnum.cpu if offload and stage == 3 else None)
+    assert ds.zero_force_ds_cpu_optimizer is (not offload)  # PyTorch's optimizer on offloaded state
+    assert ds.optimizer_name == "adamw" and ds.optimizer_params["torch_adam"] is True
+    if stage == 3:
+        assert (zero.param_persistence_threshold, zero.prefetch_bucket_size, zero.max_reuse_distance) == (0, 0, 0)
+
+
+def test_deepspeed_persistence_threshold_and_world_size(ds_world):
+    ds_world(4)
+    config = RunConfig(strategy="ZERO3", batch_size=16, grad_accum_steps=2)
+    ds = DeepSpeedConfig(deepspeed_config(config, 4, persistence_threshold=4096), mpu=None)
+    assert ds.zero_config.param_persistence_threshold == 4096
+    assert (ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps) == (2, 2)
+
+
+def test_deepspeed_no_clipping_is_written_as_zero(ds_world):
+    """DeepSpeed clips at 1.0 when the key is absent, so ``max_grad_norm=0`` must be written."""
+    ds_world(2)
+    written = deepspeed_config(RunConfig(strategy="ZERO2", max_grad_norm=0.0), 2)
+    assert "gradient_clipping" in written and written["gradient_clipping"] == 0
+    assert DeepSpeedConfig(written, mpu=None).gradient_clipping == 0
+    without = {key: value for key, value in written.items() if key != "gradient_clipping"}
+    assert DeepSpeedConfig(without, mpu=None).gradient_clipping == 1.0
+
+
+def test_deepspeed_adam_is_not_adamw(ds_world):
+    """DeepSpeed runs its "Adam" as AdamW unless ``adam_w_mode`` is false (ADAM_W_MODE_DEFAULT)."""
+    ds_world(2)
+    assert ds_config_module.ADAM_W_MODE_DEFAULT is True
+    adam = DeepSpeedConfig(deepspeed_config(RunConfig(strategy="ZERO1", optimizer="adam"), 2), mpu=None)
+    assert adam.optimizer_name == "adam"
+    assert adam.optimizer_params["adam_w_mode"] is False
+    adamw = DeepSpeedConfig(deepspeed_config(RunConfig(strategy="ZERO1", optimizer="adamw"), 2), mpu=None)
+    assert adamw.optimizer_name == "adamw" and "adam_w_mode" not in adamw.optimizer_params
+
+
+def test_deepspeed_fp16_loss_scale(ds_world):
+    ds_world(2)
+    fp16 = DeepSpeedConfig(deepspeed_config(RunConfig(strategy="ZERO2", precision="fp16-mixed"), 2), mpu=None)
+    assert fp16.float16_config.enabled and not fp16.bfloat16_config.enabled
+    assert (fp16.float16_config.loss_scale, fp16.float16_config.initial_scale_power) == (0, 16)  # dynamic, 2**16
+    static = deepspeed_config(RunConfig(strategy="ZERO2", precision="fp16-mixed", grad_scaler=False), 2)
+    assert DeepSpeedConfig(static, mpu=None).float16_config.loss_scale == 1
+
+
+@pytest.mark.parametrize("strategy", ["DDP", "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "ZERO1", "ZERO2", "ZERO3",
+                                      pytest.param("HYBRID_SHARD", marks=pytest.mark.xfail(
+                                          raises=DeepSpeedConfigError, strict=True,
+                                          reason="DeepSpeed 0.19.8 removed MiCS (mics_shard_size), which "
+                                                 "deepspeed_config writes for HYBRID_SHARD"))])
+def test_deepspeed_accepts_every_config_written(strategy, ds_world):
+    """deepspeed_config either refuses a strategy or writes a config DeepSpeed accepts."""
+    ds_world(2)
+    ds = DeepSpeedConfig(deepspeed_config(RunConfig(strategy=strategy, shard_group_size=0), 2), mpu=None)
+    assert ds.zero_optimization_stage == get_strategy(strategy).zero_stage
+
+
+# ---- refusals -------------------------------------------------------------------------------
+
+def accelerate(config):
+    return accelerate_config(config, num_processes=2)
+
+
+REFUSALS = [
+    (accelerate, dict(strategy="ZERO1"),
+     r"^accelerate_config: config key 'strategy' got 'ZERO1': a DeepSpeed ZeRO stage, not FSDP \(write it with "
+     r"deepspeed_config\); accepted: SHARD_GRAD_OP, FULL_SHARD \(with api='fsdp2'\)$"),
+    (accelerate, dict(strategy="DDP"), r"'strategy' got 'DDP': not an FSDP strategy; accepted: SHARD_GRAD_OP"),
+    (accelerate, dict(strategy="NONE"), r"'strategy' got 'NONE': not an FSDP strategy"),
+    (accelerate, dict(strategy="HYBRID_SHARD"), r"'strategy' got 'HYBRID_SHARD': a hybrid strategy needs a 2-D"),
+    (accelerate, dict(strategy="HYBRID_SHARD_ZERO2", api="fsdp1"),
+     r"'HYBRID_SHARD_ZERO2': a hybrid .*accepted: NO_SHARD, SHARD_GRAD_OP, FULL_SHARD \(with api='fsdp1'\)$"),
+    (accelerate, dict(strategy="NO_SHARD"), r"'strategy' got 'NO_SHARD': fsdp2 has no NO_SHARD \(use api='fsdp1'\)"),
+    (accelerate, dict(shard_group_size=2), r"'shard_group_size' got 2: only the hybrid .*; accepted: 0$"),
+    (accelerate, dict(wrap="size"), r"'wrap' got 'size': Accelerate's FSDP2 size policy .*; accepted: 'layer', "
+                                    r"'model'; 'size' with api='fsdp1'$"),
+    (accelerate, dict(wrap="model", activation_checkpointing=True),
+     r"'wrap' got 'model': Accelerate checkpoints the modules its wrap policy selects; the book checkpoints "
+     r"each transformer layer; accepted: 'layer' with activation_checkpointing$"),
+    (accelerate, dict(wrap="size", api="fsdp1", activation_checkpointing=True), r"'wrap' got 'size': Accelerate "
+                                                                                r"checkpoints"),
+    (accelerate, dict(precision="bf16-mixed"),
+     r"'precision' got 'bf16-mixed': it reduces gradients in fp32, but Accelerate's mixed_precision='bf16' makes "
+     r"FSDP reduce them in bf16 .*; accepted: 'fp32'; 'bf16-mixed' with reduce_in_compute_dtype=True$"),
+    (accelerate, dict(precision="fp16-mixed"), r"'precision' got 'fp16-mixed'"),
+    (lambda c: accelerate_config(c, num_processes=2, reduce_in_compute_dtype=True),
+     dict(precision="fp16-mixed", grad_scaler=False), r"'grad_scaler' got False: .*; accepted: True$"),
+    (lambda c: accelerate_config(c, num_processes=2, reduce_in_compute_dtype=True),
+     dict(precision="fp16-mixed", grad_scale_init=1024.0), r"'grad_scale_init' got 1024.0: .*; accepted: 65536.0$"),
+    (lambda c: accelerate_config(c, num_processes=0), {}, r"num_processes must be an int >= 1, got 0"),
+    (lambda c: accelerate_config(c, num_processes=True), {}, r"num_processes must be an int >= 1, got True"),
+    (lambda c: accelerate_config(c, num_processes=4, num_machines=0), {}, r"num_machines must be an int >= 1"),
+    (lambda c: accelerate_config(c, num_processes=3, num_machines=2), {},
+     r"num_processes=3 \(processes in all\) must be a multiple of num_machines=2"),
+    (trainer_fsdp_args, dict(strategy="ZERO3"), r"^trainer_fsdp_args: config key 'strategy' got 'ZERO3': a DeepSpeed"),
+    (trainer_fsdp_args, dict(strategy="SHARD_GRAD_OP", api="fsdp1"),
+     r"'strategy' got 'SHARD_GRAD_OP': with FSDP1, .*FSDP_SHARDING_STRATEGY .*; accepted: FULL_SHARD with "
+     r"api='fsdp1'; SHARD_GRAD_OP, FULL_SHARD with api='fsdp2'$"),
+    (trainer_fsdp_args, dict(strategy="NO_SHARD", api="fsdp1"), r"'strategy' got 'NO_SHARD': with FSDP1"),
+    (trainer_fsdp_args, dict(strategy="HYBRID_SHARD"), r"'strategy' got 'HYBRID_SHARD': a hybrid"),
+    (trainer_fsdp_args, dict(precision="bf16-mixed"), r"^trainer_fsdp_args: config key 'precision' got"),
+    (trainer_fsdp_args, dict(wrap="size"), r"^trainer_fsdp_args: config key 'wrap' got 'size'"),
+    (lambda c: deepspeed_config(c, 2), dict(strategy="NONE"),
+     r"^strategy 'NONE' has no DeepSpeed ZeRO counterpart \(none\)$"),
+    (lambda c: deepspeed_config(c, 2), dict(strategy="HYBRID_SHARD_ZERO2"),
+     r"^strategy 'HYBRID_SHARD_ZERO2' has no DeepSpeed ZeRO counterpart \(DeepSpeed has no hybrid ZeRO-2\)$"),
+    (lambda c: deepspeed_config(c, 3), dict(strategy="ZERO2", batch_size=8),
+     r"^batch_size=8 must divide into world_size=3 x grad_accum_steps=1$"),
+    (lambda c: deepspeed_config(c, 0), dict(strategy="ZERO2"), r"world_size=0"),
+    (lambda c: deepspeed_config(c, 2, persistence_threshold=-1), dict(strategy="ZERO3"),
+     r"^persistence_threshold must be >= 0 elements, got -1$"),
+]
+
+
+@pytest.mark.parametrize("write, keys, message", REFUSALS)
+def test_refusals(write, keys, message):
+    with pytest.raises(ValueError, match=message):
+        write(RunConfig(**keys))
+
+
+def test_torch_grad_scaler_default_is_what_the_writers_accept():
+    import inspect
+
+    assert inspect.signature(torch.amp.GradScaler).parameters["init_scale"].default == RunConfig().grad_scale_init
+
+
+def test_module_is_pure():
+    code = "import sys, handbook_lib.frameworks; print(sorted({'torch', 'accelerate', 'transformers', " \
+           "'deepspeed', 'yaml'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
