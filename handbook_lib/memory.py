@@ -90,7 +90,8 @@ OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "s
 apart, as ``optimizer_other``.)
 """
 
-FSDP2_SPELLING: dict[str, str] = {s.name: s.fsdp2_spelling for s in STRATEGY_TABLE.values()}
+FSDP2_SPELLING: dict[str, str] = {s.name: s.fsdp2_spelling for s in STRATEGY_TABLE.values()
+                                  if s.wrapper != "deepspeed"}
 """How each FSDP1 ``ShardingStrategy`` is written with FSDP2's ``fully_shard`` (from
 :data:`handbook_lib.strategies.STRATEGY_TABLE`)."""
 

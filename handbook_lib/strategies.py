@@ -104,6 +104,8 @@ class Strategy:
             return "the plain module, one process: no wrapper"
         if self.wrapper == "ddp":
             return "DistributedDataParallel (or replicate()); not FSDP"
+        if self.wrapper == "deepspeed":
+            return f"deepspeed.initialize(...) with ZeRO stage {self.zero_stage}; not FSDP"
         if not self.fsdp2:
             return f"none: FSDP2 has no {self.name}; use DDP"
         mesh = "mesh=<2-D (replicate, shard) mesh>, " if self.hybrid else ""

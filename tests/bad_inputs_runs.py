@@ -120,7 +120,7 @@ ROWS: list[BadInputRow] = [
     cli("run-max-grad-norm-negative", [*RUN, "--set", "max_grad_norm=-1"], "max_grad_norm"),
     cli("run-init-unknown", [*RUN, "--set", "init=lazy"], "meta, full"),
     cli("run-no-shard-fsdp2", [*RUN, "--nproc", "2", "--set", "strategy=NO_SHARD"], "api='fsdp2'"),
-    api("api-accumulation-unknown-strategy", later("handbook_lib.memory", "estimate_accumulation_bytes", 10, "ZERO3"),
+    api("api-accumulation-unknown-strategy", later("handbook_lib.memory", "estimate_accumulation_bytes", 10, "ZERO4"),
         "strategy must be one of"),
     api("api-init-bytes-unknown-init", later("handbook_lib.memory", "estimate_init_bytes", ModelConfig(), 2,
                                              "FULL_SHARD", "lazy"), "init must be 'meta' or 'full'"),

@@ -123,7 +123,7 @@ def test_ranks_die_with_a_killed_torchrun_agent(no_leftovers):
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda: torchrun("no_such_run"), "available runs: .*comm_bench, fault, fsdp_train"),
+    (lambda: torchrun("no_such_run"), "available runs: .*comm_bench, deepspeed_zero, fault, fsdp_train"),
     (lambda: torchrun("fault", 0), "nproc"),
     (lambda: torchrun("fault", 2, {"modez": "raise"}), "accepted keys: fail_rank, mode, sleep_s"),
     (lambda: torchrun("fault", 2, {"mode": "explode"}), "accepted values: raise, exit, hang, sleep, bad_check, none"),

@@ -164,7 +164,7 @@ def test_parameter_count_alone_gives_model_state_and_says_what_is_missing():
 
 
 def test_vocabulary_tables_cover_every_strategy():
-    assert set(FSDP2_SPELLING) == set(STRATEGIES)
+    assert set(FSDP2_SPELLING) == {s for s in STRATEGIES if not s.startswith("ZERO")}
     assert ZERO_STAGES[1] is None and ZERO_STAGES[3] == "FULL_SHARD"
 
 
