@@ -44,7 +44,7 @@ from typing import Any
 from handbook_lib.config import PRECISIONS, RunConfig
 from handbook_lib.strategies import STRATEGY_TABLE, Strategy, get_strategy
 
-__all__ = ["LAYER_CLASS", "accelerate_config", "trainer_fsdp_args", "deepspeed_config"]
+__all__ = ["LAYER_CLASS", "accelerate_config", "trainer_fsdp_args", "deepspeed_config", "trainer_deepspeed_args"]
 
 LAYER_CLASS = "TransformerLayer"
 """The class FSDP wraps as a unit (:class:`handbook_lib.model.TransformerLayer`)."""
@@ -276,7 +276,7 @@ def deepspeed_config(config: RunConfig, world_size: int, *, persistence_threshol
     """A DeepSpeed config with the run's sharding, batch, precision, optimizer and clipping.
 
     ``zero_optimization`` comes from the strategy table (``Strategy.deepspeed_config``: ZERO1/2/3
-    their own stage; DDP → 0, SHARD_GRAD_OP → 2, FULL_SHARD → 3, HYBRID_SHARD → 3 with MiCS).
+    their own stage; DDP → 0, SHARD_GRAD_OP → 2, FULL_SHARD → 3; the hybrid strategies have none).
     With stage 3, parameters are gathered module by module in forward and again in backward
     (no prefetch, no reuse across the two: ``stage3_prefetch_bucket_size`` and
     ``stage3_max_reuse_distance`` 0, as FSDP's ``reshard_after_forward``), and every tensor of at
@@ -297,7 +297,7 @@ def deepspeed_config(config: RunConfig, world_size: int, *, persistence_threshol
             or a negative ``persistence_threshold``.
     """
     row = get_strategy(config.strategy)
-    section = row.deepspeed_config(config.shard_group_size or None)
+    section = row.deepspeed_config()
     if section is None or not row.distributed:
         raise ValueError(f"strategy {row.name!r} has no DeepSpeed ZeRO counterpart ({row.zero_note or 'none'})")
     if world_size < 1 or config.batch_size % (world_size * config.grad_accum_steps):
@@ -340,3 +340,33 @@ def deepspeed_config(config: RunConfig, world_size: int, *, persistence_threshol
     if optimizer == "SGD":  # ZeRO refuses an optimizer outside its tested list unless told
         out["zero_allow_untested_optimizer"] = True
     return out
+
+
+def trainer_deepspeed_args(config: RunConfig, world_size: int, *, persistence_threshold: int = 0) -> dict[str, Any]:
+    """``TrainingArguments`` keywords for a DeepSpeed run of the Trainer: ``deepspeed`` (the
+    :func:`deepspeed_config` dict) and the keys the Trainer checks against it — batch per rank,
+    accumulation, clipping, learning rate — spelled the Trainer's way, plus a constant learning
+    rate (the Trainer's default schedule decays it to 0) and the optimizer steps to run.
+
+    With ZeRO-3, ``save_model`` gathers the whole 16-bit weights into one file
+    (``stage3_gather_16bit_weights_on_model_save``: DeepSpeed's counterpart of FSDP's
+    FULL_STATE_DICT), so ``from_pretrained`` loads them as any other checkpoint.
+
+    Raises:
+        ValueError: as :func:`deepspeed_config`.
+    """
+    ds = deepspeed_config(config, world_size, persistence_threshold=persistence_threshold)
+    if ds["zero_optimization"]["stage"] == 3:
+        ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    compute = PRECISIONS[config.precision].compute
+    return {
+        "deepspeed": ds,
+        "per_device_train_batch_size": ds["train_micro_batch_size_per_gpu"],
+        "gradient_accumulation_steps": config.grad_accum_steps,
+        "max_grad_norm": config.max_grad_norm,
+        "learning_rate": config.lr,
+        "lr_scheduler_type": "constant",
+        "max_steps": config.steps,
+        "bf16": compute == "bf16",
+        "fp16": compute == "fp16",
+    }

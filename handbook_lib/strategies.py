@@ -169,16 +169,12 @@ class Strategy:
             raise ValueError(f"{flag} needs an FSDP or ZeRO strategy ({', '.join(offloading)}): "
                              f"{self.name} keeps the whole model state on the device")
 
-    def deepspeed_config(self, shard_group_size: int | None = None) -> dict | None:
+    def deepspeed_config(self) -> dict | None:
         """The ``zero_optimization`` section of a DeepSpeed config with the same sharding at rest
-        (``None`` where DeepSpeed has none). HYBRID_SHARD maps to ZeRO-3 with MiCS
-        (``mics_shard_size``: shard within groups, replicate across)."""
+        (``None`` where DeepSpeed 0.19 has none: see :attr:`zero_note`)."""
         if self.zero_stage is None:
             return None
-        section: dict = {"stage": self.zero_stage}
-        if self.hybrid:
-            section["mics_shard_size"] = shard_group_size or -1
-        return section
+        return {"stage": self.zero_stage}
 
 
 STRATEGY_TABLE: dict[str, Strategy] = {s.name: s for s in (
@@ -194,8 +190,9 @@ STRATEGY_TABLE: dict[str, Strategy] = {s.name: s for s in (
              False, "gradients and optimizer state sharded; parameters gathered once per step"),
     Strategy("FULL_SHARD", "fsdp", True, True, True, True, False, "FULL_SHARD", True, 3, "",
              False, "everything sharded; parameters gathered in forward and again in backward"),
-    Strategy("HYBRID_SHARD", "fsdp", True, True, True, True, True, "HYBRID_SHARD", True, 3,
-             "ZeRO-3 with MiCS (mics_shard_size) shards within groups like HSDP",
+    Strategy("HYBRID_SHARD", "fsdp", True, True, True, True, True, "HYBRID_SHARD", True, None,
+             "DeepSpeed 0.19 has no hybrid ZeRO-3: MiCS (mics_shard_size) was removed; ZeRO++'s hpZ "
+             "keeps a copy of the parameters per node but shards the rest over every rank",
              False, "FULL_SHARD within each group of ranks, replicas across groups"),
     Strategy("HYBRID_SHARD_ZERO2", "fsdp", True, True, True, False, True, "_HYBRID_SHARD_ZERO2",
              True, None, "DeepSpeed has no hybrid ZeRO-2", False,

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from handbook_lib.config import DTYPES, PRECISIONS, RunConfig
+from handbook_lib.config import DTYPES, PRECISIONS, STRATEGIES, RunConfig
 from handbook_lib.frameworks import LAYER_CLASS, accelerate_config, deepspeed_config, trainer_fsdp_args
 from handbook_lib.strategies import get_strategy
 from handbook_lib.training import build_optimizer
@@ -345,16 +345,25 @@ def test_deepspeed_fp16_loss_scale(ds_world):
     assert DeepSpeedConfig(static, mpu=None).float16_config.loss_scale == 1
 
 
-@pytest.mark.parametrize("strategy", ["DDP", "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "ZERO1", "ZERO2", "ZERO3",
-                                      pytest.param("HYBRID_SHARD", marks=pytest.mark.xfail(
-                                          raises=DeepSpeedConfigError, strict=True,
-                                          reason="DeepSpeed 0.19.8 removed MiCS (mics_shard_size), which "
-                                                 "deepspeed_config writes for HYBRID_SHARD"))])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_deepspeed_accepts_every_config_written(strategy, ds_world):
-    """deepspeed_config either refuses a strategy or writes a config DeepSpeed accepts."""
+    """deepspeed_config either refuses a strategy (no ZeRO stage) or writes a config DeepSpeed
+    accepts, with the stage of the strategy table."""
     ds_world(2)
-    ds = DeepSpeedConfig(deepspeed_config(RunConfig(strategy=strategy, shard_group_size=0), 2), mpu=None)
+    config = RunConfig(strategy=strategy, shard_group_size=0)
+    if get_strategy(strategy).zero_stage is None:
+        with pytest.raises(ValueError, match="has no DeepSpeed ZeRO counterpart"):
+            deepspeed_config(config, 2)
+        return
+    ds = DeepSpeedConfig(deepspeed_config(config, 2), mpu=None)
     assert ds.zero_optimization_stage == get_strategy(strategy).zero_stage
+
+
+def test_mics_is_gone_from_deepspeed(ds_world):
+    """Why HYBRID_SHARD has no ZeRO row: DeepSpeed 0.19 refuses MiCS's key."""
+    ds_world(2)
+    with pytest.raises(DeepSpeedConfigError):
+        DeepSpeedConfig({"train_batch_size": 8, "zero_optimization": {"stage": 3, "mics_shard_size": 2}}, mpu=None)
 
 
 # ---- refusals -------------------------------------------------------------------------------
@@ -431,3 +440,22 @@ def test_module_is_pure():
            "'deepspeed', 'yaml'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_trainer_deepspeed_args_agree_with_what_the_trainer_checks(tmp_path, ds_world):
+    """The Trainer refuses a DeepSpeed config whose batch, clipping or learning rate disagree with
+    its own arguments (``trainer_config_finalize``): build both and let it compare them."""
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    from handbook_lib.frameworks import trainer_deepspeed_args
+
+    config = RunConfig.from_mapping({"strategy": "ZERO3", "batch_size": 8, "grad_accum_steps": 2,
+                                     "max_grad_norm": 0.5, "lr": 3e-4, "steps": 5})
+    ds_world(1)  # TrainingArguments in this (non-distributed) process counts one process too
+    kwargs = trainer_deepspeed_args(config, 1)
+    assert kwargs["deepspeed"]["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+    assert kwargs["lr_scheduler_type"] == "constant" and kwargs["max_steps"] == 5
+    args = TrainingArguments(output_dir=str(tmp_path), **{k: v for k, v in kwargs.items() if k != "deepspeed"})
+    hf = HfTrainerDeepSpeedConfig(kwargs["deepspeed"])
+    hf.trainer_config_process(args)  # fills "auto" values and records mismatches
+    assert not hf.mismatches, hf.mismatches

@@ -1,0 +1,141 @@
+"""Train a Transformers model with the Trainer and DeepSpeed ZeRO, save it whole, load it back, and resume.
+
+Chapter 7 launches it. The Trainer gets :func:`handbook_lib.frameworks.trainer_deepspeed_args`
+(the run config as ``TrainingArguments`` and a DeepSpeed config) and a GPT-2 built from the run
+config (:mod:`handbook_lib.hf_trainer`). The run then checks three promises:
+
+1. **A whole model comes out.** After ``steps`` steps, ``save_model`` writes the weights
+   gathered into one file (ZeRO-3: ``stage3_gather_16bit_weights_on_model_save``), and
+   ``from_pretrained``, in a plain Python process started for it, gives the logits of the
+   trained model, bit for bit.
+2. **Resume is exact.** A second Trainer resumes from ``checkpoint-<save_every>`` and its
+   losses for the remaining steps equal the first one's.
+3. **The job is what it claims to be.** The Trainer's world size must be the job's. On a
+   machine without a GPU, Accelerate finds no distributed backend and the Trainer counts one
+   process, while DeepSpeed counts them all (measured: DeepSpeed's batch assertion stops a
+   2-process job). On a CPU this run is therefore launched with one process; on a GPU hub, with
+   one per GPU.
+
+Launch::
+
+    python -m handbook_lib run trainer_deepspeed --nproc 1 --set trainer_dir=runs/trainer --out runs/t
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from handbook_lib.config import InitName, RunConfig, StrategyName
+from handbook_lib.distributed import RankContext
+from handbook_lib.results import Check
+from handbook_lib.runs.entry import RankReport, main
+from handbook_lib.strategies import get_strategy, strategies_where
+
+
+@dataclass(frozen=True)
+class TrainerRunConfig(RunConfig):
+    """A Trainer + DeepSpeed job: the run config, where the Trainer writes, and when it saves."""
+
+    strategy: StrategyName = "ZERO3"
+    """``ZERO1``, ``ZERO2`` or ``ZERO3``."""
+    init: InitName = "full"
+    """The Trainer gets a whole model (DeepSpeed partitions it): ``full`` only."""
+    trainer_dir: str = ""
+    """The Trainer's ``output_dir`` (required; must not exist yet or be empty): checkpoints and
+    the saved model go there."""
+    save_every: int = 2
+    """``save_steps``: a checkpoint every this many steps; the resume starts from the first."""
+
+
+CONFIG = TrainerRunConfig
+
+
+def validate(config: TrainerRunConfig, world_size: int) -> None:
+    """Reject, before any process starts, what this run cannot do.
+
+    Raises:
+        ValueError: naming the key and what is accepted.
+    """
+    row = get_strategy(config.strategy)
+    if row.wrapper != "deepspeed":
+        raise ValueError(f"trainer_deepspeed runs strategy {', '.join(strategies_where(wrapper='deepspeed'))}; "
+                         f"got {config.strategy!r}")
+    if world_size > 1 and not torch.cuda.is_available():
+        raise ValueError(
+            f"trainer_deepspeed needs a GPU per process for {world_size} processes: on a CPU, Accelerate "
+            "finds no distributed backend, the Trainer counts 1 process while DeepSpeed counts "
+            f"{world_size}, and DeepSpeed's batch check stops the job; launch it with --nproc 1 here")
+    if not config.trainer_dir:
+        raise ValueError("trainer_deepspeed needs trainer_dir (the Trainer's output_dir)")
+    folder = Path(config.trainer_dir)
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise ValueError(f"config key 'trainer_dir': {folder} exists and is not an empty folder; the Trainer "
+                         "would write its checkpoints among files this run did not write")
+    if not 1 <= config.save_every < config.steps:
+        raise ValueError(f"config key 'save_every' must be in 1..steps-1 (a checkpoint to resume from before "
+                         f"the end), got {config.save_every} with steps={config.steps}")
+    if config.precision != "fp32":
+        raise ValueError(f"trainer_deepspeed runs precision 'fp32' (its logits are compared bit for bit with "
+                         f"the saved model's); got {config.precision!r}")
+    if config.init != "full":
+        raise ValueError(f"trainer_deepspeed accepts init='full' only; got {config.init!r}")
+    if config.batch_size % (world_size * config.grad_accum_steps):
+        raise ValueError(f"batch_size={config.batch_size} must be divisible by the number of ranks {world_size} "
+                         f"times grad_accum_steps={config.grad_accum_steps}")
+
+
+def run(config: TrainerRunConfig, ctx: RankContext) -> RankReport:
+    validate(config, ctx.world_size)
+    from transformers import TrainingArguments
+
+    from handbook_lib.frameworks import trainer_deepspeed_args
+    from handbook_lib.hf_trainer import RecordingTrainer, SyntheticLM, build_gpt2, probe_logits
+    from handbook_lib.zero_engine import import_deepspeed
+
+    deepspeed = import_deepspeed()
+    folder = Path(config.trainer_dir)
+    common = dict(output_dir=str(folder), save_strategy="steps", save_steps=config.save_every, logging_steps=1,
+                  report_to=[], seed=config.seed, data_seed=config.seed, disable_tqdm=not ctx.is_main,
+                  dataloader_drop_last=True, **trainer_deepspeed_args(config, ctx.world_size))
+    first = RecordingTrainer(model=build_gpt2(config), args=TrainingArguments(**common),
+                             train_dataset=SyntheticLM(config))
+    state = first.accelerator.state
+    first.train()
+    final = folder / "final"
+    first.save_model(str(final))
+    with deepspeed.zero.GatheredParameters(list(first.model.parameters())):  # whole again (ZeRO-3)
+        trained = probe_logits(first.model, config)
+    losses = [sum(first.losses[i:i + config.grad_accum_steps])
+              for i in range(0, len(first.losses), config.grad_accum_steps)]
+
+    second = RecordingTrainer(model=build_gpt2(config), args=TrainingArguments(**common),
+                              train_dataset=SyntheticLM(config))
+    second.train(resume_from_checkpoint=str(folder / f"checkpoint-{config.save_every}"))
+    resumed = [sum(second.losses[i:i + config.grad_accum_steps])
+               for i in range(0, len(second.losses), config.grad_accum_steps)]
+
+    checks = [Check("trainer_world_size", ctx.rank, ctx.world_size, first.args.world_size, "processes")]
+    checks += [Check(f"resumed_loss_step{config.save_every + i + 1}", ctx.rank, a, b, "nats")
+               for i, (a, b) in enumerate(zip(losses[config.save_every:], resumed))]
+    checks.append(Check("resumed_steps", ctx.rank, config.steps - config.save_every, len(resumed), "steps"))
+    metrics = {"losses": losses, "resumed_losses": resumed, "distributed_type": str(state.distributed_type),
+               "trainer_world_size": first.args.world_size}
+    if ctx.is_main:  # a plain process loads the saved model, as any user would
+        logits_file = folder / "probe_logits.pt"
+        torch.save(trained, logits_file)
+        plain = subprocess.run([sys.executable, "-m", "handbook_lib.hf_trainer", str(final), str(logits_file),
+                                json.dumps(config.to_dict())], capture_output=True, text=True, check=True)
+        diff = json.loads(plain.stdout.strip().splitlines()[-1])["max_abs_diff"]
+        checks.append(Check("from_pretrained_logits_max_abs_diff", ctx.rank, 0.0, diff, "logit"))
+        metrics["saved_files"] = sorted(p.name for p in final.iterdir())
+    return RankReport(metrics=metrics, checks=checks)
+
+
+if __name__ == "__main__":
+    main(sys.modules[__name__])

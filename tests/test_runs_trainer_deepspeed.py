@@ -1,0 +1,71 @@
+"""handbook_lib.runs.trainer_deepspeed: the Trainer with DeepSpeed, saved whole, loaded back, resumed.
+
+Chapter 7 runs ZeRO-3 (4 steps, a checkpoint every 2); this run covers ZeRO-2 with a checkpoint
+after the first step. On a CPU the Trainer runs one process (see the run's docstring).
+"""
+
+import pytest
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+
+from handbook_lib.hf_trainer import SyntheticLM, build_gpt2, gpt2_config  # noqa: E402
+from handbook_lib.launch import torchrun  # noqa: E402
+from handbook_lib.model import param_count  # noqa: E402
+from handbook_lib.runs.trainer_deepspeed import TrainerRunConfig, validate  # noqa: E402
+from handbook_lib.training import make_batch  # noqa: E402
+
+TINY = {"vocab_size": 1001, "d_model": 64, "nhead": 2, "dim_feedforward": 96, "num_layers": 2,
+        "batch_size": 8, "seq_len": 16, "steps": 3}
+
+
+def test_zero2_saves_a_whole_model_and_resumes_exactly(tmp_path):
+    config = {**TINY, "strategy": "ZERO2", "save_every": 1, "trainer_dir": str(tmp_path / "trainer")}
+    result = torchrun("trainer_deepspeed", 1, config, out=tmp_path / "run", timeout_s=300, stream=False)
+    assert not result.failed_checks()
+    rank0 = result.ranks[0]
+    assert rank0["resumed_losses"] == rank0["losses"][1:]  # steps 2 and 3, bit for bit
+    checks = {c.quantity: c for c in result.checks}
+    assert checks["from_pretrained_logits_max_abs_diff"].measured == 0.0
+    assert "model.safetensors" in rank0["saved_files"]
+    assert rank0["distributed_type"] == "DistributedType.DEEPSPEED"
+    assert (tmp_path / "trainer" / "checkpoint-1").is_dir() and (tmp_path / "trainer" / "checkpoint-3").is_dir()
+
+
+def test_the_model_and_data_follow_the_run_config():
+    config = TrainerRunConfig.from_mapping(TINY)
+    gpt2 = gpt2_config(config)
+    assert (gpt2.n_embd, gpt2.n_head, gpt2.n_inner, gpt2.n_layer, gpt2.n_positions, gpt2.vocab_size) == (
+        64, 2, 96, 2, 16, 1001)
+    assert gpt2.resid_pdrop == gpt2.embd_pdrop == gpt2.attn_pdrop == 0.0
+    a, b = build_gpt2(config), build_gpt2(config)  # seeded: the same weights twice
+    assert all((p == q).all() for p, q in zip(a.parameters(), b.parameters()))
+    assert sum(p.numel() for p in a.parameters()) != param_count(config.model_config())  # another model
+    data = SyntheticLM(config)
+    assert len(data) == 3 * 8
+    assert (data[11]["input_ids"] == make_batch(config, 1)[0][3]).all()
+
+
+@pytest.mark.parametrize("changes, world, match", [
+    ({"strategy": "FULL_SHARD"}, 1, "runs strategy ZERO1, ZERO2, ZERO3"),
+    ({}, 1, "needs trainer_dir"),
+    ({"trainer_dir": "TMP", "save_every": 3}, 1, "'save_every' must be in 1..steps-1"),
+    ({"trainer_dir": "TMP", "precision": "bf16-mixed"}, 1, "runs precision 'fp32'"),
+    ({"trainer_dir": "TMP", "init": "meta"}, 1, "init='full' only"),
+    ({"trainer_dir": "FILE"}, 1, "exists and is not an empty folder"),
+])
+def test_validate_refuses(tmp_path, changes, world, match):
+    (tmp_path / "file").write_text("not the Trainer's")
+    changes = {k: {"TMP": str(tmp_path / "new"), "FILE": str(tmp_path)}.get(v, v) if k == "trainer_dir" else v
+               for k, v in changes.items()}
+    with pytest.raises(ValueError, match=match):
+        validate(TrainerRunConfig.from_mapping({**TINY, **changes}), world)
+
+
+def test_several_processes_need_gpus(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("with GPUs the Trainer forms a multi-process job")
+    with pytest.raises(ValueError, match="needs a GPU per process for 2 processes: on a CPU, Accelerate"):
+        validate(TrainerRunConfig.from_mapping({**TINY, "trainer_dir": str(tmp_path / "t")}), 2)
