@@ -293,9 +293,10 @@ def zero_vs_fsdp_table(results: Mapping[str, RunResult], rank: int = 0) -> Table
     """Bytes one rank holds, per ``deepspeed_zero`` run: DeepSpeed's buffers beside its FSDP2
     twin's (measured in the same job, on the same batches), and the collectives of one step.
 
-    Columns: the run's label; who (DeepSpeed's stage or the FSDP strategy); parameters, fp32
-    master copy, gradients (after backward), optimizer state (moments and step counters), their
-    total; the collectives of the last step (count) and the bytes one rank sent in them (ring).
+    Columns: the run's label; who (DeepSpeed's stage or the FSDP strategy); bytes of parameters,
+    fp32 master copy, gradients (after backward), optimizer state (moments and step counters) and
+    their total; the collectives of the last step (count) and the bytes one rank sent in them
+    (ring model).
     """
     rows = []
     for label, result in results.items():
@@ -307,5 +308,4 @@ def zero_vs_fsdp_table(results: Mapping[str, RunResult], rank: int = 0) -> Table
                                    (f"FSDP2 {twin['strategy']}", fs, twin["collectives"])):
             rows.append([label, who, *values, sum(values), sum(c["count"] for c in calls.values()),
                          sum(c["sent_bytes"] for c in calls.values())])
-    return Table(["run", "who", "params B", "master B", "grads B", "optimizer B", "total B", "collectives",
-                  "sent B"], rows)
+    return Table(["run", "who", "params", "master", "grads", "optimizer", "total", "collectives", "sent"], rows)

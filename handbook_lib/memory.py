@@ -41,6 +41,7 @@ from handbook_lib.sharding import (
     shard_rows,
 )
 from handbook_lib.strategies import STRATEGY_TABLE, get_strategy
+from handbook_lib.zero import estimate_zero_rank_bytes
 
 __all__ = [
     "DTYPE_BYTES", "ShardBytes", "Unit", "dtype_bytes", "shard_rows", "estimate_shard_bytes",
@@ -48,7 +49,7 @@ __all__ = [
     "ZERO_STAGES", "ModelStateBytes", "MemoryEstimate", "estimate_model_state_bytes",
     "estimate_zero_memory", "estimate_memory", "estimate_seed_model_state", "min_gpus_to_fit",
     "PHASE_WORDS", "SEED_STRATEGIES", "model_part_numels", "estimate_init_bytes",
-    "estimate_accumulation_bytes",
+    "estimate_accumulation_bytes", "RankState", "estimate_rank_state",
 ]
 
 PHASE_WORDS: dict[str, tuple[str, str]] = {
@@ -706,3 +707,63 @@ def min_gpus_to_fit(
             return n
         n *= 2
     return None
+
+
+@dataclass(frozen=True)
+class RankState:
+    """One rank's model state just before the optimizer step, bytes, in the same five parts for
+    every row of the strategy table — PyTorch's (FSDP2, DDP, one process) and DeepSpeed's ZeRO —
+    so that the two families compare part by part (chapter 7)."""
+
+    params: int
+    """Parameters held (FSDP2: the sharded fp32 parameters with their padding; DDP: all)."""
+    master: int
+    """A separate fp32 master copy (ZeRO only: PyTorch's optimizer updates the parameters)."""
+    grads: int
+    """Gradients held after backward."""
+    optimizer: int
+    """Optimizer state tensors (Adam's two moments)."""
+    optimizer_step: int
+    """Adam's step counters (one per tensor with PyTorch, one per flat group with ZeRO)."""
+
+    @property
+    def total(self) -> int:
+        """All five parts, bytes."""
+        return self.params + self.master + self.grads + self.optimizer + self.optimizer_step
+
+
+def estimate_rank_state(
+    model: ModelConfig, world_size: int, strategy: str, precision: str = "fp32", optimizer: str = "adamw",
+    *, rank: int = 0, shard_group_size: int | None = None, persistence_threshold: int = 0,
+    cpu_offload: bool = False,
+) -> RankState:
+    """Predict one rank's :class:`RankState` under any strategy row.
+
+    A ZeRO row is DeepSpeed's layout (:func:`handbook_lib.zero.estimate_zero_rank_bytes`,
+    which takes ``persistence_threshold`` and ``cpu_offload``). Any other row is FSDP2's, DDP's
+    or one process's: fp32 parameters (sharded per tensor along dim 0, padded, where the row
+    shards them), gradients and optimizer state sharded where the row says so, no master copy —
+    whatever the precision, since mixed precision only changes the compute copies.
+
+    Raises:
+        ValueError: for an unknown strategy, precision or optimizer, or a bad world size or
+            rank.
+    """
+    row = get_strategy(strategy)
+    if row.wrapper == "deepspeed":
+        z = estimate_zero_rank_bytes(model, world_size, strategy, precision, optimizer, rank=rank,
+                                     persistence_threshold=persistence_threshold, cpu_offload=cpu_offload)
+        return RankState(z.params, z.master, z.grads, z.optimizer, z.optimizer_step)
+    check_world(world_size, rank)
+    lookup(PRECISIONS, precision, "precision")
+    row.check_cpu_offload(cpu_offload)
+    group = row.shard_group(world_size, shard_group_size if row.hybrid else None)
+    whole = 4 * param_count(model)
+    shard = estimate_shard_bytes(model, group, rank % group) if row.sharded else ShardBytes(whole, 0)
+    return RankState(
+        params=shard.padded_bytes if row.shards_params else whole,
+        master=0,
+        grads=shard.shard_bytes if row.shards_grads else whole,
+        optimizer=optimizer_states(optimizer) * (shard.shard_bytes if row.shards_optimizer else whole),
+        optimizer_step=optimizer_step_bytes(model, optimizer),
+    )

@@ -318,3 +318,26 @@ def test_backward_keeps_the_previous_reduce_scatter_input_and_the_hsdp_all_reduc
     assert est["nccl"].phases["root_reduce"] - rest == 2 * r * L // 2 + r * R + r * R // 2 + c * 1001
     assert est["gloo"].phases["root_reduce"] - est["nccl"].phases["root_reduce"] == r * R
     assert est["gloo"].phases["layer_reduce"] - est["nccl"].phases["layer_reduce"] == r * L
+
+
+def test_rank_state_puts_fsdp_and_zero_rows_in_the_same_parts():
+    from handbook_lib.memory import estimate_rank_state
+    from handbook_lib.zero import estimate_zero_rank_bytes
+
+    shape = ModelConfig(vocab_size=1001, d_model=64, nhead=2, dim_feedforward=96, num_layers=2)
+    total = 4 * param_count(shape)
+    for world in (2, 4):
+        shards = [estimate_shard_bytes(shape, world, r) for r in range(world)]
+        for rank in range(world):
+            full = estimate_rank_state(shape, world, "FULL_SHARD", rank=rank)
+            assert (full.params, full.grads, full.optimizer) == (
+                shards[rank].padded_bytes, shards[rank].shard_bytes, 2 * shards[rank].shard_bytes)
+            assert full.master == 0 and full.optimizer_step == 4 * len(param_shapes(shape))
+            zero = estimate_rank_state(shape, world, "ZERO3", "bf16-mixed", rank=rank)
+            assert vars(zero) == vars(estimate_zero_rank_bytes(shape, world, "ZERO3", "bf16-mixed", rank=rank))
+        # over the ranks, FSDP's grads and moments add up to the model (one copy, two copies)
+        assert sum(estimate_rank_state(shape, world, "FULL_SHARD", rank=r).grads for r in range(world)) == total
+    ddp = estimate_rank_state(shape, 4, "DDP", "bf16-mixed")
+    assert (ddp.params, ddp.grads, ddp.optimizer, ddp.master) == (total, total, 2 * total, 0)
+    with pytest.raises(ValueError, match="cpu_offload needs an FSDP or ZeRO strategy"):
+        estimate_rank_state(shape, 2, "DDP", cpu_offload=True)

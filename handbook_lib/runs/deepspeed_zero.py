@@ -5,8 +5,9 @@ with ZeRO's sharding at rest: SHARD_GRAD_OP for ZeRO-2, FULL_SHARD for ZeRO-3 an
 FSDP has no form of) and then the same seeded model under a DeepSpeed engine, on the same
 batches, in the same loop (:func:`handbook_lib.training.train`). The last step of each runs
 under a collective counter. It then measures where DeepSpeed keeps each byte — parameters, the
-fp32 master partition, gradients, optimizer state — and checks each against
-:func:`handbook_lib.zero.estimate_zero_rank_bytes` (exact), the collectives against
+fp32 master partition, gradients, optimizer state — and checks each, and the FSDP2 twin's, against
+:func:`handbook_lib.memory.estimate_rank_state` (exact: ZeRO and FSDP are two rows of one model),
+the collectives against
 :func:`handbook_lib.zero.estimate_zero_step_traffic` (exact bytes), and DeepSpeed's losses
 against FSDP2's (:data:`LOSS_TOLERANCE`). DeepSpeed's own memory estimators are reported beside
 them (rank 0).
@@ -25,14 +26,14 @@ from handbook_lib.comm import estimate_collective
 from handbook_lib.config import InitName, RunConfig, StrategyName
 from handbook_lib.distributed import RankContext
 from handbook_lib.measure import measure_grad_bytes, measure_optimizer_bytes, measure_param_bytes
-from handbook_lib.memory import ZERO_STAGES
+from handbook_lib.memory import ZERO_STAGES, estimate_rank_state
 from handbook_lib.model import param_count
 from handbook_lib.parallelize import parallelize
 from handbook_lib.results import Check
 from handbook_lib.runs.entry import RankReport, main
 from handbook_lib.strategies import get_strategy, strategies_where
 from handbook_lib.training import build_optimizer, train
-from handbook_lib.zero import estimate_zero_rank_bytes, estimate_zero_step_traffic, gather_units
+from handbook_lib.zero import estimate_zero_step_traffic, gather_units
 
 
 @dataclass(frozen=True)
@@ -131,10 +132,15 @@ def run(config: ZeroRunConfig, ctx: RankContext) -> RankReport:
     held = measure_zero_bytes(engine, optimizer.grad_bytes)
     model = config.model_config()
     kwargs = {"persistence_threshold": config.persistence_threshold, "cpu_offload": config.cpu_offload}
-    predicted = estimate_zero_rank_bytes(model, ctx.world_size, config.strategy, config.precision,
-                                         config.optimizer, rank=ctx.rank, **kwargs)
+    parts = ("params", "master", "grads", "optimizer", "optimizer_step")
+    predicted = estimate_rank_state(model, ctx.world_size, config.strategy, config.precision, config.optimizer,
+                                    rank=ctx.rank, **kwargs)
     checks = [Check(f"{name}_bytes", ctx.rank, getattr(predicted, name), getattr(held, name), "bytes")
-              for name in ("params", "master", "grads", "optimizer", "optimizer_step")]
+              for name in parts]
+    twin = estimate_rank_state(model, ctx.world_size, fsdp["strategy"], config.precision, config.optimizer,
+                               rank=ctx.rank)  # the same model's other row: FSDP2
+    checks += [Check(f"fsdp2_{name}_bytes", ctx.rank, getattr(twin, name), fsdp.get(name, 0), "bytes")
+               for name in parts]
     tolerance = LOSS_TOLERANCE[config.precision]
     checks += [Check(f"loss_step{i + 1}_vs_fsdp2", ctx.rank, a, b, "nats", tolerance)
                for i, (a, b) in enumerate(zip(fsdp["losses"], log.losses))]
