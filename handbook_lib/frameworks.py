@@ -6,7 +6,8 @@ module writes the same job in the words of the library that will run it:
 
 - :func:`accelerate_config`: the ``accelerate launch --config_file`` YAML, as a dict;
 - :func:`trainer_fsdp_args`: the ``fsdp`` / ``fsdp_config`` arguments of ``TrainingArguments``;
-- :func:`deepspeed_config`: a DeepSpeed JSON config, as a dict.
+- :func:`deepspeed_config`: a DeepSpeed JSON config, as a dict;
+- :func:`trainer_deepspeed_args`: ``TrainingArguments`` for the Trainer with that DeepSpeed config.
 
 Pure: no ``torch``, no framework imported. Each function says what it cannot express and refuses
 it, rather than writing a config that silently does something else; the tests hand each result to
@@ -68,6 +69,7 @@ _OPTIMIZERS = {"adamw": ("adamw_torch", 0.01, None), "adam": ("adamw_torch", 0.0
 ACCELERATE_FSDP1_DEFAULT = "FULL_SHARD"
 """The FSDP1 ``ShardingStrategy`` member Accelerate's plugin uses when the
 ``FSDP_SHARDING_STRATEGY`` environment variable is unset (the Trainer never sets it)."""
+
 
 def _fsdp_strategies(api: str) -> list[str]:
     """The strategies the FSDP writers accept with ``api``: FSDP, not hybrid, in that API."""
