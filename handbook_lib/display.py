@@ -289,23 +289,35 @@ def fit_table(result: RunResult) -> Table:
                   "measured (ms)"], rows)
 
 
-def zero_vs_fsdp_table(results: Mapping[str, RunResult], rank: int = 0) -> Table:
-    """Bytes one rank holds, per ``deepspeed_zero`` run: DeepSpeed's buffers beside its FSDP2
-    twin's (measured in the same job, on the same batches), and the collectives of one step.
+def zero_vs_fsdp_table(results: Mapping[str, RunResult], what: str = "bytes", rank: int = 0) -> Table:
+    """One rank of each ``deepspeed_zero`` run, DeepSpeed's row above its FSDP2 twin's (both
+    measured in the same job, on the same batches).
 
-    Columns: the run's label; who (DeepSpeed's stage or the FSDP strategy); bytes of parameters,
-    fp32 master copy, gradients (after backward), optimizer state (moments and step counters) and
-    their total; the collectives of the last step (count) and the bytes one rank sent in them
-    (ring model).
+    ``what="bytes"``: the bytes of parameters, fp32 master copy, gradients (after backward),
+    optimizer state (moments and step counters), and their total. ``what="collectives"``: the
+    last step's all-gathers, reduce-scatters and all-reduces (counts), and the bytes one rank
+    sent in them (ring model).
+
+    Raises:
+        ValueError: for another ``what``.
     """
+    if what not in ("bytes", "collectives"):
+        raise ValueError(f"what must be 'bytes' or 'collectives', got {what!r}")
+    kinds = ("all_gather", "reduce_scatter", "all_reduce")
     rows = []
     for label, result in results.items():
         r = result.ranks[rank]
-        ds = [r["params_bytes"], r["master_bytes"], r["grads_bytes"], r["optimizer_bytes"] + r["optimizer_step_bytes"]]
         twin = r["fsdp2"]
-        fs = [twin["params"], 0, twin["grads"], twin["optimizer"] + twin["optimizer_step"]]
-        for who, values, calls in ((result.config["strategy"], ds, r["collectives"]),
-                                   (f"FSDP2 {twin['strategy']}", fs, twin["collectives"])):
-            rows.append([label, who, *values, sum(values), sum(c["count"] for c in calls.values()),
-                         sum(c["sent_bytes"] for c in calls.values())])
-    return Table(["run", "who", "params", "master", "grads", "optimizer", "total", "collectives", "sent"], rows)
+        sides = ((label, [r["params_bytes"], r["master_bytes"], r["grads_bytes"],
+                          r["optimizer_bytes"] + r["optimizer_step_bytes"]], r["collectives"]),
+                 (f"  FSDP2 {twin['strategy']}", [twin["params"], 0, twin["grads"],
+                                                  twin["optimizer"] + twin["optimizer_step"]], twin["collectives"]))
+        for who, values, calls in sides:
+            if what == "bytes":
+                rows.append([who, *values, sum(values)])
+            else:
+                rows.append([who, *(calls.get(k, {}).get("count", 0) for k in kinds),
+                             sum(c["sent_bytes"] for c in calls.values())])
+    if what == "bytes":
+        return Table(["who", "params", "master", "grads", "optimizer", "total"], rows)
+    return Table(["who", "all-gathers", "reduce-scatters", "all-reduces", "sent bytes"], rows)

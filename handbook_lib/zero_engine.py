@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,9 @@ def import_deepspeed() -> Any:
     except ImportError as err:
         raise ImportError("DeepSpeed is not installed: pip install -e '.[frameworks]' "
                           f"(make setup does) ({err})") from None
+    # DeepSpeed calls torch.distributed's old names; the FutureWarning is not the reader's to act on
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`")
     comm = sys.modules["deepspeed.comm.torch"]
     comm.build_shm_op = lambda: None  # gloo's all-reduce, visible to the collective counter
     return deepspeed

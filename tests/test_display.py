@@ -166,7 +166,9 @@ def test_zero_vs_fsdp_table_adds_up_each_side():
     result = RunResult.from_dict({"schema": SCHEMA, "run": "deepspeed_zero", "config": {"strategy": "ZERO3"},
                                   "world_size": 2, "backend": "gloo", "device": "cpu", "torch_version": "x",
                                   "ranks": [rank, rank], "checks": []})
-    table = zero_vs_fsdp_table({"stage 3": result})
-    assert [row[:2] for row in table.rows] == [["stage 3", "ZERO3"], ["stage 3", "FSDP2 FULL_SHARD"]]
-    assert table.rows[0][2:] == [100, 50, 40, 104, 294, 4, 23]
-    assert table.rows[1][2:] == [60, 0, 60, 228, 348, 5, 25]
+    table = zero_vs_fsdp_table({"ZeRO-3": result})
+    assert table.rows == [["ZeRO-3", 100, 50, 40, 104, 294], ["  FSDP2 FULL_SHARD", 60, 0, 60, 228, 348]]
+    calls = zero_vs_fsdp_table({"ZeRO-3": result}, "collectives")
+    assert calls.rows == [["ZeRO-3", 3, 0, 1, 23], ["  FSDP2 FULL_SHARD", 5, 0, 0, 25]]
+    with pytest.raises(ValueError, match="what must be 'bytes' or 'collectives'"):
+        zero_vs_fsdp_table({"ZeRO-3": result}, "time")
