@@ -211,6 +211,10 @@ class MemoryEstimate:
     """Bytes kept in host memory instead (CPU offload)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
     """What this estimate leaves out."""
+    late_free_peak: int = 0
+    """On gloo, with sharded parameters: the peak if a finished collective's buffers are freed
+    late by gloo's worker thread (see :func:`estimate_memory`), bytes; 0 where that cannot raise
+    the peak. A bound for a run under load, not a prediction for an idle one."""
 
     @property
     def peak(self) -> int:
@@ -550,6 +554,7 @@ def estimate_memory(
             phases["optimizer_step"] = phase(0, buckets + 2 * 4 * largest, 0, 0)
     totals = {name: sum(parts.values()) for name, parts in phases.items()}
     peak_phase = max(totals, key=totals.get)
+    late_free = 0
     if row.shards_params and backend == "gloo" and group > 1 and layers and not flat_params:
         # gloo's worker thread drops a finished collective's buffers a moment after the rank
         # moves on: under load, the root's all-gather buffer can meet the first layer's, or a
@@ -558,11 +563,13 @@ def estimate_memory(
             late.append(totals["backward_start"] + c * layers[-1])
         worst = max(late, default=0)
         if worst > totals[peak_phase]:
+            late_free = worst
             notes.append(f"gloo: a collective's buffers freed late by gloo's worker thread (under "
                          f"load) can raise the peak to {worst:,} bytes "
                          f"(+{100 * (worst / totals[peak_phase] - 1):.1f} %)")
     return MemoryEstimate(components=phases[peak_phase], phases=totals, peak_phase=peak_phase,
-                          forward_activations=act_total, host=host, notes=tuple(notes))
+                          forward_activations=act_total, host=host, notes=tuple(notes),
+                          late_free_peak=late_free)
 
 
 SEED_STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")

@@ -54,7 +54,10 @@ ACTIVATION_TOLERANCE = 0.05
 """Relative tolerance of the activation check (the per-tensor count is exact on CPU; GPU
 attention kernels save slightly different tensors)."""
 PEAK_TOLERANCE = 0.10
-"""Relative tolerance of the peak-memory check."""
+"""Relative tolerance of the peak-memory check. On gloo with sharded parameters the model's
+late-free headroom (:attr:`handbook_lib.memory.MemoryEstimate.late_free_peak`) is added: a
+collective that finishes late under load keeps its buffers into the next phase (measured: up to
++10.7 % on the tests' 3.6 MB peaks with two jobs sharing 2 cores, 0.04 % idle)."""
 NORM_TOLERANCE = 1e-6
 """Relative tolerance of the gradient-norm check: the norms of the shards combined across ranks,
 against one process's norm of the whole gradient (both summed in float64; measured 1e-14)."""
@@ -181,7 +184,8 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
         checks.append(check("activation_bytes", predicted.forward_activations, mem.activation_bytes,
                             ACTIVATION_TOLERANCE))
         if not flat or not row.shards_params:  # FSDP1 sharding its flat parameters: reported only
-            checks.append(check("peak_bytes", peak, mem.peak_bytes, PEAK_TOLERANCE))
+            headroom = max(0, predicted.late_free_peak - predicted.peak) / peak
+            checks.append(check("peak_bytes", peak, mem.peak_bytes, PEAK_TOLERANCE + headroom))
         if config.grad_accum_steps > 1:
             checks.append(check("held_between_micro_steps", estimate_accumulation_bytes(
                 model_config, config.strategy, config.precision), mem.held_between_micro_steps))
