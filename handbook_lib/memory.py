@@ -41,7 +41,6 @@ from handbook_lib.sharding import (
     shard_rows,
 )
 from handbook_lib.strategies import STRATEGY_TABLE, get_strategy
-from handbook_lib.zero import estimate_zero_rank_bytes
 
 __all__ = [
     "DTYPE_BYTES", "ShardBytes", "Unit", "dtype_bytes", "shard_rows", "estimate_shard_bytes",
@@ -720,7 +719,9 @@ def min_gpus_to_fit(
 class RankState:
     """One rank's model state just before the optimizer step, bytes, in the same five parts for
     every row of the strategy table — PyTorch's (FSDP2, DDP, one process) and DeepSpeed's ZeRO —
-    so that the two families compare part by part (chapter 7)."""
+    so that the two families compare part by part (chapter 7). Predictions
+    (:func:`estimate_rank_state`) and measurements
+    (:func:`handbook_lib.zero_engine.measure_zero_bytes`) share it."""
 
     params: int
     """Parameters held (FSDP2: the sharded fp32 parameters with their padding; DDP: all)."""
@@ -758,9 +759,10 @@ def estimate_rank_state(
     """
     row = get_strategy(strategy)
     if row.wrapper == "deepspeed":
-        z = estimate_zero_rank_bytes(model, world_size, strategy, precision, optimizer, rank=rank,
-                                     persistence_threshold=persistence_threshold, cpu_offload=cpu_offload)
-        return RankState(z.params, z.master, z.grads, z.optimizer, z.optimizer_step)
+        from handbook_lib.zero import estimate_zero_rank_bytes  # zero builds on this module
+
+        return estimate_zero_rank_bytes(model, world_size, strategy, precision, optimizer, rank=rank,
+                                        persistence_threshold=persistence_threshold, cpu_offload=cpu_offload)
     check_world(world_size, rank)
     lookup(PRECISIONS, precision, "precision")
     row.check_cpu_offload(cpu_offload)

@@ -30,17 +30,16 @@ Every stage also all-reduces a few bytes of bookkeeping (:func:`bookkeeping_redu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from handbook_lib.architecture import ModelConfig, param_shapes
 from handbook_lib.comm import CollectiveRecord, StepTraffic, estimate_collective
 from handbook_lib.config import DTYPES, PRECISIONS, lookup
+from handbook_lib.memory import RankState, optimizer_states
 from handbook_lib.strategies import get_strategy
 
 __all__ = [
     "ALIGNMENT",
     "DEFAULT_PERSISTENCE_THRESHOLD",
-    "ZeroRankBytes",
     "zero_stage",
     "flat_partition",
     "gather_units",
@@ -101,33 +100,15 @@ def gather_units(model: ModelConfig) -> list[tuple[str, list[int]]]:
     return list(units.items())
 
 
-@dataclass(frozen=True)
-class ZeroRankBytes:
-    """One rank's model state under DeepSpeed ZeRO, bytes (see the module docstring)."""
-
-    params: int
-    """Parameters held between steps: the whole flat buffer (ZeRO-1/2), or the partition of
-    every tensor plus the persistent tensors whole (ZeRO-3); compute dtype."""
-    master: int
-    """The fp32 master partition."""
-    grads: int
-    """Gradients held between backward and the optimizer step (ZeRO-3: also between steps)."""
-    optimizer: int
-    """Optimizer state tensors (Adam: two fp32 moments of the master partition)."""
-    optimizer_step: int
-    """Adam's ``step`` counter: one fp32 scalar for the one flat group."""
-
-    @property
-    def total(self) -> int:
-        """Every component together: the model state just before the optimizer step."""
-        return self.params + self.master + self.grads + self.optimizer + self.optimizer_step
-
-
 def estimate_zero_rank_bytes(
     model: ModelConfig, world_size: int, strategy: str, precision: str = "fp32", optimizer: str = "adamw",
     *, rank: int = 0, persistence_threshold: int = 0, cpu_offload: bool = False,
-) -> ZeroRankBytes:
-    """Predict what DeepSpeed holds on ``rank`` for ``model`` under ZeRO ``strategy``.
+) -> RankState:
+    """Predict what DeepSpeed holds on ``rank`` for ``model`` under ZeRO ``strategy``, in the five
+    parts of :class:`~handbook_lib.memory.RankState`: parameters (ZeRO-1/2: the whole flat buffer;
+    ZeRO-3: every tensor's partition plus the persistent tensors whole; compute dtype), the fp32
+    master partition, the gradients held between backward and the optimizer step (ZeRO-3: also
+    between steps), the optimizer state of the master partition, and Adam's one ``step`` scalar.
 
     Args:
         model: The book's model (exact tensor shapes, :func:`param_shapes`).
@@ -144,8 +125,6 @@ def estimate_zero_rank_bytes(
         ValueError: for a strategy that is not a ZeRO row, or a bad world size, rank,
             threshold, precision or optimizer.
     """
-    from handbook_lib.memory import optimizer_states  # memory imports this module's neighbours
-
     stage = zero_stage(strategy)
     _check(world_size, rank, persistence_threshold)
     compute = DTYPES[lookup(PRECISIONS, precision, "precision").compute].bytes
@@ -165,11 +144,11 @@ def estimate_zero_rank_bytes(
             if rank == world_size - 1:
                 held += padded - sum(numels)
             grads = compute * held
-        return ZeroRankBytes(params=compute * padded, master=4 * part, grads=grads,
+        return RankState(params=compute * padded, master=4 * part, grads=grads,
                              optimizer=4 * states * part, optimizer_step=step_bytes)
     part = sum(-(-n // world_size) for n in numels)
     whole = sum(-(-n // world_size) * world_size for n in numels if n <= persistence_threshold)
-    return ZeroRankBytes(params=compute * (part + whole), master=4 * part, grads=compute * part,
+    return RankState(params=compute * (part + whole), master=4 * part, grads=compute * part,
                          optimizer=4 * states * part, optimizer_step=step_bytes)
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,10 +29,11 @@ from handbook_lib.architecture import ModelConfig
 from handbook_lib.config import RunConfig
 from handbook_lib.distributed import RankContext
 from handbook_lib.frameworks import deepspeed_config
+from handbook_lib.memory import RankState
 from handbook_lib.model import build_model, param_count
 from handbook_lib.zero import gather_units
 
-__all__ = ["import_deepspeed", "EngineOptimizer", "build_engine", "ZeroBytes", "measure_zero_bytes",
+__all__ = ["import_deepspeed", "EngineOptimizer", "build_engine", "measure_zero_bytes",
            "measure_zero_grad_bytes", "deepspeed_estimates"]
 
 
@@ -115,27 +115,12 @@ def _tensors(value: object):
             yield from _tensors(v)
 
 
-@dataclass(frozen=True)
-class ZeroBytes:
-    """Bytes one rank holds in DeepSpeed's own buffers, by what they are."""
-
-    params: int
-    """The parameters: ZeRO-1/2's flat buffer of the whole model; ZeRO-3's partition of each
-    tensor (``ds_tensor``) plus the tensors kept whole (below the persistence threshold)."""
-    master: int
-    """The fp32 master partition the optimizer updates (a separate copy, even in fp32)."""
-    grads: int
-    """Gradients held after backward (ZeRO-1/2: those of the tensors overlapping this rank's
-    partition, or the fp32 partition's gradient with offload; ZeRO-3: the partition buffer)."""
-    optimizer: int
-    """Optimizer state tensors of more than one element (Adam's moments)."""
-    optimizer_step: int
-    """Optimizer state scalars (Adam's ``step`` counter, one per flat group)."""
-
-
-def measure_zero_bytes(engine: nn.Module, grads: int) -> ZeroBytes:
-    """What ``engine``'s ZeRO optimizer holds now; ``grads`` is the gradient bytes measured after
-    the last backward (:attr:`EngineOptimizer.grad_bytes`: ``engine.step()`` releases some)."""
+def measure_zero_bytes(engine: nn.Module, grads: int) -> RankState:
+    """What ``engine``'s ZeRO optimizer holds now, in the parts the model predicts: parameters
+    (ZeRO-1/2's flat buffer; ZeRO-3's ``ds_tensor`` partitions plus the tensors kept whole), the
+    fp32 master partition, the optimizer state tensors of more than one element (Adam's moments)
+    and the one-element ones (its ``step``). ``grads`` is the gradient bytes measured after the
+    last backward (:attr:`EngineOptimizer.grad_bytes`: ``engine.step()`` releases some)."""
     opt = engine.optimizer
     params = list(engine.module.parameters())
     if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO-3
@@ -146,7 +131,7 @@ def measure_zero_bytes(engine: nn.Module, grads: int) -> ZeroBytes:
         param_bytes = _storage_bytes(p.data for p in params)
         master = _storage_bytes(_tensors(opt.single_partition_of_fp32_groups))
     state = [v for s in opt.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return ZeroBytes(
+    return RankState(
         params=param_bytes, master=master, grads=grads,
         optimizer=_storage_bytes(t for t in state if t.numel() > 1),
         optimizer_step=sum(t.numel() * t.element_size() for t in state if t.numel() == 1),
