@@ -160,8 +160,7 @@ def run(config: ZeroRunConfig, ctx: RankContext) -> RankReport:
     metrics = {
         "losses": log.losses,
         "step_time_s": log.step_time_s,
-        **{f"{name}_bytes": getattr(held, name) for name in ("params", "master", "grads", "optimizer",
-                                                              "optimizer_step")},
+        **{f"{name}_bytes": getattr(held, name) for name in parts},
         "collectives": counted,
         "fsdp2": fsdp,
     }
