@@ -127,6 +127,37 @@ def _mixed_precision(config: RunConfig, what: str, reduce_in_compute_dtype: bool
     return compute
 
 
+_ACCELERATE_SPELLING = {"cpu_offload": "offload_params"}
+"""Where Accelerate's config file names a setting of :func:`_fsdp_settings` otherwise than with
+``fsdp_`` + the Trainer's key."""
+
+
+def _fsdp_settings(config: RunConfig, row: Strategy) -> dict[str, Any]:
+    """The FSDP settings both writers write, keyed as the Trainer's ``fsdp_config`` spells them
+    (:func:`accelerate_config` prefixes each key with ``fsdp_``): version, wrap policy,
+    ``reshard_after_forward``, sharded state dicts, offload, activation checkpointing, efficient
+    loading; the wrapped class (``wrap="layer"``) or the size threshold (``"size"``); for FSDP1
+    also module-state sync, flat parameters and ``BACKWARD_PRE`` prefetch, as the book's runs."""
+    version = 2 if config.api == "fsdp2" else 1
+    settings: dict[str, Any] = {
+        "version": version,
+        "auto_wrap_policy": _WRAP_POLICY[config.wrap],
+        "reshard_after_forward": row.reshard_after_forward if version == 2 else row.fsdp1,
+        "state_dict_type": "SHARDED_STATE_DICT",
+        "cpu_offload": config.cpu_offload,
+        "activation_checkpointing": config.activation_checkpointing,
+        "cpu_ram_efficient_loading": config.init == "meta",
+    }
+    if config.wrap == "layer":
+        settings["transformer_layer_cls_to_wrap"] = LAYER_CLASS
+    elif config.wrap == "size":
+        settings["min_num_params"] = config.wrap_min_params
+    if version == 1:
+        settings.update(sync_module_states=config.init == "meta", use_orig_params=False,
+                        backward_prefetch="BACKWARD_PRE", forward_prefetch=False)
+    return settings
+
+
 def accelerate_config(config: RunConfig, *, num_processes: int, num_machines: int = 1,
                       reduce_in_compute_dtype: bool = False) -> dict[str, Any]:
     """The ``accelerate launch --config_file`` file of an FSDP run, as a dict (write it with
@@ -176,23 +207,10 @@ def accelerate_config(config: RunConfig, *, num_processes: int, num_machines: in
     if num_processes % num_machines:
         raise ValueError(f"{what}: num_processes={num_processes} (processes in all) must be a multiple of "
                          f"num_machines={num_machines}")
-    version = 2 if config.api == "fsdp2" else 1
-    fsdp: dict[str, Any] = {
-        "fsdp_version": version,
-        "fsdp_auto_wrap_policy": _WRAP_POLICY[config.wrap],
-        "fsdp_reshard_after_forward": row.reshard_after_forward if version == 2 else row.fsdp1,
-        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-        "fsdp_offload_params": config.cpu_offload,
-        "fsdp_activation_checkpointing": config.activation_checkpointing,
-        "fsdp_cpu_ram_efficient_loading": config.init == "meta",
-    }
-    if config.wrap == "layer":
-        fsdp["fsdp_transformer_layer_cls_to_wrap"] = LAYER_CLASS
-    elif config.wrap == "size":
-        fsdp["fsdp_min_num_params"] = config.wrap_min_params
-    if version == 1:
-        fsdp.update(fsdp_sharding_strategy=row.fsdp1, fsdp_sync_module_states=config.init == "meta",
-                    fsdp_use_orig_params=False, fsdp_backward_prefetch="BACKWARD_PRE", fsdp_forward_prefetch=False)
+    fsdp = {f"fsdp_{_ACCELERATE_SPELLING.get(key, key)}": value
+            for key, value in _fsdp_settings(config, row).items()}
+    if config.api == "fsdp1":
+        fsdp["fsdp_sharding_strategy"] = row.fsdp1
     return {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "FSDP",
@@ -239,23 +257,9 @@ def trainer_fsdp_args(config: RunConfig, *, reduce_in_compute_dtype: bool = Fals
                       "fsdp_config['reshard_after_forward']", "FULL_SHARD with api='fsdp1'; "
                       + ", ".join(_fsdp_strategies("fsdp2")) + " with api='fsdp2'")
     mixed = _mixed_precision(config, what, reduce_in_compute_dtype)
-    version = 2 if config.api == "fsdp2" else 1
-    fsdp_config: dict[str, Any] = {
-        "version": version,
-        "auto_wrap_policy": _WRAP_POLICY[config.wrap],
-        "reshard_after_forward": row.reshard_after_forward if version == 2 else row.fsdp1,
-        "state_dict_type": "SHARDED_STATE_DICT",
-        "cpu_offload": config.cpu_offload,
-        "activation_checkpointing": config.activation_checkpointing,
-        "cpu_ram_efficient_loading": config.init == "meta",
-    }
-    if config.wrap == "layer":
+    fsdp_config = _fsdp_settings(config, row)
+    if "transformer_layer_cls_to_wrap" in fsdp_config:  # the Trainer takes a list of classes
         fsdp_config["transformer_layer_cls_to_wrap"] = [LAYER_CLASS]
-    elif config.wrap == "size":
-        fsdp_config["min_num_params"] = config.wrap_min_params
-    if version == 1:
-        fsdp_config.update(sync_module_states=config.init == "meta", use_orig_params=False,
-                           backward_prefetch="BACKWARD_PRE", forward_prefetch=False)
     optim, weight_decay, optim_args = _OPTIMIZERS[config.optimizer]
     out: dict[str, Any] = {
         "fsdp": True,
