@@ -8,6 +8,7 @@ independent of the memory model's arithmetic, which is why the two can be compar
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from handbook_lib.comm import estimate_collective
 from handbook_lib.config import DTYPES
 
 __all__ = [
@@ -28,6 +30,8 @@ __all__ = [
     "StepMemoryTracker",
     "CollectiveCall",
     "CollectiveCounter",
+    "collective_totals",
+    "tensors_in",
 ]
 
 
@@ -247,11 +251,15 @@ _DTYPE_NAMES = {getattr(torch, d.torch_name): name for name, d in DTYPES.items()
 """``torch.dtype`` → the book's short name: :data:`handbook_lib.config.DTYPES` read backwards."""
 
 
-def _tensors(arg: object) -> list[torch.Tensor]:
-    if isinstance(arg, torch.Tensor):
-        return [arg]
-    if isinstance(arg, (list, tuple)):
-        return [t for a in arg for t in _tensors(a)]
+def tensors_in(value: object) -> list[torch.Tensor]:
+    """Every tensor in ``value``: a tensor, or lists, tuples and dicts of them, nested (a
+    collective's arguments; an optimizer's buffers)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_in(v)]
     return []
 
 
@@ -301,7 +309,7 @@ class CollectiveCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func.namespace == "c10d" and func._opname in self._OPS:
             kind, index = self._OPS[func._opname]
-            buffers = _tensors(args[index])
+            buffers = tensors_in(args[index])
             self.calls.append(CollectiveCall(
                 kind=kind,
                 dtype=_DTYPE_NAMES.get(buffers[0].dtype, str(buffers[0].dtype)),
@@ -311,10 +319,17 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def totals(self) -> dict[str, dict[str, int]]:
-        """Per kind: ``count`` of calls and ``buffer_bytes`` summed."""
-        out: dict[str, dict[str, int]] = {}
-        for call in self.calls:
-            entry = out.setdefault(call.kind, {"count": 0, "buffer_bytes": 0})
-            entry["count"] += 1
-            entry["buffer_bytes"] += call.buffer_bytes
-        return out
+        """:func:`collective_totals` of the calls recorded."""
+        return collective_totals(self.calls)
+
+
+def collective_totals(calls: Iterable[CollectiveCall]) -> dict[str, dict[str, int]]:
+    """Per kind: ``count`` of calls, ``buffer_bytes`` summed, and ``sent_bytes``, what one rank
+    sends in them by the ring model (:func:`handbook_lib.comm.estimate_collective`)."""
+    out: dict[str, dict[str, int]] = {}
+    for call in calls:
+        entry = out.setdefault(call.kind, {"count": 0, "buffer_bytes": 0, "sent_bytes": 0})
+        entry["count"] += 1
+        entry["buffer_bytes"] += call.buffer_bytes
+        entry["sent_bytes"] += estimate_collective(call.kind, call.buffer_bytes, call.group_size).sent_bytes
+    return out

@@ -48,8 +48,9 @@ WRAPPERS: dict[str, str] = {
     "deepspeed": "a DeepSpeed engine (deepspeed.initialize) with ZeRO stage 1, 2 or 3: flat fp32 "
                  "master partitions, one collective per module (stage 3)",
 }
-"""What applies a strategy at run time (:func:`handbook_lib.training.parallelize` has one apply
-function per wrapper)."""
+"""What applies a strategy at run time (:func:`handbook_lib.parallelize.parallelize` has one
+apply function per PyTorch wrapper; :func:`handbook_lib.zero_engine.build_engine` applies
+DeepSpeed's)."""
 
 
 @dataclass(frozen=True)

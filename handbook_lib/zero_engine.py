@@ -29,6 +29,7 @@ from handbook_lib.architecture import ModelConfig
 from handbook_lib.config import RunConfig
 from handbook_lib.distributed import RankContext
 from handbook_lib.frameworks import deepspeed_config
+from handbook_lib.measure import tensors_in
 from handbook_lib.memory import RankState
 from handbook_lib.model import build_model, param_count
 from handbook_lib.zero import gather_units
@@ -104,17 +105,6 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _tensors(value: object):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-
-
 def measure_zero_bytes(engine: nn.Module, grads: int) -> RankState:
     """What ``engine``'s ZeRO optimizer holds now, in the parts the model predicts: parameters
     (ZeRO-1/2's flat buffer; ZeRO-3's ``ds_tensor`` partitions plus the tensors kept whole), the
@@ -126,10 +116,10 @@ def measure_zero_bytes(engine: nn.Module, grads: int) -> RankState:
     if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO-3
         whole = [p.data for p in params if p.data.numel() == getattr(p, "ds_numel", -1)]
         param_bytes = _storage_bytes(getattr(p, "ds_tensor", None) for p in params) + _storage_bytes(whole)
-        master = _storage_bytes(_tensors(opt.fp32_partitioned_groups_flat))
+        master = _storage_bytes(tensors_in(opt.fp32_partitioned_groups_flat))
     else:  # ZeRO-1/2
         param_bytes = _storage_bytes(p.data for p in params)
-        master = _storage_bytes(_tensors(opt.single_partition_of_fp32_groups))
+        master = _storage_bytes(tensors_in(opt.single_partition_of_fp32_groups))
     state = [v for s in opt.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return RankState(
         params=param_bytes, master=master, grads=grads,
@@ -142,8 +132,8 @@ def measure_zero_grad_bytes(engine: nn.Module) -> int:
     """Gradient bytes ``engine``'s ZeRO optimizer holds now (call it between backward and step)."""
     opt = engine.optimizer
     if hasattr(opt, "grad_partitions_flat_buffer"):  # ZeRO-3: one flat partition buffer
-        return _storage_bytes(_tensors(opt.grad_partitions_flat_buffer))
-    held = _storage_bytes(_tensors(opt.averaged_gradients))
+        return _storage_bytes(tensors_in(opt.grad_partitions_flat_buffer))
+    held = _storage_bytes(tensors_in(opt.averaged_gradients))
     return held + _storage_bytes(p.grad for p in opt.single_partition_of_fp32_groups)
 
 

@@ -22,10 +22,14 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from handbook_lib.comm import estimate_collective
 from handbook_lib.config import InitName, RunConfig, StrategyName
 from handbook_lib.distributed import RankContext
-from handbook_lib.measure import measure_grad_bytes, measure_optimizer_bytes, measure_param_bytes
+from handbook_lib.measure import (
+    collective_totals,
+    measure_grad_bytes,
+    measure_optimizer_bytes,
+    measure_param_bytes,
+)
 from handbook_lib.memory import ZERO_STAGES, estimate_rank_state
 from handbook_lib.model import param_count
 from handbook_lib.parallelize import parallelize
@@ -98,16 +102,6 @@ def fsdp_twin(strategy: str) -> str:
     return ZERO_STAGES.get(get_strategy(strategy).zero_stage) or "FULL_SHARD"
 
 
-def _summary(calls) -> dict[str, dict[str, int]]:
-    out: dict[str, dict[str, int]] = {}
-    for c in calls:
-        kind = out.setdefault(c.kind, {"count": 0, "buffer_bytes": 0, "sent_bytes": 0})
-        kind["count"] += 1
-        kind["buffer_bytes"] += c.buffer_bytes
-        kind["sent_bytes"] += estimate_collective(c.kind, c.buffer_bytes, c.group_size).sent_bytes
-    return out
-
-
 def _train_fsdp2(config: ZeroRunConfig, ctx: RankContext) -> dict:
     """The FSDP2 twin's losses, bytes and collectives (its own checks are fsdp_train's)."""
     twin = RunConfig.from_mapping({k: v for k, v in config.to_dict().items() if k in RunConfig.keys()})
@@ -119,7 +113,7 @@ def _train_fsdp2(config: ZeroRunConfig, ctx: RankContext) -> dict:
     sharded, other = measure_optimizer_bytes(optimizer)
     return {"strategy": twin.strategy, "losses": log.losses,
             "params": params.storage_bytes, "grads": measure_grad_bytes(model),
-            "optimizer": sharded, "optimizer_step": other, "collectives": _summary(log.collectives)}
+            "optimizer": sharded, "optimizer_step": other, "collectives": collective_totals(log.collectives)}
 
 
 def run(config: ZeroRunConfig, ctx: RankContext) -> RankReport:
@@ -145,7 +139,7 @@ def run(config: ZeroRunConfig, ctx: RankContext) -> RankReport:
     checks += [Check(f"loss_step{i + 1}_vs_fsdp2", ctx.rank, a, b, "nats", tolerance)
                for i, (a, b) in enumerate(zip(fsdp["losses"], log.losses))]
     traffic = estimate_zero_step_traffic(model, ctx.world_size, config.strategy, config.precision, **kwargs)
-    counted = _summary(log.collectives)
+    counted = collective_totals(log.collectives)
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
         records = [r for r in traffic.records if r.kind == kind]
         if not records and kind not in counted:

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import sys
 
-from handbook_lib.comm import estimate_collective, estimate_step_traffic
+from handbook_lib.comm import estimate_step_traffic
 from handbook_lib.config import PRECISIONS, RunConfig
 from handbook_lib.distributed import RankContext
 from handbook_lib.measure import (
+    collective_totals,
     measure_fsdp_units,
     measure_grad_bytes,
     measure_optimizer_bytes,
@@ -194,8 +195,7 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
                        held_between_micro_steps=mem.held_between_micro_steps)
     if log.collectives is not None:
         # the ring model applied to what was counted (kinds, buffers, group sizes)
-        sent = sum(estimate_collective(c.kind, c.buffer_bytes, c.group_size).sent_bytes
-                   for c in log.collectives)
+        sent = sum(kind["sent_bytes"] for kind in collective_totals(log.collectives).values())
         checks += _collective_checks(config, ctx, group, units, flat, log.collectives, sent, check)
         metrics["collectives"] = [vars(c) for c in log.collectives]
         metrics["sent_bytes"] = sent
