@@ -45,7 +45,8 @@ from typing import Any
 from handbook_lib.config import PRECISIONS, RunConfig
 from handbook_lib.strategies import STRATEGY_TABLE, Strategy, get_strategy
 
-__all__ = ["LAYER_CLASS", "accelerate_config", "trainer_fsdp_args", "deepspeed_config", "trainer_deepspeed_args"]
+__all__ = ["LAYER_CLASS", "accelerate_config", "trainer_fsdp_args", "deepspeed_config", "trainer_deepspeed_args",
+           "fsdp_strategies"]
 
 LAYER_CLASS = "TransformerLayer"
 """The class FSDP wraps as a unit (:class:`handbook_lib.model.TransformerLayer`)."""
@@ -71,7 +72,7 @@ ACCELERATE_FSDP1_DEFAULT = "FULL_SHARD"
 ``FSDP_SHARDING_STRATEGY`` environment variable is unset (the Trainer never sets it)."""
 
 
-def _fsdp_strategies(api: str) -> list[str]:
+def fsdp_strategies(api: str) -> list[str]:
     """The strategies the FSDP writers accept with ``api``: FSDP, not hybrid, in that API."""
     return [row.name for row in STRATEGY_TABLE.values()
             if row.wrapper == "fsdp" and not row.hybrid and row.runs_with(api)]
@@ -84,7 +85,7 @@ def _refuse(what: str, key: str, value: Any, why: str, accepted: str) -> ValueEr
 def _check_fsdp(config: RunConfig, what: str) -> Strategy:
     """The run's strategy row, after refusing what neither FSDP writer can express."""
     row = get_strategy(config.strategy)
-    accepted = ", ".join(_fsdp_strategies(config.api)) + f" (with api={config.api!r})"
+    accepted = ", ".join(fsdp_strategies(config.api)) + f" (with api={config.api!r})"
     if row.wrapper != "fsdp":
         why = ("a DeepSpeed ZeRO stage, not FSDP (write it with deepspeed_config)" if row.wrapper == "deepspeed"
                else "not an FSDP strategy")
@@ -255,7 +256,7 @@ def trainer_fsdp_args(config: RunConfig, *, reduce_in_compute_dtype: bool = Fals
         raise _refuse(what, "strategy", row.name, "with FSDP1, Accelerate's plugin takes the strategy from the "
                       "FSDP_SHARDING_STRATEGY environment variable (default FULL_SHARD) and ignores "
                       "fsdp_config['reshard_after_forward']", "FULL_SHARD with api='fsdp1'; "
-                      + ", ".join(_fsdp_strategies("fsdp2")) + " with api='fsdp2'")
+                      + ", ".join(fsdp_strategies("fsdp2")) + " with api='fsdp2'")
     mixed = _mixed_precision(config, what, reduce_in_compute_dtype)
     fsdp_config = _fsdp_settings(config, row)
     if "transformer_layer_cls_to_wrap" in fsdp_config:  # the Trainer takes a list of classes

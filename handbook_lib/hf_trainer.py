@@ -61,6 +61,12 @@ class RecordingTrainer(Trainer):
         self.losses.append(float(loss))
         return loss
 
+    def step_losses(self) -> list[float]:
+        """One value per optimizer step: the recorded losses of its micro-steps
+        (``gradient_accumulation_steps`` of them), summed."""
+        k = self.args.gradient_accumulation_steps
+        return [sum(self.losses[i:i + k]) for i in range(0, len(self.losses), k)]
+
 
 def probe_batch(config: RunConfig) -> torch.Tensor:
     """Two sequences of step 0's batch: the inputs whose logits compare two copies of a model."""

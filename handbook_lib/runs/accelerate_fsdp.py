@@ -26,12 +26,13 @@ import sys
 
 from handbook_lib.config import RunConfig
 from handbook_lib.distributed import RankContext
+from handbook_lib.frameworks import fsdp_strategies
 from handbook_lib.memory import estimate_shard_bytes
 from handbook_lib.model import build_model
 from handbook_lib.parallelize import parallelize
 from handbook_lib.results import Check
 from handbook_lib.runs.entry import RankReport, main
-from handbook_lib.strategies import get_strategy, strategies_where
+from handbook_lib.strategies import get_strategy
 from handbook_lib.training import build_optimizer, train
 
 CONFIG = RunConfig
@@ -47,7 +48,7 @@ def validate(config: RunConfig, world_size: int) -> None:
         ValueError: naming the key and what is accepted.
     """
     row = get_strategy(config.strategy)
-    accepted = [s for s in strategies_where(wrapper="fsdp", hybrid=False) if get_strategy(s).fsdp2]
+    accepted = fsdp_strategies("fsdp2")  # what the Accelerate writer takes, with FSDP2
     if config.strategy not in accepted or config.api != "fsdp2":
         raise ValueError(f"accelerate_fsdp runs api='fsdp2' with strategy {', '.join(accepted)}; "
                          f"got api={config.api!r}, strategy={row.name!r}")

@@ -111,14 +111,12 @@ def run(config: TrainerRunConfig, ctx: RankContext) -> RankReport:
     first.save_model(str(final))
     with deepspeed.zero.GatheredParameters(list(first.model.parameters())):  # whole again (ZeRO-3)
         trained = probe_logits(first.model, config)
-    losses = [sum(first.losses[i:i + config.grad_accum_steps])
-              for i in range(0, len(first.losses), config.grad_accum_steps)]
+    losses = first.step_losses()
 
     second = RecordingTrainer(model=build_gpt2(config), args=TrainingArguments(**common),
                               train_dataset=SyntheticLM(config))
     second.train(resume_from_checkpoint=str(folder / f"checkpoint-{config.save_every}"))
-    resumed = [sum(second.losses[i:i + config.grad_accum_steps])
-               for i in range(0, len(second.losses), config.grad_accum_steps)]
+    resumed = second.step_losses()
 
     checks = [Check("trainer_world_size", ctx.rank, ctx.world_size, first.args.world_size, "processes")]
     checks += [Check(f"resumed_loss_step{config.save_every + i + 1}", ctx.rank, a, b, "nats")
