@@ -3,8 +3,9 @@
 Chapter 4 teaches it. :func:`plan` prices every lever — DDP, SHARD_GRAD_OP, FULL_SHARD,
 HYBRID_SHARD across nodes, activation checkpointing, CPU offload, more GPUs — with the chapter-2
 memory model (peak per GPU, mixed precision, activations, FSDP's buffers) and the chapter-3
-communication model (link speeds, overlap), then recommends the fastest option that fits with
-headroom, and says why in words. :func:`seed_recommendation` keeps the simplified rule this
+communication model (link speeds, overlap), then recommends the option that fits with headroom
+and comes first under :func:`preference` (fastest; at equal speed fewer levers, then less
+communication, then less memory), and says why in words. :func:`seed_recommendation` keeps the simplified rule this
 course started from, to compare. Pure arithmetic.
 """
 
@@ -33,7 +34,31 @@ from handbook_lib.memory import (
 from handbook_lib.presets import DecoderShape, get_shape
 from handbook_lib.strategies import get_strategy
 
-__all__ = ["Option", "Plan", "plan", "seed_recommendation", "check_whole_nodes", "OFFLOAD_LINK"]
+__all__ = ["Option", "Plan", "plan", "preference", "SeedScenario", "SEED_SCENARIOS", "seed_recommendation", "check_whole_nodes", "OFFLOAD_LINK"]
+
+@dataclass(frozen=True)
+class SeedScenario:
+    """One of the five scenarios the seed chapter checked its rule on (all on A100s).
+
+    ``nominal_params`` is the round count the seed computed with (7e9 ...); ``model`` the preset
+    whose real shape the planner prices (Llama-2 7B has 6.74e9 parameters, not 7e9).
+    """
+
+    label: str
+    model: str
+    nominal_params: int
+    gpu: str
+    gpus: int
+
+
+SEED_SCENARIOS = (
+    SeedScenario("7B", "llama2-7b", 7_000_000_000, "a100-80gb", 8),
+    SeedScenario("13B", "llama2-13b", 13_000_000_000, "a100-40gb", 8),
+    SeedScenario("70B", "llama2-70b", 70_000_000_000, "a100-80gb", 8),
+    SeedScenario("70B", "llama2-70b", 70_000_000_000, "a100-80gb", 32),
+    SeedScenario("175B", "gpt3-175b", 175_000_000_000, "a100-80gb", 64),
+)
+"""The seed's scenarios, in its order: model size and GPUs exactly as it gave them."""
 
 OFFLOAD_LINK = "pcie4"
 """Host link the CPU-offload option moves sharded parameters and gradients over."""
@@ -111,6 +136,18 @@ def check_whole_nodes(gpus: int, gpus_per_node: int, *,
     if gpus > gpus_per_node and gpus % gpus_per_node:
         raise ValueError(f"{names[0].format(gpus)} is not a whole number of nodes of "
                          f"{names[1].format(gpus_per_node)}")
+
+
+def preference(option: Option) -> tuple[float, bool, bool, float, int]:
+    """The planner's one rule, as a sort key (smaller is better) over options that fit.
+
+    Fastest step first. At equal step time (to the microsecond): fewer levers (no activation
+    recomputation, then no CPU offload), then less communication per step, then less memory.
+    So when compute hides the communication of both, SHARD_GRAD_OP beats FULL_SHARD: same
+    step time, fewer bytes on the wire, a busier link left for everything else.
+    """
+    return (round(option.step_s, 6), option.activation_checkpointing, option.cpu_offload,
+            round(option.comm_s, 6), option.peak_bytes)
 
 
 def _gb(n: float) -> str:
@@ -221,9 +258,7 @@ def plan(
         options.append(price("FULL_SHARD", more, True, False, f"FULL_SHARD + AC on {more} GPUs"))
 
     here = [o for o in options if o.fits and o.gpus == gpus]
-    # fastest first; at equal speed, fewer levers (no recomputation, no offload), then less memory
-    recommended = min(here, key=lambda o: (round(o.step_s, 6), o.activation_checkpointing,
-                                           o.cpu_offload, o.peak_bytes)) if here else None
+    recommended = min(here, key=preference) if here else None
     if recommended is None:
         bigger = [o for o in options if o.fits]
         recommended = bigger[0] if bigger else None
@@ -264,6 +299,14 @@ def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, bud
     if chosen.activation_checkpointing and chosen.gpus == gpus and plain is not None and not plain.fits:
         reasons.append("Activation checkpointing is needed: it trades one more forward pass "
                        "(a third more compute) for keeping only each layer's input.")
+    tied = [o for o in faster if round(o.step_s, 6) == round(chosen.step_s, 6)
+            and (o.activation_checkpointing, o.cpu_offload)
+            == (chosen.activation_checkpointing, chosen.cpu_offload)]
+    for o in tied:
+        if o.comm_s > chosen.comm_s:
+            reasons.append(f"{o.name} takes the same step time (compute hides both), but "
+                           f"{chosen.name} spends {o.comm_s - chosen.comm_s:.3f} s less per step "
+                           "on the links; it wins the tie.")
     if faster:
         runner = min(faster, key=lambda o: o.step_s)
         reasons.append(f"Next best: {runner.name} ({runner.step_s:.3f} s per step, "

@@ -4,7 +4,7 @@ import pytest
 
 from handbook_lib.hardware import ACCELERATORS
 from handbook_lib.memory import estimate_memory, estimate_seed_model_state
-from handbook_lib.planner import plan, seed_recommendation
+from handbook_lib.planner import SEED_SCENARIOS, plan, preference, seed_recommendation
 from handbook_lib.presets import DECODER_SHAPES, get_shape
 
 SCENARIOS = [("llama2-7b", "h100-80gb", 8), ("llama2-13b", "a100-40gb", 8), ("llama2-70b", "a100-80gb", 16),
@@ -118,3 +118,40 @@ def test_the_intra_node_link_comes_from_the_accelerator_preset():
     with pytest.raises(ValueError, match="states no intra-node link: pass intra_link"):
         plan("7b", nameless, 8, gpus_per_node=8)
     assert plan("7b", nameless, 8, gpus_per_node=8, intra_link="pcie5").recommended is not None
+
+
+def test_equal_step_time_goes_to_less_communication():
+    # Llama-2 7B on 8 H100s is compute-bound for both SHARD_GRAD_OP and FULL_SHARD: the rule
+    # (fastest, then fewer levers, then less communication) must pick the one that sends less.
+    result = plan("llama2-7b", "h100-80gb", 8, seq_len=4096)
+    by_name = {o.name: o for o in result.options}
+    sgo, full = by_name["SHARD_GRAD_OP"], by_name["FULL_SHARD"]
+    assert sgo.fits and full.fits and sgo.bound == full.bound == "compute"
+    assert round(sgo.step_s, 6) == round(full.step_s, 6)
+    assert sgo.comm_s < full.comm_s
+    assert result.recommended is sgo
+    assert any("wins the tie" in r and "FULL_SHARD takes the same step time" in r for r in result.reasons)
+    # and the rule is the sort order of every fitting option
+    fitting = [o for o in result.options if o.fits and o.gpus == 8]
+    assert sorted(fitting, key=preference)[0] is sgo
+
+
+# What the seed printed for its five scenarios (GB per GPU for NO_SHARD, SHARD_GRAD_OP,
+# FULL_SHARD, and its recommendation), copied from its output: an independent source.
+SEED_PRINTED = [
+    ((112.0, 38.5, 14.0), "SHARD_GRAD_OP"),
+    ((208.0, 71.5, 26.0), "FULL_SHARD"),
+    ((1120.0, 385.0, 140.0), "does not fit"),
+    ((1120.0, 306.2, 35.0), "FULL_SHARD"),
+    ((2800.0, 732.8, 43.8), "FULL_SHARD"),
+]
+
+
+@pytest.mark.parametrize("scenario,printed", list(zip(SEED_SCENARIOS, SEED_PRINTED)))
+def test_seed_scenarios_reproduce_the_seed(scenario, printed):
+    gb, answer = printed
+    got = [estimate_seed_model_state(scenario.nominal_params, scenario.gpus, s) / 1e9
+           for s in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")]
+    assert [round(g, 1) for g in got] == list(gb)
+    gpu_bytes = {"a100-80gb": 80e9, "a100-40gb": 40e9}[scenario.gpu]
+    assert seed_recommendation(scenario.nominal_params, gpu_bytes, scenario.gpus) == answer
