@@ -83,11 +83,17 @@ class Accelerator:
     """The usual number of these GPUs in one machine (8 on an SXM board); ``None`` = unknown."""
     node_source: str = ""
     """Where ``intra_link`` and ``gpus_per_node`` come from, in words."""
+    memory_bandwidth_bytes_per_s: float | None = None
+    """Device-memory (HBM) bandwidth, bytes/s, as the datasheet states it; ``None`` = not given.
+    ``source`` names the datasheet."""
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "peak_flops_bf16", "peak_flops_fp32"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        bw = self.memory_bandwidth_bytes_per_s
+        if bw is not None and not bw > 0:
+            raise ValueError(f"memory_bandwidth_bytes_per_s must be > 0 or None, got {bw!r}")
         # LINKS is defined below this class; it exists by the time any Accelerator is built.
         if not isinstance(self.intra_link, str) or (self.intra_link and self.intra_link not in LINKS):
             raise ValueError(f"intra_link of {self.name!r} must be one of {', '.join(LINKS)} "
@@ -178,16 +184,16 @@ _DGX_H = ("NVIDIA DGX H100 / DGX H200 datasheets (2023, 2024): 8 SXM GPUs per sy
           "NVLink 4 through NVSwitch")
 
 ACCELERATORS: dict[str, Accelerator] = {
-    "a100-40gb": Accelerator("NVIDIA A100 40GB", 40 * 10**9, 312e12, 19.5e12, f"{_A100}, 40 GB HBM2",
-                             "nvlink3", 8, _DGX_A100),
-    "a100-80gb": Accelerator("NVIDIA A100 80GB", 80 * 10**9, 312e12, 19.5e12, f"{_A100}, 80 GB HBM2e",
-                             "nvlink3", 8, _DGX_A100),
-    "h100-80gb": Accelerator("NVIDIA H100 SXM 80GB", 80 * 10**9, 989e12, 67e12, f"{_H100}, 80 GB HBM3",
-                             "nvlink4", 8, _DGX_H),
+    "a100-40gb": Accelerator("NVIDIA A100 40GB", 40 * 10**9, 312e12, 19.5e12, f"{_A100}, 40 GB HBM2 at 1,555 GB/s",
+                             "nvlink3", 8, _DGX_A100, 1.555e12),
+    "a100-80gb": Accelerator("NVIDIA A100 80GB", 80 * 10**9, 312e12, 19.5e12, f"{_A100}, 80 GB HBM2e at 2,039 GB/s",
+                             "nvlink3", 8, _DGX_A100, 2.039e12),
+    "h100-80gb": Accelerator("NVIDIA H100 SXM 80GB", 80 * 10**9, 989e12, 67e12, f"{_H100}, 80 GB HBM3 at 3.35 TB/s",
+                             "nvlink4", 8, _DGX_H, 3.35e12),
     "h200-141gb": Accelerator("NVIDIA H200 SXM 141GB", 141 * 10**9, 989e12, 67e12,
-                              "NVIDIA H200 Tensor Core GPU datasheet (2024): 141 GB HBM3e, "
+                              "NVIDIA H200 Tensor Core GPU datasheet (2024): 141 GB HBM3e at 4.8 TB/s, "
                               "compute as the H100 SXM (989 TFLOP/s bf16 dense, 67 TFLOP/s fp32)",
-                              "nvlink4", 8, _DGX_H),
+                              "nvlink4", 8, _DGX_H, 4.8e12),
     "l4-24gb": Accelerator("NVIDIA L4 24GB", 24 * 10**9, 121e12, 30.3e12,
                            "NVIDIA L4 Tensor Core GPU datasheet (2023): 24 GB GDDR6, 121 TFLOP/s "
                            "bf16 dense (242 with sparsity), 30.3 TFLOP/s fp32",

@@ -213,3 +213,24 @@ def test_accelerator_rejects_unknown_link_or_node_size():
         with pytest.raises(ValueError, match="gpus_per_node"):
             Accelerator("x", 10**9, 1e12, 1e12, "test", "nvlink4", bad)
     assert Accelerator("x", 10**9, 1e12, 1e12, "test", "nvlink4", 8).gpus_per_node == 8
+
+
+@pytest.mark.parametrize("key", [k for k, a in ACCELERATORS.items() if a.memory_bandwidth_bytes_per_s])
+def test_memory_bandwidth_is_the_one_its_source_states(key):
+    # The figure and its source are typed separately; they must agree (GB/s or TB/s, 3-4 digits).
+    acc = ACCELERATORS[key]
+    bw = acc.memory_bandwidth_bytes_per_s
+    stated = f"{bw / 1e12:g} TB/s" if bw >= 3e12 else f"{bw / 1e9:,.0f} GB/s"
+    assert stated in acc.source
+
+
+def test_hbm_is_several_times_faster_than_nvlink_one_way():
+    # The seed's "all-gathers at memory speed on NVLink": H100 HBM3 against NVLink 4 one way.
+    h100 = ACCELERATORS["h100-80gb"]
+    ratio = h100.memory_bandwidth_bytes_per_s / LINKS[h100.intra_link].bandwidth_bytes_per_s
+    assert 7 < ratio < 8
+
+
+def test_memory_bandwidth_must_be_positive():
+    with pytest.raises(ValueError, match="memory_bandwidth_bytes_per_s must be > 0 or None"):
+        Accelerator("x", 1, 1.0, 1.0, "s", memory_bandwidth_bytes_per_s=0.0)
