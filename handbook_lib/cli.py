@@ -4,7 +4,8 @@ Chapter 1 introduces it. Commands:
 
 - ``runs`` — list the experiments that can be launched;
 - ``run NAME --nproc N [--set key=value ...] [--out DIR [--overwrite]] [--timeout S]`` — launch
-  one with torchrun, stream its ranks' output, leave ``DIR/result.json`` and print its checks
+  one with torchrun, stream its ranks' output, leave ``DIR/result.json`` (without ``--out``, a
+  temporary folder, removed at the end) and print its checks
   (with each one's tolerance and whether it passed), then a one-line verdict;
 - ``params [--model 7b | --set key=value ...]`` — a model's parameter count, by component;
 - ``memory (--params N | --model 7b | --set key=value ...) --world-size N ...`` — the memory
@@ -154,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nproc", type=_whole(1), default=2, help="number of processes (default 2)")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="set a config key (repeatable), e.g. --set steps=3; keys listed below")
-    run.add_argument("--out", default=None, help="directory for result.json (default: a temp dir); "
+    run.add_argument("--out", default=None, help="directory for result.json, kept (default: a temp dir, removed); "
                      "new, empty, or an earlier run's (with --overwrite)")
     run.add_argument("--overwrite", action="store_true",
                      help="reuse an earlier run's --out folder: replace only the files a run writes")
@@ -447,7 +448,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if result.run == "step_time":
         print(step_time_table(result))
         print(step_time_summary(result))
-    print(f"result: {result.path}")
+    print(f"result: {result.path}" if result.path else "result: not kept (its folder was temporary); pass --out DIR "
+          "to keep result.json and the logs")
     failed = result.failed_checks()
     if failed:
         print(f"error: {len(failed)} of {len(result.checks)} checks are outside their tolerance:\n"

@@ -2,12 +2,17 @@
 
 Chapter 1 introduces it. Everything else in the library works in plain numbers (bytes,
 seconds); only this module turns them into text. A :class:`Table` shows as aligned text
-(``repr``, which nbval compares) and as HTML in Jupyter and the rendered book.
+(``repr``, which nbval compares) and as HTML in Jupyter and the rendered book. Every shown line
+fits :data:`WIDTH` (86) characters, the book's code column: text too long for a table column is
+shown as :func:`definitions`; an exception as :func:`show_exception`; library code, in a notebook,
+with :func:`show_source`; a run, as one :class:`RunReport` line with its log folded under it.
 """
 
 from __future__ import annotations
 
 import html
+import inspect
+import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +22,11 @@ from handbook_lib.results import Check, RunResult, max_relative_difference, mode
 __all__ = ["format_bytes", "format_loss", "format_losses", "format_bound", "LOSS_DECIMALS", "Table",
            "checks_table", "checks_verdict", "checks_legend", "format_tolerance", "ranks_table",
            "summarize_runs", "compare_runs", "step_time_table", "step_time_summary", "fit_table",
-           "run_summary"]
+           "run_summary", "WIDTH", "Definitions", "definitions", "ErrorText", "show_exception", "SourceCode",
+           "show_source", "RunReport", "describe_run"]
+
+WIDTH = 86
+"""Characters of output a line may take: the rendered book's code column holds about 88."""
 
 _DECIMAL = [("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)]
 _BINARY = [("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)]
@@ -98,17 +107,29 @@ def _cell(value: Any) -> str:
 
 @dataclass(frozen=True)
 class Table:
-    """Rows under named columns; ints print with thousands separators, floats with 4 digits."""
+    """Rows under named columns; ints print with thousands separators, floats with 4 digits.
+
+    A column name may hold ``"\n"``: the header then takes several lines (bottom-aligned), which
+    keeps a column as narrow as its values. ``note`` is a legend printed under the table
+    (wrapped at :data:`WIDTH`), e.g. to explain a shortened header.
+    """
 
     columns: Sequence[str]
     rows: Sequence[Sequence[Any]]
+    note: str = ""
 
     def text(self) -> str:
         """The table as aligned plain text."""
-        cells = [list(self.columns)] + [[_cell(v) for v in row] for row in self.rows]
-        widths = [max(len(r[i]) for r in cells) for i in range(len(self.columns))]
-        lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
-        lines.insert(1, "  ".join("-" * w for w in widths))
+        heads = [c.split("\n") for c in self.columns]
+        depth = max((len(h) for h in heads), default=1)
+        heads = [[""] * (depth - len(h)) + h for h in heads]
+        body = [[_cell(v) for v in row] for row in self.rows]
+        widths = [max(len(x) for x in [*heads[i], *(r[i] for r in body)]) for i in range(len(self.columns))]
+        lines = ["  ".join(h[k].rjust(w) for h, w in zip(heads, widths)) for k in range(depth)]
+        lines.append("  ".join("-" * w for w in widths))
+        lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in body]
+        if self.note:
+            lines += textwrap.wrap(self.note, WIDTH, break_on_hyphens=False)
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -116,14 +137,22 @@ class Table:
 
     def _repr_html_(self) -> str:
         pad = "padding:2px 12px;"
-        head = "".join(f'<th style="{pad}text-align:right">{html.escape(c)}</th>' for c in self.columns)
+        head = "".join(f'<th style="{pad}text-align:right">{html.escape(c).replace(chr(10), "<br>")}</th>'
+                       for c in self.columns)
         body = "".join(
             "<tr>" + "".join(
                 f'<td style="{pad}text-align:{"right" if isinstance(v, (int, float)) else "left"}">'
                 f"{html.escape(_cell(v))}</td>" for v in row) + "</tr>"
             for row in self.rows
         )
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        note = f'<p style="font-size:90%">{html.escape(self.note)}</p>' if self.note else ""
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{note}"
+
+
+def _stack(words: str, width: int = 0) -> str:
+    """A header of several words stacked to stay narrow (``width``, at least its longest word):
+    ``"optimizer state"`` -> ``"optimizer\nstate"``."""
+    return "\n".join(textwrap.wrap(words, max(width, *(len(w) for w in words.split())), break_on_hyphens=False))
 
 
 def format_tolerance(tolerance: float) -> str:
@@ -132,18 +161,29 @@ def format_tolerance(tolerance: float) -> str:
     return "exact" if tolerance == 0 else f"±{tolerance * 100:.3g}%"
 
 
+_UNIT_SHORT = {"collectives": "calls"}
+"""Units shown shorter in a checks table (the legend, :func:`checks_legend`, says what they mean)."""
+
+
 def checks_table(checks: RunResult | Iterable[Check]) -> Table:
     """Predictions beside measurements: one row per check.
 
-    Columns: quantity; rank (``all`` for a quantity of the whole job); predicted and measured;
-    error (measured - predicted, in the check's unit); unit; tolerance (``exact``, or the
-    relative error allowed, e.g. ``±10%``); ok (``yes`` within the tolerance, ``NO`` outside).
+    Columns: quantity (its ``_bytes`` suffix dropped when the unit says bytes); rank (``all``
+    for a quantity of the whole job); predicted and measured; error (measured - predicted, in
+    the check's unit); unit (``calls`` for collectives); tolerance (``exact``, or the relative
+    error allowed, e.g. ``±10%``); ok (``yes`` within the tolerance, ``NO`` outside). Fits
+    :data:`WIDTH` columns for the book's runs.
     """
     items = checks.checks if isinstance(checks, RunResult) else list(checks)
+
+    def name(c: Check) -> str:
+        return c.quantity.removesuffix("_bytes") if c.unit == "bytes" and c.quantity != "bytes" else c.quantity
+
     return Table(
         ["quantity", "rank", "predicted", "measured", "error", "unit", "tolerance", "ok"],
-        [[c.quantity, "all" if c.rank is None else c.rank, c.predicted, c.measured, c.error, c.unit,
-          format_tolerance(c.tolerance), "yes" if c.ok else "NO"] for c in items],
+        [[name(c), "all" if c.rank is None else c.rank, c.predicted, c.measured, c.error,
+          _UNIT_SHORT.get(c.unit, c.unit), format_tolerance(c.tolerance), "yes" if c.ok else "NO"]
+         for c in items],
     )
 
 
@@ -159,7 +199,7 @@ def checks_verdict(checks: RunResult | Iterable[Check]) -> str:
 _UNIT_WORDS = {
     "nats": "nats = loss in natural-log units (cross-entropy)",
     "units": "units = FSDP units (groups of parameters gathered together)",
-    "collectives": "collectives = calls of all-gather, reduce-scatter, all-reduce",
+    "collectives": "calls = collectives called: all-gathers, reduce-scatters, all-reduces",
 }
 
 
@@ -172,16 +212,27 @@ def checks_legend(checks: RunResult | Iterable[Check]) -> str:
 
 
 def ranks_table(result: RunResult, keys: Sequence[str]) -> Table:
-    """One row per rank with the chosen per-rank metrics."""
+    """One row per rank with the chosen per-rank metrics.
+
+    Headers are the metric names with ``_`` as spaces, stacked on lines to stay narrow; a
+    ``_bytes`` suffix is dropped and said once in the note under the table.
+    """
     rows = sorted(result.ranks, key=lambda r: r["rank"])
-    return Table(["rank", *keys], [[r["rank"], *(r[k] for k in keys)] for r in rows])
+    heads = [_stack(k.removesuffix("_bytes").replace("_", " ")) for k in keys]
+    in_bytes = [k.removesuffix("_bytes").replace("_", " ") for k in keys if k.endswith("_bytes")]
+    note = ""
+    if in_bytes:
+        note = ("all in bytes" if len(in_bytes) == len(keys) else "in bytes: " + ", ".join(in_bytes)) \
+            + " (metric names without _bytes)"
+    return Table(["rank", *heads], [[r["rank"], *(r[k] for k in keys)] for r in rows], note)
 
 
 def summarize_runs(results: Mapping[str, RunResult]) -> Table:
     """One row per run: how its checks came out, over all ranks.
 
-    Columns: the exact checks and the largest byte error among them (0 when the model is exact),
-    and the worst relative errors of the activation and peak checks (percent), with the peaks.
+    Columns: the exact checks that hold, of all exact checks (byte for byte; the checks table
+    shows any byte error); the worst relative errors of the activation (act.) and peak checks,
+    with the peaks predicted and measured. The note under the table says so.
     """
     rows = []
     for label, result in results.items():
@@ -190,17 +241,19 @@ def summarize_runs(results: Mapping[str, RunResult]) -> Table:
             return max((c for c in result.checks if c.quantity == quantity),
                        key=lambda c: abs(c.relative_error))
         act = worst("activation_bytes")
-        row = [label, result.world_size, len(exact), max(abs(c.error) for c in exact),
-               f"{100 * act.relative_error:+.2f} %"]
+        row = [label, result.world_size, f"{sum(c.exact for c in exact)}/{len(exact)}",
+               f"{100 * act.relative_error:+.2f}%"]
         if any(c.quantity == "peak_bytes" for c in result.checks):
             peak = worst("peak_bytes")
             row += [format_bytes(peak.predicted), format_bytes(peak.measured),
-                    f"{100 * peak.relative_error:+.2f} %"]
+                    f"{100 * peak.relative_error:+.2f}%"]
         else:  # e.g. FSDP1: the peak is measured but not predicted
             row += ["-", format_bytes(max(result.metric("peak_bytes"))), "-"]
         rows.append(row)
-    return Table(["run", "ranks", "exact checks", "max byte error", "activations error",
-                  "peak predicted", "peak measured", "peak error"], rows)
+    return Table(["run", "ranks", "exact\nchecks", "act.\nerror", "peak\npredicted", "peak\nmeasured",
+                  "peak\nerror"], rows,
+                 "exact checks: byte-exact predictions that hold / all of them; act. (activations) and "
+                 "peak error: the worst over ranks of (measured - predicted) / predicted")
 
 
 def run_summary(result: RunResult) -> str:
@@ -234,8 +287,10 @@ def compare_runs(results: Mapping[str, RunResult], baseline: str) -> Table:
         rows.append([label, result.world_size, format_bytes(state(result)),
                      f"{state(result) / base_state:.2f}", format_bytes(peak), f"{peak / base_peak:.2f}",
                      f"{diff:.1e}"])
-    return Table(["run", "ranks", "model state / rank", f"vs {baseline}", "peak / rank",
-                  f"vs {baseline} ", "max loss difference"], rows)
+    return Table(["run", "ranks", "model state\nper rank", "ratio", "peak\nper rank", "ratio ",
+                  "loss\ndiff."], rows,
+                 note=f"ratio: to the {baseline!r} run; loss diff.: the largest relative difference "
+                      "of the per-step losses from its")
 
 
 def step_time_table(result: RunResult) -> Table:
@@ -321,3 +376,212 @@ def zero_vs_fsdp_table(results: Mapping[str, RunResult], what: str = "bytes", ra
     if what == "bytes":
         return Table(["who", "params", "master", "grads", "optimizer", "total"], rows)
     return Table(["who", "all-gathers", "reduce-scatters", "all-reduces", "sent bytes"], rows)
+
+
+def _wrapped(text: str, indent: str = "  ") -> str:
+    """``text`` wrapped at :data:`WIDTH`, continuation lines indented."""
+    return textwrap.fill(text, WIDTH, subsequent_indent=indent, break_long_words=True, break_on_hyphens=False)
+
+
+@dataclass(frozen=True)
+class Definitions:
+    """Named entries with long text, shown as a list rather than a table too wide to read.
+
+    Text: each name on its line, then each field as ``  field: text``, wrapped at
+    :data:`WIDTH`; HTML: a definition list. A field named ``""`` shows its text alone.
+    """
+
+    entries: Sequence[tuple[str, Sequence[tuple[str, str]]]]
+
+    def text(self) -> str:
+        lines: list[str] = []
+        for name, fields in self.entries:
+            lines.append(name)
+            for label, value in fields:
+                lines.append(textwrap.fill(f"{label}: {value}" if label else value, WIDTH, initial_indent="  ",
+                                           subsequent_indent="    ", break_on_hyphens=False))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_html_(self) -> str:
+        items = "".join(
+            f"<dt><code>{html.escape(name)}</code></dt>" + "".join(
+                f"<dd>{f'<em>{html.escape(label)}</em>: ' if label else ''}{html.escape(value)}</dd>"
+                for label, value in fields)
+            for name, fields in self.entries)
+        return f"<dl>{items}</dl>"
+
+
+def definitions(items: Mapping[str, str | Mapping[str, str] | Sequence[str]],
+                fields: Sequence[str] = ()) -> Definitions:
+    """:class:`Definitions` from a mapping: name -> text, name -> {field: text}, or name -> a
+    sequence of texts named by ``fields`` (e.g. the rows of a wide table, its headers as
+    ``fields``).
+
+    Raises:
+        ValueError: if a sequence does not have one text per name in ``fields``.
+    """
+    entries = []
+    for name, value in items.items():
+        if isinstance(value, str):
+            pairs = [("", value)]
+        elif isinstance(value, Mapping):
+            pairs = [(str(k), str(v)) for k, v in value.items()]
+        else:
+            if len(value) != len(fields):
+                raise ValueError(f"fields must name each of the {len(value)} texts of {name!r}, got {list(fields)}")
+            pairs = [(f, str(v)) for f, v in zip(fields, value)]
+        entries.append((str(name), pairs))
+    return Definitions(entries)
+
+
+@dataclass(frozen=True)
+class ErrorText:
+    """An exception for a reader: ``Type: message`` wrapped at :data:`WIDTH` (text and HTML),
+    any further lines of the message (a traceback) folded away in HTML only."""
+
+    line: str
+    rest: str = ""
+
+    def __repr__(self) -> str:
+        return self.line
+
+    def _repr_html_(self) -> str:
+        more = (f"<details><summary>{len(self.rest.splitlines())} more lines</summary>"
+                f"<pre>{html.escape(self.rest)}</pre></details>") if self.rest else ""
+        return f"<pre>{html.escape(self.line)}</pre>{more}"
+
+
+def show_exception(err: BaseException, replace: Mapping[str, str] | None = None) -> ErrorText:
+    """``err`` as ``Type: message`` (the message's first line) wrapped at :data:`WIDTH`.
+
+    Args:
+        err: The exception.
+        replace: Text to replace in the message first, e.g. ``{str(root): "<root>"}`` for a
+            temporary path that would change from run to run.
+    """
+    message = str(err)
+    for old, new in (replace or {}).items():
+        message = message.replace(old, new)
+    first, _, rest = message.partition("\n")
+    return ErrorText(_wrapped(f"{type(err).__name__}: {first}".rstrip(": ")), rest.strip("\n"))
+
+
+@dataclass(frozen=True)
+class SourceCode:
+    """Python source: highlighted in HTML (Pygments when installed) as written; in plain text,
+    a line longer than :data:`WIDTH` continues on the next, indented 4 more (display only)."""
+
+    source: str
+
+    def __repr__(self) -> str:
+        return "\n".join(_fold_code(line) for line in self.source.rstrip("\n").splitlines())
+
+    def _repr_html_(self) -> str:
+        try:
+            from pygments import highlight
+            from pygments.formatters import HtmlFormatter
+            from pygments.lexers import PythonLexer
+        except ImportError:  # pragma: no cover - Pygments comes with IPython
+            return f"<pre>{html.escape(self.source)}</pre>"
+        return highlight(self.source, PythonLexer(), HtmlFormatter(noclasses=True, nobackground=True))
+
+
+def _fold_code(line: str) -> str:
+    """A line of code cut into pieces of at most :data:`WIDTH` characters, at spaces where it can."""
+    indent = " " * (len(line) - len(line.lstrip()) + 4)
+    pieces = []
+    while len(line) > WIDTH:
+        cut = line.rfind(" ", len(indent), WIDTH)
+        cut = cut if cut > len(indent) else WIDTH
+        pieces.append(line[:cut].rstrip())
+        line = indent + line[cut:].lstrip()
+    return "\n".join([*pieces, line])
+
+
+def show_source(obj: Any) -> SourceCode:
+    """The source of a function, class or module (``inspect.getsource``), to show library code
+    in a notebook: highlighted in JupyterLab and the book, plain in text outputs.
+
+    Raises:
+        ValueError: if ``obj`` has no Python source (a builtin, or code typed at a prompt).
+    """
+    try:
+        return SourceCode(textwrap.dedent(inspect.getsource(obj)))
+    except (TypeError, OSError) as err:
+        raise ValueError(f"show_source needs a function, class or module defined in a file, got {obj!r}: "
+                         f"{err}") from None
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """What a notebook shows for one run: one line that repeats on any machine (text/plain),
+    and, in HTML only, the full run log (every rank's output) folded under it.
+
+    Attributes:
+        line: What ran and how it ended (:func:`describe_run`): no timings, paths or PIDs.
+        log: The ranks' output lines, ``[rankR]``-prefixed.
+        detail: Shown only beside the folded log (wall time, where the result is).
+    """
+
+    line: str
+    log: tuple[str, ...] = ()
+    detail: str = ""
+
+    def __repr__(self) -> str:
+        return self.line
+
+    def _repr_html_(self) -> str:
+        n = len(self.log)
+        summary = f"run log: {n} line{'s' * (n != 1)}" + (f"; {self.detail}" if self.detail else "")
+        return (f'<pre style="margin-bottom:0">{html.escape(self.line)}</pre>'
+                f"<details><summary>{html.escape(summary)}</summary>"
+                f'<pre style="font-size:85%">{html.escape(chr(10).join(self.log))}</pre></details>')
+
+
+_QUIET_KEYS = frozenset({"vocab_size", "d_model", "nhead", "dim_feedforward", "num_layers", "batch_size",
+                         "seq_len", "steps", "seed", "strategy", "api", "shard_group_size"})
+"""Config keys :func:`describe_run` does not list as changes (the model's shape, the data, and
+the keys it already shows)."""
+
+
+def describe_run(run: str, nproc: int, config: Mapping[str, Any], defaults: Mapping[str, Any] | None = None,
+                 result: RunResult | None = None, outcome: str = "") -> str:
+    """One line on a run, the same on any machine: its name, ranks (with backend and device once
+    known), steps, strategy, the config keys changed from ``defaults`` (not the model's shape,
+    and no paths), and how it ended: its checks, or ``outcome`` (e.g. ``"running"``,
+    ``"failed: rank 1"``). Wrapped at :data:`WIDTH`.
+
+    ``describe_run("fsdp_train", 2, cfg, defaults, result)`` ->
+    ``"fsdp_train on 2 ranks (gloo, cpu), 5 steps, FULL_SHARD: 26/26 checks passed"``.
+    """
+    where = f"{run} on {nproc} rank{'s' * (nproc != 1)}"
+    if result is not None:
+        where += f" ({result.backend}, {result.device})"
+    head = [where]
+    if "steps" in config:
+        head.append(f"{config['steps']} step{'s' * (config['steps'] != 1)}")
+    what = []
+    if config.get("strategy"):
+        strategy = str(config["strategy"])
+        if config.get("api") == "fsdp1":
+            strategy = f"FSDP1 {strategy}"
+        if config.get("shard_group_size"):
+            strategy += f" (groups of {config['shard_group_size']})"
+        what.append(strategy)
+    for key, value in config.items():
+        if key in _QUIET_KEYS or defaults is None or key not in defaults or value == defaults[key]:
+            continue
+        if isinstance(value, str) and "/" in value:
+            continue  # a path: it changes from machine to machine
+        what.append(f"{key}={value}")
+    if what:
+        head.append(" ".join(what))
+    if result is not None and not outcome:
+        failed = len(result.failed_checks())
+        n = len(result.checks)
+        outcome = ("no checks" if n == 0 else f"{n}/{n} checks passed" if not failed
+                   else f"{failed} of {n} checks FAILED")
+    return _wrapped(", ".join(head) + (f": {outcome}" if outcome else ""))

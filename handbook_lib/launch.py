@@ -8,17 +8,20 @@ Chapter 1 introduces it; it is the one thing a notebook cell calls to run a real
 
 What it guarantees:
 
-- every rank's output is streamed live, prefixed ``[rankR]``, through Python's ``sys.stdout``
-  (so Jupyter, pytest and nbval see it), and rank 0's progress bar redraws in place;
+- in a terminal, every rank's output is streamed live, prefixed ``[rankR]``, through Python's
+  ``sys.stdout``, and rank 0's progress bar, labelled with the run's name, redraws in place;
+- in a notebook, a run is one line (what ran, on how many ranks, how its checks came out) that
+  repeats on any machine; the ranks' whole output is folded under it (HTML ``<details>``);
 - the rendezvous is on 127.0.0.1 with a port the OS picks, so runs never collide;
 - the result comes back parsed from ``result.json`` (a :class:`~handbook_lib.results.RunResult`);
 - a failing rank raises :class:`RunFailed` naming the rank that caused it, with its traceback;
 - a run past ``timeout_s`` is stopped with every one of its processes, and raises
   :class:`RunTimeout` showing where each rank was; Ctrl-C stops them too and raises
   :class:`RunInterrupted` (a ``KeyboardInterrupt``) with a one-line message;
-- ``out`` is never shared or silently reused: a run claims its folder with a marker file and a
-  lock, refuses a folder holding anything else, and replaces an earlier run's files only with
-  ``overwrite=True``;
+- without ``out``, the run's folder is a temporary one, removed when the run ends (however it
+  ends); ``out`` is the caller's and is kept. ``out`` is never shared or silently reused: a run
+  claims its folder with a marker file and a lock, refuses a folder holding anything else, and
+  replaces an earlier run's files only with ``overwrite=True``;
 - a run whose ``checks`` include one outside its own tolerance raises :class:`ChecksFailed`
   (the parsed result is attached): a model that disagrees with its measurement is a failure.
 """
@@ -46,6 +49,7 @@ from typing import Any, TextIO
 
 import psutil
 
+from handbook_lib.display import WIDTH, RunReport, describe_run
 from handbook_lib.results import RunResult, load_result
 from handbook_lib.runs import available_runs
 
@@ -75,13 +79,14 @@ class RunFailed(RuntimeError):
         run: The run's name.
         rank: The rank found to have caused the failure, or ``None`` if none could be named.
         rank_traceback: That rank's Python traceback (``""`` if it died without one).
-        out_dir: The run's directory (logs under ``logs/``, rank states under ``ranks/``).
+        out_dir: The run's directory (logs under ``logs/``, rank states under ``ranks/``), or
+            ``None`` when it was a temporary one (no ``out`` given): removed once the run ended.
         returncode: torchrun's exit status (``None`` if it was killed).
         log_tail: The last lines of output (all ranks and torchrun itself).
     """
 
     def __init__(self, message: str, *, run: str, rank: int | None, rank_traceback: str,
-                 out_dir: Path, returncode: int | None, log_tail: list[str]) -> None:
+                 out_dir: Path | None, returncode: int | None, log_tail: list[str]) -> None:
         super().__init__(message)
         self.run = run
         self.rank = rank
@@ -104,10 +109,11 @@ class RunInterrupted(KeyboardInterrupt):
 
     Attributes:
         run: The run's name.
-        out_dir: The run's directory (whatever the ranks wrote before they were stopped).
+        out_dir: The run's directory (whatever the ranks wrote before they were stopped), or
+            ``None`` when it was a temporary one, removed.
     """
 
-    def __init__(self, message: str, *, run: str, out_dir: Path) -> None:
+    def __init__(self, message: str, *, run: str, out_dir: Path | None) -> None:
         super().__init__(message)
         self.run = run
         self.out_dir = out_dir
@@ -346,15 +352,51 @@ def _processes_mentioning(mentions: tuple[str, ...], exclude: set[int]) -> list[
     return found
 
 
-class _Streamer:
-    """Turn torchrun's ``--tee`` output into ``[rankR] line`` on ``sys.stdout``, live."""
+def in_notebook() -> bool:
+    """True inside a Jupyter kernel (JupyterLab, nbclient, nbval): a run is then shown as one
+    line with its log folded under it, not as streamed lines."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return shell is not None and getattr(shell, "kernel", None) is not None
 
-    def __init__(self, echo: bool, out: TextIO | None = None) -> None:
+
+class _NotebookView:
+    """One output in a notebook cell, updated in place: the run's line and its latest log line
+    while it runs, then its :class:`~handbook_lib.display.RunReport`."""
+
+    def __init__(self, line: str, display: Any = None) -> None:
+        if display is None:
+            from IPython.display import display
+        self._line = line
+        self._shown = 0.0
+        self.handle = display(RunReport(f"{line}: starting"), display_id=True)
+
+    def status(self, latest: str) -> None:
+        now = time.monotonic()
+        if now - self._shown >= 0.25:  # a redraw per step is plenty
+            self._shown = now
+            self.handle.update(RunReport(f"{self._line}: running\n  {latest[:WIDTH - 2]}"))
+
+    def finish(self, report: RunReport) -> None:
+        self.handle.update(report)
+
+
+class _Streamer:
+    """Turn torchrun's ``--tee`` output into ``[rankR] line``: echoed live on ``sys.stdout`` (a
+    terminal: rank 0's progress bar redrawn in place, labelled ``label``), or shown as the latest
+    line of a :class:`_NotebookView`; kept whole in :attr:`log` either way."""
+
+    def __init__(self, echo: bool, out: TextIO | None = None, *, label: str = "",
+                 view: _NotebookView | None = None) -> None:
         self.echo = echo
         self.out = out
+        self.label = label
+        self.view = view
         self.tail: deque[str] = deque(maxlen=200)
+        self.log: deque[str] = deque(maxlen=5000)
         self._pending = b""
         self._in_progress = False
+        self._log_progress = False
 
     def feed(self, data: bytes) -> None:
         self._pending += data
@@ -375,18 +417,35 @@ class _Streamer:
         out.write(text)
         out.flush()
 
+    def _labelled(self, body: str) -> str:
+        """A progress bar's line with the run's label in place of its own (``train:`` or none)."""
+        bar = _PROGRESS.search(body)
+        assert bar is not None
+        own = body[:bar.start()].strip().rstrip(":").strip()
+        name = " ".join(x for x in (self.label, "" if own in ("", "train") else own) if x)
+        return f"{name}: {body[bar.start():]}" if name else body
+
     def _line(self, line: str) -> None:
         match = _RANK_PREFIX.match(line)
+        body = ""
         if match:
             body = line[match.end():]
             if not body.strip():
                 return
             line = f"[rank{match.group(1)}] {body}"
         self.tail.append(line)
+        progress = bool(match and _PROGRESS.search(body))
+        if progress and self._log_progress:
+            self.log[-1] = line  # a bar's redraw replaces its last state in the log
+        else:
+            self.log.append(line)
+        self._log_progress = progress
+        if self.view is not None and match:
+            self.view.status(line)
         if not self.echo or not match:
-            return  # torchrun's own chatter is kept for the error message, not shown
-        if _PROGRESS.search(body):
-            self._write(("\r" if self._in_progress else "") + line)
+            return  # torchrun's own chatter is kept for the log and the error message, not shown
+        if progress:
+            self._write(("\r" if self._in_progress else "") + self._labelled(body))
             self._in_progress = True
             return
         if self._in_progress:
@@ -514,13 +573,17 @@ def torchrun(
         run: Name of a run module (see :func:`handbook_lib.runs.available_runs`).
         nproc: Number of processes (ranks). With GPUs, at most one per visible GPU.
         config: Config keys for the run; unknown keys or bad values raise before anything starts.
-        out: Directory for ``result.json``, the rank logs and states; a fresh temporary directory
-            if ``None``. It must not exist yet, be empty, or be an earlier run's folder (it holds
-            the :data:`RUN_MARKER` file) — the last only with ``overwrite``. A folder holding
+        out: Directory for ``result.json``, the rank logs and states, kept after the run; if
+            ``None``, a fresh temporary directory, removed when the run ends (the returned
+            result's ``path`` is then ``None``): pass ``out`` to keep files for later. It must
+            not exist yet, be empty, or be an earlier run's folder (it holds the
+            :data:`RUN_MARKER` file) — the last only with ``overwrite``. A folder holding
             other files is refused, and no file a run did not write is ever removed. The folder
             is locked for the whole run: a second run given it at the same time is refused.
         timeout_s: Seconds the whole run may take before all its processes are killed (finite).
-        stream: Print the ranks' output live (prefixed ``[rankR]``).
+        stream: Show the run: in a terminal, the ranks' output live (prefixed ``[rankR]``) and a
+            closing line; in a notebook, one line with the ranks' output folded under it.
+            ``False`` shows nothing.
         env: Extra environment variables for the ranks.
         allow_failed_checks: Return the result even if a check is outside its tolerance (for
             code that studies a failing model); by default that raises :class:`ChecksFailed`.
@@ -551,16 +614,82 @@ def torchrun(
         module.validate(cfg, nproc)
     _check_gpus(nproc)
 
+    defaults = module.CONFIG.from_mapping({}).to_dict()
+    show = _Show(run, nproc, cfg.to_dict(), defaults, stream, kept=out is not None)
     claimed = _prepare_out_dir(run, out, overwrite)
+    temporary = out is None
     try:
-        return _launch(run, nproc, cfg, claimed.path, timeout_s, stream, env, allow_failed_checks)
+        result = _launch(run, nproc, cfg, claimed.path, timeout_s, show, env, allow_failed_checks)
+        return dataclasses.replace(result, path=None) if temporary else result
+    except (RunFailed, RunInterrupted) as err:
+        if temporary:  # its folder is removed below: point at nothing
+            err.out_dir = None
+            if isinstance(err, ChecksFailed):
+                err.result = dataclasses.replace(err.result, path=None)
+        raise
     finally:
         claimed.release()
+        if temporary:  # the folder mkdtemp made for this run, and nothing else
+            shutil.rmtree(claimed.path, ignore_errors=True)
 
 
-def _launch(run: str, nproc: int, cfg: Any, out_dir: Path, timeout_s: float, stream: bool,
+class _Show:
+    """How a run shows itself: nothing (``stream=False``); in a notebook, one line updated in
+    place then a :class:`~handbook_lib.display.RunReport` (its log folded in HTML); in a
+    terminal, its description, the ranks' output live with a labelled progress bar, and a
+    closing line."""
+
+    def __init__(self, run: str, nproc: int, config: dict[str, Any], defaults: dict[str, Any], stream: bool,
+                 kept: bool) -> None:
+        self.run, self.nproc, self.config, self.defaults = run, nproc, config, defaults
+        self.stream, self.kept = stream, kept
+        self.notebook = stream and in_notebook()
+        self.streamer: _Streamer | None = None
+        self.started = time.monotonic()
+
+    def start(self) -> _Streamer:
+        line = describe_run(self.run, self.nproc, self.config, self.defaults)
+        view = _NotebookView(line) if self.notebook else None
+        terminal = self.stream and not self.notebook
+        if terminal:
+            print(f"{line}: starting", flush=True)
+        self.streamer = _Streamer(echo=terminal, label=self.run, view=view)
+        return self.streamer
+
+    def end(self, result: RunResult | None, wall_s: float, out_dir: Path, outcome: str = "") -> None:
+        """Show how the run ended: ``result``, or ``outcome`` (a failure) when there is none."""
+        if not self.stream or self.streamer is None:
+            return
+        line = describe_run(self.run, self.nproc, self.config, self.defaults, result, outcome)
+        detail = f"{wall_s:.1f} s wall" + (f"; result in {out_dir}" if self.kept else "")
+        if self.streamer.view is not None:
+            self.streamer.view.finish(RunReport(line, tuple(self.streamer.log), detail))
+        else:
+            print(f"{line}; {detail}", flush=True)
+
+
+def _launch(run: str, nproc: int, cfg: Any, out_dir: Path, timeout_s: float, show: _Show,
             env: dict[str, str] | None, allow_failed_checks: bool) -> RunResult:
     """:func:`torchrun` once its arguments are checked and ``out_dir`` is claimed."""
+    try:
+        result = _launch_and_wait(run, nproc, cfg, out_dir, timeout_s, show, env, allow_failed_checks)
+    except RunFailed as err:
+        result = getattr(err, "result", None)
+        outcome = ("" if result is not None else "timed out" if isinstance(err, RunTimeout)
+                   else "failed" + (f" (rank {err.rank})" if err.rank is not None else ""))
+        show.end(result, time.monotonic() - show.started, out_dir, outcome)
+        raise
+    except BaseException as err:  # Ctrl-C, or an error of the launcher itself
+        outcome = "interrupted" if isinstance(err, KeyboardInterrupt) else f"stopped by {type(err).__name__}"
+        show.end(None, time.monotonic() - show.started, out_dir, outcome)
+        raise
+    show.end(result, time.monotonic() - show.started, out_dir)
+    return result
+
+
+def _launch_and_wait(run: str, nproc: int, cfg: Any, out_dir: Path, timeout_s: float, show: _Show,
+                     env: dict[str, str] | None, allow_failed_checks: bool) -> RunResult:
+    """Start torchrun, stream its output through ``show``, and read the result or the failure."""
     config_path = out_dir / "config.json"
     config_path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     deadline = time.time() + timeout_s
@@ -580,8 +709,8 @@ def _launch(run: str, nproc: int, cfg: Any, out_dir: Path, timeout_s: float, str
         "--max-restarts", "0", "--tee", "3", "--log-dir", str(out_dir / "logs"),
         "-m", f"handbook_lib.runs.{run}", "--config", str(config_path), "--out", str(out_dir),
     ]
-    streamer = _Streamer(echo=stream)
-    started = time.monotonic()
+    show.started = time.monotonic()
+    streamer = show.start()
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
     timed_out = False
@@ -605,7 +734,6 @@ def _launch(run: str, nproc: int, cfg: Any, out_dir: Path, timeout_s: float, str
         streamer.close()
         if proc.stdout:
             proc.stdout.close()
-    wall_s = time.monotonic() - started
 
     common = dict(run=run, out_dir=out_dir, returncode=proc.returncode, log_tail=list(streamer.tail))
     if timed_out:
@@ -622,6 +750,11 @@ def _launch(run: str, nproc: int, cfg: Any, out_dir: Path, timeout_s: float, str
                             f"rank reported; last output:\n{tail}", rank=None, rank_traceback="",
                             **common)
         message = f"run {run!r} failed: rank {cause.rank} {_verb(cause)}{cause.summary}"
+        if not show.kept and cause.status in ("starting", "silent"):  # its logs/ go with the folder
+            own = [line for line in streamer.tail if line.startswith(f"[rank{cause.rank}] ")][-10:]
+            message = message.replace("its own output is under logs/", "its last output follows")
+            if own:
+                message += f"\n\n--- last output of rank {cause.rank}:\n" + "\n".join(own)
         if cause.status == "stopped":
             message += f"\n{_first_stack(cause.traceback)}"
         elif cause.traceback and not cause.summary.startswith(_SELF_EXPLAINED):
@@ -638,9 +771,6 @@ def _launch(run: str, nproc: int, cfg: Any, out_dir: Path, timeout_s: float, str
         raise RunFailed(f"run {run!r} exited cleanly but wrote no result.json in {out_dir}",
                         rank=None, rank_traceback="", **common)
     result = load_result(out_dir)
-    if stream:
-        print(f"run {run!r}: {result.world_size} ranks, {result.backend} on {result.device}, "
-              f"{wall_s:.1f} s wall; result in {out_dir}", flush=True)
     if result.failed_checks() and not allow_failed_checks:
         raise ChecksFailed(
             f"run {run!r} finished, but {len(result.failed_checks())} of its {len(result.checks)} "

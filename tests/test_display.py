@@ -1,5 +1,7 @@
 """handbook_lib.display: human units and tables."""
 
+import inspect
+
 import pytest
 
 from handbook_lib.display import Table, checks_table, format_bytes
@@ -172,3 +174,142 @@ def test_zero_vs_fsdp_table_adds_up_each_side():
     assert calls.rows == [["ZeRO-3", 3, 0, 1, 23], ["  FSDP2 FULL_SHARD", 5, 0, 0, 25]]
     with pytest.raises(ValueError, match="what must be 'bytes' or 'collectives'"):
         zero_vs_fsdp_table({"ZeRO-3": result}, "time")
+
+
+# --- fitting the book's column (86 characters) -------------------------------------------------
+
+def _widest(shown) -> int:
+    return max(len(line) for line in repr(shown).splitlines())
+
+
+def _fsdp_result(label_world: int, strategy: str, peak_off: float = 0.0):
+    """A training run's result as the book's runs report it, its numbers from the memory model
+    (the default model of chapter 1), its measurements off by ``peak_off`` where a run's are."""
+    from handbook_lib.architecture import ModelConfig
+    from handbook_lib.memory import estimate_rank_state
+    from handbook_lib.results import SCHEMA, RunResult
+
+    model = ModelConfig()
+    ranks, checks = [], []
+    for r in range(label_world):
+        s = estimate_rank_state(model, label_world, strategy, rank=r)
+        metrics = {"param_shard_bytes": s.params, "param_padding_bytes": 0, "grad_shard_bytes": s.grads,
+                   "optimizer_state_bytes": s.optimizer, "optimizer_other_bytes": s.optimizer_step}
+        peak = 3 * s.total
+        ranks.append({"rank": r, "peak_bytes": round(peak * (1 + peak_off)), "losses": [9.0], **metrics})
+        checks += [Check(k, r, v, v, "bytes") for k, v in metrics.items()]
+        checks += [Check("reduce_scatter_buffer_bytes", r, 2 * s.grads, 2 * s.grads, "bytes"),
+                   Check("reduce_scatter_count", r, 7, 7, "collectives"),
+                   Check("activation_bytes", r, s.params, round(s.params * 0.9999), "bytes", 0.05),
+                   Check("peak_bytes", r, peak, round(peak * (1 + peak_off)), "bytes", 0.1)]
+    return RunResult.from_dict({"schema": SCHEMA, "run": "fsdp_train", "config": {"strategy": strategy},
+                                "world_size": label_world, "backend": "gloo", "device": "cpu", "torch_version": "x",
+                                "ranks": ranks, "checks": [c.to_dict() for c in checks]})
+
+
+def test_ranks_table_fits_the_column_and_says_its_unit_once():
+    from handbook_lib.display import WIDTH, ranks_table
+
+    keys = ["param_shard_bytes", "param_padding_bytes", "grad_shard_bytes", "optimizer_state_bytes",
+            "optimizer_other_bytes"]
+    result = _fsdp_result(2, "FULL_SHARD")
+    table = ranks_table(result, keys)
+    assert _widest(table) <= WIDTH == 86  # it was 108
+    assert table.note == "all in bytes (metric names without _bytes)"
+    assert table.text().splitlines()[:2] == ["           param    param        grad   optimizer  optimizer",
+                                             "rank       shard  padding       shard       state      other"]
+    assert [row[1] for row in table.rows] == result.metric("param_shard_bytes")  # the values, unchanged
+
+
+def test_summarize_runs_fits_the_column_for_chapter_2s_labels():
+    from handbook_lib.display import WIDTH, summarize_runs
+
+    runs = {"1 rank, FULL_SHARD, fp32, AdamW": _fsdp_result(1, "FULL_SHARD"),
+            "2 ranks, SHARD_GRAD_OP, fp32, SGD": _fsdp_result(2, "SHARD_GRAD_OP", peak_off=-0.0004),
+            "4 ranks, HYBRID_SHARD 2x2, fp32": _fsdp_result(4, "HYBRID_SHARD")}
+    table = summarize_runs(runs)
+    assert _widest(table) <= WIDTH  # it was 132
+    exact = sum(c.tolerance == 0 for c in runs["2 ranks, SHARD_GRAD_OP, fp32, SGD"].checks)
+    assert table.rows[1][2] == f"{exact}/{exact}" and table.rows[1][3] == "-0.01%"
+    assert table.rows[1][6] == "-0.04%"
+
+
+def test_checks_table_fits_the_column_for_the_books_quantities():
+    from handbook_lib.display import WIDTH
+
+    result = _fsdp_result(2, "FULL_SHARD")
+    table = checks_table(result)
+    assert _widest(table) <= WIDTH
+    assert [row[0] for row in table.rows[:2]] == ["param_shard", "param_padding"]  # the unit says bytes
+    assert table.rows[6][5] == "calls" and table.rows[6][0] == "reduce_scatter_count"
+
+
+def test_definitions_fit_the_column_for_long_texts():
+    from handbook_lib.checkpoint import FSDP1_STATE_DICT_TYPES
+    from handbook_lib.display import WIDTH, definitions
+    from handbook_lib.hardware import ACCELERATORS
+
+    types = definitions(FSDP1_STATE_DICT_TYPES, ["what is saved", "with FSDP2 / DCP", "use it for"])
+    assert _widest(types) <= WIDTH
+    words = " ".join(repr(types).split())
+    for name, parts in FSDP1_STATE_DICT_TYPES.items():  # every word kept, in order
+        assert f"{name} what is saved: {parts[0]} with FSDP2 / DCP: {parts[1]} use it for: {parts[2]}" in words
+    sources = definitions({k: a.source for k, a in ACCELERATORS.items()})
+    assert _widest(sources) <= WIDTH and "<dl>" in sources._repr_html_()
+    with pytest.raises(ValueError, match="fields must name each of the 3 texts"):
+        definitions(FSDP1_STATE_DICT_TYPES, ["one"])
+
+
+def test_show_exception_is_one_wrapped_line_with_the_rest_folded():
+    from handbook_lib.display import WIDTH, show_exception
+
+    err = ValueError("incomplete checkpoint /tmp/x/step_4.tmp: " + "a long explanation " * 12 + "\ntrace line")
+    shown = show_exception(err, replace={"/tmp/x": "<root>"})
+    lines = repr(shown).splitlines()
+    assert max(len(line) for line in lines) <= WIDTH and len(lines) > 1
+    assert " ".join(repr(shown).split()) == "ValueError: incomplete checkpoint <root>/step_4.tmp: " \
+        + " ".join(("a long explanation " * 12).split())
+    assert "trace line" not in repr(shown) and "trace line" in shown._repr_html_()
+
+
+def test_show_source_shows_the_objects_own_source():
+    import inspect
+
+    from handbook_lib.display import format_bytes as shown_fn
+    from handbook_lib.display import show_source
+
+    code = show_source(shown_fn)
+    assert repr(code) == inspect.getsource(shown_fn).rstrip("\n")  # short lines: as written
+    assert repr(code).startswith("def format_bytes(n: float")
+    assert "format_bytes" in code._repr_html_() and "<span" in code._repr_html_()  # highlighted
+    with pytest.raises(ValueError, match="show_source needs a function, class or module"):
+        show_source(len)
+
+
+def test_describe_run_is_one_line_without_paths_or_timings():
+    from handbook_lib.display import RunReport, describe_run
+
+    result = _fsdp_result(2, "FULL_SHARD")
+    defaults = {"steps": 5, "strategy": "FULL_SHARD", "precision": "fp32", "ckpt_dir": ""}
+    config = {"steps": 5, "strategy": "FULL_SHARD", "precision": "bf16-mixed", "ckpt_dir": "/tmp/a/b"}
+    line = describe_run("fsdp_train", 2, config, defaults, result)
+    n = len(result.checks)
+    assert " ".join(line.split()) == ("fsdp_train on 2 ranks (gloo, cpu), 5 steps, FULL_SHARD "
+                                      f"precision=bf16-mixed: {n}/{n} checks passed")
+    assert max(len(part) for part in line.splitlines()) <= 86  # wrapped, not cut
+    assert describe_run("fault", 2, {"mode": "raise"}, {"mode": "none"}, outcome="failed (rank 1)") == \
+        "fault on 2 ranks, mode=raise: failed (rank 1)"
+    report = RunReport(line, ("[rank0] a <b>",), "6.1 s wall")
+    assert repr(report) == line
+    assert "<details>" in report._repr_html_() and "a &lt;b&gt;" in report._repr_html_()
+    assert "<summary>run log: 1 line; 6.1 s wall</summary>" in report._repr_html_()
+
+
+def test_show_source_folds_long_lines_in_text_only():
+    from handbook_lib.checkpoint import save_checkpoint
+    from handbook_lib.display import WIDTH, show_source
+
+    code = show_source(save_checkpoint)
+    assert max(len(line) for line in repr(code).splitlines()) <= WIDTH
+    assert " ".join(repr(code).split()) == " ".join(inspect.getsource(save_checkpoint).split())  # nothing lost
+    assert "save_checkpoint" in code._repr_html_()

@@ -141,3 +141,79 @@ def test_bad_arguments_fail_before_any_process_starts(call, match):
     with pytest.raises(ValueError, match=match):
         call()
     assert {p.pid for p in psutil.Process().children(recursive=True)} == before
+
+
+@pytest.fixture
+def fresh_tmpdir(tmp_path, monkeypatch):
+    """A temporary directory of its own for the runs of one test (here and in the ranks)."""
+    import tempfile
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    return tmp
+
+
+def test_in_a_notebook_a_run_is_one_stable_line_its_log_folded_and_no_folder_left(fresh_tmpdir, monkeypatch,
+                                                                                   capsys):
+    import IPython.display
+
+    import handbook_lib.launch as launch
+    from handbook_lib.display import RunReport
+
+    shown: list[object] = []
+
+    class Handle:
+        def update(self, obj):
+            shown.append(obj)
+
+    def display(obj, display_id=False):
+        assert display_id  # updated in place: one output per run
+        shown.append(obj)
+        return Handle()
+
+    monkeypatch.setattr(launch, "in_notebook", lambda: True)
+    monkeypatch.setattr(IPython.display, "display", display)
+    result = torchrun("fault", 2, {"mode": "none"}, timeout_s=120)
+    assert capsys.readouterr().out == ""  # nothing streamed into the cell
+    final = shown[-1]
+    assert isinstance(final, RunReport)
+    assert repr(final) == "fault on 2 ranks (gloo, cpu), mode=none: " + (
+        f"{len(result.checks)}/{len(result.checks)} checks passed" if result.checks else "no checks")
+    assert "[rank0] rank 0 passed the barrier" in final.log and "[rank1] rank 1 passed the barrier" in final.log
+    assert "<details>" in final._repr_html_() and "s wall" in final._repr_html_()  # timings in HTML only
+    assert result.path is None
+    assert [p.name for p in fresh_tmpdir.iterdir() if p.name.startswith("handbook-")] == []
+
+
+def test_a_failing_run_without_out_removes_its_folder_and_still_names_the_rank(fresh_tmpdir, capsys):
+    with pytest.raises(RunFailed) as info:
+        torchrun("fault", 2, {"mode": "raise", "fail_rank": 1}, timeout_s=120)
+    err = info.value
+    assert err.rank == 1 and 'fault.py", line' in err.rank_traceback and "traceback of rank 1" in str(err)
+    assert err.out_dir is None
+    assert [p.name for p in fresh_tmpdir.iterdir() if p.name.startswith("handbook-")] == []
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "fault on 2 ranks: starting"  # a terminal: what runs (mode=raise is the default)...
+    assert "[rank1] " in "\n".join(out[1:-1])  # ...its ranks' output...
+    assert out[-1].startswith("fault on 2 ranks: failed (rank 1); ") and out[-1].endswith(" s wall")  # ...its end
+
+
+def test_a_progress_bar_is_labelled_with_the_run_and_redraws_once_in_the_log():
+    import io
+
+    from handbook_lib.launch import _Streamer
+
+    out = io.StringIO()
+    streamer = _Streamer(echo=True, out=out, label="fsdp_train")
+    for step in range(3):
+        streamer.feed(f"[default0]:train:  {step * 50}%|##   | {step}/2 [00:00<00:00]\n".encode())
+    streamer.feed(b"[default1]:hello\n[default0]:  50%|##   | 1/2\n")
+    streamer.close()
+    shown = out.getvalue().split("\r")
+    assert shown[0] == "fsdp_train: 0%|##   | 0/2 [00:00<00:00]"
+    assert shown[2].startswith("fsdp_train: 100%|") and "[rank1] hello\n" in shown[2]
+    assert out.getvalue().endswith("fsdp_train: 50%|##   | 1/2\n")  # a bar without a label gets one too
+    assert list(streamer.log) == ["[rank0] train:  100%|##   | 2/2 [00:00<00:00]", "[rank1] hello",
+                                  "[rank0]   50%|##   | 1/2"]
