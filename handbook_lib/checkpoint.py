@@ -14,12 +14,13 @@ On disk, under a root directory::
 
 A save is written into ``step_K.tmp``, and becomes ``step_K`` (a rename) and ``latest`` (a
 pointer file replaced atomically) only after every rank's shard, DCP's ``.metadata`` and the
-manifest are on disk. A job killed at any moment therefore leaves ``latest`` pointing to a
-complete checkpoint; loading an incomplete one raises :class:`CheckpointError` naming what is
-missing. Loading verifies every file's checksum (streamed, ~1.3 GB/s with SHA-256 on a CPU with
-SHA extensions), so a file changed after the save — even with its size unchanged — is refused
-by name, and the model's tensor names and shapes are compared with DCP's index before any
-tensor is read, so a checkpoint of another model is refused naming the tensors that differ.
+manifest are on disk: the steps of :data:`COMMIT_STEPS`, in that order. A job killed at any
+moment therefore leaves ``latest`` pointing to a complete checkpoint; loading an incomplete one
+raises :class:`CheckpointError` naming what is missing. Loading verifies every file's checksum
+(streamed, ~1.3 GB/s with SHA-256 on a CPU with SHA extensions), so a file changed after the
+save — even with its size unchanged — is refused by name, and the model's tensor names and
+shapes are compared with DCP's index before any tensor is read, so a checkpoint of another model
+is refused naming the tensors that differ.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ from handbook_lib.model import SimpleTransformer
 from handbook_lib.results import write_json_atomic
 
 __all__ = [
-    "CHECKPOINT_SCHEMA", "MANIFEST", "LATEST", "FSDP1_STATE_DICT_TYPES", "CheckpointError",
+    "CHECKPOINT_SCHEMA", "MANIFEST", "LATEST", "CommitStep", "COMMIT_STEPS", "FSDP1_STATE_DICT_TYPES",
+    "CheckpointError",
     "TensorCount", "SavedCheckpoint", "LoadedCheckpoint", "checkpoint_name", "save_checkpoint",
     "resolve_checkpoint", "validate_checkpoint", "load_checkpoint", "checkpoint_files", "checkpoint_items",
     "count_state_tensors", "count_checkpoint", "estimate_checkpoint_count",
@@ -75,6 +77,42 @@ MANIFEST = "checkpoint.json"
 """The manifest: written last, so its presence marks a complete save."""
 LATEST = "latest"
 """The pointer file under the root: the directory name of the newest complete checkpoint."""
+
+
+
+@dataclass(frozen=True)
+class CommitStep:
+    """One step of :func:`save_checkpoint`'s commit protocol, and what a crash there leaves."""
+
+    name: str
+    """Short name, e.g. ``"manifest"``."""
+    path: str
+    """What the step makes appear, relative to the root; ``{name}`` stands for ``step_K``
+    (a glob pattern where one file per rank appears)."""
+    who: str
+    """Which ranks do it."""
+    action: str
+    """What is done, in a few words."""
+    crash_leaves: str
+    """What ``latest`` names if the job dies during or right after this step."""
+
+
+COMMIT_STEPS: tuple[CommitStep, ...] = (
+    CommitStep("write aside", "{name}.tmp", "DCP", "create step_K.tmp (rank 0 first removes a dead "
+               "save's)", "the previous checkpoint; step_K.tmp is never loaded"),
+    CommitStep("shards", "{name}.tmp/__*_*.distcp", "every rank", "write its own shards",
+               "the previous checkpoint; step_K.tmp is never loaded"),
+    CommitStep("index", "{name}.tmp/.metadata", "rank 0 (DCP)", "write DCP's .metadata once every "
+               "rank's shards are written", "the previous checkpoint; step_K.tmp is never loaded"),
+    CommitStep("manifest", "{name}.tmp/" + MANIFEST, "rank 0", "hash every file; write sizes and "
+               "SHA-256 (temporary file, renamed)", "the previous checkpoint; step_K.tmp is never loaded"),
+    CommitStep("rename", "{name}", "rank 0", "rename step_K.tmp to step_K (os.replace)",
+               "the previous checkpoint; step_K is complete, just not latest"),
+    CommitStep("point latest", LATEST, "rank 0", "write 'step_K' to a temporary file, "
+               "rename it over latest", "step_K (os.replace is atomic: the old name or the new, never none)"),
+)
+"""The commit protocol of :func:`save_checkpoint`, in the order it performs the steps: the one
+list the book's diagram and the tests read."""
 
 FSDP1_STATE_DICT_TYPES: dict[str, tuple[str, str, str]] = {
     "FULL_STATE_DICT": (
@@ -215,20 +253,24 @@ def save_checkpoint(
     keep_last: int = 0,
     after_shard_written: Callable[[], None] | None = None,
 ) -> SavedCheckpoint:
-    """Save model, optimizer and every rank's RNG state as ``root/step_K``, then point ``latest`` at it.
+    """Save model, optimizer and every rank's RNG state as ``root/step_K``; point
+    ``latest`` at it.
 
-    Collective: every rank calls it. Each rank writes its own shards (DCP); rank 0 writes the
-    manifest (``step``, the world size, ``extra``, every file with its size), renames the
-    directory from ``.tmp`` and replaces the ``latest`` pointer.
+    Collective: every rank calls it. Each rank writes its own shards (DCP); rank 0
+    writes the manifest (``step``, the world size, ``extra``, every file with its
+    size), renames the directory from ``.tmp`` and replaces the ``latest`` pointer:
+    the steps of :data:`COMMIT_STEPS`, in that order.
 
     Args:
         root: Directory holding the checkpoints.
         step: Optimizer steps done; names the checkpoint.
         extra: JSON-ready state to resume with (e.g. ``{"data_position": step}``).
-        keep_last: Keep only this many complete checkpoints: this one and the newest others
-            (0: keep all). Old ones are deleted only after ``latest`` points to this one.
-        after_shard_written: Called on this rank once its shard file is on disk, before the
-            save is committed. Chapter 6 kills the rank there to show an interrupted save.
+        keep_last: Keep only this many complete checkpoints: this one and the
+            newest others (0: keep all). Old ones are deleted only after ``latest``
+            points to this one.
+        after_shard_written: Called on this rank once its shard file is on disk,
+            before the save is committed. Chapter 6 kills the rank there to show an
+            interrupted save.
     """
     start = time.perf_counter()
     root = Path(root)
@@ -240,9 +282,11 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # a save of an earlier job that died
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "rng": {_rng_key(rank): torch.get_rng_state()}}
+    rng = {_rng_key(rank): torch.get_rng_state()}
+    state = {"model": model_sd, "optim": optim_sd, "rng": rng}
     with _single_process_quiet():  # returns once .metadata is written
-        dcp.save(state, storage_writer=_Writer(tmp, after_shard_written), no_dist=_single())
+        writer = _Writer(tmp, after_shard_written)
+        dcp.save(state, storage_writer=writer, no_dist=_single())
     files: dict[str, int] = {}
     checksum_s = 0.0
     if rank == 0:
@@ -263,7 +307,8 @@ def save_checkpoint(
         if keep_last > 0:
             _prune(root, keep_last, name)
     _barrier()
-    return SavedCheckpoint(final, step, time.perf_counter() - start, files, checksum_s)
+    elapsed = time.perf_counter() - start
+    return SavedCheckpoint(final, step, elapsed, files, checksum_s)
 
 
 def file_checksum(path: str | os.PathLike[str]) -> str:
@@ -538,10 +583,11 @@ def estimate_checkpoint_count(config: ModelConfig, optimizer: str) -> dict[str, 
 
 
 def export_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> int:
-    """Gather the full (unsharded) model state to rank 0's CPU memory and ``torch.save`` it.
+    """Gather the full (unsharded) model state to rank 0's CPU; ``torch.save`` it.
 
-    Collective: every rank calls it; only rank 0 holds the full tensors and writes (atomically:
-    a temporary file, then a rename). The file loads into a plain module (:func:`load_exported`).
+    Collective: every rank calls it; only rank 0 holds the full tensors and writes
+    (atomically: a temporary file, then a rename). The file loads into a plain module
+    (:func:`load_exported`).
 
     Returns:
         Bytes of the file on rank 0 (0 on other ranks).

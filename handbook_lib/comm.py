@@ -35,7 +35,7 @@ __all__ = [
     "units_for_model", "CollectiveRecord", "StepTraffic", "estimate_step_traffic",
     "estimate_step_bytes_for_params", "StepTime", "estimate_collective_time",
     "estimate_step_time", "estimate_compute_time", "units_for_decoder", "AlphaBeta",
-    "fit_alpha_beta",
+    "fit_alpha_beta", "RING_KINDS", "RingTransfer", "ring_schedule",
 ]
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
@@ -107,6 +107,58 @@ def estimate_collective(kind: str, buffer_bytes: int, group_size: int) -> Collec
     else:
         moved, steps = b, n - 1
     return CollectiveCost(kind, b, n, moved, moved, steps)
+
+
+RING_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+"""Collectives :func:`ring_schedule` lays out step by step."""
+
+
+@dataclass(frozen=True)
+class RingTransfer:
+    """One chunk one rank sends to its right-hand neighbour in one step of a ring collective.
+
+    The buffer is cut into N chunks of B/N bytes; chunk ``c`` is the part rank ``c`` owns at
+    the end of a reduce-scatter (and starts with in an all-gather)."""
+
+    step: int
+    """Ring step, from 0; all N transfers of a step run at the same time."""
+    sender: int
+    """Rank that sends."""
+    receiver: int
+    """Rank that receives: ``(sender + 1) % N``."""
+    chunk: int
+    """Which of the N chunks travels."""
+    summed: tuple[int, ...]
+    """Reduce phase: the ranks whose contributions the travelling partial sum already holds
+    (the receiver then adds its own); gather phase: ``()``, the chunk is complete."""
+
+
+def ring_schedule(kind: str, group_size: int) -> tuple[RingTransfer, ...]:
+    """Every transfer of a ring ``all_gather``, ``reduce_scatter`` or ``all_reduce``, by step.
+
+    All-gather: rank r starts with chunk r; at step s it forwards chunk (r - s) mod N, the one it
+    received at the previous step, so after N-1 steps every rank holds every chunk.
+    Reduce-scatter: at step s rank r sends its partial sum of chunk (r - s - 1) mod N, holding
+    the contributions of ranks r-s … r; the receiver adds its own, so after N-1 steps rank r holds
+    the complete sum of chunk r. All-reduce is a reduce-scatter then an all-gather: 2(N-1) steps.
+    Each rank sends one chunk (B/N bytes) per step: (N-1)/N·B per all-gather or reduce-scatter,
+    as :func:`estimate_collective` counts.
+
+    Raises:
+        ValueError: for a kind not in :data:`RING_KINDS` or a group below 1.
+    """
+    if kind not in RING_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(RING_KINDS)}, got {kind!r}")
+    _check_int("group_size", group_size, 1)
+    n = group_size
+    reduce = [RingTransfer(s, r, (r + 1) % n, (r - s - 1) % n, tuple((r - k) % n for k in range(s, -1, -1)))
+              for s in range(n - 1) for r in range(n)]
+    gather = [RingTransfer(s, r, (r + 1) % n, (r - s) % n, ()) for s in range(n - 1) for r in range(n)]
+    if kind == "all_gather":
+        return tuple(gather)
+    if kind == "reduce_scatter":
+        return tuple(reduce)
+    return tuple(reduce) + tuple(RingTransfer(t.step + n - 1, t.sender, t.receiver, t.chunk, ()) for t in gather)
 
 
 def units_for_model(config: ModelConfig) -> list[Unit]:

@@ -8,8 +8,9 @@ independent of the memory model's arithmetic, which is why the two can be compar
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -245,6 +246,18 @@ class CollectiveCall:
     """The full buffer: all-gather output, reduce-scatter input, all-reduce/broadcast tensor."""
     group_size: int
     """Ranks in the process group it ran on."""
+    unit: str | None = None
+    """The FSDP2 unit it serves (``root`` for the outermost), as :func:`measure_fsdp_units`
+    names it: the unit whose parameters an all-gather gathers (prefetched or not) or whose
+    gradients a reduce-scatter reduces. ``None`` outside FSDP2 (DDP, FSDP1, other callers)."""
+    phase: str | None = None
+    """``forward``, ``backward`` (issued while autograd runs the backward pass: FSDP's hooks,
+    prefetches and its final callback) or ``optimizer`` (after the backward pass)."""
+    start_s: float | None = None
+    """When it was issued, seconds after the counter was entered (the step's start)."""
+    end_s: float | None = None
+    """When it completed, seconds after the same origin: on CPU (gloo) the moment its work
+    finished; ``None`` on CUDA, where that needs the stream's events, and if it never finished."""
 
 
 _DTYPE_NAMES = {getattr(torch, d.torch_name): name for name, d in DTYPES.items()}
@@ -276,8 +289,33 @@ def _group_size(args: tuple) -> int:
     raise RuntimeError("no process group among the collective's arguments")
 
 
+def _fsdp2_unit() -> str | None:
+    """Name of the FSDP2 unit whose parameter group is issuing a collective now, read from the
+    call stack: FSDP2 issues its all-gathers in ``FSDPParamGroup.unshard`` (also when another
+    unit prefetches it) and its reduce-scatters in ``FSDPParamGroup.post_backward``, so the
+    nearest frame of a parameter group's method names the unit, prefetching included."""
+    import sys
+
+    try:  # a private module: if a torch release moves it, units go unnamed, nothing breaks
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    except ImportError:
+        return None
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if isinstance(owner, FSDPParamGroup):
+            parts = [p for p in (owner._module_fqn or "").split(".") if p != "_checkpoint_wrapped_module"]
+            return ".".join(parts) or "root"
+        frame = frame.f_back
+    return None
+
+
 class CollectiveCounter(TorchDispatchMode):
-    """Record every collective issued while active: kind, dtype, buffer bytes, group size.
+    """Record every collective issued while active: kind, dtype, buffer bytes, group size, the
+    FSDP2 unit it serves, the phase of the step, and when it was issued and finished (seconds
+    since ``__enter__``; gloo's reduce-scatter exposes no completion, so its ``end_s`` is
+    ``None``).
 
     ``torch.distributed``'s collectives go through the dispatcher as ``c10d`` operators
     (``c10d._allgather_base_``, ``c10d._reduce_scatter_base_``, ``c10d.allreduce_``, ...), on
@@ -304,19 +342,71 @@ class CollectiveCounter(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.calls: list[CollectiveCall] = []
+        self._calls: list[CollectiveCall] = []
+        self._ends: dict[int, float] = {}
+        self._done: list = []  # futures done once an end time is recorded
+        self._t0 = time.perf_counter()
+        self._backward_seen = False
+
+    def __enter__(self) -> CollectiveCounter:
+        self._t0 = time.perf_counter()
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        # The step has waited for its collectives, but a completion callback may still be running
+        # on the backend's thread: give the callbacks a moment (never block on a collective).
+        deadline = time.perf_counter() + 1.0
+        while not all(f.done() for f in self._done) and time.perf_counter() < deadline:
+            time.sleep(0.001)
+
+    @property
+    def calls(self) -> list[CollectiveCall]:
+        """The collectives recorded, in the order they were issued, with their end times."""
+        return [replace(c, end_s=self._ends.get(i)) for i, c in enumerate(self._calls)]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func.namespace == "c10d" and func._opname in self._OPS:
-            kind, index = self._OPS[func._opname]
-            buffers = tensors_in(args[index])
-            self.calls.append(CollectiveCall(
-                kind=kind,
-                dtype=_DTYPE_NAMES.get(buffers[0].dtype, str(buffers[0].dtype)),
-                buffer_bytes=sum(_nbytes(t) for t in buffers),
-                group_size=_group_size(args),
-            ))
-        return func(*args, **(kwargs or {}))
+        if not (func.namespace == "c10d" and func._opname in self._OPS):
+            return func(*args, **(kwargs or {}))
+        kind, buffer_arg = self._OPS[func._opname]
+        buffers = tensors_in(args[buffer_arg])
+        index = len(self._calls)
+        self._calls.append(CollectiveCall(
+            kind=kind,
+            dtype=_DTYPE_NAMES.get(buffers[0].dtype, str(buffers[0].dtype)),
+            buffer_bytes=sum(_nbytes(t) for t in buffers),
+            group_size=_group_size(args),
+            unit=_fsdp2_unit(),
+            phase=self._phase(),
+            start_s=time.perf_counter() - self._t0,
+        ))
+        out = func(*args, **(kwargs or {}))
+        if buffers[0].device.type == "cpu":
+            self._watch(out, index)
+        return out
+
+    def _phase(self) -> str:
+        if torch._C._current_graph_task_id() != -1:  # inside autograd's backward pass
+            self._backward_seen = True
+            return "backward"
+        return "optimizer" if self._backward_seen else "forward"
+
+    def _watch(self, out: object, index: int) -> None:
+        """Record the end of call ``index`` when the ``Work`` among ``out`` completes."""
+        from torch.distributed.distributed_c10d import Work
+
+        for item in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(item, torch.ScriptObject):
+                try:
+                    future = Work.unbox(item).get_future()
+                except (RuntimeError, TypeError, AttributeError):
+                    continue
+
+                def finished(_, index=index) -> None:
+                    self._ends[index] = time.perf_counter() - self._t0
+
+                self._done.append(future.then(finished))
+                return
 
     def totals(self) -> dict[str, dict[str, int]]:
         """:func:`collective_totals` of the calls recorded."""

@@ -126,11 +126,12 @@ def apply_fsdp2(
 ) -> None:
     """Shard ``model`` in place: ``fully_shard`` each unit's module, then the root.
 
-    By default every transformer layer becomes one FSDP unit (all-gathered just before it
-    runs, freed after) and the root unit holds what is left, the embedding and the output head.
-    ``units`` names other modules instead (children before parents, as
-    :func:`handbook_lib.sharding.wrap_units` lists them in forward order): ``[]`` leaves one
-    unit, the root, holding every parameter. Works on a model on the meta device too.
+    By default every transformer layer becomes one FSDP unit (all-gathered just before
+    it runs, freed after) and the root unit holds what is left, the embedding and the
+    output head. ``units`` names other modules instead (children before parents, as
+    :func:`handbook_lib.sharding.wrap_units` lists them in forward order): ``[]``
+    leaves one unit, the root, holding every parameter. Works on a model on the meta
+    device too.
     """
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
@@ -139,7 +140,8 @@ def apply_fsdp2(
         kwargs["offload_policy"] = offload_policy
     if units is None:
         units = [m for m in model.modules() if isinstance(m, TransformerLayer)]
-    # fully_shard a child before its parent: the parent's unit then skips the child's parameters
+    # fully_shard a child before its parent: the parent's unit skips the child's
+    # parameters
     depth = {id(m): name.count(".") for name, m in model.named_modules() if name}
     for module in sorted(units, key=lambda m: -depth[id(m)]):
         fully_shard(module, **kwargs)

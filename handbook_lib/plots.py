@@ -1,25 +1,38 @@
 """Figures for the book. Each ``plot_*`` function returns a matplotlib ``Figure``.
 
-Chapter 1 introduces :func:`plot_rank_bytes`; chapter 2 adds :func:`plot_memory_breakdown` and
-:func:`plot_predicted_vs_measured`; chapter 3 the communication plots; chapter 4
-:func:`plot_fit_map`; chapter 5 :func:`plot_loss_curves` and :func:`plot_peak_by_run`. Figures are built with the object-oriented API
-(no ``pyplot`` state), so a notebook cell shows a returned figure exactly once.
+Chapter 1 introduces :func:`plot_rank_bytes`; chapter 2 adds :func:`plot_memory_breakdown`,
+:func:`plot_memory_vs_seq_len` and :func:`plot_predicted_vs_measured`; chapter 3 the
+communication plots (:func:`plot_ring_schedule` first); chapter 4 :func:`plot_fit_map`; chapter 5
+:func:`plot_loss_curves`, :func:`plot_peak_by_run` and :func:`plot_collective_timeline`; chapter 6
+:func:`plot_commit_protocol`. Figures are built with the object-oriented API (no ``pyplot``
+state), so a notebook cell shows a returned figure exactly once. Every figure is at most
+:data:`BOOK_WIDTH_IN` wide, so the book shows it unscaled, and no text is below 8 pt.
 """
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
 
 from matplotlib.figure import Figure
+from matplotlib.patches import FancyArrowPatch, Rectangle
 
+from handbook_lib.checkpoint import CommitStep
+from handbook_lib.comm import ring_schedule
 from handbook_lib.memory import MemoryEstimate
 from handbook_lib.results import RunResult, model_state_bytes
 
 __all__ = [
     "plot_rank_bytes", "plot_memory_breakdown", "plot_predicted_vs_measured",
     "plot_collective_bench", "plot_volume_vs_memory", "plot_step_time_by_link", "plot_fit_map",
-    "plot_loss_curves", "plot_peak_by_run",
+    "plot_loss_curves", "plot_peak_by_run", "plot_ring_schedule", "plot_collective_timeline",
+    "plot_commit_protocol", "plot_memory_vs_seq_len", "BOOK_WIDTH_IN", "MIN_FONT_PT",
 ]
+
+BOOK_WIDTH_IN = 7.2
+"""Width of the book's text column, inches at 100 dpi (720 px): no figure is wider."""
+MIN_FONT_PT = 8.0
+"""Smallest font size of any text in a figure, points."""
 
 _COMPONENTS = (
     ("param_shard_bytes", "parameters"),
@@ -88,7 +101,7 @@ def plot_memory_breakdown(
         limit_label: Legend label of that line.
     """
     labels = list(estimates)
-    fig = Figure(figsize=(max(6.4, 1.0 * len(labels)), 4.0), layout="constrained")
+    fig = Figure(figsize=(BOOK_WIDTH_IN, 4.4), layout="constrained")
     ax = fig.add_subplot()
     bottom = [0.0] * len(labels)
     for key, name in _COMPONENT_LABELS.items():
@@ -99,10 +112,34 @@ def plot_memory_breakdown(
     if limit_bytes is not None:
         ax.axhline(limit_bytes / 1e9, color="black", linestyle="--", linewidth=1, label=limit_label)
     ax.set_ylabel("bytes per rank (GB, 10^9)")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     ax.tick_params(axis="x", labelsize=8)
-    ax.legend(fontsize=7, loc="upper right")
+    # a label wider than its bar's slot: every other one drops a line lower, so neighbours
+    # never share a line (the longest strategy name, SHARD_GRAD_OP, is wider than 1/6 of the axis)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    _stagger_wide_labels(ax, labels)
     return fig
+
+
+def _renderer(fig: Figure):
+    """Draw ``fig`` (on an Agg canvas, attached if it has none) and return the renderer."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = fig.canvas if hasattr(fig.canvas, "get_renderer") else FigureCanvasAgg(fig)
+    canvas.draw()
+    return canvas.get_renderer()
+
+
+def _stagger_wide_labels(ax, labels: Sequence[str], fontsize: float = 8.0) -> None:
+    """Drop every other x tick label below its neighbours if, drawn, neighbours would touch."""
+    renderer = _renderer(ax.figure)
+    boxes = [t.get_window_extent(renderer) for t in ax.get_xticklabels()]
+    if not any(a.x1 + 2 > b.x0 for a, b in zip(boxes, boxes[1:])):
+        return
+    lines = max(label.count("\n") + 1 for label in labels)
+    for i, tick in enumerate(ax.xaxis.get_major_ticks()):
+        if i % 2:
+            tick.set_pad(tick.get_pad() + 1.25 * fontsize * lines)
 
 
 def plot_predicted_vs_measured(
@@ -159,16 +196,57 @@ def plot_volume_vs_memory(points: Sequence[tuple[str, float, float]], *, title: 
         points: ``(label, memory_bytes, sent_bytes)`` per strategy.
         title: Figure title.
     """
-    fig = Figure(figsize=(6.4, 4.0), layout="constrained")
+    fig = Figure(figsize=(BOOK_WIDTH_IN, 4.4), layout="constrained")
     ax = fig.add_subplot()
-    for label, memory_bytes, sent in points:
-        ax.scatter([memory_bytes / 1e9], [sent / 1e9], s=40)
-        ax.annotate(label, (memory_bytes / 1e9, sent / 1e9), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    xs = [m / 1e9 for _, m, _ in points]
+    ys = [v / 1e9 for _, _, v in points]
+    for x, y in zip(xs, ys):
+        ax.scatter([x], [y], s=40)
+    # room for the labels: a margin of the data's span on every side
+    for lo_hi, setter in (((min(xs), max(xs)), ax.set_xlim), ((min(ys), max(ys)), ax.set_ylim)):
+        span = (lo_hi[1] - lo_hi[0]) or abs(lo_hi[1]) or 1.0
+        setter(lo_hi[0] - 0.15 * span, lo_hi[1] + 0.15 * span)
     ax.set_xlabel("peak memory per rank (GB, 10^9)")
     ax.set_ylabel("bytes sent per rank per step (GB, 10^9)")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
+    labels = [ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
+              for (label, _, _), x, y in zip(points, xs, ys)]
+    _place_labels(fig, ax, labels)
     return fig
+
+
+_OFFSETS = [(6, 4), (6, -12), (-6, 4), (-6, -12), (0, 10), (0, -18), (10, 16), (10, -24), (-10, 16),
+            (-10, -24), (14, 28), (14, -36), (-14, 28), (-14, -36)]
+"""Label positions tried, in points from the point labelled: right, left, above, below, farther."""
+
+
+def _marker_discs(ax) -> list[tuple[float, float, float]]:
+    """``(x, y, radius)`` in display pixels of every scatter marker in ``ax`` (a marker of size
+    ``s`` points² is about sqrt(s) points across)."""
+    scale = ax.figure.dpi / 72
+    return [(*ax.transData.transform(xy), (float(c.get_sizes()[0]) ** 0.5 / 2) * scale)
+            for c in ax.collections for xy in c.get_offsets()]
+
+
+def _place_labels(fig: Figure, ax, labels: list) -> None:
+    """Move each annotation to the first offset of :data:`_OFFSETS` where it overlaps no label
+    placed before it, no marker, and stays inside the axes (drawn once, on an Agg canvas)."""
+    renderer = _renderer(fig)
+    box = ax.get_window_extent(renderer)
+    markers = _marker_discs(ax)
+    placed = []
+    for text in labels:
+        for dx, dy in _OFFSETS:
+            text.set_position((dx, dy))
+            text.set_horizontalalignment("left" if dx >= 0 else "right")
+            bb = text.get_window_extent(renderer)
+            inside = box.x0 <= bb.x0 and bb.x1 <= box.x1 and box.y0 <= bb.y0 and bb.y1 <= box.y1
+            free = not any(bb.overlaps(other) for other in placed)
+            clear = not any(bb.x0 - r < mx < bb.x1 + r and bb.y0 - r < my < bb.y1 + r for mx, my, r in markers)
+            if inside and free and clear:
+                break
+        placed.append(text.get_window_extent(renderer))
 
 
 def plot_step_time_by_link(rows: Sequence[tuple[str, float, float, float]], *, title: str) -> Figure:
@@ -209,16 +287,17 @@ def plot_fit_map(
     labels = sorted(set(answers.values()))
     index = {label: i for i, label in enumerate(labels)}
     grid = [[index[answers[(m, n)]] for n in counts] for m in models]
-    fig = Figure(figsize=(1.3 * len(counts) + 2.5, 0.8 * len(models) + 1.8), layout="constrained")
+    lines = max(a.count(" + ") + 1 for a in answers.values())
+    fig = Figure(figsize=(BOOK_WIDTH_IN, (0.18 * lines + 0.25) * len(models) + 1.4), layout="constrained")
     ax = fig.add_subplot()
-    ax.imshow(grid, cmap="tab10", vmin=0, vmax=9, aspect="auto")
+    ax.imshow(grid, cmap="Pastel1", vmin=0, vmax=8, aspect="auto")
     for r, m in enumerate(models):
         for c, n in enumerate(counts):
-            ax.text(c, r, answers[(m, n)].replace(" + ", "\n+ "), ha="center", va="center", fontsize=7)
-    ax.set_xticks(range(len(counts)), [str(n) for n in counts])
-    ax.set_yticks(range(len(models)), models)
+            ax.text(c, r, answers[(m, n)].replace(" + ", "\n+ "), ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(counts)), [str(n) for n in counts], fontsize=9)
+    ax.set_yticks(range(len(models)), models, fontsize=9)
     ax.set_xlabel("GPUs")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     return fig
 
 
@@ -256,4 +335,184 @@ def plot_peak_by_run(
     ax.set_title(title)
     ax.tick_params(axis="x", labelsize=8, rotation=20)
     ax.legend(fontsize=8)
+    return fig
+
+
+def _ring_states(kind: str, n: int) -> list[list[dict[int, int]]]:
+    """After each step of :func:`~handbook_lib.comm.ring_schedule` (index 0: the start), what each
+    rank holds: chunk → how many ranks' contributions it sums (N: complete)."""
+    if kind == "all_gather":
+        held = [{r: n} for r in range(n)]
+    else:
+        held = [dict.fromkeys(range(n), 1) for _ in range(n)]
+    states = [[dict(h) for h in held]]
+    schedule = ring_schedule(kind, n)
+    for step in range(n - 1):
+        for t in [t for t in schedule if t.step == step]:
+            held[t.receiver][t.chunk] = n if not t.summed else len(t.summed) + 1
+        states.append([dict(h) for h in held])
+    return states
+
+
+def plot_ring_schedule(group_size: int = 4) -> Figure:
+    """What each rank holds after each step of a ring all-gather and a ring reduce-scatter.
+
+    One row per rank, one block of N chunk squares per step, coloured by chunk; the chunk a rank
+    has just received from its left neighbour (rank r-1, rank 0 from rank N-1) is outlined. In
+    the reduce-scatter a square's number is how many ranks' contributions its partial sum holds,
+    and its shade deepens as they add up; after N-1 steps rank r holds the full sum of chunk r.
+    Drawn from :func:`~handbook_lib.comm.ring_schedule`.
+    """
+    n = group_size
+    fig = Figure(figsize=(BOOK_WIDTH_IN, 1.0 + 1.1 * n), layout="constrained")
+    colours = [f"C{c % 10}" for c in range(n)]
+    schedules = {"all_gather": ring_schedule("all_gather", n), "reduce_scatter": ring_schedule("reduce_scatter", n)}
+    titles = {"all_gather": "All-gather: each rank forwards the chunk it got last",
+              "reduce_scatter": "Reduce-scatter: each rank adds its part and forwards the sum"}
+    for i, (kind, schedule) in enumerate(schedules.items()):
+        ax = fig.add_subplot(2, 1, i + 1)
+        states = _ring_states(kind, n)
+        for step, state in enumerate(states):
+            new = {(t.receiver, t.chunk) for t in schedule if t.step == step - 1}
+            for rank, held in enumerate(state):
+                for chunk, count in held.items():
+                    x = step * (n + 1) + chunk
+                    ax.add_patch(Rectangle((x, rank - 0.4), 0.9, 0.8, facecolor=colours[chunk],
+                                           alpha=0.25 + 0.75 * count / n,
+                                           edgecolor="black" if (rank, chunk) in new else "none", linewidth=1.6))
+                    if kind == "reduce_scatter":
+                        ax.text(x + 0.45, rank, str(count), ha="center", va="center", fontsize=8)
+        ax.set_xlim(-0.3, n * (n + 1) - 0.8)
+        ax.set_ylim(n - 0.5, -0.5)
+        ax.set_xticks([s * (n + 1) + n / 2 - 0.05 for s in range(n)],
+                      ["start"] + [f"after step {s}" for s in range(1, n)], fontsize=8)
+        ax.set_yticks(range(n), [f"rank {r}" for r in range(n)], fontsize=8)
+        ax.tick_params(length=0)
+        for side in ax.spines.values():
+            side.set_visible(False)
+        ax.set_title(titles[kind], fontsize=9)
+    fig.suptitle(f"Ring collectives on {n} ranks: chunk c in colour c; outlined: just received", fontsize=10)
+    return fig
+
+
+_KIND_COLOURS = {"all_gather": "tab:blue", "reduce_scatter": "tab:orange", "all_reduce": "tab:green",
+                 "broadcast": "tab:purple"}
+
+
+def plot_collective_timeline(
+    calls: Sequence[Mapping[str, object]], *, title: str = "One step's collectives, per FSDP unit"
+) -> Figure:
+    """Each collective of one measured step on a time line, one row per FSDP unit.
+
+    Args:
+        calls: A rank's ``collectives`` from an ``fsdp_train`` result (FSDP2): dicts with
+            ``kind``, ``unit``, ``phase``, ``start_s`` and ``end_s`` (``None`` where the backend
+            does not report the end: a marker at the start is drawn instead).
+        title: Figure title.
+
+    Rows are the units in the order the forward pass gathers them; time is milliseconds since
+    the step began; the backward pass is shaded from its first collective on.
+    """
+    units = list(dict.fromkeys(str(c["unit"]) for c in calls if c.get("phase") == "forward"))
+    units += [u for u in dict.fromkeys(str(c["unit"]) for c in calls) if u not in units]
+    row = {u: i for i, u in enumerate(units)}
+    fig = Figure(figsize=(BOOK_WIDTH_IN, 1.6 + 0.45 * len(units)), layout="constrained")
+    ax = fig.add_subplot()
+    ms = [1e3 * float(c["end_s"] if c.get("end_s") is not None else c["start_s"]) for c in calls]
+    backward = [1e3 * float(c["start_s"]) for c in calls if c.get("phase") == "backward"]
+    if backward:
+        ax.axvspan(min(backward), max(ms), color="0.9", zorder=0, label="backward pass")
+    labelled: set[str] = set()
+    for c in calls:
+        kind, start = str(c["kind"]), 1e3 * float(c["start_s"])
+        label = kind.replace("_", "-") if kind not in labelled else None
+        labelled.add(kind)
+        y = row[str(c["unit"])] + (0.15 if kind == "reduce_scatter" else -0.15)
+        if c.get("end_s") is not None:
+            width = max(1e3 * float(c["end_s"]) - start, 0.004 * max(ms))
+            ax.broken_barh([(start, width)], (y - 0.13, 0.26), color=_KIND_COLOURS.get(kind, "black"), label=label)
+        else:
+            ax.plot([start], [y], marker="|", markersize=14, markeredgewidth=2.5, linestyle="none",
+                    color=_KIND_COLOURS.get(kind, "black"), label=f"{label} (start; end not reported)"
+                    if label else None)
+    ax.set_yticks(range(len(units)), units, fontsize=8)
+    ax.set_ylim(len(units) - 0.5, -0.5)
+    ax.set_xlim(0, max(ms) * 1.03 if ms else 1)
+    ax.set_xlabel("time since the step began (ms)")
+    ax.set_ylabel("FSDP unit")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
+    return fig
+
+
+def plot_commit_protocol(steps: Sequence[CommitStep]) -> Figure:
+    """The checkpoint commit protocol as boxes from left to right, each with what a crash
+    during or right after it leaves as ``latest`` (read from
+    :data:`handbook_lib.checkpoint.COMMIT_STEPS`)."""
+    n = len(steps)
+    fig = Figure(figsize=(BOOK_WIDTH_IN, 3.9), layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_xlim(0, n)
+    ax.set_ylim(0, 1)
+    ax.axis("off")
+    width = 0.86
+    for i, step in enumerate(steps):
+        x = i + (1 - width) / 2
+        committed = i == n - 1
+        ax.add_patch(Rectangle((x, 0.47), width, 0.45, facecolor="#dbe9f6" if not committed else "#d9f0d3",
+                               edgecolor="0.3"))
+        ax.text(i + 0.5, 0.895, f"{i + 1}. {step.name}", ha="center", va="top", fontsize=8, weight="bold")
+        body = textwrap.fill(step.action.replace("step_K", "step_K\u2060"), 15) + "\n\n" + textwrap.fill(
+            f"by {step.who}", 15)
+        ax.text(i + 0.5, 0.835, body, ha="center", va="top", fontsize=8, linespacing=1.1)
+        ax.text(i + 0.5, 0.42, textwrap.fill("crash: latest = " + step.crash_leaves, 16), ha="center",
+                va="top", fontsize=8, color="#1a7a1a" if committed else "#8a3a00", linespacing=1.1)
+        if i:
+            ax.add_patch(FancyArrowPatch((i - (1 - width) / 2 - 0.005, 0.695), (x + 0.005, 0.695),
+                                         arrowstyle="-|>", mutation_scale=10, color="0.2"))
+    fig.suptitle("A save commits in this order: until step 6, latest names the previous checkpoint",
+                 fontsize=10)
+    return fig
+
+
+def plot_memory_vs_seq_len(
+    seq_lens: Sequence[int],
+    plain: Sequence[MemoryEstimate],
+    checkpointed: Sequence[MemoryEstimate],
+    *,
+    limit_bytes: int | None = None,
+    limit_label: str = "device memory",
+    title: str = "Peak memory per rank against sequence length",
+) -> Figure:
+    """Model state, activations and the predicted peak (GB, 10^9 bytes, log scale) against the
+    sequence length (log2 scale), without (solid) and with (dashed) activation checkpointing.
+
+    Args:
+        seq_lens: Tokens per sequence, one per estimate.
+        plain: :func:`~handbook_lib.memory.estimate_memory` at each length, no checkpointing.
+        checkpointed: The same with ``activation_checkpointing=True``.
+        limit_bytes: Draw a horizontal line at this many bytes (e.g. a GPU's memory).
+        limit_label: Legend label of that line.
+        title: Figure title.
+    """
+    fig = Figure(figsize=(BOOK_WIDTH_IN, 4.2), layout="constrained")
+    ax = fig.add_subplot()
+    ax.plot(seq_lens, [e.model_state / 1e9 for e in plain], color="tab:blue", marker="o", markersize=4,
+            label="model state (both)")
+    for estimates, style, suffix in ((plain, "-", ""), (checkpointed, "--", ", checkpointed")):
+        ax.plot(seq_lens, [e.forward_activations / 1e9 for e in estimates], style, color="tab:orange",
+                marker="o", markersize=4, label=f"activations{suffix}")
+        ax.plot(seq_lens, [e.peak / 1e9 for e in estimates], style, color="tab:red", marker="o",
+                markersize=4, label=f"peak{suffix}")
+    if limit_bytes is not None:
+        ax.axhline(limit_bytes / 1e9, color="black", linestyle=":", linewidth=1.2, label=limit_label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(list(seq_lens), [f"{s:,}" for s in seq_lens], fontsize=8)
+    ax.minorticks_off()
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("bytes per rank (GB, 10^9)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     return fig

@@ -249,3 +249,54 @@ def test_fsdp1_state_dict_types_are_all_explained():
     assert "intermediate" in FSDP1_STATE_DICT_TYPES["SHARDED_STATE_DICT"][2]
     with pytest.raises(ValueError, match="step must be >= 0"):
         checkpoint_name(-1)
+
+
+def test_commit_steps_are_what_a_save_does_in_that_order(tmp_path, monkeypatch):
+    """COMMIT_STEPS against a real save: each step's path appears, in the listed order, at the
+    moments the save can be observed (each os.replace, the shard hook, entering DCP), and until
+    the last step ``latest`` still names the previous checkpoint."""
+    model, opt = _trained()
+    save_checkpoint(tmp_path, 1, model, opt)
+    name, previous = checkpoint_name(2), checkpoint_name(1)
+
+    def present(step: ckpt.CommitStep) -> bool:
+        if step.path == LATEST:  # the pointer exists already: the step is done when it names step_K
+            return (tmp_path / LATEST).read_text() == f"{name}\n"
+        path = step.path.format(name=name)  # once renamed, what was in step_K.tmp is in step_K
+        return any(tmp_path.glob(path)) or any(tmp_path.glob(path.replace(f"{name}.tmp", name)))
+
+    seen: list[list[bool]] = []
+    pointers: list[str] = []
+
+    def observe() -> None:
+        seen.append([present(s) for s in ckpt.COMMIT_STEPS])
+        pointers.append((tmp_path / LATEST).read_text())
+
+    real_replace, real_save = os.replace, ckpt.dcp.save
+
+    def replace(src, dst):
+        observe()
+        real_replace(src, dst)
+        observe()
+
+    def dcp_save(*args, **kwargs):
+        observe()
+        try:
+            return real_save(*args, **kwargs)
+        finally:
+            observe()
+
+    monkeypatch.setattr(ckpt.os, "replace", replace)
+    monkeypatch.setattr(ckpt.dcp, "save", dcp_save)
+    _step(model, opt, 1)
+    save_checkpoint(tmp_path, 2, model, opt, after_shard_written=observe)
+    monkeypatch.undo()
+
+    assert seen[0] == [False] * len(ckpt.COMMIT_STEPS) and all(seen[-1])
+    first = [next(i for i, row in enumerate(seen) if row[k]) for k in range(len(ckpt.COMMIT_STEPS))]
+    assert first == sorted(first), [s.name for s in ckpt.COMMIT_STEPS]
+    # the steps after "write aside" are each observed on their own, strictly in order
+    assert len(set(first[1:])) == len(first) - 1
+    # a crash at any observed moment before the pointer is replaced leaves the previous checkpoint
+    assert all(p == f"{previous}\n" for p, row in zip(pointers, seen) if not row[-1])
+    assert [s.name for s in ckpt.COMMIT_STEPS][-2:] == ["rename", "point latest"]

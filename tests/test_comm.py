@@ -386,3 +386,68 @@ def test_the_grad_scaler_adds_one_four_byte_all_reduce_and_none_communicates_not
     extra = [r for r in scaled.records if r not in base.records]
     assert [(r.kind, r.buffer_bytes, r.group_size) for r in extra] == [("all_reduce", 4, 2)]
     assert estimate_step_traffic(units, 1, "NONE").records == ()
+
+
+def _simulate_ring(kind: str, n: int) -> tuple[list[dict[int, frozenset[int]]], dict[int, int]]:
+    """Run ``ring_schedule``'s transfers on symbolic data: what each rank holds of each chunk (the
+    set of ranks whose contribution it sums), and how many chunks each rank sent."""
+    from handbook_lib.comm import ring_schedule
+
+    if kind == "all_gather":  # rank r starts with its own, complete chunk r
+        held = [{r: frozenset(range(n))} for r in range(n)]
+    else:  # every rank starts with its own contribution to every chunk
+        held = [{c: frozenset({r}) for c in range(n)} for r in range(n)]
+    sent = dict.fromkeys(range(n), 0)
+    schedule = ring_schedule(kind, n)
+    for step in sorted({t.step for t in schedule}):
+        moves = [t for t in schedule if t.step == step]
+        assert sorted(t.sender for t in moves) == list(range(n))  # every rank sends once a step
+        payloads = [(t, held[t.sender][t.chunk]) for t in moves]  # all sends happen at once
+        for t, payload in payloads:
+            assert t.receiver == (t.sender + 1) % n
+            if t.summed:  # a partial sum: exactly the contributions it says it carries
+                assert payload == frozenset(t.summed)
+                held[t.receiver][t.chunk] = payload | held[t.receiver][t.chunk]
+            else:
+                assert payload == frozenset(range(n))  # only complete chunks are gathered
+                held[t.receiver][t.chunk] = payload
+            sent[t.sender] += 1
+    return held, sent
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_ring_all_gather_gives_every_rank_every_chunk(n):
+    held, sent = _simulate_ring("all_gather", n)
+    assert all(h == {c: frozenset(range(n)) for c in range(n)} for h in held)
+    buffer = 64 * n
+    assert all(k * buffer // n == estimate_collective("all_gather", buffer, n).sent_bytes for k in sent.values())
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_ring_reduce_scatter_leaves_rank_r_the_full_sum_of_chunk_r(n):
+    held, sent = _simulate_ring("reduce_scatter", n)
+    assert all(held[r][r] == frozenset(range(n)) for r in range(n))
+    buffer = 64 * n
+    assert all(k * buffer // n == estimate_collective("reduce_scatter", buffer, n).sent_bytes
+               for k in sent.values())
+
+
+@pytest.mark.parametrize("n", [2, 4, 5])
+def test_ring_all_reduce_is_both_in_twice_the_steps(n):
+    held, sent = _simulate_ring("all_reduce", n)
+    assert all(h == {c: frozenset(range(n)) for c in range(n)} for h in held)
+    cost = estimate_collective("all_reduce", 64 * n, n)
+    assert all(k * 64 == cost.sent_bytes for k in sent.values())
+    from handbook_lib.comm import ring_schedule
+
+    assert max(t.step for t in ring_schedule("all_reduce", n)) + 1 == cost.steps
+
+
+def test_ring_schedule_rejects_bad_arguments():
+    from handbook_lib.comm import ring_schedule
+
+    assert ring_schedule("all_gather", 1) == ()
+    with pytest.raises(ValueError, match="kind must be one of"):
+        ring_schedule("broadcast", 4)
+    with pytest.raises(ValueError, match="group_size"):
+        ring_schedule("all_gather", 0)

@@ -23,3 +23,43 @@ def test_tensors_in_walks_lists_tuples_and_dicts():
     found = tensors_in({"x": [a, (b, "not a tensor")], "y": {"z": c}, "n": 4})
     assert [t.numel() for t in found] == [1, 2, 3]
     assert tensors_in(None) == []
+
+
+def test_counter_times_each_call_and_names_its_phase(tmp_path):
+    """A one-rank gloo group: an all-gather in forward, an all-reduce issued by autograd in
+    backward, one more after it; each is timed from the counter's start, in issue order."""
+    import time
+
+    import torch.distributed as dist
+
+    from handbook_lib.measure import CollectiveCounter
+
+    class ReduceInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            dist.all_reduce(grad)
+            return grad
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        x = torch.ones(4, requires_grad=True)
+        begin = time.perf_counter()
+        with CollectiveCounter() as counter:
+            out = torch.empty(4)
+            dist.all_gather_into_tensor(out, torch.ones(4))
+            ReduceInBackward.apply(x).sum().backward()
+            dist.all_reduce(torch.ones(2))
+        elapsed = time.perf_counter() - begin
+    finally:
+        dist.destroy_process_group()
+    calls = counter.calls
+    assert [(c.kind, c.phase, c.unit) for c in calls] == [
+        ("all_gather", "forward", None), ("all_reduce", "backward", None), ("all_reduce", "optimizer", None)]
+    starts = [c.start_s for c in calls]
+    assert 0 <= starts[0] <= starts[1] <= starts[2] <= elapsed
+    assert all(c.end_s is not None and c.start_s <= c.end_s <= elapsed for c in calls)  # gloo: all finished
+    assert [c.buffer_bytes for c in calls] == [16, 16, 8]

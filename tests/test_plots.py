@@ -268,3 +268,220 @@ def test_peak_by_run_max_over_ranks_in_mb(figs: list[Figure]) -> None:
     assert _ticks(ax.get_xticklabels()) == list(results)
     assert "MB" in ax.get_ylabel() and ax.get_title() == "Peaks"
     assert _legend(ax) == ["peak (measured)", "model state at rest"]
+
+
+# --- readability: every figure the book shows at its column width ------------------------------
+
+
+def _shown_texts(fig: Figure) -> list[tuple[Any, Any]]:
+    """``(Text, window bbox)`` of every non-empty text drawn: tick labels only where their tick
+    is inside the axis' view (matplotlib keeps labels for ticks it does not draw)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.text import Text
+
+    canvas = fig.canvas if hasattr(fig.canvas, "get_renderer") else FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    tick_labels, drawn = set(), set()
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            lo, hi = sorted(axis.get_view_interval())
+            for loc, label in zip(axis.get_ticklocs(), axis.get_ticklabels()):
+                tick_labels.add(id(label))
+                if ax.axison and lo - 1e-9 * (hi - lo) <= loc <= hi + 1e-9 * (hi - lo):
+                    drawn.add(id(label))
+    shown = []
+    for text in fig.findobj(Text):
+        if not text.get_visible() or not text.get_text().strip():
+            continue
+        if id(text) in tick_labels and id(text) not in drawn:
+            continue
+        box = text.get_window_extent(renderer)
+        if box.width > 0 and box.height > 0:
+            shown.append((text, box))
+    return shown
+
+
+def _assert_readable(fig: Figure) -> None:
+    """No wider than the book's column (so never scaled down), every text >= 8 pt, inside the
+    figure, and no two texts' boxes overlapping."""
+    assert fig.get_figwidth() <= plots.BOOK_WIDTH_IN
+    shown = _shown_texts(fig)
+    assert shown
+    small = [(t.get_text(), t.get_fontsize()) for t, _ in shown if t.get_fontsize() < plots.MIN_FONT_PT]
+    assert not small
+    page = fig.bbox
+    outside = [t.get_text() for t, b in shown
+               if b.x0 < page.x0 - 1 or b.x1 > page.x1 + 1 or b.y0 < page.y0 - 1 or b.y1 > page.y1 + 1]
+    assert not outside
+    overlapping = [(a.get_text(), b.get_text()) for i, (a, box_a) in enumerate(shown)
+                   for b, box_b in shown[i + 1:] if box_a.overlaps(box_b)]
+    assert not overlapping
+
+
+def test_readability_check_catches_what_it_should(figs: list[Figure]) -> None:
+    fig = Figure(figsize=(4, 3))
+    figs.append(fig)
+    ax = fig.add_subplot()
+    ax.text(0.5, 0.5, "one label", fontsize=9)
+    ax.text(0.5, 0.5, "on another", fontsize=9)
+    with pytest.raises(AssertionError):
+        _assert_readable(fig)
+    figs.append(small := Figure(figsize=(4, 3)))
+    small.add_subplot().set_title("tiny", fontsize=6)
+    with pytest.raises(AssertionError):
+        _assert_readable(small)
+    figs.append(wide := Figure(figsize=(9, 3)))
+    wide.add_subplot().set_title("wide")
+    with pytest.raises(AssertionError):
+        _assert_readable(wide)
+
+
+def _chapter2_breakdown() -> dict[str, MemoryEstimate]:
+    from handbook_lib.memory import estimate_memory
+    from handbook_lib.presets import DECODER_SHAPES
+
+    return {f"{s}\n{n} GPUs": estimate_memory(DECODER_SHAPES["7b"], n, s, "bf16-mixed", micro_batch=1,
+                                              seq_len=4096, activation_checkpointing=True)
+            for s in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD") for n in (8, 64)}
+
+
+def test_memory_breakdown_of_chapter_2_is_readable(figs: list[Figure]) -> None:
+    estimates = _chapter2_breakdown()
+    figs.append(fig := plots.plot_memory_breakdown(
+        estimates, title="7B, bf16-mixed, s=4096, b=1, activation checkpointing",
+        limit_bytes=80_000_000_000, limit_label="80 GB GPU"))
+    _assert_readable(fig)
+    assert _ticks(_ax(fig).get_xticklabels()) == list(estimates)
+
+
+def test_volume_vs_memory_of_chapter_3_is_readable(figs: list[Figure]) -> None:
+    from handbook_lib.comm import estimate_step_traffic, units_for_decoder
+    from handbook_lib.memory import estimate_memory
+    from handbook_lib.presets import DECODER_SHAPES
+
+    shape = DECODER_SHAPES["7b"]
+    points = []
+    for label, name, kwargs in [("DDP", "DDP", {}), ("SHARD_GRAD_OP", "SHARD_GRAD_OP", {}),
+                                ("FULL_SHARD", "FULL_SHARD", {}),
+                                ("HYBRID_SHARD (4)", "HYBRID_SHARD", {"shard_group_size": 4}),
+                                ("HYBRID_SHARD_ZERO2 (4)", "HYBRID_SHARD_ZERO2", {"shard_group_size": 4})]:
+        memory = estimate_memory(shape, 8, name, "bf16-mixed", micro_batch=1, seq_len=4096,
+                                 activation_checkpointing=True, **kwargs).peak
+        sent = estimate_step_traffic(units_for_decoder(shape), 8, name, param_dtype="bf16",
+                                     reduce_dtype="fp32", **kwargs).sent_bytes
+        points.append((label, memory, sent))
+    figs.append(fig := plots.plot_volume_vs_memory(points, title="7B on 8 GPUs: memory per GPU vs bytes sent"))
+    _assert_readable(fig)
+    ax = _ax(fig)
+    # each label still annotates its own point, and covers no point (its own or another's)
+    assert [(t.get_text(), *t.xy) for t in ax.texts] == [(n, m / 1e9, s / 1e9) for n, m, s in points]
+    renderer = fig.canvas.get_renderer()
+    px = fig.dpi / 72
+    discs = [(*ax.transData.transform(xy), c.get_sizes()[0] ** 0.5 / 2 * px)
+             for c in ax.collections for xy in c.get_offsets()]
+    for text in ax.texts:
+        box = text.get_window_extent(renderer)
+        assert not [(x, y) for x, y, r in discs if box.x0 - r < x < box.x1 + r and box.y0 - r < y < box.y1 + r]
+
+
+def test_fit_map_of_chapter_4_is_readable(figs: list[Figure]) -> None:
+    from handbook_lib.planner import plan
+
+    answers = {}
+    for model in ("llama2-7b", "llama2-13b", "llama2-70b", "gpt3-175b"):
+        for n in (8, 16, 32, 64, 128):
+            best = plan(model, "h100-80gb", n, seq_len=4096).recommended
+            answers[(model, n)] = "none" if best is None else (best.name if best.gpus == n else "more GPUs")
+    figs.append(fig := plots.plot_fit_map(answers, title="Recommended on H100 80 GB, s = 4,096"))
+    _assert_readable(fig)
+    assert len(_ax(fig).texts) == len(answers)
+
+
+def test_ring_schedule_draws_what_each_rank_holds_after_each_step(figs: list[Figure]) -> None:
+    n = 4
+    figs.append(fig := plots.plot_ring_schedule(n))
+    _assert_readable(fig)
+    gather, scatter = fig.axes
+    for ax, kind in ((gather, "all_gather"), (scatter, "reduce_scatter")):
+        squares = {(round(p.get_x()) // (n + 1), round(p.get_y() + 0.4), round(p.get_x()) % (n + 1)): p
+                   for p in ax.patches}
+        for step in range(n):
+            for rank in range(n):
+                held = {c for (s, r, c) in squares if (s, r) == (step, rank)}
+                if kind == "all_gather":  # after step s: chunks r, r-1, ..., r-s
+                    assert held == {(rank - k) % n for k in range(step + 1)}
+                else:  # every rank holds a part of every chunk throughout
+                    assert held == set(range(n))
+            outlined = {(r, c) for (s, r, c), p in squares.items() if s == step and p.get_linewidth() > 0
+                        and p.get_edgecolor()[3] > 0}
+            assert len(outlined) == (n if step else 0)  # every rank receives one chunk a step
+        if kind == "reduce_scatter":  # the last column: rank r holds all N contributions to chunk r
+            last = {(round(t.get_position()[0] - 0.45) % (n + 1), round(t.get_position()[1])): t.get_text()
+                    for t in ax.texts if round(t.get_position()[0] - 0.45) // (n + 1) == n - 1}
+            assert all(last[(r, r)] == str(n) for r in range(n))
+            assert sorted(v for (c, r), v in last.items() if c != r) == sorted(
+                str(k) for _ in range(n) for k in range(1, n))
+
+
+def test_commit_protocol_shows_every_step_in_order(figs: list[Figure]) -> None:
+    from handbook_lib.checkpoint import COMMIT_STEPS
+
+    figs.append(fig := plots.plot_commit_protocol(COMMIT_STEPS))
+    _assert_readable(fig)
+    ax = _ax(fig)
+    titles = [t for t in ax.texts if t.get_weight() == "bold"]
+    assert [t.get_text() for t in titles] == [f"{i}. {s.name}" for i, s in enumerate(COMMIT_STEPS, 1)]
+    assert [t.get_position()[0] for t in titles] == sorted(t.get_position()[0] for t in titles)  # left to right
+    crash = [t.get_text().replace("\n", " ") for t in ax.texts if t.get_text().startswith("crash")]
+    assert crash == [f"crash: latest = {s.crash_leaves}" for s in COMMIT_STEPS]
+    assert len(ax.patches) == 2 * len(COMMIT_STEPS) - 1  # boxes and the arrows between them
+
+
+def test_memory_vs_seq_len_draws_the_model_in_gb(figs: list[Figure]) -> None:
+    from handbook_lib.hardware import get_accelerator
+    from handbook_lib.memory import estimate_memory
+    from handbook_lib.presets import DECODER_SHAPES
+
+    lens = [2**k for k in range(9, 16)]
+    shape = DECODER_SHAPES["7b"]
+    plain, ac = ([estimate_memory(shape, 8, "FULL_SHARD", "bf16-mixed", micro_batch=1, seq_len=s,
+                                  activation_checkpointing=a) for s in lens] for a in (False, True))
+    gpu = get_accelerator("a100-80gb")
+    figs.append(fig := plots.plot_memory_vs_seq_len(lens, plain, ac, limit_bytes=gpu.memory_bytes,
+                                                    limit_label="A100 80 GB", title="7B"))
+    _assert_readable(fig)
+    ax = _ax(fig)
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert list(lines["peak"].get_ydata()) == pytest.approx([e.peak / 1e9 for e in plain])
+    assert list(lines["peak, checkpointed"].get_ydata()) == pytest.approx([e.peak / 1e9 for e in ac])
+    assert list(lines["activations"].get_ydata()) == pytest.approx([e.forward_activations / 1e9 for e in plain])
+    assert list(lines["model state (both)"].get_xdata()) == lens
+    assert list(lines["A100 80 GB"].get_ydata()) == pytest.approx([80.0, 80.0])
+    assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
+    # the picture's point: without checkpointing the peak crosses the GPU's memory, with it it does not
+    assert plain[-1].peak > gpu.memory_bytes > ac[-1].peak
+
+
+def test_collective_timeline_one_row_per_unit_in_forward_order(figs: list[Figure]) -> None:
+    from handbook_lib.comm import estimate_step_traffic, units_for_model
+    from handbook_lib.model import ModelConfig
+
+    units = units_for_model(ModelConfig(num_layers=3))
+    records = estimate_step_traffic(units, 2, "FULL_SHARD", root_reshard_after_forward=True).records
+    # one call per ms, each all-gather 0.5 ms long; reduce-scatters without an end, as on gloo
+    calls = [{"kind": r.kind, "unit": r.unit, "phase": r.phase, "start_s": i * 1e-3,
+              "end_s": i * 1e-3 + 5e-4 if r.kind == "all_gather" else None} for i, r in enumerate(records)]
+    figs.append(fig := plots.plot_collective_timeline(calls, title="Timeline"))
+    _assert_readable(fig)
+    ax = _ax(fig)
+    assert _ticks(ax.get_yticklabels()) == [u.name for u in units]
+    bars = [b for c in ax.collections for b in c.get_paths()]
+    gathers = [c for c in calls if c["kind"] == "all_gather"]
+    assert len(bars) == len(gathers)
+    starts = sorted(round(p.vertices[:, 0].min(), 6) for p in bars)
+    assert starts == sorted(round(c["start_s"] * 1e3, 6) for c in gathers)
+    marks = [line for line in ax.get_lines() if line.get_marker() == "|"]
+    assert sorted(float(m.get_xdata()[0]) for m in marks) == pytest.approx(
+        sorted(c["start_s"] * 1e3 for c in calls if c["kind"] == "reduce_scatter"))
+    assert ax.get_title() == "Timeline" and "ms" in ax.get_xlabel()
