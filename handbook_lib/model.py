@@ -7,6 +7,7 @@ model. Its config and its parameter count, which need no ``torch``, live in
 Architecture (per layer, post-norm)::
 
     x = norm1(x + self_attn(x))        # nn.MultiheadAttention, batch_first, causal mask
+                                       # (``causal=False`` drops it: see SimpleTransformer)
     x = norm2(x + linear2(gelu(linear1(x))))
 
 and around the layers: a token embedding in front, a linear output head (with bias) behind.
@@ -51,7 +52,8 @@ class TransformerLayer(nn.Module):
         self.norm1 = nn.LayerNorm(d_model)
         self.norm2 = nn.LayerNorm(d_model)
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the block to ``x`` of shape (batch, seq, d_model)."""
         attn, _ = self.self_attn(x, x, x, attn_mask=attn_mask, need_weights=False)
         x = self.norm1(x + attn)
@@ -64,11 +66,21 @@ class SimpleTransformer(nn.Module):
     ``forward(tokens)`` takes int64 token ids of shape (batch, seq) and returns logits of shape
     (batch, seq, vocab_size). Attention is causal, so position t sees tokens 0..t only and the
     model can be trained on next-token prediction.
+
+    Args:
+        config: The model shape.
+        causal: ``True`` (the default) masks attention to later positions. ``False`` drops the
+            mask, as the course's seed does: a bidirectional encoder, in which position t also
+            sees tokens t+1.. — including the one it is asked to predict. Chapter 1 trains both
+            on next-token prediction (:mod:`handbook_lib.causality`). It changes no parameter.
     """
 
-    def __init__(self, config: ModelConfig = ModelConfig()) -> None:
+    def __init__(self, config: ModelConfig = ModelConfig(), *, causal: bool = True) -> None:
         super().__init__()
+        if not isinstance(causal, bool):
+            raise ValueError(f"causal must be True or False, got {causal!r}")
         self.config = config
+        self.causal = causal
         made = {name: make() for name, make in model_parts(config)}  # in the RNG's order
         self.embedding = made["embedding"]
         self.layers = nn.ModuleList(made[f"layers.{i}"] for i in range(config.num_layers))
@@ -77,7 +89,7 @@ class SimpleTransformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq = tokens.shape[1]
         # Boolean mask: True marks a position that may NOT be attended to.
-        mask = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).triu(1)
+        mask = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).triu(1) if self.causal else None
         x = self.embedding(tokens)
         for layer in self.layers:
             x = layer(x, attn_mask=mask)
@@ -100,17 +112,20 @@ def model_parts(config: ModelConfig) -> list[tuple[str, Callable[[], nn.Module]]
             ("output", lambda: nn.Linear(config.d_model, config.vocab_size))]
 
 
-def build_model(config: ModelConfig = ModelConfig(), *, seed: int | None = None) -> SimpleTransformer:
+def build_model(config: ModelConfig = ModelConfig(), *, seed: int | None = None,
+                causal: bool = True) -> SimpleTransformer:
     """Construct a :class:`SimpleTransformer` on the CPU.
 
     Args:
         config: The model shape.
         seed: If given, ``torch.manual_seed(seed)`` is called first, so every process that builds
             the model with the same seed holds the same initial weights.
+        causal: Mask attention to later positions (the default); ``False`` builds the seed's
+            bidirectional variant, with the same weights for the same seed.
     """
     if seed is not None:
         torch.manual_seed(seed)
-    return SimpleTransformer(config)
+    return SimpleTransformer(config, causal=causal)
 
 
 def count_parameters(module: nn.Module) -> tuple[int, int]:

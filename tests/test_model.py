@@ -93,3 +93,26 @@ def test_build_model_is_deterministic_in_seed():
 def test_bad_config_raises(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig(**kwargs)
+
+
+def test_unmasked_model_has_the_same_weights_and_sees_later_tokens():
+    config = ModelConfig(vocab_size=20, d_model=16, nhead=2, dim_feedforward=32, num_layers=2)
+    causal, unmasked = build_model(config, seed=0).eval(), build_model(config, seed=0, causal=False).eval()
+    assert causal.causal and not unmasked.causal
+    # The flag adds no parameter and changes no weight.
+    assert count_parameters(unmasked)[0] == param_count(config)
+    assert all(torch.equal(a, b) for a, b in zip(causal.state_dict().values(), unmasked.state_dict().values()))
+    tokens = torch.randint(0, 20, (3, 6), generator=torch.Generator().manual_seed(1))
+    changed = tokens.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % 20
+    # Without the mask, changing the last token changes the first position's logits.
+    assert (unmasked(changed)[:, 0] - unmasked(tokens)[:, 0]).abs().max() > 1e-3
+    # With one token, nothing lies ahead to see: the two models compute the same thing.
+    torch.testing.assert_close(unmasked(tokens[:, :1]), causal(tokens[:, :1]))
+
+
+@pytest.mark.parametrize("causal", [1, "no", None])
+def test_causal_flag_must_be_bool(causal):
+    with pytest.raises(ValueError, match="causal must be True or False"):
+        SimpleTransformer(ModelConfig(vocab_size=5, d_model=4, nhead=1, dim_feedforward=4, num_layers=1),
+                          causal=causal)
