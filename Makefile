@@ -3,6 +3,10 @@
 #   make test            set up, then run the whole test suite (unit, distributed, notebooks, book),
 #                        on CPU kernels other than those the notebooks' outputs were stored with
 #   make check-portable  only the notebooks, re-executed on those other kernels and compared
+#   make check-book      build the book, then open every page in headless Chromium and check what
+#                        a reader sees (scripts/check_book.py): no console error, no request off
+#                        127.0.0.1, images and maths rendered, nothing wider than the column,
+#                        glossary definitions on hover
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 VENV ?= .venv
@@ -16,7 +20,7 @@ OTHER_CPU = kernels="$$($(PY) scripts/cpu_variant.py --other)"; \
 	echo "CPU kernels for this run: $$(echo $$kernels) (notebooks stored with $$($(PY) scripts/cpu_variant.py --stored))"; \
 	env $$kernels
 
-.PHONY: book test check-portable notebooks lab setup clean
+.PHONY: book test check-portable check-book notebooks lab setup clean
 
 setup:
 	scripts/setup.sh book,test,lab,frameworks
@@ -33,6 +37,20 @@ test: setup
 
 check-portable: setup
 	$(OTHER_CPU) $(PY) -m pytest notebooks $(NBVAL)
+
+# --all: Sphinx copies _static only when some page is out of date, and a CSS change is not one.
+check-book:
+	scripts/setup.sh book,browser
+	@if ! command -v chromedriver >/dev/null || ! command -v chromium >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get install -y chromium chromium-driver \
+	      || { apt-get update && apt-get install -y chromium chromium-driver; }; \
+	  else \
+	    echo "check-book needs Chromium and its driver: sudo apt-get install chromium chromium-driver"; exit 1; \
+	  fi; \
+	fi
+	$(VENV)/bin/jupyter-book build . --all -n -W --keep-going
+	$(PY) scripts/check_book.py _build/html
 
 notebooks: setup  ## re-execute every notebook (native CPU kernels) and store its outputs
 	$(PY) scripts/execute_notebooks.py
