@@ -548,16 +548,19 @@ the keys it already shows)."""
 
 
 def describe_run(run: str, nproc: int, config: Mapping[str, Any], defaults: Mapping[str, Any] | None = None,
-                 result: RunResult | None = None, outcome: str = "") -> str:
+                 result: RunResult | None = None, outcome: str = "", nnodes: int = 1) -> str:
     """One line on a run, the same on any machine: its name, ranks (with backend and device once
     known), steps, strategy, the config keys changed from ``defaults`` (not the model's shape,
     and no paths), and how it ended: its checks, or ``outcome`` (e.g. ``"running"``,
     ``"failed: rank 1"``). Wrapped at :data:`WIDTH`.
 
     ``describe_run("fsdp_train", 2, cfg, defaults, result)`` ->
-    ``"fsdp_train on 2 ranks (gloo, cpu), 5 steps, FULL_SHARD: 26/26 checks passed"``.
+    ``"fsdp_train on 2 ranks (gloo, cpu), 5 steps, FULL_SHARD: 26/26 checks passed"``; over
+    several nodes (``nnodes``, ``nproc`` per node), ``"fsdp_train on 2 nodes x 2 ranks ..."``.
     """
     where = f"{run} on {nproc} rank{'s' * (nproc != 1)}"
+    if nnodes > 1:  # nproc per node
+        where = f"{run} on {nnodes} nodes x {nproc} rank{'s' * (nproc != 1)}"
     if result is not None:
         where += f" ({result.backend}, {result.device})"
     head = [where]

@@ -38,6 +38,7 @@ import re
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -566,12 +567,24 @@ def torchrun(
     env: dict[str, str] | None = None,
     allow_failed_checks: bool = False,
     overwrite: bool = False,
-) -> RunResult:
+    nnodes: int = 1,
+    node_rank: int | None = None,
+    rdzv_endpoint: str | None = None,
+) -> RunResult | None:
     """Run ``handbook_lib.runs.<run>`` on ``nproc`` processes and return its parsed result.
+
+    Several nodes, two ways. With ``nnodes > 1`` and no ``node_rank``, all the nodes are on this
+    machine: one torchrun agent per node, started together, meeting at a c10d rendezvous on
+    127.0.0.1 (how chapter 8 and the tests run a 2-node job on one box). With ``node_rank``, this
+    call is one node of a real multi-node job: it starts this node's agent only, which meets the
+    others at ``rdzv_endpoint`` (``host:port`` of a machine every node can reach); run the same
+    call on every node, each with its own ``node_rank``. Either way torchrun's c10d rendezvous
+    forms the job (it numbers the nodes in the order they join), and each rank records its host,
+    node rank and local rank.
 
     Args:
         run: Name of a run module (see :func:`handbook_lib.runs.available_runs`).
-        nproc: Number of processes (ranks). With GPUs, at most one per visible GPU.
+        nproc: Number of processes (ranks) per node. With GPUs, at most one per visible GPU.
         config: Config keys for the run; unknown keys or bad values raise before anything starts.
         out: Directory for ``result.json``, the rank logs and states, kept after the run; if
             ``None``, a fresh temporary directory, removed when the run ends (the returned
@@ -589,9 +602,15 @@ def torchrun(
             code that studies a failing model); by default that raises :class:`ChecksFailed`.
         overwrite: Reuse an earlier run's ``out`` folder: its ``result.json``, ``config.json``,
             ``ranks/`` and ``logs/`` are removed first (nothing else is).
+        nnodes: Nodes in the job (each runs ``nproc`` ranks): the world size is
+            ``nnodes * nproc``.
+        node_rank: This machine's node in a real multi-node job (``0 .. nnodes-1``); ``None``
+            runs every node here.
+        rdzv_endpoint: ``host:port`` of the c10d rendezvous, required with ``node_rank``.
 
     Returns:
-        The run's ``result.json``, parsed.
+        The run's ``result.json``, parsed; ``None`` on a node of a real multi-node job whose
+        ``out`` holds no ``result.json`` (rank 0 writes it, on the node it runs on).
 
     Raises:
         ValueError: for an unknown run, a bad ``nproc``, ``timeout_s``, ``env`` or ``out``, or a
@@ -608,18 +627,24 @@ def torchrun(
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be an int >= 1, got {nproc!r}")
     _check_call(config, timeout_s, env, overwrite)
+    nodes = _check_nodes(nnodes, node_rank, rdzv_endpoint)
     module = importlib.import_module(f"handbook_lib.runs.{run}")
     cfg = module.CONFIG.from_mapping(config)
     if hasattr(module, "validate"):
-        module.validate(cfg, nproc)
-    _check_gpus(nproc)
+        module.validate(cfg, nnodes * nproc)
+    if nodes.local_agents > 1:
+        _check_gpus(nnodes * nproc, f"nnodes x nproc = {nnodes} x {nproc} ranks on this machine")
+    else:
+        _check_gpus(nproc)
 
     defaults = module.CONFIG.from_mapping({}).to_dict()
-    show = _Show(run, nproc, cfg.to_dict(), defaults, stream, kept=out is not None)
+    show = _Show(run, nproc, cfg.to_dict(), defaults, stream, kept=out is not None, nnodes=nnodes)
     claimed = _prepare_out_dir(run, out, overwrite)
     temporary = out is None
     try:
-        result = _launch(run, nproc, cfg, claimed.path, timeout_s, show, env, allow_failed_checks)
+        result = _launch(run, nproc, cfg, claimed.path, timeout_s, show, env, allow_failed_checks, nodes)
+        if result is None:
+            return None
         return dataclasses.replace(result, path=None) if temporary else result
     except (RunFailed, RunInterrupted) as err:
         if temporary:  # its folder is removed below: point at nothing
@@ -640,15 +665,16 @@ class _Show:
     closing line."""
 
     def __init__(self, run: str, nproc: int, config: dict[str, Any], defaults: dict[str, Any], stream: bool,
-                 kept: bool) -> None:
+                 kept: bool, nnodes: int = 1) -> None:
         self.run, self.nproc, self.config, self.defaults = run, nproc, config, defaults
+        self.nnodes = nnodes
         self.stream, self.kept = stream, kept
         self.notebook = stream and in_notebook()
         self.streamer: _Streamer | None = None
         self.started = time.monotonic()
 
     def start(self) -> _Streamer:
-        line = describe_run(self.run, self.nproc, self.config, self.defaults)
+        line = describe_run(self.run, self.nproc, self.config, self.defaults, nnodes=self.nnodes)
         view = _NotebookView(line) if self.notebook else None
         terminal = self.stream and not self.notebook
         if terminal:
@@ -660,7 +686,8 @@ class _Show:
         """Show how the run ended: ``result``, or ``outcome`` (a failure) when there is none."""
         if not self.stream or self.streamer is None:
             return
-        line = describe_run(self.run, self.nproc, self.config, self.defaults, result, outcome)
+        line = describe_run(self.run, self.nproc, self.config, self.defaults, result, outcome,
+                            nnodes=self.nnodes)
         detail = f"{wall_s:.1f} s wall" + (f"; result in {out_dir}" if self.kept else "")
         if self.streamer.view is not None:
             self.streamer.view.finish(RunReport(line, tuple(self.streamer.log), detail))
@@ -669,10 +696,10 @@ class _Show:
 
 
 def _launch(run: str, nproc: int, cfg: Any, out_dir: Path, timeout_s: float, show: _Show,
-            env: dict[str, str] | None, allow_failed_checks: bool) -> RunResult:
+            env: dict[str, str] | None, allow_failed_checks: bool, nodes: _Nodes) -> RunResult | None:
     """:func:`torchrun` once its arguments are checked and ``out_dir`` is claimed."""
     try:
-        result = _launch_and_wait(run, nproc, cfg, out_dir, timeout_s, show, env, allow_failed_checks)
+        result = _launch_and_wait(run, nproc, cfg, out_dir, timeout_s, show, env, allow_failed_checks, nodes)
     except RunFailed as err:
         result = getattr(err, "result", None)
         outcome = ("" if result is not None else "timed out" if isinstance(err, RunTimeout)
@@ -688,7 +715,7 @@ def _launch(run: str, nproc: int, cfg: Any, out_dir: Path, timeout_s: float, sho
 
 
 def _launch_and_wait(run: str, nproc: int, cfg: Any, out_dir: Path, timeout_s: float, show: _Show,
-                     env: dict[str, str] | None, allow_failed_checks: bool) -> RunResult:
+                     env: dict[str, str] | None, allow_failed_checks: bool, nodes: _Nodes) -> RunResult | None:
     """Start torchrun, stream its output through ``show``, and read the result or the failure."""
     config_path = out_dir / "config.json"
     config_path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
@@ -702,54 +729,55 @@ def _launch_and_wait(run: str, nproc: int, cfg: Any, out_dir: Path, timeout_s: f
         "HANDBOOK_COLLECTIVE_TIMEOUT_S": str(max(5.0, min(300.0, 0.8 * timeout_s))),
         **(env or {}),
     }
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "1", "--nproc-per-node", str(nproc),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-        "--max-restarts", "0", "--tee", "3", "--log-dir", str(out_dir / "logs"),
-        "-m", f"handbook_lib.runs.{run}", "--config", str(config_path), "--out", str(out_dir),
-    ]
+    tail = ["-m", f"handbook_lib.runs.{run}", "--config", str(config_path), "--out", str(out_dir)]
     show.started = time.monotonic()
     streamer = show.start()
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
+    proc = _start_agents(nodes.commands(nproc, out_dir, tail),
+                         [{**child_env, **nodes.agent_env(k, nproc)} for k in range(nodes.local_agents)])
     timed_out = False
     killed = 0
     mentions = (f"handbook_lib.runs.{run}", str(out_dir))
     try:
         timed_out = not _pump(proc, streamer, deadline)
     except KeyboardInterrupt:  # Ctrl-C in a notebook or a terminal: leave nothing behind
-        _, ranks = _kill_tree(proc, mentions=mentions)
+        _, ranks = _stop(proc, mentions)
         streamer.close()
         raise RunInterrupted(f"run {run!r} interrupted; torchrun and {ranks} rank{'s' * (ranks != 1)} "
                              f"stopped", run=run, out_dir=out_dir) from None
     except BaseException:
-        _kill_tree(proc, mentions=mentions)
+        _stop(proc, mentions)
         streamer.close()
         raise
     finally:
         if timed_out:
-            killed, _ = _kill_tree(proc, mentions=mentions)
+            killed, _ = _stop(proc, mentions)
+        elif nodes.count > 1:  # a rank whose agent was killed is killed with it; make sure
+            _sweep(mentions)
         _drain(proc, streamer)
         streamer.close()
         if proc.stdout:
             proc.stdout.close()
 
+    world = nodes.count * nproc
     common = dict(run=run, out_dir=out_dir, returncode=proc.returncode, log_tail=list(streamer.tail))
     if timed_out:
-        _, states = diagnose_failure(out_dir, nproc)
+        _, states = diagnose_failure(out_dir, world)
         lines = [f"run {run!r} did not finish within {timeout_s:g} s and was stopped "
                  f"({killed} process{'es' * (killed != 1)} killed). Where each rank was:"]
         lines += _where_ranks_were(states)
         raise RunTimeout("\n".join(lines), rank=None, rank_traceback="", **common)
     if proc.returncode != 0:
-        cause, states = diagnose_failure(out_dir, nproc)
+        cause, states = diagnose_failure(out_dir, world)
         if cause is None:
             tail = "\n".join(list(streamer.tail)[-20:])
             raise RunFailed(f"run {run!r} failed (torchrun exit code {proc.returncode}) before any "
                             f"rank reported; last output:\n{tail}", rank=None, rank_traceback="",
                             **common)
-        message = f"run {run!r} failed: rank {cause.rank} {_verb(cause)}{cause.summary}"
+        where = nodes.where(cause.rank, nproc, out_dir)
+        message = f"run {run!r} failed: rank {cause.rank}{where} {_verb(cause)}{cause.summary}"
+        if isinstance(proc, _Agents) and proc.failed_node is not None:
+            message += (f"\n(the first agent to end was node {proc.failed_node}'s, "
+                        f"{_exit_words(proc.failed_code)})")
         if not show.kept and cause.status in ("starting", "silent"):  # its logs/ go with the folder
             own = [line for line in streamer.tail if line.startswith(f"[rank{cause.rank}] ")][-10:]
             message = message.replace("its own output is under logs/", "its last output follows")
@@ -767,6 +795,8 @@ def _launch_and_wait(run: str, nproc: int, cfg: Any, out_dir: Path, timeout_s: f
             else:
                 message += f"\n\n--- then rank {s.rank}: {s.summary.splitlines()[0][:300]}"
         raise RunFailed(message, rank=cause.rank, rank_traceback=cause.traceback, **common)
+    if not (out_dir / "result.json").exists() and nodes.node_rank not in (None, 0):
+        return None  # one node of a real multi-node job: rank 0's node holds the result
     if not (out_dir / "result.json").exists():
         raise RunFailed(f"run {run!r} exited cleanly but wrote no result.json in {out_dir}",
                         rank=None, rank_traceback="", **common)
@@ -868,11 +898,189 @@ def _drain(proc: subprocess.Popen, streamer: _Streamer) -> None:
         pass
 
 
-def _check_gpus(nproc: int) -> None:
+@dataclass(frozen=True)
+class _Nodes:
+    """The nodes of a job and how their torchrun agents meet (see :func:`torchrun`)."""
+
+    count: int = 1
+    node_rank: int | None = None
+    """This machine's node in a real multi-node job; ``None``: every node runs here."""
+    endpoint: str = "127.0.0.1:0"
+
+    def commands(self, nproc: int, out_dir: Path, tail: list[str]) -> list[list[str]]:
+        """One torchrun command per agent this machine starts."""
+        def agent(node: int | None, conf: list[str], logs: Path) -> list[str]:
+            rank = [] if node is None else ["--node-rank", str(node)]
+            return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.count),
+                    *rank, "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.rdzv_id(out_dir), *conf,
+                    "--max-restarts", "0", "--tee", "3", "--log-dir", str(logs), *tail]
+
+        if self.count == 1:
+            return [agent(None, [], out_dir / "logs")]
+        if self.node_rank is not None:
+            return [agent(self.node_rank, [], out_dir / "logs" / f"node{self.node_rank}")]
+        # every node here: node 0's agent hosts the rendezvous store, the others join it
+        return [agent(k, ["--rdzv-conf", f"is_host={'true' if k == 0 else 'false'}"],
+                      out_dir / "logs" / f"node{k}") for k in range(self.count)]
+
+    @property
+    def local_agents(self) -> int:
+        """Agents this machine starts: every node's, or only its own."""
+        return self.count if self.node_rank is None else 1
+
+    def agent_env(self, agent: int, nproc: int) -> dict[str, str]:
+        """Extra environment of this machine's ``agent``-th agent. With every node here and
+        GPUs visible, each agent gets its own ``nproc`` of them (``CUDA_VISIBLE_DEVICES``), as
+        separate machines would: rank ``cuda:LOCAL_RANK`` of two agents must not share a GPU."""
+        if self.node_rank is not None or self.count == 1:
+            return {}
+        import torch
+
+        if not torch.cuda.is_available():
+            return {}
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        return {"CUDA_VISIBLE_DEVICES": ",".join(ids[agent * nproc:(agent + 1) * nproc])}
+
+    def rdzv_id(self, out_dir: Path) -> str:
+        """The job's name at the rendezvous: the same on every node of one job."""
+        if self.node_rank is not None:
+            return "handbook-" + re.sub(r"[^A-Za-z0-9]+", "-", self.endpoint)
+        return f"handbook-{os.getpid()}-{out_dir.name}"
+
+    def where(self, rank: int, nproc: int, out_dir: Path) -> str:
+        """`` (node N, local rank L)`` for a job over several nodes, else ``""``. Read from the
+        rank's own state file; a rank that left none (its node died) is placed the way torchrun
+        numbers them, ``node = rank // nproc``."""
+        if self.count == 1:
+            return ""
+        path = out_dir / "ranks" / f"rank{rank}.json"
+        try:
+            info = json.loads(path.read_text())
+            node, local = int(info["node_rank"]), int(info["local_rank"])
+        except (OSError, ValueError, KeyError):
+            node, local = divmod(rank, nproc)
+        return f" (node {node}, local rank {local})"
+
+
+def _check_nodes(nnodes: int, node_rank: int | None, rdzv_endpoint: str | None) -> _Nodes:
+    """The job's nodes, or ValueError naming the argument and what it accepts."""
+    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
+        raise ValueError(f"nnodes must be an int >= 1, got {nnodes!r}")
+    if node_rank is None:
+        if rdzv_endpoint is not None:
+            raise ValueError("rdzv_endpoint needs node_rank: it is for one node of a real "
+                             "multi-node job (without node_rank every node runs here)")
+        if nnodes == 1:
+            return _Nodes()
+        return _Nodes(nnodes, None, f"127.0.0.1:{_free_port()}")
+    if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank must be an int in [0, {nnodes}) for nnodes={nnodes}, got {node_rank!r}")
+    if not isinstance(rdzv_endpoint, str) or not re.fullmatch(r"[A-Za-z0-9._\-\[\]:]+:\d{1,5}", rdzv_endpoint):
+        raise ValueError(f"rdzv_endpoint must be 'host:port' (the rendezvous every node reaches), "
+                         f"got {rdzv_endpoint!r}")
+    return _Nodes(nnodes, node_rank, rdzv_endpoint)
+
+
+def _free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a rendezvous every local agent must know in advance."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Agents:
+    """The torchrun agents of one job, started together on this machine, read as one process:
+    one merged output pipe, ``poll()`` is ``None`` while any runs, and ``returncode`` is the
+    first failing agent's. Once one agent has failed, the others get ``grace_s`` to end on their
+    own (their ranks lose a peer and fail), then they are stopped."""
+
+    def __init__(self, procs: list[subprocess.Popen], stdout: Any, grace_s: float = 20.0) -> None:
+        self.procs, self.stdout, self.grace_s = procs, stdout, grace_s
+        self.pid = procs[0].pid
+        self.failed_node: int | None = None
+        self.failed_code: int | None = None
+        self._failed_at: float | None = None
+
+    def poll(self) -> int | None:
+        codes = [p.poll() for p in self.procs]
+        for node, code in enumerate(codes):
+            if code not in (None, 0) and self.failed_node is None:
+                self.failed_node, self.failed_code, self._failed_at = node, code, time.monotonic()
+        if None not in codes:
+            return self.returncode
+        if self._failed_at is not None and time.monotonic() - self._failed_at > self.grace_s:
+            for p in self.procs:
+                if p.poll() is None:
+                    _kill_tree(p)
+        return None
+
+    @property
+    def returncode(self) -> int | None:
+        if any(p.poll() is None for p in self.procs):
+            return None
+        return self.failed_code if self.failed_code is not None else 0
+
+
+def _start_agents(commands: list[list[str]], envs: list[dict[str, str]]) -> subprocess.Popen | _Agents:
+    """Start one agent (a plain ``Popen``) or several sharing one output pipe (:class:`_Agents`),
+    the ``k``-th command with the ``k``-th environment."""
+    if len(commands) == 1:
+        return subprocess.Popen(commands[0], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env=envs[0], start_new_session=True)
+    read, write = os.pipe()
+    procs: list[subprocess.Popen] = []
+    try:
+        for cmd, env in zip(commands, envs):
+            procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=write,
+                                          stderr=subprocess.STDOUT, env=env, start_new_session=True))
+    except BaseException:
+        for p in procs:
+            _kill_tree(p)
+        os.close(read)
+        raise
+    finally:
+        os.close(write)
+    return _Agents(procs, os.fdopen(read, "rb", buffering=0))
+
+
+def _stop(proc: subprocess.Popen | _Agents, mentions: tuple[str, ...]) -> tuple[int, int]:
+    """:func:`_kill_tree` for one agent or every agent of an :class:`_Agents`; summed counts."""
+    procs = proc.procs if isinstance(proc, _Agents) else [proc]
+    total = ranks = 0
+    for p in procs:
+        done, r = _kill_tree(p, mentions=mentions)
+        total, ranks = total + done, ranks + r
+    return total, ranks
+
+
+def _sweep(mentions: tuple[str, ...]) -> None:
+    """Kill any process still running this run (its module and folder on its command line)."""
+    for p in _processes_mentioning(mentions, exclude={os.getpid()}):
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _exit_words(code: int | None) -> str:
+    """An agent's exit status in words: ``killed by SIGKILL`` or ``exit status 1``."""
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exit status {code}"
+
+
+def _check_gpus(nproc: int, said: str = "") -> None:
+    """Refuse more ranks on this machine than GPUs; ``said`` is how the caller asked for them
+    (default ``nproc=N``)."""
     import torch
 
     if torch.cuda.is_available() and nproc > torch.cuda.device_count():
         raise ValueError(
-            f"nproc={nproc} but {torch.cuda.device_count()} GPU(s) are visible; "
+            f"{said or f'nproc={nproc}'} but {torch.cuda.device_count()} GPU(s) are visible; "
             "NCCL needs one rank per GPU: use nproc <= the GPU count"
         )

@@ -10,7 +10,9 @@ so it can be started as ``torchrun --nproc-per-node N -m handbook_lib.runs.NAME 
 --out DIR``. The harness turns what the ranks do into files the launcher can read:
 
 - ``DIR/result.json`` — written by rank 0 once every rank's report is gathered (atomic);
-- ``DIR/ranks/rank{R}.json`` — each rank's end state: ``ok``, or ``error`` with the traceback;
+- ``DIR/ranks/rank{R}.json`` — each rank's end state: ``ok``, or ``error`` with the traceback,
+  and where it ran (host, node rank, local rank); the same three keys are in its ``result.json``
+  record;
 - ``DIR/ranks/rank{R}.stacks.txt`` — Python stacks of a rank stopped by a signal or about to
   miss the launcher's deadline, so a hang shows where it hung.
 
@@ -26,6 +28,7 @@ import faulthandler
 import json
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -41,7 +44,7 @@ from handbook_lib.config import parse_overrides
 from handbook_lib.distributed import RankContext, init_distributed, shutdown_distributed
 from handbook_lib.results import SCHEMA, Check, write_json_atomic
 
-__all__ = ["RankReport", "main", "DEADLINE_ENV"]
+__all__ = ["RankReport", "main", "placement", "DEADLINE_ENV"]
 
 DEADLINE_ENV = "HANDBOOK_DEADLINE"
 """Environment variable the launcher sets: the Unix time (seconds) at which it kills the run."""
@@ -89,8 +92,16 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def placement() -> dict[str, Any]:
+    """Where this rank runs: ``host`` (its machine's name), ``node_rank`` (torchrun's
+    ``GROUP_RANK``: which agent started it) and ``local_rank`` (its index on that node)."""
+    return {"host": socket.gethostname(), "node_rank": int(os.environ.get("GROUP_RANK", "0")),
+            "local_rank": int(os.environ.get("LOCAL_RANK", "0"))}
+
+
 def _write_status(ranks_dir: Path, rank: int, status: dict[str, Any]) -> None:
-    write_json_atomic(ranks_dir / f"rank{rank}.json", {"rank": rank, "time": time.time(), **status})
+    write_json_atomic(ranks_dir / f"rank{rank}.json",
+                      {"rank": rank, "time": time.time(), **placement(), **status})
 
 
 def _collect(report: RankReport, ctx: RankContext) -> list[RankReport] | None:
@@ -117,6 +128,7 @@ def main(module: ModuleType, argv: list[str] | None = None) -> None:
         config = module.CONFIG.from_mapping(mapping)
         ctx = init_distributed()
         report = module.run(config, ctx)
+        report.metrics.update(placement())
         reports = _collect(report, ctx)
         if reports is not None:
             result = {

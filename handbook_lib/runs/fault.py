@@ -13,12 +13,16 @@ it in an all-reduce:
 - ``bad_check``: nothing crashes, but every rank reports a count check whose measurement is
   off by one (a model that disagrees with reality): the launcher raises ``ChecksFailed`` and
   the CLI exits 1;
+- ``kill_agent``: kills its own torchrun agent with SIGKILL, as a node that loses power would
+  end: the agent and every rank it started (each rank dies with its agent) are gone at once;
+  in a run over several nodes, the others must end with an error naming that node;
 - ``none``: nothing goes wrong; the run writes a result.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -39,7 +43,7 @@ class FaultConfig(FlatConfig):
 
     fail_rank: int = 1
     """The rank that misbehaves."""
-    mode: Literal["raise", "exit", "hang", "sleep", "bad_check", "none"] = "raise"
+    mode: Literal["raise", "exit", "hang", "sleep", "bad_check", "kill_agent", "none"] = "raise"
     """How it misbehaves (see the module docstring)."""
     sleep_s: float = 3600.0
     """Seconds a ``hang`` or ``sleep`` rank sleeps."""
@@ -67,6 +71,10 @@ def run(config: FaultConfig, ctx: RankContext) -> RankReport:
             sys.stdout.flush()
             os._exit(3)
         if config.mode == "hang":
+            time.sleep(config.sleep_s)
+        if config.mode == "kill_agent":  # the agent, then this rank (it dies with its agent)
+            sys.stdout.flush()
+            os.kill(os.getppid(), signal.SIGKILL)
             time.sleep(config.sleep_s)
     value = torch.ones(1, device=ctx.device)
     dist.all_reduce(value)
