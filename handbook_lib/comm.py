@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 from handbook_lib.architecture import ModelConfig
-from handbook_lib.hardware import Link
+from handbook_lib.hardware import Link, Node
 from handbook_lib.presets import DecoderShape
 from handbook_lib.sharding import DTYPE_BYTES, Unit, dtype_bytes, fsdp_units
 from handbook_lib.strategies import STRATEGIES, get_strategy, strategies_where
@@ -34,7 +34,7 @@ __all__ = [
     "COLLECTIVES", "STRATEGIES", "CollectiveCost", "estimate_collective", "Unit",
     "units_for_model", "CollectiveRecord", "StepTraffic", "estimate_step_traffic",
     "estimate_step_bytes_for_params", "StepTime", "estimate_collective_time",
-    "estimate_step_time", "estimate_compute_time", "units_for_decoder", "AlphaBeta",
+    "estimate_step_time", "cluster_link", "bytes_by_link", "estimate_compute_time", "units_for_decoder", "AlphaBeta",
     "fit_alpha_beta", "RING_KINDS", "RingTransfer", "ring_schedule",
 ]
 
@@ -362,6 +362,31 @@ class StepTime:
     """The step."""
     bound: str
     """``"communication"`` if ``comm_s > compute_s``, else ``"compute"``."""
+
+
+def cluster_link(record: CollectiveRecord, node: Node, gpus: int, strategy: str) -> Link:
+    """The link one collective of a ``gpus``-GPU job on machines like ``node`` travels.
+
+    Ranks fill whole nodes in order. A collective crosses machines, and runs at
+    ``node.inter_link``'s speed, when the job spans several nodes and its group does: a group
+    larger than a node (FULL_SHARD over every GPU), or HSDP's all-reduce between replicas, one
+    rank per node. Anything else stays on ``node.intra_link`` (NVLink, PCIe).
+    """
+    per_node = min(node.gpus_per_node, gpus)
+    if gpus <= per_node:
+        return node.intra_link
+    crosses = record.group_size > per_node or (get_strategy(strategy).hybrid and record.kind == "all_reduce")
+    return node.inter_link if crosses else node.intra_link
+
+
+def bytes_by_link(traffic: StepTraffic, link_of: Callable[[CollectiveRecord], Link]) -> dict[str, int]:
+    """Bytes one rank sends per step on each link (by the link's name), in execution order of
+    first use: e.g. ``{"NVLink 4 (H100 SXM)": ..., "InfiniBand NDR 400 Gb/s": ...}``."""
+    sent: dict[str, int] = {}
+    for record in traffic.records:
+        name = link_of(record).name
+        sent[name] = sent.get(name, 0) + record.sent_bytes
+    return sent
 
 
 def estimate_step_time(

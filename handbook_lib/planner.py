@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from handbook_lib.architecture import ModelConfig, param_count
 from handbook_lib.comm import (
     CollectiveRecord,
+    cluster_link,
     estimate_compute_time,
     estimate_step_time,
     estimate_step_traffic,
@@ -23,7 +24,7 @@ from handbook_lib.comm import (
     units_for_model,
 )
 from handbook_lib.config import PRECISIONS
-from handbook_lib.hardware import Accelerator, Link, default_intra_link, get_accelerator, get_link, node_preset
+from handbook_lib.hardware import Accelerator, Link, Node, default_intra_link, get_accelerator, get_link, node_preset
 from handbook_lib.memory import (
     PHASE_WORDS,
     SEED_STRATEGIES,
@@ -214,6 +215,7 @@ def plan(
     intra = get_link(intra) if isinstance(intra, str) else intra
     inter = get_link(inter_link) if isinstance(inter_link, str) else inter_link
     per_node = min(gpus_per_node, gpus)
+    node = Node(acc, per_node, intra, inter)
     budget = acc.memory_bytes * (1 - headroom)
     param_dtype, reduce_dtype = PRECISIONS[precision]
     tokens = micro_batch * seq_len
@@ -228,8 +230,7 @@ def plan(
                                         reduce_dtype=reduce_dtype, shard_group_size=group)
 
         def link_of(record: CollectiveRecord) -> Link:
-            crosses = record.group_size > per_node or (row.hybrid and record.kind == "all_reduce")
-            return inter if crosses and n > per_node else intra
+            return cluster_link(record, node, n, strategy)
 
         peak_flops = acc.peak_flops_bf16 if precision != "fp32" else acc.peak_flops_fp32
         compute = estimate_compute_time(num_params, tokens, peak_flops, utilization)
