@@ -3,7 +3,8 @@
 Chapter 1 introduces it. Commands:
 
 - ``runs`` — list the experiments that can be launched;
-- ``run NAME --nproc N [--set key=value ...] [--out DIR [--overwrite]] [--timeout S]`` — launch
+- ``run NAME --nproc N [--nnodes M [--node-rank K --rdzv-endpoint HOST:PORT]] [--set key=value ...]
+  [--out DIR [--overwrite]] [--timeout S]`` — launch
   one with torchrun, stream its ranks' output, leave ``DIR/result.json`` (without ``--out``, a
   temporary folder, removed at the end) and print its checks
   (with each one's tolerance and whether it passed), then a one-line verdict;
@@ -13,7 +14,10 @@ Chapter 1 introduces it. Commands:
 - ``comm (--params N | --model 70b) --world-size N --strategy S --link nvlink4 ...`` — bytes
   each rank sends per step, and the time they take (``--json`` for bytes and seconds);
 - ``plan --model llama2-7b --gpu h100-80gb --gpus 8 --seq-len 4096 --micro-batch 1`` — every
-  option priced, and a recommendation with its reasons (``--json`` for tools).
+  option priced, and a recommendation with its reasons (``--json`` for tools);
+- ``slurm NAME --nodes N --gpus-per-node G [--set key=value ...] [--output FILE]`` — write a
+  Slurm batch script that runs the experiment on N nodes x G GPUs (one torchrun agent per node),
+  its config checked first; to stdout, or to FILE (never replacing a file it did not write).
 
 Every planning command prints the model it prices and its assumptions (strategy, ranks,
 precision, optimizer) first; everything it prints fits in 100 columns. A bad argument gets one
@@ -145,14 +149,20 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of every command; subcommands are added one function call each."""
     parser = _Parser(prog="python -m handbook_lib", description="The FSDP Handbook's companion tools.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="command",
-                                help="runs, run, params, memory, comm or plan")
+                                help="runs, run, params, memory, comm, plan or slurm")
 
     sub.add_parser("runs", help="list the experiments that can be launched")
 
     run = sub.add_parser("run", help="launch an experiment with torchrun", epilog=_run_epilog(),
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_argument("name", help="run name (listed below)")
-    run.add_argument("--nproc", type=_whole(1), default=2, help="number of processes (default 2)")
+    run.add_argument("--nproc", type=_whole(1), default=2, help="processes (ranks) per node (default 2)")
+    run.add_argument("--nnodes", type=_whole(1), default=1,
+                     help="nodes in the job (default 1); without --node-rank, all of them on this machine")
+    run.add_argument("--node-rank", type=_whole(0), default=None, metavar="K",
+                     help="this machine's node in a real multi-node job (0 .. nnodes-1); needs --rdzv-endpoint")
+    run.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                     help="c10d rendezvous every node reaches (with --node-rank)")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="set a config key (repeatable), e.g. --set steps=3; keys listed below")
     run.add_argument("--out", default=None, help="directory for result.json, kept (default: a temp dir, removed); "
@@ -208,7 +218,40 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"one of {', '.join(PRECISIONS)} (default bf16-mixed)")
     pl.add_argument("--headroom", type=_fraction, default=0.10, help="fraction of GPU memory kept free")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    _add_slurm(sub)
     return parser
+
+
+def _add_slurm(sub: argparse._SubParsersAction) -> None:
+    sl = sub.add_parser("slurm", help="write a Slurm batch script for a multi-node run",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description="Write an sbatch script that runs an experiment on N nodes x G GPUs:\n"
+                        "one torchrun agent per node (srun), meeting at a c10d rendezvous on the first node.",
+                        epilog="example:\n  python -m handbook_lib slurm fsdp_train --nodes 2 --gpus-per-node 4 "
+                        "--set steps=20 \\\n      --partition gpu --output fsdp_train.sbatch\n"
+                        "  sbatch fsdp_train.sbatch")
+    sl.add_argument("name", help="run name (see: python -m handbook_lib runs)")
+    sl.add_argument("--nodes", type=_whole(1), required=True, metavar="N", help="nodes to allocate")
+    sl.add_argument("--gpus-per-node", type=_whole(1), required=True, metavar="G",
+                    help="GPUs per node: one rank each, N x G ranks in all")
+    sl.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="set a config key (repeatable); keys: python -m handbook_lib run --help")
+    sl.add_argument("--time", default="00:30:00", metavar="HH:MM:SS",
+                    help="wall-clock limit, HH:MM:SS or D-HH:MM:SS (default 00:30:00)")
+    sl.add_argument("--partition", default=None, metavar="P", help="Slurm partition (default: the cluster's)")
+    sl.add_argument("--account", default=None, metavar="A", help="Slurm account (default: yours)")
+    sl.add_argument("--job-name", default=None, metavar="NAME", help="job name (default: handbook-<run>)")
+    sl.add_argument("--out", default=None, metavar="DIR",
+                    help="the run's folder, on a disk every node sees (default: runs/<run>-<job id>)")
+    sl.add_argument("--log", default="%x-%j.out", metavar="FILE",
+                    help="the job's log, sbatch --output (default %%x-%%j.out: job name, job id)")
+    sl.add_argument("--cpus-per-task", type=_whole(1), default=None, metavar="C",
+                    help="CPU cores per node (default: 4 per GPU)")
+    sl.add_argument("--port", type=_whole(1), default=29500, help="rendezvous TCP port (default 29500)")
+    sl.add_argument("--output", default=None, metavar="FILE", help="write the script here (default: stdout)")
+    sl.add_argument("--overwrite", action="store_true",
+                    help="replace --output FILE if it is an earlier script of this tool")
 
 
 def _wrap(text: str, indent: str = "") -> str:
@@ -239,6 +282,8 @@ def _run_epilog() -> str:
     lines += [_wrap(f"    {k}: {' | '.join(v)}", "      ") for k, v in RunConfig.choices().items()]
     lines += own
     lines.append("example: python -m handbook_lib run fsdp_train --nproc 2 --set steps=3 --out runs/first")
+    lines.append("two nodes on this machine: python -m handbook_lib run fsdp_train --nnodes 2 --nproc 2 \\")
+    lines.append("  --set strategy=HYBRID_SHARD --set shard_group_size=2")
     return "\n".join(lines)
 
 
@@ -433,7 +478,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     """Launch, print every check with its verdict; exit 1 if any is outside its own tolerance."""
     result = torchrun(args.name, args.nproc, parse_overrides(args.overrides), out=args.out,
                       timeout_s=args.timeout, stream=not args.quiet, allow_failed_checks=True,
-                      overwrite=args.overwrite)
+                      overwrite=args.overwrite, nnodes=args.nnodes, node_rank=args.node_rank,
+                      rdzv_endpoint=args.rdzv_endpoint)
+    if result is None:  # one node of a real multi-node job, not rank 0's
+        print(f"node {args.node_rank}: its ranks finished; rank 0's node holds result.json")
+        return 0
     if result.checks:
         print(checks_table(result))
         print(checks_verdict(result))
@@ -458,6 +507,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_slurm(args: argparse.Namespace) -> int:
+    """Check everything, then print the script or write it to ``--output``."""
+    from handbook_lib.slurm import build_job, render_sbatch, write_script
+
+    if args.overwrite and args.output is None:
+        raise ValueError("--overwrite applies to --output FILE: give --output, or leave --overwrite out")
+    job = build_job(args.name, args.nodes, args.gpus_per_node, parse_overrides(args.overrides),
+                    time=args.time, partition=args.partition, account=args.account, job_name=args.job_name,
+                    out_dir=args.out, log=args.log, cpus_per_task=args.cpus_per_task, port=args.port)
+    text = render_sbatch(job)
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    path = write_script(args.output, text, overwrite=args.overwrite)
+    print(f"wrote {path}: {job.run} on {job.nodes} x {job.gpus_per_node} GPUs = {job.world_size} ranks; "
+          f"submit it with: sbatch {path}")
+    return 0
+
+
 def _cmd_params(args: argparse.Namespace) -> int:
     model, named = _chosen_model(args)
     if isinstance(model, DecoderShape):
@@ -472,7 +540,7 @@ def _cmd_params(args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {"runs": lambda args: _cmd_runs(), "run": _cmd_run, "params": _cmd_params,
-             "memory": _cmd_memory, "comm": _cmd_comm, "plan": _cmd_plan}
+             "memory": _cmd_memory, "comm": _cmd_comm, "plan": _cmd_plan, "slurm": _cmd_slurm}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,10 @@ def test_run_writes_result_json_single_rank(tmp_path, capsys):
     assert main(["run", "fault", "--nproc", "1", "--set", "mode=none", "--set", "fail_rank=0",
                  "--out", str(tmp_path), "--quiet"]) == 0
     data = json.loads((tmp_path / "result.json").read_text())
-    assert data["world_size"] == 1 and data["ranks"] == [{"rank": 0, "all_reduce_sum": 1.0}]
+    # each rank's record: its measurements, and where it ran
+    import socket
+    assert data["world_size"] == 1 and data["ranks"] == [
+        {"rank": 0, "all_reduce_sum": 1.0, "host": socket.gethostname(), "node_rank": 0, "local_rank": 0}]
     assert f"result: {tmp_path / 'result.json'}" in capsys.readouterr().out
 
 
@@ -144,7 +147,7 @@ def test_run_help_lists_the_runs_and_the_config_keys(capsys):
         assert f"\n  {name} " in out
     for text in ("strategy: NONE | DDP | NO_SHARD", "precision: fp32 | bf16-mixed | fp16-mixed",
                  "api: fsdp2 | fsdp1", "steps=5", "num_layers=6", "variants=DDP,FULL_SHARD,SHARD_GRAD_OP",
-                 "min_bytes=4096", "mode: raise | exit | hang | sleep | bad_check | none", "resume=False"):
+                 "min_bytes=4096", "mode: raise | exit | hang | sleep | bad_check | kill_agent | none", "resume=False"):
         assert text in out, text
 
 
@@ -217,3 +220,60 @@ def test_ctrl_c_during_a_run_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "torchrun", interrupted)
     assert main(["run", "fault", "--quiet"]) == 130
     assert capsys.readouterr().err == "error: run 'fault' interrupted; torchrun and its ranks were stopped\n"
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--nodes", "0", "--gpus-per-node", "4"], "argument --nodes: must be a whole number >= 1, got 0"),
+    (["--nodes", "2", "--gpus-per-node", "0"], "argument --gpus-per-node: must be a whole number >= 1, got 0"),
+    (["--nodes", "2", "--gpus-per-node", "4", "--time", "30min"], "--time expects HH:MM:SS or D-HH:MM:SS"),
+    (["--nodes", "2", "--gpus-per-node", "4", "--set", "stepz=3"], "--set: unknown config key(s) 'stepz'"),
+    (["--nodes", "3", "--gpus-per-node", "1"], "--nodes 3 x --gpus-per-node 1 = 3 ranks: batch_size=8"),
+    (["--nodes", "2", "--gpus-per-node", "4", "--overwrite"], "--overwrite applies to --output FILE"),
+])
+def test_slurm_bad_input_exits_2_with_one_line(argv, fragment, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["slurm", "fsdp_train", *argv]) == 2
+    captured = capsys.readouterr()
+    first, *rest = captured.err.splitlines()
+    assert first.startswith("error: ") and fragment in first and captured.out == ""
+    # one message: argparse's adds where to read more; a long one is wrapped, its lines indented
+    assert rest == ["(see: python -m handbook_lib slurm --help)"] or all(line.startswith("  ") for line in rest)
+    assert list(tmp_path.iterdir()) == []  # nothing written
+    assert main(["slurm", "nope", "--nodes", "1", "--gpus-per-node", "1"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown run 'nope'; available runs: ")
+
+
+def test_slurm_prints_or_writes_the_script_and_keeps_foreign_files(tmp_path, capsys):
+    argv = ["slurm", "fsdp_train", "--nodes", "2", "--gpus-per-node", "4", "--set", "steps=20"]
+    assert main(argv) == 0
+    script = capsys.readouterr().out
+    assert script.startswith("#!/bin/bash\n# Written by `python -m handbook_lib slurm`")
+    assert "#SBATCH --nodes=2\n" in script and "--nproc-per-node 4 \\\n" in script and '"steps": 20,' in script
+    target = tmp_path / "job.sbatch"
+    assert main([*argv, "--output", str(target)]) == 0
+    assert target.read_text() == script
+    assert f"wrote {target}: fsdp_train on 2 x 4 GPUs = 8 ranks" in capsys.readouterr().out
+    assert main([*argv, "--nodes", "1", "--output", str(target)]) == 2  # its own, but no --overwrite
+    assert "add --overwrite" in capsys.readouterr().err and target.read_text() == script
+    assert main([*argv, "--nodes", "1", "--output", str(target), "--overwrite"]) == 0
+    assert "#SBATCH --nodes=1\n" in target.read_text()
+    foreign = tmp_path / "train.sh"
+    foreign.write_text("#!/bin/bash\nsrun my_own_job\n")
+    assert main([*argv, "--output", str(foreign), "--overwrite"]) == 2
+    assert "was not written by this tool" in capsys.readouterr().err
+    assert foreign.read_text() == "#!/bin/bash\nsrun my_own_job\n"
+
+
+def test_run_over_two_nodes_on_this_machine(tmp_path, capsys):
+    code = main(["run", "fault", "--nnodes", "2", "--nproc", "1", "--set", "mode=none", "--quiet",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["world_size"] == 2
+    assert sorted((r["node_rank"], r["local_rank"]) for r in result["ranks"]) == [(0, 0), (1, 0)]
+
+
+def test_run_refuses_a_node_rank_without_its_rendezvous(capsys):
+    assert main(["run", "fault", "--nnodes", "2", "--node-rank", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "rdzv_endpoint must be 'host:port'" in err and len(err.strip().splitlines()) == 1
