@@ -7,6 +7,8 @@
 #                        a reader sees (scripts/check_book.py): no console error, no request off
 #                        127.0.0.1, images and maths rendered, nothing wider than the column,
 #                        glossary definitions on hover
+#   make gpu-check       on a CUDA machine, run the experiments on every visible GPU (NCCL) and write
+#                        results/gpu/<gpu-name-slug>.json (scripts/gpu_check.py; < 10 min; exits 2 without a GPU)
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 VENV ?= .venv
@@ -20,7 +22,7 @@ OTHER_CPU = kernels="$$($(PY) scripts/cpu_variant.py --other)"; \
 	echo "CPU kernels for this run: $$(echo $$kernels) (notebooks stored with $$($(PY) scripts/cpu_variant.py --stored))"; \
 	env $$kernels
 
-.PHONY: book test check-portable check-book notebooks lab setup clean
+.PHONY: book test check-portable check-book gpu-check notebooks lab setup clean
 
 setup:
 	scripts/setup.sh book,test,lab,frameworks
@@ -51,6 +53,12 @@ check-book:
 	fi
 	$(VENV)/bin/jupyter-book build . --all -n -W --keep-going
 	$(PY) scripts/check_book.py _build/html
+
+# Memory peaks against the model, the FSDP/DDP step-time ratio, MFU of a ~1B model in bf16 and the
+# largest micro-batch, on CUDA + NCCL; the script keeps to a 540 s budget (--budget-s).
+gpu-check:
+	scripts/setup.sh test
+	$(PY) scripts/gpu_check.py
 
 notebooks: setup  ## re-execute every notebook (native CPU kernels) and store its outputs
 	$(PY) scripts/execute_notebooks.py
