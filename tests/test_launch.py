@@ -126,7 +126,7 @@ def test_ranks_die_with_a_killed_torchrun_agent(no_leftovers):
     (lambda: torchrun("no_such_run"), "available runs: .*comm_bench, deepspeed_zero, fault, fsdp_train"),
     (lambda: torchrun("fault", 0), "nproc"),
     (lambda: torchrun("fault", 2, {"modez": "raise"}), "accepted keys: fail_rank, mode, sleep_s"),
-    (lambda: torchrun("fault", 2, {"mode": "explode"}), "accepted values: raise, exit, hang, sleep, bad_check, none"),
+    (lambda: torchrun("fault", 2, {"mode": "explode"}), "accepted values: raise, exit, hang, sleep, bad_check, kill_agent, none"),
     (lambda: torchrun("fault", 2, {"fail_rank": 2}), "fail_rank must be in"),
     (lambda: torchrun("fsdp_train", 3, {"batch_size": 8}), "divisible"),
     (lambda: torchrun("fsdp_train", 2, {"strategy": "NO_SHARD"}), "api='fsdp2' supports strategy NONE, DDP, SHARD_GRAD_OP, FULL_SHARD"),
