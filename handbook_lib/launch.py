@@ -775,9 +775,9 @@ def _launch_and_wait(run: str, nproc: int, cfg: Any, out_dir: Path, timeout_s: f
                             **common)
         where = nodes.where(cause.rank, nproc, out_dir)
         message = f"run {run!r} failed: rank {cause.rank}{where} {_verb(cause)}{cause.summary}"
-        if isinstance(proc, _Agents) and proc.failed_node is not None:
-            message += (f"\n(the first agent to end was node {proc.failed_node}'s, "
-                        f"{_exit_words(proc.failed_code)})")
+        if isinstance(proc, _Agents) and proc.failed_code is not None:
+            # (agents are numbered by the rendezvous as they join, so name the rank's node only)
+            message += f"\n(the first torchrun agent to end was {_exit_words(proc.failed_code)})"
         if not show.kept and cause.status in ("starting", "silent"):  # its logs/ go with the folder
             own = [line for line in streamer.tail if line.startswith(f"[rank{cause.rank}] ")][-10:]
             message = message.replace("its own output is under logs/", "its last output follows")
@@ -999,15 +999,14 @@ class _Agents:
     def __init__(self, procs: list[subprocess.Popen], stdout: Any, grace_s: float = 20.0) -> None:
         self.procs, self.stdout, self.grace_s = procs, stdout, grace_s
         self.pid = procs[0].pid
-        self.failed_node: int | None = None
         self.failed_code: int | None = None
         self._failed_at: float | None = None
 
     def poll(self) -> int | None:
         codes = [p.poll() for p in self.procs]
-        for node, code in enumerate(codes):
-            if code not in (None, 0) and self.failed_node is None:
-                self.failed_node, self.failed_code, self._failed_at = node, code, time.monotonic()
+        for code in codes:
+            if code not in (None, 0) and self.failed_code is None:
+                self.failed_code, self._failed_at = code, time.monotonic()
         if None not in codes:
             return self.returncode
         if self._failed_at is not None and time.monotonic() - self._failed_at > self.grace_s:

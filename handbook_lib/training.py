@@ -49,6 +49,7 @@ __all__ = [
     "full_grad_norm",
     "train_step",
     "train",
+    "train_one_process",
     "NonFiniteLoss",
     "check_loss_finite",
 ]
@@ -469,3 +470,18 @@ def train(
     return TrainLog(losses=losses, step_time_s=times, memory=memory, collectives=collectives,
                     grad_zero_fraction=zeros, grad_scale=scales, skipped_steps=skipped,
                     grad_norm=norms, grad_norm_full=full[0] if full else None, steps=done)
+
+
+def train_one_process(config: RunConfig) -> TrainLog:
+    """The reference every distributed run must reproduce: ``config``'s model, built from its
+    seed, trained in this process on the whole global batch (no process group, on the CPU).
+
+    Losses agree with an fp32 run on any number of ranks and nodes within rounding (the
+    chapters and tests use 1e-5, relative); mixed precision rounds differently by design.
+    """
+    from handbook_lib.model import build_model
+
+    model = build_model(config.model_config(), seed=config.seed)
+    one = RankContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
+    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
+    return train(model, optimizer, config, one, progress=False)

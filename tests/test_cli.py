@@ -264,13 +264,22 @@ def test_slurm_prints_or_writes_the_script_and_keeps_foreign_files(tmp_path, cap
     assert foreign.read_text() == "#!/bin/bash\nsrun my_own_job\n"
 
 
-def test_run_over_two_nodes_on_this_machine(tmp_path, capsys):
-    code = main(["run", "fault", "--nnodes", "2", "--nproc", "1", "--set", "mode=none", "--quiet",
-                 "--out", str(tmp_path)])
-    assert code == 0
-    result = json.loads((tmp_path / "result.json").read_text())
-    assert result["world_size"] == 2
-    assert sorted((r["node_rank"], r["local_rank"]) for r in result["ranks"]) == [(0, 0), (1, 0)]
+def test_run_passes_the_node_flags_to_the_launcher(monkeypatch, capsys):
+    # The 2-node launch itself runs for real in tests/test_launch_multinode.py; here, the flags.
+    import handbook_lib.cli as cli
+
+    seen = {}
+
+    def fake_torchrun(run, nproc, config, **kwargs):
+        seen.update(run=run, nproc=nproc, **kwargs)
+        return None  # what a node other than rank 0's gets back
+
+    monkeypatch.setattr(cli, "torchrun", fake_torchrun)
+    assert main(["run", "fault", "--nnodes", "3", "--nproc", "4", "--node-rank", "2",
+                 "--rdzv-endpoint", "10.0.0.1:29500"]) == 0
+    assert (seen["run"], seen["nproc"], seen["nnodes"], seen["node_rank"], seen["rdzv_endpoint"]) == \
+        ("fault", 4, 3, 2, "10.0.0.1:29500")
+    assert "node 2: its ranks finished; rank 0's node holds result.json" in capsys.readouterr().out
 
 
 def test_run_refuses_a_node_rank_without_its_rendezvous(capsys):

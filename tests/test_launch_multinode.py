@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import pytest
 
+from handbook_lib.config import RunConfig
 from handbook_lib.launch import RunFailed, torchrun
 from handbook_lib.results import max_relative_difference
+from handbook_lib.training import train_one_process
 from tests.conftest import processes_mentioning
 
 SMALL = {"num_layers": 2, "steps": 3, "seq_len": 32}
@@ -19,11 +21,10 @@ SMALL = {"num_layers": 2, "steps": 3, "seq_len": 32}
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    """FULL_SHARD over 2 nodes x 2 ranks, and the same global batch on one process."""
-    multi = torchrun("fsdp_train", 2, {**SMALL, "strategy": "FULL_SHARD"}, nnodes=2, stream=False,
-                     timeout_s=300)
-    single = torchrun("fsdp_train", 1, {**SMALL, "strategy": "NONE"}, stream=False, timeout_s=300)
-    return multi, single
+    """FULL_SHARD over 2 nodes x 2 ranks, and the same global batch trained in this process."""
+    config = {**SMALL, "strategy": "FULL_SHARD"}
+    multi = torchrun("fsdp_train", 2, config, nnodes=2, stream=False, timeout_s=300)
+    return multi, train_one_process(RunConfig.from_mapping(config))
 
 
 def test_two_agents_form_one_job_of_four_ranks(two_nodes):
@@ -48,19 +49,18 @@ def test_every_byte_check_holds_across_nodes(two_nodes):
 
 def test_losses_match_the_single_process_run(two_nodes):
     multi, single = two_nodes
-    assert max_relative_difference(multi.metric("losses")[0], single.metric("losses")[0]) < 1e-5
+    assert max_relative_difference(multi.metric("losses")[0], single.losses) < 1e-5
 
 
 def test_a_lost_node_is_named_and_nothing_is_left(no_leftovers):
-    # rank 2, on the second node, kills its own agent with SIGKILL: the whole node is gone
+    # rank 1, alone on the second node, kills its own agent with SIGKILL: the node is gone
     with pytest.raises(RunFailed) as info:
-        torchrun("fault", 2, {"mode": "kill_agent", "fail_rank": 2, "sleep_s": 60}, nnodes=2,
+        torchrun("fault", 1, {"mode": "kill_agent", "fail_rank": 1, "sleep_s": 60}, nnodes=2,
                  out=no_leftovers, stream=False, timeout_s=120)
     message = str(info.value)
-    first = message.splitlines()[0]
-    assert info.value.rank in (2, 3)  # a rank of the lost node, named with its node
-    assert f"rank {info.value.rank} (node 1, local rank {info.value.rank - 2})" in first
-    assert "node 1's, killed by SIGKILL" in message
+    assert info.value.rank == 1  # the lost node's rank, named with its node
+    assert "rank 1 (node 1, local rank 0)" in message.splitlines()[0]
+    assert "the first torchrun agent to end was killed by SIGKILL" in message
     assert processes_mentioning(str(no_leftovers)) == []
 
 

@@ -219,20 +219,13 @@ def test_losses_equal_one_process_on_the_global_batch(case):
     """Sharding must not change the maths: in fp32, every run's losses equal those of one plain
     process training on the whole global batch (relative difference <= 1e-5), and with
     clipping, the total gradient norm over the shards equals the one process's (<= 1e-6)."""
-    import torch
-
-    from handbook_lib.distributed import RankContext
-    from handbook_lib.model import build_model
-    from handbook_lib.training import build_optimizer, train
+    from handbook_lib.training import train_one_process
 
     _, config, result = case
     if config.get("precision", "fp32") != "fp32":
         pytest.skip("bf16/fp16 mixed precision rounds differently from fp32 by design")
     run_config = RunConfig.from_mapping(config)
-    model = build_model(run_config.model_config(), seed=run_config.seed)
-    one = RankContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
-    log = train(model, build_optimizer(model.parameters(), run_config.optimizer, run_config.lr),
-                run_config, one, progress=False)
+    log = train_one_process(run_config)
     worst = max_relative_difference(result.metric("losses")[0], log.losses)
     print(f"{result.world_size} ranks, {config['strategy']}: max relative loss difference {worst:.2e}")
     assert worst <= 1e-5, f"max relative loss difference {worst:.2e}"
