@@ -34,7 +34,9 @@ book:
 
 # Two workers, one test file each at a time (--dist loadfile keeps a file's module-scoped runs
 # together): the torchrun jobs wait on their ranks' startup as much as they compute.
-test: setup
+# JupyterLab (the lab extra) is for reading, not testing: the suite installs without it.
+test:
+	scripts/setup.sh book,test,frameworks
 	$(OTHER_CPU) $(PY) -m pytest -n 2 --dist loadfile tests notebooks $(NBVAL)
 
 check-portable: setup
