@@ -256,8 +256,9 @@ class CollectiveCall:
     start_s: float | None = None
     """When it was issued, seconds after the counter was entered (the step's start)."""
     end_s: float | None = None
-    """When it completed, seconds after the same origin: on CPU (gloo) the moment its work
-    finished; ``None`` on CUDA, where that needs the stream's events, and if it never finished."""
+    """When it completed, seconds after the same origin: recorded only by a counter made with
+    ``record_ends=True``, on CPU (gloo); ``None`` otherwise (on CUDA that needs the stream's
+    events)."""
 
 
 _DTYPE_NAMES = {getattr(torch, d.torch_name): name for name, d in DTYPES.items()}
@@ -313,9 +314,14 @@ def _fsdp2_unit() -> str | None:
 
 class CollectiveCounter(TorchDispatchMode):
     """Record every collective issued while active: kind, dtype, buffer bytes, group size, the
-    FSDP2 unit it serves, the phase of the step, and when it was issued and finished (seconds
-    since ``__enter__``; gloo's reduce-scatter exposes no completion, so its ``end_s`` is
-    ``None``).
+    FSDP2 unit it serves, the phase of the step, and when it was issued (seconds since
+    ``__enter__``).
+
+    With ``record_ends=True`` it also records when each gloo collective finished, through a
+    completion callback on the collective's future (gloo's reduce-scatter exposes none). Off by
+    default: that callback runs Python on gloo's thread, and until it has run, the collective's
+    buffers stay alive; on a busy machine that can be after a memory measurement, which then
+    counts them (the training runs check bytes exactly, so they leave it off).
 
     ``torch.distributed``'s collectives go through the dispatcher as ``c10d`` operators
     (``c10d._allgather_base_``, ``c10d._reduce_scatter_base_``, ``c10d.allreduce_``, ...), on
@@ -340,8 +346,9 @@ class CollectiveCounter(TorchDispatchMode):
         "broadcast_": ("broadcast", 0),
     }
 
-    def __init__(self) -> None:
+    def __init__(self, record_ends: bool = False) -> None:
         super().__init__()
+        self.record_ends = record_ends
         self._calls: list[CollectiveCall] = []
         self._ends: dict[int, float] = {}
         self._done: list = []  # futures done once an end time is recorded
@@ -381,7 +388,7 @@ class CollectiveCounter(TorchDispatchMode):
             start_s=time.perf_counter() - self._t0,
         ))
         out = func(*args, **(kwargs or {}))
-        if buffers[0].device.type == "cpu":
+        if self.record_ends and buffers[0].device.type == "cpu":
             self._watch(out, index)
         return out
 

@@ -406,8 +406,8 @@ def plot_collective_timeline(
 
     Args:
         calls: A rank's ``collectives`` from an ``fsdp_train`` result (FSDP2): dicts with
-            ``kind``, ``unit``, ``phase``, ``start_s`` and ``end_s`` (``None`` where the backend
-            does not report the end: a marker at the start is drawn instead).
+            ``kind``, ``unit``, ``phase``, ``start_s`` and ``end_s`` (``None`` where the end was
+            not recorded: a marker at the start is drawn instead).
         title: Figure title.
 
     Rows are the units in the order the forward pass gathers them; time is milliseconds since
@@ -433,7 +433,7 @@ def plot_collective_timeline(
             ax.broken_barh([(start, width)], (y - 0.13, 0.26), color=_KIND_COLOURS.get(kind, "black"), label=label)
         else:
             ax.plot([start], [y], marker="|", markersize=14, markeredgewidth=2.5, linestyle="none",
-                    color=_KIND_COLOURS.get(kind, "black"), label=f"{label} (start; end not reported)"
+                    color=_KIND_COLOURS.get(kind, "black"), label=f"{label} (start)"
                     if label else None)
     ax.set_yticks(range(len(units)), units, fontsize=8)
     ax.set_ylim(len(units) - 0.5, -0.5)

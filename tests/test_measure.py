@@ -48,7 +48,7 @@ def test_counter_times_each_call_and_names_its_phase(tmp_path):
     try:
         x = torch.ones(4, requires_grad=True)
         begin = time.perf_counter()
-        with CollectiveCounter() as counter:
+        with CollectiveCounter(record_ends=True) as counter:
             out = torch.empty(4)
             dist.all_gather_into_tensor(out, torch.ones(4))
             ReduceInBackward.apply(x).sum().backward()
