@@ -26,9 +26,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from handbook_lib.config import RunConfig
-from handbook_lib.loss_scaling import one_thread
 from handbook_lib.model import build_model
-from handbook_lib.training import build_optimizer
+from handbook_lib.training import build_optimizer, one_thread
 
 __all__ = ["CAUSALITY_SETUP", "MASK_VARIANTS", "random_batch", "measure_future_gradient_share",
            "estimate_position_blind_loss", "CausalityRun", "CausalityResult", "measure_causality"]

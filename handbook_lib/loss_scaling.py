@@ -22,9 +22,7 @@ parameter (``reduce_dtype=float32``), which the optimizer updates.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -35,10 +33,10 @@ from torch.nn import functional as F
 from handbook_lib.config import RunConfig
 from handbook_lib.distributed import RankContext
 from handbook_lib.model import build_model
-from handbook_lib.training import build_grad_scaler, build_optimizer, grad_zero_fraction, make_batch
+from handbook_lib.training import build_grad_scaler, build_optimizer, grad_zero_fraction, make_batch, one_thread
 
 __all__ = ["UNDERFLOW_SETUP", "GLOBAL_BATCH_TOKENS", "PRECISION_VARIANTS", "PrecisionRun",
-           "LossScalingResult", "measure_loss_scaling", "one_thread"]
+           "LossScalingResult", "measure_loss_scaling"]
 
 UNDERFLOW_SETUP: dict[str, int | float | str] = {
     "vocab_size": 128, "d_model": 64, "nhead": 4, "dim_feedforward": 128, "num_layers": 2,
@@ -107,20 +105,6 @@ class LossScalingResult:
         return max(abs(a - b) for a, b in zip(self.runs[label].losses, self.runs["fp32"].losses))
 
 
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Run torch's CPU kernels on one thread inside the block, then restore the count.
-
-    The book's single-process demonstrations train tiny models: one thread is as fast, is not
-    slowed by other jobs competing for the cores, and gives the same sums on machines with any
-    number of cores (a thread count changes how a reduction is split, and so its rounding).
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _fp16_forward(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import contextlib
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +50,7 @@ __all__ = [
     "train_step",
     "train",
     "train_one_process",
+    "one_thread",
     "NonFiniteLoss",
     "check_loss_finite",
 ]
@@ -485,3 +486,19 @@ def train_one_process(config: RunConfig) -> TrainLog:
     one = RankContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
     optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
     return train(model, optimizer, config, one, progress=False)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch's CPU kernels on one thread inside the block, then restore the count.
+
+    The book's single-process demonstrations train tiny models: one thread is as fast, is not
+    slowed by other jobs competing for the cores, and gives the same sums on machines with any
+    number of cores (a thread count changes how a reduction is split, and so its rounding).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

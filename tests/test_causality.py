@@ -15,8 +15,8 @@ from handbook_lib.causality import (
     random_batch,
 )
 from handbook_lib.config import RunConfig
-from handbook_lib.loss_scaling import one_thread
 from handbook_lib.model import ModelConfig, build_model
+from handbook_lib.training import one_thread
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from handbook_lib.loss_scaling import GLOBAL_BATCH_TOKENS, UNDERFLOW_SETUP, measure_loss_scaling, one_thread
+from handbook_lib.loss_scaling import GLOBAL_BATCH_TOKENS, UNDERFLOW_SETUP, measure_loss_scaling
 
 MICRO_BATCH_TOKENS = UNDERFLOW_SETUP["batch_size"] * UNDERFLOW_SETUP["seq_len"]
 
@@ -66,9 +66,3 @@ def test_bad_arguments_are_named(setup, kwargs, match):
     with pytest.raises(ValueError, match=match):
         measure_loss_scaling(setup, **kwargs)
 
-
-def test_one_thread_restores_the_thread_count():
-    before = torch.get_num_threads()
-    with one_thread():
-        assert torch.get_num_threads() == 1
-    assert torch.get_num_threads() == before

@@ -95,3 +95,14 @@ def test_clip_norm_is_summed_in_float64_and_clips_like_pytorch():
     scale = 0.5 / (exact + 1e-6)
     assert all(torch.allclose(p.grad, g * scale, rtol=1e-6, atol=0) for p, g in zip(model.parameters(), grads))
     assert clip_grad_norm(model, 10.0) == pytest.approx(0.5, rel=1e-5)  # below the threshold: untouched
+
+
+def test_one_thread_restores_the_thread_count():
+    import torch
+
+    from handbook_lib.training import one_thread
+
+    before = torch.get_num_threads()
+    with one_thread():
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
