@@ -1,5 +1,5 @@
-"""``python -m handbook_lib ...``: see :mod:`handbook_lib.cli`."""
+"""``python -m handbook_lib ...``: see :mod:`handbook_lib.face.cli`."""
 
-from handbook_lib.cli import main
+from handbook_lib.face.cli import main
 
 raise SystemExit(main())

@@ -21,7 +21,7 @@ a stopped check keeps what it measured); a file there that gpu-check did not wri
 replaced. The whole check keeps to ``--budget-s`` (default 540 s): each run's timeout is the
 time left, and the sweep stops when the next size would not fit in it.
 
-Without a GPU it exits with status 2 and one line. Pure parts: :mod:`handbook_lib.gpu_check`.
+Without a GPU it exits with status 2 and one line. Pure parts: :mod:`handbook_lib.launch.gpu_check`.
 """
 
 from __future__ import annotations
@@ -42,9 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from handbook_lib.architecture import param_count  # noqa: E402
-from handbook_lib.config import RunConfig  # noqa: E402
-from handbook_lib.gpu_check import (  # noqa: E402
+from handbook_lib.core import RunConfig, param_count
+from handbook_lib.launch import (
     BILLION_MODEL,
     MEMORY_CONFIGS,
     MFU_CONFIG,
@@ -61,7 +60,7 @@ from handbook_lib.gpu_check import (  # noqa: E402
     sweep_micro_batch,
     write_result_set,
 )
-from handbook_lib.hardware import ACCELERATORS  # noqa: E402
+from handbook_lib.models import ACCELERATORS  # noqa: E402
 
 RUN_TIMEOUT_S = 240.0
 """The longest any one run may take (less when less of the budget is left)."""
@@ -183,8 +182,7 @@ class GpuCheck:
 
     # (d) -------------------------------------------------------------------------------------
     def max_micro_batch(self) -> dict[str, Any]:
-        from handbook_lib.memory import estimate_memory
-        from handbook_lib.sharding import wrap_units
+        from handbook_lib.models import estimate_memory, wrap_units
 
         units = wrap_units(BILLION_MODEL, "layer")
         seq_len = SWEEP_CONFIG["seq_len"]

@@ -5,7 +5,7 @@ live in ``tests/test_bad_inputs.py``; the launcher/config/checkpoint rows live
 in ``tests/bad_inputs_runs.py`` as a module-level ``ROWS: list[BadInputRow]``,
 which the runner imports and parametrizes over together with its own rows.
 
-A row is either a CLI call (``argv`` for ``handbook_lib.cli.main(argv)``, which
+A row is either a CLI call (``argv`` for ``handbook_lib.face.cli.main(argv)``, which
 returns the exit code; expect ``exit_code``) or a Python API call (``call``, a
 zero-argument callable; expect it to raise ``raises``). ``fragment`` must occur
 in the CLI's stderr or in the exception message: it names the flag
@@ -33,7 +33,7 @@ class BadInputRow:
 
     Attributes:
         id: Short unique test id, e.g. ``"memory-params-inf"``.
-        argv: Arguments for ``handbook_lib.cli.main(argv)``, or None for an API row.
+        argv: Arguments for ``handbook_lib.face.cli.main(argv)``, or None for an API row.
         call: Zero-argument callable (or one taking the tmp dir path) for an
             API row, or None for a CLI row.
         exit_code: Expected exit code of a CLI row (2 = bad arguments,

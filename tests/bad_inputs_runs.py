@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from handbook_lib.architecture import ModelConfig
+from handbook_lib.core import ModelConfig
 from tests.bad_input_row import TMP, BadInputRow, api, cli, later
 
 RUN = ["run", "fsdp_train", "--quiet"]
@@ -33,23 +33,23 @@ def _torchrun_out_parent(folder: Path):
 
 
 def _config(**values):
-    return later("handbook_lib.config", "RunConfig.from_mapping", values)
+    return later("handbook_lib.core", "RunConfig.from_mapping", values)
 
 
 def _memory(*args, **kwargs):
-    return later("handbook_lib.memory", "estimate_memory", *args, **kwargs)
+    return later("handbook_lib.models", "estimate_memory", *args, **kwargs)
 
 
 def _load_missing_checkpoint(folder: Path):
-    from handbook_lib.checkpoint import load_checkpoint
-    from handbook_lib.model import ModelConfig, build_model
+    from handbook_lib.core import ModelConfig
+    from handbook_lib.runtime import build_model, load_checkpoint
 
     model = build_model(ModelConfig(vocab_size=11, d_model=8, nhead=2, dim_feedforward=8, num_layers=1))
     return load_checkpoint(folder / "no-such-checkpoint", model)
 
 
 def _validate_file_as_checkpoint():
-    from handbook_lib.checkpoint import validate_checkpoint
+    from handbook_lib.runtime import validate_checkpoint
 
     return validate_checkpoint("/dev/null")
 
@@ -120,9 +120,9 @@ ROWS: list[BadInputRow] = [
     cli("run-max-grad-norm-negative", [*RUN, "--set", "max_grad_norm=-1"], "max_grad_norm"),
     cli("run-init-unknown", [*RUN, "--set", "init=lazy"], "meta, full"),
     cli("run-no-shard-fsdp2", [*RUN, "--nproc", "2", "--set", "strategy=NO_SHARD"], "api='fsdp2'"),
-    api("api-accumulation-unknown-strategy", later("handbook_lib.memory", "estimate_accumulation_bytes", 10, "ZERO4"),
+    api("api-accumulation-unknown-strategy", later("handbook_lib.models", "estimate_accumulation_bytes", 10, "ZERO4"),
         "strategy must be one of"),
-    api("api-init-bytes-unknown-init", later("handbook_lib.memory", "estimate_init_bytes", ModelConfig(), 2,
-                                             "FULL_SHARD", "lazy"), "init must be 'meta' or 'full'"),
+    api("api-init-bytes-unknown-init", later("handbook_lib.models", "estimate_init_bytes", ModelConfig(), 2,
+                                             "FULL_SHARD", "lazy"), "init must be one of meta, full"),
 ]
 """Part A's rows: the launcher, ``run``, run configs, checkpoints and resume."""

@@ -1,16 +1,17 @@
-"""handbook_lib.activations: the per-tensor count against what autograd really saves."""
+"""handbook_lib.models.activations: the per-tensor count against what autograd really saves."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from handbook_lib.activations import (
+from handbook_lib.core import ModelConfig
+from handbook_lib.models import (
     DECODER_SHAPES,
     DecoderShape,
     estimate_activation_bytes,
     estimate_decoder_activation_bytes,
 )
-from handbook_lib.model import ModelConfig, build_model
+from handbook_lib.runtime import build_model
 
 
 def saved_activation_bytes(config: ModelConfig, micro_batch: int, seq_len: int) -> int:

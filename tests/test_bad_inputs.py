@@ -1,7 +1,7 @@
 """The table of bad inputs (issue 12): every one gets a short, clear refusal that names the flag.
 
 Each row (a :class:`~tests.bad_input_row.BadInputRow`) is one bad input to the CLI
-(``handbook_lib.cli.main(argv)``, in-process) or to the Python API (a callable). The runner
+(``handbook_lib.face.cli.main(argv)``, in-process) or to the Python API (a callable). The runner
 asserts, for each row: the exit code (2: bad argument, 1: failed run) or exception type; the
 fragment naming the flag or key in stderr / the message; a short message (first line under 200
 characters, no raw traceback); no child process left alive; no file touched outside the row's
@@ -47,16 +47,15 @@ MAX_FIRST_LINE = 200
 
 
 def _memory(*args, **kwargs):
-    return later("handbook_lib.memory", "estimate_memory", *args, **kwargs)
+    return later("handbook_lib.models", "estimate_memory", *args, **kwargs)
 
 
 def _plan(model="llama2-7b", gpu="h100-80gb", gpus=8, **kwargs):
-    return later("handbook_lib.planner", "plan", model, gpu, gpus, **kwargs)
+    return later("handbook_lib.models", "plan", model, gpu, gpus, **kwargs)
 
 
 def _traffic(**kwargs):
-    from handbook_lib.comm import estimate_step_traffic
-    from handbook_lib.sharding import Unit
+    from handbook_lib.models import Unit, estimate_step_traffic
 
     args = {"units": [Unit("model", ((1000,),))], "world_size": 8, "strategy": "FULL_SHARD", **kwargs}
     return lambda: estimate_step_traffic(**args)
@@ -197,14 +196,14 @@ ROWS: list[BadInputRow] = [
     api("api-plan-unknown-model", _plan(model="llama9"), "model"),
     api("api-plan-unknown-link", _plan(gpus=16, inter_link="ethernet"), "link"),
     api("api-traffic-group-not-hybrid", _traffic(shard_group_size=2), "shard_group_size"),
-    api("api-shape-unknown", later("handbook_lib.presets", "get_shape", "gpt5"), "model"),
-    api("api-link-unknown", later("handbook_lib.hardware", "get_link", "carrier-pigeon"), "link"),
-    api("api-gpu-unknown", later("handbook_lib.hardware", "get_accelerator", "tpu"), "accelerator"),
-    api("api-config-steps-0", later("handbook_lib.config", "RunConfig", steps=0), "steps"),
-    api("api-config-unknown-key", lambda: __import__("handbook_lib.config").config.RunConfig.from_mapping(
+    api("api-shape-unknown", later("handbook_lib.models", "get_shape", "gpt5"), "model"),
+    api("api-link-unknown", later("handbook_lib.models", "get_link", "carrier-pigeon"), "link"),
+    api("api-gpu-unknown", later("handbook_lib.models", "get_accelerator", "tpu"), "accelerator"),
+    api("api-config-steps-0", later("handbook_lib.core", "RunConfig", steps=0), "steps"),
+    api("api-config-unknown-key", lambda: __import__("handbook_lib.core").core.RunConfig.from_mapping(
         {"stepz": 3}), "stepz"),
-    api("api-overrides-no-equals", later("handbook_lib.config", "parse_overrides", ["steps"]), "--set"),
-    api("api-compute-time-no-flops", later("handbook_lib.comm", "estimate_compute_time", 10**9, 100, 0.0),
+    api("api-overrides-no-equals", later("handbook_lib.core", "parse_overrides", ["steps"]), "--set"),
+    api("api-compute-time-no-flops", later("handbook_lib.models", "estimate_compute_time", 10**9, 100, 0.0),
         "peak_flops"),
     api("api-torchrun-unknown-run", _torchrun("fsdp-train"), "available runs"),
     api("api-torchrun-nproc-0", _torchrun("fault", 0), "nproc"),
@@ -234,7 +233,7 @@ def _substitute(argv: list[str], folder: Path) -> list[str]:
 
 def run_row(row: BadInputRow, folder: Path) -> Outcome:
     """Run one row with ``folder`` as the current directory; capture what it says."""
-    from handbook_lib.cli import main
+    from handbook_lib.face import main
 
     out, err = io.StringIO(), io.StringIO()
     outcome = Outcome()

@@ -1,4 +1,4 @@
-"""handbook_lib.causality: without the mask, next-token training reads the answer."""
+"""handbook_lib.lessons.causality: without the mask, next-token training reads the answer."""
 
 import itertools
 import math
@@ -7,16 +7,16 @@ from collections import Counter, defaultdict
 import pytest
 import torch
 
-from handbook_lib.causality import (
+from handbook_lib.core import ModelConfig, RunConfig
+from handbook_lib.lessons import (
     CAUSALITY_SETUP,
+    MASK_VARIANTS,
     estimate_position_blind_loss,
     measure_causality,
     measure_future_gradient_share,
     random_batch,
 )
-from handbook_lib.config import RunConfig
-from handbook_lib.model import ModelConfig, build_model
-from handbook_lib.training import one_thread
+from handbook_lib.runtime import build_model, build_optimizer, data_seed, one_thread
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +97,36 @@ def test_bad_setup_key_is_named():
 def test_model_config_of_the_setup():
     assert RunConfig.from_mapping(CAUSALITY_SETUP).model_config() == ModelConfig(
         vocab_size=128, d_model=64, nhead=4, dim_feedforward=128, num_layers=1)
+
+
+def test_the_runs_are_the_plain_loop_on_random_batches():
+    """measure_causality trains through runtime.training.train; its losses and shares are, to the
+    bit, those of the plain loop the lesson was written with (plain cross-entropy, gradients freed)."""
+    from torch.nn import functional as F
+
+    setup = {"steps": 4, "seed": 3}
+    result = measure_causality(setup)
+    config = RunConfig.from_mapping({**CAUSALITY_SETUP, **setup})
+    for label, causal in MASK_VARIANTS.items():
+        with one_thread():
+            model = build_model(config.model_config(), seed=config.seed, causal=causal)
+            optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
+            losses = []
+            for step in range(config.steps):
+                inputs, targets = random_batch(config, step)
+                loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                losses.append(loss.item())
+            share = measure_future_gradient_share(model, *random_batch(config, config.steps))
+        run = result.runs[label]
+        assert run.losses == losses and run.future_gradient_share == share and run.causal is causal
+
+
+def test_random_batch_is_seeded_by_the_books_data_seed():
+    config = RunConfig.from_mapping({"vocab_size": 50, "batch_size": 3, "seq_len": 7, "seed": 2})
+    gen = torch.Generator().manual_seed(data_seed(config, 4))
+    expected = torch.randint(0, 50, (3, 8), generator=gen)
+    inputs, targets = random_batch(config, 4)
+    assert torch.equal(inputs, expected[:, :-1]) and torch.equal(targets, expected[:, 1:])

@@ -1,4 +1,4 @@
-"""handbook_lib.checkpoint in one process: counting, atomic saves, clear errors, export.
+"""handbook_lib.runtime.checkpoint in one process: counting, atomic saves, clear errors, export.
 
 DCP saves and loads without a process group (a world of one), so everything here runs in the
 test process on plain modules; the runs of ``test_runs_checkpoint_resume`` do the same with
@@ -12,19 +12,23 @@ import pytest
 import torch
 from torch.distributed.checkpoint import CheckpointException as DcpCheckpointException
 
-from handbook_lib import checkpoint as ckpt
-from handbook_lib.checkpoint import (
+from handbook_lib.core import ModelConfig
+from handbook_lib.models import (
     FSDP1_STATE_DICT_TYPES,
     LATEST,
     MANIFEST,
-    CheckpointError,
     TensorCount,
+    checkpoint_name,
+    estimate_checkpoint_count,
+)
+from handbook_lib.models import checkpoint as checkpoint_model
+from handbook_lib.runtime import (
+    CheckpointError,
+    build_model,
     checkpoint_files,
     checkpoint_items,
-    checkpoint_name,
     count_checkpoint,
     count_state_tensors,
-    estimate_checkpoint_count,
     export_full_state_dict,
     load_checkpoint,
     load_exported,
@@ -32,7 +36,7 @@ from handbook_lib.checkpoint import (
     save_checkpoint,
     validate_checkpoint,
 )
-from handbook_lib.model import ModelConfig, build_model
+from handbook_lib.runtime import checkpoint as ckpt
 
 SMALL = ModelConfig(vocab_size=101, d_model=16, nhead=2, dim_feedforward=24, num_layers=2)
 
@@ -259,7 +263,7 @@ def test_commit_steps_are_what_a_save_does_in_that_order(tmp_path, monkeypatch):
     save_checkpoint(tmp_path, 1, model, opt)
     name, previous = checkpoint_name(2), checkpoint_name(1)
 
-    def present(step: ckpt.CommitStep) -> bool:
+    def present(step: checkpoint_model.CommitStep) -> bool:
         if step.path == LATEST:  # the pointer exists already: the step is done when it names step_K
             return (tmp_path / LATEST).read_text() == f"{name}\n"
         path = step.path.format(name=name)  # once renamed, what was in step_K.tmp is in step_K
@@ -269,7 +273,7 @@ def test_commit_steps_are_what_a_save_does_in_that_order(tmp_path, monkeypatch):
     pointers: list[str] = []
 
     def observe() -> None:
-        seen.append([present(s) for s in ckpt.COMMIT_STEPS])
+        seen.append([present(s) for s in checkpoint_model.COMMIT_STEPS])
         pointers.append((tmp_path / LATEST).read_text())
 
     real_replace, real_save = os.replace, ckpt.dcp.save
@@ -292,11 +296,11 @@ def test_commit_steps_are_what_a_save_does_in_that_order(tmp_path, monkeypatch):
     save_checkpoint(tmp_path, 2, model, opt, after_shard_written=observe)
     monkeypatch.undo()
 
-    assert seen[0] == [False] * len(ckpt.COMMIT_STEPS) and all(seen[-1])
-    first = [next(i for i, row in enumerate(seen) if row[k]) for k in range(len(ckpt.COMMIT_STEPS))]
-    assert first == sorted(first), [s.name for s in ckpt.COMMIT_STEPS]
+    assert seen[0] == [False] * len(checkpoint_model.COMMIT_STEPS) and all(seen[-1])
+    first = [next(i for i, row in enumerate(seen) if row[k]) for k in range(len(checkpoint_model.COMMIT_STEPS))]
+    assert first == sorted(first), [s.name for s in checkpoint_model.COMMIT_STEPS]
     # the steps after "write aside" are each observed on their own, strictly in order
     assert len(set(first[1:])) == len(first) - 1
     # a crash at any observed moment before the pointer is replaced leaves the previous checkpoint
     assert all(p == f"{previous}\n" for p, row in zip(pointers, seen) if not row[-1])
-    assert [s.name for s in ckpt.COMMIT_STEPS][-2:] == ["rename", "point latest"]
+    assert [s.name for s in checkpoint_model.COMMIT_STEPS][-2:] == ["rename", "point latest"]

@@ -1,4 +1,4 @@
-"""handbook_lib.checkpoint: a checksum per file, verified at load; another model refused by name.
+"""handbook_lib.runtime.checkpoint: a checksum per file, verified at load; another model refused by name.
 
 All in one process (DCP without a process group); chapter 6's runs do the same with 2 ranks.
 """
@@ -9,18 +9,17 @@ import time
 import pytest
 import torch
 
-from handbook_lib.architecture import ModelConfig, param_shapes
-from handbook_lib.checkpoint import (
-    CHECKSUM,
-    MANIFEST,
+from handbook_lib.core import ModelConfig, param_shapes
+from handbook_lib.models import CHECKSUM, MANIFEST
+from handbook_lib.runtime import (
     CheckpointError,
+    build_model,
     check_model_shapes,
     file_checksum,
     load_checkpoint,
     save_checkpoint,
     validate_checkpoint,
 )
-from handbook_lib.model import build_model
 
 SMALL = ModelConfig(vocab_size=101, d_model=16, nhead=2, dim_feedforward=24, num_layers=2)
 CHAPTER_6 = ModelConfig(vocab_size=2003, d_model=128, nhead=4, dim_feedforward=256, num_layers=3)

@@ -1,4 +1,4 @@
-"""handbook_lib.cli: ``python -m handbook_lib`` commands and exit codes."""
+"""handbook_lib.face.cli: ``python -m handbook_lib`` commands and exit codes."""
 
 import json
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from handbook_lib.cli import main
+from handbook_lib.face import main
 from handbook_lib.runs import available_runs
 
 
@@ -81,7 +81,7 @@ def test_plan_command_is_fast_and_explains(capsys):
 
 
 def test_planning_commands_do_not_import_torch():
-    code = "import sys, handbook_lib.cli; print('torch' in sys.modules)"
+    code = "import sys, handbook_lib.face.cli; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
 
@@ -131,7 +131,7 @@ def test_every_command_fits_100_columns(argv, capsys, monkeypatch):
 def test_runs_and_run_help_answer_fast_without_torch():
     import time
 
-    code = ("import sys; from handbook_lib.cli import main; main(['runs']); main(['run', '--help'])\n"
+    code = ("import sys; from handbook_lib.face.cli import main; main(['runs']); main(['run', '--help'])\n"
             "print('torch imported:', 'torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.rstrip().endswith("torch imported: False")
@@ -156,7 +156,7 @@ def test_params_of_a_preset(capsys):
     out = capsys.readouterr().out
     assert "model: Llama-2 7B, 6,738,415,616 parameters" in out
     assert "total  6,738,415,616" in out and "layers  6,476,267,520" in out
-    from handbook_lib.presets import DECODER_SHAPES
+    from handbook_lib.models import DECODER_SHAPES
 
     for shape in DECODER_SHAPES.values():  # the breakdown adds up, for tied and untied heads alike
         assert sum(shape.param_breakdown().values()) == shape.num_params
@@ -181,8 +181,7 @@ def test_planning_commands_name_the_model_and_their_assumptions(capsys):
 
 
 def test_plan_names_the_host_memory_offload_needs(capsys):
-    from handbook_lib.memory import estimate_memory
-    from handbook_lib.presets import get_shape
+    from handbook_lib.models import estimate_memory, get_shape
 
     assert main(["plan", "--model", "gpt3-175b", "--gpu", "h100-80gb", "--gpus", "1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -212,12 +211,13 @@ def test_bad_inputs_get_one_line_naming_the_flag(capsys):
 
 
 def test_ctrl_c_during_a_run_is_one_line(monkeypatch, capsys):
-    import handbook_lib.cli as cli
+    import handbook_lib.face.commands as commands
+    from handbook_lib.face import main
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "torchrun", interrupted)
+    monkeypatch.setattr(commands, "torchrun", interrupted)
     assert main(["run", "fault", "--quiet"]) == 130
     assert capsys.readouterr().err == "error: run 'fault' interrupted; torchrun and its ranks were stopped\n"
 
@@ -266,7 +266,8 @@ def test_slurm_prints_or_writes_the_script_and_keeps_foreign_files(tmp_path, cap
 
 def test_run_passes_the_node_flags_to_the_launcher(monkeypatch, capsys):
     # The 2-node launch itself runs for real in tests/test_launch_multinode.py; here, the flags.
-    import handbook_lib.cli as cli
+    import handbook_lib.face.commands as commands
+    from handbook_lib.face import main
 
     seen = {}
 
@@ -274,7 +275,7 @@ def test_run_passes_the_node_flags_to_the_launcher(monkeypatch, capsys):
         seen.update(run=run, nproc=nproc, **kwargs)
         return None  # what a node other than rank 0's gets back
 
-    monkeypatch.setattr(cli, "torchrun", fake_torchrun)
+    monkeypatch.setattr(commands, "torchrun", fake_torchrun)
     assert main(["run", "fault", "--nnodes", "3", "--nproc", "4", "--node-rank", "2",
                  "--rdzv-endpoint", "10.0.0.1:29500"]) == 0
     assert (seen["run"], seen["nproc"], seen["nnodes"], seen["node_rank"], seen["rdzv_endpoint"]) == \

@@ -1,28 +1,23 @@
-"""handbook_lib.comm: ring collectives, per-step traffic of each strategy, and the time model."""
+"""handbook_lib.models.traffic: ring collectives, per-step traffic of each strategy, and the time model."""
 
-import ast
-from pathlib import Path
 
 import pytest
 
-from handbook_lib import comm
-from handbook_lib.comm import (
+from handbook_lib.core import STRATEGIES, ModelConfig, get_strategy, param_count
+from handbook_lib.core import STRATEGIES as CONFIG_STRATEGIES
+from handbook_lib.models import (
     COLLECTIVES,
-    STRATEGIES,
+    Link,
     Unit,
     estimate_collective,
     estimate_collective_time,
     estimate_compute_time,
+    estimate_shard_bytes,
     estimate_step_bytes_for_params,
     estimate_step_time,
     estimate_step_traffic,
-    units_for_model,
+    wrap_units,
 )
-from handbook_lib.config import STRATEGIES as CONFIG_STRATEGIES
-from handbook_lib.hardware import Link
-from handbook_lib.memory import estimate_shard_bytes
-from handbook_lib.model import ModelConfig, param_count
-from handbook_lib.strategies import get_strategy
 
 SMALL = ModelConfig(vocab_size=101, d_model=8, nhead=2, dim_feedforward=16, num_layers=4)
 
@@ -88,7 +83,7 @@ def test_estimate_collective_rejects_bad_input(args, match):
 # --- units -------------------------------------------------------------------------------
 
 def test_units_follow_apply_fsdp2_root_then_one_per_layer():
-    units = units_for_model(SMALL)
+    units = wrap_units(SMALL)
     assert [u.name for u in units] == ["root", "layers.0", "layers.1", "layers.2", "layers.3"]
     assert [u.root for u in units] == [True, False, False, False, False]
     v, d, f = 101, 8, 16
@@ -100,7 +95,7 @@ def test_units_follow_apply_fsdp2_root_then_one_per_layer():
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_unit_padding_agrees_with_the_memory_model(world):
     # the all-gather output of all units is world_size padded shards, as memory.py pads them
-    padded = sum(u.padded_numel(world) for u in units_for_model(SMALL)) * 4
+    padded = sum(u.padded_numel(world) for u in wrap_units(SMALL)) * 4
     assert padded == world * estimate_shard_bytes(SMALL, world, 0).padded_bytes
 
 
@@ -122,25 +117,25 @@ def test_unit_rejects_bad_shapes(shapes):
 
 def test_full_shard_counts_match_what_fsdp2_was_seen_to_issue():
     # 4 layers + root, root kept unsharded: 5 forward + 4 backward all-gathers, 5 reduce-scatters
-    traffic = estimate_step_traffic(units_for_model(SMALL), 2, "FULL_SHARD")
+    traffic = estimate_step_traffic(wrap_units(SMALL), 2, "FULL_SHARD")
     assert traffic.counts == {"all_gather": 9, "reduce_scatter": 5, "all_reduce": 0, "broadcast": 0}
     first = traffic.records[0]
     assert (first.kind, first.unit, first.phase) == ("all_gather", "root", "forward")
     regathered = [r.unit for r in traffic.records if r.kind == "all_gather" and r.phase == "backward"]
     assert "root" not in regathered and len(regathered) == 4
-    resharded = estimate_step_traffic(units_for_model(SMALL), 2, "FULL_SHARD",
+    resharded = estimate_step_traffic(wrap_units(SMALL), 2, "FULL_SHARD",
                                       root_reshard_after_forward=True)
     assert resharded.counts["all_gather"] == 10
 
 
 def test_shard_grad_op_gathers_once():
-    traffic = estimate_step_traffic(units_for_model(SMALL), 4, "SHARD_GRAD_OP")
+    traffic = estimate_step_traffic(wrap_units(SMALL), 4, "SHARD_GRAD_OP")
     assert traffic.counts == {"all_gather": 5, "reduce_scatter": 5, "all_reduce": 0, "broadcast": 0}
     assert {r.phase for r in traffic.records if r.kind == "all_gather"} == {"forward"}
 
 
 def test_ddp_and_no_shard_all_reduce_the_unpadded_gradients():
-    units, n = units_for_model(SMALL), 4
+    units, n = wrap_units(SMALL), 4
     grads = param_count(SMALL) * 4
     ddp = estimate_step_traffic(units, n, "DDP")
     assert len(ddp.records) == 1 and ddp.records[0].buffer_bytes == grads
@@ -164,7 +159,7 @@ def test_full_shard_moves_one_and_a_half_times_ddp(n, dtype):
 
 
 def test_bf16_params_halve_the_all_gathers_only():
-    units = units_for_model(SMALL)
+    units = wrap_units(SMALL)
     fp32 = estimate_step_traffic(units, 4, "FULL_SHARD")
     bf16 = estimate_step_traffic(units, 4, "FULL_SHARD", param_dtype="bf16")
 
@@ -198,7 +193,7 @@ def test_hybrid_pads_to_the_shard_group_not_the_world():
 
 
 def test_hybrid_with_one_replica_is_full_shard():
-    units = units_for_model(SMALL)
+    units = wrap_units(SMALL)
     hybrid = estimate_step_traffic(units, 4, "HYBRID_SHARD", shard_group_size=4)
     assert hybrid.sent_bytes == estimate_step_traffic(units, 4, "FULL_SHARD").sent_bytes
     assert all(r.sent_bytes == 0 for r in hybrid.records if r.kind == "all_reduce")
@@ -207,13 +202,13 @@ def test_hybrid_with_one_replica_is_full_shard():
 @pytest.mark.parametrize("strategy", [s for s in STRATEGIES if get_strategy(s).wrapper != "deepspeed"])
 def test_one_rank_sends_nothing(strategy):
     hybrid = {"shard_group_size": 1} if strategy.startswith("HYBRID") else {}
-    traffic = estimate_step_traffic(units_for_model(SMALL), 1, strategy, **hybrid)
+    traffic = estimate_step_traffic(wrap_units(SMALL), 1, strategy, **hybrid)
     assert traffic.sent_bytes == traffic.received_bytes == 0
 
 
 @pytest.mark.parametrize("strategy", ["DDP", "FULL_SHARD", "SHARD_GRAD_OP"])
 def test_grad_accum_with_sync_repeats_the_step(strategy):
-    units = units_for_model(SMALL)
+    units = wrap_units(SMALL)
     one = estimate_step_traffic(units, 4, strategy)
     four = estimate_step_traffic(units, 4, strategy, grad_accum_steps=4)
     assert four.sent_bytes == 4 * one.sent_bytes
@@ -222,7 +217,7 @@ def test_grad_accum_with_sync_repeats_the_step(strategy):
 
 
 def test_grad_accum_without_sync_reduces_once_but_gathers_every_micro_step():
-    units = units_for_model(SMALL)
+    units = wrap_units(SMALL)
     full = estimate_step_traffic(units, 4, "FULL_SHARD", grad_accum_steps=4, sync_every_micro_step=False)
     assert full.counts["all_gather"] == 4 * 9 and full.counts["reduce_scatter"] == 5
     assert {r.micro_step for r in full.records if r.kind == "reduce_scatter"} == {3}
@@ -252,7 +247,7 @@ def test_strategies_match_the_run_config_vocabulary():
     ({"units": []}, "units must be a non-empty list of Unit"),
 ])
 def test_estimate_step_traffic_rejects_bad_input(kwargs, match):
-    args = {"units": units_for_model(SMALL), "world_size": 4, "strategy": "FULL_SHARD", **kwargs}
+    args = {"units": wrap_units(SMALL), "world_size": 4, "strategy": "FULL_SHARD", **kwargs}
     with pytest.raises(ValueError, match=match):
         estimate_step_traffic(args.pop("units"), args.pop("world_size"), args.pop("strategy"), **args)
 
@@ -308,18 +303,12 @@ def test_compute_time_rejects_bad_input(args, match):
         estimate_compute_time(*args)
 
 
-def test_module_imports_no_torch():
-    tree = ast.parse(Path(comm.__file__).read_text())
-    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-    imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-    assert not [m for m in imported if m.split(".")[0] == "torch"]
-
 
 def test_fsdp_on_one_rank_or_one_replica_issues_no_collective():
-    from handbook_lib.comm import estimate_step_traffic, units_for_model
-    from handbook_lib.model import ModelConfig
+    from handbook_lib.core import ModelConfig
+    from handbook_lib.models import estimate_step_traffic, wrap_units
 
-    units = units_for_model(ModelConfig(vocab_size=11, d_model=8, nhead=2, dim_feedforward=8, num_layers=2))
+    units = wrap_units(ModelConfig(vocab_size=11, d_model=8, nhead=2, dim_feedforward=8, num_layers=2))
     for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
         assert estimate_step_traffic(units, 1, strategy).records == ()
     hybrid = estimate_step_traffic(units, 2, "HYBRID_SHARD", shard_group_size=2)
@@ -327,7 +316,7 @@ def test_fsdp_on_one_rank_or_one_replica_issues_no_collective():
 
 
 def test_fit_recovers_a_known_alpha_and_beta():
-    from handbook_lib.comm import AlphaBeta, fit_alpha_beta
+    from handbook_lib.models import AlphaBeta, fit_alpha_beta
 
     truth = AlphaBeta("reduce_scatter", 4, alpha_s=2e-5, beta_bytes_per_s=3e9)
     sizes = [4096 * 4**k for k in range(6)]
@@ -346,25 +335,23 @@ def test_fit_recovers_a_known_alpha_and_beta():
     (("all_gather", 2, [4096, 8192], [2.0, 1.0]), "do not grow"),
 ])
 def test_fit_rejects_bad_input(args, match):
-    from handbook_lib.comm import fit_alpha_beta
+    from handbook_lib.models import fit_alpha_beta
 
     with pytest.raises(ValueError, match=match):
         fit_alpha_beta(*args)
 
 
 def test_decoder_units():
-    from handbook_lib.activations import DecoderShape
-    from handbook_lib.comm import units_for_decoder
+    from handbook_lib.models import DecoderShape, wrap_units
 
     shape = DecoderShape("t", num_layers=3, d_model=8, nhead=2, vocab_size=100)
-    units = units_for_decoder(shape)
+    units = wrap_units(shape)
     assert [u.name for u in units] == ["root", "layers.0", "layers.1", "layers.2"] and units[0].root
     assert sum(u.numel for u in units) == shape.num_params
 
 
 def test_flat_parameters_pad_per_unit_and_empty_units_issue_nothing():
-    from handbook_lib.comm import estimate_step_traffic
-    from handbook_lib.sharding import Unit
+    from handbook_lib.models import Unit, estimate_step_traffic
 
     units = [Unit("root", (), root=True), Unit("a", ((3, 5), (3,))), Unit("b", ((7,),))]
     flat = estimate_step_traffic(units, 4, "SHARD_GRAD_OP", flat_params=True)
@@ -377,8 +364,7 @@ def test_flat_parameters_pad_per_unit_and_empty_units_issue_nothing():
 
 
 def test_the_grad_scaler_adds_one_four_byte_all_reduce_and_none_communicates_nothing():
-    from handbook_lib.comm import estimate_step_traffic
-    from handbook_lib.sharding import Unit
+    from handbook_lib.models import Unit, estimate_step_traffic
 
     units = [Unit("root", ((8, 2),), root=True)]
     base = estimate_step_traffic(units, 2, "FULL_SHARD")
@@ -391,7 +377,7 @@ def test_the_grad_scaler_adds_one_four_byte_all_reduce_and_none_communicates_not
 def _simulate_ring(kind: str, n: int) -> tuple[list[dict[int, frozenset[int]]], dict[int, int]]:
     """Run ``ring_schedule``'s transfers on symbolic data: what each rank holds of each chunk (the
     set of ranks whose contribution it sums), and how many chunks each rank sent."""
-    from handbook_lib.comm import ring_schedule
+    from handbook_lib.models import ring_schedule
 
     if kind == "all_gather":  # rank r starts with its own, complete chunk r
         held = [{r: frozenset(range(n))} for r in range(n)]
@@ -438,13 +424,13 @@ def test_ring_all_reduce_is_both_in_twice_the_steps(n):
     assert all(h == {c: frozenset(range(n)) for c in range(n)} for h in held)
     cost = estimate_collective("all_reduce", 64 * n, n)
     assert all(k * 64 == cost.sent_bytes for k in sent.values())
-    from handbook_lib.comm import ring_schedule
+    from handbook_lib.models import ring_schedule
 
     assert max(t.step for t in ring_schedule("all_reduce", n)) + 1 == cost.steps
 
 
 def test_ring_schedule_rejects_bad_arguments():
-    from handbook_lib.comm import ring_schedule
+    from handbook_lib.models import ring_schedule
 
     assert ring_schedule("all_gather", 1) == ()
     with pytest.raises(ValueError, match="kind must be one of"):
@@ -454,12 +440,16 @@ def test_ring_schedule_rejects_bad_arguments():
 
 
 def test_cluster_link_sends_hsdp_gathers_over_nvlink_and_its_all_reduce_across_nodes():
-    from handbook_lib.comm import bytes_by_link, cluster_link, units_for_decoder
-    from handbook_lib.hardware import node_preset
-    from handbook_lib.presets import DECODER_SHAPES
+    from handbook_lib.models import (
+        DECODER_SHAPES,
+        bytes_by_link,
+        cluster_link,
+        node_preset,
+        wrap_units,
+    )
 
     node = node_preset("h100-80gb")  # 8 GPUs on NVLink 4, InfiniBand NDR between machines
-    units = units_for_decoder(DECODER_SHAPES["7b"])
+    units = wrap_units(DECODER_SHAPES["7b"])
     hybrid = estimate_step_traffic(units, 16, "HYBRID_SHARD", shard_group_size=8)
     full = estimate_step_traffic(units, 16, "FULL_SHARD")
     one_node = estimate_step_traffic(units, 8, "FULL_SHARD")

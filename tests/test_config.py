@@ -1,9 +1,16 @@
-"""handbook_lib.config: the run-config vocabulary rejects what it does not know."""
+"""handbook_lib.core.config: the run-config vocabulary rejects what it does not know."""
 
 import pytest
 
-from handbook_lib.config import APIS, OPTIMIZERS, PRECISIONS, STRATEGIES, RunConfig, parse_overrides
-from handbook_lib.model import ModelConfig
+from handbook_lib.core import (
+    APIS,
+    OPTIMIZERS,
+    PRECISIONS,
+    STRATEGIES,
+    ModelConfig,
+    RunConfig,
+    parse_overrides,
+)
 
 
 def test_defaults_match_the_model_defaults():
@@ -79,7 +86,7 @@ def test_chapter5_keys_are_validated():
 
 def test_lookup_returns_the_entry_and_lists_choices_on_error():
     """config.lookup: one lookup, one error message, for every preset and vocabulary table."""
-    from handbook_lib.config import lookup
+    from handbook_lib.core import lookup
 
     table = {"a": 1, "b": 2}
     assert lookup(table, "b", "letter") == 2
@@ -95,7 +102,7 @@ def test_every_run_config_key_is_documented_and_choices_are_literals():
     import ast
     import inspect
 
-    import handbook_lib.config as config_module
+    import handbook_lib.core.config as config_module
 
     tree = ast.parse(inspect.getsource(config_module))
     body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RunConfig").body
@@ -106,3 +113,40 @@ def test_every_run_config_key_is_documented_and_choices_are_literals():
     assert RunConfig.choices() == {"strategy": STRATEGIES, "api": APIS, "wrap": ("layer", "model", "size"),
                                    "precision": tuple(PRECISIONS), "optimizer": OPTIMIZERS,
                                    "init": ("meta", "full")}
+
+
+def _config_classes():
+    from handbook_lib.runs.checkpoint_resume import CheckpointRunConfig
+    from handbook_lib.runs.comm_bench import BenchConfig
+    from handbook_lib.runs.deepspeed_zero import ZeroRunConfig
+    from handbook_lib.runs.step_time import StepTimeConfig
+    return [RunConfig, CheckpointRunConfig, ZeroRunConfig, StepTimeConfig, BenchConfig]
+
+
+@pytest.mark.parametrize("cls", _config_classes(), ids=lambda c: c.__name__)
+def test_every_minimum_is_enforced_with_the_key_named(cls):
+    """Each int key in MINIMUMS: its minimum is accepted, one less is refused by a message that
+    names the key and the minimum; a subclass keeps its base's minimums."""
+    for base in cls.__mro__[1:]:
+        assert set(getattr(base, "MINIMUMS", {})) <= set(cls.MINIMUMS)
+    assert cls.MINIMUMS, cls.__name__
+    for key, minimum in cls.MINIMUMS.items():
+        assert getattr(cls.from_mapping({key: minimum}), key) == minimum
+        with pytest.raises(ValueError, match=rf"^config key '{key}' must be an int >= {minimum}, "
+                                             rf"got {minimum - 1}$"):
+            cls.from_mapping({key: minimum - 1})
+
+
+@pytest.mark.parametrize("batch, ranks, accum, message", [
+    (8, 2, 1, None),
+    (8, 2, 4, None),
+    (9, 2, 1, "batch_size=9 must be divisible by the number of ranks 2"),
+    (8, 2, 3, "batch_size=8 must be divisible by the number of ranks 2 times grad_accum_steps=3"),
+])
+def test_check_batch(batch, ranks, accum, message):
+    config = RunConfig(batch_size=batch, grad_accum_steps=accum)
+    if message is None:
+        config.check_batch(ranks)
+    else:
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            config.check_batch(ranks)

@@ -1,11 +1,11 @@
-"""handbook_lib.display: human units and tables."""
+"""handbook_lib.face.display: human units and tables."""
 
 import inspect
 
 import pytest
 
-from handbook_lib.display import Table, checks_table, format_bytes
-from handbook_lib.results import Check
+from handbook_lib.core import Check
+from handbook_lib.face import Table, checks_table, format_bytes
 
 
 @pytest.mark.parametrize("n, kwargs, text", [
@@ -35,7 +35,7 @@ def test_checks_table_has_error_column():
 
 
 def _run(world, losses, peak, state, **extra):
-    from handbook_lib.results import SCHEMA, RunResult
+    from handbook_lib.core import SCHEMA, RunResult
 
     ranks = [{"rank": r, "losses": losses, "peak_bytes": peak, "param_shard_bytes": state,
               "param_padding_bytes": 0, "grad_shard_bytes": state, "optimizer_state_bytes": 2 * state,
@@ -46,7 +46,7 @@ def _run(world, losses, peak, state, **extra):
 
 
 def test_compare_runs_divides_by_the_baseline():
-    from handbook_lib.display import compare_runs
+    from handbook_lib.face import compare_runs
 
     table = compare_runs({"one": _run(1, [2.0, 1.0], 100, 10), "fsdp": _run(2, [2.0, 1.01], 60, 5)}, "one")
     assert table.rows[0][1:] == [1, "40 B", "1.00", "100 B", "1.00", "0.0e+00"]
@@ -54,7 +54,7 @@ def test_compare_runs_divides_by_the_baseline():
 
 
 def test_step_time_table_reports_median_ratios():
-    from handbook_lib.display import step_time_table
+    from handbook_lib.face import step_time_table
 
     result = _run(2, [1.0], 1, 1, step_time_s={"DDP": [1.0, 1.0, 1.0], "FULL_SHARD": [1.5, 2.0, 1.2]},
                   ratio_to_ddp={"DDP": [1.0, 1.0, 1.0], "FULL_SHARD": [1.5, 2.0, 1.2]})
@@ -64,8 +64,8 @@ def test_step_time_table_reports_median_ratios():
 
 
 def test_run_summary_lists_losses_and_failed_checks():
-    from handbook_lib.display import run_summary
-    from handbook_lib.results import Check
+    from handbook_lib.core import Check
+    from handbook_lib.face import run_summary
 
     result = _run(1, [2.0, 1.23456], 1, 1)
     assert run_summary(result) == "losses: 2.00 1.23\n0 checks, 0 failed"
@@ -74,7 +74,7 @@ def test_run_summary_lists_losses_and_failed_checks():
 
 
 def test_checks_table_shows_tolerance_and_verdict():
-    from handbook_lib.display import checks_legend, checks_verdict, format_tolerance
+    from handbook_lib.face import checks_legend, checks_verdict, format_tolerance
 
     checks = [Check("param_shard_bytes", 0, 10, 10, "bytes"), Check("peak_bytes", 1, 100, 120, "bytes", 0.1),
               Check("loss_FULL_SHARD_vs_DDP", None, 9.35, 9.35, "nats", 1e-5)]
@@ -101,7 +101,7 @@ def test_checks_table_fits_100_columns_for_the_longest_quantities():
 
 
 def _bench(fits):
-    from handbook_lib.results import SCHEMA, RunResult
+    from handbook_lib.core import SCHEMA, RunResult
 
     sizes = [2**14, 2**23]
     measurements = [{"kind": k, "buffer_bytes": b, "seconds": 1e-4 + b / 1e9} for b in sizes for k in fits]
@@ -111,7 +111,7 @@ def _bench(fits):
 
 
 def test_fit_table_shows_alpha_beta_and_the_fit_beside_the_measurement():
-    from handbook_lib.display import fit_table
+    from handbook_lib.face import fit_table
 
     table = fit_table(_bench({"all_reduce": {"alpha_s": 5e-5, "beta_bytes_per_s": 2e9}, "all_gather": None}))
     assert list(table.columns) == ["collective", "alpha (us)", "beta (GB/s)", "largest buffer", "fit (ms)",
@@ -123,7 +123,7 @@ def test_fit_table_shows_alpha_beta_and_the_fit_beside_the_measurement():
 
 
 def test_step_time_summary_is_one_line_of_median_ratios():
-    from handbook_lib.display import step_time_summary
+    from handbook_lib.face import step_time_summary
 
     result = _run(2, [1.0], 1, 1, step_time_s={"DDP": [1.0] * 3, "FULL_SHARD": [1.5, 2.0, 1.2]},
                   ratio_to_ddp={"DDP": [1.0] * 3, "FULL_SHARD": [1.5, 2.0, 1.2]})
@@ -132,7 +132,7 @@ def test_step_time_summary_is_one_line_of_median_ratios():
 
 
 def test_losses_are_shown_at_the_stored_precision():
-    from handbook_lib.display import LOSS_DECIMALS, format_loss, format_losses
+    from handbook_lib.face import LOSS_DECIMALS, format_loss, format_losses
 
     assert LOSS_DECIMALS == 2
     assert format_loss(9.166393280) == "9.17" and format_loss(9.166393280, 4) == "9.1664"
@@ -143,7 +143,7 @@ def test_losses_are_shown_at_the_stored_precision():
 
 
 def test_format_bound_states_the_bound_and_refuses_a_false_one():
-    from handbook_lib.display import format_bound
+    from handbook_lib.face import format_bound
 
     assert format_bound(1.1e-07, below=1e-06) == "< 1e-06"
     assert format_bound(3e-02, above=1e-02) == "> 1e-02"
@@ -156,8 +156,8 @@ def test_format_bound_states_the_bound_and_refuses_a_false_one():
 
 
 def test_zero_vs_fsdp_table_adds_up_each_side():
-    from handbook_lib.display import zero_vs_fsdp_table
-    from handbook_lib.results import SCHEMA, RunResult
+    from handbook_lib.core import SCHEMA, RunResult
+    from handbook_lib.face import zero_vs_fsdp_table
 
     calls = {"all_gather": {"count": 3, "buffer_bytes": 30, "sent_bytes": 15},
              "all_reduce": {"count": 1, "buffer_bytes": 8, "sent_bytes": 8}}
@@ -185,9 +185,8 @@ def _widest(shown) -> int:
 def _fsdp_result(label_world: int, strategy: str, peak_off: float = 0.0):
     """A training run's result as the book's runs report it, its numbers from the memory model
     (the default model of chapter 1), its measurements off by ``peak_off`` where a run's are."""
-    from handbook_lib.architecture import ModelConfig
-    from handbook_lib.memory import estimate_rank_state
-    from handbook_lib.results import SCHEMA, RunResult
+    from handbook_lib.core import SCHEMA, ModelConfig, RunResult
+    from handbook_lib.models import estimate_rank_state
 
     model = ModelConfig()
     ranks, checks = [], []
@@ -208,13 +207,14 @@ def _fsdp_result(label_world: int, strategy: str, peak_off: float = 0.0):
 
 
 def test_ranks_table_fits_the_column_and_says_its_unit_once():
-    from handbook_lib.display import WIDTH, ranks_table
+    from handbook_lib.core import BOOK_WIDTH
+    from handbook_lib.face import ranks_table
 
     keys = ["param_shard_bytes", "param_padding_bytes", "grad_shard_bytes", "optimizer_state_bytes",
             "optimizer_other_bytes"]
     result = _fsdp_result(2, "FULL_SHARD")
     table = ranks_table(result, keys)
-    assert _widest(table) <= WIDTH == 86  # it was 108
+    assert _widest(table) <= BOOK_WIDTH == 86  # it was 108
     assert table.note == "all in bytes (metric names without _bytes)"
     assert table.text().splitlines()[:2] == ["           param    param        grad   optimizer  optimizer",
                                              "rank       shard  padding       shard       state      other"]
@@ -222,51 +222,53 @@ def test_ranks_table_fits_the_column_and_says_its_unit_once():
 
 
 def test_summarize_runs_fits_the_column_for_chapter_2s_labels():
-    from handbook_lib.display import WIDTH, summarize_runs
+    from handbook_lib.core import BOOK_WIDTH
+    from handbook_lib.face import summarize_runs
 
     runs = {"1 rank, FULL_SHARD, fp32, AdamW": _fsdp_result(1, "FULL_SHARD"),
             "2 ranks, SHARD_GRAD_OP, fp32, SGD": _fsdp_result(2, "SHARD_GRAD_OP", peak_off=-0.0004),
             "4 ranks, HYBRID_SHARD 2x2, fp32": _fsdp_result(4, "HYBRID_SHARD")}
     table = summarize_runs(runs)
-    assert _widest(table) <= WIDTH  # it was 132
+    assert _widest(table) <= BOOK_WIDTH  # it was 132
     exact = sum(c.tolerance == 0 for c in runs["2 ranks, SHARD_GRAD_OP, fp32, SGD"].checks)
     assert table.rows[1][2] == f"{exact}/{exact}" and table.rows[1][3] == "-0.01%"
     assert table.rows[1][6] == "-0.04%"
 
 
 def test_checks_table_fits_the_column_for_the_books_quantities():
-    from handbook_lib.display import WIDTH
+    from handbook_lib.core import BOOK_WIDTH
 
     result = _fsdp_result(2, "FULL_SHARD")
     table = checks_table(result)
-    assert _widest(table) <= WIDTH
+    assert _widest(table) <= BOOK_WIDTH
     assert [row[0] for row in table.rows[:2]] == ["param_shard", "param_padding"]  # the unit says bytes
     assert table.rows[6][5] == "calls" and table.rows[6][0] == "reduce_scatter_count"
 
 
 def test_definitions_fit_the_column_for_long_texts():
-    from handbook_lib.checkpoint import FSDP1_STATE_DICT_TYPES
-    from handbook_lib.display import WIDTH, definitions
-    from handbook_lib.hardware import ACCELERATORS
+    from handbook_lib.core import BOOK_WIDTH
+    from handbook_lib.face import definitions
+    from handbook_lib.models import ACCELERATORS, FSDP1_STATE_DICT_TYPES
 
     types = definitions(FSDP1_STATE_DICT_TYPES, ["what is saved", "with FSDP2 / DCP", "use it for"])
-    assert _widest(types) <= WIDTH
+    assert _widest(types) <= BOOK_WIDTH
     words = " ".join(repr(types).split())
     for name, parts in FSDP1_STATE_DICT_TYPES.items():  # every word kept, in order
         assert f"{name} what is saved: {parts[0]} with FSDP2 / DCP: {parts[1]} use it for: {parts[2]}" in words
     sources = definitions({k: a.source for k, a in ACCELERATORS.items()})
-    assert _widest(sources) <= WIDTH and "<dl>" in sources._repr_html_()
+    assert _widest(sources) <= BOOK_WIDTH and "<dl>" in sources._repr_html_()
     with pytest.raises(ValueError, match="fields must name each of the 3 texts"):
         definitions(FSDP1_STATE_DICT_TYPES, ["one"])
 
 
 def test_show_exception_is_one_wrapped_line_with_the_rest_folded():
-    from handbook_lib.display import WIDTH, show_exception
+    from handbook_lib.core import BOOK_WIDTH
+    from handbook_lib.face import show_exception
 
     err = ValueError("incomplete checkpoint /tmp/x/step_4.tmp: " + "a long explanation " * 12 + "\ntrace line")
     shown = show_exception(err, replace={"/tmp/x": "<root>"})
     lines = repr(shown).splitlines()
-    assert max(len(line) for line in lines) <= WIDTH and len(lines) > 1
+    assert max(len(line) for line in lines) <= BOOK_WIDTH and len(lines) > 1
     assert " ".join(repr(shown).split()) == "ValueError: incomplete checkpoint <root>/step_4.tmp: " \
         + " ".join(("a long explanation " * 12).split())
     assert "trace line" not in repr(shown) and "trace line" in shown._repr_html_()
@@ -275,8 +277,8 @@ def test_show_exception_is_one_wrapped_line_with_the_rest_folded():
 def test_show_source_shows_the_objects_own_source():
     import inspect
 
-    from handbook_lib.display import format_bytes as shown_fn
-    from handbook_lib.display import show_source
+    from handbook_lib.face import format_bytes as shown_fn
+    from handbook_lib.face import show_source
 
     code = show_source(shown_fn)
     assert repr(code) == inspect.getsource(shown_fn).rstrip("\n")  # short lines: as written
@@ -287,7 +289,7 @@ def test_show_source_shows_the_objects_own_source():
 
 
 def test_describe_run_is_one_line_without_paths_or_timings():
-    from handbook_lib.display import RunReport, describe_run
+    from handbook_lib.launch import RunReport, describe_run
 
     result = _fsdp_result(2, "FULL_SHARD")
     defaults = {"steps": 5, "strategy": "FULL_SHARD", "precision": "fp32", "ckpt_dir": ""}
@@ -305,11 +307,38 @@ def test_describe_run_is_one_line_without_paths_or_timings():
     assert "<summary>run log: 1 line; 6.1 s wall</summary>" in report._repr_html_()
 
 
+def test_show_result_shows_one_config_of_a_batch_as_torchrun_shows_a_run(monkeypatch, capsys):
+    """A batch's result, shown alone: the line torchrun shows when that run ends alone (its
+    changes from the run's defaults, not its model shape), printed in a terminal and a
+    RunReport in a notebook, and the result handed back."""
+    import dataclasses
+
+    from handbook_lib.core import RunConfig
+    from handbook_lib.launch import RunReport, show, show_result
+
+    base = _fsdp_result(2, "FULL_SHARD")
+    config = RunConfig(steps=4, strategy="NO_SHARD", precision="bf16-mixed", d_model=128).to_dict()
+    result = dataclasses.replace(base, config=config)
+    n = len(result.checks)
+    expected = f"fsdp_train on 2 ranks (gloo, cpu), 4 steps, NO_SHARD precision=bf16-mixed: {n}/{n} checks passed"
+    monkeypatch.setattr(show, "in_notebook", lambda: False)
+    assert show_result(result) is result
+    assert " ".join(capsys.readouterr().out.split()) == expected
+    shown = []
+    monkeypatch.setattr(show, "in_notebook", lambda: True)
+    assert show_result(result, display=shown.append) is result
+    assert len(shown) == 1 and isinstance(shown[0], RunReport)
+    assert " ".join(shown[0].line.split()) == expected
+    assert "<details><summary>run log: 0 lines; this config&#x27;s output is in the log of the batch" \
+        in shown[0]._repr_html_()
+
+
 def test_show_source_folds_long_lines_in_text_only():
-    from handbook_lib.checkpoint import save_checkpoint
-    from handbook_lib.display import WIDTH, show_source
+    from handbook_lib.core import BOOK_WIDTH
+    from handbook_lib.face import show_source
+    from handbook_lib.runtime import save_checkpoint
 
     code = show_source(save_checkpoint)
-    assert max(len(line) for line in repr(code).splitlines()) <= WIDTH
+    assert max(len(line) for line in repr(code).splitlines()) <= BOOK_WIDTH
     assert " ".join(repr(code).split()) == " ".join(inspect.getsource(save_checkpoint).split())  # nothing lost
     assert "save_checkpoint" in code._repr_html_()

@@ -1,4 +1,4 @@
-"""handbook_lib.frameworks: each config it writes is read by the library that owns it.
+"""handbook_lib.integrations.frameworks: each config it writes is read by the library that owns it.
 
 Nothing is compared as text. The Accelerate file goes through ``accelerate launch``'s own path
 (its config loader, ``_validate_launch_command``, ``prepare_multi_gpu_env``) into the environment
@@ -18,13 +18,17 @@ import sys
 import pytest
 import torch
 
-from handbook_lib.config import DTYPES, PRECISIONS, STRATEGIES, RunConfig
-from handbook_lib.frameworks import LAYER_CLASS, accelerate_config, deepspeed_config, trainer_fsdp_args
-from handbook_lib.strategies import get_strategy
-from handbook_lib.training import build_optimizer
+from handbook_lib.core import DTYPES, PRECISIONS, STRATEGIES, RunConfig, get_strategy
+from handbook_lib.integrations import (
+    LAYER_CLASS,
+    accelerate_config,
+    deepspeed_config,
+    trainer_fsdp_args,
+)
+from handbook_lib.runtime import build_optimizer
 
 yaml = pytest.importorskip("yaml")
-if not torch.cuda.is_available():  # DeepSpeed's CPU accelerator, as handbook_lib.zero_engine picks it
+if not torch.cuda.is_available():  # DeepSpeed's CPU accelerator, as handbook_lib.integrations.zero_engine picks it
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
@@ -35,7 +39,11 @@ import accelerate.utils.launch as accelerate_launch  # noqa: E402
 import deepspeed.runtime.config as ds_config_module  # noqa: E402
 from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file  # noqa: E402
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser  # noqa: E402
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, prepare_multi_gpu_env  # noqa: E402
+from accelerate.utils import (  # noqa: E402
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    prepare_multi_gpu_env,
+)
 from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError  # noqa: E402
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum  # noqa: E402
 from torch.distributed.fsdp import (  # noqa: E402
@@ -46,7 +54,10 @@ from torch.distributed.fsdp import (  # noqa: E402
     ShardingStrategy,
     StateDictType,
 )
-from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy  # noqa: E402
+from torch.distributed.fsdp.wrap import (  # noqa: E402
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
 from transformers import Trainer, TrainingArguments  # noqa: E402
 from transformers.trainer_utils import SchedulerType  # noqa: E402
 
@@ -247,7 +258,7 @@ def test_training_arguments_read_the_keywords_as_the_run(keys, tmp_path, clean_e
 @pytest.mark.parametrize("optimizer", ["adamw", "adam", "sgd", "sgd-momentum"])
 def test_trainer_builds_the_books_optimizer(optimizer, tmp_path, clean_env):
     """The Trainer's optimizer (``Trainer.get_optimizer_cls_and_kwargs``, with its
-    ``weight_decay``) has the hyperparameters of :func:`handbook_lib.training.build_optimizer`'s;
+    ``weight_decay``) has the hyperparameters of :func:`handbook_lib.runtime.training.build_optimizer`'s;
     Adam is AdamW without weight decay, the same update."""
     config = RunConfig(optimizer=optimizer, lr=3e-4)
     args = training_args(tmp_path, trainer_fsdp_args(config))
@@ -436,7 +447,7 @@ def test_torch_grad_scaler_default_is_what_the_writers_accept():
 
 
 def test_module_is_pure():
-    code = "import sys, handbook_lib.frameworks; print(sorted({'torch', 'accelerate', 'transformers', " \
+    code = "import sys, handbook_lib.integrations.frameworks; print(sorted({'torch', 'accelerate', 'transformers', " \
            "'deepspeed', 'yaml'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -447,7 +458,7 @@ def test_trainer_deepspeed_args_agree_with_what_the_trainer_checks(tmp_path, ds_
     its own arguments (``trainer_config_finalize``): build both and let it compare them."""
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
-    from handbook_lib.frameworks import trainer_deepspeed_args
+    from handbook_lib.integrations import trainer_deepspeed_args
 
     config = RunConfig.from_mapping({"strategy": "ZERO3", "batch_size": 8, "grad_accum_steps": 2,
                                      "max_grad_norm": 0.5, "lr": 3e-4, "steps": 5})

@@ -1,4 +1,4 @@
-"""handbook_lib.gpu_check and scripts/gpu_check.py: everything of ``make gpu-check`` but the GPU.
+"""handbook_lib.launch.gpu_check and scripts/gpu_check.py: everything of ``make gpu-check`` but the GPU.
 
 The GPU path of the script runs here against a fake ``torch.cuda`` and a fake launcher that
 validates each config with the real run's CONFIG and ``validate`` and answers with results shaped
@@ -16,13 +16,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from handbook_lib.architecture import param_count
-from handbook_lib.gpu_check import (
+from handbook_lib.core import Check, RunResult, param_count
+from handbook_lib.launch import (
     BILLION_MODEL,
     MFU_CONFIG,
     NO_GPU_MESSAGE,
-    SCHEMA,
+    RESULT_SET_SCHEMA,
     WRITER,
+    RunFailed,
+    RunTimeout,
     estimate_mfu,
     estimate_prefetch_extra_bytes,
     gpu_slug,
@@ -34,11 +36,7 @@ from handbook_lib.gpu_check import (
     sweep_micro_batch,
     write_result_set,
 )
-from handbook_lib.hardware import ACCELERATORS
-from handbook_lib.launch import RunFailed, RunTimeout
-from handbook_lib.memory import estimate_memory
-from handbook_lib.results import Check, RunResult
-from handbook_lib.sharding import wrap_units
+from handbook_lib.models import ACCELERATORS, estimate_memory, wrap_units
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
@@ -292,7 +290,7 @@ def test_gpu_slug():
 def test_result_set_is_stamped_and_replaces_only_its_own_file(tmp_path):
     path = tmp_path / "gpu" / "nvidia-h200.json"
     assert write_result_set(path, {"world_size": 1}) == path
-    assert json.loads(path.read_text()) == {"schema": SCHEMA, "written_by": WRITER, "world_size": 1}
+    assert json.loads(path.read_text()) == {"schema": RESULT_SET_SCHEMA, "written_by": WRITER, "world_size": 1}
     write_result_set(path, {"world_size": 8})
     assert json.loads(path.read_text())["world_size"] == 8
     assert [p.name for p in path.parent.iterdir()] == ["nvidia-h200.json"]  # no temporary left
@@ -301,7 +299,7 @@ def test_result_set_is_stamped_and_replaces_only_its_own_file(tmp_path):
 @pytest.mark.parametrize("content", [
     "notes of mine\n",
     json.dumps({"schema": "handbook.result/1", "written_by": WRITER}),
-    json.dumps({"schema": SCHEMA}),   # right schema, but not stamped by gpu-check
+    json.dumps({"schema": RESULT_SET_SCHEMA}),   # right schema, but not stamped by gpu-check
     json.dumps([1, 2, 3]),
 ])
 def test_result_set_never_replaces_a_file_it_did_not_write(tmp_path, content):
@@ -395,7 +393,7 @@ def test_gpu_path_on_one_fake_gpu(fake_gpus, tmp_path):
     out = tmp_path / "h200.json"
     assert _load_script().main(["--out", str(out)], launch=launch) == 0
     data = json.loads(out.read_text())
-    assert (data["schema"], data["written_by"]) == (SCHEMA, WRITER)
+    assert (data["schema"], data["written_by"]) == (RESULT_SET_SCHEMA, WRITER)
     assert (data["gpu_name"], data["world_size"], data["nccl_version"], data["cuda_version"]) == \
         ("NVIDIA H200", 1, "2.21.5", "12.8")
     assert data["torch_version"] == torch.__version__ and data["date"].endswith("+00:00")

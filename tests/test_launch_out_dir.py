@@ -14,7 +14,9 @@ import time
 import psutil
 import pytest
 
-from handbook_lib.launch import RUN_FILES, RUN_MARKER, RunFailed, RunTimeout, _prepare_out_dir, torchrun
+from handbook_lib.core import RUN_FILES, RUN_MARKER
+from handbook_lib.launch import RunFailed, RunTimeout, torchrun
+from handbook_lib.launch.outdir import prepare_out_dir
 from tests.conftest import processes_mentioning
 
 
@@ -24,7 +26,7 @@ def _children() -> set[int]:
 
 def test_an_empty_or_new_folder_is_claimed_with_a_marker(tmp_path):
     for folder in (tmp_path, tmp_path / "new" / "nested"):
-        claimed = _prepare_out_dir("fault", folder)
+        claimed = prepare_out_dir("fault", folder)
         try:
             assert claimed.path == folder
             assert json.loads((folder / RUN_MARKER).read_text())["run"] == "fault"
@@ -45,26 +47,26 @@ def test_a_folder_with_files_no_run_wrote_is_refused_and_left_untouched(tmp_path
 
 
 def test_an_earlier_runs_folder_needs_overwrite_which_removes_only_run_files(tmp_path):
-    _prepare_out_dir("fault", tmp_path).release()  # an earlier run's folder
-    for name in ("ranks", "logs"):
+    prepare_out_dir("fault", tmp_path).release()  # an earlier run's folder
+    for name in ("ranks", "logs", "results"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "rank0.json").write_text("{}")
     (tmp_path / "result.json").write_text("{}")
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "notes.txt").write_text("mine")  # added by the user since
-    with pytest.raises(ValueError, match=r"holds the files of an earlier run 'fault' \(result\.json, config\.json, "
-                                         r"ranks, logs\); pass overwrite=True \(--overwrite\)"):
-        _prepare_out_dir("fault", tmp_path)
+    with pytest.raises(ValueError, match=r"holds the files of an earlier run 'fault' \(result\.json, results, "
+                                         r"config\.json, ranks, logs\); pass overwrite=True \(--overwrite\)"):
+        prepare_out_dir("fault", tmp_path)
     assert (tmp_path / "result.json").exists()  # refused: nothing removed
-    claimed = _prepare_out_dir("fsdp_train", tmp_path, overwrite=True)
+    claimed = prepare_out_dir("fsdp_train", tmp_path, overwrite=True)
     claimed.release()
     assert sorted(p.name for p in tmp_path.iterdir()) == [RUN_MARKER, "notes.txt"]
     assert json.loads((tmp_path / RUN_MARKER).read_text())["run"] == "fsdp_train"
-    assert set(RUN_FILES) == {"result.json", "config.json", "ranks", "logs"}
+    assert set(RUN_FILES) == {"result.json", "results", "config.json", "ranks", "logs"}
 
 
 def test_two_runs_can_never_share_a_folder(tmp_path):
-    first = _prepare_out_dir("fault", tmp_path)  # holds the lock, as a running run does
+    first = prepare_out_dir("fault", tmp_path)  # holds the lock, as a running run does
     try:
         before = _children()
         start = time.monotonic()
@@ -73,7 +75,7 @@ def test_two_runs_can_never_share_a_folder(tmp_path):
         assert time.monotonic() - start < 5 and _children() == before  # at once, nothing started
     finally:
         first.release()
-    _prepare_out_dir("fault", tmp_path).release()  # free again once the first run ends
+    prepare_out_dir("fault", tmp_path).release()  # free again once the first run ends
 
 
 @pytest.mark.parametrize("make_out, match", [
@@ -133,9 +135,9 @@ def test_a_hang_blames_the_rank_that_never_joined_not_the_one_that_waited(tmp_pa
 
 
 def test_the_cli_refuses_a_runs_folder_without_overwrite(tmp_path, capsys):
-    from handbook_lib.cli import main
+    from handbook_lib.face import main
 
-    _prepare_out_dir("fault", tmp_path).release()
+    prepare_out_dir("fault", tmp_path).release()
     (tmp_path / "result.json").write_text("{}")
     assert main(["run", "fault", "--quiet", "--out", str(tmp_path)]) == 2
     err = " ".join(capsys.readouterr().err.split())  # the CLI may wrap long lines

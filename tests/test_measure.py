@@ -1,10 +1,10 @@
-"""handbook_lib.measure: the helpers the runs share (the measurements themselves are checked by
+"""handbook_lib.runtime.measure: the helpers the runs share (the measurements themselves are checked by
 the runs' own tests against the models)."""
 
 import torch
 
-from handbook_lib.comm import estimate_collective
-from handbook_lib.measure import CollectiveCall, collective_totals, tensors_in
+from handbook_lib.models import estimate_collective
+from handbook_lib.runtime import CollectiveCall, collective_totals, tensors_in
 
 
 def test_collective_totals_sum_each_kind_with_the_ring_model():
@@ -32,7 +32,7 @@ def test_counter_times_each_call_and_names_its_phase(tmp_path):
 
     import torch.distributed as dist
 
-    from handbook_lib.measure import CollectiveCounter
+    from handbook_lib.runtime import CollectiveCounter
 
     class ReduceInBackward(torch.autograd.Function):
         @staticmethod

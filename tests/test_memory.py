@@ -1,16 +1,16 @@
-"""handbook_lib.memory: FSDP's shard rule and the 16-bytes-per-parameter model state."""
+"""handbook_lib.models.memory: FSDP's shard rule and the 16-bytes-per-parameter model state."""
 
 import math
 
 import pytest
 
-from handbook_lib.memory import (
+from handbook_lib.core import ModelConfig, param_count, param_shapes
+from handbook_lib.models import (
     estimate_model_state_bytes,
     estimate_shard_bytes,
     optimizer_states,
     shard_rows,
 )
-from handbook_lib.model import ModelConfig, param_count, param_shapes
 
 
 @pytest.mark.parametrize("dim0, world, expected", [
@@ -67,7 +67,7 @@ def test_optimizer_states():
     (lambda: shard_rows(10, 2, 2), "rank"),
     (lambda: shard_rows(-1, 2, 0), "dim0"),
     (lambda: estimate_shard_bytes(ModelConfig(), 2, 0, "fp8"), "fp32, bf16, fp16"),
-    (lambda: estimate_model_state_bytes(-5), "model must be an int >= 0"),
+    (lambda: estimate_model_state_bytes(-5), "model must be a ModelConfig, a DecoderShape, a preset name or an int >= 0"),
     (lambda: estimate_model_state_bytes(10, grad_bytes=-1), "grad_bytes"),
 ])
 def test_bad_input_raises_value_error(call, match):
@@ -77,12 +77,12 @@ def test_bad_input_raises_value_error(call, match):
 
 # --- estimate_memory and the ZeRO accounting (chapter 2) -------------------------------------
 
-from handbook_lib.activations import DECODER_SHAPES, estimate_activation_bytes  # noqa: E402
-from handbook_lib.config import STRATEGIES  # noqa: E402
-from handbook_lib.memory import (  # noqa: E402
+from handbook_lib.core import FSDP2_SPELLING, STRATEGIES
+from handbook_lib.models import (
     COMPONENTS,
-    FSDP2_SPELLING,
+    DECODER_SHAPES,
     ZERO_STAGES,
+    estimate_activation_bytes,
     estimate_memory,
     estimate_zero_memory,
     optimizer_step_bytes,
@@ -170,7 +170,7 @@ def test_vocabulary_tables_cover_every_strategy():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"strategy": "ZERO4"}, "strategy must be one of"),
-    ({"strategy": "ZERO3"}, "estimate_memory models PyTorch's strategies .*ZERO3 is DeepSpeed's: see handbook_lib.zero"),
+    ({"strategy": "ZERO3"}, "estimate_memory models PyTorch's strategies .*ZERO3 is DeepSpeed's: see handbook_lib.models.zero"),
     ({"precision": "fp8"}, "precision must be one of"),
     ({"optimizer": "lion"}, "optimizer must be one of"),
     ({"strategy": "HYBRID_SHARD", "shard_group_size": 3}, "must divide world_size"),
@@ -193,7 +193,7 @@ def test_zero_rejects_bad_input():
 
 # --- issue 13: the table's rows in one model; init, accumulation, the corrected phases ----------
 
-from handbook_lib.memory import (  # noqa: E402
+from handbook_lib.models import (
     estimate_accumulation_bytes,
     estimate_init_bytes,
     estimate_seed_model_state,
@@ -284,7 +284,7 @@ def test_end_of_backward_by_backend():
     # + the head's bias gradient (bf16, 1001 elements), which FSDP2's foreach_reduce keeps in a
     # loop variable through the collective
     assert est["gloo"].phases["root_reduce"] - rest == 4 * R + 4 * R // 4 + 4 * R + 2 * 1001
-    with pytest.raises(ValueError, match="backend must be 'nccl' or 'gloo'"):
+    with pytest.raises(ValueError, match="backend must be one of nccl, gloo, got 'mpi'"):
         estimate_memory(TINY, 4, backend="mpi")
 
 
@@ -321,8 +321,7 @@ def test_backward_keeps_the_previous_reduce_scatter_input_and_the_hsdp_all_reduc
 
 
 def test_rank_state_puts_fsdp_and_zero_rows_in_the_same_parts():
-    from handbook_lib.memory import estimate_rank_state
-    from handbook_lib.zero import estimate_zero_rank_bytes
+    from handbook_lib.models import estimate_rank_state, estimate_zero_rank_bytes
 
     shape = ModelConfig(vocab_size=1001, d_model=64, nhead=2, dim_feedforward=96, num_layers=2)
     total = 4 * param_count(shape)

@@ -1,19 +1,17 @@
-"""handbook_lib.model: the analytic parameter count must equal the module's, for every config."""
+"""handbook_lib.runtime.model: the analytic parameter count must equal the module's, for every config."""
 
 import itertools
 
 import pytest
 import torch
 
-from handbook_lib.model import (
+from handbook_lib.core import (
     ModelConfig,
-    SimpleTransformer,
-    build_model,
-    count_parameters,
     param_count,
     param_count_breakdown,
     param_shapes,
 )
+from handbook_lib.runtime import SimpleTransformer, build_model, count_parameters
 
 CONFIGS = [
     ModelConfig(vocab_size=v, d_model=d, nhead=h, dim_feedforward=f, num_layers=n)

@@ -9,11 +9,16 @@ import math
 import pytest
 import torch
 
-from handbook_lib.config import RunConfig
-from handbook_lib.distributed import RankContext
-from handbook_lib.model import build_model
+from handbook_lib.core import RunConfig
 from handbook_lib.runs.fault import FaultConfig
-from handbook_lib.training import NonFiniteLoss, build_optimizer, check_loss_finite, train
+from handbook_lib.runtime import (
+    NonFiniteLoss,
+    RankContext,
+    build_model,
+    build_optimizer,
+    check_loss_finite,
+    train,
+)
 
 
 @pytest.mark.parametrize("key, value", [
@@ -47,3 +52,24 @@ def test_check_loss_finite():
     with pytest.raises(NonFiniteLoss, match="^loss is nan on rank 0:"):  # no step known, no process group
         check_loss_finite(math.nan)
     assert issubclass(NonFiniteLoss, FloatingPointError)
+
+
+def test_a_custom_loss_function_s_reported_loss_is_the_one_checked():
+    """With a loss function, the reported loss is what train logs and checks: a NaN there stops
+    the run at its step (1-based), even though the loss backpropagated is finite."""
+    from torch.nn import functional as F
+
+    config = RunConfig(vocab_size=50, d_model=32, nhead=2, dim_feedforward=64, num_layers=1,
+                       batch_size=4, seq_len=8, steps=6)
+    calls = []
+
+    def loss_fn(logits, targets):
+        calls.append(1)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return loss, loss.detach() if len(calls) < 3 else torch.tensor(math.nan)
+
+    model = build_model(config.model_config(), seed=0)
+    ctx = RankContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
+    with pytest.raises(NonFiniteLoss, match=r"^loss is nan at step 3 on rank 0:"):
+        train(model, build_optimizer(model.parameters(), "adamw", config.lr), config, ctx, progress=False,
+              loss_fn=loss_fn)

@@ -1,11 +1,18 @@
-"""handbook_lib.planner: the planner, against the seed's rule and the memory model."""
+"""handbook_lib.models.planner: the planner, against the seed's rule and the memory model."""
 
 import pytest
 
-from handbook_lib.hardware import ACCELERATORS
-from handbook_lib.memory import estimate_memory, estimate_seed_model_state
-from handbook_lib.planner import SEED_SCENARIOS, plan, preference, seed_recommendation
-from handbook_lib.presets import DECODER_SHAPES, get_shape
+from handbook_lib.models import (
+    ACCELERATORS,
+    DECODER_SHAPES,
+    SEED_SCENARIOS,
+    estimate_memory,
+    estimate_seed_model_state,
+    get_shape,
+    plan,
+    preference,
+    seed_recommendation,
+)
 
 SCENARIOS = [("llama2-7b", "h100-80gb", 8), ("llama2-13b", "a100-40gb", 8), ("llama2-70b", "a100-80gb", 16),
              ("llama2-70b", "h100-80gb", 64), ("gpt3-175b", "a100-80gb", 64)]
@@ -105,7 +112,7 @@ def test_offload_states_the_host_memory_it_needs():
 
 def test_the_intra_node_link_comes_from_the_accelerator_preset():
     """A new accelerator is priced on its own link, never a silent PCIe 4 (the old name match)."""
-    from handbook_lib.hardware import Accelerator, get_accelerator, get_link
+    from handbook_lib.models import Accelerator, get_accelerator, get_link
 
     for gpu, link in (("b200-180gb", "nvlink5"), ("mi300x-192gb", "infinity-fabric"), ("h100-80gb", "nvlink4")):
         acc = get_accelerator(gpu)

@@ -1,4 +1,4 @@
-"""handbook_lib.plots: every ``plot_*`` figure draws its inputs where they say, in the stated unit.
+"""handbook_lib.face.plots: every ``plot_*`` figure draws its inputs where they say, in the stated unit.
 
 Expected values (MB = 10^6 bytes, GB = 10^9, ms, ring steps and bytes of an all-reduce) are
 computed here from the inputs, not by calling the plotting code; each test reads the artists
@@ -21,9 +21,9 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.container import BarContainer  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from handbook_lib import plots  # noqa: E402
-from handbook_lib.memory import COMPONENTS, MemoryEstimate  # noqa: E402
-from handbook_lib.results import SCHEMA, RunResult  # noqa: E402
+from handbook_lib.core import SCHEMA, RunResult  # noqa: E402
+from handbook_lib.face import diagrams, plots  # noqa: E402
+from handbook_lib.models import COMPONENTS, MemoryEstimate  # noqa: E402
 
 
 @pytest.fixture
@@ -338,8 +338,7 @@ def test_readability_check_catches_what_it_should(figs: list[Figure]) -> None:
 
 
 def _chapter2_breakdown() -> dict[str, MemoryEstimate]:
-    from handbook_lib.memory import estimate_memory
-    from handbook_lib.presets import DECODER_SHAPES
+    from handbook_lib.models import DECODER_SHAPES, estimate_memory
 
     return {f"{s}\n{n} GPUs": estimate_memory(DECODER_SHAPES["7b"], n, s, "bf16-mixed", micro_batch=1,
                                               seq_len=4096, activation_checkpointing=True)
@@ -356,9 +355,12 @@ def test_memory_breakdown_of_chapter_2_is_readable(figs: list[Figure]) -> None:
 
 
 def test_volume_vs_memory_of_chapter_3_is_readable(figs: list[Figure]) -> None:
-    from handbook_lib.comm import estimate_step_traffic, units_for_decoder
-    from handbook_lib.memory import estimate_memory
-    from handbook_lib.presets import DECODER_SHAPES
+    from handbook_lib.models import (
+        DECODER_SHAPES,
+        estimate_memory,
+        estimate_step_traffic,
+        wrap_units,
+    )
 
     shape = DECODER_SHAPES["7b"]
     points = []
@@ -368,7 +370,7 @@ def test_volume_vs_memory_of_chapter_3_is_readable(figs: list[Figure]) -> None:
                                 ("HYBRID_SHARD_ZERO2 (4)", "HYBRID_SHARD_ZERO2", {"shard_group_size": 4})]:
         memory = estimate_memory(shape, 8, name, "bf16-mixed", micro_batch=1, seq_len=4096,
                                  activation_checkpointing=True, **kwargs).peak
-        sent = estimate_step_traffic(units_for_decoder(shape), 8, name, param_dtype="bf16",
+        sent = estimate_step_traffic(wrap_units(shape), 8, name, param_dtype="bf16",
                                      reduce_dtype="fp32", **kwargs).sent_bytes
         points.append((label, memory, sent))
     figs.append(fig := plots.plot_volume_vs_memory(points, title="7B on 8 GPUs: memory per GPU vs bytes sent"))
@@ -386,7 +388,7 @@ def test_volume_vs_memory_of_chapter_3_is_readable(figs: list[Figure]) -> None:
 
 
 def test_fit_map_of_chapter_4_is_readable(figs: list[Figure]) -> None:
-    from handbook_lib.planner import plan
+    from handbook_lib.models import plan
 
     answers = {}
     for model in ("llama2-7b", "llama2-13b", "llama2-70b", "gpt3-175b"):
@@ -400,7 +402,7 @@ def test_fit_map_of_chapter_4_is_readable(figs: list[Figure]) -> None:
 
 def test_ring_schedule_draws_what_each_rank_holds_after_each_step(figs: list[Figure]) -> None:
     n = 4
-    figs.append(fig := plots.plot_ring_schedule(n))
+    figs.append(fig := diagrams.plot_ring_schedule(n))
     _assert_readable(fig)
     gather, scatter = fig.axes
     for ax, kind in ((gather, "all_gather"), (scatter, "reduce_scatter")):
@@ -425,9 +427,9 @@ def test_ring_schedule_draws_what_each_rank_holds_after_each_step(figs: list[Fig
 
 
 def test_commit_protocol_shows_every_step_in_order(figs: list[Figure]) -> None:
-    from handbook_lib.checkpoint import COMMIT_STEPS
+    from handbook_lib.models import COMMIT_STEPS
 
-    figs.append(fig := plots.plot_commit_protocol(COMMIT_STEPS))
+    figs.append(fig := diagrams.plot_commit_protocol(COMMIT_STEPS))
     _assert_readable(fig)
     ax = _ax(fig)
     titles = [t for t in ax.texts if t.get_weight() == "bold"]
@@ -439,9 +441,7 @@ def test_commit_protocol_shows_every_step_in_order(figs: list[Figure]) -> None:
 
 
 def test_memory_vs_seq_len_draws_the_model_in_gb(figs: list[Figure]) -> None:
-    from handbook_lib.hardware import get_accelerator
-    from handbook_lib.memory import estimate_memory
-    from handbook_lib.presets import DECODER_SHAPES
+    from handbook_lib.models import DECODER_SHAPES, estimate_memory, get_accelerator
 
     lens = [2**k for k in range(9, 16)]
     shape = DECODER_SHAPES["7b"]
@@ -464,15 +464,15 @@ def test_memory_vs_seq_len_draws_the_model_in_gb(figs: list[Figure]) -> None:
 
 
 def test_collective_timeline_one_row_per_unit_in_forward_order(figs: list[Figure]) -> None:
-    from handbook_lib.comm import estimate_step_traffic, units_for_model
-    from handbook_lib.model import ModelConfig
+    from handbook_lib.core import ModelConfig
+    from handbook_lib.models import estimate_step_traffic, wrap_units
 
-    units = units_for_model(ModelConfig(num_layers=3))
+    units = wrap_units(ModelConfig(num_layers=3))
     records = estimate_step_traffic(units, 2, "FULL_SHARD", root_reshard_after_forward=True).records
     # one call per ms, each all-gather 0.5 ms long; reduce-scatters without an end, as on gloo
     calls = [{"kind": r.kind, "unit": r.unit, "phase": r.phase, "start_s": i * 1e-3,
               "end_s": i * 1e-3 + 5e-4 if r.kind == "all_gather" else None} for i, r in enumerate(records)]
-    figs.append(fig := plots.plot_collective_timeline(calls, title="Timeline"))
+    figs.append(fig := diagrams.plot_collective_timeline(calls, title="Timeline"))
     _assert_readable(fig)
     ax = _ax(fig)
     assert _ticks(ax.get_yticklabels()) == [u.name for u in units]

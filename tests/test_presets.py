@@ -1,8 +1,8 @@
-"""handbook_lib.presets: decoder shapes whose counts match the published ones."""
+"""handbook_lib.models.presets: decoder shapes whose counts match the published ones."""
 
 import pytest
 
-from handbook_lib.presets import DECODER_SHAPES, DecoderShape, get_shape
+from handbook_lib.models import DECODER_SHAPES, DecoderShape, get_shape
 
 
 @pytest.mark.parametrize("name", ["llama2-7b", "llama2-13b", "llama2-70b", "gpt3-175b"])

@@ -1,10 +1,10 @@
-"""handbook_lib.results: the result.json shape."""
+"""handbook_lib.core.results: the result.json shape."""
 
 import json
 
 import pytest
 
-from handbook_lib.results import SCHEMA, Check, RunResult, load_result, write_json_atomic
+from handbook_lib.core import SCHEMA, Check, RunResult, load_result, write_json_atomic
 
 
 def _result_dict(**changes):
@@ -66,7 +66,7 @@ def test_write_json_atomic_replaces(tmp_path):
 
 
 def test_max_relative_difference():
-    from handbook_lib.results import max_relative_difference
+    from handbook_lib.core import max_relative_difference
 
     assert max_relative_difference([1.0, 2.2], [1.0, 2.0]) == pytest.approx(0.1)
     assert max_relative_difference([], []) == 0.0

@@ -11,10 +11,9 @@ import torch
 
 pytest.importorskip("accelerate")
 
-from handbook_lib.accelerate_job import launch_env  # noqa: E402
-from handbook_lib.config import RunConfig  # noqa: E402
+from handbook_lib.core import RunConfig, param_count
+from handbook_lib.integrations import launch_env  # noqa: E402
 from handbook_lib.launch import torchrun  # noqa: E402
-from handbook_lib.model import param_count  # noqa: E402
 from handbook_lib.runs.accelerate_fsdp import validate  # noqa: E402
 
 TINY = {"vocab_size": 1001, "d_model": 64, "nhead": 2, "dim_feedforward": 96, "num_layers": 2,

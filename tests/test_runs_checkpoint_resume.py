@@ -16,21 +16,18 @@ import shutil
 import pytest
 import torch
 
-from handbook_lib.checkpoint import (
-    LATEST,
-    MANIFEST,
+from handbook_lib.core import RunConfig, max_relative_difference
+from handbook_lib.launch import RunFailed, torchrun
+from handbook_lib.models import LATEST, MANIFEST, estimate_checkpoint_count
+from handbook_lib.runs.checkpoint_resume import EXPORT_FILE, PROBE_FILE
+from handbook_lib.runtime import (
     CheckpointError,
+    SimpleTransformer,
     count_checkpoint,
-    estimate_checkpoint_count,
     load_checkpoint,
     load_exported,
     validate_checkpoint,
 )
-from handbook_lib.config import RunConfig
-from handbook_lib.launch import RunFailed, torchrun
-from handbook_lib.model import SimpleTransformer
-from handbook_lib.results import max_relative_difference
-from handbook_lib.runs.checkpoint_resume import EXPORT_FILE, PROBE_FILE
 from tests.conftest import processes_mentioning
 
 TINY = {"vocab_size": 1001, "d_model": 64, "nhead": 2, "dim_feedforward": 96, "num_layers": 2,

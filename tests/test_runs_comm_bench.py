@@ -2,8 +2,8 @@
 
 import pytest
 
-from handbook_lib.comm import AlphaBeta
 from handbook_lib.launch import torchrun
+from handbook_lib.models import AlphaBeta
 from handbook_lib.runs.comm_bench import BenchConfig, buffer_sizes
 
 
@@ -31,14 +31,14 @@ def test_bench_measures_every_collective(tmp_path, monkeypatch, capsys):
     logs = [p for p in tmp_path.rglob("*.log") if p.is_file()]
     assert logs and not any("FutureWarning" in p.read_text(errors="replace") for p in logs)
     # the CLI's `run comm_bench` prints the fit (alpha in microseconds, beta in GB/s)
-    from handbook_lib import cli
-    from handbook_lib.display import fit_table
+    import handbook_lib.face.commands as commands
+    from handbook_lib.face import fit_table, main
 
     table = fit_table(result)
     assert [row[0] for row in table.rows] == list(kinds)
     assert all(float(row[1]) >= 0 and float(row[2]) > 0 for row in table.rows)
-    monkeypatch.setattr(cli, "torchrun", lambda *args, **kwargs: result)
-    assert cli.main(["run", "comm_bench", "--quiet"]) == 0
+    monkeypatch.setattr(commands, "torchrun", lambda *args, **kwargs: result)
+    assert main(["run", "comm_bench", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "alpha-beta fit: time = steps x alpha + bytes sent / beta" in out and table.text() in out
 

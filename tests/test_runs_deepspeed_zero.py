@@ -10,27 +10,39 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from handbook_lib.launch import torchrun  # noqa: E402
+from handbook_lib.launch import torchrun_batch  # noqa: E402
+from handbook_lib.models import estimate_zero_step_traffic  # noqa: E402
 from handbook_lib.runs.deepspeed_zero import ZeroRunConfig, fsdp_twin, validate  # noqa: E402
-from handbook_lib.zero import estimate_zero_step_traffic  # noqa: E402
 
 TINY = {"vocab_size": 1001, "d_model": 64, "nhead": 2, "dim_feedforward": 96, "num_layers": 2,
         "batch_size": 8, "seq_len": 16, "steps": 2}
 COMPONENTS = ("params", "master", "grads", "optimizer", "optimizer_step")
 
 
-def _run(tmp_path, **config):
-    result = torchrun("deepspeed_zero", 4, {**TINY, **config}, out=tmp_path / "run", timeout_s=300, stream=False)
-    assert not result.failed_checks()
-    quantities = {c.quantity for c in result.checks}
-    assert {f"{name}_bytes" for name in COMPONENTS} <= quantities
-    assert {f"loss_step{s + 1}_vs_fsdp2" for s in range(result.config["steps"])} <= quantities
-    assert {c.rank for c in result.checks} == {0, 1, 2, 3}
-    return result
+RUNS = {
+    "zero1-sgd-momentum-bf16": {"strategy": "ZERO1", "optimizer": "sgd-momentum", "precision": "bf16-mixed"},
+    "zero2-offload-bf16": {"strategy": "ZERO2", "cpu_offload": True, "precision": "bf16-mixed"},
+    "zero3-adam-bf16-persistent": {"strategy": "ZERO3", "optimizer": "adam", "precision": "bf16-mixed",
+                                   "persistence_threshold": 10_000, "steps": 3},
+}
 
 
-def test_zero1_sgd_momentum_bf16(tmp_path):
-    result = _run(tmp_path, strategy="ZERO1", optimizer="sgd-momentum", precision="bf16-mixed")
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """The three runs, in one job of 4 ranks (one engine after another on one process group)."""
+    runs = torchrun_batch("deepspeed_zero", 4, {k: {**TINY, **v} for k, v in RUNS.items()},
+                          out=tmp_path_factory.mktemp("zero"), timeout_s=600, stream=False)
+    for result in runs.values():
+        assert not result.failed_checks()
+        quantities = {c.quantity for c in result.checks}
+        assert {f"{name}_bytes" for name in COMPONENTS} <= quantities
+        assert {f"loss_step{s + 1}_vs_fsdp2" for s in range(result.config["steps"])} <= quantities
+        assert {c.rank for c in result.checks} == {0, 1, 2, 3}
+    return runs
+
+
+def test_zero1_sgd_momentum_bf16(results):
+    result = results["zero1-sgd-momentum-bf16"]
     rank0 = result.ranks[0]
     assert rank0["optimizer_step_bytes"] == 0  # SGD keeps no step counter
     assert rank0["optimizer_bytes"] == rank0["master_bytes"]  # one momentum buffer
@@ -38,16 +50,15 @@ def test_zero1_sgd_momentum_bf16(tmp_path):
     assert result.extra["deepspeed_config"]["zero_optimization"]["stage"] == 1
 
 
-def test_zero2_offload_bf16(tmp_path):
-    result = _run(tmp_path, strategy="ZERO2", cpu_offload=True, precision="bf16-mixed")
+def test_zero2_offload_bf16(results):
+    result = results["zero2-offload-bf16"]
     for rank in result.ranks:  # offloaded: the fp32 gradient of the rank's own partition
         assert rank["grads_bytes"] == rank["master_bytes"]
     assert result.extra["deepspeed_config"]["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
 
 
-def test_zero3_adam_bf16_with_some_tensors_persistent(tmp_path):
-    result = _run(tmp_path, strategy="ZERO3", optimizer="adam", precision="bf16-mixed",
-                  persistence_threshold=10_000, steps=3)
+def test_zero3_adam_bf16_with_some_tensors_persistent(results):
+    result = results["zero3-adam-bf16-persistent"]
     gathers = result.ranks[0]["collectives"]["all_gather"]["count"]
     traffic = estimate_zero_step_traffic(ZeroRunConfig.from_mapping(TINY).model_config(), 4, "ZERO3",
                                          "bf16-mixed", persistence_threshold=10_000)

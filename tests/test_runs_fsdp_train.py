@@ -10,12 +10,14 @@ does not run the same experiment twice.
 
 import pytest
 
-from handbook_lib.config import RunConfig
-from handbook_lib.launch import torchrun
-from handbook_lib.memory import estimate_memory, estimate_shard_bytes
-from handbook_lib.model import param_count
-from handbook_lib.results import SCHEMA, max_relative_difference
-from handbook_lib.sharding import estimate_flat_shard_bytes, wrap_units
+from handbook_lib.core import SCHEMA, RunConfig, max_relative_difference, param_count
+from handbook_lib.launch import torchrun_batch
+from handbook_lib.models import (
+    estimate_flat_shard_bytes,
+    estimate_memory,
+    estimate_shard_bytes,
+    wrap_units,
+)
 
 TINY = {"vocab_size": 1001, "d_model": 64, "nhead": 2, "dim_feedforward": 96, "num_layers": 2,
         "batch_size": 8, "seq_len": 16, "steps": 2}
@@ -53,13 +55,14 @@ _RESULTS: dict[str, tuple] = {}
 
 
 def _run(name: str, tmp_path_factory) -> tuple:
-    """Run case ``name`` once per session: ``(nproc, config, result)``."""
+    """Case ``name``'s ``(nproc, config, result)``. The first case asked for on a number of ranks
+    runs every case of that number in one job (:func:`torchrun_batch`), once per session."""
     if name not in _RESULTS:
-        nproc, overrides = CASES[name]
-        config = {**TINY, **overrides}
-        result = torchrun("fsdp_train", nproc, config, out=tmp_path_factory.mktemp("fsdp"), timeout_s=300,
-                          stream=False)
-        _RESULTS[name] = (nproc, config, result)
+        nproc = CASES[name][0]
+        batch = {label: {**TINY, **overrides} for label, (n, overrides) in CASES.items() if n == nproc}
+        results = torchrun_batch("fsdp_train", nproc, batch, out=tmp_path_factory.mktemp("fsdp"), timeout_s=600,
+                                 stream=False)
+        _RESULTS.update({label: (nproc, batch[label], results[label]) for label in batch})
     return _RESULTS[name]
 
 
@@ -219,7 +222,7 @@ def test_losses_equal_one_process_on_the_global_batch(case):
     """Sharding must not change the maths: in fp32, every run's losses equal those of one plain
     process training on the whole global batch (relative difference <= 1e-5), and with
     clipping, the total gradient norm over the shards equals the one process's (<= 1e-6)."""
-    from handbook_lib.training import train_one_process
+    from handbook_lib.runtime import train_one_process
 
     _, config, result = case
     if config.get("precision", "fp32") != "fp32":
@@ -251,7 +254,7 @@ def test_one_unit_holds_the_whole_model_at_once(tmp_path_factory):
 def test_activation_checkpointing_keeps_only_layer_inputs(tmp_path_factory):
     """With recomputation, forward keeps less: measured activations drop, by what the layers
     would have saved beyond their inputs; the losses stay identical."""
-    from handbook_lib.activations import estimate_activation_bytes
+    from handbook_lib.models import estimate_activation_bytes
 
     _, config, ac = _run("2-FULL_SHARD-fp32-adamw-AC", tmp_path_factory)
     _, _, plain = _run("2-FULL_SHARD-fp32-adamw", tmp_path_factory)
@@ -271,8 +274,8 @@ def test_a_too_large_scale_skips_steps_and_halves(tmp_path_factory):
     _, config, result = _run("2-FULL_SHARD-fp16-scaler-too-large", tmp_path_factory)
     scales, skipped = result.ranks[0]["grad_scale"], result.ranks[0]["skipped_steps"]
     assert scales[0] == config["grad_scale_init"]
-    assert skipped and skipped == list(range(len(skipped)))  # the first steps, in a row
+    assert skipped and skipped == list(range(1, len(skipped) + 1))  # the first steps (1-based), in a row
     assert len(skipped) < config["steps"]  # and then it trains
-    for step in range(config["steps"] - 1):
-        assert scales[step + 1] == scales[step] / (2 if step in skipped else 1)
+    for step in range(1, config["steps"]):  # scales[step - 1] is the factor step ``step`` used
+        assert scales[step] == scales[step - 1] / (2 if step in skipped else 1)
     assert all(r["skipped_steps"] == skipped for r in result.ranks)  # every rank skips alike

@@ -2,8 +2,8 @@
 
 import pytest
 
+from handbook_lib.core import max_relative_difference
 from handbook_lib.launch import torchrun
-from handbook_lib.results import max_relative_difference
 from handbook_lib.runs.step_time import StepTimeConfig, validate
 
 TINY = {"vocab_size": 1001, "d_model": 64, "nhead": 2, "dim_feedforward": 96, "num_layers": 2,
@@ -48,16 +48,16 @@ def test_bad_configs_are_rejected_before_launch(changes, world, match):
 
 
 def test_rank0_reports_progress_and_the_cli_prints_the_ratio(result, monkeypatch, capsys):
-    import handbook_lib.cli as cli
-    from handbook_lib.display import step_time_summary
+    import handbook_lib.face.commands as commands
+    from handbook_lib.face import main, step_time_summary
 
     logs = "".join(p.read_text(errors="replace") for p in result.path.parent.rglob("*.log"))
     assert "step_time: building DDP, FULL_SHARD; then 1 warm-up step(s) each and 3 repeats" in logs
     assert "warm-up done: FULL_SHARD" in logs and "repeat 3/3: DDP " in logs
     assert step_time_summary(result).startswith("FSDP/DDP step time (median of 3 repeats): FULL_SHARD ")
     # the CLI's `run step_time` prints the checks with a verdict, the ratio table and its summary
-    monkeypatch.setattr(cli, "torchrun", lambda *args, **kwargs: result)
-    assert cli.main(["run", "step_time", "--quiet"]) == 0
+    monkeypatch.setattr(commands, "torchrun", lambda *args, **kwargs: result)
+    assert main(["run", "step_time", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "2 checks: 2 within tolerance" in out and "nats = loss in natural-log units" in out
     assert "ratio to DDP (median)" in out and step_time_summary(result) in out

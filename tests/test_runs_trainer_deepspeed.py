@@ -9,11 +9,11 @@ import pytest
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
-from handbook_lib.hf_trainer import SyntheticLM, build_gpt2, gpt2_config  # noqa: E402
+from handbook_lib.core import param_count  # noqa: E402
+from handbook_lib.integrations import SyntheticLM, build_gpt2, gpt2_config  # noqa: E402
 from handbook_lib.launch import torchrun  # noqa: E402
-from handbook_lib.model import param_count  # noqa: E402
 from handbook_lib.runs.trainer_deepspeed import TrainerRunConfig, validate  # noqa: E402
-from handbook_lib.training import make_batch  # noqa: E402
+from handbook_lib.runtime import make_batch  # noqa: E402
 
 TINY = {"vocab_size": 1001, "d_model": 64, "nhead": 2, "dim_feedforward": 96, "num_layers": 2,
         "batch_size": 8, "seq_len": 16, "steps": 3}

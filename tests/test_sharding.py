@@ -1,14 +1,15 @@
-"""handbook_lib.sharding: FSDP's units, matching how parallelize.apply_fsdp2 wraps the model."""
+"""handbook_lib.models.sharding: FSDP's units, matching how parallelize.apply_fsdp2 wraps the model."""
 
 import pytest
 
-from handbook_lib.model import ModelConfig, SimpleTransformer, TransformerLayer, param_count
-from handbook_lib.sharding import Unit, check_world, fsdp_units
+from handbook_lib.core import ModelConfig, check_world, param_count
+from handbook_lib.models import Unit, wrap_units
+from handbook_lib.runtime import SimpleTransformer, TransformerLayer
 
 
 def test_units_partition_the_parameters_like_the_module():
     config = ModelConfig(vocab_size=101, d_model=16, nhead=2, dim_feedforward=24, num_layers=3)
-    units = fsdp_units(config)
+    units = wrap_units(config)
     assert [u.name for u in units] == ["root", "layers.0", "layers.1", "layers.2"]
     assert [u.root for u in units] == [True, False, False, False]
     model = SimpleTransformer(config)
@@ -44,16 +45,16 @@ SMALL = ModelConfig(vocab_size=1001, d_model=64, nhead=2, dim_feedforward=96, nu
 
 
 def test_layer_wrapping_is_the_default_units_and_model_wrapping_is_one_unit():
-    from handbook_lib.sharding import wrap_units
+    from handbook_lib.models import wrap_units
 
-    assert wrap_units(SMALL, "layer") == fsdp_units(SMALL)
+    assert wrap_units(SMALL, "layer") == wrap_units(SMALL)
     (root,) = wrap_units(SMALL, "model")
     assert root.root and root.numel == param_count(SMALL)
 
 
 @pytest.mark.parametrize("min_params", [5_000, 20_000, 30_000, 100_000, 10**9])
 def test_size_wrapping_partitions_the_parameters(min_params):
-    from handbook_lib.sharding import wrap_units
+    from handbook_lib.models import wrap_units
 
     units = wrap_units(SMALL, "size", min_params)
     assert units[0].root and sum(u.numel for u in units) == param_count(SMALL)
@@ -67,7 +68,7 @@ def test_size_wrapping_partitions_the_parameters(min_params):
 
 
 def test_size_wrapping_rejects_bad_arguments():
-    from handbook_lib.sharding import wrap_units
+    from handbook_lib.models import wrap_units
 
     with pytest.raises(ValueError, match="wrap"):
         wrap_units(SMALL, "block")
@@ -77,9 +78,9 @@ def test_size_wrapping_rejects_bad_arguments():
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
 def test_flat_shards_pad_each_unit_once(world):
-    from handbook_lib.sharding import estimate_flat_shard_bytes
+    from handbook_lib.models import estimate_flat_shard_bytes
 
-    units = fsdp_units(SMALL)
+    units = wrap_units(SMALL)
     shards = [estimate_flat_shard_bytes(units, world, r) for r in range(world)]
     assert sum(s.shard_bytes for s in shards) == 4 * param_count(SMALL)
     assert len({s.padded_bytes for s in shards}) == 1  # equal storage on every rank

@@ -1,4 +1,4 @@
-"""handbook_lib.slurm: the sbatch script for a multi-node run.
+"""handbook_lib.launch.slurm: the sbatch script for a multi-node run.
 
 The script is read as text (its #SBATCH lines), checked by ``bash -n``, and run by bash with
 stand-ins for ``scontrol``, ``srun`` and ``python`` (no Slurm here, nor in CI), so the test
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from handbook_lib.slurm import (
+from handbook_lib.launch import (
     MARKER,
     SHEBANG,
     SlurmJob,

@@ -1,4 +1,4 @@
-"""handbook_lib.strategies: one table of strategies, and nobody else deciding by name."""
+"""handbook_lib.core.strategies: one table of strategies, and nobody else deciding by name."""
 
 import re
 from pathlib import Path
@@ -6,7 +6,7 @@ from typing import get_args
 
 import pytest
 
-from handbook_lib.strategies import (
+from handbook_lib.core import (
     STRATEGIES,
     STRATEGY_TABLE,
     WRAPPERS,
@@ -99,8 +99,8 @@ def test_spellings_and_deepspeed_sections():
 def test_a_new_row_needs_no_other_module():
     """A ZeRO-1-like row (optimizer state sharded only) flows through the pure models unchanged:
     the memory model shards exactly the optimizer state, the comm model all-reduces gradients."""
-    from handbook_lib.architecture import ModelConfig
-    from handbook_lib.memory import estimate_memory
+    from handbook_lib.core import ModelConfig
+    from handbook_lib.models import estimate_memory
 
     zero1 = Strategy("ZERO1", "fsdp", False, False, True, False, False, None, False, 1, "", False, "")
     model = ModelConfig(num_layers=2, d_model=64, nhead=2, dim_feedforward=128, vocab_size=1000)

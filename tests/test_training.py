@@ -1,15 +1,20 @@
-"""handbook_lib.training: synthetic data, batch slicing, and single-process training."""
+"""handbook_lib.runtime.training: synthetic data, batch slicing, and single-process training."""
 
 import math
 
 import pytest
 import torch
 
-from handbook_lib.config import RunConfig
-from handbook_lib.distributed import RankContext
-from handbook_lib.model import build_model
-from handbook_lib.parallelize import build_mp_policy
-from handbook_lib.training import build_optimizer, local_slice, make_batch, train
+from handbook_lib.core import RunConfig
+from handbook_lib.runtime import (
+    RankContext,
+    build_model,
+    build_mp_policy,
+    build_optimizer,
+    local_slice,
+    make_batch,
+    train,
+)
 
 
 def test_batches_follow_the_rule_and_are_deterministic():
@@ -56,9 +61,8 @@ def test_fsdp1_size_policy_makes_the_units_the_pure_rule_predicts():
     """FSDP1's own size_based_auto_wrap_policy, on the real module, against sharding.wrap_units."""
     import torch.distributed as dist
 
-    from handbook_lib.measure import measure_fsdp_units
-    from handbook_lib.parallelize import parallelize
-    from handbook_lib.sharding import wrap_units
+    from handbook_lib.models import wrap_units
+    from handbook_lib.runtime import measure_fsdp_units, parallelize
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -78,7 +82,7 @@ def test_clip_norm_is_summed_in_float64_and_clips_like_pytorch():
     """clip_grad_norm's norm is the float64 norm of the gradient (1e-12); PyTorch's fp32 sums
     drift from it by more than that on the default model's 2.56M-element head (the reason
     chapter 5 gives for summing in float64). Scaling follows clip_grad_norm_: max / (norm + 1e-6)."""
-    from handbook_lib.training import clip_grad_norm
+    from handbook_lib.runtime import clip_grad_norm
 
     config = RunConfig()
     model = build_model(config.model_config(), seed=0)
@@ -100,9 +104,130 @@ def test_clip_norm_is_summed_in_float64_and_clips_like_pytorch():
 def test_one_thread_restores_the_thread_count():
     import torch
 
-    from handbook_lib.training import one_thread
+    from handbook_lib.runtime import one_thread
 
     before = torch.get_num_threads()
     with one_thread():
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
+
+
+def _tiny(**changes) -> RunConfig:
+    return RunConfig(vocab_size=50, d_model=32, nhead=2, dim_feedforward=64, num_layers=1,
+                     batch_size=4, seq_len=8, lr=1e-2, **changes)
+
+
+ONE = RankContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
+
+
+def test_default_loop_is_the_plain_next_token_loop():
+    """train's defaults (make_batch, model(x), next_token_loss) are exactly the hand-written loop:
+    the same losses to the bit, and next_token_loss reports the tensor it backpropagates."""
+    from torch.nn import functional as F
+
+    from handbook_lib.runtime.training import next_token_loss
+
+    config = _tiny(steps=4)
+    model = build_model(config.model_config(), seed=0)
+    log = train(model, build_optimizer(model.parameters(), "adamw", config.lr), config, ONE, progress=False)
+    twin = build_model(config.model_config(), seed=0)
+    optimizer = build_optimizer(twin.parameters(), "adamw", config.lr)
+    losses = []
+    for step in range(config.steps):
+        inputs, targets = make_batch(config, step)
+        loss = F.cross_entropy(twin(inputs).float().flatten(0, 1), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)  # freed, not zeroed: the numbers are the same
+        losses.append(loss.item())
+    assert log.losses == losses and log.steps == [1, 2, 3, 4]
+    logits, targets = torch.randn(2, 3, 5, dtype=torch.float16), torch.randint(0, 5, (2, 3))
+    backward, reported = next_token_loss(logits, targets)
+    assert backward is reported and backward.dtype == torch.float32
+    assert backward == F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def test_batch_source_forward_loss_and_after_backward_reach_train():
+    """Each hook is called where train's docstring says: the batch source with 0-based steps,
+    the forward once per micro-step, the loss's reported half logged, after_backward with the
+    1-based step once the gradients exist and before the parameters move."""
+    from torch.nn import functional as F
+
+    config = _tiny(steps=3, seed=4)
+    asked, forwards, seen, params_at = [], [], [], {}
+
+    def batches(cfg: RunConfig, step: int):
+        asked.append(step)
+        return make_batch(cfg.replace(seed=9), step)  # not the default data
+
+    def forward(model, inputs):
+        forwards.append(inputs.shape[0])
+        return model(inputs)
+
+    def loss_fn(logits, targets):
+        token_losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+        return token_losses.sum() / 1000, token_losses.mean()
+
+    def after_backward(model, step):
+        seen.append((step, all(p.grad is not None and p.grad.any() for p in model.parameters())))
+        params_at[step] = model.output.weight.detach().clone()
+
+    model = build_model(config.model_config(), seed=0)
+    ends = {0: model.output.weight.detach().clone()}
+    log = train(model, build_optimizer(model.parameters(), "adamw", config.lr), config, ONE, progress=False,
+                batches=batches, forward=forward, loss_fn=loss_fn, after_backward=after_backward,
+                on_step=lambda end: ends.__setitem__(end.step, end.model.output.weight.detach().clone()))
+    assert asked == [0, 1, 2] and forwards == [4, 4, 4] and seen == [(1, True), (2, True), (3, True)]
+    assert all(torch.equal(params_at[s], ends[s - 1]) and not torch.equal(params_at[s], ends[s]) for s in (1, 2, 3))
+    twin = build_model(config.model_config(), seed=0)
+    optimizer = build_optimizer(twin.parameters(), "adamw", config.lr)
+    losses = []
+    for step in range(config.steps):
+        inputs, targets = make_batch(config.replace(seed=9), step)
+        backward, reported = loss_fn(twin(inputs), targets)
+        backward.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(reported.item())
+    assert log.losses == losses and len(log.grad_zero_fraction) == 3
+
+
+def test_accumulation_divides_a_custom_loss_by_k():
+    """With grad_accum_steps = 2 both halves of the loss are divided by 2: a reported constant
+    sums back to itself, and a summed loss's gradient is half the one-micro-batch gradient."""
+    grads = {}
+    for k in (1, 2):
+        config = _tiny(steps=1, grad_accum_steps=k)
+        model = build_model(config.model_config(), seed=0)
+        log = train(model, build_optimizer(model.parameters(), "sgd", config.lr), config, ONE, progress=False,
+                    loss_fn=lambda logits, y: (torch.nn.functional.cross_entropy(
+                        logits.flatten(0, 1), y.flatten(), reduction="sum"), torch.tensor(3.0)),
+                    after_backward=lambda m, step, k=k: grads.__setitem__(k, m.output.weight.grad.clone()))
+        assert log.losses == [3.0]
+    assert torch.allclose(grads[2], grads[1] / 2, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("start_step", [0, 2])
+def test_skipped_steps_are_1_based_and_are_the_steps_whose_scale_dropped(start_step):
+    """An fp16 forward with a first factor of 2**24 overflows: the scaler skips those steps (the
+    weights do not move) and halves itself. TrainLog.skipped_steps names them 1-based from the
+    job's start, like TrainLog.steps."""
+    from torch.func import functional_call
+
+    def fp16(model, inputs):
+        return functional_call(model, {n: p.to(torch.float16) for n, p in model.named_parameters()}, (inputs,))
+
+    config = _tiny(steps=10)
+    model = build_model(config.model_config(), seed=0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    weights = [model.output.weight.detach().clone()]
+    log = train(model, build_optimizer(model.parameters(), "adamw", config.lr), config, ONE, progress=False,
+                start_step=start_step, scaler=scaler, forward=fp16,
+                on_step=lambda end: weights.append(end.model.output.weight.detach().clone()))
+    assert log.steps == list(range(start_step + 1, 11))
+    dropped = [s for s, a, b in zip(log.steps, log.grad_scale, log.grad_scale[1:] + [scaler.get_scale()]) if b < a]
+    assert log.skipped_steps == dropped
+    assert log.skipped_steps == list(range(start_step + 1, start_step + 1 + len(dropped)))  # the first steps
+    assert 0 < len(log.skipped_steps) < len(log.steps)  # and then it trains
+    for i, step in enumerate(log.steps):
+        assert torch.equal(weights[i + 1], weights[i]) == (step in log.skipped_steps)

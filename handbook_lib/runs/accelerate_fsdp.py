@@ -1,13 +1,13 @@
 """Train the handbook's model through Accelerate's FSDP config, and report the sharding Accelerate really applied.
 
 Chapter 7 launches it. Each rank gets the environment ``accelerate launch`` would set for the
-run config (:func:`handbook_lib.accelerate_job.launch_env`), builds ``Accelerator()`` from it,
+run config (:func:`handbook_lib.integrations.accelerate_job.launch_env`), builds ``Accelerator()`` from it,
 prepares the seeded model and its optimizer, and trains in the book's loop. Then it reports what
 it got — Accelerate's distributed type, the wrapper, whether the parameters are sharded, the
 bytes each rank holds — beside what was asked for.
 
 *Verify the sharding you asked for.* Each rank's parameter bytes are checked against what FSDP2
-holds (:func:`handbook_lib.memory.estimate_shard_bytes`), and its losses against the book's own
+holds (:func:`handbook_lib.models.layout.estimate_shard_bytes`), and its losses against the book's own
 FSDP2 run of the same config, trained first in the same job. On GPUs Accelerate applies FSDP and
 the checks hold. Without a GPU, Accelerate 1.x finds no distributed backend for processes it
 did not start with ``--cpu``: its distributed type is ``NO``, the model is left unwrapped, and
@@ -24,16 +24,16 @@ from __future__ import annotations
 import os
 import sys
 
-from handbook_lib.config import RunConfig
-from handbook_lib.distributed import RankContext
-from handbook_lib.frameworks import fsdp_strategies
-from handbook_lib.memory import estimate_shard_bytes
-from handbook_lib.model import build_model
-from handbook_lib.parallelize import parallelize
-from handbook_lib.results import Check
+from handbook_lib.core.config import RunConfig
+from handbook_lib.core.results import Check
+from handbook_lib.core.strategies import get_strategy
+from handbook_lib.integrations.frameworks import fsdp_strategies
+from handbook_lib.models.layout import estimate_shard_bytes
 from handbook_lib.runs.entry import RankReport, main
-from handbook_lib.strategies import get_strategy
-from handbook_lib.training import build_optimizer, train
+from handbook_lib.runtime.build import parallelize
+from handbook_lib.runtime.distributed import RankContext
+from handbook_lib.runtime.model import build_model
+from handbook_lib.runtime.training import build_optimizer, train
 
 CONFIG = RunConfig
 
@@ -58,15 +58,14 @@ def validate(config: RunConfig, world_size: int) -> None:
         raise ValueError("accelerate_fsdp runs precision='fp32' without cpu_offload or activation_checkpointing")
     if config.steps < 2 or config.grad_accum_steps != 1 or config.max_grad_norm:
         raise ValueError("accelerate_fsdp needs steps >= 2, grad_accum_steps=1 and max_grad_norm=0")
-    if config.batch_size % world_size:
-        raise ValueError(f"batch_size={config.batch_size} must be divisible by the number of ranks {world_size}")
+    config.check_batch(world_size)
 
 
 def run(config: RunConfig, ctx: RankContext) -> RankReport:
     validate(config, ctx.world_size)
     from accelerate import Accelerator
 
-    from handbook_lib.accelerate_job import launch_env, what_accelerate_did
+    from handbook_lib.integrations.accelerate_job import launch_env, what_accelerate_did
 
     reference = parallelize(config, ctx)  # the book's own FSDP2 run of the same config
     fsdp_log = train(reference, build_optimizer(reference.parameters(), config.optimizer, config.lr),

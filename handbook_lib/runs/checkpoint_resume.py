@@ -1,10 +1,10 @@
 """Train with FSDP2, save sharded checkpoints, get killed, resume: the proof behind chapter 6.
 
-Each rank builds the seeded model and shards it (:func:`~handbook_lib.parallelize.parallelize`),
-then trains in the one training loop (:func:`~handbook_lib.training.train`) from step 0 — or,
+Each rank builds the seeded model and shards it (:func:`~handbook_lib.runtime.build.parallelize`),
+then trains in the one training loop (:func:`~handbook_lib.runtime.training.train`) from step 0 — or,
 with ``resume``, from the newest complete checkpoint under ``ckpt_dir`` (any world size: DCP
 reshards), continuing with the very batch where the saved job
-stopped. Every ``save_every`` steps all ranks save a checkpoint (:mod:`handbook_lib.checkpoint`).
+stopped. Every ``save_every`` steps all ranks save a checkpoint (:mod:`handbook_lib.runtime.checkpoint`).
 To interrupt the job for real, rank ``kill_rank`` sends itself SIGKILL after step
 ``kill_at_step`` (and after that step's save), or — with ``kill_in_save`` — during that step's
 save, once its shard file is on disk but before the save is committed. The launcher then raises
@@ -37,31 +37,36 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
-from handbook_lib.architecture import param_shapes
-from handbook_lib.checkpoint import (
+from handbook_lib.core.architecture import param_shapes
+from handbook_lib.core.config import RunConfig
+from handbook_lib.core.results import Check
+from handbook_lib.core.strategies import STRATEGIES, get_strategy
+from handbook_lib.models.checkpoint import (
     LATEST,
+    checkpoint_name,
+    estimate_checkpoint_count,
+)
+from handbook_lib.runs.entry import RankReport, main
+from handbook_lib.runtime.build import parallelize
+from handbook_lib.runtime.checkpoint import (
     CheckpointError,
     check_model_shapes,
-    checkpoint_name,
-    count_checkpoint,
-    estimate_checkpoint_count,
     export_full_state_dict,
     load_checkpoint,
     save_checkpoint,
     validate_checkpoint,
 )
-from handbook_lib.config import STRATEGIES, RunConfig
-from handbook_lib.distributed import RankContext
-from handbook_lib.parallelize import parallelize
-from handbook_lib.results import Check
-from handbook_lib.runs.entry import RankReport, main
-from handbook_lib.strategies import get_strategy
-from handbook_lib.training import StepEnd, build_optimizer, make_batch, train
+from handbook_lib.runtime.checkpoint_inspect import count_checkpoint
+from handbook_lib.runtime.data import make_batch
+from handbook_lib.runtime.distributed import RankContext
+from handbook_lib.runtime.training import StepEnd, build_optimizer, train
 
 EXPORT_FILE = "export.pt"
 """File name, under ``ckpt_dir``, of the exported full state dict."""
@@ -72,6 +77,8 @@ PROBE_FILE = "export_probe.pt"
 @dataclass(frozen=True)
 class CheckpointRunConfig(RunConfig):
     """A training run with checkpoints, and the ways to interrupt and resume it."""
+
+    MINIMUMS: ClassVar[Mapping[str, int]] = {**RunConfig.MINIMUMS, "save_every": 0, "keep_last": 0}
 
     ckpt_dir: str = ""
     """Root directory of the checkpoints (required)."""
@@ -115,11 +122,7 @@ def validate(config: CheckpointRunConfig, world_size: int) -> None:
                          f"got api={config.api!r}, strategy={config.strategy!r}")
     if config.precision not in ("fp32", "bf16-mixed") or config.cpu_offload:
         raise ValueError("checkpoint_resume supports precision fp32 or bf16-mixed, without cpu_offload")
-    if config.batch_size % world_size:
-        raise ValueError(f"batch_size={config.batch_size} must be divisible by the number of ranks {world_size}")
-    for key in ("save_every", "keep_last"):
-        if getattr(config, key) < 0:
-            raise ValueError(f"config key {key!r} must be >= 0, got {getattr(config, key)}")
+    config.check_batch(world_size)
     if config.resume_step != -1 and (not config.resume or config.resume_step < 0):
         raise ValueError("resume_step must be -1, or >= 0 together with resume=true")
     if config.resume_if_present and not config.resume:

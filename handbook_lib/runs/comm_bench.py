@@ -4,7 +4,7 @@ Chapter 3 launches it to measure the reader's own machine (gloo over loopback on
 over NVLink or PCIe on GPUs). For each collective and each buffer size (geometric, from
 ``min_bytes`` to ``max_bytes``) every rank runs ``warmup`` untimed and ``repeats`` timed calls;
 the time of a call is the slowest rank's, and the median over repeats is kept. Rank 0 then fits
-the alpha-beta model of :func:`handbook_lib.comm.fit_alpha_beta` to each collective (``None``,
+the alpha-beta model of :func:`handbook_lib.models.collectives.fit_alpha_beta` to each collective (``None``,
 with a note, where noise leaves no growth with size to fit).
 
 Launch::
@@ -17,15 +17,17 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
-from handbook_lib.comm import fit_alpha_beta
-from handbook_lib.config import FlatConfig
-from handbook_lib.distributed import RankContext
+from handbook_lib.core.config import FlatConfig
+from handbook_lib.models.collectives import fit_alpha_beta
 from handbook_lib.runs.entry import RankReport, main
+from handbook_lib.runtime.distributed import RankContext
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
@@ -40,6 +42,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 @dataclass(frozen=True)
 class BenchConfig(FlatConfig):
     """Message sizes and repetitions of the benchmark."""
+
+    MINIMUMS: ClassVar[Mapping[str, int]] = {"points": 2, "repeats": 2, "warmup": 0}
 
     min_bytes: int = 4096
     """Smallest full buffer (all-gather output, reduce-scatter input), bytes."""
@@ -56,11 +60,6 @@ class BenchConfig(FlatConfig):
         super().__post_init__()
         if not 0 < self.min_bytes < self.max_bytes:
             raise ValueError(f"need 0 < min_bytes < max_bytes, got {self.min_bytes}, {self.max_bytes}")
-        for key in ("points", "repeats"):
-            if getattr(self, key) < 2:
-                raise ValueError(f"config key {key!r} must be >= 2, got {getattr(self, key)}")
-        if self.warmup < 0:
-            raise ValueError(f"config key 'warmup' must be >= 0, got {self.warmup}")
 
 
 CONFIG = BenchConfig

@@ -3,12 +3,12 @@
 Chapter 7 launches it. Each rank first trains the FSDP2 twin of the config (the FSDP strategy
 with ZeRO's sharding at rest: SHARD_GRAD_OP for ZeRO-2, FULL_SHARD for ZeRO-3 and ZeRO-1, which
 FSDP has no form of) and then the same seeded model under a DeepSpeed engine, on the same
-batches, in the same loop (:func:`handbook_lib.training.train`). The last step of each runs
+batches, in the same loop (:func:`handbook_lib.runtime.training.train`). The last step of each runs
 under a collective counter. It then measures where DeepSpeed keeps each byte — parameters, the
 fp32 master partition, gradients, optimizer state — and checks each, and the FSDP2 twin's, against
-:func:`handbook_lib.memory.estimate_rank_state` (exact: ZeRO and FSDP are two rows of one model),
+:func:`handbook_lib.models.memory.estimate_rank_state` (exact: ZeRO and FSDP are two rows of one model),
 the collectives against
-:func:`handbook_lib.zero.estimate_zero_step_traffic` (exact bytes), and DeepSpeed's losses
+:func:`handbook_lib.models.zero.estimate_zero_step_traffic` (exact bytes), and DeepSpeed's losses
 against FSDP2's (:data:`LOSS_TOLERANCE`). DeepSpeed's own memory estimators are reported beside
 them (rank 0).
 
@@ -20,29 +20,37 @@ Launch::
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
-from handbook_lib.config import InitName, RunConfig, StrategyName
-from handbook_lib.distributed import RankContext
-from handbook_lib.measure import (
+from handbook_lib.core.architecture import param_count
+from handbook_lib.core.config import InitName, RunConfig
+from handbook_lib.core.results import Check
+from handbook_lib.core.strategies import StrategyName, get_strategy, strategies_where
+from handbook_lib.models.memory import estimate_rank_state
+from handbook_lib.models.zero import (
+    ZERO_STAGES,
+    estimate_zero_step_traffic,
+    gather_units,
+)
+from handbook_lib.runs.entry import RankReport, main
+from handbook_lib.runtime.build import parallelize
+from handbook_lib.runtime.distributed import RankContext
+from handbook_lib.runtime.measure import (
     collective_totals,
     measure_grad_bytes,
     measure_optimizer_bytes,
     measure_param_bytes,
 )
-from handbook_lib.memory import ZERO_STAGES, estimate_rank_state
-from handbook_lib.model import param_count
-from handbook_lib.parallelize import parallelize
-from handbook_lib.results import Check
-from handbook_lib.runs.entry import RankReport, main
-from handbook_lib.strategies import get_strategy, strategies_where
-from handbook_lib.training import build_optimizer, train
-from handbook_lib.zero import estimate_zero_step_traffic, gather_units
+from handbook_lib.runtime.training import build_optimizer, train
 
 
 @dataclass(frozen=True)
 class ZeroRunConfig(RunConfig):
     """A ZeRO run: the book's run config, a ZeRO strategy, and ZeRO-3's persistence threshold."""
+
+    MINIMUMS: ClassVar[Mapping[str, int]] = {**RunConfig.MINIMUMS, "persistence_threshold": 0}
 
     strategy: StrategyName = "ZERO3"
     """``ZERO1``, ``ZERO2`` or ``ZERO3`` (DeepSpeed's stage)."""
@@ -90,10 +98,7 @@ def validate(config: ZeroRunConfig, world_size: int) -> None:
             "order of the modules in the first steps and compares it across ranks with broadcasts, so "
             "the measured (last) step must be the third or later"
         )
-    if config.batch_size % world_size:
-        raise ValueError(f"batch_size={config.batch_size} must be divisible by the number of ranks {world_size}")
-    if config.persistence_threshold < 0:
-        raise ValueError(f"config key 'persistence_threshold' must be >= 0, got {config.persistence_threshold}")
+    config.check_batch(world_size)
 
 
 def fsdp_twin(strategy: str) -> str:
@@ -118,7 +123,11 @@ def _train_fsdp2(config: ZeroRunConfig, ctx: RankContext) -> dict:
 
 def run(config: ZeroRunConfig, ctx: RankContext) -> RankReport:
     validate(config, ctx.world_size)
-    from handbook_lib.zero_engine import build_engine, deepspeed_estimates, measure_zero_bytes
+    from handbook_lib.integrations.zero_engine import (
+        build_engine,
+        deepspeed_estimates,
+        measure_zero_bytes,
+    )
 
     fsdp = _train_fsdp2(config, ctx)
     engine, optimizer, ds_config = build_engine(config, ctx, persistence_threshold=config.persistence_threshold)

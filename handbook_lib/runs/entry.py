@@ -1,6 +1,6 @@
 """The harness every run's ``__main__`` goes through, on every rank.
 
-Chapter 1 introduces it. A run module defines ``CONFIG`` (a :class:`~handbook_lib.config.FlatConfig`
+Chapter 1 introduces it. A run module defines ``CONFIG`` (a :class:`~handbook_lib.core.config.FlatConfig`
 subclass) and ``run(config, ctx) -> RankReport``, and ends with::
 
     if __name__ == "__main__":
@@ -9,7 +9,9 @@ subclass) and ``run(config, ctx) -> RankReport``, and ends with::
 so it can be started as ``torchrun --nproc-per-node N -m handbook_lib.runs.NAME --config cfg.json
 --out DIR``. The harness turns what the ranks do into files the launcher can read:
 
-- ``DIR/result.json`` — written by rank 0 once every rank's report is gathered (atomic);
+- ``DIR/result.json`` — written by rank 0 once every rank's report is gathered (atomic); a
+  *batch* (several configs in one job, one after another on the same process group:
+  :func:`handbook_lib.launch.torchrun_batch`) writes ``DIR/results/{k}.json``, one per config;
 - ``DIR/ranks/rank{R}.json`` — each rank's end state: ``ok``, or ``error`` with the traceback,
   and where it ran (host, node rank, local rank); the same three keys are in its ``result.json``
   record;
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import faulthandler
+import gc
 import json
 import os
 import signal
@@ -40,14 +43,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from handbook_lib.config import parse_overrides
-from handbook_lib.distributed import RankContext, init_distributed, shutdown_distributed
-from handbook_lib.results import SCHEMA, Check, write_json_atomic
+from handbook_lib.core.config import parse_overrides
+from handbook_lib.core.files import write_json_atomic
+from handbook_lib.core.protocol import (
+    BATCH_KEY,
+    DEADLINE_ENV,
+    RANKS_DIR,
+    RESULT_FILE,
+    RankStatus,
+    batch_result_path,
+    rank_stacks_path,
+    rank_status_path,
+)
+from handbook_lib.core.results import SCHEMA, Check, RunResult
+from handbook_lib.runtime.distributed import (
+    RankContext,
+    init_distributed,
+    shutdown_distributed,
+)
 
-__all__ = ["RankReport", "main", "placement", "DEADLINE_ENV"]
-
-DEADLINE_ENV = "HANDBOOK_DEADLINE"
-"""Environment variable the launcher sets: the Unix time (seconds) at which it kills the run."""
+__all__ = ["RankReport", "main", "placement"]
 
 
 @dataclass
@@ -99,9 +114,10 @@ def placement() -> dict[str, Any]:
             "local_rank": int(os.environ.get("LOCAL_RANK", "0"))}
 
 
-def _write_status(ranks_dir: Path, rank: int, status: dict[str, Any]) -> None:
-    write_json_atomic(ranks_dir / f"rank{rank}.json",
-                      {"rank": rank, "time": time.time(), **placement(), **status})
+def _write_status(out_dir: Path, rank: int, status: str, **error: Any) -> None:
+    """This rank's :class:`~handbook_lib.core.protocol.RankStatus`, where the launcher reads it."""
+    state = RankStatus(rank=rank, status=status, time=time.time(), **placement(), **error)
+    write_json_atomic(rank_status_path(out_dir, rank), state.to_dict())
 
 
 def _collect(report: RankReport, ctx: RankContext) -> list[RankReport] | None:
@@ -113,48 +129,60 @@ def _collect(report: RankReport, ctx: RankContext) -> list[RankReport] | None:
     return gathered
 
 
+def _configs(module: ModuleType, args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """``(label, config)`` of every config this job runs: one (label ``""``), or a batch's, in
+    order; ``--set`` overrides apply to each."""
+    mapping = json.loads(args.config.read_text()) if args.config else {}
+    overrides = parse_overrides(args.overrides)
+    if BATCH_KEY not in mapping:
+        return [("", module.CONFIG.from_mapping({**mapping, **overrides}))]
+    return [(entry["label"], module.CONFIG.from_mapping({**entry["config"], **overrides}))
+            for entry in mapping[BATCH_KEY]]
+
+
+def _run_one(module: ModuleType, config: Any, ctx: RankContext) -> RankReport:
+    """``module.run(config, ctx)``, with where this rank ran added to its metrics."""
+    report = module.run(config, ctx)
+    report.metrics.update(placement())
+    return report
+
+
+def _result(module: ModuleType, config: Any, ctx: RankContext, reports: list[RankReport]) -> RunResult:
+    """The result of one config from every rank's report (rank 0 holds them all)."""
+    return RunResult(
+        schema=SCHEMA, run=module.__spec__.name.rsplit(".", 1)[-1], config=config.to_dict(),
+        world_size=ctx.world_size, backend=ctx.backend, device=ctx.device.type, torch_version=torch.__version__,
+        ranks=[{"rank": r, **rep.metrics} for r, rep in enumerate(reports)],
+        checks=[c for rep in reports for c in rep.checks], extra=reports[0].extra,
+    )
+
+
 def main(module: ModuleType, argv: list[str] | None = None) -> None:
     """Run ``module.run`` on this rank and report; never returns (ends the process)."""
     args = _parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
-    ranks_dir = args.out / "ranks"
-    ranks_dir.mkdir(parents=True, exist_ok=True)
+    (args.out / RANKS_DIR).mkdir(parents=True, exist_ok=True)
     _die_with_parent()
-    stacks = _arm_stack_dumps(ranks_dir / f"rank{rank}.stacks.txt")
+    stacks = _arm_stack_dumps(rank_stacks_path(args.out, rank))
     code = 0
+    stage = ""
     try:
-        mapping = json.loads(args.config.read_text()) if args.config else {}
-        mapping.update(parse_overrides(args.overrides))
-        config = module.CONFIG.from_mapping(mapping)
+        configs = _configs(module, args)
         ctx = init_distributed()
-        report = module.run(config, ctx)
-        report.metrics.update(placement())
-        reports = _collect(report, ctx)
-        if reports is not None:
-            result = {
-                "schema": SCHEMA,
-                "run": module.__spec__.name.rsplit(".", 1)[-1],
-                "config": config.to_dict(),
-                "world_size": ctx.world_size,
-                "backend": ctx.backend,
-                "device": ctx.device.type,
-                "torch_version": torch.__version__,
-                "ranks": [{"rank": r, **rep.metrics} for r, rep in enumerate(reports)],
-                "checks": [c.to_dict() for rep in reports for c in rep.checks],
-                **reports[0].extra,
-            }
-            write_json_atomic(args.out / "result.json", result)
-        _write_status(ranks_dir, rank, {"status": "ok"})
+        for index, (stage, config) in enumerate(configs):
+            reports = _collect(_run_one(module, config, ctx), ctx)
+            if reports is not None:
+                path = batch_result_path(args.out, index) if stage else args.out / RESULT_FILE
+                path.parent.mkdir(exist_ok=True)
+                write_json_atomic(path, _result(module, config, ctx, reports).to_dict())
+            gc.collect()  # the config's model and buffers, before the next one's measurements
+        _write_status(args.out, rank, "ok")
     except BaseException as exc:  # noqa: BLE001 - every failure must be reported, then exit
         code = 1
         traceback.print_exc()
-        _write_status(ranks_dir, rank, {
-            "status": "error",
-            "error_type": type(exc).__name__,
-            "message": str(exc),
-            "traceback": traceback.format_exc(),
-            "distributed_error": isinstance(exc, dist.DistError),
-        })
+        _write_status(args.out, rank, "error", error_type=type(exc).__name__, message=str(exc),
+                      traceback=traceback.format_exc(), distributed_error=isinstance(exc, dist.DistError),
+                      stage=stage)
     finally:
         faulthandler.cancel_dump_traceback_later()
         faulthandler.unregister(signal.SIGTERM)

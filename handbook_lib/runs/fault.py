@@ -31,10 +31,10 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from handbook_lib.config import FlatConfig
-from handbook_lib.distributed import RankContext
-from handbook_lib.results import Check
+from handbook_lib.core.config import FlatConfig
+from handbook_lib.core.results import Check
 from handbook_lib.runs.entry import RankReport, main
+from handbook_lib.runtime.distributed import RankContext
 
 
 @dataclass(frozen=True)

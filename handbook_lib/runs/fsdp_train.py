@@ -23,31 +23,35 @@ from __future__ import annotations
 
 import sys
 
-from handbook_lib.comm import estimate_step_traffic
-from handbook_lib.config import PRECISIONS, RunConfig
-from handbook_lib.distributed import RankContext
-from handbook_lib.measure import (
+import torch
+from torch import nn
+
+from handbook_lib.core.config import RunConfig, get_precision
+from handbook_lib.core.results import Check
+from handbook_lib.core.strategies import STRATEGY_TABLE
+from handbook_lib.models.init_bytes import estimate_init_bytes
+from handbook_lib.models.layout import ModelLayout, model_layout
+from handbook_lib.models.memory import MemoryEstimate, estimate_memory
+from handbook_lib.models.model_state import (
+    estimate_accumulation_bytes,
+    optimizer_states,
+    optimizer_step_bytes,
+)
+from handbook_lib.models.sharding import Unit, estimate_flat_shard_bytes
+from handbook_lib.models.traffic import estimate_step_traffic
+from handbook_lib.runs.entry import RankReport, main
+from handbook_lib.runtime.build import check_runnable, measure_init_bytes, shard_group
+from handbook_lib.runtime.distributed import RankContext
+from handbook_lib.runtime.measure import (
+    CollectiveCall,
+    StepMemory,
     collective_totals,
     measure_fsdp_units,
     measure_grad_bytes,
     measure_optimizer_bytes,
     measure_param_bytes,
 )
-from handbook_lib.memory import (
-    estimate_accumulation_bytes,
-    estimate_init_bytes,
-    estimate_memory,
-    estimate_shard_bytes,
-    optimizer_states,
-    optimizer_step_bytes,
-)
-from handbook_lib.model import param_count
-from handbook_lib.parallelize import check_runnable, measure_init_bytes, shard_group
-from handbook_lib.results import Check
-from handbook_lib.runs.entry import RankReport, main
-from handbook_lib.sharding import estimate_flat_shard_bytes, wrap_units
-from handbook_lib.strategies import STRATEGY_TABLE
-from handbook_lib.training import build_grad_scaler, build_optimizer, train
+from handbook_lib.runtime.training import build_grad_scaler, build_optimizer, train
 
 CONFIG = RunConfig
 
@@ -56,7 +60,7 @@ ACTIVATION_TOLERANCE = 0.05
 attention kernels save slightly different tensors)."""
 PEAK_TOLERANCE = 0.10
 """Relative tolerance of the peak-memory check. On gloo with sharded parameters the model's
-late-free headroom (:attr:`handbook_lib.memory.MemoryEstimate.late_free_peak`) is added: a
+late-free headroom (:attr:`handbook_lib.models.memory.MemoryEstimate.late_free_peak`) is added: a
 collective that finishes late under load keeps its buffers into the next phase (measured: up to
 +10.7 % on the tests' 3.6 MB peaks with two jobs sharing 2 cores, 0.04 % idle)."""
 NORM_TOLERANCE = 1e-6
@@ -89,11 +93,7 @@ def validate(config: RunConfig, world_size: int) -> None:
             f"fsdp_train needs steps >= 3 with DDP (got {config.steps}): DDP rebuilds its gradient "
             "buckets during the second step, so the measured (last) step must be the third or later"
         )
-    if config.batch_size % (world_size * config.grad_accum_steps):
-        raise ValueError(
-            f"batch_size={config.batch_size} must be divisible by the number of ranks {world_size}"
-            + (f" times grad_accum_steps={config.grad_accum_steps}" if config.grad_accum_steps > 1 else "")
-        )
+    config.check_batch(world_size)
     if row.hybrid:
         group = shard_group(config, world_size)
         if group == world_size:
@@ -109,101 +109,112 @@ def validate(config: RunConfig, world_size: int) -> None:
 
 
 def run(config: RunConfig, ctx: RankContext) -> RankReport:
+    """Train ``config`` on this rank, measure what it holds, and check each byte the models predict."""
     validate(config, ctx.world_size)
     row = check_runnable(config, ctx.world_size)
     group = shard_group(config, ctx.world_size)
     flat = config.api == "fsdp1" and row.wrapper == "fsdp"
     model, init_bytes = measure_init_bytes(config, ctx, config.init)
     optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
-    scaler = build_grad_scaler(config, ctx)
-    log = train(model, optimizer, config, ctx, track_memory=True, count_collectives=True, scaler=scaler)
-
-    params = measure_param_bytes(model)
-    grads = measure_grad_bytes(model)
-    opt_sharded, opt_other = measure_optimizer_bytes(optimizer)
-    model_config = config.model_config()
-    units = wrap_units(model_config, config.wrap, config.wrap_min_params)
-    if flat:  # FSDP1: one padded FlatParameter per unit; grads and states are as padded
-        shard = estimate_flat_shard_bytes(units, group, ctx.rank % group)
-        state = shard.padded_bytes
-    else:
-        shard = estimate_shard_bytes(model_config, group, ctx.rank % group)
-        state = shard.shard_bytes
+    log = train(model, optimizer, config, ctx, track_memory=True, count_collectives=True,
+                scaler=build_grad_scaler(config, ctx))
+    layout = model_layout(config.model_config())
+    units = layout.units(config.wrap, config.wrap_min_params)
     predicted = estimate_memory(
-        model_config, ctx.world_size, config.strategy, config.precision, config.optimizer,
+        layout, ctx.world_size, config.strategy, config.precision, config.optimizer,
         micro_batch=config.batch_size // (ctx.world_size * config.grad_accum_steps), seq_len=config.seq_len,
         shard_group_size=group if row.hybrid else None, rank=ctx.rank, cpu_offload=config.cpu_offload,
         activation_checkpointing=config.activation_checkpointing, units=units, flat_params=flat,
         backend=ctx.backend, grad_accum_steps=config.grad_accum_steps,
     )
-
-    def check(quantity: str, expected: int, measured: int, tolerance: float = 0.0) -> Check:
-        return Check(quantity, ctx.rank, expected, measured, "bytes", tolerance)
-
-    checks = [
-        check("param_shard_bytes", shard.shard_bytes, params.shard_bytes),
-        check("param_padding_bytes", shard.padding_bytes, params.padding_bytes),
-        check("grad_shard_bytes", state, grads),
-        check("optimizer_state_bytes", optimizer_states(config.optimizer) * state, opt_sharded),
-        check("optimizer_step_bytes", optimizer_step_bytes(model_config, config.optimizer, units if flat else None),
-              opt_other),
-    ]
-    if not flat:  # FSDP1 flattens while it materialises: its init is reported, not predicted
-        checks.append(check("init_bytes", estimate_init_bytes(
-            model_config, ctx.world_size, config.strategy, config.init, rank=ctx.rank,
-            shard_group_size=group if row.hybrid else None, units=units), init_bytes))
+    state, checks = _state(config, ctx, layout, units, group, flat, model, optimizer, init_bytes)
+    metrics = {
+        "losses": log.losses, "step_time_s": log.step_time_s, **state,
+        "grad_zero_fraction": log.grad_zero_fraction, "grad_scale": log.grad_scale,
+        "skipped_steps": log.skipped_steps, "init_bytes": init_bytes, "grad_norm": log.grad_norm,
+        "predicted_peak_phase": predicted.peak_phase, "predicted_components": predicted.components,
+    }
     if log.grad_norm_full is not None:  # clipping: the sharded norm against one process's
         checks.append(Check("grad_norm", ctx.rank, log.grad_norm_full, log.grad_norm[0], "norm",
                             NORM_TOLERANCE))
+    if log.memory is not None:
+        checks += _memory_checks(config, ctx, layout, predicted, log.memory, flat, metrics)
+    if log.collectives is not None:
+        # the ring model applied to what was counted (kinds, buffers, group sizes)
+        sent = sum(kind["sent_bytes"] for kind in collective_totals(log.collectives).values())
+        checks += _collective_checks(config, ctx, group, units, flat, log.collectives, sent)
+        metrics["collectives"] = [vars(c) for c in log.collectives]
+        metrics["sent_bytes"] = sent
+    return RankReport(metrics=metrics, checks=checks,
+                      extra={"num_params": layout.num_params, "model_bytes": 4 * layout.num_params})
+
+
+def _bytes(ctx: RankContext, quantity: str, expected: int, measured: int, tolerance: float = 0.0) -> Check:
+    """A check of ``quantity`` on this rank, in bytes."""
+    return Check(quantity, ctx.rank, expected, measured, "bytes", tolerance)
+
+
+def _state(config: RunConfig, ctx: RankContext, layout: ModelLayout, units: list[Unit], group: int, flat: bool,
+           model: nn.Module, optimizer: torch.optim.Optimizer, init_bytes: int) -> tuple[dict, list[Check]]:
+    """What this rank holds at rest (parameter shards and padding, gradients, optimizer state,
+    its FSDP units, and its peak while the model was built), measured beside the prediction.
+
+    Returns:
+        ``(metrics, checks)``; the metrics do not repeat ``init_bytes``.
+    """
+    params = measure_param_bytes(model)
+    grads = measure_grad_bytes(model)
+    opt_sharded, opt_other = measure_optimizer_bytes(optimizer)
+    row = STRATEGY_TABLE[config.strategy]
+    if flat:  # FSDP1: one padded FlatParameter per unit; grads and states are as padded
+        shard = estimate_flat_shard_bytes(units, group, ctx.rank % group)
+        state = shard.padded_bytes
+    else:
+        shard = layout.shard_bytes(group, ctx.rank % group)
+        state = shard.shard_bytes
+    checks = [
+        _bytes(ctx, "param_shard_bytes", shard.shard_bytes, params.shard_bytes),
+        _bytes(ctx, "param_padding_bytes", shard.padding_bytes, params.padding_bytes),
+        _bytes(ctx, "grad_shard_bytes", state, grads),
+        _bytes(ctx, "optimizer_state_bytes", optimizer_states(config.optimizer) * state, opt_sharded),
+        _bytes(ctx, "optimizer_step_bytes", optimizer_step_bytes(layout, config.optimizer, units if flat else None),
+               opt_other),
+    ]
+    if not flat:  # FSDP1 flattens while it materialises: its init is reported, not predicted
+        checks.append(_bytes(ctx, "init_bytes", estimate_init_bytes(
+            layout, ctx.world_size, config.strategy, config.init, rank=ctx.rank,
+            shard_group_size=group if row.hybrid else None, units=units), init_bytes))
     wrapped = measure_fsdp_units(model)
     if row.wrapper == "fsdp":
         checks.append(Check("fsdp_unit_count", ctx.rank, sum(1 for u in units if u.numel), len(wrapped), "units"))
     metrics = {
-        "losses": log.losses,
-        "step_time_s": log.step_time_s,
-        "param_shard_bytes": params.shard_bytes,
-        "param_padding_bytes": params.padding_bytes,
-        "grad_shard_bytes": grads,
-        "optimizer_state_bytes": opt_sharded,
-        "optimizer_other_bytes": opt_other,
-        "param_device": str(next(model.parameters()).device),
-        "shard_group_size": group,
-        "units": [u.name for u in units if u.numel],
-        "measured_units": wrapped,
-        "grad_zero_fraction": log.grad_zero_fraction,
-        "grad_scale": log.grad_scale,
-        "skipped_steps": log.skipped_steps,
-        "init_bytes": init_bytes,
-        "grad_norm": log.grad_norm,
-        "predicted_peak_phase": predicted.peak_phase,
-        "predicted_components": predicted.components,
+        "param_shard_bytes": params.shard_bytes, "param_padding_bytes": params.padding_bytes,
+        "grad_shard_bytes": grads, "optimizer_state_bytes": opt_sharded, "optimizer_other_bytes": opt_other,
+        "param_device": str(next(model.parameters()).device), "shard_group_size": group,
+        "units": [u.name for u in units if u.numel], "measured_units": wrapped,
     }
-    if log.memory is not None:
-        mem = log.memory
-        # On a CPU-only machine "device" and host are the same memory: offloaded state counts too.
-        peak = predicted.peak + (predicted.host if ctx.device.type == "cpu" else 0)
-        checks.append(check("activation_bytes", predicted.forward_activations, mem.activation_bytes,
-                            ACTIVATION_TOLERANCE))
-        if not flat or not row.shards_params:  # FSDP1 sharding its flat parameters: reported only
-            headroom = max(0, predicted.late_free_peak - predicted.peak) / peak
-            checks.append(check("peak_bytes", peak, mem.peak_bytes, PEAK_TOLERANCE + headroom))
-        if config.grad_accum_steps > 1:
-            checks.append(check("held_between_micro_steps", estimate_accumulation_bytes(
-                model_config, config.strategy, config.precision), mem.held_between_micro_steps))
-        metrics.update(predicted_peak_bytes=peak, peak_bytes=mem.peak_bytes, activation_bytes=mem.activation_bytes,
-                       peak_breakdown=mem.peak_breakdown, allocator_peak_bytes=mem.allocator_peak_bytes,
-                       held_between_micro_steps=mem.held_between_micro_steps)
-    if log.collectives is not None:
-        # the ring model applied to what was counted (kinds, buffers, group sizes)
-        sent = sum(kind["sent_bytes"] for kind in collective_totals(log.collectives).values())
-        checks += _collective_checks(config, ctx, group, units, flat, log.collectives, sent, check)
-        metrics["collectives"] = [vars(c) for c in log.collectives]
-        metrics["sent_bytes"] = sent
-    return RankReport(
-        metrics=metrics,
-        checks=checks,
-        extra={"num_params": param_count(model_config), "model_bytes": 4 * param_count(model_config)},
-    )
+    return metrics, checks
+
+
+def _memory_checks(config: RunConfig, ctx: RankContext, layout: ModelLayout, predicted: MemoryEstimate,
+                   mem: StepMemory, flat: bool, metrics: dict) -> list[Check]:
+    """The tracked step's activations, peak and (with accumulation) the gradients held between
+    micro-steps, beside the memory model's; their metrics are added to ``metrics``."""
+    row = STRATEGY_TABLE[config.strategy]
+    # On a CPU-only machine "device" and host are the same memory: offloaded state counts too.
+    peak = predicted.peak + (predicted.host if ctx.device.type == "cpu" else 0)
+    checks = [_bytes(ctx, "activation_bytes", predicted.forward_activations, mem.activation_bytes,
+                     ACTIVATION_TOLERANCE)]
+    if not flat or not row.shards_params:  # FSDP1 sharding its flat parameters: reported only
+        headroom = max(0, predicted.late_free_peak - predicted.peak) / peak
+        checks.append(_bytes(ctx, "peak_bytes", peak, mem.peak_bytes, PEAK_TOLERANCE + headroom))
+    if config.grad_accum_steps > 1:
+        checks.append(_bytes(ctx, "held_between_micro_steps", estimate_accumulation_bytes(
+            layout, config.strategy, config.precision), mem.held_between_micro_steps))
+    metrics.update(predicted_peak_bytes=peak, peak_bytes=mem.peak_bytes, activation_bytes=mem.activation_bytes,
+                   peak_breakdown=mem.peak_breakdown, allocator_peak_bytes=mem.allocator_peak_bytes,
+                   held_between_micro_steps=mem.held_between_micro_steps)
+    return checks
 
 
 def _scaler_group(config: RunConfig, world_size: int) -> int | None:
@@ -218,7 +229,8 @@ def _scaler_group(config: RunConfig, world_size: int) -> int | None:
     return world_size
 
 
-def _collective_checks(config, ctx, group, units, flat, calls, sent, check) -> list[Check]:
+def _collective_checks(config: RunConfig, ctx: RankContext, group: int, units: list[Unit], flat: bool,
+                       calls: list[CollectiveCall], sent: int) -> list[Check]:
     """Counted collectives of the step beside the communication model's schedule.
 
     In our FSDP2 wrapping the root is resharded after forward too (``fully_shard(model,
@@ -230,7 +242,7 @@ def _collective_checks(config, ctx, group, units, flat, calls, sent, check) -> l
     row = STRATEGY_TABLE[config.strategy]
     if not row.distributed:
         return [Check("collective_count", ctx.rank, 0, len(calls), "collectives")]
-    param_dtype, reduce_dtype = PRECISIONS[config.precision]
+    param_dtype, reduce_dtype = get_precision(config.precision)
     traffic = estimate_step_traffic(
         units, ctx.world_size, config.strategy,
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, root_reshard_after_forward=not flat,
@@ -246,13 +258,12 @@ def _collective_checks(config, ctx, group, units, flat, calls, sent, check) -> l
             continue
         if row.wrapper != "ddp":  # DDP's bucket count follows its 25 MB bucketing
             checks.append(Check(f"{kind}_count", ctx.rank, len(predicted), len(measured), "collectives"))
-        checks.append(check(f"{kind}_buffer_bytes", sum(r.buffer_bytes for r in predicted),
-                            sum(c.buffer_bytes for c in measured)))
+        checks.append(_bytes(ctx, f"{kind}_buffer_bytes", sum(r.buffer_bytes for r in predicted),
+                             sum(c.buffer_bytes for c in measured)))
     if calls or traffic.records:
         # DDP's buckets round each all-reduce's chunks separately: a few bytes off one
         # all-reduce of everything
-        checks.append(check("sent_bytes", traffic.sent_bytes, sent,
-                            1e-6 if row.wrapper == "ddp" else 0.0))
+        checks.append(_bytes(ctx, "sent_bytes", traffic.sent_bytes, sent, 1e-6 if row.wrapper == "ddp" else 0.0))
     return checks
 
 

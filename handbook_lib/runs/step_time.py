@@ -18,18 +18,21 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
-from handbook_lib.config import STRATEGIES, RunConfig
-from handbook_lib.distributed import RankContext
-from handbook_lib.parallelize import parallelize
-from handbook_lib.results import Check
+from handbook_lib.core.config import RunConfig
+from handbook_lib.core.results import Check
+from handbook_lib.core.strategies import STRATEGIES, get_strategy
 from handbook_lib.runs.entry import RankReport, main
-from handbook_lib.strategies import get_strategy
-from handbook_lib.training import build_optimizer, local_batch, train_step
+from handbook_lib.runtime.build import parallelize
+from handbook_lib.runtime.data import local_batch
+from handbook_lib.runtime.distributed import RankContext
+from handbook_lib.runtime.training import build_optimizer, train_step
 
 LOSS_TOLERANCE = 1e-5
 """Relative tolerance between a variant's fp32 loss and DDP's on the same batches."""
@@ -42,6 +45,8 @@ BASELINE = "DDP"
 @dataclass(frozen=True)
 class StepTimeConfig(RunConfig):
     """A :class:`RunConfig` plus what to time: ``steps`` is the timed steps per repeat."""
+
+    MINIMUMS: ClassVar[Mapping[str, int]] = {**RunConfig.MINIMUMS, "repeats": 1, "warmup": 0}
 
     variants: str = "DDP,FULL_SHARD,SHARD_GRAD_OP"
     """Comma-separated strategies to time, DDP first (the reference of every ratio)."""
@@ -61,8 +66,6 @@ class StepTimeConfig(RunConfig):
         if bad:
             raise ValueError(f"config key 'variants': unknown strategy {bad[0]!r}; accepted: "
                              f"{', '.join(accepted)}")
-        if self.repeats < 1 or self.warmup < 0:
-            raise ValueError("config keys 'repeats' >= 1 and 'warmup' >= 0 required")
 
     def variant_list(self) -> list[str]:
         """The strategies of ``variants``, in order."""
@@ -77,8 +80,7 @@ def validate(config: StepTimeConfig, world_size: int) -> None:
     if world_size < 2:
         raise ValueError(f"step_time compares DDP with FSDP: launch it with 2 or more ranks "
                          f"(nproc >= 2), got {world_size}")
-    if config.batch_size % world_size:
-        raise ValueError(f"batch_size={config.batch_size} must be divisible by the number of ranks {world_size}")
+    config.check_batch(world_size)
     if config.precision != "fp32" or config.cpu_offload:
         raise ValueError(f"step_time times fp32 runs without offload (DDP's setting): needs "
                          f"precision=fp32 and cpu_offload=false, got precision={config.precision!r}, "

@@ -1,8 +1,8 @@
 """Train a Transformers model with the Trainer and DeepSpeed ZeRO, save it whole, load it back, and resume.
 
-Chapter 7 launches it. The Trainer gets :func:`handbook_lib.frameworks.trainer_deepspeed_args`
+Chapter 7 launches it. The Trainer gets :func:`handbook_lib.integrations.frameworks.trainer_deepspeed_args`
 (the run config as ``TrainingArguments`` and a DeepSpeed config) and a GPT-2 built from the run
-config (:mod:`handbook_lib.hf_trainer`). The run then checks three promises:
+config (:mod:`handbook_lib.integrations.hf_trainer`). The run then checks three promises:
 
 1. **A whole model comes out.** After ``steps`` steps, ``save_model`` writes the weights
    gathered into one file (ZeRO-3: ``stage3_gather_16bit_weights_on_model_save``), and
@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-from handbook_lib.config import InitName, RunConfig, StrategyName
-from handbook_lib.distributed import RankContext
-from handbook_lib.results import Check
+from handbook_lib.core.config import InitName, RunConfig
+from handbook_lib.core.results import Check
+from handbook_lib.core.strategies import StrategyName, get_strategy, strategies_where
 from handbook_lib.runs.entry import RankReport, main
-from handbook_lib.strategies import get_strategy, strategies_where
+from handbook_lib.runtime.distributed import RankContext
 
 
 @dataclass(frozen=True)
@@ -85,18 +85,21 @@ def validate(config: TrainerRunConfig, world_size: int) -> None:
                          f"the saved model's); got {config.precision!r}")
     if config.init != "full":
         raise ValueError(f"trainer_deepspeed accepts init='full' only; got {config.init!r}")
-    if config.batch_size % (world_size * config.grad_accum_steps):
-        raise ValueError(f"batch_size={config.batch_size} must be divisible by the number of ranks {world_size} "
-                         f"times grad_accum_steps={config.grad_accum_steps}")
+    config.check_batch(world_size)
 
 
 def run(config: TrainerRunConfig, ctx: RankContext) -> RankReport:
     validate(config, ctx.world_size)
     from transformers import TrainingArguments
 
-    from handbook_lib.frameworks import trainer_deepspeed_args
-    from handbook_lib.hf_trainer import RecordingTrainer, SyntheticLM, build_gpt2, probe_logits
-    from handbook_lib.zero_engine import import_deepspeed
+    from handbook_lib.integrations.frameworks import trainer_deepspeed_args
+    from handbook_lib.integrations.hf_trainer import (
+        RecordingTrainer,
+        SyntheticLM,
+        build_gpt2,
+        probe_logits,
+    )
+    from handbook_lib.integrations.zero_engine import import_deepspeed
 
     deepspeed = import_deepspeed()
     folder = Path(config.trainer_dir)
@@ -127,7 +130,7 @@ def run(config: TrainerRunConfig, ctx: RankContext) -> RankReport:
     if ctx.is_main:  # a plain process loads the saved model, as any user would
         logits_file = folder / "probe_logits.pt"
         torch.save(trained, logits_file)
-        plain = subprocess.run([sys.executable, "-m", "handbook_lib.hf_trainer", str(final), str(logits_file),
+        plain = subprocess.run([sys.executable, "-m", "handbook_lib.integrations.hf_trainer", str(final), str(logits_file),
                                 json.dumps(config.to_dict())], capture_output=True, text=True, check=True)
         diff = json.loads(plain.stdout.strip().splitlines()[-1])["max_abs_diff"]
         checks.append(Check("from_pretrained_logits_max_abs_diff", ctx.rank, 0.0, diff, "logit"))

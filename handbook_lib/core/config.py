@@ -1,0 +1,334 @@
+"""The run-config vocabulary shared by every experiment in the book.
+
+Chapter 1 introduces it; every run of ``handbook_lib.runs`` takes a :class:`RunConfig` (or, for a
+special-purpose run, another dataclass built on :class:`FlatConfig`). Keys are flat and the same
+everywhere, settable from a notebook (``config={"num_layers": 2}``) and from the terminal
+(``--set num_layers=2``). An unknown key or a value outside the accepted set raises
+``ValueError`` listing what is accepted: nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import (
+    Any,
+    ClassVar,
+    Literal,
+    NamedTuple,
+    TypeVar,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
+
+from handbook_lib.core.architecture import MODEL_KEYS, ModelConfig
+from handbook_lib.core.checks import check_int, lookup
+from handbook_lib.core.strategies import StrategyName
+
+__all__ = [
+    "FlatConfig",
+    "RunConfig",
+    "APIS",
+    "Dtype",
+    "DTYPES",
+    "dtype_bytes",
+    "Precision",
+    "PRECISIONS",
+    "get_precision",
+    "OPTIMIZERS",
+    "WRAPS",
+    "INITS",
+    "parse_overrides",
+]
+
+ApiName = Literal["fsdp2", "fsdp1"]
+APIS: tuple[str, ...] = get_args(ApiName)
+"""``fsdp2`` is ``torch.distributed.fsdp.fully_shard``; ``fsdp1`` is ``FullyShardedDataParallel``."""
+
+
+class Dtype(NamedTuple):
+    """A floating-point element type, as the book names it."""
+
+    bytes: int
+    """Bytes per element."""
+    torch_name: str
+    """The ``torch`` attribute (``torch.float32`` ...): the runtime's only way to it."""
+
+
+DTYPES: dict[str, Dtype] = {
+    "fp32": Dtype(4, "float32"),
+    "bf16": Dtype(2, "bfloat16"),
+    "fp16": Dtype(2, "float16"),
+}
+"""The element types the book uses, by short name: the one dtype table (the pure models read
+the bytes, the runtime the ``torch`` name)."""
+
+
+def dtype_bytes(dtype: str, what: str = "dtype") -> int:
+    """Bytes per element of ``dtype``, a key of :data:`DTYPES`; ``what`` names the argument.
+
+    Raises:
+        ValueError: ``"<what> must be one of fp32, bf16, fp16, got 'x'"``.
+    """
+    return lookup(DTYPES, dtype, what).bytes
+
+
+class Precision(NamedTuple):
+    """A ``precision`` value: the dtype parameters are computed in, and the one gradients are
+    reduced in (FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``)."""
+
+    compute: str
+    """Key of :data:`DTYPES`: unsharded parameters, activations."""
+    reduce: str
+    """Key of :data:`DTYPES`: the gradient all-reduce / reduce-scatter."""
+
+
+PrecisionName = Literal["fp32", "bf16-mixed", "fp16-mixed"]
+PRECISIONS: dict[str, Precision] = {
+    "fp32": Precision("fp32", "fp32"),
+    "bf16-mixed": Precision("bf16", "fp32"),
+    "fp16-mixed": Precision("fp16", "fp32"),
+}
+"""Precision → (compute dtype, reduce dtype). The sharded parameters, the gradients handed to
+the optimizer and the optimizer states stay fp32 in every case. fp16 also needs a gradient
+scaler, whose state (a scale and a step counter) is a few bytes and is not counted."""
+
+
+def get_precision(name: str, what: str = "precision") -> Precision:
+    """The :class:`Precision` of a ``precision`` value (``fp32``, ``bf16-mixed``, ``fp16-mixed``).
+
+    Raises:
+        ValueError: ``"precision must be one of fp32, bf16-mixed, fp16-mixed, got 'x'"``.
+    """
+    return lookup(PRECISIONS, name, what)
+
+OptimizerName = Literal["adamw", "adam", "sgd", "sgd-momentum"]
+OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
+WrapName = Literal["layer", "model", "size"]
+WRAPS: tuple[str, ...] = get_args(WrapName)
+"""Wrapping policies: ``layer`` — one FSDP unit per transformer layer plus the root (FSDP1's
+``transformer_auto_wrap_policy``; what chapters 1–4 use); ``model`` — nothing wrapped but the
+root, one unit holding every parameter; ``size`` — FSDP1's ``size_based_auto_wrap_policy``: a
+submodule whose not-yet-wrapped parameters reach ``wrap_min_params`` becomes a unit (see
+:func:`handbook_lib.models.layout.wrap_units`)."""
+
+InitName = Literal["meta", "full"]
+INITS: tuple[str, ...] = get_args(InitName)
+"""How a rank builds the model: ``meta`` (shapes first, each rank materialises only what it holds)
+or ``full`` (the whole seeded model on every rank, then wrapped)."""
+
+if tuple(PRECISIONS) != get_args(PrecisionName):  # pragma: no cover - caught at import
+    raise AssertionError("PrecisionName and PRECISIONS list different precisions")
+
+_C = TypeVar("_C", bound="FlatConfig")
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (true/false), got {text!r}")
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, str]:
+    """Split ``["key=value", ...]`` (the CLI's ``--set`` arguments) into a dict of strings.
+
+    Raises:
+        ValueError: if an item has no ``=`` or an empty key.
+    """
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+@dataclass(frozen=True)
+class FlatConfig:
+    """Base of every run config: a frozen dataclass of flat, typed, validated keys.
+
+    Subclasses declare fields (``int``, ``float``, ``bool``, ``str``, or a ``Literal`` of the
+    accepted strings). A ``float`` key must be finite: ``nan`` and ``inf`` are refused (an
+    infinite learning rate would only train to NaN). An ``int`` key named in :attr:`MINIMUMS`
+    must be at least its minimum.
+    """
+
+    MINIMUMS: ClassVar[Mapping[str, int]] = {}
+    """The smallest value of each ``int`` key that has one (a subclass extends its base's)."""
+
+    def __post_init__(self) -> None:
+        hints = get_type_hints(type(self))
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            kind = hints[field.name]
+            accepted = get_args(kind) if get_origin(kind) is Literal else None
+            if accepted is not None:
+                if value not in accepted:
+                    raise ValueError(f"config key {field.name!r} got {value!r}; accepted values: "
+                                     f"{', '.join(accepted)}")
+                continue
+            ok = (
+                isinstance(value, bool) if kind is bool
+                else isinstance(value, int) and not isinstance(value, bool) if kind is int
+                else isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
+                else isinstance(value, kind)
+            )
+            if not ok:
+                raise ValueError(
+                    f"config key {field.name!r} must be {kind.__name__}, got {value!r}"
+                )
+            if kind is float and not math.isfinite(value):
+                raise ValueError(f"config key {field.name!r} must be a finite number, got {value!r}")
+        for key, minimum in self.MINIMUMS.items():
+            check_int(f"config key {key!r}", getattr(self, key), minimum)
+
+    @classmethod
+    def choices(cls) -> dict[str, tuple[str, ...]]:
+        """The accepted values of each ``Literal`` key, e.g. ``{"strategy": ("NONE", ...)}``."""
+        hints = get_type_hints(cls)
+        return {f.name: get_args(hints[f.name]) for f in dataclasses.fields(cls)
+                if get_origin(hints[f.name]) is Literal}
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """The accepted keys, in declaration order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_mapping(cls: type[_C], mapping: Mapping[str, Any] | None = None) -> _C:
+        """Build a config from a dict; values may be typed or strings (as from ``--set``).
+
+        Raises:
+            ValueError: on an unknown key (listing the accepted keys) or a bad value.
+        """
+        mapping = dict(mapping or {})
+        unknown = sorted(set(mapping) - set(cls.keys()))
+        if unknown:
+            hints = [f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key) for key in unknown
+                     for close in [difflib.get_close_matches(key, cls.keys(), n=1)]]
+            raise ValueError(  # the first line stays short; the whole list follows
+                f"unknown config key(s) {', '.join(hints)} for {cls.__name__}\n"
+                f"accepted keys: {', '.join(cls.keys())}"
+            )
+        hints = get_type_hints(cls)
+        values = {}
+        for key, value in mapping.items():
+            if isinstance(value, str) and hints[key] is not str and get_origin(hints[key]) is not Literal:
+                try:
+                    value = _parse_bool(value) if hints[key] is bool else hints[key](value)
+                except ValueError as err:
+                    raise ValueError(f"config key {key!r}: {err}") from None
+            values[key] = value
+        return cls(**values)
+
+    def replace(self: _C, **changes: Any) -> _C:
+        """A copy with some keys changed (validated like :meth:`from_mapping`)."""
+        return self.from_mapping({**self.to_dict(), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as a plain, JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class RunConfig(FlatConfig):
+    """One training experiment, in the book's vocabulary. Units are stated per field."""
+
+    # model (see ModelConfig)
+    vocab_size: int = 10_000
+    """Tokens in the vocabulary: rows of the embedding, outputs of the head."""
+    d_model: int = 256
+    """Width of the hidden state (elements per token)."""
+    nhead: int = 4
+    """Attention heads per layer (must divide ``d_model``)."""
+    dim_feedforward: int = 1024
+    """Hidden width of each layer's feed-forward block."""
+    num_layers: int = 6
+    """Transformer layers (each one FSDP unit with ``wrap="layer"``)."""
+    # data
+    batch_size: int = 8
+    """Global batch: sequences per step summed over all ranks (must divide by world size)."""
+    seq_len: int = 64
+    """Tokens per sequence."""
+    steps: int = 5
+    """Optimizer steps to run."""
+    seed: int = 0
+    """Seeds the model's initial weights and the synthetic data."""
+    # sharding
+    strategy: StrategyName = "FULL_SHARD"
+    """How the ranks share the model: a row of :data:`handbook_lib.core.strategies.STRATEGY_TABLE`."""
+    api: ApiName = "fsdp2"
+    """``fsdp2`` (``fully_shard``) or ``fsdp1`` (``FullyShardedDataParallel``, flat parameters)."""
+    shard_group_size: int = 0
+    """Ranks that shard one model copy in the HYBRID strategies (0: the ranks of one node)."""
+    wrap: WrapName = "layer"
+    """Which modules become FSDP units: ``layer`` (each transformer layer, then the root),
+    ``model`` (the root only: one unit) or ``size`` (FSDP1's size-based policy)."""
+    wrap_min_params: int = 100_000
+    """With ``wrap="size"``: parameters (elements) a module must hold to become a unit."""
+    # numerics
+    precision: PrecisionName = "fp32"
+    """Compute and reduce dtypes: a key of :data:`PRECISIONS` (sharded state stays fp32)."""
+    optimizer: OptimizerName = "adamw"
+    """``adamw``, ``adam`` (two moments per parameter), ``sgd-momentum`` (one), ``sgd`` (none)."""
+    lr: float = 1e-3
+    """Learning rate (dimensionless)."""
+    grad_scaler: bool = True
+    """With ``fp16-mixed``: scale the loss (FSDP2: ``torch.amp.GradScaler``; FSDP1:
+    ``ShardedGradScaler``). Off shows what fp16 does without it."""
+    grad_scale_init: float = 65536.0
+    """The scaler's first factor (PyTorch's default, 2**16); a too-large one shows the scaler
+    skipping overflowing steps and halving itself."""
+    grad_accum_steps: int = 1
+    """Micro-steps per optimizer step: each rank's share of the global batch is cut into this
+    many micro-batches, and gradients are reduced across ranks only in the last one's backward."""
+    max_grad_norm: float = 0.0
+    """Clip the gradients to this total L2 norm before each optimizer step (0: no clipping)."""
+    # memory levers
+    activation_checkpointing: bool = False
+    """Recompute each transformer layer's activations in backward instead of keeping them."""
+    cpu_offload: bool = False
+    """Keep the sharded parameters, gradients and optimizer states in host memory (FSDP only)."""
+    init: InitName = "meta"
+    """How each rank builds the model: ``meta`` (shapes only, then each rank materialises and
+    fills just what it holds) or ``full`` (the whole seeded model on every rank, then wrapped).
+    The weights are the same; the host memory at init is not (chapter 5)."""
+
+    MINIMUMS: ClassVar[Mapping[str, int]] = {
+        "batch_size": 1, "seq_len": 1, "steps": 1, "seed": 0, "shard_group_size": 0, "wrap_min_params": 1,
+        "grad_accum_steps": 1,
+    }
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.grad_scale_init > 0:
+            raise ValueError(f"config key 'grad_scale_init' must be > 0, got {self.grad_scale_init}")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"config key 'max_grad_norm' must be >= 0 (0: no clipping), got {self.max_grad_norm}")
+        if not self.lr > 0:
+            raise ValueError(f"config key 'lr' must be > 0, got {self.lr}")
+        self.model_config()  # validates the model keys
+
+    def check_batch(self, world_size: int) -> None:
+        """Refuse a global batch that ``world_size`` ranks, each cutting its share into
+        ``grad_accum_steps`` micro-batches, cannot share evenly.
+
+        Raises:
+            ValueError: e.g. ``"batch_size=9 must be divisible by the number of ranks 2"``.
+        """
+        if self.batch_size % (world_size * self.grad_accum_steps):
+            raise ValueError(
+                f"batch_size={self.batch_size} must be divisible by the number of ranks {world_size}"
+                + (f" times grad_accum_steps={self.grad_accum_steps}" if self.grad_accum_steps > 1 else ""))
+
+    def model_config(self) -> ModelConfig:
+        """The :class:`~handbook_lib.core.architecture.ModelConfig` named by this run's model keys."""
+        return ModelConfig(**{key: getattr(self, key) for key in MODEL_KEYS})

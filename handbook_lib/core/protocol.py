@@ -1,0 +1,121 @@
+"""The contract between the launcher and the ranks of a run: environment variables, the files
+of a run's folder, and what a rank's state file says. Pure: no ``torch``.
+
+Chapter 1 introduces it. :func:`handbook_lib.launch.torchrun` writes the config and sets the
+environment; every rank's harness (:mod:`handbook_lib.runs.entry`) writes its state and, on
+rank 0, the result; the launcher reads them back to report a success or name the rank that
+failed. Both sides import the names below, so neither spells a file or a key of its own::
+
+    OUT/                       the run's folder (a temporary one without ``out=``)
+        .handbook-run          RUN_MARKER: claims the folder for one run, and is its lock
+        config.json            CONFIG_FILE: the run's config, written by the launcher; for a
+                               batch, {"batch": [{"label": ..., "config": {...}}, ...]}
+        result.json            RESULT_FILE: written once by rank 0 (handbook_lib.core.results)
+        results/{k}.json       a batch's results, one per config, in the batch's order
+        ranks/rank{R}.json     each rank's end state (RankStatus), written atomically
+        ranks/rank{R}.stacks.txt   Python stacks of a rank stopped by a signal or a deadline
+        logs/                  torchrun's per-rank logs (``--log-dir``)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = [
+    "DEADLINE_ENV", "COLLECTIVE_TIMEOUT_ENV", "RESULTS_LOG_ENV", "collective_timeout_s", "RUN_MARKER", "CONFIG_FILE",
+    "RESULT_FILE", "RESULTS_DIR", "BATCH_KEY", "RANKS_DIR", "LOGS_DIR", "RUN_FILES", "rank_status_path",
+    "rank_stacks_path", "batch_result_path", "RankStatus",
+]
+
+DEADLINE_ENV = "HANDBOOK_DEADLINE"
+"""Environment variable the launcher sets: the Unix time (seconds) at which it kills the run;
+a rank dumps its stacks shortly before it."""
+COLLECTIVE_TIMEOUT_ENV = "HANDBOOK_COLLECTIVE_TIMEOUT_S"
+"""Environment variable the launcher sets: seconds a collective may wait before it fails."""
+RESULTS_LOG_ENV = "HANDBOOK_RESULTS_LOG"
+"""Environment variable the caller may set to a file: the launcher appends one JSON line per
+result it reads (``run``, ``label``, ``world_size``, ``checks``, ``failed``). The test suite
+sets it to count the checks of all its runs (``conftest.py``)."""
+
+RUN_MARKER = ".handbook-run"
+"""File a run writes into its ``out`` folder: it names the run, marks the folder as a run's, and is
+the lock (``fcntl.flock``) held for the whole run so two runs never share a folder."""
+CONFIG_FILE = "config.json"
+"""The run's config, as the launcher validated it; the ranks read it with ``--config``."""
+RESULT_FILE = "result.json"
+"""The run's result (:class:`handbook_lib.core.results.RunResult`), written once by rank 0."""
+BATCH_KEY = "batch"
+"""The key of a batch's config file: several configs run one after another by one job (one
+torchrun, one process group), each with its own result."""
+RESULTS_DIR = "results"
+"""A batch's results, one file per config."""
+RANKS_DIR = "ranks"
+"""Each rank's state file and stack dump."""
+LOGS_DIR = "logs"
+"""torchrun's log folder: every rank's own output."""
+RUN_FILES = (RESULT_FILE, RESULTS_DIR, CONFIG_FILE, RANKS_DIR, LOGS_DIR)
+"""What a run writes into its ``out`` folder (besides :data:`RUN_MARKER`); only these are removed
+when a run overwrites an earlier run's folder."""
+
+
+def collective_timeout_s(timeout_s: float) -> float:
+    """Seconds a collective may block in a run that may take ``timeout_s`` in all: 80 % of it,
+    kept between 5 s and 300 s, so a hung peer fails the others before the launcher's deadline."""
+    return max(5.0, min(300.0, 0.8 * timeout_s))
+
+
+def rank_status_path(out_dir: str | Path, rank: int) -> Path:
+    """``OUT/ranks/rank{R}.json``: where rank ``rank`` writes its :class:`RankStatus`."""
+    return Path(out_dir) / RANKS_DIR / f"rank{rank}.json"
+
+
+def batch_result_path(out_dir: str | Path, index: int) -> Path:
+    """``OUT/results/{index}.json``: the result of a batch's ``index``-th config (from 0)."""
+    return Path(out_dir) / RESULTS_DIR / f"{index}.json"
+
+
+def rank_stacks_path(out_dir: str | Path, rank: int) -> Path:
+    """``OUT/ranks/rank{R}.stacks.txt``: created by the rank's harness first thing, then filled
+    with its Python stacks if it is stopped by a signal or nears the deadline. Its absence means
+    the rank never reached the harness."""
+    return Path(out_dir) / RANKS_DIR / f"rank{rank}.stacks.txt"
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """How one rank ended, as its harness writes it to :func:`rank_status_path`."""
+
+    rank: int
+    status: Literal["ok", "error"]
+    """``ok``: the run's code returned; ``error``: it raised (see the fields below)."""
+    time: float
+    """Unix time the state was written, seconds: the launcher orders errors by it."""
+    host: str = ""
+    """The machine's name."""
+    node_rank: int = 0
+    """torchrun's ``GROUP_RANK``: which agent (node) started the rank."""
+    local_rank: int = 0
+    """The rank's index on its node."""
+    error_type: str = ""
+    """The exception's class name (``error`` only)."""
+    message: str = ""
+    """The exception's message (``error`` only)."""
+    traceback: str = ""
+    """The rank's Python traceback (``error`` only)."""
+    distributed_error: bool = False
+    """The exception is a ``torch.distributed.DistError``: often a consequence of another rank's
+    failure (a peer gone, a collective timed out)."""
+    stage: str = ""
+    """In a batch, the label of the config the rank was running (``""`` for one run)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object of the state file."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RankStatus:
+        """Parse a state file's JSON object (unknown keys are ignored)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})

@@ -1,0 +1,284 @@
+"""The command line: ``python -m handbook_lib <command>`` (also installed as ``handbook``).
+
+Chapter 1 introduces it. Commands:
+
+- ``runs`` — list the experiments that can be launched;
+- ``run NAME --nproc N [--nnodes M [--node-rank K --rdzv-endpoint HOST:PORT]] [--set key=value ...]
+  [--out DIR [--overwrite]] [--timeout S]`` — launch
+  one with torchrun, stream its ranks' output, leave ``DIR/result.json`` (without ``--out``, a
+  temporary folder, removed at the end) and print its checks
+  (with each one's tolerance and whether it passed), then a one-line verdict;
+- ``params [--model 7b | --set key=value ...]`` — a model's parameter count, by component;
+- ``memory (--params N | --model 7b | --set key=value ...) --world-size N ...`` — the memory
+  model's per-rank bytes by component (``--json`` for bytes);
+- ``comm (--params N | --model 70b) --world-size N --strategy S --link nvlink4 ...`` — bytes
+  each rank sends per step, and the time they take (``--json`` for bytes and seconds);
+- ``plan --model llama2-7b --gpu h100-80gb --gpus 8 --seq-len 4096 --micro-batch 1`` — every
+  option priced, and a recommendation with its reasons (``--json`` for tools);
+- ``slurm NAME --nodes N --gpus-per-node G [--set key=value ...] [--output FILE]`` — write a
+  Slurm batch script that runs the experiment on N nodes x G GPUs (one torchrun agent per node),
+  its config checked first; to stdout, or to FILE (never replacing a file it did not write).
+
+Every planning command prints the model it prices and its assumptions (strategy, ranks,
+precision, optimizer) first; everything it prints fits in 100 columns. A bad argument gets one
+short line naming the flag and what it accepts.
+
+Exit status: 0 on success, 1 if a run failed or a check was off, 2 for a bad argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import sys
+from collections.abc import Callable
+
+from handbook_lib.core.architecture import MODEL_KEYS
+from handbook_lib.core.config import OPTIMIZERS, PRECISIONS, RunConfig
+from handbook_lib.core.strategies import STRATEGIES, strategies_where
+from handbook_lib.face.commands import COMMANDS, wrap_line
+from handbook_lib.launch.errors import RunFailed
+from handbook_lib.models.hardware import ACCELERATORS, LINKS
+from handbook_lib.models.presets import DECODER_SHAPES
+from handbook_lib.runs import describe_runs, run_config_fields
+
+__all__ = ["main", "build_parser", "MAX_PARAMS"]
+
+MAX_PARAMS = 10**15
+"""Largest ``--params`` accepted: a quadrillion parameters, beyond any model trained so far."""
+_HYBRID = strategies_where(hybrid=True)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line naming the flag, then where to read more."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"error: {message}\n(see: {self.prog} --help)\n")
+
+
+def _whole(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+def _param_count(text: str) -> int:
+    """An argparse type for ``--params``: a whole number of parameters in [1, MAX_PARAMS]."""
+    accepted = f"a whole number of parameters from 1 to 1e{round(math.log10(MAX_PARAMS))} (e.g. 7e9)"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}") from None
+    if not (math.isfinite(value) and 1 <= value <= MAX_PARAMS and value == int(value)):
+        raise argparse.ArgumentTypeError(f"must be {accepted}, got {text!r}")
+    return int(value)
+
+
+def _fraction(text: str) -> float:
+    """An argparse type: a number in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1), e.g. 0.1, got {text!r}")
+    return value
+
+
+def _add_model_choice(cmd: argparse.ArgumentParser, params_help: str | None, set_help: str) -> None:
+    what = cmd.add_mutually_exclusive_group()
+    if params_help:
+        what.add_argument("--params", type=_param_count, metavar="N", help=params_help)
+    what.add_argument("--model", choices=sorted(DECODER_SHAPES), metavar="NAME",
+                      help=f"a decoder preset (chapter 2): {', '.join(sorted(DECODER_SHAPES))}")
+    cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help=set_help)
+
+
+def _add_sharding(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--world-size", type=_whole(1), default=8, metavar="N", help="ranks (GPUs), default 8")
+    cmd.add_argument("--strategy", default="FULL_SHARD", choices=STRATEGIES, metavar="S",
+                     help=f"one of {', '.join(STRATEGIES)} (default FULL_SHARD)")
+    cmd.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS, metavar="P",
+                     help=f"one of {', '.join(PRECISIONS)} (default bf16-mixed; runs default to fp32)")
+    cmd.add_argument("--shard-group-size", type=_whole(1), default=None, metavar="N",
+                     help=f"{' and '.join(_HYBRID)} only: ranks per shard group (default: all)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command; subcommands are added one function call each."""
+    parser = _Parser(prog="python -m handbook_lib", description="The FSDP Handbook's companion tools.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command",
+                                help="runs, run, params, memory, comm, plan or slurm")
+
+    sub.add_parser("runs", help="list the experiments that can be launched")
+
+    run = sub.add_parser("run", help="launch an experiment with torchrun", epilog=_run_epilog(),
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("name", help="run name (listed below)")
+    run.add_argument("--nproc", type=_whole(1), default=2, help="processes (ranks) per node (default 2)")
+    run.add_argument("--nnodes", type=_whole(1), default=1,
+                     help="nodes in the job (default 1); without --node-rank, all of them on this machine")
+    run.add_argument("--node-rank", type=_whole(0), default=None, metavar="K",
+                     help="this machine's node in a real multi-node job (0 .. nnodes-1); needs --rdzv-endpoint")
+    run.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                     help="c10d rendezvous every node reaches (with --node-rank)")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="set a config key (repeatable), e.g. --set steps=3; keys listed below")
+    run.add_argument("--out", default=None, help="directory for result.json, kept (default: a temp dir, removed); "
+                     "new, empty, or an earlier run's (with --overwrite)")
+    run.add_argument("--overwrite", action="store_true",
+                     help="reuse an earlier run's --out folder: replace only the files a run writes")
+    run.add_argument("--timeout", type=float, default=600.0, help="seconds before the run is killed")
+    run.add_argument("--quiet", action="store_true", help="do not stream the ranks' output")
+
+    params = sub.add_parser("params", help="parameter count of a model, by component")
+    _add_model_choice(params, None, f"the handbook's model with a shape key changed: {', '.join(MODEL_KEYS)}")
+
+    mem = sub.add_parser("memory", help="predicted per-rank memory, by component")
+    _add_model_choice(mem, "a model known by its parameter count (e.g. 7e9): model state only",
+                      f"the handbook's model (the default) with a shape key changed: {', '.join(MODEL_KEYS)}")
+    _add_sharding(mem)
+    mem.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, metavar="O",
+                     help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
+    mem.add_argument("--micro-batch", type=_whole(0), default=0, metavar="B",
+                     help="sequences per rank (0: no activations); needs --seq-len and a model shape")
+    mem.add_argument("--seq-len", type=_whole(0), default=0, metavar="T", help="tokens per sequence")
+    mem.add_argument("--activation-checkpointing", action="store_true",
+                     help="recompute each layer's activations in backward (needs --micro-batch)")
+    mem.add_argument("--cpu-offload", action="store_true", help="keep the model state in host RAM (FSDP only)")
+    mem.add_argument("--json", action="store_true", help="print bytes as JSON")
+
+    comm = sub.add_parser("comm", help="bytes sent per step and their time on a link")
+    what = comm.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=_param_count, metavar="N",
+                      help="a model known by its parameter count (one flat unit)")
+    what.add_argument("--model", choices=sorted(DECODER_SHAPES), metavar="NAME",
+                      help=f"a decoder preset, one unit per layer: {', '.join(sorted(DECODER_SHAPES))}")
+    _add_sharding(comm)
+    comm.add_argument("--link", default="nvlink4", choices=list(LINKS), metavar="L", help=f"one of {', '.join(LINKS)}")
+    comm.add_argument("--gpu", default=None, choices=list(ACCELERATORS), metavar="G",
+                      help=f"for compute time (with --tokens): one of {', '.join(ACCELERATORS)}")
+    comm.add_argument("--tokens", type=_whole(0), default=0, help="tokens per GPU per step, for compute time")
+    comm.add_argument("--json", action="store_true", help="print bytes and seconds as JSON")
+
+    pl = sub.add_parser("plan", help="price every strategy and recommend one")
+    pl.add_argument("--model", required=True, choices=sorted(DECODER_SHAPES), metavar="NAME",
+                    help=f"a model preset: {', '.join(sorted(DECODER_SHAPES))}")
+    pl.add_argument("--gpu", required=True, choices=sorted(ACCELERATORS), metavar="G",
+                    help=f"a GPU preset: {', '.join(sorted(ACCELERATORS))}")
+    pl.add_argument("--gpus", type=_whole(1), required=True, help="GPUs in the job")
+    pl.add_argument("--seq-len", type=_whole(1), default=2048, help="tokens per sequence (default 2048)")
+    pl.add_argument("--micro-batch", type=_whole(1), default=1, help="sequences per GPU per step (default 1)")
+    pl.add_argument("--gpus-per-node", type=_whole(1), default=None,
+                    help="GPUs per node (default: the GPU's usual node, 8 for the SXM presets)")
+    pl.add_argument("--inter-link", default="ib-ndr400", choices=list(LINKS), metavar="L",
+                    help=f"link between nodes: one of {', '.join(LINKS)}")
+    pl.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS, metavar="P",
+                    help=f"one of {', '.join(PRECISIONS)} (default bf16-mixed)")
+    pl.add_argument("--headroom", type=_fraction, default=0.10, help="fraction of GPU memory kept free")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    _add_slurm(sub)
+    return parser
+
+
+def _add_slurm(sub: argparse._SubParsersAction) -> None:
+    sl = sub.add_parser("slurm", help="write a Slurm batch script for a multi-node run",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description="Write an sbatch script that runs an experiment on N nodes x G GPUs:\n"
+                        "one torchrun agent per node (srun), meeting at a c10d rendezvous on the first node.",
+                        epilog="example:\n  python -m handbook_lib slurm fsdp_train --nodes 2 --gpus-per-node 4 "
+                        "--set steps=20 \\\n      --partition gpu --output fsdp_train.sbatch\n"
+                        "  sbatch fsdp_train.sbatch")
+    sl.add_argument("name", help="run name (see: python -m handbook_lib runs)")
+    sl.add_argument("--nodes", type=_whole(1), required=True, metavar="N", help="nodes to allocate")
+    sl.add_argument("--gpus-per-node", type=_whole(1), required=True, metavar="G",
+                    help="GPUs per node: one rank each, N x G ranks in all")
+    sl.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="set a config key (repeatable); keys: python -m handbook_lib run --help")
+    sl.add_argument("--time", default="00:30:00", metavar="HH:MM:SS",
+                    help="wall-clock limit, HH:MM:SS or D-HH:MM:SS (default 00:30:00)")
+    sl.add_argument("--partition", default=None, metavar="P", help="Slurm partition (default: the cluster's)")
+    sl.add_argument("--account", default=None, metavar="A", help="Slurm account (default: yours)")
+    sl.add_argument("--job-name", default=None, metavar="NAME", help="job name (default: handbook-<run>)")
+    sl.add_argument("--out", default=None, metavar="DIR",
+                    help="the run's folder, on a disk every node sees (default: runs/<run>-<job id>)")
+    sl.add_argument("--log", default="%x-%j.out", metavar="FILE",
+                    help="the job's log, sbatch --output (default %%x-%%j.out: job name, job id)")
+    sl.add_argument("--cpus-per-task", type=_whole(1), default=None, metavar="C",
+                    help="CPU cores per node (default: 4 per GPU)")
+    sl.add_argument("--port", type=_whole(1), default=29500, help="rendezvous TCP port (default 29500)")
+    sl.add_argument("--output", default=None, metavar="FILE", help="write the script here (default: stdout)")
+    sl.add_argument("--overwrite", action="store_true",
+                    help="replace --output FILE if it is an earlier script of this tool")
+
+
+@functools.lru_cache(maxsize=1)
+def _run_epilog() -> str:
+    """The runs and their config keys, read from the sources (no torch import)."""
+    lines = ["runs:"]
+    lines += [wrap_line(f"  {name:19s}{doc}", " " * 21) for name, doc in describe_runs().items()]
+    shared = [f"{f.name}={f.default}" for f in dataclasses.fields(RunConfig)]
+    users, own = [], []
+    for name in describe_runs():
+        info = run_config_fields(name)
+        keys = " ".join(f"{k}={_plain(v)}" for k, v in info.fields)
+        if info.base == "RunConfig":
+            users.append(name)
+            if keys:
+                own.append(wrap_line(f"  {name} adds: {keys}", "    "))
+        else:
+            own.append(wrap_line(f"  {name} (its own keys): {keys}", "    "))
+        own += [wrap_line(f"    {k}: {' | '.join(v)}", "      ") for k, v in info.choices.items()]
+    lines.append("config keys (--set KEY=VALUE, repeatable; default values shown):")
+    lines.append(wrap_line(f"  {', '.join(users)} share the run config: " + " ".join(shared), "    "))
+    lines += [wrap_line(f"    {k}: {' | '.join(v)}", "      ") for k, v in RunConfig.choices().items()]
+    lines += own
+    lines.append("example: python -m handbook_lib run fsdp_train --nproc 2 --set steps=3 --out runs/first")
+    lines.append("two nodes on this machine: python -m handbook_lib run fsdp_train --nnodes 2 --nproc 2 \\")
+    lines.append("  --set strategy=HYBRID_SHARD --set shard_group_size=2")
+    return "\n".join(lines)
+
+
+def _plain(source: str) -> str:
+    """A default as written in a run's source, for the help: strings unquoted, no spaces."""
+    import ast
+
+    try:
+        value = ast.literal_eval(source)
+    except ValueError:  # arithmetic such as ``8 * 2 ** 20``: shown as written
+        return source.replace(" ", "")
+    return repr(value) if value == "" else str(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; return its exit status (0 ok, 1 a run failed, 2 a bad argument)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:  # --help (0) or a bad argument (2), already printed
+        return stop.code if isinstance(stop.code, int) else 2
+    try:
+        return COMMANDS[args.command](args)
+    except ValueError as err:  # one line naming the flag or key; long lists wrapped to TERMINAL_WIDTH
+        text = f"error: {err}"
+        print(wrap_line(text, "  ") if "\n" not in text else text, file=sys.stderr)
+        return 2
+    except RunFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C: the launcher has already stopped torchrun and its ranks
+        what = f"run {args.name!r}" if args.command == "run" else args.command
+        print(f"error: {what} interrupted" + ("; torchrun and its ranks were stopped"
+                                              if args.command == "run" else ""), file=sys.stderr)
+        return 130

@@ -1,0 +1,277 @@
+"""What each command of ``python -m handbook_lib`` does once its arguments are parsed
+(:mod:`handbook_lib.face.cli` parses them): it calls the library and prints what it got.
+
+Every command prints the model it prices and its assumptions first; every line fits
+:data:`~handbook_lib.core.text.TERMINAL_WIDTH` columns. A bad argument raises ``ValueError`` with
+one line naming the flag, which :func:`handbook_lib.face.cli.main` prints (exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Callable
+
+from handbook_lib.core.architecture import MODEL_KEYS, ModelConfig
+from handbook_lib.core.config import PRECISIONS, RunConfig, parse_overrides
+from handbook_lib.core.strategies import get_strategy, strategies_where
+from handbook_lib.core.text import TERMINAL_WIDTH, wrap
+from handbook_lib.face.display import (
+    Table,
+    checks_legend,
+    checks_table,
+    checks_verdict,
+    format_bytes,
+)
+from handbook_lib.face.views import fit_table, step_time_summary, step_time_table
+from handbook_lib.launch.errors import describe_failed_checks
+from handbook_lib.launch.runner import torchrun
+from handbook_lib.models.hardware import get_accelerator, get_link, node_preset
+from handbook_lib.models.layout import ModelLayout, model_layout
+from handbook_lib.models.memory import PHASE_WORDS, estimate_memory
+from handbook_lib.models.planner import check_whole_nodes, plan
+from handbook_lib.models.timing import estimate_compute_time, estimate_step_time
+from handbook_lib.models.traffic import estimate_step_traffic
+from handbook_lib.runs import describe_runs
+
+__all__ = ["COMMANDS", "wrap_line"]
+
+_HYBRID = strategies_where(hybrid=True)
+
+
+def wrap_line(text: str, indent: str = "") -> str:
+    """``text`` wrapped to :data:`~handbook_lib.core.text.TERMINAL_WIDTH` columns, continuation
+    lines indented by ``indent`` (a flag or a name is never cut)."""
+    return wrap(text, TERMINAL_WIDTH, indent, break_long_words=False)
+
+
+def _model_overrides(items: list[str]) -> ModelConfig:
+    """The handbook's model with ``--set`` shape keys; any other key is refused."""
+    overrides = parse_overrides(items)
+    for key in overrides:
+        if key not in MODEL_KEYS:
+            raise ValueError(f"--set {key}: not a model key; accepted here: {', '.join(MODEL_KEYS)}")
+    return RunConfig.from_mapping(overrides).model_config()
+
+def _chosen_model(args: argparse.Namespace) -> tuple[ModelLayout, str]:
+    """The layout of the model named on the command line (``--params N``, ``--model NAME``, or
+    the handbook's model with ``--set`` keys) and a line naming it."""
+    params, overrides = getattr(args, "params", None), getattr(args, "overrides", [])
+    if (params is not None or args.model is not None) and overrides:
+        flag = "--params" if params is not None else "--model"
+        raise ValueError(f"--set changes the handbook's model; do not combine it with {flag}")
+    if params is not None:
+        return model_layout(params), f"model: {params:,} parameters (--params: a count only, so model state only)"
+    if args.model is not None:
+        layout = model_layout(args.model)
+        return layout, f"model: {layout.name}, {layout.num_params:,} parameters (--model {args.model})"
+    layout = model_layout(_model_overrides(overrides))
+    changed = f"; changed: {' '.join(overrides)}" if overrides else ""
+    return layout, (f"model: the handbook's model, {layout.num_params:,} parameters{changed} "
+                    "(other models: --model, --params)")
+
+def _check_sharding(args: argparse.Namespace) -> None:
+    """Refuse flags that the chosen strategy would ignore or cannot honour."""
+    row = get_strategy(args.strategy)
+    if args.shard_group_size is not None:
+        if not row.hybrid:
+            raise ValueError(f"--shard-group-size applies to the HYBRID strategies ({', '.join(_HYBRID)}), "
+                             f"not --strategy {args.strategy}")
+        if args.world_size % args.shard_group_size:
+            raise ValueError(f"--shard-group-size {args.shard_group_size} must divide "
+                             f"--world-size {args.world_size}")
+    if not row.distributed and args.world_size != 1:
+        raise ValueError(f"--strategy NONE is one plain process: use --world-size 1, not {args.world_size}")
+
+def _assumptions(args: argparse.Namespace, optimizer: str) -> str:
+    group = f" (shard groups of {args.shard_group_size})" if args.shard_group_size else ""
+    return (f"assumes: {args.strategy} on {args.world_size} ranks{group}, {args.precision}, "
+            f"optimizer {optimizer}")
+
+def _cmd_memory(args: argparse.Namespace) -> int:
+    _check_sharding(args)
+    get_strategy(args.strategy).check_cpu_offload(args.cpu_offload, flag="--cpu-offload")
+    if bool(args.micro_batch) != bool(args.seq_len):
+        missing = "--seq-len" if args.micro_batch else "--micro-batch"
+        raise ValueError(f"--micro-batch and --seq-len go together: give {missing} too (> 0), or neither")
+    if args.micro_batch and args.params is not None:
+        raise ValueError("--micro-batch/--seq-len need a model shape, and --params is only a count: "
+                         "use --model (e.g. 7b) or the handbook's model instead")
+    if args.activation_checkpointing and not args.micro_batch:
+        raise ValueError("--activation-checkpointing changes activations only: give --micro-batch "
+                         "and --seq-len too")
+    model, named = _chosen_model(args)
+    est = estimate_memory(model, args.world_size, args.strategy, args.precision, args.optimizer,
+                          micro_batch=args.micro_batch, seq_len=args.seq_len,
+                          shard_group_size=args.shard_group_size,
+                          activation_checkpointing=args.activation_checkpointing,
+                          cpu_offload=args.cpu_offload)
+    tokens = (f"micro-batch {args.micro_batch} x {args.seq_len} tokens" if args.micro_batch
+              else "no activations")
+    assumes = (f"{_assumptions(args, args.optimizer)}; {tokens}; activation checkpointing "
+               f"{'on' if args.activation_checkpointing else 'off'}; CPU offload "
+               f"{'on' if args.cpu_offload else 'off'}")
+    if args.json:
+        print(json.dumps({"model": named.removeprefix("model: "), "assumptions": assumes.removeprefix("assumes: "),
+                          "components": est.components, "peak": est.peak, "peak_phase": est.peak_phase,
+                          "phases": est.phases, "host": est.host, "notes": list(est.notes)}, indent=2))
+        return 0
+    print(wrap_line(named, "  "))
+    print(wrap_line(assumes, "  "))
+    if args.precision != "fp32" and model.runnable:
+        print("(runs default to fp32: add --precision fp32 to compare with a run's measurements)")
+    rows = [[name, b, format_bytes(b)] for name, b in est.components.items()]
+    rows.append([f"peak ({est.peak_phase})", est.peak, format_bytes(est.peak)])
+    if est.host:
+        rows.append(["host (offloaded)", est.host, format_bytes(est.host)])
+    print(Table(["component", "bytes", "human"], rows))
+    what = PHASE_WORDS.get(est.peak_phase, ("", ""))[1]
+    print(wrap_line(f"peak = the step's largest phase; {est.peak_phase} = {what}",
+                "  "))
+    for note in est.notes:
+        if note.startswith("activations not included"):
+            note = ("activations not included: give --micro-batch and --seq-len (with --model or the "
+                    "handbook's model)" if args.params is None else
+                    "activations not included: --params has no shape to compute them from (use --model)")
+        print(wrap_line(f"note: {note}", "  "))
+    return 0
+
+def _cmd_comm(args: argparse.Namespace) -> int:
+    _check_sharding(args)
+    if bool(args.gpu) != bool(args.tokens):
+        raise ValueError("compute time needs both --gpu and --tokens (> 0): give both, or neither")
+    model, named = _chosen_model(args)
+    param_dtype, reduce_dtype = PRECISIONS[args.precision]
+    traffic = estimate_step_traffic(model.units(), args.world_size, args.strategy, param_dtype=param_dtype,
+                                    reduce_dtype=reduce_dtype, shard_group_size=args.shard_group_size)
+    link = get_link(args.link)
+    compute_s = 0.0
+    if args.gpu:
+        compute_s = estimate_compute_time(model.num_params, args.tokens, get_accelerator(args.gpu).peak_flops_bf16)
+    plain = estimate_step_time(traffic, link, compute_s, overlap=False)
+    hidden = estimate_step_time(traffic, link, compute_s, overlap=True)
+    assumes = (f"{_assumptions(args, 'any (it adds no traffic)')}; parameters gathered in "
+               f"{param_dtype}, gradients reduced in {reduce_dtype}; link {link.name}")
+    if args.json:
+        print(json.dumps({"model": named.removeprefix("model: "), "assumptions": assumes.removeprefix("assumes: "),
+                          "counts": traffic.counts, "sent_bytes": traffic.sent_bytes,
+                          "received_bytes": traffic.received_bytes, "comm_s": plain.comm_s,
+                          "compute_s": compute_s, "step_s_no_overlap": plain.total_s,
+                          "step_s_overlap": hidden.total_s, "bound": hidden.bound}, indent=2))
+        return 0
+    rows = []
+    for kind, count in traffic.counts.items():
+        if count:
+            sent = sum(r.sent_bytes for r in traffic.records if r.kind == kind)
+            rows.append([kind, count, sent, format_bytes(sent)])
+    rows.append(["total", sum(traffic.counts.values()), traffic.sent_bytes, format_bytes(traffic.sent_bytes)])
+    print(wrap_line(named, "  "))
+    print(wrap_line(assumes, "  "))
+    print("per rank and step:")
+    print(Table(["collective", "calls", "bytes sent", "human"], rows))
+    print(f"communication: {plain.comm_s * 1e3:.2f} ms on {link.name}")
+    if compute_s:
+        print(f"compute (6PT at 40 % of {args.gpu}'s bf16 peak): {compute_s * 1e3:.2f} ms")
+        print(f"step: {plain.total_s * 1e3:.2f} ms without overlap, {hidden.total_s * 1e3:.2f} ms with; "
+              f"{hidden.bound}-bound")
+        print(wrap_line("bound = what sets the step time with overlap: compute (the links' time hides "
+                    "behind it) or communication (the links are the bottleneck)", "  "))
+    return 0
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    per_node = args.gpus_per_node or node_preset(args.gpu).gpus_per_node
+    check_whole_nodes(args.gpus, per_node, names=("--gpus {}", "--gpus-per-node {}"))
+    result = plan(args.model, args.gpu, args.gpus, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                  gpus_per_node=per_node, inter_link=args.inter_link,
+                  precision=args.precision, headroom=args.headroom)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(result), indent=2))
+        return 0
+    print(f"model: {result.model}, {result.num_params:,} parameters (--model {args.model})")
+    print(wrap_line(f"assumes: {result.gpus} x {result.gpu} ({per_node} per node, "
+                f"{args.inter_link} between nodes), {args.precision}, optimizer adamw, micro-batch "
+                f"{args.micro_batch} x {args.seq_len} tokens, {args.headroom:.0%} of GPU memory kept "
+                "free; every strategy priced", "  "))
+    rows = [[o.name, o.gpus, format_bytes(o.peak_bytes), format_bytes(o.host_bytes) if o.host_bytes else "-",
+             "yes" if o.fits else "no", round(o.comm_s, 3), round(o.compute_s, 3), round(o.step_s, 3),
+             "comm" if o.bound == "communication" else o.bound] for o in result.options]
+    print(Table(["option", "GPUs", "peak/GPU", "host/GPU", "fits", "comm s", "compute s", "step s", "bound"],
+                rows))
+    print(wrap_line("AC = activation checkpointing; offload = model state in host RAM (host/GPU); bound = "
+                "what sets the step time: compute, or comm (communication not hidden by compute)", "  "))
+    for reason in result.reasons:
+        print(wrap_line(f"- {reason}", "  "))
+    print(f"(the seed's rule, fp32 model state only, would answer: {result.seed_answer})")
+    return 0
+
+def _cmd_runs() -> int:
+    for name, doc in describe_runs().items():
+        print(wrap_line(f"{name:19s}{doc}", " " * 19))
+    return 0
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    """Launch, print every check with its verdict; exit 1 if any is outside its own tolerance."""
+    result = torchrun(args.name, args.nproc, parse_overrides(args.overrides), out=args.out,
+                      timeout_s=args.timeout, stream=not args.quiet, allow_failed_checks=True,
+                      overwrite=args.overwrite, nnodes=args.nnodes, node_rank=args.node_rank,
+                      rdzv_endpoint=args.rdzv_endpoint)
+    if result is None:  # one node of a real multi-node job, not rank 0's
+        print(f"node {args.node_rank}: its ranks finished; rank 0's node holds result.json")
+        return 0
+    if result.checks:
+        print(checks_table(result))
+        print(checks_verdict(result))
+        legend = checks_legend(result)
+        if legend:
+            print(wrap_line(legend, "  "))
+    if result.run == "comm_bench":
+        print("alpha-beta fit: time = steps x alpha + bytes sent / beta, per collective")
+        print(fit_table(result))
+        for note in result.extra.get("notes", []):
+            print(wrap_line(f"note: {note}", "  "))
+    if result.run == "step_time":
+        print(step_time_table(result))
+        print(step_time_summary(result))
+    print(f"result: {result.path}" if result.path else "result: not kept (its folder was temporary); pass --out DIR "
+          "to keep result.json and the logs")
+    failed = result.failed_checks()
+    if failed:
+        print(f"error: {len(failed)} of {len(result.checks)} checks are outside their tolerance:\n"
+              f"{describe_failed_checks(result)}", file=sys.stderr)
+        return 1
+    return 0
+
+def _cmd_slurm(args: argparse.Namespace) -> int:
+    """Check everything, then print the script or write it to ``--output``."""
+    from handbook_lib.launch.slurm import build_job, render_sbatch, write_script
+
+    if args.overwrite and args.output is None:
+        raise ValueError("--overwrite applies to --output FILE: give --output, or leave --overwrite out")
+    job = build_job(args.name, args.nodes, args.gpus_per_node, parse_overrides(args.overrides),
+                    time=args.time, partition=args.partition, account=args.account, job_name=args.job_name,
+                    out_dir=args.out, log=args.log, cpus_per_task=args.cpus_per_task, port=args.port)
+    text = render_sbatch(job)
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    path = write_script(args.output, text, overwrite=args.overwrite)
+    print(f"wrote {path}: {job.run} on {job.nodes} x {job.gpus_per_node} GPUs = {job.world_size} ranks; "
+          f"submit it with: sbatch {path}")
+    return 0
+
+def _cmd_params(args: argparse.Namespace) -> int:
+    model, named = _chosen_model(args)
+    parts, total = dict(model.breakdown), model.num_params
+    print(wrap_line(named, "  "))
+    rows = [[name, count, format_bytes(4 * count)] for name, count in parts.items()]
+    rows.append(["total", total, format_bytes(4 * total)])
+    print(Table(["component", "parameters", "fp32 bytes"], rows))
+    return 0
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "runs": lambda args: _cmd_runs(), "run": _cmd_run, "params": _cmd_params, "memory": _cmd_memory,
+    "comm": _cmd_comm, "plan": _cmd_plan, "slurm": _cmd_slurm,
+}
+"""Each command's function: it takes the parsed arguments and returns the exit status."""

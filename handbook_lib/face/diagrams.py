@@ -1,0 +1,156 @@
+"""Diagrams for the book: how a ring collective moves chunks, one step's collectives on a time
+axis, and the commit protocol of a checkpoint. Each ``plot_*`` function returns a matplotlib
+``Figure``, at most :data:`~handbook_lib.face.plots.BOOK_WIDTH_IN` wide.
+
+Chapter 3 draws :func:`plot_ring_schedule` from :func:`handbook_lib.models.collectives.ring_schedule`,
+chapter 5 :func:`plot_collective_timeline` from a run's counted collectives, chapter 6
+:func:`plot_commit_protocol` from :data:`handbook_lib.models.checkpoint.COMMIT_STEPS`: the data
+come from the models and the runs, never typed into a figure.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Mapping, Sequence
+
+from matplotlib.figure import Figure
+from matplotlib.patches import FancyArrowPatch, Rectangle
+
+from handbook_lib.face.plots import BOOK_WIDTH_IN
+from handbook_lib.models.checkpoint import CommitStep
+from handbook_lib.models.collectives import ring_schedule
+
+__all__ = ["plot_ring_schedule", "plot_collective_timeline", "plot_commit_protocol"]
+
+
+def _ring_states(kind: str, n: int) -> list[list[dict[int, int]]]:
+    """After each step of :func:`~handbook_lib.models.collectives.ring_schedule` (index 0: the start), what each
+    rank holds: chunk → how many ranks' contributions it sums (N: complete)."""
+    if kind == "all_gather":
+        held = [{r: n} for r in range(n)]
+    else:
+        held = [dict.fromkeys(range(n), 1) for _ in range(n)]
+    states = [[dict(h) for h in held]]
+    schedule = ring_schedule(kind, n)
+    for step in range(n - 1):
+        for t in [t for t in schedule if t.step == step]:
+            held[t.receiver][t.chunk] = n if not t.summed else len(t.summed) + 1
+        states.append([dict(h) for h in held])
+    return states
+
+def plot_ring_schedule(group_size: int = 4) -> Figure:
+    """What each rank holds after each step of a ring all-gather and a ring reduce-scatter.
+
+    One row per rank, one block of N chunk squares per step, coloured by chunk; the chunk a rank
+    has just received from its left neighbour (rank r-1, rank 0 from rank N-1) is outlined. In
+    the reduce-scatter a square's number is how many ranks' contributions its partial sum holds,
+    and its shade deepens as they add up; after N-1 steps rank r holds the full sum of chunk r.
+    Drawn from :func:`~handbook_lib.models.collectives.ring_schedule`.
+    """
+    n = group_size
+    fig = Figure(figsize=(BOOK_WIDTH_IN, 1.0 + 1.1 * n), layout="constrained")
+    colours = [f"C{c % 10}" for c in range(n)]
+    schedules = {"all_gather": ring_schedule("all_gather", n), "reduce_scatter": ring_schedule("reduce_scatter", n)}
+    titles = {"all_gather": "All-gather: each rank forwards the chunk it got last",
+              "reduce_scatter": "Reduce-scatter: each rank adds its part and forwards the sum"}
+    for i, (kind, schedule) in enumerate(schedules.items()):
+        ax = fig.add_subplot(2, 1, i + 1)
+        states = _ring_states(kind, n)
+        for step, state in enumerate(states):
+            new = {(t.receiver, t.chunk) for t in schedule if t.step == step - 1}
+            for rank, held in enumerate(state):
+                for chunk, count in held.items():
+                    x = step * (n + 1) + chunk
+                    ax.add_patch(Rectangle((x, rank - 0.4), 0.9, 0.8, facecolor=colours[chunk],
+                                           alpha=0.25 + 0.75 * count / n,
+                                           edgecolor="black" if (rank, chunk) in new else "none", linewidth=1.6))
+                    if kind == "reduce_scatter":
+                        ax.text(x + 0.45, rank, str(count), ha="center", va="center", fontsize=8)
+        ax.set_xlim(-0.3, n * (n + 1) - 0.8)
+        ax.set_ylim(n - 0.5, -0.5)
+        ax.set_xticks([s * (n + 1) + n / 2 - 0.05 for s in range(n)],
+                      ["start"] + [f"after step {s}" for s in range(1, n)], fontsize=8)
+        ax.set_yticks(range(n), [f"rank {r}" for r in range(n)], fontsize=8)
+        ax.tick_params(length=0)
+        for side in ax.spines.values():
+            side.set_visible(False)
+        ax.set_title(titles[kind], fontsize=9)
+    fig.suptitle(f"Ring collectives on {n} ranks: chunk c in colour c; outlined: just received", fontsize=10)
+    return fig
+
+_KIND_COLOURS = {"all_gather": "tab:blue", "reduce_scatter": "tab:orange", "all_reduce": "tab:green",
+                 "broadcast": "tab:purple"}
+
+def plot_collective_timeline(
+    calls: Sequence[Mapping[str, object]], *, title: str = "One step's collectives, per FSDP unit"
+) -> Figure:
+    """Each collective of one measured step on a time line, one row per FSDP unit.
+
+    Args:
+        calls: A rank's ``collectives`` from an ``fsdp_train`` result (FSDP2): dicts with
+            ``kind``, ``unit``, ``phase``, ``start_s`` and ``end_s`` (``None`` where the end was
+            not recorded: a marker at the start is drawn instead).
+        title: Figure title.
+
+    Rows are the units in the order the forward pass gathers them; time is milliseconds since
+    the step began; the backward pass is shaded from its first collective on.
+    """
+    units = list(dict.fromkeys(str(c["unit"]) for c in calls if c.get("phase") == "forward"))
+    units += [u for u in dict.fromkeys(str(c["unit"]) for c in calls) if u not in units]
+    row = {u: i for i, u in enumerate(units)}
+    fig = Figure(figsize=(BOOK_WIDTH_IN, 1.6 + 0.45 * len(units)), layout="constrained")
+    ax = fig.add_subplot()
+    ms = [1e3 * float(c["end_s"] if c.get("end_s") is not None else c["start_s"]) for c in calls]
+    backward = [1e3 * float(c["start_s"]) for c in calls if c.get("phase") == "backward"]
+    if backward:
+        ax.axvspan(min(backward), max(ms), color="0.9", zorder=0, label="backward pass")
+    labelled: set[str] = set()
+    for c in calls:
+        kind, start = str(c["kind"]), 1e3 * float(c["start_s"])
+        label = kind.replace("_", "-") if kind not in labelled else None
+        labelled.add(kind)
+        y = row[str(c["unit"])] + (0.15 if kind == "reduce_scatter" else -0.15)
+        if c.get("end_s") is not None:
+            width = max(1e3 * float(c["end_s"]) - start, 0.004 * max(ms))
+            ax.broken_barh([(start, width)], (y - 0.13, 0.26), color=_KIND_COLOURS.get(kind, "black"), label=label)
+        else:
+            ax.plot([start], [y], marker="|", markersize=14, markeredgewidth=2.5, linestyle="none",
+                    color=_KIND_COLOURS.get(kind, "black"), label=f"{label} (start)"
+                    if label else None)
+    ax.set_yticks(range(len(units)), units, fontsize=8)
+    ax.set_ylim(len(units) - 0.5, -0.5)
+    ax.set_xlim(0, max(ms) * 1.03 if ms else 1)
+    ax.set_xlabel("time since the step began (ms)")
+    ax.set_ylabel("FSDP unit")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
+    return fig
+
+def plot_commit_protocol(steps: Sequence[CommitStep]) -> Figure:
+    """The checkpoint commit protocol as boxes from left to right, each with what a crash
+    during or right after it leaves as ``latest`` (read from
+    :data:`handbook_lib.models.checkpoint.COMMIT_STEPS`)."""
+    n = len(steps)
+    fig = Figure(figsize=(BOOK_WIDTH_IN, 3.9), layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_xlim(0, n)
+    ax.set_ylim(0, 1)
+    ax.axis("off")
+    width = 0.86
+    for i, step in enumerate(steps):
+        x = i + (1 - width) / 2
+        committed = i == n - 1
+        ax.add_patch(Rectangle((x, 0.47), width, 0.45, facecolor="#dbe9f6" if not committed else "#d9f0d3",
+                               edgecolor="0.3"))
+        ax.text(i + 0.5, 0.895, f"{i + 1}. {step.name}", ha="center", va="top", fontsize=8, weight="bold")
+        body = textwrap.fill(step.action.replace("step_K", "step_K\u2060"), 15) + "\n\n" + textwrap.fill(
+            f"by {step.who}", 15)
+        ax.text(i + 0.5, 0.835, body, ha="center", va="top", fontsize=8, linespacing=1.1)
+        ax.text(i + 0.5, 0.42, textwrap.fill("crash: latest = " + step.crash_leaves, 16), ha="center",
+                va="top", fontsize=8, color="#1a7a1a" if committed else "#8a3a00", linespacing=1.1)
+        if i:
+            ax.add_patch(FancyArrowPatch((i - (1 - width) / 2 - 0.005, 0.695), (x + 0.005, 0.695),
+                                         arrowstyle="-|>", mutation_scale=10, color="0.2"))
+    fig.suptitle("A save commits in this order: until step 6, latest names the previous checkpoint",
+                 fontsize=10)
+    return fig

@@ -1,0 +1,163 @@
+"""Views of single runs: the tables and lines a chapter shows for one kind of run's result.
+
+Each reads the metrics its run writes (``fsdp_train``'s peaks and losses, ``step_time``'s
+ratios, ``comm_bench``'s fits, ``deepspeed_zero``'s bytes beside its FSDP2 twin); the generic
+pieces (:class:`~handbook_lib.face.display.Table`, the checks table) are in
+:mod:`handbook_lib.face.display`. Chapters 2, 3, 5 and 7 use them, and the command line after a run.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+
+from handbook_lib.core.results import (
+    Check,
+    RunResult,
+    max_relative_difference,
+    model_state_bytes,
+)
+from handbook_lib.face.display import Table, format_bytes, format_losses
+from handbook_lib.models.collectives import AlphaBeta
+
+__all__ = ["summarize_runs", "run_summary", "compare_runs", "step_time_table", "step_time_summary", "fit_table",
+           "zero_vs_fsdp_table"]
+
+
+def summarize_runs(results: Mapping[str, RunResult]) -> Table:
+    """One row per run: how its checks came out, over all ranks.
+
+    Columns: the exact checks that hold, of all exact checks (byte for byte; the checks table
+    shows any byte error); the worst relative errors of the activation (act.) and peak checks,
+    with the peaks predicted and measured. The note under the table says so.
+    """
+    rows = []
+    for label, result in results.items():
+        exact = [c for c in result.checks if c.tolerance == 0]
+        def worst(quantity: str) -> Check:
+            return max((c for c in result.checks if c.quantity == quantity),
+                       key=lambda c: abs(c.relative_error))
+        act = worst("activation_bytes")
+        row = [label, result.world_size, f"{sum(c.exact for c in exact)}/{len(exact)}",
+               f"{100 * act.relative_error:+.2f}%"]
+        if any(c.quantity == "peak_bytes" for c in result.checks):
+            peak = worst("peak_bytes")
+            row += [format_bytes(peak.predicted), format_bytes(peak.measured),
+                    f"{100 * peak.relative_error:+.2f}%"]
+        else:  # e.g. FSDP1: the peak is measured but not predicted
+            row += ["-", format_bytes(max(result.metric("peak_bytes"))), "-"]
+        rows.append(row)
+    return Table(["run", "ranks", "exact\nchecks", "act.\nerror", "peak\npredicted", "peak\nmeasured",
+                  "peak\nerror"], rows,
+                 "exact checks: byte-exact predictions that hold / all of them; act. (activations) and "
+                 "peak error: the worst over ranks of (measured - predicted) / predicted")
+
+def run_summary(result: RunResult) -> str:
+    """Two lines on a training run: rank 0's per-step losses (:func:`format_losses`, which repeat
+    on any CPU) and how many of its checks passed."""
+    losses = format_losses(result.metric("losses")[0])
+    failed = result.failed_checks()
+    text = f"losses: {losses}\n{len(result.checks)} checks, {len(failed)} failed"
+    return text + "".join(f"\n  failed: {c.quantity} rank {c.rank}: predicted {c.predicted}, measured {c.measured}"
+                          for c in failed)
+
+def compare_runs(results: Mapping[str, RunResult], baseline: str) -> Table:
+    """One row per training run: what each rank holds, its peak, and its losses against
+    ``baseline``'s (one of the keys, e.g. the one-process run).
+
+    Columns: ranks; model state per rank (parameter shards + gradients + optimizer state, the
+    largest over ranks); peak per rank (the largest); both as a fraction of the baseline's;
+    the max relative difference of the per-step losses (rank 0's, which all ranks share).
+    Timing is left out on purpose (it varies run to run): see :func:`step_time_table`.
+    """
+    def state(result: RunResult) -> int:
+        return max(model_state_bytes(r) for r in result.ranks)
+
+    base = results[baseline]
+    base_state, base_peak = state(base), max(base.metric("peak_bytes"))
+    rows = []
+    for label, result in results.items():
+        peak = max(result.metric("peak_bytes"))
+        diff = max_relative_difference(result.metric("losses")[0], base.metric("losses")[0])
+        rows.append([label, result.world_size, format_bytes(state(result)),
+                     f"{state(result) / base_state:.2f}", format_bytes(peak), f"{peak / base_peak:.2f}",
+                     f"{diff:.1e}"])
+    return Table(["run", "ranks", "model state\nper rank", "ratio", "peak\nper rank", "ratio ",
+                  "loss\ndiff."], rows,
+                 note=f"ratio: to the {baseline!r} run; loss diff.: the largest relative difference "
+                      "of the per-step losses from its")
+
+def step_time_table(result: RunResult) -> Table:
+    """Rank 0's step times of a ``step_time`` run: per strategy, the median over repeats of the
+    mean step time (seconds) and of its ratio to DDP, with the smallest and largest ratio."""
+    ranks = sorted(result.ranks, key=lambda r: r["rank"])[0]
+    rows = []
+    for name in result.extra["variants"]:
+        ratios = ranks["ratio_to_ddp"][name]
+        rows.append([name, f"{statistics.median(ranks['step_time_s'][name]):.3f}",
+                     f"{statistics.median(ratios):.2f}", f"{min(ratios):.2f} - {max(ratios):.2f}",
+                     len(ratios)])
+    return Table(["strategy", "step time (s, median)", "ratio to DDP (median)", "ratio range",
+                  "repeats"], rows)
+
+def step_time_summary(result: RunResult) -> str:
+    """One line on a ``step_time`` run: each FSDP variant's median step-time ratio to DDP,
+    e.g. ``"FSDP/DDP step time (median of 5 repeats): FULL_SHARD 1.32x, SHARD_GRAD_OP 1.18x"``."""
+    rank0 = sorted(result.ranks, key=lambda r: r["rank"])[0]
+    baseline, *names = result.extra["variants"]  # the baseline (DDP) first
+    parts = [f"{n} {statistics.median(rank0['ratio_to_ddp'][n]):.2f}x" for n in names]
+    repeats = len(rank0["ratio_to_ddp"][baseline])
+    return f"FSDP/DDP step time (median of {repeats} repeats): " + ", ".join(parts)
+
+def fit_table(result: RunResult) -> Table:
+    """The alpha-beta fit of a ``comm_bench`` run, one row per collective: latency alpha
+    (microseconds per ring step) and bandwidth beta (GB/s a rank sends), and the time the fit
+    predicts for the largest buffer measured beside the measured time. A collective without a
+    fit (noise left no growth with size) shows ``-``."""
+    rows = []
+    for kind, fit in result.extra["fits"].items():
+        points = [m for m in result.extra["measurements"] if m["kind"] == kind]
+        top = max(points, key=lambda m: m["buffer_bytes"])
+        if fit is None:
+            rows.append([kind, "-", "-", format_bytes(top["buffer_bytes"], binary=True), "-",
+                         f"{top['seconds'] * 1e3:.3f}"])
+            continue
+        model = AlphaBeta(kind, result.world_size, fit["alpha_s"], fit["beta_bytes_per_s"])
+        rows.append([kind, f"{fit['alpha_s'] * 1e6:.1f}", f"{fit['beta_bytes_per_s'] / 1e9:.3f}",
+                     format_bytes(top["buffer_bytes"], binary=True),
+                     f"{model.predict_s(top['buffer_bytes']) * 1e3:.3f}", f"{top['seconds'] * 1e3:.3f}"])
+    return Table(["collective", "alpha (us)", "beta (GB/s)", "largest buffer", "fit (ms)",
+                  "measured (ms)"], rows)
+
+def zero_vs_fsdp_table(results: Mapping[str, RunResult], what: str = "bytes", rank: int = 0) -> Table:
+    """One rank of each ``deepspeed_zero`` run, DeepSpeed's row above its FSDP2 twin's (both
+    measured in the same job, on the same batches).
+
+    ``what="bytes"``: the bytes of parameters, fp32 master copy, gradients (after backward),
+    optimizer state (moments and step counters), and their total. ``what="collectives"``: the
+    last step's all-gathers, reduce-scatters and all-reduces (counts), and the bytes one rank
+    sent in them (ring model).
+
+    Raises:
+        ValueError: for another ``what``.
+    """
+    if what not in ("bytes", "collectives"):
+        raise ValueError(f"what must be 'bytes' or 'collectives', got {what!r}")
+    kinds = ("all_gather", "reduce_scatter", "all_reduce")
+    rows = []
+    for label, result in results.items():
+        r = result.ranks[rank]
+        twin = r["fsdp2"]
+        sides = ((label, [r["params_bytes"], r["master_bytes"], r["grads_bytes"],
+                          r["optimizer_bytes"] + r["optimizer_step_bytes"]], r["collectives"]),
+                 (f"  FSDP2 {twin['strategy']}", [twin["params"], 0, twin["grads"],
+                                                  twin["optimizer"] + twin["optimizer_step"]], twin["collectives"]))
+        for who, values, calls in sides:
+            if what == "bytes":
+                rows.append([who, *values, sum(values)])
+            else:
+                rows.append([who, *(calls.get(k, {}).get("count", 0) for k in kinds),
+                             sum(c["sent_bytes"] for c in calls.values())])
+    if what == "bytes":
+        return Table(["who", "params", "master", "grads", "optimizer", "total"], rows)
+    return Table(["who", "all-gathers", "reduce-scatters", "all-reduces", "sent bytes"], rows)

@@ -1,0 +1,99 @@
+"""A Transformers model and the Trainer, in the book's vocabulary: what the ``trainer_deepspeed``
+run trains (chapter 7).
+
+The model is a GPT-2 built from the run config's model keys — nothing is downloaded — with
+dropout off, so that a forward pass is a pure function of the weights. The data are the
+synthetic batches of every other run (:func:`handbook_lib.runtime.data.make_batch`): item ``i`` is
+sequence ``i % batch_size`` of step ``i // batch_size``. :class:`RecordingTrainer` keeps the
+exact loss of every training step (the Trainer logs them rounded to 4 decimals).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer
+
+from handbook_lib.core.config import RunConfig
+from handbook_lib.runtime.data import make_batch
+
+__all__ = ["gpt2_config", "build_gpt2", "SyntheticLM", "RecordingTrainer", "probe_batch", "probe_logits"]
+
+
+def gpt2_config(config: RunConfig) -> GPT2Config:
+    """GPT-2 with the run's sizes: ``d_model`` wide, ``nhead`` heads, ``dim_feedforward`` in the
+    MLP, ``num_layers`` blocks, ``seq_len`` positions, ``vocab_size`` tokens; no dropout."""
+    return GPT2Config(vocab_size=config.vocab_size, n_positions=config.seq_len, n_embd=config.d_model,
+                      n_head=config.nhead, n_inner=config.dim_feedforward, n_layer=config.num_layers,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+
+
+def build_gpt2(config: RunConfig) -> GPT2LMHeadModel:
+    """The seeded GPT-2 of :func:`gpt2_config` (the same weights for the same ``seed``)."""
+    torch.manual_seed(config.seed)
+    return GPT2LMHeadModel(gpt2_config(config))
+
+
+class SyntheticLM(torch.utils.data.Dataset):
+    """``steps × batch_size`` sequences of the synthetic task, as the Trainer wants them
+    (``input_ids`` and ``labels``, the model shifting the labels itself)."""
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+
+    def __len__(self) -> int:
+        return self.config.steps * self.config.batch_size
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        inputs, _ = make_batch(self.config, index // self.config.batch_size)
+        row = inputs[index % self.config.batch_size]
+        return {"input_ids": row, "labels": row}
+
+
+class RecordingTrainer(Trainer):
+    """The Trainer, keeping each training step's loss as a float in :attr:`losses`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.losses: list[float] = []
+
+    def training_step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        loss = super().training_step(*args, **kwargs)
+        self.losses.append(float(loss))
+        return loss
+
+    def step_losses(self) -> list[float]:
+        """One value per optimizer step: the recorded losses of its micro-steps
+        (``gradient_accumulation_steps`` of them), summed."""
+        k = self.args.gradient_accumulation_steps
+        return [sum(self.losses[i:i + k]) for i in range(0, len(self.losses), k)]
+
+
+def probe_batch(config: RunConfig) -> torch.Tensor:
+    """Two sequences of step 0's batch: the inputs whose logits compare two copies of a model."""
+    return make_batch(config, 0)[0][:2]
+
+
+@torch.no_grad()
+def probe_logits(model: torch.nn.Module, config: RunConfig) -> torch.Tensor:
+    """``model``'s fp32 logits on :func:`probe_batch`, in eval mode, on the CPU."""
+    model.eval()
+    device = next(model.parameters()).device
+    return model(input_ids=probe_batch(config).to(device)).logits.float().cpu()
+
+
+def saved_logits_difference(model_dir: str, logits_file: str, config: RunConfig) -> float:
+    """The largest absolute difference between the logits saved in ``logits_file`` and those of
+    ``GPT2LMHeadModel.from_pretrained(model_dir)`` on :func:`probe_batch`, in this process (call
+    it from a plain process: where DeepSpeed's ZeRO-3 is configured, ``from_pretrained`` builds
+    the model partitioned)."""
+    loaded = GPT2LMHeadModel.from_pretrained(model_dir)
+    return float((probe_logits(loaded, config) - torch.load(logits_file)).abs().max())
+
+
+if __name__ == "__main__":  # python -m handbook_lib.integrations.hf_trainer MODEL_DIR LOGITS_FILE CONFIG_JSON
+    import json
+    import sys
+
+    model_dir, logits_file, config_json = sys.argv[1:4]
+    config = RunConfig.from_mapping({k: v for k, v in json.loads(config_json).items() if k in RunConfig.keys()})
+    print(json.dumps({"max_abs_diff": saved_logits_difference(model_dir, logits_file, config)}))

@@ -1,0 +1,358 @@
+"""What ``make gpu-check`` measures on a CUDA machine, and the arithmetic it reads it with.
+
+Chapter 8 ("Measured on GPUs") lists its result sets: the book's stored outputs come from CPU
+runs, and this is how the same experiments are checked on real GPUs (CUDA + NCCL).
+``scripts/gpu_check.py`` launches the runs (``launch.torchrun``) and writes one result set per
+GPU model, ``results/gpu/<gpu-slug>.json``; this module holds everything in it that needs no
+GPU, so that it is tested on the CPU:
+
+- the experiments' configs (:data:`MEMORY_CONFIGS`, :data:`STEP_TIME_CONFIG`,
+  :data:`BILLION_MODEL` for MFU and the micro-batch sweep);
+- the memory figures: measured peak minus predicted, beside the gathered unit that FSDP2's
+  prefetch keeps alive on a GPU (:func:`estimate_prefetch_extra_bytes`, :func:`memory_figures`);
+- model FLOPs utilization (:func:`estimate_mfu`) and the GPU-name → preset map
+  (:func:`match_accelerator`);
+- recognising a CUDA out-of-memory failure (:func:`is_cuda_oom`), the doubling sweep
+  (:func:`sweep_micro_batch`) and the model's own largest micro-batch (:func:`predict_max_micro_batch`);
+- the result-set file (:func:`gpu_slug`, :func:`write_result_set`), which never replaces a file
+  it did not write.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from handbook_lib.core.architecture import ModelConfig
+from handbook_lib.core.checks import check_int
+from handbook_lib.core.config import DTYPES, PRECISIONS
+from handbook_lib.core.files import write_json_atomic
+from handbook_lib.models.layout import wrap_units
+
+__all__ = [
+    "RESULT_SET_SCHEMA", "WRITER", "BILLION_MODEL", "MEMORY_CONFIGS", "STEP_TIME_CONFIG", "MFU_CONFIG",
+    "SWEEP_CONFIG", "NO_GPU_MESSAGE", "match_accelerator", "estimate_mfu", "estimate_prefetch_extra_bytes",
+    "memory_figures", "steady_step_time_s", "is_cuda_oom", "SweepTry", "Sweep", "sweep_micro_batch",
+    "predict_max_micro_batch", "gpu_slug", "write_result_set",
+]
+
+RESULT_SET_SCHEMA = "handbook.gpu-check/1"
+"""Version tag of a GPU result set; bump it when a key changes meaning."""
+WRITER = "scripts/gpu_check.py"
+"""Recorded in every result set: a file without it was not written by gpu-check."""
+NO_GPU_MESSAGE = "gpu-check needs a CUDA GPU: none is visible (torch.cuda.is_available() is False)"
+
+BILLION_MODEL = ModelConfig(vocab_size=32_000, d_model=2048, nhead=16, dim_feedforward=8192, num_layers=18)
+"""The handbook model at about a billion parameters (1,037,552,896): 18 layers of width 2048."""
+
+MEMORY_CONFIGS: dict[str, dict[str, Any]] = {
+    "fp32": {"strategy": "FULL_SHARD", "precision": "fp32", "steps": 3},
+    "bf16-mixed": {"strategy": "FULL_SHARD", "precision": "bf16-mixed", "steps": 3},
+}
+"""fsdp_train runs of the book's running model (RunConfig defaults) whose peaks are compared
+with the memory model; ``batch_size`` is set to 4 sequences per rank by the script."""
+
+STEP_TIME_CONFIG: dict[str, Any] = {
+    "d_model": 1024, "nhead": 8, "dim_feedforward": 4096, "num_layers": 8, "seq_len": 512,
+    "steps": 5, "repeats": 3, "warmup": 2, "variants": "DDP,FULL_SHARD,SHARD_GRAD_OP",
+}
+"""step_time (fp32, as it requires): a model large enough (about 120 M parameters) that a GPU
+step is not all launch overhead; ``batch_size`` is 4 sequences per rank."""
+
+MFU_CONFIG: dict[str, Any] = {
+    **BILLION_MODEL.to_dict(), "strategy": "FULL_SHARD", "precision": "bf16-mixed", "seq_len": 1024,
+    "steps": 6,
+}
+"""fsdp_train, FSDP2 bf16, of :data:`BILLION_MODEL`; ``batch_size`` is 8 sequences per rank.
+Its ``step_time_s`` holds steps 1..5 (the sixth is measured for memory and not timed)."""
+
+SWEEP_CONFIG: dict[str, Any] = {**MFU_CONFIG, "steps": 2}
+"""The micro-batch sweep: :data:`MFU_CONFIG` for 2 steps (the second under the memory tracker)."""
+
+
+def match_accelerator(device_name: str) -> str | None:
+    """The :data:`~handbook_lib.models.hardware.ACCELERATORS` key of a ``torch.cuda.get_device_name``.
+
+    Only names whose peak the preset states are matched: a PCIe or NVL H100/H200 has a lower
+    clock than the SXM preset and is not matched, nor is an L40S taken for an L4. An A100 is
+    matched by the memory in its name (``A100-SXM4-40GB``, ``A100 80GB PCIe``; same peak).
+
+    Returns:
+        The preset's key, or ``None`` for a GPU the presets do not describe ("unknown GPU").
+    """
+    name = device_name.upper()
+    if re.search(r"\bH[12]00\b", name) and re.search(r"PCIE|\bNVL\b", name):
+        return None
+    if re.search(r"\bH200\b", name):
+        return "h200-141gb"
+    if re.search(r"\bH100\b", name):
+        return "h100-80gb"
+    if re.search(r"\bA100\b", name):
+        return "a100-80gb" if "80GB" in name else "a100-40gb" if "40GB" in name else None
+    if re.search(r"\bB200\b", name):
+        return "b200-180gb"
+    if re.search(r"\bL4\b", name):
+        return "l4-24gb"
+    if re.search(r"\bMI300X\b", name):
+        return "mi300x-192gb"
+    return None
+
+
+def estimate_mfu(num_params: int, tokens_per_step: int, step_time_s: float, world_size: int,
+                 peak_flops: float) -> float:
+    """Model FLOPs utilization: ``6·P·tokens / (step time · world · peak)``.
+
+    Args:
+        num_params: P, the model's parameters.
+        tokens_per_step: Tokens of one optimizer step over all ranks (global batch · seq_len).
+        step_time_s: Seconds per step (the slowest rank's).
+        world_size: GPUs in the job.
+        peak_flops: One GPU's dense peak, FLOP/s (e.g. ``peak_flops_bf16``).
+
+    Returns:
+        A fraction (0.4 = 40 %): the training FLOPs of a dense model (forward 2·P, backward
+        4·P per token; attention's own FLOPs left out) over what the GPUs could do meanwhile.
+    """
+    for name, value in (("num_params", num_params), ("tokens_per_step", tokens_per_step),
+                        ("world_size", world_size)):
+        check_int(name, value, 1)
+    for name, value in (("step_time_s", step_time_s), ("peak_flops", peak_flops)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return 6 * num_params * tokens_per_step / (step_time_s * world_size * peak_flops)
+
+
+def estimate_prefetch_extra_bytes(config: Mapping[str, Any], world_size: int, *,
+                                  layers_only: bool = False) -> tuple[str, int]:
+    """The unit FSDP2's prefetch can keep gathered on a GPU beyond the memory model's phases.
+
+    On CUDA, FSDP2 issues the next unit's all-gather on its own stream before the current unit
+    computes, so one more unit's unsharded parameters can be alive at the peak. Its size, as
+    predicted: the largest unit's unsharded (padded) elements times the compute dtype's bytes.
+    The root (embedding and head) is gathered first and never prefetched, and is often the
+    largest unit: ``layers_only`` gives the largest of the other units, the ones prefetched.
+
+    Args:
+        config: The run's config keys (RunConfig's: model keys, ``precision``, ``wrap``,
+            ``wrap_min_params``); missing keys take RunConfig's defaults.
+        world_size: Ranks sharding each unit (FULL_SHARD: all of them).
+        layers_only: Leave the root unit out.
+
+    Returns:
+        ``(unit name, bytes)``.
+    """
+    from handbook_lib.core.config import RunConfig
+
+    cfg = RunConfig.from_mapping({k: v for k, v in config.items() if k in RunConfig.keys()})
+    units = [u for u in wrap_units(cfg.model_config(), cfg.wrap, cfg.wrap_min_params)
+             if u.numel and not (layers_only and u.root)]
+    if not units:
+        raise ValueError(f"wrap={cfg.wrap!r} makes no unit but the root: nothing is prefetched")
+    compute = DTYPES[PRECISIONS[cfg.precision].compute].bytes
+    largest = max(units, key=lambda u: u.padded_numel(world_size))
+    return largest.name, compute * largest.padded_numel(world_size)
+
+
+def memory_figures(ranks: Sequence[Mapping[str, Any]], extras: Mapping[str, tuple[str, int]]) -> list[dict[str, Any]]:
+    """Per rank: the measured peaks beside the memory model's, and the excess beside the prefetch.
+
+    Args:
+        ranks: A fsdp_train result's ``ranks`` (each with ``rank``, ``peak_bytes`` — the memory
+            tracker's —, ``allocator_peak_bytes`` — ``torch.cuda.max_memory_allocated`` —, and
+            ``predicted_peak_bytes``).
+        extras: Candidate prefetch extras by label, each ``(unit name, bytes)`` from
+            :func:`estimate_prefetch_extra_bytes`, e.g. ``{"largest_unit": ..., "largest_layer": ...}``.
+
+    Returns:
+        One dict per rank: the three peaks, ``excess_bytes`` (tracker − predicted),
+        ``allocator_excess_bytes`` (allocator − predicted) and, per extra, ``<label>_unit``,
+        ``<label>_bytes`` and ``excess_over_<label>`` (excess ÷ extra: about 1 when the excess
+        is that one unit gathered early).
+    """
+    rows = []
+    for r in sorted(ranks, key=lambda r: r["rank"]):
+        predicted = r.get("predicted_peak_bytes")
+        measured = r.get("peak_bytes")
+        allocator = r.get("allocator_peak_bytes")
+        row: dict[str, Any] = {"rank": r["rank"], "predicted_peak_bytes": predicted, "peak_bytes": measured,
+                               "allocator_peak_bytes": allocator}
+        for label, (unit, extra) in extras.items():
+            row[f"{label}_unit"], row[f"{label}_bytes"] = unit, extra
+        if predicted is None or measured is None:
+            row["missing"] = "the run reported no peak (memory tracking needs steps >= 2)"
+        else:
+            row["excess_bytes"] = measured - predicted
+            if allocator is not None:
+                row["allocator_excess_bytes"] = allocator - predicted
+            for label, (_, extra) in extras.items():
+                row[f"excess_over_{label}"] = (measured - predicted) / extra if extra else None
+        rows.append(row)
+    return rows
+
+
+def steady_step_time_s(per_rank: Sequence[Sequence[float]], skip: int = 1) -> float:
+    """One step time from every rank's per-step times: each step's slowest rank (a step ends
+    when all ranks end it), the median over the steps after the first ``skip`` (warm-up:
+    kernels chosen, allocator grown).
+
+    Raises:
+        ValueError: if no rank has more than ``skip`` steps.
+    """
+    steps = min((len(t) for t in per_rank), default=0)
+    if steps <= skip:
+        raise ValueError(f"need more than {skip} timed step(s) per rank, got {steps}")
+    return statistics.median(max(t[i] for t in per_rank) for i in range(skip, steps))
+
+
+_CUDA_OOM = re.compile(
+    r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|cudaErrorMemoryAllocation|"
+    r"CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED|Cuda failure '?out of memory|"
+    r"NCCL (?:error|WARN).*(?:out of memory|Failed to CUDA calloc|cudaMalloc)",
+    re.IGNORECASE,
+)
+
+
+def is_cuda_oom(error: BaseException | str) -> bool:
+    """True if a failed run (a :class:`~handbook_lib.launch.errors.RunFailed`, or its message) ran out
+    of GPU memory: PyTorch's ``OutOfMemoryError`` ("CUDA out of memory. Tried to allocate ..."),
+    a raw CUDA, cuBLAS or cuDNN allocation error, or NCCL failing to allocate. A rank killed by
+    the host's out-of-memory killer is not one (that is host memory), nor is a timeout.
+    """
+    texts = [str(error)]
+    if not isinstance(error, str):
+        texts.append(getattr(error, "rank_traceback", "") or "")
+        texts.extend(getattr(error, "log_tail", None) or [])
+    return any(_CUDA_OOM.search(t) for t in texts if t)
+
+
+@dataclass(frozen=True)
+class SweepTry:
+    """One size tried by :func:`sweep_micro_batch`."""
+
+    micro_batch: int
+    outcome: str
+    """``fits``, ``oom``, or ``error`` (failed otherwise: the sweep stops, undecided)."""
+    seconds: float
+    detail: str = ""
+    """First line of the failure, for ``oom`` and ``error``."""
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """The result of a doubling sweep."""
+
+    largest_fit: int
+    """The largest micro-batch that ran (0: none did)."""
+    first_oom: int | None
+    """The first that ran out of memory (``None``: none did, the sweep stopped before)."""
+    stopped: str
+    """Why it stopped: ``oom``, ``budget`` (out of time), ``limit`` (reached ``max_micro_batch``)
+    or ``error`` (a failure that is not out-of-memory)."""
+    tries: list[SweepTry] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def sweep_micro_batch(try_size: Callable[[int], None], *, start: int = 1, known_fit: int = 0,
+                      max_micro_batch: int = 4096, time_left_s: Callable[[], float] | None = None,
+                      clock: Callable[[], float] = time.monotonic) -> Sweep:
+    """Double the micro-batch from ``start`` until a run runs out of GPU memory.
+
+    Args:
+        try_size: Runs the experiment at one micro-batch (sequences per rank); returns if it
+            fit, raises if not (an exception :func:`is_cuda_oom` recognises is out of memory).
+        start: The first size (>= 1).
+        known_fit: A size already known to fit (an earlier run), below ``start``; 0 for none.
+        max_micro_batch: The largest size tried.
+        time_left_s: Seconds left of the caller's budget; before each try the sweep stops
+            (``budget``) unless the time left exceeds the longest try so far times 1.5.
+        clock: Seconds, for timing the tries (tests pass a fake).
+
+    Returns:
+        A :class:`Sweep`: the largest size that fit lies in ``[largest_fit, first_oom)``.
+    """
+    check_int("start", start, 1)
+    check_int("known_fit", known_fit, 0, below=start, context=f"(below start={start})")
+    tries: list[SweepTry] = []
+    size, largest = start, known_fit
+    while True:
+        if size > max_micro_batch:
+            return Sweep(largest, None, "limit", tries)
+        longest = max((t.seconds for t in tries), default=0.0)
+        if time_left_s is not None and time_left_s() <= 1.5 * longest:
+            return Sweep(largest, None, "budget", tries)
+        begin = clock()
+        try:
+            try_size(size)
+        except Exception as err:  # noqa: BLE001 - classified, recorded and reported
+            detail = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+            if is_cuda_oom(err):
+                tries.append(SweepTry(size, "oom", clock() - begin, detail))
+                return Sweep(largest, size, "oom", tries)
+            tries.append(SweepTry(size, "error", clock() - begin, detail))
+            return Sweep(largest, None, "error", tries)
+        tries.append(SweepTry(size, "fits", clock() - begin))
+        largest, size = size, size * 2
+
+
+def predict_max_micro_batch(peak_bytes: Callable[[int], int], capacity_bytes: int, limit: int = 1 << 20) -> int:
+    """The largest micro-batch whose predicted peak fits in ``capacity_bytes`` (0: not even 1).
+
+    ``peak_bytes(m)`` must not decrease with ``m`` (a memory model's peak does not); it is
+    searched by doubling, then bisection, up to ``limit``.
+    """
+    if peak_bytes(1) > capacity_bytes:
+        return 0
+    low = 1
+    while low * 2 <= limit and peak_bytes(low * 2) <= capacity_bytes:
+        low *= 2
+    high = min(low * 2, limit + 1)  # first size known (or assumed, at the limit) not to fit
+    while high - low > 1:
+        mid = (low + high) // 2
+        if peak_bytes(mid) <= capacity_bytes:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def gpu_slug(device_name: str) -> str:
+    """A file name for a GPU model: ``"NVIDIA H200"`` → ``"nvidia-h200"``."""
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+    if not slug:
+        raise ValueError(f"device_name must contain a letter or digit, got {device_name!r}")
+    return slug
+
+
+def _written_by_us(path: Path) -> bool:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(data, dict) and data.get("schema") == RESULT_SET_SCHEMA and data.get("written_by") == WRITER
+
+
+def write_result_set(path: str | Path, data: Mapping[str, Any]) -> Path:
+    """Write a GPU result set (JSON, atomically), stamped with :data:`RESULT_SET_SCHEMA` and :data:`WRITER`.
+
+    A file already at ``path`` is replaced only if gpu-check wrote it (its ``schema`` and
+    ``written_by`` say so); anything else is left alone.
+
+    Raises:
+        FileExistsError: if ``path`` holds a file gpu-check did not write (or is not a file).
+    """
+    target = Path(path)
+    if target.exists() and not (target.is_file() and _written_by_us(target)):
+        raise FileExistsError(f"{target} exists and was not written by gpu-check: not replaced; "
+                              "move it away or pass another --out")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(target, {"schema": RESULT_SET_SCHEMA, "written_by": WRITER, **data})
+    return target

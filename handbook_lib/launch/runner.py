@@ -1,0 +1,486 @@
+"""Start a run of :mod:`handbook_lib.runs` on N processes with ``torchrun`` and get its result.
+
+Chapter 1 introduces it; it is the one thing a notebook cell calls to run a real experiment::
+
+    from handbook_lib.launch.runner import torchrun
+    result = torchrun("fsdp_train", nproc=2, config={"steps": 3})
+    result.checks          # predictions beside measurements
+
+What it guarantees:
+
+- in a terminal, every rank's output is streamed live, prefixed ``[rankR]``, through Python's
+  ``sys.stdout``, and rank 0's progress bar, labelled with the run's name, redraws in place;
+- in a notebook, a run is one line (what ran, on how many ranks, how its checks came out) that
+  repeats on any machine; the ranks' whole output is folded under it (HTML ``<details>``);
+- the rendezvous is on 127.0.0.1 with a port the OS picks, so runs never collide;
+- the result comes back parsed from ``result.json`` (a :class:`~handbook_lib.core.results.RunResult`);
+- a failing rank raises :class:`RunFailed` naming the rank that caused it, with its traceback;
+- a run past ``timeout_s`` is stopped with every one of its processes, and raises
+  :class:`RunTimeout` showing where each rank was; Ctrl-C stops them too and raises
+  :class:`RunInterrupted` (a ``KeyboardInterrupt``) with a one-line message;
+- without ``out``, the run's folder is a temporary one, removed when the run ends (however it
+  ends); ``out`` is the caller's and is kept. ``out`` is never shared or silently reused: a run
+  claims its folder with a marker file and a lock, refuses a folder holding anything else, and
+  replaces an earlier run's files only with ``overwrite=True``;
+- a run whose ``checks`` include one outside its own tolerance raises :class:`ChecksFailed`
+  (the parsed result is attached): a model that disagrees with its measurement is a failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import math
+import os
+import selectors
+import shutil
+import subprocess
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from handbook_lib.core.checks import check_int
+from handbook_lib.core.config import FlatConfig
+from handbook_lib.core.protocol import (
+    BATCH_KEY,
+    COLLECTIVE_TIMEOUT_ENV,
+    CONFIG_FILE,
+    DEADLINE_ENV,
+    RESULT_FILE,
+    RESULTS_LOG_ENV,
+    batch_result_path,
+    collective_timeout_s,
+)
+from handbook_lib.core.results import RunResult, load_result
+from handbook_lib.launch.diagnose import (
+    diagnose_failure,
+    failure_message,
+    where_ranks_were,
+)
+from handbook_lib.launch.errors import (
+    ChecksFailed,
+    RunFailed,
+    RunInterrupted,
+    RunTimeout,
+    describe_failed_checks,
+)
+from handbook_lib.launch.nodes import Nodes, check_nodes
+from handbook_lib.launch.outdir import prepare_out_dir
+from handbook_lib.launch.processes import Agents, exit_words, start_agents, stop, sweep
+from handbook_lib.launch.show import Show, Streamer, config_defaults
+from handbook_lib.runs import available_runs
+
+__all__ = ["torchrun", "torchrun_batch", "torchrun_batches"]
+
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+"""The folder holding ``handbook_lib``: put on the ranks' ``PYTHONPATH``."""
+
+
+def _check_call(config: Any, timeout_s: Any, env: Any, overwrite: Any) -> None:
+    """Reject arguments of the wrong type before anything is created or started."""
+    if config is not None and not isinstance(config, dict):
+        raise ValueError(f"config must be a dict of key -> value (e.g. {{'mode': 'none'}}), got "
+                         f"{type(config).__name__} {config!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+            or not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise ValueError(f"timeout_s (--timeout) must be a finite number of seconds > 0, got {timeout_s!r}")
+    if env is not None:
+        if not isinstance(env, dict):
+            raise ValueError(f"env must be a dict of str -> str, got {type(env).__name__}")
+        bad = {k: v for k, v in env.items() if not (isinstance(k, str) and isinstance(v, str))}
+        if bad:
+            raise ValueError(f"env must map str to str (environment variables are text); not: "
+                             f"{', '.join(f'{k!r}: {v!r}' for k, v in bad.items())}")
+    if not isinstance(overwrite, bool):
+        raise ValueError(f"overwrite must be True or False, got {overwrite!r}")
+
+
+def torchrun(
+    run: str,
+    nproc: int = 2,
+    config: dict[str, Any] | None = None,
+    *,
+    out: str | os.PathLike[str] | None = None,
+    timeout_s: float = 600.0,
+    stream: bool = True,
+    env: dict[str, str] | None = None,
+    allow_failed_checks: bool = False,
+    overwrite: bool = False,
+    nnodes: int = 1,
+    node_rank: int | None = None,
+    rdzv_endpoint: str | None = None,
+) -> RunResult | None:
+    """Run ``handbook_lib.runs.<run>`` on ``nproc`` processes and return its parsed result.
+
+    Several nodes, two ways. With ``nnodes > 1`` and no ``node_rank``, all the nodes are on this
+    machine: one torchrun agent per node, started together, meeting at a c10d rendezvous on
+    127.0.0.1 (how chapter 8 and the tests run a 2-node job on one box). With ``node_rank``, this
+    call is one node of a real multi-node job: it starts this node's agent only, which meets the
+    others at ``rdzv_endpoint`` (``host:port`` of a machine every node can reach); run the same
+    call on every node, each with its own ``node_rank``. Either way torchrun's c10d rendezvous
+    forms the job (it numbers the nodes in the order they join), and each rank records its host,
+    node rank and local rank.
+
+    Args:
+        run: Name of a run module (see :func:`handbook_lib.runs.available_runs`).
+        nproc: Number of processes (ranks) per node. With GPUs, at most one per visible GPU.
+        config: Config keys for the run; unknown keys or bad values raise before anything starts.
+        out: Directory for ``result.json``, the rank logs and states, kept after the run; if
+            ``None``, a fresh temporary directory, removed when the run ends (the returned
+            result's ``path`` is then ``None``): pass ``out`` to keep files for later. It must
+            not exist yet, be empty, or be an earlier run's folder (it holds the
+            :data:`~handbook_lib.core.protocol.RUN_MARKER` file) — the last only with ``overwrite``. A folder holding
+            other files is refused, and no file a run did not write is ever removed. The folder
+            is locked for the whole run: a second run given it at the same time is refused.
+        timeout_s: Seconds the whole run may take before all its processes are killed (finite).
+        stream: Show the run: in a terminal, the ranks' output live (prefixed ``[rankR]``) and a
+            closing line; in a notebook, one line with the ranks' output folded under it.
+            ``False`` shows nothing.
+        env: Extra environment variables for the ranks.
+        allow_failed_checks: Return the result even if a check is outside its tolerance (for
+            code that studies a failing model); by default that raises :class:`ChecksFailed`.
+        overwrite: Reuse an earlier run's ``out`` folder: its ``result.json``, ``config.json``,
+            ``ranks/`` and ``logs/`` are removed first (nothing else is).
+        nnodes: Nodes in the job (each runs ``nproc`` ranks): the world size is
+            ``nnodes * nproc``.
+        node_rank: This machine's node in a real multi-node job (``0 .. nnodes-1``); ``None``
+            runs every node here.
+        rdzv_endpoint: ``host:port`` of the c10d rendezvous, required with ``node_rank``.
+
+    Returns:
+        The run's ``result.json``, parsed; ``None`` on a node of a real multi-node job whose
+        ``out`` holds no ``result.json`` (rank 0 writes it, on the node it runs on).
+
+    Raises:
+        ValueError: for an unknown run, a bad ``nproc``, ``timeout_s``, ``env`` or ``out``, or a
+            config the run rejects (all before any file is written or process started).
+        RunFailed: if a rank failed; the message names the rank and carries its traceback.
+        RunTimeout: if the run took longer than ``timeout_s``.
+        ChecksFailed: if a check is outside its tolerance (unless ``allow_failed_checks``).
+        RunInterrupted: on Ctrl-C (a :class:`KeyboardInterrupt`), once torchrun and every rank
+            are stopped; its message is one line.
+    """
+    results = _job(run, nproc, {"": config}, out=out, timeout_s=timeout_s, stream=stream, env=env,
+                   allow_failed_checks=allow_failed_checks, overwrite=overwrite, nnodes=nnodes,
+                   node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+    return None if results is None else results[""]
+
+
+def torchrun_batch(
+    run: str,
+    nproc: int,
+    configs: Mapping[str, dict[str, Any] | None],
+    *,
+    out: str | os.PathLike[str] | None = None,
+    timeout_s: float = 600.0,
+    stream: bool = True,
+    env: dict[str, str] | None = None,
+    allow_failed_checks: bool = False,
+    overwrite: bool = False,
+    nnodes: int = 1,
+    node_rank: int | None = None,
+    rdzv_endpoint: str | None = None,
+) -> dict[str, RunResult] | None:
+    """Run several configs of ``handbook_lib.runs.<run>`` in one job: one torchrun, one process
+    group, the configs one after another on the same ranks, each with its own result.
+
+    The results are those of separate :func:`torchrun` calls (each config builds its own seeded
+    model and trains on its own batches); the job pays torchrun's start, every rank's imports
+    and the process group's set-up once instead of once per config (about 3 s on 2 ranks and
+    4 s on 4 of a CPU's time). Arguments are :func:`torchrun`'s, ``timeout_s`` for the whole
+    batch; every config is checked before anything starts.
+
+    Args:
+        configs: Label -> config keys, in the order they run (labels are non-empty strings).
+
+    Returns:
+        Label -> parsed result, in the order given (``None`` on a node of a real multi-node job
+        other than rank 0's).
+
+    Raises:
+        ValueError: as :func:`torchrun`, naming the label of a config the run rejects.
+        RunFailed: if a rank failed; the message names the rank and the config it was running.
+        ChecksFailed: if a check of any config is outside its tolerance (unless
+            ``allow_failed_checks``); :attr:`ChecksFailed.results` holds every config's result.
+    """
+    if not isinstance(configs, Mapping) or not configs:
+        raise ValueError(f"configs must be a non-empty mapping of label -> config, got {configs!r}")
+    bad = [label for label in configs if not isinstance(label, str) or not label.strip()]
+    if bad:
+        raise ValueError(f"configs' labels must be non-empty strings, got {bad[0]!r}")
+    return _job(run, nproc, dict(configs), out=out, timeout_s=timeout_s, stream=stream, env=env,
+                allow_failed_checks=allow_failed_checks, overwrite=overwrite, nnodes=nnodes,
+                node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+
+
+def torchrun_batches(run: str, runs: Mapping[str, tuple[int, dict[str, Any] | None]], *, timeout_s: float = 600.0,
+                     stream: bool = True, env: dict[str, str] | None = None,
+                     allow_failed_checks: bool = False) -> dict[str, RunResult]:
+    """Run ``runs`` (label -> ``(nproc, config)``) as one :func:`torchrun_batch` per number of
+    ranks, in the order each number first appears; ``timeout_s`` for each batch.
+
+    Returns:
+        Label -> parsed result, in the order of ``runs``.
+
+    Raises:
+        ValueError: for an empty ``runs``, an entry that is not ``(nproc, config)``, or as
+            :func:`torchrun_batch` (every batch is checked before the first starts).
+    """
+    if not isinstance(runs, Mapping) or not runs:
+        raise ValueError(f"runs must be a non-empty mapping of label -> (nproc, config), got {runs!r}")
+    groups: dict[int, dict[str, dict[str, Any] | None]] = {}
+    for label, entry in runs.items():
+        if not (isinstance(entry, tuple) and len(entry) == 2):
+            raise ValueError(f"runs[{label!r}] must be (nproc, config), got {entry!r}")
+        groups.setdefault(check_int(f"runs[{label!r}] nproc", entry[0], 1), {})[label] = entry[1]
+    module = importlib.import_module(f"handbook_lib.runs.{run}") if run in available_runs() else None
+    for nproc, batch in groups.items():  # every config checked before the first batch starts
+        for label, config in batch.items():
+            if module is not None:
+                _checked(module, label, config, nproc)
+    results: dict[str, RunResult] = {}
+    for nproc, batch in groups.items():
+        results.update(torchrun_batch(run, nproc, batch, timeout_s=timeout_s, stream=stream, env=env,
+                                      allow_failed_checks=allow_failed_checks) or {})
+    return {label: results[label] for label in runs}
+
+
+def _job(run: str, nproc: int, configs: dict[str, dict[str, Any] | None], *, out: str | os.PathLike[str] | None,
+         timeout_s: float, stream: bool, env: dict[str, str] | None, allow_failed_checks: bool, overwrite: bool,
+         nnodes: int, node_rank: int | None, rdzv_endpoint: str | None) -> dict[str, RunResult] | None:
+    """:func:`torchrun` and :func:`torchrun_batch`: one job of one or several configs (a single
+    run's label is ``""``)."""
+    runs = available_runs()
+    if run not in runs:
+        raise ValueError(f"unknown run {run!r}; available runs: {', '.join(runs)}")
+    check_int("nproc", nproc, 1)
+    for config in configs.values():
+        _check_call(config, timeout_s, env, overwrite)
+    nodes = check_nodes(nnodes, node_rank, rdzv_endpoint)
+    module = importlib.import_module(f"handbook_lib.runs.{run}")
+    cfgs = {label: _checked(module, label, config, nnodes * nproc) for label, config in configs.items()}
+    if nodes.local_agents > 1:
+        _check_gpus(nnodes * nproc, f"nnodes x nproc = {nnodes} x {nproc} ranks on this machine")
+    else:
+        _check_gpus(nproc)
+
+    defaults = config_defaults(run)
+    single = list(cfgs) == [""]
+    shown = cfgs[""].to_dict() if single else {}
+    show = Show(run, nproc, shown, defaults, stream, kept=out is not None, nnodes=nnodes,
+                batch=0 if single else len(cfgs))
+    claimed = prepare_out_dir(run, out, overwrite)
+    temporary = out is None
+    try:
+        results = _launch(run, nproc, cfgs, claimed.path, timeout_s, show, env, allow_failed_checks, nodes)
+        if results is None:
+            return None
+        return {k: dataclasses.replace(r, path=None) for k, r in results.items()} if temporary else results
+    except (RunFailed, RunInterrupted) as err:
+        if temporary:  # its folder is removed below: point at nothing
+            err.out_dir = None
+            if isinstance(err, ChecksFailed):
+                err.results = {k: dataclasses.replace(r, path=None) for k, r in err.results.items()}
+                err.result = next(r for r in err.results.values() if r.failed_checks())
+        raise
+    finally:
+        claimed.release()
+        if temporary:  # the folder mkdtemp made for this run, and nothing else
+            shutil.rmtree(claimed.path, ignore_errors=True)
+
+
+def _checked(module: Any, label: str, config: dict[str, Any] | None, world_size: int) -> FlatConfig:
+    """``config`` as the run's ``CONFIG``, validated for ``world_size`` ranks; a batch's errors
+    name the config's label."""
+    try:
+        cfg = module.CONFIG.from_mapping(config)
+        if hasattr(module, "validate"):
+            module.validate(cfg, world_size)
+    except ValueError as err:
+        if not label:
+            raise
+        raise ValueError(f"config {label!r}: {err}") from None
+    return cfg
+
+
+def _launch(run: str, nproc: int, cfgs: dict[str, FlatConfig], out_dir: Path, timeout_s: float, show: Show,
+            env: dict[str, str] | None, allow_failed_checks: bool, nodes: Nodes) -> dict[str, RunResult] | None:
+    """:func:`torchrun` once its arguments are checked and ``out_dir`` is claimed."""
+    try:
+        results = _launch_and_wait(run, nproc, cfgs, out_dir, timeout_s, show, env, allow_failed_checks, nodes)
+    except RunFailed as err:
+        failed = getattr(err, "results", None)
+        outcome = ("" if failed is not None else "timed out" if isinstance(err, RunTimeout)
+                   else "failed" + (f" (rank {err.rank})" if err.rank is not None else ""))
+        show.end(list(failed.values()) if failed else None, time.monotonic() - show.started, out_dir, outcome)
+        raise
+    except BaseException as err:  # Ctrl-C, or an error of the launcher itself
+        outcome = "interrupted" if isinstance(err, KeyboardInterrupt) else f"stopped by {type(err).__name__}"
+        show.end(None, time.monotonic() - show.started, out_dir, outcome)
+        raise
+    show.end(list(results.values()) if results else None, time.monotonic() - show.started, out_dir)
+    return results
+
+
+def _launch_and_wait(run: str, nproc: int, cfgs: dict[str, FlatConfig], out_dir: Path, timeout_s: float,
+                     show: Show, env: dict[str, str] | None, allow_failed_checks: bool,
+                     nodes: Nodes) -> dict[str, RunResult] | None:
+    """Start torchrun, stream its output through ``show``, and read the results or the failure."""
+    config_path = out_dir / CONFIG_FILE
+    written = (cfgs[""].to_dict() if list(cfgs) == [""] else
+               {BATCH_KEY: [{"label": label, "config": cfg.to_dict()} for label, cfg in cfgs.items()]})
+    config_path.write_text(json.dumps(written, indent=2) + "\n")
+    deadline = time.time() + timeout_s
+    child_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])),
+        DEADLINE_ENV: f"{deadline:.3f}",
+        COLLECTIVE_TIMEOUT_ENV: str(collective_timeout_s(timeout_s)),
+        **(env or {}),
+    }
+    tail = ["-m", f"handbook_lib.runs.{run}", "--config", str(config_path), "--out", str(out_dir)]
+    show.started = time.monotonic()
+    streamer = show.start()
+    proc = start_agents(nodes.commands(nproc, out_dir, tail),
+                        [{**child_env, **nodes.agent_env(k, nproc)} for k in range(nodes.local_agents)])
+    timed_out = False
+    killed = 0
+    mentions = (f"handbook_lib.runs.{run}", str(out_dir))
+    try:
+        timed_out = not _pump(proc, streamer, deadline)
+    except KeyboardInterrupt:  # Ctrl-C in a notebook or a terminal: leave nothing behind
+        _, ranks = stop(proc, mentions)
+        streamer.close()
+        raise RunInterrupted(f"run {run!r} interrupted; torchrun and {ranks} rank{'s' * (ranks != 1)} "
+                             f"stopped", run=run, out_dir=out_dir) from None
+    except BaseException:
+        stop(proc, mentions)
+        streamer.close()
+        raise
+    finally:
+        if timed_out:
+            killed, _ = stop(proc, mentions)
+        elif nodes.count > 1:  # a rank whose agent was killed is killed with it; make sure
+            sweep(mentions)
+        _drain(proc, streamer)
+        streamer.close()
+        if proc.stdout:
+            proc.stdout.close()
+    common = dict(run=run, out_dir=out_dir, returncode=proc.returncode, log_tail=list(streamer.tail))
+    if timed_out:
+        _, states = diagnose_failure(out_dir, nodes.count * nproc)
+        lines = [f"run {run!r} did not finish within {timeout_s:g} s and was stopped "
+                 f"({killed} process{'es' * (killed != 1)} killed). Where each rank was:"]
+        raise RunTimeout("\n".join(lines + where_ranks_were(states)), rank=None, rank_traceback="", **common)
+    if proc.returncode != 0:
+        _raise_failure(run, nproc, proc, streamer, show, nodes, common)
+    return _read_results(run, list(cfgs), out_dir, nodes, allow_failed_checks, common)
+
+
+def _raise_failure(run: str, nproc: int, proc: subprocess.Popen | Agents, streamer: Streamer, show: Show,
+                   nodes: Nodes, common: dict[str, Any]) -> None:
+    """Raise :class:`RunFailed` for a run whose torchrun ended with an error, naming the rank."""
+    out_dir = common["out_dir"]
+    cause, states = diagnose_failure(out_dir, nodes.count * nproc)
+    if cause is None:
+        tail = "\n".join(list(streamer.tail)[-20:])
+        raise RunFailed(f"run {run!r} failed (torchrun exit code {proc.returncode}) before any "
+                        f"rank reported; last output:\n{tail}", rank=None, rank_traceback="", **common)
+    agent = proc.failed_code if isinstance(proc, Agents) else None
+    own = None
+    if not show.kept:  # its logs/ go with the temporary folder: show its last lines instead
+        own = [line for line in streamer.tail if line.startswith(f"[rank{cause.rank}] ")][-10:]
+    message = failure_message(run, cause, states, where=nodes.where(cause.rank, nproc, out_dir),
+                              agent_exit=exit_words(agent) if agent is not None else "", own_output=own)
+    raise RunFailed(message, rank=cause.rank, rank_traceback=cause.traceback, **common)
+
+
+def _read_results(run: str, labels: list[str], out_dir: Path, nodes: Nodes, allow_failed_checks: bool,
+                  common: dict[str, Any]) -> dict[str, RunResult] | None:
+    """The results of a job whose torchrun ended cleanly, by label (``None`` on a node other than
+    rank 0's in a real multi-node job); :class:`ChecksFailed` if a check is off."""
+    paths = {label: batch_result_path(out_dir, k) if label else out_dir / RESULT_FILE
+             for k, label in enumerate(labels)}
+    missing = [p for p in paths.values() if not p.exists()]
+    if missing and nodes.node_rank not in (None, 0):
+        return None  # one node of a real multi-node job: rank 0's node holds the result
+    if missing:
+        raise RunFailed(f"run {run!r} exited cleanly but wrote no {missing[0].relative_to(out_dir)} in {out_dir}",
+                        rank=None, rank_traceback="", **common)
+    results = {label: load_result(path) for label, path in paths.items()}
+    _log_results(results)
+    failed = {label: r for label, r in results.items() if r.failed_checks()}
+    if failed and not allow_failed_checks:
+        total = sum(len(r.checks) for r in results.values())
+        bad = sum(len(r.failed_checks()) for r in failed.values())
+        where = "" if labels == [""] else f" (in {', '.join(repr(k) for k in failed)})"
+        text = "\n".join((f"{label}:\n" if label else "") + describe_failed_checks(r) for label, r in failed.items())
+        raise ChecksFailed(f"run {run!r} finished, but {bad} of its {total} checks are outside their "
+                           f"tolerance{where}:\n{text}", result=next(iter(failed.values())), results=results,
+                           **common)
+    return results
+
+
+def _log_results(results: dict[str, RunResult]) -> None:
+    """Append a line per result to the file :data:`~handbook_lib.core.protocol.RESULTS_LOG_ENV`
+    names, if the caller set it."""
+    path = os.environ.get(RESULTS_LOG_ENV)
+    if not path:
+        return
+    with open(path, "a") as log:
+        for label, result in results.items():
+            log.write(json.dumps({"run": result.run, "label": label, "world_size": result.world_size,
+                                  "checks": len(result.checks), "failed": len(result.failed_checks())}) + "\n")
+
+
+def _pump(proc: subprocess.Popen | Agents, streamer: Streamer, deadline: float) -> bool:
+    """Stream output until the process exits (True) or the deadline passes (False)."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while True:
+            remaining = deadline - time.time()
+            if remaining <= 0:
+                return False
+            if sel.select(timeout=min(remaining, 0.2)):
+                data = os.read(fd, 65536)
+                if data:
+                    streamer.feed(data)
+                    continue
+                # EOF: torchrun closed its output; wait for its exit within the deadline.
+                while proc.poll() is None:
+                    if time.time() >= deadline:
+                        return False
+                    time.sleep(0.05)
+                return True
+            if proc.poll() is not None and not sel.select(timeout=0):
+                return True
+
+
+def _drain(proc: subprocess.Popen | Agents, streamer: Streamer) -> None:
+    """Read what is left in the pipe after the process ended (non-blocking)."""
+    if proc.stdout is None or proc.poll() is None:
+        return
+    os.set_blocking(proc.stdout.fileno(), False)
+    try:
+        while data := os.read(proc.stdout.fileno(), 65536):
+            streamer.feed(data)
+    except (BlockingIOError, OSError):
+        pass
+
+
+def _check_gpus(nproc: int, said: str = "") -> None:
+    """Refuse more ranks on this machine than GPUs; ``said`` is how the caller asked for them
+    (default ``nproc=N``)."""
+    import torch
+
+    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+        raise ValueError(
+            f"{said or f'nproc={nproc}'} but {torch.cuda.device_count()} GPU(s) are visible; "
+            "NCCL needs one rank per GPU: use nproc <= the GPU count"
+        )

@@ -1,0 +1,309 @@
+"""Write a Slurm batch script that runs one experiment on several nodes with ``torchrun``.
+
+Chapter 1 launches runs on one machine (:func:`handbook_lib.launch.torchrun`); this module is
+the same launch on a cluster. From the terminal::
+
+    python -m handbook_lib slurm fsdp_train --nodes 2 --gpus-per-node 4 --set steps=20 \\
+        --time 00:20:00 --partition gpu --output fsdp_train.sbatch
+    sbatch fsdp_train.sbatch
+
+The script asks Slurm for N nodes with one task each; ``srun`` starts that task, one torchrun
+agent per node, and the agents meet at a c10d rendezvous on the allocation's first node, then
+start G ranks each (one per GPU): N x G ranks in all. Every line carries a comment saying why.
+
+- :class:`SlurmJob` is the job spec (a frozen dataclass); :func:`build_job` makes one with the
+  run's config checked by the run module's own ``CONFIG`` and ``validate`` (imports torch);
+- :func:`render_sbatch` turns a spec into the script's text (pure: no files, no imports);
+- :func:`write_script` saves it, refusing to replace a file this module did not write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from handbook_lib.core.checks import check_int, is_int
+from handbook_lib.runs import available_runs
+
+__all__ = ["SlurmJob", "build_job", "render_sbatch", "write_script", "is_own_script", "parse_time",
+           "SHEBANG", "MARKER"]
+
+SHEBANG = "#!/bin/bash"
+"""First line of every script: sbatch runs the script with the interpreter it names."""
+MARKER = "# Written by `python -m handbook_lib slurm` (the FSDP Handbook)."
+"""Second line of every script: how :func:`write_script` knows a file is one of its own."""
+
+_TIME = re.compile(r"(?:(\d+)-)?(\d+):(\d\d):(\d\d)")
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+_LOG = re.compile(r"[A-Za-z0-9_.%/+,:=@-]+")
+
+
+def parse_time(text: str) -> int:
+    """Seconds in a Slurm time limit written ``HH:MM:SS`` or ``D-HH:MM:SS`` (e.g. ``00:30:00``).
+
+    Raises:
+        ValueError: naming ``--time`` and the accepted forms, for anything else or a zero limit.
+    """
+    match = _TIME.fullmatch(text)
+    accepted = "HH:MM:SS or D-HH:MM:SS, e.g. 00:30:00 or 1-12:00:00"
+    if match is None:
+        raise ValueError(f"--time expects {accepted}; got {text!r}")
+    days, hours, minutes, seconds = (int(g) if g else 0 for g in match.groups())
+    if minutes > 59 or seconds > 59 or (match.group(1) is not None and hours > 23):
+        raise ValueError(f"--time {text}: minutes and seconds go up to 59 (hours to 23 after D-); "
+                         f"accepted: {accepted}")
+    total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    if total == 0:
+        raise ValueError(f"--time must be longer than 0 seconds; accepted: {accepted}")
+    return total
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """One multi-node run of an experiment, as Slurm will be asked for it.
+
+    Every check but the run's config happens here, without importing torch; :func:`build_job`
+    also checks the config against the run. Errors name the CLI flag of the field.
+    """
+
+    run: str
+    """Run module under :mod:`handbook_lib.runs`, e.g. ``"fsdp_train"``."""
+    nodes: int
+    """Nodes to allocate (``--nodes``); one torchrun agent runs on each."""
+    gpus_per_node: int
+    """GPUs per node (``--gpus-per-node``); each agent starts one rank per GPU."""
+    config: Mapping[str, Any] = field(default_factory=dict)
+    """The run's config keys (JSON-ready), written into the job's ``config.json``; keys left out
+    take the run's defaults when it starts."""
+    time: str = "00:30:00"
+    """Wall-clock limit, ``HH:MM:SS`` or ``D-HH:MM:SS`` (``--time``); Slurm stops the job then."""
+    partition: str | None = None
+    """Slurm partition (queue), or several separated by commas; ``None``: the cluster's default."""
+    account: str | None = None
+    """Account charged for the job; ``None``: the user's default account."""
+    job_name: str | None = None
+    """Name shown by ``squeue`` and in the log's name; ``None``: ``handbook-<run>``."""
+    out_dir: str | None = None
+    """Folder for ``config.json`` and ``result.json``, on a filesystem every node sees (relative
+    paths start at the folder sbatch is run from); ``None``: ``runs/<run>-<job id>``."""
+    log: str = "%x-%j.out"
+    """sbatch ``--output`` file for the job's output: ``%x`` is the job name, ``%j`` the job id.
+    Relative to the folder sbatch is run from; Slurm does not create its folder."""
+    cpus_per_task: int | None = None
+    """CPU cores per node for its agent and ranks; ``None``: 4 per GPU."""
+    port: int = 29500
+    """TCP port of the rendezvous on the first node (``--port``)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "config", dict(self.config))
+        runs = available_runs()
+        if self.run not in runs:
+            raise ValueError(f"unknown run {self.run!r}; available runs: {', '.join(runs)}")
+        for flag, value in (("--nodes", self.nodes), ("--gpus-per-node", self.gpus_per_node),
+                            ("--cpus-per-task", 1 if self.cpus_per_task is None else self.cpus_per_task)):
+            check_int(flag, value, 1, noun="a whole number")
+        if not is_int(self.port) or not 1024 <= self.port <= 65535:
+            raise ValueError(f"--port must be a whole number from 1024 to 65535, got {self.port!r}")
+        parse_time(self.time)
+        for flag, value, pattern, accepted in (
+            ("--partition", self.partition, re.compile(r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*"),
+             "letters, digits, '_', '.', '-' (several partitions: comma-separated)"),
+            ("--account", self.account, _NAME, "letters, digits, '_', '.', '-'"),
+            ("--job-name", self.job_name, _NAME, "letters, digits, '_', '.', '-'"),
+            ("--log", self.log, _LOG, "letters, digits and _ . % / + , : = @ - (sbatch expands no "
+             "$VARIABLES or ~ there: use %x for the job name, %j for the job id)"),
+        ):
+            if value is not None and not pattern.fullmatch(value):
+                raise ValueError(f"{flag} {value!r}: accepted characters are {accepted}")
+        if self.out_dir is not None and (not self.out_dir.strip() or any(c in self.out_dir for c in "\n\r\0")):
+            raise ValueError(f"--out must be a folder path on one line, got {self.out_dir!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job: ``nodes * gpus_per_node``."""
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def name(self) -> str:
+        """The job's name (``job_name``, else ``handbook-<run>``)."""
+        return self.job_name or f"handbook-{self.run}"
+
+    @property
+    def cpus(self) -> int:
+        """CPU cores per task (``cpus_per_task``, else 4 per GPU)."""
+        return self.cpus_per_task or 4 * self.gpus_per_node
+
+
+def build_job(run: str, nodes: int, gpus_per_node: int, overrides: Mapping[str, Any] | None = None,
+              **options: Any) -> SlurmJob:
+    """A :class:`SlurmJob` whose config the run accepts for ``nodes * gpus_per_node`` ranks.
+
+    The options (``time``, ``partition``, ...) are checked first; then the run module is imported
+    (torch with it, about 2 s) and ``overrides`` go through its ``CONFIG.from_mapping``, then its
+    ``validate(config, world_size)`` when it has one, as :func:`handbook_lib.launch.torchrun` does.
+    The job keeps the whole resolved config, so later changes to a run's defaults do not change
+    what a written script runs.
+
+    Raises:
+        ValueError: naming the flag (or config key) and what is accepted.
+    """
+    job = SlurmJob(run, nodes, gpus_per_node, **options)
+    module = importlib.import_module(f"handbook_lib.runs.{run}")
+    try:
+        config = module.CONFIG.from_mapping(dict(overrides or {}))
+    except ValueError as err:  # one message (the CLI wraps it): the key, then the accepted keys
+        raise ValueError("--set: " + "; ".join(str(err).splitlines())) from None
+    if hasattr(module, "validate"):
+        try:
+            module.validate(config, job.world_size)
+        except ValueError as err:
+            raise ValueError(f"--nodes {nodes} x --gpus-per-node {gpus_per_node} = {job.world_size} "
+                             f"ranks: {err}") from None
+    return dataclasses.replace(job, config=config.to_dict())
+
+
+def render_sbatch(job: SlurmJob) -> str:
+    """The batch script for ``job``: ``#SBATCH`` lines, then the rendezvous and one ``srun``.
+
+    Every value is either checked by :class:`SlurmJob` (names, numbers) or shell-quoted (the
+    out folder); the config goes in a quoted here-document, which the shell copies untouched.
+    """
+    g, run = job.gpus_per_node, job.run
+    nodes_word = "node" if job.nodes == 1 else "nodes"
+    out = shlex.quote(job.out_dir) if job.out_dir is not None else f'"runs/{run}-$SLURM_JOB_ID"'
+    lines = [
+        SHEBANG,
+        MARKER,
+        f"# It runs {run} on {job.nodes} {nodes_word} x {g} GPUs = {job.world_size} ranks. Submit it with",
+        "# `sbatch <this file>` from the handbook's folder, its Python environment active: sbatch",
+        "# hands your shell's environment to the job, so `python` below is the one you use there.",
+        "#",
+        "# sbatch reads the #SBATCH lines (up to the first command) as if they were its own options.",
+        "# The job's name, shown by squeue.",
+        f"#SBATCH --job-name={job.name}",
+        "# Nodes to allocate: one torchrun agent runs on each.",
+        f"#SBATCH --nodes={job.nodes}",
+        "# One Slurm task per node: that task is torchrun, which starts the node's ranks itself.",
+        "#SBATCH --ntasks-per-node=1",
+        "# GPUs on each node: torchrun starts one rank per GPU.",
+        f"#SBATCH --gpus-per-node={g}",
+        f"# CPU cores for each node's task, shared by its {g} rank{'s' * (g != 1)}.",
+        f"#SBATCH --cpus-per-task={job.cpus}",
+        "# Wall-clock limit ([D-]HH:MM:SS): Slurm stops the job when it is reached.",
+        f"#SBATCH --time={job.time}",
+    ]
+    if job.partition:
+        lines += ["# The partition (queue) to run in.", f"#SBATCH --partition={job.partition}"]
+    if job.account:
+        lines += ["# The account charged for the job.", f"#SBATCH --account={job.account}"]
+    lines += [
+        "# Where the output of every node goes (%x: job name, %j: job id); Slurm does not create",
+        "# its folder, and a relative path starts at the folder you run sbatch from.",
+        f"#SBATCH --output={job.log}",
+        "",
+        "# Stop at the first failing command (-e), an unset variable (-u) or a failing pipe stage.",
+        "set -euo pipefail",
+        "# Outside Slurm (plain `bash`), stop here with a clear message: the job id comes from sbatch.",
+        ': "${SLURM_JOB_ID:?run this script with sbatch, not bash}"',
+        "",
+        "# The rendezvous host: the first node of the allocation. Each torchrun agent meets the",
+        "# others there. scontrol expands a node list such as gpu[01-04] into one name a line;",
+        "# sed -n 1p keeps the first but reads them all (head -n 1 would stop reading, and on a",
+        "# long list scontrol's next write would fail, which pipefail turns into a failed job).",
+        'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"',
+        "# Its TCP port; two jobs whose first node is the same need different ones (--port).",
+        f"MASTER_PORT={job.port}",
+        "# The run's folder, for config.json and result.json; every node must see it (shared disk).",
+        f"OUT_DIR={out}",
+        "# One thread per rank for CPU math (torchrun would set it too, with a warning), and",
+        "# Python output unbuffered so the log follows the run live; exported, srun passes them on.",
+        "export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1",
+        "",
+        "# Never mix two runs' files: a folder that already holds a result is refused.",
+        'if [ -e "$OUT_DIR/result.json" ]; then',
+        '  echo "error: $OUT_DIR already holds a result.json; choose another --out" >&2',
+        "  exit 1",
+        "fi",
+        'mkdir -p "$OUT_DIR"',
+        "# The run's whole config, checked when this script was written; every rank reads it.",
+        "# ('JSON' in quotes: the shell copies the lines as they are, expanding nothing.)",
+        "cat > \"$OUT_DIR/config.json\" <<'JSON'",
+        json.dumps(dict(job.config), indent=2),
+        "JSON",
+        "",
+        f'echo "job $SLURM_JOB_ID: {run} on $SLURM_NNODES {nodes_word} ($SLURM_JOB_NODELIST) x {g} GPUs"',
+        'echo "rendezvous at $MASTER_ADDR:$MASTER_PORT; results in $OUT_DIR"',
+        "",
+        "# srun starts the job's tasks: one per node, each one torchrun agent. It gives each task",
+        "# the GPUs and cores of its node, and --kill-on-bad-exit=1 stops every node as soon as",
+        "# one fails, rather than leaving the others waiting at a collective until --time.",
+        "# (--cpus-per-task is repeated: since Slurm 22.05, srun may not take it from sbatch.)",
+        "# torchrun's arguments:",
+        "#   --nnodes           agents that must join before any rank starts: all the nodes",
+        f"#   --nproc-per-node   ranks each agent starts: one per GPU, so {job.world_size} ranks in all",
+        "#   --rdzv-backend     c10d: the agents meet through a TCP store that torchrun runs on",
+        "#                      MASTER_ADDR, and it gives each agent its node rank as it joins",
+        "#                      (so no --node-rank: torchrun ignores it here, with a warning)",
+        "#   --rdzv-endpoint    host:port of that store",
+        "#   --rdzv-id          unique to this job, so agents of two jobs never join each other",
+        "#   --max-restarts 0   a failed rank ends the run (no silent restart)",
+        "#   -m ...             the run, as every rank starts it: config in, $OUT_DIR/result.json out",
+        f"srun --ntasks-per-node=1 --cpus-per-task={job.cpus} --kill-on-bad-exit=1 \\",
+        "  python -m torch.distributed.run \\",
+        '    --nnodes "$SLURM_NNODES" \\',
+        f"    --nproc-per-node {g} \\",
+        "    --rdzv-backend c10d \\",
+        '    --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \\',
+        '    --rdzv-id "$SLURM_JOB_ID" \\',
+        "    --max-restarts 0 \\",
+        f"    -m handbook_lib.runs.{run} \\",
+        '    --config "$OUT_DIR/config.json" \\',
+        '    --out "$OUT_DIR"',
+        'echo "result: $OUT_DIR/result.json"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def is_own_script(path: str | Path) -> bool:
+    """Whether ``path`` is a file that starts with this module's two header lines."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with open(path, "rb") as handle:
+        head = handle.read(len(SHEBANG) + len(MARKER) + 2).decode("utf-8", errors="replace")
+    return head.splitlines()[:2] == [SHEBANG, MARKER]
+
+
+def write_script(path: str | Path, text: str, overwrite: bool = False) -> Path:
+    """Save ``text`` (a rendered script) at ``path``; return the path.
+
+    A new file is always written; an existing one only if this module wrote it and
+    ``overwrite`` is true. Anything else (a foreign file, a folder, a link) is left untouched.
+
+    Raises:
+        ValueError: naming ``--output`` and why the file was not written.
+    """
+    path = Path(path)
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise ValueError(f"--output {path}: exists and is not a plain file; choose another path")
+    if not path.parent.is_dir():
+        raise ValueError(f"--output {path}: folder {path.parent} does not exist")
+    if path.exists():
+        if not is_own_script(path):
+            raise ValueError(f"--output {path}: exists and was not written by this tool; not replaced "
+                             "(choose another path)")
+        if not overwrite:
+            raise ValueError(f"--output {path}: exists (an earlier script of this tool); add --overwrite "
+                             "to replace it")
+        path.write_text(text)
+        return path
+    with open(path, "x") as handle:  # "x": never clobber a file that appeared meanwhile
+        handle.write(text)
+    return path

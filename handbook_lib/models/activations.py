@@ -1,0 +1,144 @@
+"""Activation memory: what the forward pass keeps for the backward pass. Pure arithmetic.
+
+Chapter 2 teaches it, with two models:
+
+- :func:`estimate_activation_bytes` counts, tensor by tensor, what autograd saves for the
+  handbook's own :class:`~handbook_lib.runtime.model.SimpleTransformer` (PyTorch's CPU kernels; the
+  chapter-2 runs check it against a memory tracker);
+- :func:`estimate_decoder_activation_bytes` is the published per-layer formula for GPT-style
+  decoders (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
+  2022), for the large models of the chapter's scenarios, which we cannot run here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from handbook_lib.core.checks import check_int
+from handbook_lib.core.config import dtype_bytes
+
+__all__ = [
+    "ModelSizes",
+    "ActivationBytes",
+    "estimate_activation_bytes",
+    "estimate_decoder_activation_bytes",
+]
+
+_INDEX_BYTES = 8  # int64 token ids and targets
+
+
+class ModelSizes(Protocol):
+    """What the activation formulas read of a model: a
+    :class:`~handbook_lib.core.architecture.ModelConfig`, a
+    :class:`~handbook_lib.models.presets.DecoderShape` or a
+    :class:`~handbook_lib.models.layout.ModelLayout` (counts, not bytes)."""
+
+    num_layers: int
+    d_model: int
+    nhead: int
+    vocab_size: int
+    dim_feedforward: int
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Bytes of activations one rank keeps for backward, for one micro-batch."""
+
+    per_layer: int
+    """Saved by one transformer layer."""
+    layers: int
+    """Saved by all layers (``per_layer * num_layers``, or the layer inputs only with AC)."""
+    head: int
+    """Saved outside the layers: token ids, the head's input, log-softmax output, targets."""
+    recompute: int
+    """Extra bytes alive while one checkpointed layer is recomputed in backward (0 without AC)."""
+
+    @property
+    def total(self) -> int:
+        """Bytes held at the end of the forward pass: ``layers + head``."""
+        return self.layers + self.head
+
+
+def estimate_activation_bytes(
+    config: ModelSizes,
+    micro_batch: int,
+    seq_len: int,
+    compute_dtype: str = "fp32",
+    *,
+    activation_checkpointing: bool = False,
+) -> ActivationBytes:
+    """Bytes that autograd saves in one forward pass of ``SimpleTransformer(config)``.
+
+    With T = micro_batch·seq_len tokens, width d, feed-forward width f, h heads and c bytes per
+    element of the compute dtype, one layer saves (counted from the kernels' saved tensors):
+
+    - ``T·d·c`` ×5: the layer input (for the Q/K/V projection), the attention output (for the
+      output projection), and the inputs of norm1, linear1 and norm2;
+    - ``T·3d·c``: Q, K and V (one tensor from the fused input projection);
+    - ``T·f·c`` ×2: GELU's input and output (the inputs of GELU and of linear2);
+    - ``4·T·4`` bytes: each LayerNorm's mean and reciprocal std (fp32, two norms);
+    - ``h·T·4`` bytes: the attention's log-sum-exp (fp32, fused CPU attention kernel);
+    - ``s²·c`` bytes: the boolean causal mask, converted by the attention into an additive
+      (1, 1, s, s) float mask in the compute dtype.
+
+    That is ``T·(8d + 2f)·c + T·(16 + 4h) + s²·c`` bytes. Outside the layers the model saves the
+    token ids and targets (int64), the head's input (``T·d·c``), the log-softmax output of the
+    loss, always fp32 (``T·V·4``), and the loss's 4-byte weight total. With activation checkpointing each layer keeps only its input
+    (``T·d·c``) and recomputes the rest, one layer at a time, in backward.
+
+    The count is exact for fp32 on PyTorch 2.x's CPU kernels (the tests compare it with the
+    tensors autograd saves); in bf16 and on GPUs the kernels save slightly different tensors
+    (the chapter-2 runs report the difference).
+    """
+    check_int("micro_batch", micro_batch, 1)
+    check_int("seq_len", seq_len, 1)
+    c = dtype_bytes(compute_dtype)
+    d, f, h, v = config.d_model, config.dim_feedforward, config.nhead, config.vocab_size
+    tokens = micro_batch * seq_len
+    per_layer = tokens * (8 * d + 2 * f) * c + tokens * (16 + 4 * h) + seq_len**2 * c
+    head = 2 * tokens * _INDEX_BYTES + tokens * d * c + tokens * v * 4 + 4
+    if activation_checkpointing:
+        layers = config.num_layers * tokens * d * c
+        recompute = per_layer
+    else:
+        layers = config.num_layers * per_layer
+        recompute = 0
+    return ActivationBytes(per_layer=per_layer, layers=layers, head=head, recompute=recompute)
+
+
+def estimate_decoder_activation_bytes(
+    shape: ModelSizes,
+    micro_batch: int,
+    seq_len: int,
+    *,
+    recompute: str = "none",
+    fused_attention: bool = True,
+) -> int:
+    """Activation bytes of a decoder in 16-bit training (Korthikanti et al., 2022).
+
+    The formula was derived for GPT-style layers (a 4d feed-forward); for Llama's gated
+    feed-forward and grouped-query attention it is an approximation.
+
+    Per layer, with s = seq_len, b = micro_batch, h = d_model, a = heads:
+
+    - ``none``: ``34·s·b·h`` bytes, plus ``5·a·s²·b`` for the attention scores, their softmax
+      and dropout that an unfused ("eager") attention stores; a fused kernel (FlashAttention,
+      PyTorch's SDPA) stores none of them, which is why ``fused_attention`` defaults to True;
+    - ``selective`` (recompute attention only): ``34·s·b·h``;
+    - ``full`` (checkpoint every layer): ``2·s·b·h``, the layer input.
+
+    Returns:
+        Bytes for all layers (the embedding and loss terms are small at this scale and omitted).
+    """
+    check_int("micro_batch", micro_batch, 1)
+    check_int("seq_len", seq_len, 1)
+    sbh = seq_len * micro_batch * shape.d_model
+    per_layer = {
+        "none": sbh * 34 + (0 if fused_attention else 5 * shape.nhead * seq_len**2 * micro_batch),
+        "selective": 34 * sbh,
+        "full": 2 * sbh,
+    }
+    if recompute not in per_layer:
+        raise ValueError(f"recompute must be one of {', '.join(per_layer)}, got {recompute!r}")
+    return shape.num_layers * per_layer[recompute]

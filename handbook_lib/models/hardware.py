@@ -1,0 +1,290 @@
+"""Hardware presets: the links between GPUs and the GPUs themselves. Pure: no ``torch``.
+
+Chapter 3 introduces the links (bandwidth and latency feed the alpha-beta time model of
+``handbook_lib.models.traffic``); chapter 4 uses the accelerators (memory to fit the model state, peak
+FLOP/s to estimate compute time).
+
+A node preset is a GPU plus its intra-node link: every accelerator preset names the link between
+two of its GPUs in one machine (``intra_link``, a key of :data:`LINKS`) and the usual number of
+GPUs per machine, so :func:`node_preset` builds a :class:`Node` without guessing from the GPU's
+name; an accelerator that states no link is refused with an error, never given PCIe by default.
+
+Conventions, so that every figure reads the same way:
+
+- A link's bandwidth is **per GPU, per direction**, in bytes/s. Datasheets often quote the
+  bidirectional total (NVLink 4: "900 GB/s" = 450 GB/s each way) or bits/s (InfiniBand NDR:
+  "400 Gb/s" = 50e9 bytes/s); we convert. A ring collective sends and receives at the same
+  time, so its time is set by the one-way figure.
+- A link's latency is the per-message (per ring step) cost ``alpha``, in seconds. Latencies are
+  typical published figures for a collective library's hop over that link, not datasheet values.
+- An accelerator's memory is the datasheet's figure in decimal bytes (80 GB → 80e9). The hardware
+  capacity is usually that number in GiB, and what a program can allocate is a little less;
+  the book compares against the datasheet figure and says so.
+- Peak FLOP/s are dense (no 2:4 sparsity), from the vendor's datasheet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from handbook_lib.core.checks import check_int, is_int, lookup
+
+__all__ = [
+    "Link",
+    "Accelerator",
+    "Node",
+    "LINKS",
+    "ACCELERATORS",
+    "get_link",
+    "get_accelerator",
+    "default_intra_link",
+    "node_preset",
+]
+
+
+@dataclass(frozen=True)
+class Link:
+    """A connection a GPU uses to talk to its peers."""
+
+    name: str
+    """Human-readable name, e.g. ``"NVLink 4 (H100 SXM)"``."""
+    bandwidth_bytes_per_s: float
+    """Unidirectional bandwidth available to one GPU, bytes/s (the beta of alpha-beta is 1/this)."""
+    latency_s: float
+    """Cost of one message or ring step, seconds (the alpha of the alpha-beta model)."""
+    source: str
+    """Where the figures come from, in words."""
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_bytes_per_s > 0:
+            raise ValueError(f"bandwidth_bytes_per_s must be > 0, got {self.bandwidth_bytes_per_s!r}")
+        if not self.latency_s >= 0:
+            raise ValueError(f"latency_s must be >= 0, got {self.latency_s!r}")
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """One accelerator (GPU), as its datasheet describes it, and the node it usually sits in."""
+
+    name: str
+    """Human-readable name, e.g. ``"NVIDIA H100 SXM 80GB"``."""
+    memory_bytes: int
+    """Device memory, bytes, as the datasheet states it (80 GB → 80e9)."""
+    peak_flops_bf16: float
+    """Dense bf16 tensor-core peak, FLOP/s."""
+    peak_flops_fp32: float
+    """Plain fp32 (non-tensor-core) peak, FLOP/s."""
+    source: str
+    """Where the figures come from, in words."""
+    intra_link: str = ""
+    """Key in :data:`LINKS` of the link between two of these GPUs in one machine (``"nvlink4"``);
+    ``""`` means unknown, which :func:`default_intra_link` and :func:`node_preset` refuse."""
+    gpus_per_node: int | None = None
+    """The usual number of these GPUs in one machine (8 on an SXM board); ``None`` = unknown."""
+    node_source: str = ""
+    """Where ``intra_link`` and ``gpus_per_node`` come from, in words."""
+    memory_bandwidth_bytes_per_s: float | None = None
+    """Device-memory (HBM) bandwidth, bytes/s, as the datasheet states it; ``None`` = not given.
+    ``source`` names the datasheet."""
+
+    def __post_init__(self) -> None:
+        for name in ("memory_bytes", "peak_flops_bf16", "peak_flops_fp32"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        bw = self.memory_bandwidth_bytes_per_s
+        if bw is not None and not bw > 0:
+            raise ValueError(f"memory_bandwidth_bytes_per_s must be > 0 or None, got {bw!r}")
+        # LINKS is defined below this class; it exists by the time any Accelerator is built.
+        if not isinstance(self.intra_link, str) or (self.intra_link and self.intra_link not in LINKS):
+            raise ValueError(f"intra_link of {self.name!r} must be one of {', '.join(LINKS)} "
+                             f"(or \"\" for unknown), got {self.intra_link!r}")
+        g = self.gpus_per_node
+        if g is not None and not (is_int(g) and g >= 1):
+            raise ValueError(f"gpus_per_node of {self.name!r} must be an int >= 1 or None, got {g!r}")
+
+
+@dataclass(frozen=True)
+class Node:
+    """A machine: ``gpus_per_node`` accelerators joined by ``intra_link``, reaching other
+    machines through ``inter_link``."""
+
+    accelerator: Accelerator
+    """The GPU model every slot holds."""
+    gpus_per_node: int
+    """Accelerators in one machine (a count)."""
+    intra_link: Link
+    """Link between two GPUs of the same machine (NVLink, PCIe)."""
+    inter_link: Link
+    """Link a GPU uses to reach a GPU of another machine (InfiniBand, Ethernet)."""
+
+    def __post_init__(self) -> None:
+        check_int("gpus_per_node", self.gpus_per_node, 1)
+
+    def link_for(self, group_size: int) -> Link:
+        """The slowest link a ring over ``group_size`` GPUs crosses, packed onto as few nodes as
+        possible: ``intra_link`` if the group fits in one node, else ``inter_link``."""
+        check_int("group_size", group_size, 1)
+        return self.intra_link if group_size <= self.gpus_per_node else self.inter_link
+
+
+_TYPICAL = "latency is a typical published figure for one hop, not a datasheet value"
+
+LINKS: dict[str, Link] = {
+    "nvlink4": Link("NVLink 4 (H100 SXM)", 450e9, 2e-6,
+                    "NVIDIA H100 Tensor Core GPU datasheet (2022): 900 GB/s NVLink per GPU, "
+                    f"bidirectional, so 450 GB/s each way; {_TYPICAL}"),
+    "nvlink3": Link("NVLink 3 (A100 SXM)", 300e9, 2e-6,
+                    "NVIDIA A100 Tensor Core GPU datasheet (2020): 600 GB/s NVLink per GPU, "
+                    f"bidirectional, so 300 GB/s each way; {_TYPICAL}"),
+    "pcie4": Link("PCIe 4.0 x16", 32e9, 3e-6,
+                  "PCI-SIG PCIe 4.0 specification (2017): 16 GT/s x 16 lanes, about 32 GB/s raw "
+                  f"each way; about 25 GB/s is achievable in practice; {_TYPICAL}"),
+    "pcie5": Link("PCIe 5.0 x16", 64e9, 3e-6,
+                  "PCI-SIG PCIe 5.0 specification (2019): 32 GT/s x 16 lanes, about 64 GB/s raw "
+                  f"each way; {_TYPICAL}"),
+    "ib-ndr400": Link("InfiniBand NDR 400 Gb/s", 50e9, 5e-6,
+                      "NVIDIA ConnectX-7 / InfiniBand NDR (2021): 400 Gb/s per port = 50e9 bytes/s "
+                      f"each way, one port per GPU as in a DGX H100; {_TYPICAL}"),
+    "ib-hdr200": Link("InfiniBand HDR 200 Gb/s", 25e9, 5e-6,
+                      "NVIDIA ConnectX-6 / InfiniBand HDR (2018): 200 Gb/s per port = 25e9 bytes/s "
+                      f"each way, one port per GPU as in a DGX A100; {_TYPICAL}"),
+    "100gbe": Link("100 Gigabit Ethernet (TCP)", 12.5e9, 20e-6,
+                   "IEEE 802.3 100GbE line rate: 100 Gb/s = 12.5e9 bytes/s each way for one port; "
+                   "divide by the GPUs that share the port; latency is a typical TCP figure, "
+                   "not a datasheet value"),
+    "25gbe": Link("25 Gigabit Ethernet (TCP)", 3.125e9, 30e-6,
+                  "IEEE 802.3 25GbE line rate: 25 Gb/s = 3.125e9 bytes/s each way for one port; "
+                  "divide by the GPUs that share the port; latency is a typical TCP figure, "
+                  "not a datasheet value"),
+    "nvlink5": Link("NVLink 5 (B200 SXM)", 900e9, 2e-6,
+                    "NVIDIA DGX B200 datasheet (2024): fifth-generation NVLink, 1.8 TB/s per GPU, "
+                    f"bidirectional (14.4 TB/s for 8 GPUs), so 900 GB/s each way; {_TYPICAL}"),
+    "infinity-fabric": Link("AMD Infinity Fabric (MI300X platform)", 448e9, 2e-6,
+                            "AMD Instinct MI300X datasheet (2023): 7 Infinity Fabric links per GPU, one "
+                            "to each peer of an 8-GPU board, 128 GB/s bidirectional each, 896 GB/s in "
+                            "all, so 448 GB/s each way per GPU; one link alone carries 64 GB/s each "
+                            "way, so the 448 assume the collective library (RCCL) runs rings over "
+                            f"all 7 peer links at once; {_TYPICAL}"),
+    "loopback": Link("TCP loopback (gloo, one host)", 1e9, 20e-6,
+                     "nominal figures for the book's CPU runs, whose ranks are processes of one host "
+                     "talking through gloo's TCP transport: 1 GB/s each way, as chapter 3 measures a "
+                     "few hundred MB/s to a few GB/s; not a datasheet value or a specification; "
+                     "latency is a typical TCP loopback figure per message, and a whole gloo "
+                     "collective measures more"),
+}
+"""Link presets by short name. Bandwidth per GPU per direction (bytes/s), latency in seconds."""
+
+_A100 = "NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOP/s bf16 dense, 19.5 TFLOP/s fp32"
+_H100 = "NVIDIA H100 Tensor Core GPU datasheet (2023), SXM: 989 TFLOP/s bf16 dense, 67 TFLOP/s fp32"
+_DGX_A100 = "NVIDIA DGX A100 datasheet (2020): 8 A100 SXM per system, joined by NVLink 3 through NVSwitch"
+_DGX_H = ("NVIDIA DGX H100 / DGX H200 datasheets (2023, 2024): 8 SXM GPUs per system, joined by "
+          "NVLink 4 through NVSwitch")
+
+ACCELERATORS: dict[str, Accelerator] = {
+    "a100-40gb": Accelerator("NVIDIA A100 40GB", 40 * 10**9, 312e12, 19.5e12, f"{_A100}, 40 GB HBM2 at 1,555 GB/s",
+                             "nvlink3", 8, _DGX_A100, 1.555e12),
+    "a100-80gb": Accelerator("NVIDIA A100 80GB", 80 * 10**9, 312e12, 19.5e12, f"{_A100}, 80 GB HBM2e at 2,039 GB/s",
+                             "nvlink3", 8, _DGX_A100, 2.039e12),
+    "h100-80gb": Accelerator("NVIDIA H100 SXM 80GB", 80 * 10**9, 989e12, 67e12, f"{_H100}, 80 GB HBM3 at 3.35 TB/s",
+                             "nvlink4", 8, _DGX_H, 3.35e12),
+    "h200-141gb": Accelerator("NVIDIA H200 SXM 141GB", 141 * 10**9, 989e12, 67e12,
+                              "NVIDIA H200 Tensor Core GPU datasheet (2024): 141 GB HBM3e at 4.8 TB/s, "
+                              "compute as the H100 SXM (989 TFLOP/s bf16 dense, 67 TFLOP/s fp32)",
+                              "nvlink4", 8, _DGX_H, 4.8e12),
+    "l4-24gb": Accelerator("NVIDIA L4 24GB", 24 * 10**9, 121e12, 30.3e12,
+                           "NVIDIA L4 Tensor Core GPU datasheet (2023): 24 GB GDDR6, 121 TFLOP/s "
+                           "bf16 dense (242 with sparsity), 30.3 TFLOP/s fp32",
+                           "pcie4", 8,
+                           "NVIDIA L4 datasheet (2023): a PCIe Gen4 x16 card (64 GB/s bidirectional) "
+                           "with no NVLink, so GPUs of one machine talk over PCIe 4; the largest "
+                           "cloud L4 machines hold 8 (Google Cloud g2-standard-96, AWS EC2 "
+                           "g6.48xlarge)"),
+    "b200-180gb": Accelerator("NVIDIA B200 SXM 180GB", 180 * 10**9, 2.25e15, 75e12,
+                              "NVIDIA DGX B200 datasheet (2024): 1,440 GB HBM3e for 8 GPUs, so 180 GB "
+                              "each (the 2024 launch figure was 192 GB); NVIDIA HGX B200 datasheet: "
+                              "36 PFLOP/s bf16 with sparsity and 600 TFLOP/s fp32 for 8 GPUs, so "
+                              "2.25 PFLOP/s bf16 dense and 75 TFLOP/s fp32 per GPU",
+                              "nvlink5", 8,
+                              "NVIDIA DGX B200 datasheet (2024): 8 B200 SXM per system, joined by "
+                              "NVLink 5 through NVSwitch"),
+    "mi300x-192gb": Accelerator("AMD Instinct MI300X 192GB", 192 * 10**9, 1307.4e12, 163.4e12,
+                                "AMD Instinct MI300X datasheet (2023): 192 GB HBM3, 1307.4 TFLOP/s "
+                                "bf16 dense (2614.9 with sparsity), 163.4 TFLOP/s fp32 vector",
+                                "infinity-fabric", 8,
+                                "AMD Instinct MI300X Platform datasheet (2023): 8 MI300X on one "
+                                "board, each joined to the 7 others by Infinity Fabric links"),
+    "cpu": Accelerator("CPU (nominal)", 16 * 10**9, 100e9, 100e9,
+                       "nominal figures for the book's CPU runs (16 GB, 100 GFLOP/s), not a "
+                       "datasheet or a measurement: use them for arithmetic, not for predictions",
+                       "loopback", 2,
+                       "nominal: the book's CPU runs start their ranks as processes of one host "
+                       "(2 by default, as 'run --nproc 2'), talking over TCP loopback; pass "
+                       "gpus_per_node for more ranks"),
+}
+"""Accelerator presets by short name. Memory in bytes, peaks in FLOP/s (dense)."""
+
+
+def get_link(name: str) -> Link:
+    """The :data:`LINKS` preset called ``name``.
+
+    Raises:
+        ValueError: for an unknown name, listing the accepted ones.
+    """
+    return lookup(LINKS, name, "link name")
+
+
+def get_accelerator(name: str) -> Accelerator:
+    """The :data:`ACCELERATORS` preset called ``name``.
+
+    Raises:
+        ValueError: for an unknown name, listing the accepted ones.
+    """
+    return lookup(ACCELERATORS, name, "accelerator name")
+
+
+def _accelerator(accelerator: Accelerator | str) -> Accelerator:
+    return accelerator if isinstance(accelerator, Accelerator) else get_accelerator(accelerator)
+
+
+def _link(link: Link | str) -> Link:
+    return link if isinstance(link, Link) else get_link(link)
+
+
+def default_intra_link(accelerator: Accelerator | str) -> Link:
+    """The link between two GPUs of one machine that ``accelerator`` states (its ``intra_link``).
+
+    Args:
+        accelerator: An :class:`Accelerator` or the name of an :data:`ACCELERATORS` preset.
+
+    Raises:
+        ValueError: for an unknown preset name, or an accelerator that states no intra-node link
+            (pass ``intra_link`` explicitly then: no link is guessed from the GPU's name).
+    """
+    acc = _accelerator(accelerator)
+    if not acc.intra_link:
+        raise ValueError(f"accelerator {acc.name!r} states no intra-node link: pass intra_link "
+                         f"explicitly (one of {', '.join(LINKS)})")
+    return LINKS[acc.intra_link]
+
+
+def node_preset(accelerator: Accelerator | str, *, inter_link: str | Link = "ib-ndr400",
+                intra_link: str | Link | None = None, gpus_per_node: int | None = None) -> Node:
+    """A :class:`Node` of ``accelerator``: its own intra-node link and usual node size.
+
+    Args:
+        accelerator: An :class:`Accelerator` or the name of an :data:`ACCELERATORS` preset.
+        inter_link: Link between machines, a :data:`LINKS` name or a :class:`Link`.
+        intra_link: Overrides the accelerator's own intra-node link (a name or a :class:`Link`).
+        gpus_per_node: Overrides the accelerator's usual node size.
+
+    Raises:
+        ValueError: for an unknown name, an accelerator that states no intra-node link (pass
+            ``intra_link`` explicitly) or no node size (pass ``gpus_per_node``), or a bad count.
+    """
+    acc = _accelerator(accelerator)
+    intra = default_intra_link(acc) if intra_link is None else _link(intra_link)
+    per_node = acc.gpus_per_node if gpus_per_node is None else gpus_per_node
+    if per_node is None:
+        raise ValueError(f"accelerator {acc.name!r} states no usual node size: pass gpus_per_node "
+                         "explicitly")
+    return Node(acc, per_node, intra, _link(inter_link))

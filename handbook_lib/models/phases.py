@@ -1,0 +1,360 @@
+"""The phases of a training step, one function each: what is alive on one rank at that moment.
+
+Pure arithmetic. Chapter 2 teaches it; :func:`handbook_lib.models.memory.estimate_memory` takes
+the largest phase as the step's peak, and every ``fsdp_train`` run checks it against a memory
+tracker. The symbols of the docstrings, all read from one :class:`StepShape`:
+
+- ``c``, ``r``: bytes per element of the compute and the reduce dtype; N the shard group;
+- ``U_i``: elements of layer unit i, padded to a multiple of N (per tensor; once per unit with
+  FSDP1's flat parameters); ``R`` the root unit's (the embedding and the output head); P all
+  parameters; ``S`` the model state at rest (parameters, gradients, optimizer states);
+- ``A``: activation bytes at the end of forward; ``a`` those each layer's backward frees;
+- ``T``: tokens of the micro-batch, ``d`` its width, ``V`` the vocabulary; ``H`` the output
+  head's elements; ``L = 4·T·V``: the loss's fp32 log-softmax.
+
+Each function returns the bytes of each component (:data:`handbook_lib.models.memory.COMPONENTS`)
+alive in its phase, or ``None`` where the strategy or the inputs have no such phase. The
+sharding strategies (FULL_SHARD, SHARD_GRAD_OP and their hybrids) follow what FSDP2 does on
+every rank (torch 2.x); the replicating ones (DDP, NO_SHARD, NONE) keep the whole state, plus
+what each wrapper adds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from handbook_lib.core.strategies import Strategy
+from handbook_lib.models.activations import ActivationBytes
+
+__all__ = ["StepShape", "Moment", "backward_walk", "forward_start", "layer_forward", "loss_backward",
+           "backward_start", "head_backward", "layer_backward", "layer_reduce", "root_reduce",
+           "layer_recompute", "optimizer_step", "PHASES", "late_free_bound"]
+
+Components = dict[str, int]
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One step's sizes, resolved once from the layout, the strategy row and the dtypes; bytes
+    unless a field says elements."""
+
+    row: Strategy
+    """The strategy's row of the table."""
+    state: dict[str, int]
+    """``params``, ``grads`` and ``optimizer`` on the device at rest (all 0 with CPU offload)."""
+    c: int
+    """Bytes per element of the compute dtype."""
+    r: int
+    """Bytes per element of the reduce dtype."""
+    group: int
+    """N: ranks sharding one copy of the model."""
+    replicas: int
+    """HSDP's replicas whose all-reduce buffers stay alive (1 otherwise, and with FSDP1)."""
+    layers: tuple[int, ...]
+    """U_i: padded elements of each layer unit, forward order (empty when unknown)."""
+    root: int
+    """R: padded elements of the root unit (0 when unknown)."""
+    known: bool
+    """The units' sizes are known (a bare parameter count knows none)."""
+    params: int
+    """P: all parameters (elements)."""
+    acts: ActivationBytes | None
+    """Activations of the micro-batch (``None``: not counted)."""
+    head: int
+    """H: elements of the output head."""
+    hidden: int
+    """T·d: elements of the micro-batch's hidden states."""
+    logits: int
+    """T·V: elements of the micro-batch's logits."""
+    mask: int
+    """Bytes of the causal mask built before the first layer."""
+    saved: int
+    """a: activation bytes one layer saves in forward and frees in backward (0 when the units are
+    not the layers)."""
+    lasts: tuple[int, ...]
+    """Bytes of each unit's last gradient, which outlives its reduce-scatter, root first (FSDP2
+    with more than one shard; 0 where the tensors are unknown)."""
+    plain: tuple[int, ...]
+    """Unpadded elements of each layer unit (with gradient accumulation, else 0)."""
+    biggest: tuple[int, ...]
+    """Elements of each layer unit's largest tensor (with accumulation and known tensors, else 0)."""
+    largest: int
+    """Elements of the largest tensor Adam steps (its two fp32 temporaries)."""
+    optimizer_states: int
+    """Parameter-shaped states of the optimizer (Adam's 2)."""
+    accumulated: int
+    """Bytes of unsharded gradients held between micro-steps (gradient accumulation)."""
+    gloo: bool
+    """gloo with more than one shard: its reduce-scatter flattens its input into a copy."""
+    flat: bool
+    """FSDP1's flat parameters."""
+    checkpointing: bool
+    """Activation checkpointing."""
+
+    def alive(self, unsharded: int = 0, grad_buffers: int = 0, activations: int = 0, loss: int = 0,
+              accumulating: bool = True) -> Components:
+        """The components alive at a moment: the state at rest, plus what is given, plus the
+        gradients held between micro-steps (unless ``accumulating`` is False: they are gone)."""
+        return {**self.state, "unsharded_params": unsharded,
+                "grad_buffers": grad_buffers + (self.accumulated if accumulating else 0),
+                "activations": activations, "loss_buffers": loss}
+
+    @property
+    def act_total(self) -> int:
+        """A: activation bytes at the end of forward."""
+        return self.acts.total if self.acts else 0
+
+    @property
+    def log_softmax(self) -> int:
+        """L = 4·T·V: the loss's fp32 log-softmax output."""
+        return 4 * self.logits
+
+    @property
+    def copies(self) -> int:
+        """Copies of a gathered unit: FSDP's all-gather buffer and the unsharded parameters (one
+        on a single rank, which copies)."""
+        return 2 if self.group > 1 else 1
+
+    @property
+    def kept(self) -> int:
+        """Bytes gathered in forward and kept to backward: 0 when resharded after forward (the
+        root too, in our FSDP2 wrapping), else every unit, ``c·(ΣU_i + R)`` (``c·P`` for a bare count)."""
+        if self.row.reshard_after_forward:
+            return 0
+        return self.c * (sum(self.layers) + self.root) if self.known else self.c * self.params
+
+    @property
+    def buckets(self) -> int:
+        """DDP's gradient buckets, ``r·P``, a second copy of every gradient (``grad_bucket_copy``)."""
+        return self.r * self.params if self.row.grad_bucket_copy else 0
+
+    @property
+    def root_copy(self) -> int:
+        """FSDP1 NO_SHARD with mixed precision: the compute-dtype copy of the root's flat
+        parameters, ``c·R``, kept through backward."""
+        return self.c * self.root if self.row.wrapper == "fsdp" and self.c != 4 else 0
+
+
+def forward_start(s: StepShape) -> Components | None:
+    """Forward begins: the root and the first layer gathered, each with its all-gather buffer
+    (FSDP2 keeps the root's until the next unit's all-gather), the embedding's output and the
+    causal mask: ``S + 2c·(R + U_0) + c·T·d + mask`` (one copy on one rank)."""
+    if not s.row.shards_params or not s.acts:
+        return None
+    first = s.layers[0] if s.layers else 0
+    return s.alive(s.copies * s.c * (s.root + first), 0, s.c * s.hidden + s.mask, 0)
+
+
+def layer_forward(s: StepShape) -> Components | None:
+    """Layer i's all-gather in forward, the largest over i: its parameters copied out of the
+    all-gather buffer (``2c·U_i``), the previous unit's buffer still kept (``c·U_{i-1}``, the
+    root's for i = 0), the root gathered (``c·R``; SHARD_GRAD_OP: every unit gathered so far),
+    and the activations so far: ``S + c·(R + U_{i-1} + 2U_i) + c·T·d + mask + i·a``."""
+    if not s.row.shards_params or not s.acts or not s.layers or s.group == 1:
+        return None
+    reshard = s.row.reshard_after_forward
+    moments = []
+    for i, unit in enumerate(s.layers):
+        prev = s.layers[i - 1] if i else s.root
+        gathered = s.c * s.root + (0 if reshard else s.c * sum(s.layers[:i]))
+        moments.append(s.alive(gathered + s.c * prev + 2 * s.c * unit, 0,
+                               s.c * s.hidden + s.mask + i * s.saved, 0))
+    return _largest(moments)
+
+
+def loss_backward(s: StepShape) -> Components | None:
+    """The loss's backward, with every activation still saved and the loss's two fp32 (T × V)
+    gradients: ``S + kept + A + 2L`` (sharded: ``kept`` is what stays gathered after forward;
+    DDP adds its buckets ``r·P``)."""
+    if s.row.shards_params:
+        return s.alive(s.kept, 0, s.act_total, 2 * s.log_softmax)
+    return s.alive(0, s.buckets, s.act_total, 2 * s.log_softmax)
+
+
+def backward_start(s: StepShape) -> Components | None:
+    """Backward begins: the log-softmax freed, the logits' gradient alive (``c·T·V``), and
+    FULL_SHARD gathers the root again (``2c·R``): ``S + 2c·R + A - L + c·T·V``."""
+    loss = s.c * s.logits
+    if s.row.shards_params:
+        gathered = s.copies * s.c * s.root if s.row.reshard_after_forward else s.kept
+        return s.alive(gathered, 0, s.act_total - s.log_softmax, loss)
+    return s.alive(s.root_copy, s.buckets, s.act_total - s.log_softmax, loss)
+
+
+def head_backward(s: StepShape) -> Components | None:
+    """The output head's backward: the logits' gradient, the head's weight gradients and the
+    hidden states' gradient alive together: ``S + c·R + c·(H + T·d) + A - L + c·T·V``."""
+    if not s.acts:
+        return None
+    grads = s.c * s.head + s.c * s.hidden
+    loss = s.c * s.logits
+    if s.row.shards_params:
+        gathered = s.c * s.root if s.row.reshard_after_forward else s.kept
+        return s.alive(gathered, grads, s.act_total - s.log_softmax, loss)
+    return s.alive(s.root_copy, s.buckets + grads, s.act_total - s.log_softmax, loss)
+
+
+@dataclass(frozen=True)
+class Moment:
+    """One layer unit's backward (last layer first), and what it finds alive besides itself."""
+
+    index: int
+    """The unit's position in forward order."""
+    unit: int
+    """U_i, elements."""
+    others: int
+    """Bytes of unsharded parameters besides the unit: the root and the next unit's prefetched
+    all-gather buffer (resharded), or every unit not yet resharded after its backward."""
+    held: int
+    """Gradient-buffer bytes alive from before: the head's gradients (``c·H``, unless
+    accumulating), the previous unit's reduce-scatter input and HSDP's all-reduce buffers."""
+    held_rs: int
+    """The previous unit's reduce-scatter input, ``r·U_{i+1}``, which FSDP2 keeps until this
+    unit's post-backward (``reduce_scatter_states``; not with FSDP1)."""
+    left: int
+    """Activation bytes still saved as its backward starts: ``A - L - j·a``."""
+    done: int
+    """Accumulated gradient bytes already reduce-scattered before this unit."""
+    done_after: int
+    """... and after it."""
+
+
+def backward_walk(s: StepShape) -> list[Moment]:
+    """Every layer unit's backward in order (last layer first), each with what it finds alive.
+
+    FSDP2 keeps, besides the unit being computed: the root unsharded and the head's gradients
+    (reduced at the end of backward); the next unit's all-gather buffer (prefetched); the
+    previous unit's reduce-scatter input; with HSDP (replicas > 1) every reduced unit's
+    all-reduce buffer, its reduce-scatter output (``r·U/N``), to the end of backward
+    (``_all_reduce_state``: with gradients zeroed, not freed, they are extra memory).
+    """
+    if not s.row.shards_params:
+        return []
+    order = list(range(len(s.layers)))[::-1]
+    moments = []
+    held_rs = held_ar = freed = done = 0
+    for j, i in enumerate(order):
+        unit = s.layers[i]
+        following = s.layers[order[j + 1]] if j + 1 < len(order) else 0
+        if s.row.reshard_after_forward:
+            others = s.c * s.root + (s.c * following if s.group > 1 else 0)
+        else:
+            others = s.kept - freed - s.c * unit
+        held = (0 if s.accumulated else s.c * s.head) + held_rs + held_ar
+        after = done + s.plain[i] * s.r
+        moments.append(Moment(i, unit, others, held, held_rs, s.act_total - s.log_softmax - j * s.saved,
+                              done, after))
+        done = after
+        held_rs = s.r * unit if not s.flat else 0
+        held_ar += s.r * unit // s.group if s.replicas > 1 else 0
+        freed += s.c * unit
+    return moments
+
+
+def layer_backward(s: StepShape) -> Components | None:
+    """A layer's backward, the largest over the layers: the unit gathered (``c·U_i``) besides
+    what the walk finds (:func:`backward_walk`), its gradients computed (``c·U_i``; with
+    accumulation only its largest tensor's, added in place), the activations left:
+    ``S + others + c·U_i + held + c·U_i + left``."""
+    moments = backward_walk(s)
+    if not moments:
+        return None
+    return _largest([s.alive(m.others + s.c * m.unit, m.held + _new_grads(s, m) - m.done, m.left, 0)
+                     for m in moments])
+
+
+def layer_reduce(s: StepShape) -> Components | None:
+    """A layer's reduce-scatter (FSDP2), the largest over the layers: the unit resharded, the
+    previous input released, the larger of two moments: its gradients copied into the
+    reduce-scatter input (``c·U_i + r·U_i``), then that input, its 1/N output, gloo's flattened
+    copy and the unit's last gradient (``r·U_i·(1 + 1/N [+ 1]) + last_i``)."""
+    moments = backward_walk(s)
+    if not moments or s.flat:
+        return None
+    return _largest([s.alive(m.others, m.held - m.held_rs + _reduce_buffers(s, m.unit, s.lasts[m.index + 1])
+                             - m.done_after, m.left - s.saved, 0) for m in moments])
+
+
+def root_reduce(s: StepShape) -> Components | None:
+    """End of backward. Sharded: the root's reduce-scatter, as :func:`layer_reduce`, with every
+    HSDP all-reduce buffer (``Σ r·U_i/N``) and nothing accumulated left. FSDP1 NO_SHARD: the
+    root's gradients and the flat gradient autograd concatenates from them, or its cast to the
+    reduce dtype when larger (``root_copy + c·R + max(c·R, r·R)``)."""
+    if s.row.shards_params:
+        held_ar = sum(s.r * unit // s.group for unit in s.layers) if s.replicas > 1 else 0
+        return s.alive(0, held_ar + _reduce_buffers(s, s.root, s.lasts[0]), 0, 0, accumulating=False)
+    if s.row.wrapper != "fsdp" or not s.root:
+        return None
+    cast = s.r * s.root if s.root_copy else 0
+    return s.alive(s.root_copy, s.c * s.root + max(s.c * s.root, cast), 0, 0)
+
+
+def layer_recompute(s: StepShape) -> Components | None:
+    """With activation checkpointing, a layer's activations recomputed in backward, the largest
+    over the layers: its unit gathered, the buffers :func:`layer_backward` finds, and one layer's
+    activations more: ``S + others + c·U_i + held + left + a_recompute``."""
+    moments = backward_walk(s)
+    if not moments or not s.checkpointing or not s.acts:
+        return None
+    return _largest([s.alive(m.others + s.c * m.unit, m.held - m.done, m.left + s.acts.recompute, 0)
+                     for m in moments])
+
+
+def optimizer_step(s: StepShape) -> Components | None:
+    """The replicating strategies' optimizer step with Adam: two fp32 temporaries of the largest
+    tensor (PyTorch's per-tensor Adam, the CPU default; CUDA's foreach Adam holds one of every
+    tensor, not modelled): ``S + buckets + 8·max(tensor)``."""
+    if s.row.shards_params or s.optimizer_states != 2:
+        return None
+    return s.alive(0, s.buckets + 2 * 4 * s.largest, 0, 0)
+
+
+PHASES: tuple[Callable[[StepShape], Components | None], ...] = (
+    forward_start, layer_forward, loss_backward, backward_start, head_backward, layer_backward,
+    layer_reduce, root_reduce, layer_recompute, optimizer_step,
+)
+"""Every phase, in the order they are evaluated (a tie goes to the first)."""
+
+
+def late_free_bound(s: StepShape, peak: int, backward_start_bytes: int) -> int:
+    """On gloo with sharded parameters: the peak if a finished collective's buffers are freed
+    late by gloo's worker thread (bytes; 0 where that cannot raise the peak above ``peak``).
+
+    Under load the root's all-gather buffer can meet the first layer's as backward starts
+    (``backward_start + c·U_last``), or a unit's flattened reduce-scatter copy the next unit's
+    start (``S + c·R + 2c·U_i + held + held_rs + left``, or ``others + c·U_i`` with everything
+    gathered). A bound for a run under load, not a prediction for an idle one.
+    """
+    if not (s.row.shards_params and s.gloo and s.layers and not s.flat):
+        return 0
+    reshard = s.row.reshard_after_forward
+    late = []
+    for j, m in enumerate(backward_walk(s)):
+        if j:
+            start = s.c * s.root + 2 * s.c * m.unit if reshard else m.others + s.c * m.unit
+            late.append(sum(s.alive(start, m.held + m.held_rs, m.left, 0).values()))
+    if reshard:
+        late.append(backward_start_bytes + s.c * s.layers[-1])
+    worst = max(late, default=0)
+    return worst if worst > peak else 0
+
+
+def _largest(moments: list[Components]) -> Components:
+    """The moment with the most bytes alive (the first, at a tie)."""
+    return max(moments, key=lambda p: sum(p.values()))
+
+
+def _new_grads(s: StepShape, m: Moment) -> int:
+    """Bytes of a unit's gradients as its backward computes them: the whole unit, or with
+    accumulation only its largest tensor's at a time (added in place to those held)."""
+    return s.c * (s.biggest[m.index] if s.accumulated and s.biggest[m.index] else m.unit)
+
+
+def _reduce_buffers(s: StepShape, unit: int, last: int) -> int:
+    """A unit's post-backward, the larger of two moments: the gradients copied into the
+    reduce-scatter input, ``c·U + r·U``; then the input, its 1/N output, gloo's copy and the
+    unit's last gradient, ``r·U + r·U/N (+ r·U) + last``."""
+    copy_in = s.c * unit + s.r * unit
+    scatter = s.r * unit + s.r * unit // s.group + (s.r * unit if s.gloo else 0) + last
+    return max(copy_in, scatter)

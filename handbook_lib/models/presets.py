@@ -1,0 +1,118 @@
+"""Well-known decoder models by shape, with parameter counts derived from the shape.
+
+Chapter 2 uses their sizes for its scenarios, chapter 4 plans for them. A shape is enough for
+the memory and communication models: the parameters per layer (FSDP's unit), the embedding and
+head (the root unit), and the activations. Pure arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from handbook_lib.core.checks import lookup
+
+__all__ = ["DecoderShape", "DECODER_SHAPES", "get_shape"]
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """Shape of a decoder-only transformer. Counts are elements (parameters), not bytes."""
+
+    name: str
+    num_layers: int
+    d_model: int
+    nhead: int
+    vocab_size: int = 50_257
+    dim_feedforward: int = 0
+    """Hidden width of the feed-forward block (0: 4·d_model, GPT-style)."""
+    num_kv_heads: int = 0
+    """Key/value heads (grouped-query attention); 0: as many as ``nhead``."""
+    gated_mlp: bool = False
+    """SwiGLU-style feed-forward with three projections (Llama) instead of two (GPT)."""
+    tied_embeddings: bool = True
+    """Output head shares the token embedding's weights."""
+    bias: bool = False
+    """Linear layers and layer norms have biases (GPT) or not (Llama, RMSNorm)."""
+    max_positions: int = 0
+    """Learned position embeddings (GPT); 0 for rotary embeddings (Llama)."""
+    published_params: int = 0
+    """The parameter count the model's paper states (0 if none)."""
+    source: str = ""
+    """Where the shape comes from."""
+
+    def __post_init__(self) -> None:
+        for key in ("num_layers", "d_model", "nhead", "vocab_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"DecoderShape.{key} must be >= 1, got {getattr(self, key)}")
+        if self.d_model % self.nhead or self.nhead % self.kv_heads:
+            raise ValueError("nhead must divide d_model, and num_kv_heads must divide nhead")
+
+    @property
+    def ffn(self) -> int:
+        """The feed-forward width in use."""
+        return self.dim_feedforward or 4 * self.d_model
+
+    @property
+    def kv_heads(self) -> int:
+        """The key/value heads in use."""
+        return self.num_kv_heads or self.nhead
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one transformer layer (one FSDP unit)."""
+        d, f = self.d_model, self.ffn
+        kv = d * self.kv_heads // self.nhead
+        attention = 2 * d * d + 2 * d * kv + (2 * d + 2 * kv if self.bias else 0)
+        mlp = (3 if self.gated_mlp else 2) * d * f + ((f + d) if self.bias else 0)
+        norms = 2 * d * (2 if self.bias else 1)
+        return attention + mlp + norms
+
+    @property
+    def root_params(self) -> int:
+        """Embedding, position embedding, untied head and final norm: FSDP's root unit."""
+        d = self.d_model
+        head = 0 if self.tied_embeddings else self.vocab_size * d
+        final_norm = d * (2 if self.bias else 1)
+        return self.vocab_size * d + self.max_positions * d + head + final_norm
+
+    @property
+    def num_params(self) -> int:
+        """All parameters: ``num_layers · layer_params + root_params``."""
+        return self.num_layers * self.layer_params + self.root_params
+
+    def param_breakdown(self) -> dict[str, int]:
+        """Parameters (elements) by component, summing to :attr:`num_params`: ``embedding``,
+        ``position_embedding`` (learned positions only), ``layers`` (all of them), ``head``
+        (an untied output head only) and ``final_norm``."""
+        d = self.d_model
+        parts = {"embedding": self.vocab_size * d}
+        if self.max_positions:
+            parts["position_embedding"] = self.max_positions * d
+        parts["layers"] = self.num_layers * self.layer_params
+        if not self.tied_embeddings:
+            parts["head"] = self.vocab_size * d
+        parts["final_norm"] = d * (2 if self.bias else 1)
+        return parts
+
+
+_LLAMA2 = "Touvron et al. 2023, Llama 2 paper, Table 1 and the released configs"
+DECODER_SHAPES: dict[str, DecoderShape] = {
+    "llama2-7b": DecoderShape("Llama-2 7B", 32, 4096, 32, 32_000, dim_feedforward=11_008, gated_mlp=True,
+                              tied_embeddings=False, published_params=6_738_415_616, source=_LLAMA2),
+    "llama2-13b": DecoderShape("Llama-2 13B", 40, 5120, 40, 32_000, dim_feedforward=13_824, gated_mlp=True,
+                               tied_embeddings=False, published_params=13_015_864_320, source=_LLAMA2),
+    "llama2-70b": DecoderShape("Llama-2 70B", 80, 8192, 64, 32_000, dim_feedforward=28_672, num_kv_heads=8,
+                               gated_mlp=True, tied_embeddings=False, published_params=68_976_648_192,
+                               source=_LLAMA2),
+    "gpt3-175b": DecoderShape("GPT-3 175B", 96, 12_288, 96, 50_257, bias=True, max_positions=2048,
+                              published_params=175_000_000_000,
+                              source="Brown et al. 2020, GPT-3 paper, Table 2.1"),
+}
+"""Presets: parameter counts from the shapes are within 1 % of the published ones (tested)."""
+DECODER_SHAPES.update({"7b": DECODER_SHAPES["llama2-7b"], "13b": DECODER_SHAPES["llama2-13b"],
+                       "70b": DECODER_SHAPES["llama2-70b"], "175b": DECODER_SHAPES["gpt3-175b"]})
+
+
+def get_shape(name: str) -> DecoderShape:
+    """The preset called ``name``. Raises ValueError listing the presets for an unknown name."""
+    return lookup(DECODER_SHAPES, name, "model")

@@ -1,0 +1,118 @@
+"""How long one training step's collectives take on a cluster, and its compute: the step time
+model. Pure arithmetic: no ``torch.distributed``.
+
+Chapter 3 teaches it; chapter 4's planner and chapter 8's many nodes use it. Each collective of
+:func:`handbook_lib.models.traffic.estimate_step_traffic` is priced with the alpha-beta model
+(:func:`handbook_lib.models.collectives.estimate_collective_time`) on the link it crosses
+(:func:`cluster_link`); compute follows the 6PT rule; overlap hides what compute can.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from handbook_lib.core.checks import check_int
+from handbook_lib.core.strategies import get_strategy
+from handbook_lib.models.collectives import estimate_collective_time
+from handbook_lib.models.hardware import Link, Node
+from handbook_lib.models.traffic import CollectiveRecord, StepTraffic
+
+__all__ = ["StepTime", "cluster_link", "bytes_by_link", "estimate_step_time", "estimate_compute_time"]
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted time of one optimizer step, seconds."""
+
+    comm_s: float
+    """All collectives, back to back."""
+    compute_s: float
+    """Forward and backward compute, as given."""
+    exposed_comm_s: float
+    """Communication that no compute hides."""
+    total_s: float
+    """The step."""
+    bound: str
+    """``"communication"`` if ``comm_s > compute_s``, else ``"compute"``."""
+
+def cluster_link(record: CollectiveRecord, node: Node, gpus: int, strategy: str) -> Link:
+    """The link one collective of a ``gpus``-GPU job on machines like ``node`` travels.
+
+    Ranks fill whole nodes in order. A collective crosses machines, and runs at
+    ``node.inter_link``'s speed, when the job spans several nodes and its group does: a group
+    larger than a node (FULL_SHARD over every GPU), or HSDP's all-reduce between replicas, one
+    rank per node. Anything else stays on ``node.intra_link`` (NVLink, PCIe).
+    """
+    per_node = min(node.gpus_per_node, gpus)
+    if gpus <= per_node:
+        return node.intra_link
+    crosses = record.group_size > per_node or (get_strategy(strategy).hybrid and record.kind == "all_reduce")
+    return node.inter_link if crosses else node.intra_link
+
+def bytes_by_link(traffic: StepTraffic, link_of: Callable[[CollectiveRecord], Link]) -> dict[str, int]:
+    """Bytes one rank sends per step on each link (by the link's name), in execution order of
+    first use: e.g. ``{"NVLink 4 (H100 SXM)": ..., "InfiniBand NDR 400 Gb/s": ...}``."""
+    sent: dict[str, int] = {}
+    for record in traffic.records:
+        name = link_of(record).name
+        sent[name] = sent.get(name, 0) + record.sent_bytes
+    return sent
+
+def estimate_step_time(
+    traffic: StepTraffic,
+    link: Link | Callable[[CollectiveRecord], Link],
+    compute_s: float,
+    overlap: bool,
+) -> StepTime:
+    """Time of one step: its collectives on ``link`` plus ``compute_s`` seconds of compute.
+
+    ``link`` is one link for every collective, or a function choosing the link of each (e.g.
+    NVLink inside a node, InfiniBand for HSDP's all-reduce across nodes).
+
+    Without overlap, ``total = comm + compute``. With overlap, FSDP prefetches each unit's
+    all-gather while the previous unit computes and reduce-scatters while the next one does;
+    only the first forward all-gather of each micro-step has nothing to hide behind. So
+    ``total = exposed + max(compute, comm - exposed)``, exposed being those first all-gathers.
+    """
+    if not compute_s >= 0:
+        raise ValueError(f"compute_s must be >= 0, got {compute_s!r}")
+    choose = link if callable(link) else (lambda record: link)
+    comm = exposed = 0.0
+    started: set[int] = set()
+    for r in traffic.records:
+        t = estimate_collective_time(r, choose(r))
+        comm += t
+        if r.kind == "all_gather" and r.phase == "forward" and r.micro_step not in started:
+            started.add(r.micro_step)
+            exposed += t
+    if overlap:
+        total = exposed + max(compute_s, comm - exposed)
+    else:
+        exposed, total = comm, comm + compute_s
+    bound = "communication" if comm > compute_s else "compute"
+    return StepTime(comm, compute_s, exposed, total, bound)
+
+def estimate_compute_time(num_params: int, tokens: int, peak_flops: float,
+                          utilization: float = 0.4) -> float:
+    """Seconds of one rank's forward + backward: the 6PT rule, ``6·P·T / (peak · utilization)``.
+
+    Forward costs 2 FLOPs (a multiply and an add) per parameter per token, backward twice that
+    (gradients of activations and of weights); every rank runs the whole model (gathered, under
+    FSDP) on its own tokens. The rule ignores attention's sequence-length
+    term, counts embedding lookups as matrix products, and adds nothing for activation
+    checkpointing (which recomputes the forward: 8PT).
+
+    Args:
+        num_params: P, parameters.
+        tokens: T, tokens one rank processes in the step (its share of the global batch).
+        peak_flops: Peak FLOP/s of one accelerator, e.g. ``Accelerator.peak_flops_bf16``.
+        utilization: Fraction of the peak achieved (model FLOPs utilization), in (0, 1].
+    """
+    check_int("num_params", num_params, 0)
+    check_int("tokens", tokens, 0)
+    if not peak_flops > 0:
+        raise ValueError(f"peak_flops must be > 0 FLOP/s, got {peak_flops!r}")
+    if not 0 < utilization <= 1:
+        raise ValueError(f"utilization must be in (0, 1], got {utilization!r}")
+    return 6 * num_params * tokens / (peak_flops * utilization)

@@ -1,0 +1,253 @@
+"""DeepSpeed ZeRO's layout of one rank's state, and the collectives of one ZeRO step. Pure: no
+``torch``, no DeepSpeed.
+
+Chapter 7 checks both against real DeepSpeed runs (``deepspeed_zero``), byte for byte, beside
+FSDP's layout of the same model (:mod:`handbook_lib.models.memory`, :mod:`handbook_lib.models.sharding`).
+The rules are DeepSpeed's (release 0.19, the one ``pyproject.toml`` pins), read from its source
+and confirmed by those runs:
+
+- **ZeRO-1 and ZeRO-2** flatten every parameter into one buffer, padded to a multiple of
+  2 × N elements (``nccl_start_alignment_factor`` = 2 per rank), and keep it whole on every
+  rank in the compute dtype. Rank r owns the r-th of N equal partitions of it: an fp32 master
+  copy of that partition (kept even when training in fp32) and the optimizer state of it.
+  After backward a rank keeps the gradients of the tensors that overlap its partition — whole
+  tensors, in the compute dtype, the last rank also the padding —, or, with
+  ``offload_optimizer``, the fp32 gradient of its partition. Gradients are all-reduced (the
+  reduce dtype), and after the optimizer step the updated partitions are all-gathered into
+  the flat buffer.
+- **ZeRO-3** pads every tensor to a multiple of N and keeps 1/N of each (``ds_tensor``), plus an
+  fp32 master partition, a gradient partition (kept between steps) and the optimizer state.
+  A tensor of at most ``persistence_threshold`` elements is *persistent*: kept whole on every
+  rank as well (DeepSpeed's default threshold, 100000, keeps every tensor of a small model
+  whole — nothing is saved). The others are all-gathered module by module, in forward and
+  again in backward (with prefetching and reuse off, as :func:`handbook_lib.integrations.frameworks.
+  deepspeed_config` sets them); the gradients are reduce-scattered; the persistent tensors are
+  all-gathered once after the optimizer step.
+
+Every stage also all-reduces a few bytes of bookkeeping (:func:`bookkeeping_reductions`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from handbook_lib.core.checks import check_int, check_world, lookup
+from handbook_lib.core.config import DTYPES, PRECISIONS
+from handbook_lib.core.strategies import STRATEGY_TABLE, get_strategy
+from handbook_lib.models.collectives import estimate_collective
+from handbook_lib.models.layout import ModelLike, model_layout
+from handbook_lib.models.model_state import ModelStateBytes, RankState, optimizer_states
+from handbook_lib.models.traffic import CollectiveRecord, StepTraffic
+
+__all__ = [
+    "ZERO_STAGES",
+    "estimate_zero_memory",
+    "ALIGNMENT",
+    "DEFAULT_PERSISTENCE_THRESHOLD",
+    "zero_stage",
+    "flat_partition",
+    "gather_units",
+    "estimate_zero_rank_bytes",
+    "bookkeeping_reductions",
+    "estimate_zero_step_traffic",
+]
+
+ALIGNMENT = 2
+"""ZeRO-1/2 pad their flat buffer to a multiple of ``ALIGNMENT × N`` elements (DeepSpeed's
+``nccl_start_alignment_factor``: 4-byte alignment of 2-byte elements)."""
+DEFAULT_PERSISTENCE_THRESHOLD = 100_000
+"""DeepSpeed's ``stage3_param_persistence_threshold``: tensors of at most this many elements
+stay whole on every rank under ZeRO-3 unless the config says otherwise."""
+
+
+ZERO_STAGES: dict[int, str | None] = {
+    stage: next((s.name for s in STRATEGY_TABLE.values()
+                  if s.zero_stage == stage and not s.hybrid and s.wrapper != "deepspeed"), None)
+    for stage in range(4)
+}
+"""DeepSpeed ZeRO stage → the first FSDP strategy with the same sharding (from the strategy
+table): DDP, none, SHARD_GRAD_OP, FULL_SHARD. ZeRO-1 shards only the optimizer states; FSDP has
+no such strategy. ZeRO-2 keeps parameters replicated at rest, while FSDP's SHARD_GRAD_OP shards
+them between steps (both hold them unsharded from forward to backward)."""
+
+
+def estimate_zero_memory(num_params: ModelLike, world_size: int, stage: int, *, k: int = 12) -> ModelStateBytes:
+    """Per-GPU model state in the ZeRO paper's accounting (Rajbhandari et al., 2020, Figure 1).
+
+    Mixed-precision Adam keeps fp16 parameters (2 B) and gradients (2 B), plus K = 12 bytes of
+    fp32 optimizer state (a master copy of the weights, momentum and variance): 2 + 2 + 12 = 16
+    bytes per parameter — the same total as fp32 Adam's 4 + 4 + 8, for different reasons.
+    Stage 1 shards the K bytes, stage 2 also the gradients, stage 3 also the parameters.
+    """
+    n = model_layout(num_params).num_params
+    check_world(world_size)
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    shard = lambda b, from_stage: b * n / world_size if stage >= from_stage else b * n  # noqa: E731
+    return ModelStateBytes(params=round(shard(2, 3)), grads=round(shard(2, 2)),
+                           optimizer=round(shard(k, 1)))
+
+
+def zero_stage(strategy: str) -> int:
+    """The ZeRO stage of a strategy that DeepSpeed runs (``ZERO1``/``ZERO2``/``ZERO3``).
+
+    Raises:
+        ValueError: for a strategy of another wrapper, naming the ones accepted.
+    """
+    row = get_strategy(strategy)
+    if row.wrapper != "deepspeed":
+        raise ValueError(f"strategy must be a DeepSpeed ZeRO row (ZERO1, ZERO2, ZERO3), got {row.name!r}")
+    return row.zero_stage
+
+
+def _numels(model: ModelLike) -> list[int]:
+    """Elements of each parameter tensor (DeepSpeed lays them out one by one)."""
+    layout = model_layout(model)
+    layout.require_exact("DeepSpeed's ZeRO layout")
+    return [math.prod(shape) for _, shape in layout.tensors]
+
+
+def _check(world_size: int, rank: int, persistence_threshold: int) -> None:
+    """Refuse a bad world size or rank (:func:`~handbook_lib.core.checks.check_world`) or a
+    negative persistence threshold (elements)."""
+    check_world(world_size, rank)
+    check_int("persistence_threshold", persistence_threshold, 0)
+
+
+def flat_partition(num_params: int, world_size: int) -> tuple[int, int]:
+    """``(padded, partition)``: ZeRO-1/2's flat buffer, in elements, padded to a multiple of
+    ``ALIGNMENT × world_size``, and each rank's partition of it (``padded / world_size``)."""
+    step = ALIGNMENT * world_size
+    padded = -(-num_params // step) * step
+    return padded, padded // world_size
+
+
+def gather_units(model: ModelLike) -> list[tuple[str, list[int]]]:
+    """The modules ZeRO-3 gathers one by one, in forward order, with their tensors' element
+    counts: every module that owns parameters — but ``nn.MultiheadAttention`` reads its
+    ``out_proj`` tensors itself, so those are gathered with the attention module."""
+    units: dict[str, list[int]] = {}
+    layout = model_layout(model)
+    layout.require_exact("ZeRO-3's gathered modules")
+    for name, shape in layout.tensors:
+        module = name.rsplit(".", 1)[0].replace(".out_proj", "")
+        units.setdefault(module, []).append(math.prod(shape))
+    return list(units.items())
+
+
+def estimate_zero_rank_bytes(
+    model: ModelLike, world_size: int, strategy: str, precision: str = "fp32", optimizer: str = "adamw",
+    *, rank: int = 0, persistence_threshold: int = 0, cpu_offload: bool = False,
+) -> RankState:
+    """Predict what DeepSpeed holds on ``rank`` for ``model`` under ZeRO ``strategy``, in the five
+    parts of :class:`~handbook_lib.models.model_state.RankState`: parameters (ZeRO-1/2: the whole flat buffer;
+    ZeRO-3: every tensor's partition plus the persistent tensors whole; compute dtype), the fp32
+    master partition, the gradients held between backward and the optimizer step (ZeRO-3: also
+    between steps), the optimizer state of the master partition, and Adam's one ``step`` scalar.
+
+    Args:
+        model: The book's model (exact tensors: anything :func:`~handbook_lib.models.layout.model_layout`
+            accepts with them).
+        world_size: Ranks, N.
+        strategy: ``ZERO1``, ``ZERO2`` or ``ZERO3``.
+        precision: A key of :data:`handbook_lib.core.config.PRECISIONS`: parameters and gradients are
+            kept in its compute dtype; master and optimizer state in fp32.
+        optimizer: ``adamw``/``adam`` (2 states), ``sgd-momentum`` (1), ``sgd`` (0).
+        rank: Which rank (ZeRO-1/2's gradients depend on where its partition falls).
+        persistence_threshold: ZeRO-3 keeps tensors of at most this many elements whole.
+        cpu_offload: ``offload_optimizer`` (ZeRO-1/2 then hold the fp32 partition's gradient).
+
+    Raises:
+        ValueError: for a strategy that is not a ZeRO row, or a bad world size, rank,
+            threshold, precision or optimizer.
+    """
+    stage = zero_stage(strategy)
+    _check(world_size, rank, persistence_threshold)
+    compute = DTYPES[lookup(PRECISIONS, precision, "precision").compute].bytes
+    states = optimizer_states(optimizer)
+    numels = _numels(model)
+    step_bytes = 4 if states == 2 else 0
+    if stage < 3:
+        padded, part = flat_partition(sum(numels), world_size)
+        if cpu_offload:
+            grads = 4 * part
+        else:
+            start, end, offset, held = rank * part, (rank + 1) * part, 0, 0
+            for n in numels:
+                if offset < end and offset + n > start:
+                    held += n
+                offset += n
+            if rank == world_size - 1:
+                held += padded - sum(numels)
+            grads = compute * held
+        return RankState(params=compute * padded, master=4 * part, grads=grads,
+                             optimizer=4 * states * part, optimizer_step=step_bytes)
+    part = sum(-(-n // world_size) for n in numels)
+    whole = sum(-(-n // world_size) * world_size for n in numels if n <= persistence_threshold)
+    return RankState(params=compute * (part + whole), master=4 * part, grads=compute * part,
+                         optimizer=4 * states * part, optimizer_step=step_bytes)
+
+
+def bookkeeping_reductions(strategy: str, precision: str = "fp32", *, cpu_offload: bool = False) -> list[int]:
+    """Bytes of the small all-reduces DeepSpeed adds to every step, from its source (0.19):
+
+    - the squared gradient norm (computed even without clipping): ZeRO-3 reduces it in the
+      norm dtype, float64 (8 B), on the device path and as an fp32 scalar (4 B) on the offload
+      path; ZeRO-1/2 as an fp32 scalar (4 B);
+    - with a 16-bit compute dtype, ZeRO-1/2 also reduce a 1-byte overflow flag.
+    """
+    stage = zero_stage(strategy)
+    compute = lookup(PRECISIONS, precision, "precision").compute
+    if stage == 3:
+        return [4 if cpu_offload else 8]
+    return [4] + ([1] if DTYPES[compute].bytes == 2 else [])
+
+
+def estimate_zero_step_traffic(
+    model: ModelLike, world_size: int, strategy: str, precision: str = "fp32",
+    *, persistence_threshold: int = 0, cpu_offload: bool = False,
+) -> StepTraffic:
+    """The collectives of one ZeRO optimizer step (one micro-step), in order, per rank.
+
+    DeepSpeed cuts its gradient reductions into buckets (``reduce_bucket_size``, 5e8 elements by
+    default: one bucket for the book's models); the records give one collective per reduction
+    and the bytes are exact — count only what the bucketing does not change.
+
+    Raises:
+        ValueError: as :func:`estimate_zero_rank_bytes`.
+    """
+    stage = zero_stage(strategy)
+    _check(world_size, 0, persistence_threshold)
+    compute, reduce = lookup(PRECISIONS, precision, "precision")
+    c, r = DTYPES[compute].bytes, DTYPES[reduce].bytes
+    n = world_size
+    records: list[CollectiveRecord] = []
+
+    def record(kind: str, buffer: int, unit: str, phase: str, dtype: str) -> None:
+        cost = estimate_collective(kind, buffer, n)
+        records.append(CollectiveRecord(**vars(cost), unit=unit, phase=phase, dtype=dtype, micro_step=0))
+
+    numels = _numels(model)
+    if stage < 3:
+        padded, _ = flat_partition(sum(numels), n)
+        record("all_reduce", r * sum(numels), "gradients", "backward", reduce)
+        for size in bookkeeping_reductions(strategy, precision, cpu_offload=cpu_offload):
+            record("all_reduce", size, "bookkeeping", "step", "fp32" if size == 4 else "flag")
+        record("all_gather", c * padded, "flat parameters", "step", compute)
+        return StepTraffic(strategy, n, 1, tuple(records))
+    units = [(name, [x for x in sizes if x > persistence_threshold]) for name, sizes in gather_units(model)]
+    units = [(name, sizes) for name, sizes in units if sizes]
+    padded = lambda sizes: sum(-(-x // n) * n for x in sizes)  # noqa: E731
+    for name, sizes in units:
+        record("all_gather", c * padded(sizes), name, "forward", compute)
+    for name, sizes in reversed(units):
+        record("all_gather", c * padded(sizes), name, "backward", compute)
+    record("reduce_scatter", r * padded(numels), "gradients", "backward", reduce)
+    for size in bookkeeping_reductions(strategy, precision, cpu_offload=cpu_offload):
+        record("all_reduce", size, "bookkeeping", "step", "fp64" if size == 8 else "fp32")
+    for x in numels:
+        if x <= persistence_threshold:
+            record("all_gather", c * padded([x]), "persistent tensor", "step", compute)
+    return StepTraffic(strategy, n, 1, tuple(records))

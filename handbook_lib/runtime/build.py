@@ -1,0 +1,330 @@
+"""Build the model once and apply a strategy to it: the ``parallelize`` step of every run.
+
+Chapter 1 uses it for the first FSDP2 run; chapter 5 for every strategy, API and lever. The
+steps, as large-model trainers (torchtitan, Accelerate's ``cpu_ram_efficient_loading``) take
+them:
+
+1. **Build on the meta device**: the modules and their shapes, no storage at all.
+2. **Activation checkpointing**, once, on each transformer layer.
+3. **Apply the strategy's wrapper** from :data:`handbook_lib.core.strategies.STRATEGY_TABLE`: nothing
+   (``NONE``), DDP, or FSDP (FSDP2's ``fully_shard`` or FSDP1's ``FullyShardedDataParallel``).
+4. **Materialise**: ``to_empty`` gives each rank storage for what it holds — its shards, with
+   FSDP — and :class:`SeededInit` fills it with the weights ``build_model(config, seed)`` would
+   have drawn, one top-level part at a time, so no rank ever holds the whole model.
+
+``init="full"`` builds the whole seeded model on every rank first and then wraps it (what the
+seed and most tutorials do): the same weights, and every rank's host memory at init holds the
+full model. :func:`measure_init_bytes` measures the difference.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+from handbook_lib.core.config import DTYPES, InitName, RunConfig, get_precision
+from handbook_lib.core.strategies import STRATEGY_TABLE, Strategy, get_strategy
+from handbook_lib.models.layout import wrap_units
+from handbook_lib.runtime.distributed import RankContext
+from handbook_lib.runtime.model import SimpleTransformer, TransformerLayer
+from handbook_lib.runtime.seeded_init import SeededInit
+
+__all__ = [
+    "InitMode",
+    "torch_dtype",
+    "shard_group",
+    "build_mesh",
+    "build_mp_policy",
+    "apply_activation_checkpointing",
+    "apply_fsdp2",
+    "check_runnable",
+    "parallelize",
+    "APPLY",
+    "measure_init_bytes",
+]
+
+InitMode = InitName
+"""How :func:`parallelize` builds the model: ``meta`` (shapes first, each rank materialises only
+what it holds) or ``full`` (every rank builds the whole model on the CPU, then wraps it)."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The ``torch.dtype`` of a :data:`handbook_lib.core.config.DTYPES` name (``fp32``, ``bf16``, ``fp16``)."""
+    return getattr(torch, DTYPES[name].torch_name)
+
+
+def shard_group(config: RunConfig, world_size: int) -> int:
+    """Ranks that shard one copy of the model (the strategy table's rule): for the hybrid
+    strategies ``shard_group_size``, where 0 means the ranks of one node (torchrun's
+    ``LOCAL_WORLD_SIZE``).
+
+    Raises:
+        ValueError: if the group does not divide the world size.
+    """
+    row = get_strategy(config.strategy)
+    size = config.shard_group_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return row.shard_group(world_size, size if row.hybrid else None)
+
+
+def build_mesh(config: RunConfig, ctx: RankContext) -> DeviceMesh:
+    """The device mesh FSDP shards over: 1-D over all ranks, or 2-D (replicate, shard) for HSDP."""
+    if not get_strategy(config.strategy).hybrid:
+        return init_device_mesh(ctx.device.type, (ctx.world_size,))
+    group = shard_group(config, ctx.world_size)
+    return init_device_mesh(ctx.device.type, (ctx.world_size // group, group),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def build_mp_policy(precision: str) -> MixedPrecisionPolicy | None:
+    """FSDP2 mixed-precision policy for a ``precision`` value (``None`` for fp32).
+
+    ``bf16-mixed`` / ``fp16-mixed`` compute in bf16 / fp16 (parameters are all-gathered in that
+    dtype) and reduce gradients in fp32; the sharded parameters and the optimizer stay fp32.
+    fp16 also needs a gradient scaler (:func:`handbook_lib.runtime.training.build_grad_scaler`).
+    """
+    compute, reduce = get_precision(precision)
+    if compute == reduce:
+        return None
+    return MixedPrecisionPolicy(param_dtype=torch_dtype(compute), reduce_dtype=torch_dtype(reduce))
+
+
+def apply_activation_checkpointing(model: SimpleTransformer) -> None:
+    """Wrap each :class:`TransformerLayer` so its activations are recomputed in backward."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
+
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(layer)
+
+
+def apply_fsdp2(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    units: list[nn.Module] | None = None,
+) -> None:
+    """Shard ``model`` in place: ``fully_shard`` each unit's module, then the root.
+
+    By default every transformer layer becomes one FSDP unit (all-gathered just before
+    it runs, freed after) and the root unit holds what is left, the embedding and the
+    output head. ``units`` names other modules instead (children before parents, as
+    :func:`handbook_lib.models.layout.wrap_units` lists them in forward order): ``[]``
+    leaves one unit, the root, holding every parameter. Works on a model on the meta
+    device too.
+    """
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    if offload_policy is not None:
+        kwargs["offload_policy"] = offload_policy
+    if units is None:
+        units = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    # fully_shard a child before its parent: the parent's unit skips the child's
+    # parameters
+    depth = {id(m): name.count(".") for name, m in model.named_modules() if name}
+    for module in sorted(units, key=lambda m: -depth[id(m)]):
+        fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def check_runnable(config: RunConfig, world_size: int) -> Strategy:
+    """The strategy's row, if this runtime can apply it with ``config.api`` on ``world_size``.
+
+    Raises:
+        ValueError: naming the strategy and what is accepted (``NONE`` on several ranks, an
+            FSDP strategy the chosen API lacks).
+    """
+    row = get_strategy(config.strategy)
+    if not row.distributed and world_size != 1:
+        raise ValueError(f"strategy {row.name!r} is one plain process; got {world_size} ranks")
+    if not row.runs_with(config.api):
+        accepted = [s.name for s in STRATEGY_TABLE.values() if s.wrapper == "fsdp" and s.runs_with(config.api)]
+        raise ValueError(f"strategy {row.name!r} is not available with api={config.api!r}; "
+                         f"accepted: {', '.join(accepted)}")
+    return row
+
+
+def _unit_modules(model: SimpleTransformer, config: RunConfig) -> list[nn.Module]:
+    """The modules the run's wrapping policy makes units of (root excluded), found by name
+    before any activation-checkpointing wrapper changes the paths."""
+    names = [u.name for u in wrap_units(config.model_config(), config.wrap, config.wrap_min_params)
+             if not u.root]
+    return [model.get_submodule(name) for name in names]
+
+
+def _materialise(model: nn.Module, device: torch.device, seeded: SeededInit | None) -> None:
+    if seeded is None:
+        model.to(device)
+    else:
+        model.to_empty(device=device)
+        seeded.fill(model)
+
+
+def _apply_none(model, config, ctx, row, units, seeded) -> nn.Module:
+    """``NONE``: the plain module on the rank's device."""
+    _materialise(model, ctx.device, seeded)
+    return model
+
+
+def _apply_ddp(model, config, ctx, row, units, seeded) -> nn.Module:
+    """``DDP``: materialise the full replica, then ``DistributedDataParallel`` (which
+    broadcasts rank 0's weights; they are equal already).
+
+    DDP's default all-reduce runs through a comm hook that also keeps a reference to each
+    gradient bucket (``ddp_bucket_buffers``): the buckets live from the wrap on, and a memory
+    tracker started later sees a bucket only once backward writes into it, unless told of it
+    (:class:`handbook_lib.runtime.measure.StepMemoryTracker` is). The arithmetic is DDP's own
+    ``allreduce_hook``: divide by the world size, all-reduce.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    _materialise(model, ctx.device, seeded)
+    ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                                  init_sync=False)
+    buffers: dict[int, torch.Tensor] = {}
+
+    def keep_and_allreduce(state, bucket):
+        buffers[bucket.index()] = bucket.buffer()
+        return allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, keep_and_allreduce)
+    ddp.ddp_bucket_buffers = buffers
+    return ddp
+
+
+def _apply_fsdp(model, config, ctx, row, units, seeded) -> nn.Module:
+    """FSDP: FSDP2's ``fully_shard`` per unit and root, or FSDP1's wrapper."""
+    if config.api == "fsdp1":
+        return _apply_fsdp1(model, config, ctx, row, seeded)
+    # The output head returns a view (nn.Linear on a 3-D input); FSDP2 warns that an in-place op
+    # on it would skip a hook. Nothing here modifies the logits in place, so silence that warning.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if config.cpu_offload else None
+    home = torch.device("cpu") if offload is not None else ctx.device
+    if seeded is None and offload is None:
+        model.to(ctx.device)
+    apply_fsdp2(model, build_mesh(config, ctx), reshard_after_forward=row.reshard_after_forward,
+                mp_policy=build_mp_policy(config.precision), offload_policy=offload, units=units)
+    if seeded is not None:
+        _materialise(model, home, seeded)
+    return model
+
+
+def _apply_fsdp1(model, config, ctx, row, seeded) -> nn.Module:
+    """FSDP1's ``FullyShardedDataParallel``, as the seed wraps it, made device-aware.
+
+    ``device_id`` is the rank's device (FSDP1 refuses a CPU model without it), the hybrid
+    strategies get an explicit 2-D mesh (without one FSDP1 silently shards within groups of one
+    rank and never syncs gradients across them), the wrapping policy follows ``wrap`` and
+    parameters are flattened per unit (``use_orig_params=False``). On the meta device, FSDP1
+    calls ``param_init_fn`` on each module as it wraps it: that is where the seeded weights go.
+    """
+    import functools
+
+    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import (
+        size_based_auto_wrap_policy,
+        transformer_auto_wrap_policy,
+    )
+
+    if config.cpu_offload and ctx.device.type == "cpu":
+        raise ValueError("FSDP1's CPUOffload pins host memory, which needs an accelerator: on a "
+                         "CPU-only machine use api='fsdp2' (CPUOffloadPolicy(pin_memory=False))")
+    policy = {
+        "layer": functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerLayer}),
+        "model": None,
+        "size": functools.partial(size_based_auto_wrap_policy, min_num_params=config.wrap_min_params),
+    }[config.wrap]
+    mixed = None
+    mp = build_mp_policy(config.precision)
+    if mp is not None:
+        mixed = MixedPrecision(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
+                               buffer_dtype=mp.param_dtype)
+    init_fn = None
+    if seeded is not None:
+        names = {id(m): n for n, m in model.named_modules()}
+
+        def init_fn(module: nn.Module) -> None:
+            module.to_empty(device=ctx.device, recurse=False)
+            seeded.fill_module(names[id(module)], module)
+    warnings.filterwarnings("ignore", message=r".*NO_SHARD.* is deprecated")  # said in chapter 5
+    wrapped = FSDP(
+        model,
+        sharding_strategy=ShardingStrategy[row.fsdp1],
+        auto_wrap_policy=policy,
+        mixed_precision=mixed,
+        cpu_offload=CPUOffload(offload_params=True) if config.cpu_offload else None,
+        device_id=ctx.device,
+        device_mesh=build_mesh(config, ctx) if row.hybrid else None,
+        use_orig_params=False,
+        param_init_fn=init_fn,
+    )
+    if seeded is not None:
+        seeded.close()
+    return wrapped
+
+
+APPLY: dict[str, Callable[..., nn.Module]] = {"none": _apply_none, "ddp": _apply_ddp, "fsdp": _apply_fsdp}
+"""One apply function per wrapper of :data:`handbook_lib.core.strategies.WRAPPERS`:
+``(model, config, ctx, row, units, seeded) -> model``."""
+
+
+def parallelize(config: RunConfig, ctx: RankContext, *, init: InitMode = "meta") -> nn.Module:
+    """The model the run config asks for, built once, checkpointed once, wrapped once.
+
+    Args:
+        config: The run; its ``strategy`` row says which wrapper applies.
+        ctx: This rank (device, world size).
+        init: ``meta`` (default) or ``full`` (see :data:`InitMode`); the weights are the same.
+
+    Raises:
+        ValueError: for a strategy this API or world size cannot run (:func:`check_runnable`).
+    """
+    row = check_runnable(config, ctx.world_size)
+    if init not in ("meta", "full"):
+        raise ValueError(f"init must be 'meta' or 'full', got {init!r}")
+    if init == "meta":
+        with torch.device("meta"):
+            model = SimpleTransformer(config.model_config())
+        seeded = SeededInit(config)
+    else:
+        torch.manual_seed(config.seed)
+        model, seeded = SimpleTransformer(config.model_config()), None
+    units = _unit_modules(model, config)
+    if config.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    return APPLY[row.wrapper](model, config, ctx, row, units, seeded)
+
+
+def measure_init_bytes(config: RunConfig, ctx: RankContext, init: InitMode = "meta") -> tuple[nn.Module, int]:
+    """``parallelize`` under a memory tracker: the model, and the peak bytes of tensors alive on
+    the rank's device (on a CPU run: host memory) while it was built, wrapped and initialised.
+
+    Meta tensors hold no storage and are not counted; with ``init="full"`` the whole seeded
+    model is counted, with ``meta`` the rank's shards plus the largest part being copied.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    with tracker:
+        model = parallelize(config, ctx, init=init)
+    peak = tracker.get_tracker_snapshot("peak").get(ctx.device, {})
+    total = next((int(v) for k, v in peak.items() if str(getattr(k, "value", k)) == "Total"), 0)
+    return model, total

@@ -1,0 +1,83 @@
+"""What every rank does before and after its experiment: device, backend, process group.
+
+Chapter 1 introduces it. The device and the backend are picked at run time, so one code path
+serves a laptop and a GPU node: CUDA + NCCL (one rank per visible GPU, ``cuda:LOCAL_RANK``) when
+GPUs are present, else CPU + gloo.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from handbook_lib.core.protocol import COLLECTIVE_TIMEOUT_ENV
+
+__all__ = ["RankContext", "pick_device", "init_distributed", "shutdown_distributed"]
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the rank that writes the result and draws progress bars."""
+        return self.rank == 0
+
+
+def pick_device(local_rank: int = 0) -> tuple[torch.device, str]:
+    """Choose ``(device, backend)``: ``cuda:local_rank`` + NCCL with GPUs, else CPU + gloo.
+
+    Raises:
+        RuntimeError: if GPUs are present but fewer than ``local_rank + 1`` (start one rank per
+            visible GPU).
+    """
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise RuntimeError(
+                f"local rank {local_rank} has no GPU: {count} visible; "
+                f"start at most {count} processes per node"
+            )
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def init_distributed(timeout_s: float | None = None) -> RankContext:
+    """Join the process group that ``torchrun`` set up through the environment.
+
+    Args:
+        timeout_s: Seconds a collective may block before it raises; defaults to the launcher's
+            ``HANDBOOK_COLLECTIVE_TIMEOUT_S``, else 300 s (torch's own default is 30 min, far too
+            long for a learner watching a hung cell).
+    """
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device, backend = pick_device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if timeout_s is None:
+        timeout_s = float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, "300"))
+    dist.init_process_group(
+        backend=backend,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    return RankContext(rank, world_size, local_rank, device, backend)
+
+
+def shutdown_distributed() -> None:
+    """Destroy the process group if one exists (safe to call twice, or after a failure)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

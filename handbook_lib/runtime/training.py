@@ -1,0 +1,489 @@
+"""Train the model on one rank: the optimizer and the one training loop of every run.
+
+The model comes from :func:`handbook_lib.runtime.build.parallelize` (built once, wrapped once),
+the data from :mod:`handbook_lib.runtime.data`. Chapter 1 introduces the loop; chapter 5 adds its
+levers: fp16 with a gradient scaler, gradient accumulation (micro-steps without gradient sync)
+and gradient clipping over sharded gradients; chapter 6 saves checkpoints from its per-step hook.
+The single-process lessons (:mod:`handbook_lib.lessons`) train through it too, with their own
+batches, forward pass and loss (:func:`train`'s hooks), so their step numbers are the runs'.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from tqdm import tqdm
+
+from handbook_lib.core.config import RunConfig
+from handbook_lib.core.strategies import get_strategy
+from handbook_lib.runtime.data import BatchSource, local_batch, make_batch
+from handbook_lib.runtime.distributed import RankContext
+from handbook_lib.runtime.grads import (
+    clip_grad_norm,
+    full_grad_norm,
+    grad_zero_fraction,
+    is_fsdp1,
+)
+from handbook_lib.runtime.measure import (
+    CollectiveCall,
+    CollectiveCounter,
+    StepMemory,
+    StepMemoryTracker,
+)
+from handbook_lib.runtime.model import build_model
+
+__all__ = [
+    "ForwardFn",
+    "LossFn",
+    "next_token_loss",
+    "TrainLog",
+    "StepEnd",
+    "build_optimizer",
+    "build_grad_scaler",
+    "train_step",
+    "train",
+    "train_one_process",
+    "one_thread",
+    "NonFiniteLoss",
+    "check_loss_finite",
+]
+
+
+class NonFiniteLoss(FloatingPointError):
+    """The loss became NaN or infinite: training diverged. The message names the step and rank."""
+
+
+def check_loss_finite(loss: float, step: int | None = None, rank: int | None = None) -> None:
+    """Raise :class:`NonFiniteLoss` if ``loss`` (nats per token) is NaN or infinite.
+
+    Args:
+        loss: This rank's loss of one step.
+        step: The optimizer step it belongs to (1-based), named in the message if given.
+        rank: This rank (default: the process group's rank, else 0).
+
+    Raises:
+        NonFiniteLoss: e.g. ``loss is nan at step 3 on rank 1: training diverged (lr too large? ...)``.
+    """
+    if math.isfinite(loss):
+        return
+    if rank is None:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    where = f" at step {step}" if step is not None else ""
+    raise NonFiniteLoss(f"loss is {loss}{where} on rank {rank}: training diverged (lr too large? fp16 "
+                        f"without a gradient scaler?)")
+
+
+def build_grad_scaler(config: RunConfig, ctx: RankContext) -> torch.amp.GradScaler | None:
+    """The gradient scaler fp16 needs, or ``None`` (fp32, bf16, or ``grad_scaler=False``).
+
+    fp16's smallest positive value is about 6e-8 (5.96e-8, subnormal); smaller gradients round
+    to zero. The scaler multiplies the loss by a large factor (2**16 at first) so gradients are
+    computed scaled, divides them back in fp32 before the optimizer step, skips a step whose
+    gradients overflowed to inf/NaN and halves the factor then (and doubles it after 2,000 good
+    steps). With FSDP1 the check for inf must agree across ranks, which ``ShardedGradScaler``
+    does with an all-reduce; FSDP2's DTensor gradients let ``torch.amp.GradScaler`` do the same.
+    """
+    if config.precision != "fp16-mixed" or not config.grad_scaler:
+        return None
+    if config.api == "fsdp1" and get_strategy(config.strategy).wrapper == "fsdp":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=ctx.device.type, init_scale=config.grad_scale_init)
+    return torch.amp.GradScaler(ctx.device.type, init_scale=config.grad_scale_init)
+
+
+def build_optimizer(params, name: str, lr: float) -> torch.optim.Optimizer:
+    """The optimizer named by the run config (``adamw``, ``adam``, ``sgd``, ``sgd-momentum``)."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "sgd-momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    raise ValueError(f"optimizer must be one of adamw, adam, sgd, sgd-momentum; got {name!r}")
+
+
+class _ProgressLines:
+    """A file for tqdm that writes each redraw as its own line.
+
+    tqdm redraws with carriage returns; torchrun's ``--tee`` reads the ranks' output line by
+    line and would cut such redraws apart. One line per redraw survives the trip, and the
+    launcher draws them in place again.
+    """
+
+    def write(self, text: str) -> None:
+        for part in text.split("\r"):
+            if part.strip():
+                sys.stderr.write(part.rstrip("\n") + "\n")
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+ForwardFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+"""``(model, inputs) -> logits``: the forward pass of one micro-batch (token ids (batch, seq) to
+logits (batch, seq, vocab)). The default is ``model(inputs)``; chapter 5's loss-scaling lesson
+passes an fp16 forward from fp32 parameters."""
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""``(logits, targets) -> (loss to backpropagate, loss to report)`` of one micro-batch, both
+scalar tensors; the reported one in nats per token. With gradient accumulation over k
+micro-batches the loop divides both by k, so the function returns a micro-batch's loss as if it
+were the whole step's. :func:`next_token_loss` is the default."""
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The default :data:`LossFn`: the mean next-token cross-entropy (nats per token), computed
+    in fp32 whatever the logits' dtype, backpropagated and reported alike (one tensor, twice)."""
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return loss, loss
+
+
+@dataclass(frozen=True)
+class TrainLog:
+    """What :func:`train` observed, per step."""
+
+    losses: list[float]
+    """The reported loss over the global batch (nats per token), after each step's forward: by
+    default (:func:`next_token_loss`) the mean cross-entropy."""
+    step_time_s: list[float]
+    """Wall time of each untracked step (forward, backward, optimizer), seconds; the zero count
+    and the ``after_backward`` hook are left out."""
+    memory: StepMemory | None = None
+    """Memory of the last step, measured by :class:`StepMemoryTracker` (if asked for)."""
+    collectives: list[CollectiveCall] | None = None
+    """Collectives of the last step, recorded by :class:`CollectiveCounter` (if asked for)."""
+    grad_zero_fraction: list[float] = field(default_factory=list)
+    """Per untracked step, this rank's fraction of gradient elements exactly zero after backward
+    (before unscaling): see :func:`grad_zero_fraction`."""
+    grad_scale: list[float] = field(default_factory=list)
+    """Per step, the gradient scaler's factor used in that step (empty without a scaler)."""
+    skipped_steps: list[int] = field(default_factory=list)
+    """The optimizer steps (1-based, counted from the job's start, like ``steps``) that the
+    scaler skipped because it found inf/NaN gradients: those after which its factor dropped."""
+    grad_norm: list[float] = field(default_factory=list)
+    """Per step, the total L2 norm of the global batch's gradient before clipping (only with
+    ``max_grad_norm`` > 0)."""
+    grad_norm_full: float | None = None
+    """With clipping, on the first step: the same norm computed as one process would, from the
+    whole gradient gathered to this rank (see :func:`full_grad_norm`)."""
+    steps: list[int] = field(default_factory=list)
+    """The optimizer step (1-based, counted from the job's start) of each entry of ``losses``."""
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """What the per-step hook of :func:`train` is told after each optimizer step."""
+
+    step: int
+    """Optimizer steps done, counted from the job's start (1-based)."""
+    loss: float
+    """The global batch's mean loss of that step (nats per token)."""
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+def _gradient_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+    """Turn the gradient reduction of the next backward on or off (gradient accumulation).
+
+    FSDP2: ``set_requires_gradient_sync``; DDP and FSDP1: their ``no_sync()`` context; a plain
+    module has nothing to sync.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    if not sync and hasattr(model, "no_sync"):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def _forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, k: int, last: bool,
+                      scaler: torch.amp.GradScaler | None, forward: ForwardFn | None, loss_fn: LossFn,
+                      tracker: StepMemoryTracker | None) -> torch.Tensor:
+    """One micro-step of :func:`train_step`: forward, loss (divided by ``k``), backward, with the
+    gradients reduced across ranks only if ``last``. Returns the reported loss, detached."""
+    with _gradient_sync(model, last):
+        logits = model(x) if forward is None else forward(model, x)
+        loss, reported = loss_fn(logits, y)
+        if k > 1:  # each micro-batch's share of the step's mean
+            same = reported is loss
+            loss = loss / k
+            reported = loss if same else reported / k
+        del logits  # only what autograd saved stays alive
+        if tracker is not None:
+            tracker.after_forward()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+    return reported.detach()
+
+
+def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scaler: torch.amp.GradScaler | None, max_grad_norm: float,
+                    grad_norms: list[float] | None, full_norms: list[float] | None) -> None:
+    """The end of :func:`train_step`: clip (after unscaling), step through the scaler if any,
+    zero the gradients."""
+    if max_grad_norm > 0:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        if full_norms is not None:
+            full_norms.append(full_grad_norm(model))
+        norm = clip_grad_norm(model, max_grad_norm)
+        if grad_norms is not None:
+            grad_norms.append(norm)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    tracker: StepMemoryTracker | None = None,
+    *,
+    scaler: torch.amp.GradScaler | None = None,
+    after_backward: Callable[[nn.Module], None] | None = None,
+    step: int | None = None,
+    grad_accum_steps: int = 1,
+    max_grad_norm: float = 0.0,
+    grad_norms: list[float] | None = None,
+    full_norms: list[float] | None = None,
+    forward: ForwardFn | None = None,
+    loss_fn: LossFn = next_token_loss,
+) -> torch.Tensor:
+    """One optimizer step: forward, loss, backward, optimizer step. Returns this rank's reported
+    loss over ``inputs`` (by default the mean next-token cross-entropy, nats per token).
+
+    ``forward(model, x)`` computes the logits (default ``model(x)``); ``loss_fn(logits, y)``
+    returns the loss to backpropagate and the loss to report (see :data:`LossFn`; default
+    :func:`next_token_loss`). With ``grad_accum_steps`` = k > 1 the rows of ``inputs`` are cut
+    into k equal micro-batches, each one's losses divided by k, and gradients are reduced across
+    ranks only in the last micro-step's backward (:func:`_gradient_sync`): the optimizer sees the
+    gradient of the mean over all rows, as with k = 1. With ``max_grad_norm`` > 0 the gradients
+    are clipped to that total norm (after unscaling, with a scaler) and the norm before clipping
+    is appended to ``grad_norms`` (and, if ``full_norms`` is given, :func:`full_grad_norm` to it,
+    first).
+
+    Gradients are zeroed, not freed (``set_to_none=False``), so their memory is part of the model
+    state at rest, as the memory model of chapter 2 assumes (a zeroed gradient plus the next one
+    is that gradient exactly, so the numbers are those of freed gradients). With a ``scaler``
+    (fp16), the backward pass runs on the scaled loss and the scaler unscales, checks and steps.
+    ``after_backward(model)`` is called between the last backward and the optimizer step.
+
+    Raises:
+        ValueError: if ``inputs`` has a number of rows that ``grad_accum_steps`` does not divide.
+        NonFiniteLoss: if this rank's loss is NaN or infinite (checked once the step's
+            collectives are done, so the other ranks are not left waiting in one); ``step``
+            (1-based) is named in the message.
+    """
+    k = grad_accum_steps
+    if k < 1 or inputs.shape[0] % k:
+        raise ValueError(f"grad_accum_steps={k} must be >= 1 and divide this rank's {inputs.shape[0]} "
+                         "sequences")
+    total: torch.Tensor | float = 0.0
+    # (no chunk() for one micro-step: a view made under a memory tracker makes it count the
+    # batch's storage as the step's own)
+    pieces = [(inputs, targets)] if k == 1 else list(zip(inputs.chunk(k), targets.chunk(k)))
+    for micro, (x, y) in enumerate(pieces):
+        if tracker is not None and micro == 0 and k > 1:
+            tracker.mark_start()
+        if tracker is not None and micro > 0:
+            tracker.next_micro_step()
+        loss = _forward_backward(model, x, y, k=k, last=micro == k - 1, scaler=scaler, forward=forward,
+                                 loss_fn=loss_fn, tracker=tracker)
+        # a Python float between micro-steps: no tensor of the loop's own stays alive
+        total = loss if k == 1 else total + loss.item()
+        del loss
+        if tracker is not None and micro == 0 and k > 1:
+            tracker.mark_between_micro_steps()
+    if after_backward is not None:
+        after_backward(model)
+    _optimizer_step(model, optimizer, scaler, max_grad_norm, grad_norms, full_norms)
+    if k > 1:
+        total = torch.tensor(total, device=inputs.device)
+    check_loss_finite(total.item(), step)
+    return total
+
+
+@dataclass
+class _Recorder:
+    """What :func:`train` collects step by step, turned into a :class:`TrainLog` at the end."""
+
+    losses: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    zeros: list[float] = field(default_factory=list)
+    scales: list[float] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    norms: list[float] = field(default_factory=list)
+    full: list[float] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    memory: StepMemory | None = None
+    collectives: list[CollectiveCall] | None = None
+    hook_s: float = 0.0
+    """Seconds this step spent counting zeros and in the caller's hook, kept out of step_time_s."""
+
+    def after_backward(self, hook: Callable[[nn.Module, int], None] | None, step: int,
+                       count_zeros: bool) -> Callable[[nn.Module], None] | None:
+        """:func:`train_step`'s ``after_backward`` for 1-based ``step``: the zero count (if
+        ``count_zeros``), then the caller's ``hook(model, step)``; ``None`` if neither runs."""
+        self.hook_s = 0.0
+        if hook is None and not count_zeros:
+            return None
+
+        def run(model: nn.Module) -> None:
+            begin = time.perf_counter()
+            if count_zeros:
+                self.zeros.append(grad_zero_fraction(model))
+            if hook is not None:
+                hook(model, step)
+            self.hook_s = time.perf_counter() - begin
+
+        return run
+
+    def log(self) -> TrainLog:
+        return TrainLog(losses=self.losses, step_time_s=self.times, memory=self.memory,
+                        collectives=self.collectives, grad_zero_fraction=self.zeros,
+                        grad_scale=self.scales, skipped_steps=self.skipped, grad_norm=self.norms,
+                        grad_norm_full=self.full[0] if self.full else None, steps=self.steps)
+
+
+def _tracked_step(record: _Recorder, model: nn.Module, optimizer: torch.optim.Optimizer,
+                  batch: tuple[torch.Tensor, torch.Tensor], device: torch.device, track_memory: bool,
+                  count_collectives: bool, **step_args: Any) -> torch.Tensor:
+    """:func:`train_step` under a :class:`StepMemoryTracker` and/or a :class:`CollectiveCounter`,
+    whose findings go to ``record``."""
+    tracker = StepMemoryTracker(model, optimizer, device) if track_memory else None
+    counter = CollectiveCounter() if count_collectives else None
+    with contextlib.ExitStack() as stack:
+        for mode in (tracker, counter):
+            if mode is not None:
+                stack.enter_context(mode)
+        loss = train_step(model, optimizer, *batch, tracker, **step_args)
+    record.memory = tracker.result if tracker else None
+    record.collectives = counter.calls if counter else None
+    return loss
+
+
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: RunConfig,
+    ctx: RankContext,
+    *,
+    start_step: int = 0,
+    on_step: Callable[[StepEnd], None] | None = None,
+    progress: bool = True,
+    track_memory: bool = False,
+    count_collectives: bool = False,
+    scaler: torch.amp.GradScaler | None = None,
+    batches: BatchSource = make_batch,
+    forward: ForwardFn | None = None,
+    loss_fn: LossFn = next_token_loss,
+    after_backward: Callable[[nn.Module, int], None] | None = None,
+) -> TrainLog:
+    """Run optimizer steps ``start_step + 1`` … ``config.steps`` on this rank's share of each
+    global batch (the batch of step s is ``batches(config, s - 1)``, :func:`make_batch` by
+    default: a resumed job continues with the very data where it stopped).
+
+    Every rank gets an equal slice of the same global batch, so the gradient FSDP averages over
+    ranks is the gradient of the global batch's mean loss: the same as one process training on
+    the whole batch. ``config.grad_accum_steps`` and ``config.max_grad_norm`` are applied by
+    :func:`train_step`, as are ``forward`` (:data:`ForwardFn`, default ``model(inputs)``) and
+    ``loss_fn`` (:data:`LossFn`, default :func:`next_token_loss`); the logged loss is the reported
+    one, averaged over ranks. ``after_backward(model, step)`` (if given) is called on every step,
+    ``step`` 1-based, between the last backward and the optimizer step (gradients still scaled,
+    with a scaler); its time is kept out of ``step_time_s``. After each step, ``on_step`` (if
+    given) is called on every rank with a :class:`StepEnd` (a checkpoint save, a log line). A
+    tqdm progress bar is drawn on rank 0 (stderr) when ``progress`` is set. With
+    ``track_memory`` or ``count_collectives`` (and at least 2 steps, so that the optimizer state
+    exists) the last step runs under a :class:`StepMemoryTracker` and/or a
+    :class:`CollectiveCounter`; its time is not in ``step_time_s`` and its zeros are not
+    counted. ``scaler`` is a gradient scaler for fp16 (see :func:`build_grad_scaler`).
+
+    Raises:
+        NonFiniteLoss: as soon as a rank's loss is NaN or infinite, naming the step and the rank
+            (the launcher then reports that rank as the cause of the failed run).
+    """
+    record = _Recorder()
+    model.train()
+    bar = tqdm(total=config.steps - start_step, desc="train", unit="step", file=_ProgressLines(),
+               disable=not (progress and ctx.is_main), mininterval=0, dynamic_ncols=False, ncols=80)
+    step_args = {"scaler": scaler, "grad_accum_steps": config.grad_accum_steps, "forward": forward,
+                 "loss_fn": loss_fn, "max_grad_norm": config.max_grad_norm, "grad_norms": record.norms}
+    for step in range(start_step, config.steps):
+        batch = local_batch(config, step, ctx, batches)
+        tracked = (track_memory or count_collectives) and config.steps >= 2 and step == config.steps - 1
+        if scaler is not None:
+            record.scales.append(float(scaler.get_scale()))
+        hook = record.after_backward(after_backward, step + 1, count_zeros=not tracked)
+        start = time.perf_counter()
+        if tracked:
+            loss = _tracked_step(record, model, optimizer, batch, ctx.device, track_memory,
+                                 count_collectives, after_backward=hook, step=step + 1, **step_args)
+        else:
+            check_norm = step == start_step and config.max_grad_norm > 0 and not is_fsdp1(model)
+            loss = train_step(model, optimizer, *batch, after_backward=hook, step=step + 1,
+                              full_norms=record.full if check_norm else None, **step_args)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        if not tracked:
+            record.times.append(time.perf_counter() - start - record.hook_s)
+        if scaler is not None and scaler.get_scale() < record.scales[-1]:
+            record.skipped.append(step + 1)  # the scale only drops when inf/NaN gradients were found
+        if dist.is_initialized():
+            dist.all_reduce(loss)  # SUM (gloo has no AVG), then divide
+            loss /= ctx.world_size
+        record.losses.append(loss.item())
+        record.steps.append(step + 1)
+        bar.set_postfix(loss=f"{record.losses[-1]:.4f}", refresh=False)
+        bar.update()
+        if on_step is not None:
+            on_step(StepEnd(step + 1, record.losses[-1], model, optimizer))
+    bar.close()
+    return record.log()
+
+
+def train_one_process(config: RunConfig) -> TrainLog:
+    """The reference every distributed run must reproduce: ``config``'s model, built from its
+    seed, trained in this process on the whole global batch (no process group, on the CPU).
+
+    Losses agree with an fp32 run on any number of ranks and nodes within rounding (the
+    chapters and tests use 1e-5, relative); mixed precision rounds differently by design.
+    """
+    model = build_model(config.model_config(), seed=config.seed)
+    one = RankContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
+    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
+    return train(model, optimizer, config, one, progress=False)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch's CPU kernels on one thread inside the block, then restore the count.
+
+    The book's single-process demonstrations train tiny models: one thread is as fast, is not
+    slowed by other jobs competing for the cores, and gives the same sums on machines with any
+    number of cores (a thread count changes how a reduction is split, and so its rounding).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
