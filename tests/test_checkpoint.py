@@ -251,7 +251,7 @@ def test_fsdp1_state_dict_types_are_all_explained():
     assert set(FSDP1_STATE_DICT_TYPES) == {"FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"}
     assert "final" in FSDP1_STATE_DICT_TYPES["FULL_STATE_DICT"][2]
     assert "intermediate" in FSDP1_STATE_DICT_TYPES["SHARDED_STATE_DICT"][2]
-    with pytest.raises(ValueError, match="step must be >= 0"):
+    with pytest.raises(ValueError, match=r"^step must be an int >= 0, got -1$"):
         checkpoint_name(-1)
 
 

@@ -427,10 +427,10 @@ REFUSALS = [
     (lambda c: deepspeed_config(c, 2), dict(strategy="HYBRID_SHARD_ZERO2"),
      r"^strategy 'HYBRID_SHARD_ZERO2' has no DeepSpeed ZeRO counterpart \(DeepSpeed has no hybrid ZeRO-2\)$"),
     (lambda c: deepspeed_config(c, 3), dict(strategy="ZERO2", batch_size=8),
-     r"^batch_size=8 must divide into world_size=3 x grad_accum_steps=1$"),
-    (lambda c: deepspeed_config(c, 0), dict(strategy="ZERO2"), r"world_size=0"),
+     r"^batch_size=8 must be divisible by the number of ranks 3$"),
+    (lambda c: deepspeed_config(c, 0), dict(strategy="ZERO2"), r"^world_size must be an int >= 1, got 0$"),
     (lambda c: deepspeed_config(c, 2, persistence_threshold=-1), dict(strategy="ZERO3"),
-     r"^persistence_threshold must be >= 0 elements, got -1$"),
+     r"^persistence_threshold must be a whole number of elements >= 0, got -1$"),
 ]
 
 

@@ -87,6 +87,8 @@ def test_bad_input(kwargs, match):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"gpus": 16, "gpus_per_node": 0}, "gpus_per_node must be an int >= 1, got 0"),
+    ({"micro_batch": 0}, r"^micro_batch must be an int >= 1, got 0$"),
+    ({"seq_len": 2.5}, r"^seq_len must be an int >= 1, got 2.5$"),
     ({"gpus": 16, "gpus_per_node": 3}, "gpus=16 is not a whole number of nodes of gpus_per_node=3"),
     ({"precision": "fp8"}, "precision must be one of fp32, bf16-mixed, fp16-mixed, got 'fp8'"),
 ])

@@ -38,3 +38,5 @@ def test_aliases_and_errors():
         get_shape("llama3")
     with pytest.raises(ValueError, match="divide"):
         DecoderShape("x", 1, 10, 3)
+    with pytest.raises(ValueError, match=r"^DecoderShape.num_layers must be an int >= 1, got 0$"):
+        DecoderShape("x", 0, 8, 2)

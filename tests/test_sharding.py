@@ -3,7 +3,7 @@
 import pytest
 
 from handbook_lib.core import ModelConfig, check_world, param_count
-from handbook_lib.models import Unit, wrap_units
+from handbook_lib.models import Unit, shard_rows, wrap_units
 from handbook_lib.runtime import SimpleTransformer, TransformerLayer
 
 
@@ -31,6 +31,11 @@ def test_padded_numel_rounds_each_first_dimension_up():
 def test_unit_rejects_bad_shapes():
     with pytest.raises(ValueError, match="shapes of unit"):
         Unit("u", ((3, -1),))
+
+
+def test_shard_rows_refuses_a_negative_dim0():
+    with pytest.raises(ValueError, match=r"^dim0 must be an int >= 0, got -1$"):
+        shard_rows(-1, 2, 0)
 
 
 def test_check_world():

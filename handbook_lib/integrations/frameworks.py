@@ -307,11 +307,8 @@ def deepspeed_config(config: RunConfig, world_size: int, *, persistence_threshol
     section = row.deepspeed_config()
     if section is None or not row.distributed:
         raise ValueError(f"strategy {row.name!r} has no DeepSpeed ZeRO counterpart ({row.zero_note or 'none'})")
-    if world_size < 1 or config.batch_size % (world_size * config.grad_accum_steps):
-        raise ValueError(f"batch_size={config.batch_size} must divide into world_size={world_size} "
-                         f"x grad_accum_steps={config.grad_accum_steps}")
-    if persistence_threshold < 0:
-        raise ValueError(f"persistence_threshold must be >= 0 elements, got {persistence_threshold}")
+    config.check_batch(check_int("world_size", world_size, 1))
+    check_int("persistence_threshold", persistence_threshold, 0, noun="a whole number of elements")
     if section["stage"] == 3:
         section.update(stage3_param_persistence_threshold=persistence_threshold,
                        stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0)

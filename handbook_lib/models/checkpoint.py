@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from handbook_lib.core.checks import lookup
+from handbook_lib.core.checks import check_int, lookup
 from handbook_lib.models.layout import ModelLike, model_layout
 from handbook_lib.models.model_state import OPTIMIZER_RULES
 
@@ -102,8 +102,7 @@ class TensorCount:
 
 def checkpoint_name(step: int) -> str:
     """Directory name of the checkpoint after ``step`` optimizer steps: ``step_000004``."""
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
+    check_int("step", step, 0)
     return f"step_{step:06d}"
 
 def estimate_checkpoint_count(config: ModelLike, optimizer: str) -> dict[str, TensorCount]:

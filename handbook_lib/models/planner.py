@@ -169,8 +169,8 @@ def plan(
         gpus_per_node = node_preset(acc).gpus_per_node
     check_whole_nodes(gpus, gpus_per_node)
     get_precision(precision)
-    if micro_batch < 1 or seq_len < 1:
-        raise ValueError(f"micro_batch and seq_len must be >= 1, got {micro_batch}, {seq_len}")
+    check_int("micro_batch", micro_batch, 1)
+    check_int("seq_len", seq_len, 1)
     if not 0 <= headroom < 1:  # also refuses NaN
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
     node = node_preset(acc, inter_link=inter_link, intra_link=intra_link, gpus_per_node=min(gpus_per_node, gpus))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from handbook_lib.core.checks import lookup
+from handbook_lib.core.checks import check_int, lookup
 
 __all__ = ["DecoderShape", "DECODER_SHAPES", "get_shape"]
 
@@ -42,8 +42,7 @@ class DecoderShape:
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "d_model", "nhead", "vocab_size"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"DecoderShape.{key} must be >= 1, got {getattr(self, key)}")
+            check_int(f"DecoderShape.{key}", getattr(self, key), 1)
         if self.d_model % self.nhead or self.nhead % self.kv_heads:
             raise ValueError("nhead must divide d_model, and num_kv_heads must divide nhead")
 

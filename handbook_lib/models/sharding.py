@@ -45,8 +45,7 @@ def shard_rows(dim0: int, world_size: int, rank: int) -> tuple[int, int]:
         storage is padded to (the same on every rank: ``ceil(dim0 / world_size)``).
     """
     check_world(world_size, rank)
-    if dim0 < 0:
-        raise ValueError(f"dim0 must be >= 0, got {dim0}")
+    check_int("dim0", dim0, 0)
     chunk = -(-dim0 // world_size)
     rows = max(0, min(chunk, dim0 - rank * chunk))
     return rows, chunk

@@ -83,8 +83,7 @@ def estimate_zero_memory(num_params: ModelLike, world_size: int, stage: int, *, 
     check_world(world_size)
     if stage not in ZERO_STAGES:
         raise ValueError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
-    if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
+    check_int("k", k, 0)
     shard = lambda b, from_stage: b * n / world_size if stage >= from_stage else b * n  # noqa: E731
     return ModelStateBytes(params=round(shard(2, 3)), grads=round(shard(2, 2)),
                            optimizer=round(shard(k, 1)))
