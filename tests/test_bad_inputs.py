@@ -66,6 +66,7 @@ def _torchrun(*args, **kwargs):
 
 
 PLAN = ["plan", "--model", "llama2-7b", "--gpu", "h100-80gb"]
+HF = REPO / "tests" / "data" / "hf_configs"
 RUN = ["run", "fsdp_train", "--quiet"]
 
 ROWS: list[BadInputRow] = [
@@ -94,6 +95,13 @@ ROWS: list[BadInputRow] = [
     cli("memory-set-not-a-model-key", ["memory", "--set", "precision=fp32"], "--set"),
     cli("memory-set-bad-shape", ["memory", "--set", "nhead=5"], "nhead"),
     cli("memory-unknown-model", ["memory", "--model", "llama2-8b"], "--model"),
+    cli("params-hf-config-missing", ["params", "--hf-config", str(HF / "missing.json")], "--hf-config"),
+    cli("memory-hf-config-not-json", ["memory", "--hf-config", str(HF / "bad-not-json.json")], "--hf-config"),
+    cli("plan-hf-config-moe", [*PLAN[:1], "--hf-config", str(HF / "bad-mixtral.json"), *PLAN[3:], "--gpus", "8"],
+        "model_type"),
+    cli("comm-hf-config-heads", ["comm", "--hf-config", str(HF / "bad-heads.json")], "num_attention_heads"),
+    cli("memory-hf-config-and-model", ["memory", "--hf-config", str(HF / "gpt2.json"), "--model", "7b"],
+        "--hf-config"),
     cli("memory-group-size-not-dividing", ["memory", "--strategy", "HYBRID_SHARD", "--shard-group-size", "3",
                                            "--world-size", "8"], "--shard-group-size"),
     cli("memory-group-size-0", ["memory", "--strategy", "HYBRID_SHARD", "--shard-group-size", "0"],

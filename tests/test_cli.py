@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -99,6 +100,7 @@ def test_run_exits_1_on_a_failed_check_that_is_not_bytes(tmp_path, capsys):
     assert (tmp_path / "result.json").exists()  # the result is kept for inspection
 
 
+HF_CONFIGS = Path(__file__).parent / "data" / "hf_configs"
 WIDE_OUTPUTS = [
     ["runs"],
     ["run", "--help"],
@@ -115,6 +117,9 @@ WIDE_OUTPUTS = [
     ["plan", "--model", "gpt3-175b", "--gpu", "h100-80gb", "--gpus", "1"],
     ["plan", "--model", "llama2-70b", "--gpu", "h200-141gb", "--gpus", "16", "--seq-len", "4096"],
     ["plan", "--model", "llama2-13b", "--gpu", "a100-40gb", "--gpus", "8", "--seq-len", "4096"],
+    ["params", "--hf-config", str(HF_CONFIGS / "qwen2-0.5b.json")],
+    ["memory", "--hf-config", str(HF_CONFIGS / "mistral-nemo-12b.json"), "--micro-batch", "1", "--seq-len", "8192"],
+    ["plan", "--hf-config", str(HF_CONFIGS / "llama3-8b.json"), "--gpu", "a100-40gb", "--gpus", "16"],
 ]
 
 

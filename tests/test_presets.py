@@ -40,3 +40,17 @@ def test_aliases_and_errors():
         DecoderShape("x", 1, 10, 3)
     with pytest.raises(ValueError, match=r"^DecoderShape.num_layers must be an int >= 1, got 0$"):
         DecoderShape("x", 0, 8, 2)
+
+
+def test_head_dim_and_the_bias_flags_by_hand():
+    # d = 10, 3 heads of width 8 (q = 24), 1 key/value head (k = 8), gated f = 16:
+    # Q, K, V, O weights 2·10·24 + 2·10·8; biases on Q, K, V 24 + 2·8, on O 10;
+    # gate, up, down 3·10·16 plus biases 2·16 + 10; two RMSNorms 2·10.
+    shape = DecoderShape("h", 1, 10, 3, 5, dim_feedforward=16, gated_mlp=True, num_kv_heads=1, head_dim=8,
+                         qkv_bias=True, out_bias=True, mlp_bias=True)
+    assert shape.head_width == 8
+    assert shape.layer_params == 2 * 10 * 24 + 2 * 10 * 8 + 24 + 16 + 10 + 3 * 10 * 16 + 2 * 16 + 10 + 2 * 10
+    plain = DecoderShape("p", 1, 10, 3, 5, dim_feedforward=16, gated_mlp=True, num_kv_heads=1, head_dim=8)
+    assert shape.layer_params - plain.layer_params == 24 + 16 + 10 + 2 * 16 + 10
+    with pytest.raises(ValueError, match=r"^DecoderShape.head_dim must be an int >= 0, got -1$"):
+        DecoderShape("x", 1, 12, 3, head_dim=-1)

@@ -8,20 +8,23 @@ Chapter 1 introduces it. Commands:
   one with torchrun, stream its ranks' output, leave ``DIR/result.json`` (without ``--out``, a
   temporary folder, removed at the end) and print its checks
   (with each one's tolerance and whether it passed), then a one-line verdict;
-- ``params [--model 7b | --set key=value ...]`` — a model's parameter count, by component;
-- ``memory (--params N | --model 7b | --set key=value ...) --world-size N ...`` — the memory
-  model's per-rank bytes by component (``--json`` for bytes);
-- ``comm (--params N | --model 70b) --world-size N --strategy S --link nvlink4 ...`` — bytes
-  each rank sends per step, and the time they take (``--json`` for bytes and seconds);
-- ``plan --model llama2-7b --gpu h100-80gb --gpus 8 --seq-len 4096 --micro-batch 1`` — every
-  option priced, and a recommendation with its reasons (``--json`` for tools);
+- ``params [--model 7b | --hf-config config.json | --set key=value ...] [--json]`` — a model's
+  parameter count, by component (``--json``: ``{"total": N, ...}``);
+- ``memory (--params N | --model 7b | --hf-config PATH | --set key=value ...) --world-size N
+  ...`` — the memory model's per-rank bytes by component (``--json`` for bytes);
+- ``comm (--params N | --model 70b | --hf-config PATH) --world-size N --strategy S --link nvlink4
+  ...`` — bytes each rank sends per step, and the time they take (``--json``: bytes, seconds);
+- ``plan (--model llama2-7b | --hf-config PATH) --gpu h100-80gb --gpus 8 --seq-len 4096
+  --micro-batch 1`` — every option priced, and a recommendation with its reasons (``--json`` for
+  tools);
 - ``slurm NAME --nodes N --gpus-per-node G [--set key=value ...] [--output FILE]`` — write a
   Slurm batch script that runs the experiment on N nodes x G GPUs (one torchrun agent per node),
   its config checked first; to stdout, or to FILE (never replacing a file it did not write).
 
-Every planning command prints the model it prices and its assumptions (strategy, ranks,
-precision, optimizer) first; everything it prints fits in 100 columns. A bad argument gets one
-short line naming the flag and what it accepts.
+A Transformers ``config.json`` (``--hf-config``) is read as the model's shape
+(:func:`~handbook_lib.models.hf_config.read_hf_config`). Every planning command prints the model it
+prices and its assumptions (strategy, ranks, precision, optimizer) first; everything it prints fits
+in 100 columns. A bad argument gets one short line naming the flag and what it accepts.
 
 Exit status: 0 on success, 1 if a run failed or a check was off, 2 for a bad argument.
 """
@@ -41,6 +44,7 @@ from handbook_lib.core.strategies import STRATEGIES, strategies_where
 from handbook_lib.face.commands import COMMANDS, wrap_line
 from handbook_lib.launch.errors import RunFailed
 from handbook_lib.models.hardware import ACCELERATORS, LINKS
+from handbook_lib.models.hf_config import HF_FAMILIES
 from handbook_lib.models.presets import DECODER_SHAPES
 from handbook_lib.runs import describe_runs, run_config_fields
 
@@ -100,8 +104,14 @@ def _add_model_choice(cmd: argparse.ArgumentParser, params_help: str | None, set
         what.add_argument("--params", type=_param_count, metavar="N", help=params_help)
     what.add_argument("--model", choices=sorted(DECODER_SHAPES), metavar="NAME",
                       help=f"a decoder preset (chapter 2): {', '.join(sorted(DECODER_SHAPES))}")
+    _add_hf_config(what)
     cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help=set_help)
+
+
+def _add_hf_config(group: argparse._MutuallyExclusiveGroup) -> None:
+    group.add_argument("--hf-config", default=None, metavar="PATH",
+                       help=f"a Transformers config.json of your own model (model_type: {', '.join(HF_FAMILIES)})")
 
 
 def _add_sharding(cmd: argparse.ArgumentParser) -> None:
@@ -143,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     params = sub.add_parser("params", help="parameter count of a model, by component")
     _add_model_choice(params, None, f"the handbook's model with a shape key changed: {', '.join(MODEL_KEYS)}")
+    params.add_argument("--json", action="store_true", help="print the counts as JSON")
 
     mem = sub.add_parser("memory", help="predicted per-rank memory, by component")
     _add_model_choice(mem, "a model known by its parameter count (e.g. 7e9): model state only",
@@ -164,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a model known by its parameter count (one flat unit)")
     what.add_argument("--model", choices=sorted(DECODER_SHAPES), metavar="NAME",
                       help=f"a decoder preset, one unit per layer: {', '.join(sorted(DECODER_SHAPES))}")
+    _add_hf_config(what)
     _add_sharding(comm)
     comm.add_argument("--link", default="nvlink4", choices=list(LINKS), metavar="L", help=f"one of {', '.join(LINKS)}")
     comm.add_argument("--gpu", default=None, choices=list(ACCELERATORS), metavar="G",
@@ -172,8 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_argument("--json", action="store_true", help="print bytes and seconds as JSON")
 
     pl = sub.add_parser("plan", help="price every strategy and recommend one")
-    pl.add_argument("--model", required=True, choices=sorted(DECODER_SHAPES), metavar="NAME",
-                    help=f"a model preset: {', '.join(sorted(DECODER_SHAPES))}")
+    which = pl.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", choices=sorted(DECODER_SHAPES), metavar="NAME",
+                       help=f"a model preset: {', '.join(sorted(DECODER_SHAPES))}")
+    _add_hf_config(which)
     pl.add_argument("--gpu", required=True, choices=sorted(ACCELERATORS), metavar="G",
                     help=f"a GPU preset: {', '.join(sorted(ACCELERATORS))}")
     pl.add_argument("--gpus", type=_whole(1), required=True, help="GPUs in the job")

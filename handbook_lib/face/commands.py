@@ -29,6 +29,7 @@ from handbook_lib.face.views import fit_table, step_time_summary, step_time_tabl
 from handbook_lib.launch.errors import describe_failed_checks
 from handbook_lib.launch.runner import torchrun
 from handbook_lib.models.hardware import get_accelerator, get_link, node_preset
+from handbook_lib.models.hf_config import read_hf_config
 from handbook_lib.models.layout import ModelLayout, model_layout
 from handbook_lib.models.memory import PHASE_WORDS, estimate_memory
 from handbook_lib.models.planner import check_whole_nodes, plan
@@ -56,21 +57,28 @@ def _model_overrides(items: list[str]) -> ModelConfig:
     return RunConfig.from_mapping(overrides).model_config()
 
 def _chosen_model(args: argparse.Namespace) -> tuple[ModelLayout, str]:
-    """The layout of the model named on the command line (``--params N``, ``--model NAME``, or
-    the handbook's model with ``--set`` keys) and a line naming it."""
+    """The layout of the model named on the command line (``--params N``, ``--model NAME``,
+    ``--hf-config PATH``, or the handbook's model with ``--set`` keys) and a line naming it."""
     params, overrides = getattr(args, "params", None), getattr(args, "overrides", [])
-    if (params is not None or args.model is not None) and overrides:
-        flag = "--params" if params is not None else "--model"
+    hf_config = getattr(args, "hf_config", None)
+    if (params is not None or args.model is not None or hf_config is not None) and overrides:
+        flag = "--params" if params is not None else "--model" if args.model is not None else "--hf-config"
         raise ValueError(f"--set changes the handbook's model; do not combine it with {flag}")
     if params is not None:
         return model_layout(params), f"model: {params:,} parameters (--params: a count only, so model state only)"
     if args.model is not None:
         layout = model_layout(args.model)
         return layout, f"model: {layout.name}, {layout.num_params:,} parameters (--model {args.model})"
+    if hf_config is not None:
+        try:
+            layout = model_layout(read_hf_config(hf_config))
+        except ValueError as err:
+            raise ValueError(f"--hf-config {err}") from None
+        return layout, f"model: {layout.name}, {layout.num_params:,} parameters (--hf-config {hf_config})"
     layout = model_layout(_model_overrides(overrides))
     changed = f"; changed: {' '.join(overrides)}" if overrides else ""
     return layout, (f"model: the handbook's model, {layout.num_params:,} parameters{changed} "
-                    "(other models: --model, --params)")
+                    "(other models: --model, --hf-config, --params)")
 
 def _check_sharding(args: argparse.Namespace) -> None:
     """Refuse flags that the chosen strategy would ignore or cannot honour."""
@@ -98,7 +106,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         raise ValueError(f"--micro-batch and --seq-len go together: give {missing} too (> 0), or neither")
     if args.micro_batch and args.params is not None:
         raise ValueError("--micro-batch/--seq-len need a model shape, and --params is only a count: "
-                         "use --model (e.g. 7b) or the handbook's model instead")
+                         "use --model (e.g. 7b), --hf-config or the handbook's model instead")
     if args.activation_checkpointing and not args.micro_batch:
         raise ValueError("--activation-checkpointing changes activations only: give --micro-batch "
                          "and --seq-len too")
@@ -132,9 +140,10 @@ def _cmd_memory(args: argparse.Namespace) -> int:
                 "  "))
     for note in est.notes:
         if note.startswith("activations not included"):
-            note = ("activations not included: give --micro-batch and --seq-len (with --model or the "
-                    "handbook's model)" if args.params is None else
-                    "activations not included: --params has no shape to compute them from (use --model)")
+            note = ("activations not included: give --micro-batch and --seq-len (with --model, "
+                    "--hf-config or the handbook's model)" if args.params is None else
+                    "activations not included: --params has no shape to compute them from (use --model "
+                    "or --hf-config)")
         print(wrap_line(f"note: {note}", "  "))
     return 0
 
@@ -183,13 +192,14 @@ def _cmd_comm(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     per_node = args.gpus_per_node or node_preset(args.gpu).gpus_per_node
     check_whole_nodes(args.gpus, per_node, names=("--gpus {}", "--gpus-per-node {}"))
-    result = plan(args.model, args.gpu, args.gpus, micro_batch=args.micro_batch, seq_len=args.seq_len,
+    model, named = _chosen_model(args)
+    result = plan(model, args.gpu, args.gpus, micro_batch=args.micro_batch, seq_len=args.seq_len,
                   gpus_per_node=per_node, inter_link=args.inter_link,
                   precision=args.precision, headroom=args.headroom)
     if args.json:
         print(json.dumps(dataclasses.asdict(result), indent=2))
         return 0
-    print(f"model: {result.model}, {result.num_params:,} parameters (--model {args.model})")
+    print(wrap_line(named, "  "))
     print(wrap_line(f"assumes: {result.gpus} x {result.gpu} ({per_node} per node, "
                 f"{args.inter_link} between nodes), {args.precision}, optimizer adamw, micro-batch "
                 f"{args.micro_batch} x {args.seq_len} tokens, {args.headroom:.0%} of GPU memory kept "
@@ -264,6 +274,9 @@ def _cmd_slurm(args: argparse.Namespace) -> int:
 def _cmd_params(args: argparse.Namespace) -> int:
     model, named = _chosen_model(args)
     parts, total = dict(model.breakdown), model.num_params
+    if args.json:
+        print(json.dumps({"total": total, "model": named.removeprefix("model: "), "components": parts}, indent=2))
+        return 0
     print(wrap_line(named, "  "))
     rows = [[name, count, format_bytes(4 * count)] for name, count in parts.items()]
     rows.append(["total", total, format_bytes(4 * total)])

@@ -57,6 +57,12 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         get_link,
         node_preset,
     )
+    from handbook_lib.models.hf_config import (
+        HF_DEFAULTS,
+        HF_FAMILIES,
+        decoder_shape_from_hf,
+        read_hf_config,
+    )
     from handbook_lib.models.init_bytes import estimate_init_bytes, model_part_numels
     from handbook_lib.models.layout import (
         ModelLayout,
@@ -185,6 +191,10 @@ _HOMES = {
     "get_accelerator": "hardware",
     "default_intra_link": "hardware",
     "node_preset": "hardware",
+    "HF_FAMILIES": "hf_config",
+    "HF_DEFAULTS": "hf_config",
+    "decoder_shape_from_hf": "hf_config",
+    "read_hf_config": "hf_config",
     "model_part_numels": "init_bytes",
     "estimate_init_bytes": "init_bytes",
     "ModelLayout": "layout",
@@ -298,6 +308,10 @@ __all__ = [
     "get_accelerator",
     "default_intra_link",
     "node_preset",
+    "HF_FAMILIES",
+    "HF_DEFAULTS",
+    "decoder_shape_from_hf",
+    "read_hf_config",
     "model_part_numels",
     "estimate_init_bytes",
     "ModelLayout",

@@ -33,6 +33,18 @@ class DecoderShape:
     """Output head shares the token embedding's weights."""
     bias: bool = False
     """Linear layers and layer norms have biases (GPT) or not (Llama, RMSNorm)."""
+    qkv_bias: bool = False
+    """Query, key and value projections have biases even when :attr:`bias` is False (Qwen2;
+    Llama with ``attention_bias``)."""
+    out_bias: bool = False
+    """The attention's output projection has a bias even when :attr:`bias` is False (Llama with
+    ``attention_bias``)."""
+    mlp_bias: bool = False
+    """The feed-forward projections have biases even when :attr:`bias` is False (Llama with
+    ``mlp_bias``)."""
+    head_dim: int = 0
+    """Width of one attention head (0: ``d_model // nhead``); the query projection is
+    ``nhead · head_dim`` wide, keys and values ``num_kv_heads · head_dim``."""
     max_positions: int = 0
     """Learned position embeddings (GPT); 0 for rotary embeddings (Llama)."""
     published_params: int = 0
@@ -43,8 +55,10 @@ class DecoderShape:
     def __post_init__(self) -> None:
         for key in ("num_layers", "d_model", "nhead", "vocab_size"):
             check_int(f"DecoderShape.{key}", getattr(self, key), 1)
-        if self.d_model % self.nhead or self.nhead % self.kv_heads:
-            raise ValueError("nhead must divide d_model, and num_kv_heads must divide nhead")
+        check_int("DecoderShape.head_dim", self.head_dim, 0)
+        if (not self.head_dim and self.d_model % self.nhead) or self.nhead % self.kv_heads:
+            raise ValueError("nhead must divide d_model (unless head_dim is given), and num_kv_heads must "
+                             "divide nhead")
 
     @property
     def ffn(self) -> int:
@@ -57,12 +71,24 @@ class DecoderShape:
         return self.num_kv_heads or self.nhead
 
     @property
+    def head_width(self) -> int:
+        """The width of one attention head in use."""
+        return self.head_dim or self.d_model // self.nhead
+
+    @property
     def layer_params(self) -> int:
-        """Parameters of one transformer layer (one FSDP unit)."""
+        """Parameters of one transformer layer (one FSDP unit).
+
+        With d = d_model, q = nhead · head_width, k = kv_heads · head_width, f = the feed-forward
+        width: attention ``2·d·q + 2·d·k`` (Q, K, V, output) plus ``q + 2k`` (Q, K, V biases) and
+        ``d`` (output bias); feed-forward ``3·d·f`` gated or ``2·d·f`` plus ``2f + d`` or ``f + d``
+        of biases; two norms of ``d`` each (``2d`` with a bias)."""
         d, f = self.d_model, self.ffn
-        kv = d * self.kv_heads // self.nhead
-        attention = 2 * d * d + 2 * d * kv + (2 * d + 2 * kv if self.bias else 0)
-        mlp = (3 if self.gated_mlp else 2) * d * f + ((f + d) if self.bias else 0)
+        q, k = self.nhead * self.head_width, self.kv_heads * self.head_width
+        attention = 2 * d * q + 2 * d * k
+        attention += (q + 2 * k if self.bias or self.qkv_bias else 0) + (d if self.bias or self.out_bias else 0)
+        mlp = (3 if self.gated_mlp else 2) * d * f
+        mlp += ((2 * f if self.gated_mlp else f) + d) if self.bias or self.mlp_bias else 0
         norms = 2 * d * (2 if self.bias else 1)
         return attention + mlp + norms
 
