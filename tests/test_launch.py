@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -90,20 +91,23 @@ def test_timeout_kills_every_process_and_shows_where_ranks_were(no_leftovers):
     assert processes_mentioning(str(no_leftovers)) == []
 
 
-def _press_ctrl_c(done: threading.Event, first_s: float = 6.0, again_s: float = 15.0) -> None:
-    """Ctrl-C after ``first_s``, and once more if the run is still going ``again_s`` later, as a
-    user would. CPython drops a KeyboardInterrupt raised while a finalizer runs (e.g. an earlier
-    Popen's ``__del__``: "Exception ignored in ..."): the likely reason one CI run's single press
-    was lost and the run went on to its 120 s timeout."""
-    if not done.wait(first_s):
-        os.kill(os.getpid(), signal.SIGINT)
-        if not done.wait(again_s):
+def _press_ctrl_c(done: threading.Event, out: Path, world: int = 2) -> None:
+    """Ctrl-C once every rank is up (its harness has written its stacks file), as a user would
+    press it during a run; not at all if the run ends first. (A fixed delay pressed it before
+    torchrun had started the ranks on a loaded machine.)"""
+    while not done.wait(0.2):
+        if all((out / "ranks" / f"rank{r}.stacks.txt").exists() for r in range(world)):
             os.kill(os.getpid(), signal.SIGINT)
+            return
 
 
 def test_interrupt_stops_the_run(no_leftovers):
+    # A suite started in the background by a non-interactive shell (``cmd &`` in a CI script, or
+    # under nohup) inherits SIGINT *ignored*, and the press would never arrive: give this process
+    # Python's own Ctrl-C handler, which a terminal or a Jupyter kernel has.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     done = threading.Event()
-    presser = threading.Thread(target=_press_ctrl_c, args=(done,), daemon=True)
+    presser = threading.Thread(target=_press_ctrl_c, args=(done, no_leftovers), daemon=True)
     presser.start()
     try:
         with pytest.raises(KeyboardInterrupt) as info:
@@ -111,6 +115,7 @@ def test_interrupt_stops_the_run(no_leftovers):
     finally:
         done.set()
         presser.join()
+        signal.signal(signal.SIGINT, previous)
     assert isinstance(info.value, RunInterrupted)
     assert str(info.value) == "run 'fault' interrupted; torchrun and 2 ranks stopped"
     assert info.value._render_traceback_() == ["RunInterrupted: " + str(info.value)]  # one line in Jupyter
