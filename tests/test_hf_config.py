@@ -93,7 +93,7 @@ def test_what_each_family_holds():
     ("bad-mixtral", "model_type 'mixtral' is not covered; accepted: llama, mistral, qwen2, gpt2"),
     ("bad-heads", "num_attention_heads=3 must divide hidden_size=100"),
     ("bad-kv-heads", "num_key_value_heads=3 must divide num_attention_heads=8"),
-    ("bad-layers-text", "n_layer='12' must be a whole number >= 1"),
+    ("bad-layers-text", "n_layer must be a whole number >= 1, got '12'"),
     ("bad-list", "a JSON list, not an object"),
     ("bad-not-json", "not JSON (line 1"),
     ("missing", "cannot read it"),

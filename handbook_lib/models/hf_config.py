@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from handbook_lib.core.checks import check_int
 from handbook_lib.models.presets import DecoderShape
 
 __all__ = ["HF_FAMILIES", "HF_DEFAULTS", "decoder_shape_from_hf", "read_hf_config"]
@@ -125,7 +126,4 @@ def read_hf_config(path: str | Path) -> DecoderShape:
 
 def _whole(keys: Mapping[str, Any], key: str, shown: str = "") -> int:
     """``keys[key]``, refused unless a whole number >= 1 (named ``shown``, the file's spelling)."""
-    value = keys.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{shown or key}={value!r} must be a whole number >= 1")
-    return value
+    return check_int(shown or key, keys.get(key), 1, noun="a whole number")
