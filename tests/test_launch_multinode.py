@@ -15,7 +15,8 @@ from handbook_lib.launch import RunFailed, torchrun
 from handbook_lib.runtime import train_one_process
 from tests.conftest import processes_mentioning
 
-SMALL = {"num_layers": 2, "steps": 3, "seq_len": 32}
+SMALL = {"vocab_size": 1001, "d_model": 64, "nhead": 2, "dim_feedforward": 96, "num_layers": 2,
+         "steps": 3, "seq_len": 32}
 
 
 @pytest.fixture(scope="module")
