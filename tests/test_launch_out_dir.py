@@ -109,12 +109,16 @@ def test_a_timeout_while_16_ranks_start_stops_them_all_and_says_so(tmp_path):
     """torchrun is still starting its ranks when the deadline passes: every one must be stopped
     (none orphaned), and none is said to have died without a traceback."""
     start = time.monotonic()
-    with pytest.raises(RunTimeout) as info:  # at 4 s, 16 ranks on 2 cores are still importing torch
-        torchrun("fault", 16, {"mode": "sleep"}, out=tmp_path, stream=False, timeout_s=4)
-    assert time.monotonic() - start < 15
+    with pytest.raises(RunTimeout) as info:  # at 6 s, 16 ranks on 2 cores are still importing torch
+        torchrun("fault", 16, {"mode": "sleep"}, out=tmp_path, stream=False, timeout_s=6)
+    assert time.monotonic() - start < 20
     assert processes_mentioning(str(tmp_path)) == []  # at once, not after a while
     message = str(info.value)
-    assert re.match(r"run 'fault' did not finish within 4 s and was stopped \(17 processes killed\)", message)
+    killed = re.match(r"run 'fault' did not finish within 6 s and was stopped \((\d+) process(es)? killed\)",
+                      message)
+    # torchrun and the ranks it had started by then: all 16 on an idle machine, none yet when a
+    # loaded one is still importing torch in torchrun itself (CI saw both); none is left either way
+    assert killed and 1 <= int(killed.group(1)) <= 17
     assert "still starting (Python start-up or importing torch)" in message
     assert "died without a Python traceback" not in message and "out-of-memory" not in message
     assert json.loads((tmp_path / RUN_MARKER).read_text())["run"] == "fault"
