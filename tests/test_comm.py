@@ -437,30 +437,3 @@ def test_ring_schedule_rejects_bad_arguments():
         ring_schedule("broadcast", 4)
     with pytest.raises(ValueError, match="group_size"):
         ring_schedule("all_gather", 0)
-
-
-def test_cluster_link_sends_hsdp_gathers_over_nvlink_and_its_all_reduce_across_nodes():
-    from handbook_lib.models import (
-        DECODER_SHAPES,
-        bytes_by_link,
-        cluster_link,
-        node_preset,
-        wrap_units,
-    )
-
-    node = node_preset("h100-80gb")  # 8 GPUs on NVLink 4, InfiniBand NDR between machines
-    units = wrap_units(DECODER_SHAPES["7b"])
-    hybrid = estimate_step_traffic(units, 16, "HYBRID_SHARD", shard_group_size=8)
-    full = estimate_step_traffic(units, 16, "FULL_SHARD")
-    one_node = estimate_step_traffic(units, 8, "FULL_SHARD")
-    for traffic, strategy, gpus in ((hybrid, "HYBRID_SHARD", 16), (full, "FULL_SHARD", 16),
-                                    (one_node, "FULL_SHARD", 8)):
-        by_link = bytes_by_link(traffic, lambda r, s=strategy, g=gpus: cluster_link(r, node, g, s))
-        assert sum(by_link.values()) == traffic.sent_bytes
-        if traffic is hybrid:  # the reduce-scatters' shards, all-reduced between the 2 replicas
-            across = sum(r.sent_bytes for r in traffic.records if r.kind == "all_reduce")
-            assert by_link == {node.intra_link.name: traffic.sent_bytes - across, node.inter_link.name: across}
-        elif traffic is full:  # every ring spans both machines
-            assert by_link == {node.inter_link.name: traffic.sent_bytes}
-        else:
-            assert by_link == {node.intra_link.name: traffic.sent_bytes}

@@ -6,11 +6,13 @@ from handbook_lib.models import (
     ACCELERATORS,
     DECODER_SHAPES,
     SEED_SCENARIOS,
+    STEP_TIE,
+    Option,
     estimate_memory,
     estimate_seed_model_state,
     get_shape,
     plan,
-    preference,
+    recommend,
     seed_recommendation,
 )
 
@@ -140,9 +142,22 @@ def test_equal_step_time_goes_to_less_communication():
     assert sgo.comm_s < full.comm_s
     assert result.recommended is sgo
     assert any("wins the tie" in r and "FULL_SHARD takes the same step time" in r for r in result.reasons)
-    # and the rule is the sort order of every fitting option
+    # and the rule picks it among every fitting option
     fitting = [o for o in result.options if o.fits and o.gpus == 8]
-    assert sorted(fitting, key=preference)[0] is sgo
+    assert recommend(fitting) is sgo
+
+
+def test_steps_within_one_percent_tie_and_the_tie_goes_to_fewer_levers_then_less_traffic():
+    fast = Option("FULL_SHARD", "FULL_SHARD", 16, peak_bytes=30, fits=True, comm_s=0.20, step_s=1.000)
+    near = Option("SHARD_GRAD_OP", "SHARD_GRAD_OP", 16, peak_bytes=40, fits=True, comm_s=0.10, step_s=1.009)
+    far = Option("DDP", "DDP", 16, peak_bytes=50, fits=True, comm_s=0.05, step_s=1.011)
+    lever = Option("FULL_SHARD + AC", "FULL_SHARD", 16, activation_checkpointing=True, peak_bytes=10,
+                   fits=True, comm_s=0.01, step_s=1.000)
+    assert STEP_TIE == 0.01
+    assert recommend([fast, near, far]) is near  # 0.9 % slower ties, and sends half
+    assert recommend([fast, far]) is fast  # 1.1 % slower does not tie
+    assert recommend([lever, fast]) is fast  # at a tie, no recomputation beats less traffic
+    assert recommend([]) is None
 
 
 # What the seed printed for its five scenarios (GB per GPU for NO_SHARD, SHARD_GRAD_OP,

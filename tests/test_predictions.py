@@ -1,10 +1,14 @@
 """Every prediction of the pure models, pinned: 3,725 configurations, 4,005 predictions.
 
-The file ``tests/data/predictions.json.gz`` was written by the flat package (commit 53daa75)
-before its models were rebuilt over one layout and one function per memory phase; the layered
-package must give every number, phase name, note and planner reason of it, byte for byte
-(``tests/prediction_grid.py`` says what the grid covers and how to regenerate the file after a
-deliberate change).
+The file ``tests/data/predictions.json.gz`` was first written by the flat package (commit
+53daa75, SHA-256 b3a882bc...dad11) before its models were rebuilt over one layout and one
+function per memory phase; the layered package gave every number, phase name, note and planner
+reason of it, byte for byte. It was written again once, on purpose, when the planner began to
+price a collective over a machine's every network rail with the links' published efficiencies
+(:mod:`handbook_lib.models.topology`): that changed 5 plans' ``comm_s`` (34 options),
+``step_s`` (26), ``routes`` (new, 40) and 6 reasons, and no memory figure.
+``tests/prediction_grid.py`` says what the grid covers and how to regenerate the file after a
+deliberate change.
 """
 
 from __future__ import annotations
@@ -15,13 +19,13 @@ import json
 
 from tests.prediction_grid import GOLDEN, canonical, predictions
 
-FLAT_PACKAGE_SHA256 = "b3a882bc89682bb40e5881c813d19f1f897da2aa7f6264db24ecbf75424dad11"
-"""SHA-256 of the canonical text the flat package gave (the golden file's content)."""
+GOLDEN_SHA256 = "9882be62c6da3b9aecf6460b061a69921bd432a05a4ed2c1444aa4e72b718373"
+"""SHA-256 of the golden file's canonical text (a change to it must be deliberate)."""
 
 
-def test_the_golden_file_is_the_flat_packages():
+def test_the_golden_file_is_the_pinned_one():
     text = gzip.decompress(GOLDEN.read_bytes()).decode()
-    assert hashlib.sha256(text.encode()).hexdigest() == FLAT_PACKAGE_SHA256
+    assert hashlib.sha256(text.encode()).hexdigest() == GOLDEN_SHA256
 
 
 def test_every_prediction_is_unchanged():

@@ -196,7 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpus-per-node", type=_whole(1), default=None,
                     help="GPUs per node (default: the GPU's usual node, 8 for the SXM presets)")
     pl.add_argument("--inter-link", default="ib-ndr400", choices=list(LINKS), metavar="L",
-                    help=f"link between nodes: one of {', '.join(LINKS)}")
+                    help=f"one network port between nodes: one of {', '.join(LINKS)}")
+    pl.add_argument("--nics-per-node", type=_whole(1), default=None,
+                    help="network ports per node (default: one per GPU for InfiniBand, one for Ethernet)")
     pl.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS, metavar="P",
                     help=f"one of {', '.join(PRECISIONS)} (default bf16-mixed)")
     pl.add_argument("--headroom", type=_fraction, default=0.10, help="fraction of GPU memory kept free")

@@ -194,14 +194,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     check_whole_nodes(args.gpus, per_node, names=("--gpus {}", "--gpus-per-node {}"))
     model, named = _chosen_model(args)
     result = plan(model, args.gpu, args.gpus, micro_batch=args.micro_batch, seq_len=args.seq_len,
-                  gpus_per_node=per_node, inter_link=args.inter_link,
+                  gpus_per_node=per_node, inter_link=args.inter_link, nics_per_node=args.nics_per_node,
                   precision=args.precision, headroom=args.headroom)
     if args.json:
         print(json.dumps(dataclasses.asdict(result), indent=2))
         return 0
     print(wrap_line(named, "  "))
     print(wrap_line(f"assumes: {result.gpus} x {result.gpu} ({per_node} per node, "
-                f"{args.inter_link} between nodes), {args.precision}, optimizer adamw, micro-batch "
+                f"{result.nics_per_node} x {args.inter_link} between nodes), {args.precision}, optimizer adamw, micro-batch "
                 f"{args.micro_batch} x {args.seq_len} tokens, {args.headroom:.0%} of GPU memory kept "
                 "free; every strategy priced", "  "))
     rows = [[o.name, o.gpus, format_bytes(o.peak_bytes), format_bytes(o.host_bytes) if o.host_bytes else "-",
@@ -211,6 +211,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 rows))
     print(wrap_line("AC = activation checkpointing; offload = model state in host RAM (host/GPU); bound = "
                 "what sets the step time: compute, or comm (communication not hidden by compute)", "  "))
+    print("how the collectives travel (NCCL's ring or tree, over every rail of a machine):")
+    for o in result.options:
+        if o.name == o.strategy:
+            for route in o.routes:
+                print(wrap_line(f"  {o.name} {route}", "    "))
     for reason in result.reasons:
         print(wrap_line(f"- {reason}", "  "))
     print(f"(the seed's rule, fp32 model state only, would answer: {result.seed_answer})")

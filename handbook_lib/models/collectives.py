@@ -138,14 +138,16 @@ def ring_schedule(kind: str, group_size: int) -> tuple[RingTransfer, ...]:
     return tuple(reduce) + tuple(RingTransfer(t.step + n - 1, t.sender, t.receiver, t.chunk, ()) for t in gather)
 
 def estimate_collective_time(cost: CollectiveCost, link: Link) -> float:
-    """Seconds one ring collective takes: the alpha-beta model, ``steps·alpha + sent/bandwidth``.
+    """Seconds one ring collective takes on one link: the alpha-beta model,
+    ``steps·alpha + sent/bandwidth``.
 
     Each ring step pays the link latency alpha (seconds) once; the bytes a rank sends cross the
-    link at its one-way bandwidth (bytes/s), while the bytes it receives arrive in parallel on the
-    other direction. Contention, protocol overhead and the achievable fraction of the datasheet
-    bandwidth are ignored, so real collectives are slower.
+    link at its achievable one-way bandwidth (:attr:`Link.achievable_bytes_per_s`: the line rate
+    times the collective library's published efficiency), while the bytes it receives arrive in
+    parallel on the other direction. Contention is ignored. A collective over several machines
+    is priced by :func:`handbook_lib.models.topology.route_collective` instead.
     """
-    return cost.steps * link.latency_s + cost.sent_bytes / link.bandwidth_bytes_per_s
+    return cost.steps * link.latency_s + cost.sent_bytes / link.achievable_bytes_per_s
 
 @dataclass(frozen=True)
 class AlphaBeta:

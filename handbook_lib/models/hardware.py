@@ -17,6 +17,13 @@ Conventions, so that every figure reads the same way:
   time, so its time is set by the one-way figure.
 - A link's latency is the per-message (per ring step) cost ``alpha``, in seconds. Latencies are
   typical published figures for a collective library's hop over that link, not datasheet values.
+- A link's ``efficiency`` is the fraction of that line rate a collective library achieves on it
+  (NCCL's protocol overhead), from its maintainers' published figures where there are some, and
+  1.0 (the line rate, an upper bound) where there are none; the models price the product,
+  :attr:`Link.achievable_bytes_per_s`.
+- A node reaches the others through ``nics_per_node`` network ports of ``inter_link`` each
+  (rails): 8 in a DGX, one per GPU. How a collective spread over them is priced is
+  :mod:`handbook_lib.models.topology`'s.
 - An accelerator's memory is the datasheet's figure in decimal bytes (80 GB → 80e9). The hardware
   capacity is usually that number in GiB, and what a program can allocate is a little less;
   the book compares against the datasheet figure and says so.
@@ -54,12 +61,25 @@ class Link:
     """Cost of one message or ring step, seconds (the alpha of the alpha-beta model)."""
     source: str
     """Where the figures come from, in words."""
+    efficiency: float = 1.0
+    """Fraction of ``bandwidth_bytes_per_s`` a collective achieves on the link, in (0, 1]
+    (``source`` says whose figure; 1.0 where none is published)."""
+    one_per_gpu: bool = False
+    """A network link that machines carry one port of per GPU (InfiniBand rails in a DGX);
+    ``False``: one port per machine, shared by its GPUs (or a link inside a machine)."""
 
     def __post_init__(self) -> None:
         if not self.bandwidth_bytes_per_s > 0:
             raise ValueError(f"bandwidth_bytes_per_s must be > 0, got {self.bandwidth_bytes_per_s!r}")
         if not self.latency_s >= 0:
             raise ValueError(f"latency_s must be >= 0, got {self.latency_s!r}")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"efficiency must be in (0, 1], got {self.efficiency!r}")
+
+    @property
+    def achievable_bytes_per_s(self) -> float:
+        """Bytes/s one GPU's collective moves each way on the link: line rate x efficiency."""
+        return self.bandwidth_bytes_per_s * self.efficiency
 
 
 @dataclass(frozen=True)
@@ -106,7 +126,7 @@ class Accelerator:
 @dataclass(frozen=True)
 class Node:
     """A machine: ``gpus_per_node`` accelerators joined by ``intra_link``, reaching other
-    machines through ``inter_link``."""
+    machines through ``nics_per_node`` ports of ``inter_link``."""
 
     accelerator: Accelerator
     """The GPU model every slot holds."""
@@ -115,10 +135,13 @@ class Node:
     intra_link: Link
     """Link between two GPUs of the same machine (NVLink, PCIe)."""
     inter_link: Link
-    """Link a GPU uses to reach a GPU of another machine (InfiniBand, Ethernet)."""
+    """One network port of the machine (InfiniBand, Ethernet): its figures are per port."""
+    nics_per_node: int = 1
+    """Network ports (rails) of ``inter_link`` the machine has, a count."""
 
     def __post_init__(self) -> None:
         check_int("gpus_per_node", self.gpus_per_node, 1)
+        check_int("nics_per_node", self.nics_per_node, 1)
 
     def link_for(self, group_size: int) -> Link:
         """The slowest link a ring over ``group_size`` GPUs crosses, packed onto as few nodes as
@@ -128,26 +151,34 @@ class Node:
 
 
 _TYPICAL = "latency is a typical published figure for one hop, not a datasheet value"
+_NVLINK_EFF = ("efficiency 0.82: NCCL's maintainer, 2024 (NVIDIA/nccl-tests#212): of H100 "
+               "NVLink's 450 GB/s line rate, 'NCCL can get an effective NVLink bandwidth of 370GB/s' "
+               "(about 20 % protocol overhead), taken for every NVLink generation")
+_IB_EFF = ("efficiency 0.94: NCCL's maintainers, 2025 (NVIDIA/nccl-tests#290): 'For NDR @ 400Gbps "
+           "you should see 46-48GB/s per NIC', 47 of 50 GB/s, taken for HDR too")
 
 LINKS: dict[str, Link] = {
     "nvlink4": Link("NVLink 4 (H100 SXM)", 450e9, 2e-6,
                     "NVIDIA H100 Tensor Core GPU datasheet (2022): 900 GB/s NVLink per GPU, "
-                    f"bidirectional, so 450 GB/s each way; {_TYPICAL}"),
+                    f"bidirectional, so 450 GB/s each way; {_TYPICAL}; {_NVLINK_EFF}", 0.82),
     "nvlink3": Link("NVLink 3 (A100 SXM)", 300e9, 2e-6,
                     "NVIDIA A100 Tensor Core GPU datasheet (2020): 600 GB/s NVLink per GPU, "
-                    f"bidirectional, so 300 GB/s each way; {_TYPICAL}"),
+                    f"bidirectional, so 300 GB/s each way; {_TYPICAL}; {_NVLINK_EFF}", 0.82),
     "pcie4": Link("PCIe 4.0 x16", 32e9, 3e-6,
                   "PCI-SIG PCIe 4.0 specification (2017): 16 GT/s x 16 lanes, about 32 GB/s raw "
-                  f"each way; about 25 GB/s is achievable in practice; {_TYPICAL}"),
+                  f"each way; about 25 GB/s is achievable in practice (efficiency 0.78); {_TYPICAL}",
+                  25 / 32),
     "pcie5": Link("PCIe 5.0 x16", 64e9, 3e-6,
                   "PCI-SIG PCIe 5.0 specification (2019): 32 GT/s x 16 lanes, about 64 GB/s raw "
                   f"each way; {_TYPICAL}"),
     "ib-ndr400": Link("InfiniBand NDR 400 Gb/s", 50e9, 5e-6,
                       "NVIDIA ConnectX-7 / InfiniBand NDR (2021): 400 Gb/s per port = 50e9 bytes/s "
-                      f"each way, one port per GPU as in a DGX H100; {_TYPICAL}"),
+                      f"each way, one port per GPU as in a DGX H100; {_TYPICAL}; {_IB_EFF}", 0.94,
+                      one_per_gpu=True),
     "ib-hdr200": Link("InfiniBand HDR 200 Gb/s", 25e9, 5e-6,
                       "NVIDIA ConnectX-6 / InfiniBand HDR (2018): 200 Gb/s per port = 25e9 bytes/s "
-                      f"each way, one port per GPU as in a DGX A100; {_TYPICAL}"),
+                      f"each way, one port per GPU as in a DGX A100; {_TYPICAL}; {_IB_EFF}", 0.94,
+                      one_per_gpu=True),
     "100gbe": Link("100 Gigabit Ethernet (TCP)", 12.5e9, 20e-6,
                    "IEEE 802.3 100GbE line rate: 100 Gb/s = 12.5e9 bytes/s each way for one port; "
                    "divide by the GPUs that share the port; latency is a typical TCP figure, "
@@ -158,7 +189,8 @@ LINKS: dict[str, Link] = {
                   "not a datasheet value"),
     "nvlink5": Link("NVLink 5 (B200 SXM)", 900e9, 2e-6,
                     "NVIDIA DGX B200 datasheet (2024): fifth-generation NVLink, 1.8 TB/s per GPU, "
-                    f"bidirectional (14.4 TB/s for 8 GPUs), so 900 GB/s each way; {_TYPICAL}"),
+                    f"bidirectional (14.4 TB/s for 8 GPUs), so 900 GB/s each way; {_TYPICAL}; {_NVLINK_EFF}",
+                    0.82),
     "infinity-fabric": Link("AMD Infinity Fabric (MI300X platform)", 448e9, 2e-6,
                             "AMD Instinct MI300X datasheet (2023): 7 Infinity Fabric links per GPU, one "
                             "to each peer of an 8-GPU board, 128 GB/s bidirectional each, 896 GB/s in "
@@ -268,14 +300,17 @@ def default_intra_link(accelerator: Accelerator | str) -> Link:
 
 
 def node_preset(accelerator: Accelerator | str, *, inter_link: str | Link = "ib-ndr400",
-                intra_link: str | Link | None = None, gpus_per_node: int | None = None) -> Node:
+                intra_link: str | Link | None = None, gpus_per_node: int | None = None,
+                nics_per_node: int | None = None) -> Node:
     """A :class:`Node` of ``accelerator``: its own intra-node link and usual node size.
 
     Args:
         accelerator: An :class:`Accelerator` or the name of an :data:`ACCELERATORS` preset.
-        inter_link: Link between machines, a :data:`LINKS` name or a :class:`Link`.
+        inter_link: One network port between machines, a :data:`LINKS` name or a :class:`Link`.
         intra_link: Overrides the accelerator's own intra-node link (a name or a :class:`Link`).
         gpus_per_node: Overrides the accelerator's usual node size.
+        nics_per_node: Ports of ``inter_link`` per machine; default one per GPU for a link
+            machines carry one of per GPU (:attr:`Link.one_per_gpu`: InfiniBand), else one.
 
     Raises:
         ValueError: for an unknown name, an accelerator that states no intra-node link (pass
@@ -287,4 +322,7 @@ def node_preset(accelerator: Accelerator | str, *, inter_link: str | Link = "ib-
     if per_node is None:
         raise ValueError(f"accelerator {acc.name!r} states no usual node size: pass gpus_per_node "
                          "explicitly")
-    return Node(acc, per_node, intra, _link(inter_link))
+    inter = _link(inter_link)
+    if nics_per_node is None:
+        nics_per_node = per_node if inter.one_per_gpu else 1
+    return Node(acc, per_node, intra, inter, nics_per_node)

@@ -4,8 +4,8 @@ Chapter 4 teaches it. :func:`plan` prices every lever — DDP, SHARD_GRAD_OP, FU
 HYBRID_SHARD across nodes, activation checkpointing, CPU offload, more GPUs — with the chapter-2
 memory model (peak per GPU, mixed precision, activations, FSDP's buffers) and the chapter-3
 communication model (link speeds, overlap), then recommends the option that fits with headroom
-and comes first under :func:`preference` (fastest; at equal speed fewer levers, then less
-communication, then less memory), and says why in words. :func:`seed_recommendation` keeps the simplified rule this
+and comes first under :func:`recommend` (fastest, steps within 1 % tied; a tie to fewer levers,
+then less communication, then less memory), and says why in words. :func:`seed_recommendation` keeps the simplified rule this
 course started from, to compare. Pure arithmetic.
 """
 
@@ -28,14 +28,11 @@ from handbook_lib.models.hardware import (
 from handbook_lib.models.layout import ModelLayout, ModelLike, model_layout
 from handbook_lib.models.memory import PHASE_WORDS, estimate_memory, min_gpus_to_fit
 from handbook_lib.models.seed import seed_recommendation
-from handbook_lib.models.timing import (
-    cluster_link,
-    estimate_compute_time,
-    estimate_step_time,
-)
+from handbook_lib.models.timing import estimate_compute_time, estimate_step_time
+from handbook_lib.models.topology import Route, route_collective
 from handbook_lib.models.traffic import CollectiveRecord, estimate_step_traffic
 
-__all__ = ["Option", "Plan", "plan", "preference", "check_whole_nodes", "OFFLOAD_LINK"]
+__all__ = ["Option", "Plan", "plan", "preference", "recommend", "STEP_TIE", "check_whole_nodes", "OFFLOAD_LINK"]
 
 
 OFFLOAD_LINK = "pcie4"
@@ -70,6 +67,9 @@ class Option:
     model_state_bytes: int = 0
     host_bytes: int = 0
     """Host (CPU) memory per GPU the option needs for what it offloads, bytes (0: none)."""
+    routes: tuple[str, ...] = ()
+    """How its collectives travel, one line per route with the kinds that take it:
+    ``"all_gather, reduce_scatter: ring on NVLink 4 (H100 SXM) at 369 GB/s"``."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,8 @@ class Plan:
     """What the seed's rule (fp32 model state only) would have answered."""
     gpus_per_node: int = 0
     """GPUs per node the plan assumed (sharing the intra-node link)."""
+    nics_per_node: int = 0
+    """Network ports per node the plan assumed."""
 
 
 def check_whole_nodes(gpus: int, gpus_per_node: int, *,
@@ -105,16 +107,32 @@ def check_whole_nodes(gpus: int, gpus_per_node: int, *,
                          f"{names[1].format(gpus_per_node)}")
 
 
-def preference(option: Option) -> tuple[float, bool, bool, float, int]:
-    """The planner's one rule, as a sort key (smaller is better) over options that fit.
+STEP_TIE = 0.01
+"""Step times within this fraction of the fastest count as equal: the time model is not finer
+than that (a latency of a few microseconds never decides a plan)."""
 
-    Fastest step first. At equal step time (to the microsecond): fewer levers (no activation
-    recomputation, then no CPU offload), then less communication per step, then less memory.
-    So when compute hides the communication of both, SHARD_GRAD_OP beats FULL_SHARD: same
-    step time, fewer bytes on the wire, a busier link left for everything else.
+
+def preference(option: Option) -> tuple[bool, bool, float, int]:
+    """The planner's tie-break, as a sort key (smaller is better) over options whose step times
+    tie (:func:`recommend`): fewer levers (no activation recomputation, then no CPU offload),
+    then less communication per step, then less memory. So when compute hides the communication
+    of both, SHARD_GRAD_OP beats FULL_SHARD: same step time, fewer bytes on the wire, a busier
+    link left for everything else.
     """
-    return (round(option.step_s, 6), option.activation_checkpointing, option.cpu_offload,
-            round(option.comm_s, 6), option.peak_bytes)
+    return (option.activation_checkpointing, option.cpu_offload, round(option.comm_s, 6), option.peak_bytes)
+
+
+def _ties(options: list[Option], step_s: float) -> list[Option]:
+    return [o for o in options if o.step_s <= step_s * (1 + STEP_TIE)]
+
+
+def recommend(options: list[Option]) -> Option | None:
+    """The planner's one rule over options that fit: the fastest step, where every step within
+    :data:`STEP_TIE` (1 %) of the fastest ties, and a tie goes to :func:`preference`.
+    ``None`` for no options."""
+    if not options:
+        return None
+    return min(_ties(options, min(o.step_s for o in options)), key=preference)
 
 
 def _gb(n: float) -> str:
@@ -131,6 +149,7 @@ def plan(
     gpus_per_node: int | None = None,
     intra_link: Link | str | None = None,
     inter_link: Link | str = "ib-ndr400",
+    nics_per_node: int | None = None,
     precision: str = "bf16-mixed",
     optimizer: str = "adamw",
     headroom: float = 0.10,
@@ -151,7 +170,11 @@ def plan(
             usual node, 8 for an H100; refused for an accelerator that states none).
         intra_link: Link inside a node (default: the accelerator preset's own, e.g. NVLink 4
             for an H100; refused for an accelerator that states none).
-        inter_link: Link between nodes.
+        inter_link: One network port between nodes (InfiniBand NDR by default).
+        nics_per_node: Ports of ``inter_link`` per node (default: one per GPU for InfiniBand,
+            one for Ethernet; :func:`~handbook_lib.models.hardware.node_preset`). A collective
+            over several nodes is priced on its route over them
+            (:func:`~handbook_lib.models.topology.route_collective`).
         precision: As for :func:`~handbook_lib.models.memory.estimate_memory`.
         optimizer: As for :func:`~handbook_lib.models.memory.estimate_memory`.
         headroom: Fraction of the GPU's memory kept free (CUDA context, NCCL, fragmentation).
@@ -173,7 +196,8 @@ def plan(
     check_int("seq_len", seq_len, 1)
     if not 0 <= headroom < 1:  # also refuses NaN
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
-    node = node_preset(acc, inter_link=inter_link, intra_link=intra_link, gpus_per_node=min(gpus_per_node, gpus))
+    node = node_preset(acc, inter_link=inter_link, intra_link=intra_link, gpus_per_node=min(gpus_per_node, gpus),
+                       nics_per_node=nics_per_node)
     job = _Job(layout, node, precision, optimizer, micro_batch, seq_len, utilization,
                acc.memory_bytes * (1 - headroom))
     price = functools.partial(_price, job)
@@ -191,13 +215,14 @@ def plan(
         options.append(price("FULL_SHARD", more, True, False, f"FULL_SHARD + AC on {more} GPUs"))
 
     here = [o for o in options if o.fits and o.gpus == gpus]
-    recommended = min(here, key=preference) if here else None
+    recommended = recommend(here)
     if recommended is None:
         bigger = [o for o in options if o.fits]
         recommended = bigger[0] if bigger else None
     reasons = _reasons(options, recommended, acc, job.budget, gpus, gpus_per_node)
     return Plan(layout.name, layout.num_params, acc.name, gpus, options, recommended, reasons,
-                seed_recommendation(layout.num_params, acc.memory_bytes, gpus), gpus_per_node)
+                seed_recommendation(layout.num_params, acc.memory_bytes, gpus), gpus_per_node,
+                node.nics_per_node)
 
 
 @dataclass(frozen=True)
@@ -229,8 +254,12 @@ def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str)
     traffic = estimate_step_traffic(job.layout.units(), n, strategy, param_dtype=param_dtype,
                                     reduce_dtype=reduce_dtype, shard_group_size=group)
 
-    def link_of(record: CollectiveRecord) -> Link:
-        return cluster_link(record, job.node, n, strategy)
+    routes: dict[str, dict[str, None]] = {}  # description -> the kinds that take it
+
+    def link_of(record: CollectiveRecord) -> Route:
+        route = route_collective(record, job.node, n, strategy)
+        routes.setdefault(route.description, {})[record.kind] = None
+        return route
 
     acc = job.node.accelerator
     peak_flops = acc.peak_flops_bf16 if job.precision != "fp32" else acc.peak_flops_fp32
@@ -241,11 +270,12 @@ def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str)
     comm, step = time.comm_s, time.total_s
     if offload:
         moved = 8 * -(-job.layout.num_params // n)
-        extra = moved / get_link(OFFLOAD_LINK).bandwidth_bytes_per_s
+        extra = moved / get_link(OFFLOAD_LINK).achievable_bytes_per_s
         comm, step = comm + extra, step + extra
     return Option(name, strategy, n, ac, offload, group, mem.peak, mem.peak <= job.budget, comm,
                   compute, step, "communication" if comm > compute else "compute",
-                  mem.peak_phase, mem.components["activations"], mem.model_state, mem.host)
+                  mem.peak_phase, mem.components["activations"], mem.model_state, mem.host,
+                  tuple(f"{', '.join(kinds)}: {d}" for d, kinds in routes.items()))
 
 
 def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, budget: float,
@@ -280,8 +310,7 @@ def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, bud
     if chosen.activation_checkpointing and chosen.gpus == gpus and plain is not None and not plain.fits:
         reasons.append("Activation checkpointing is needed: it trades one more forward pass "
                        "(a third more compute) for keeping only each layer's input.")
-    tied = [o for o in faster if round(o.step_s, 6) == round(chosen.step_s, 6)
-            and (o.activation_checkpointing, o.cpu_offload)
+    tied = [o for o in _ties(faster, chosen.step_s) if (o.activation_checkpointing, o.cpu_offload)
             == (chosen.activation_checkpointing, chosen.cpu_offload)]
     for o in tied:
         if o.comm_s > chosen.comm_s:

@@ -3,8 +3,9 @@ model. Pure arithmetic: no ``torch.distributed``.
 
 Chapter 3 teaches it; chapter 4's planner and chapter 8's many nodes use it. Each collective of
 :func:`handbook_lib.models.traffic.estimate_step_traffic` is priced with the alpha-beta model
-(:func:`handbook_lib.models.collectives.estimate_collective_time`) on the link it crosses
-(:func:`cluster_link`); compute follows the 6PT rule; overlap hides what compute can.
+(:func:`handbook_lib.models.collectives.estimate_collective_time`) on the link it crosses, or on
+the route it takes over several machines (:func:`handbook_lib.models.topology.route_collective`);
+compute follows the 6PT rule; overlap hides what compute can.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from handbook_lib.core.checks import check_int
-from handbook_lib.core.strategies import get_strategy
 from handbook_lib.models.collectives import estimate_collective_time
-from handbook_lib.models.hardware import Link, Node
+from handbook_lib.models.hardware import Link
+from handbook_lib.models.topology import Route
 from handbook_lib.models.traffic import CollectiveRecord, StepTraffic
 
-__all__ = ["StepTime", "cluster_link", "bytes_by_link", "estimate_step_time", "estimate_compute_time"]
+__all__ = ["StepTime", "bytes_by_link", "estimate_step_time", "estimate_compute_time"]
+
+LinkOrRoute = Link | Route
+"""What prices a collective: one link (chapter 3), or its route on a cluster (chapter 4)."""
 
 
 @dataclass(frozen=True)
@@ -36,39 +40,28 @@ class StepTime:
     bound: str
     """``"communication"`` if ``comm_s > compute_s``, else ``"compute"``."""
 
-def cluster_link(record: CollectiveRecord, node: Node, gpus: int, strategy: str) -> Link:
-    """The link one collective of a ``gpus``-GPU job on machines like ``node`` travels.
-
-    Ranks fill whole nodes in order. A collective crosses machines, and runs at
-    ``node.inter_link``'s speed, when the job spans several nodes and its group does: a group
-    larger than a node (FULL_SHARD over every GPU), or HSDP's all-reduce between replicas, one
-    rank per node. Anything else stays on ``node.intra_link`` (NVLink, PCIe).
-    """
-    per_node = min(node.gpus_per_node, gpus)
-    if gpus <= per_node:
-        return node.intra_link
-    crosses = record.group_size > per_node or (get_strategy(strategy).hybrid and record.kind == "all_reduce")
-    return node.inter_link if crosses else node.intra_link
-
-def bytes_by_link(traffic: StepTraffic, link_of: Callable[[CollectiveRecord], Link]) -> dict[str, int]:
-    """Bytes one rank sends per step on each link (by the link's name), in execution order of
-    first use: e.g. ``{"NVLink 4 (H100 SXM)": ..., "InfiniBand NDR 400 Gb/s": ...}``."""
+def bytes_by_link(traffic: StepTraffic, link_of: Callable[[CollectiveRecord], LinkOrRoute]) -> dict[str, int]:
+    """Bytes one rank sends per step on each link (by the link's name; a route's slowest link),
+    counted as the ring counts them, in execution order of first use: e.g.
+    ``{"NVLink 4 (H100 SXM)": ..., "InfiniBand NDR 400 Gb/s": ...}``."""
     sent: dict[str, int] = {}
     for record in traffic.records:
-        name = link_of(record).name
+        chosen = link_of(record)
+        name = chosen.link if isinstance(chosen, Route) else chosen.name
         sent[name] = sent.get(name, 0) + record.sent_bytes
     return sent
 
 def estimate_step_time(
     traffic: StepTraffic,
-    link: Link | Callable[[CollectiveRecord], Link],
+    link: Link | Callable[[CollectiveRecord], LinkOrRoute],
     compute_s: float,
     overlap: bool,
 ) -> StepTime:
     """Time of one step: its collectives on ``link`` plus ``compute_s`` seconds of compute.
 
     ``link`` is one link for every collective, or a function choosing the link of each (e.g.
-    NVLink inside a node, InfiniBand for HSDP's all-reduce across nodes).
+    NVLink inside a node, InfiniBand for HSDP's all-reduce across nodes) or its
+    :class:`~handbook_lib.models.topology.Route` on a cluster.
 
     Without overlap, ``total = comm + compute``. With overlap, FSDP prefetches each unit's
     all-gather while the previous unit computes and reduce-scatters while the next one does;
@@ -81,7 +74,8 @@ def estimate_step_time(
     comm = exposed = 0.0
     started: set[int] = set()
     for r in traffic.records:
-        t = estimate_collective_time(r, choose(r))
+        chosen = choose(r)
+        t = chosen.seconds if isinstance(chosen, Route) else estimate_collective_time(r, chosen)
         comm += t
         if r.kind == "all_gather" and r.phase == "forward" and r.micro_step not in started:
             started.add(r.micro_step)
