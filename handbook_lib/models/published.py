@@ -32,6 +32,9 @@ class PublishedBandwidth:
     label: str
     kind: str
     """``all_reduce`` or ``all_gather``."""
+    strategy: str
+    """The strategy whose group the benchmark's collective is (one group of every GPU: DDP's
+    all-reduce, FULL_SHARD's all-gather), for :func:`~handbook_lib.models.topology.route_collective`."""
     gpu: str
     """Accelerator preset of the machines."""
     gpus: int
@@ -48,13 +51,13 @@ class PublishedBandwidth:
 
 
 PUBLISHED_BUS_BANDWIDTH: tuple[PublishedBandwidth, ...] = (
-    PublishedBandwidth("1 x 8 H100, ring", "all_gather", "h100-80gb", 8, "ib-ndr400", 8 * 2**30, 370e9,
+    PublishedBandwidth("1 x 8 H100, ring", "all_gather", "FULL_SHARD", "h100-80gb", 8, "ib-ndr400", 8 * 2**30, 370e9,
                        "NCCL's maintainer, NVIDIA/nccl-tests#212 (2024): 'an effective NVLink bandwidth "
                        "of 370GB/s' for non-all-reduce collectives or NCCL_ALGO=RING on 8 H100",
                        calibration=True),
-    PublishedBandwidth("4 x 8 H100, 8 x NDR", "all_reduce", "h100-80gb", 32, "ib-ndr400", 8 * 2**30,
+    PublishedBandwidth("4 x 8 H100, 8 x NDR", "all_reduce", "DDP", "h100-80gb", 32, "ib-ndr400", 8 * 2**30,
                        330.93e9, _VOLTAGE_PARK),
-    PublishedBandwidth("4 x 8 H100, 8 x NDR", "all_gather", "h100-80gb", 32, "ib-ndr400", 8 * 2**30,
+    PublishedBandwidth("4 x 8 H100, 8 x NDR", "all_gather", "FULL_SHARD", "h100-80gb", 32, "ib-ndr400", 8 * 2**30,
                        323.53e9, _VOLTAGE_PARK),
 )
 """Published bus bandwidths, with their configurations and sources."""
@@ -84,6 +87,6 @@ def bus_bandwidth_rows(rows: tuple[PublishedBandwidth, ...] = PUBLISHED_BUS_BAND
     for row in rows:
         node = node_preset(row.gpu, inter_link=row.inter_link)
         cost = estimate_collective(row.kind, row.buffer_bytes, row.gpus)
-        route = route_collective(cost, node, row.gpus, "DDP" if row.kind == "all_reduce" else "FULL_SHARD")
+        route = route_collective(cost, node, row.gpus, row.strategy)
         out.append(BandwidthRow(row, cost.sent_bytes / route.seconds, route.algorithm))
     return out
