@@ -292,3 +292,13 @@ def test_run_refuses_a_node_rank_without_its_rendezvous(capsys):
     assert main(["run", "fault", "--nnodes", "2", "--node-rank", "1"]) == 2
     err = capsys.readouterr().err
     assert "rdzv_endpoint must be 'host:port'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
+    # `python -m handbook_lib plan ... | head -1`: no traceback, the shell's status for SIGPIPE
+    proc = subprocess.Popen([sys.executable, "-m", "handbook_lib", "plan", "--model", "llama2-70b",
+                             "--gpu", "h100-80gb", "--gpus", "32"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the command has printed anything: every print meets a closed pipe
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141 and "Traceback" not in err and err == ""

@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import functools
 import math
+import os
 import sys
 from collections.abc import Callable
 
@@ -293,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunFailed as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader went away (`... | head`); a run was stopped by the launcher
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no 2nd error at exit's flush
+        return 141  # 128 + SIGPIPE, as a shell reports a command whose pipe closed
     except KeyboardInterrupt:  # Ctrl-C: the launcher has already stopped torchrun and its ranks
         what = f"run {args.name!r}" if args.command == "run" else args.command
         print(f"error: {what} interrupted" + ("; torchrun and its ranks were stopped"
