@@ -40,7 +40,7 @@ def test_a_ring_over_every_gpu_of_four_dgx_runs_at_nvlink_speed_not_one_nic():
     # 8 rings, one per port, each leaving a machine once: min(8 x 47, 369) GB/s per GPU
     cost = estimate_collective("all_gather", 32 * 2**20, 32)
     route = route_collective(cost, DGX_H100, 32, "FULL_SHARD")
-    assert route.algorithm == "ring" and route.link == DGX_H100.inter_link.name
+    assert route.algorithm == "ring" and route.name == DGX_H100.inter_link.name
     assert route.bandwidth_bytes_per_s == pytest.approx(min(8 * NDR, NVLINK4))
     assert route.latency_s == pytest.approx(31 * 5e-6)  # every ring step waits on the network hop
     assert route.seconds == pytest.approx(31 * 5e-6 + (31 / 32) * 32 * 2**20 / NVLINK4)
@@ -55,7 +55,7 @@ def test_hsdp_replica_all_reduce_shares_the_ports_one_group_per_gpu():
     assert "shared by 8 groups" in route.description
     # the shard group's collectives stay inside a machine
     inside = route_collective(estimate_collective("all_gather", 8 * 2**20, 8), DGX_H100, 32, "HYBRID_SHARD")
-    assert inside.link == DGX_H100.intra_link.name and inside.bandwidth_bytes_per_s == pytest.approx(NVLINK4)
+    assert inside.name == DGX_H100.intra_link.name and inside.bandwidth_bytes_per_s == pytest.approx(NVLINK4)
 
 
 def test_one_ethernet_port_per_machine_is_shared_by_its_gpus():
@@ -82,7 +82,7 @@ def test_an_all_reduce_takes_the_tree_when_it_is_faster_and_says_so():
 def test_a_group_inside_one_machine_is_a_ring_on_its_link():
     cost = CollectiveCost("reduce_scatter", 8000, 8, 7000, 7000, 7)
     route = route_collective(cost, DGX_H100, 8, "FULL_SHARD")
-    assert (route.algorithm, route.link) == ("ring", DGX_H100.intra_link.name)
+    assert (route.algorithm, route.name) == ("ring", DGX_H100.intra_link.name)
     assert route.seconds == pytest.approx(7 * 2e-6 + 7000 / NVLINK4)
 
 

@@ -46,8 +46,7 @@ def bytes_by_link(traffic: StepTraffic, link_of: Callable[[CollectiveRecord], Li
     ``{"NVLink 4 (H100 SXM)": ..., "InfiniBand NDR 400 Gb/s": ...}``."""
     sent: dict[str, int] = {}
     for record in traffic.records:
-        chosen = link_of(record)
-        name = chosen.link if isinstance(chosen, Route) else chosen.name
+        name = link_of(record).name
         sent[name] = sent.get(name, 0) + record.sent_bytes
     return sent
 

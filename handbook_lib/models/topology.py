@@ -51,8 +51,9 @@ ALGORITHMS = ("ring", "tree")
 class Route:
     """How one collective of a job travels, and what it costs."""
 
-    link: str
-    """Name of the slowest link it crosses: the intra-node link's, or the network port's."""
+    name: str
+    """Name of the slowest link it crosses, the intra-node link's or the network port's: the
+    same attribute as :attr:`Link.name`, so code that groups bytes by link takes either."""
     algorithm: str
     """One of :data:`ALGORITHMS`."""
     bandwidth_bytes_per_s: float
