@@ -188,17 +188,44 @@ def test_planning_commands_name_the_model_and_their_assumptions(capsys):
 def test_plan_names_the_host_memory_offload_needs(capsys):
     from handbook_lib.models import estimate_memory, get_shape
 
-    assert main(["plan", "--model", "gpt3-175b", "--gpu", "h100-80gb", "--gpus", "1", "--json"]) == 0
+    assert main(["plan", "--model", "gpt3-175b", "--gpu", "h100-80gb", "--gpus", "16", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     chosen = data["recommended"]
-    assert chosen["cpu_offload"] and chosen["gpus"] == 1
-    host = estimate_memory(get_shape("gpt3-175b"), 1, "FULL_SHARD", "bf16-mixed", micro_batch=1, seq_len=2048,
+    assert chosen["cpu_offload"] and chosen["gpus"] == 16
+    host = estimate_memory(get_shape("gpt3-175b"), 16, "FULL_SHARD", "bf16-mixed", micro_batch=1, seq_len=2048,
                            activation_checkpointing=True, cpu_offload=True).host
-    assert chosen["host_bytes"] == host == 16 * 174_604_259_328  # fp32 params, grads, Adam's 2 states
+    assert chosen["host_bytes"] == host == 16 * 174_604_259_328 // 16  # fp32 params, grads, Adam's 2 states
+    assert chosen["host_node_bytes"] == 8 * host
     assert any(r.startswith(f"CPU offload needs {host / 1e9:.1f} GB of host RAM per GPU") for r in data["reasons"])
     assert main(["plan", "--model", "gpt3-175b", "--gpu", "h100-80gb", "--gpus", "1"]) == 0
+    out = capsys.readouterr().out  # one GPU: 2.79 TB of host RAM, more than the node's 2 TiB
+    assert "host/GPU" in out and "2.79 TB" in out and "host RAM" in out
+    assert "not the host: 2793.7 GB of host RAM per node against 2199.0 GB" in " ".join(out.split())
+
+
+def test_plan_sensitivity_shows_what_flips(capsys):
+    args = ["plan", "--model", "gpt3-175b", "--gpu", "a100-80gb", "--gpus", "64", "--seq-len", "4096"]
+    assert main([*args, "--sensitivity"]) == 0
     out = capsys.readouterr().out
-    assert "host/GPU" in out and "2.79 TB" in out and "CPU offload needs 2793.7 GB of host RAM" in out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    rows = {line.split()[0] + " " + line.split()[3]: line for line in out.splitlines()
+            if line.strip().startswith(("headroom", "capacity"))}
+    assert "FLIPS" in rows["headroom 10"] and "FULL_SHARD + AC + offload" in rows["headroom 10"]
+    assert "FLIPS" in rows["capacity 80"]
+    assert "where FULL_SHARD + AC flips: it fits up to 5.0 % headroom" in out
+    assert main([*args, "--sensitivity", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {r["assumption"] for r in data["sensitivity"]} >= {"headroom", "capacity", "allocator reserve",
+                                                               "utilization", "network ports"}
+    assert 0.04 < data["flip_points"]["headroom"] < 0.06
+
+
+def test_memory_json_gives_the_reserved_peak(capsys):
+    assert main(["memory", "--model", "7b", "--world-size", "8", "--precision", "bf16-mixed", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    two_mib = 2 * 2**20
+    assert data["peak_reserved"] == -(-round(data["peak"] * 1.1) // two_mib) * two_mib
+    assert data["reserve"]["fraction"] == 0.1 and "pytorch/pytorch#89457" in data["reserve"]["source"]
 
 
 def test_bad_inputs_get_one_line_naming_the_flag(capsys):

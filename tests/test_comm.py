@@ -7,6 +7,8 @@ from handbook_lib.core import STRATEGIES, ModelConfig, get_strategy, param_count
 from handbook_lib.core import STRATEGIES as CONFIG_STRATEGIES
 from handbook_lib.models import (
     COLLECTIVES,
+    DEFAULT_UTILIZATION,
+    UTILIZATION_SOURCE,
     Link,
     Unit,
     estimate_collective,
@@ -288,7 +290,9 @@ def test_step_time_with_and_without_overlap_by_hand():
 def test_six_p_t_rule_by_hand():
     # 1e9 params, 1e6 tokens: 6e15 FLOPs at 1e15 FLOP/s * 50% = 12 s
     assert estimate_compute_time(10**9, 10**6, 1e15, 0.5) == pytest.approx(12.0)
-    assert estimate_compute_time(10**9, 10**6, 1e15) == pytest.approx(6e15 / 4e14)
+    # the default: Llama 3 405B's 41 % BF16 MFU on 16,384 H100s (Table 4 of the Llama 3 paper)
+    assert DEFAULT_UTILIZATION == 0.41 and "Table 4" in UTILIZATION_SOURCE
+    assert estimate_compute_time(10**9, 10**6, 1e15) == pytest.approx(6e15 / (1e15 * 0.41))
 
 
 @pytest.mark.parametrize("args, match", [

@@ -418,7 +418,8 @@ def test_gpu_path_on_one_fake_gpu(fake_gpus, tmp_path):
     assert [t["micro_batch"] for t in sweep["sweep"]["tries"]] == [16, 32, 64]
     assert (sweep["measured_largest_fit"], sweep["measured_first_oom"]) == (32, 64)
     assert sweep["predicted_largest_fit"] >= sweep["predicted_largest_fit_with_prefetch"] >= 1
-    assert sweep["device_memory_bytes"] == 143_771_287_552 and sweep["preset_memory_bytes"] == 141 * 10**9
+    # the fake device's own total; the preset's is the H200's nvidia-smi total, 143,771 MiB
+    assert sweep["device_memory_bytes"] == 143_771_287_552 and sweep["preset_memory_bytes"] == 143_771 * 2**20
     assert all(nproc == 1 for _, nproc, _ in launch.calls)
 
 

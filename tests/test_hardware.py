@@ -5,14 +5,18 @@ import pytest
 
 from handbook_lib.models import (
     ACCELERATORS,
+    CUDA_CONTEXT_BYTES,
     LINKS,
     Accelerator,
+    Host,
     Link,
     Node,
+    datasheet_bytes,
     default_intra_link,
     get_accelerator,
     get_link,
     node_preset,
+    usable_memory_bytes,
 )
 
 
@@ -50,21 +54,62 @@ def test_latencies_order_nvlink_below_infiniband_below_ethernet():
     assert 10e-6 <= LINKS["25gbe"].latency_s <= 50e-6
 
 
-@pytest.mark.parametrize("name, memory, bf16, fp32", [
-    ("a100-40gb", 40 * 1000**3, 312 * 1000**4, 19.5 * 1000**4),
-    ("a100-80gb", 80 * 1000**3, 312 * 1000**4, 19.5 * 1000**4),
-    ("h100-80gb", 80 * 1000**3, 989 * 1000**4, 67 * 1000**4),
-    ("h200-141gb", 141 * 1000**3, 989 * 1000**4, 67 * 1000**4),
-    ("l4-24gb", 24 * 1000**3, 242 * 1000**4 / 2, 30.3 * 1000**4),  # 242 with sparsity, halved
-    ("b200-180gb", 1440 * 1000**3 // 8, 36e15 / 8 / 2, 600e12 / 8),  # HGX/DGX B200 totals for 8 GPUs
-    ("mi300x-192gb", 192 * 1000**3, 1307.4e12, 163.4e12),  # as AMD states it (2614.9 with sparsity)
+MIB, GIB = 2**20, 2**30
+
+
+@pytest.mark.parametrize("name, memory, printed_gb, bf16, fp32", [
+    ("a100-40gb", 40_960 * MIB, 40, 312 * 1000**4, 19.5 * 1000**4),  # nvidia-smi: 40960MiB
+    ("a100-80gb", 81_920 * MIB, 80, 312 * 1000**4, 19.5 * 1000**4),  # nvidia-smi: 81920MiB
+    ("h100-80gb", 81_559 * MIB, 80, 989 * 1000**4, 67 * 1000**4),  # nvidia-smi: 81559MiB
+    ("h200-141gb", 143_771 * MIB, 141, 989 * 1000**4, 67 * 1000**4),  # nvidia-smi: 143771MiB
+    ("l4-24gb", 24 * GIB, 24, 242 * 1000**4 / 2, 30.3 * 1000**4),  # 242 with sparsity, halved
+    ("b200-180gb", 1440 * GIB // 8, 180, 36e15 / 8 / 2, 600e12 / 8),  # HGX/DGX B200 totals for 8 GPUs
+    ("mi300x-192gb", 192 * GIB, 192, 1307.4e12, 163.4e12),  # as AMD states it (2614.9 with sparsity)
 ])
-def test_accelerator_datasheet_figures(name, memory, bf16, fp32):
+def test_accelerator_datasheet_figures(name, memory, printed_gb, bf16, fp32):
     acc = get_accelerator(name)
     assert acc.memory_bytes == memory and isinstance(acc.memory_bytes, int)
+    # the datasheet's "80 GB" read as decimal, as the book read it before: about 7 % less
+    assert datasheet_bytes(acc) == printed_gb * 10**9
+    assert 1.06 < acc.memory_bytes / datasheet_bytes(acc) < 1.08
     assert acc.peak_flops_bf16 == pytest.approx(bf16)
     assert acc.peak_flops_fp32 == pytest.approx(fp32)
     assert "datasheet" in acc.source
+
+
+def test_usable_memory_takes_off_the_cuda_context():
+    h100 = get_accelerator("h100-80gb")
+    assert CUDA_CONTEXT_BYTES == 287_047_680  # pytorch/pytorch#86509, lazy module loading
+    assert usable_memory_bytes(h100) == 81_559 * MIB - 287_047_680
+    assert usable_memory_bytes("cpu") == get_accelerator("cpu").memory_bytes  # no CUDA context
+
+
+@pytest.mark.parametrize("name, cpu, cores, link", [
+    ("a100-80gb", "AMD EPYC 7742", 128, "pcie4"),
+    ("h100-80gb", "Xeon Platinum 8480C", 112, "pcie5"),
+    ("h200-141gb", "Xeon Platinum 8480C", 112, "pcie5"),
+    ("b200-180gb", "Xeon Platinum 8570", 112, "pcie5"),
+    ("l4-24gb", "g2-standard-96", 48, "pcie4"),
+])
+def test_hosts_come_from_the_servers_datasheets(name, cpu, cores, link):
+    host = get_accelerator(name).host
+    assert host is not None and cpu in host.name and host.cores == cores and host.link == link
+    assert host.memory_bytes >= 384 * 10**9 and host.source
+
+
+def test_a_platform_without_a_named_host_has_none():
+    assert get_accelerator("mi300x-192gb").host is None
+
+
+def test_host_and_context_are_checked():
+    with pytest.raises(ValueError, match="cores"):
+        Host("x", 0, 10**9, "pcie4", "s")
+    with pytest.raises(ValueError, match="host link of 'x' must be one of"):
+        Host("x", 8, 10**9, "usb", "s")
+    with pytest.raises(ValueError, match="context_bytes of 'x' must be less than memory_bytes"):
+        Accelerator("x", 1000, 1.0, 1.0, "s", context_bytes=1000)
+    with pytest.raises(ValueError, match="datasheet_gb"):
+        Accelerator("x", 10**9, 1.0, 1.0, "s", datasheet_gb=0)
 
 
 def test_h200_has_h100_compute_and_more_memory():
@@ -224,4 +269,4 @@ def test_hbm_is_several_times_faster_than_nvlink_one_way():
 
 def test_memory_bandwidth_must_be_positive():
     with pytest.raises(ValueError, match="memory_bandwidth_bytes_per_s must be > 0 or None"):
-        Accelerator("x", 1, 1.0, 1.0, "s", memory_bandwidth_bytes_per_s=0.0)
+        Accelerator("x", 10**9, 1.0, 1.0, "s", memory_bandwidth_bytes_per_s=0.0)

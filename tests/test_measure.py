@@ -1,6 +1,7 @@
 """handbook_lib.runtime.measure: the helpers the runs share (the measurements themselves are checked by
 the runs' own tests against the models)."""
 
+import pytest
 import torch
 
 from handbook_lib.models import estimate_collective
@@ -63,3 +64,21 @@ def test_counter_times_each_call_and_names_its_phase(tmp_path):
     assert 0 <= starts[0] <= starts[1] <= starts[2] <= elapsed
     assert all(c.end_s is not None and c.start_s <= c.end_s <= elapsed for c in calls)  # gloo: all finished
     assert [c.buffer_bytes for c in calls] == [16, 16, 8]
+
+
+def test_cpu_adam_is_measured_in_parameters_per_second():
+    import torch
+
+    from handbook_lib.models import CPU_ADAM_PARAMS_PER_S_PER_CORE
+    from handbook_lib.runtime.measure import measure_cpu_adam
+
+    threads = torch.get_num_threads()
+    rate = measure_cpu_adam(2**20, tensors=4, repeats=2)
+    assert torch.get_num_threads() == threads  # restored
+    # a step over 1 Mi parameters takes microseconds to seconds on any CPU; the planner's figure
+    # was measured the same way on this book's machine
+    assert 1e6 < rate < 1e11 and 1e6 < CPU_ADAM_PARAMS_PER_S_PER_CORE < 1e11
+    with pytest.raises(ValueError, match="multiple of tensors"):
+        measure_cpu_adam(10, tensors=3)
+    with pytest.raises(ValueError, match="threads"):
+        measure_cpu_adam(threads=0)

@@ -11,6 +11,7 @@ from handbook_lib.models import (
     estimate_memory,
     estimate_seed_model_state,
     get_shape,
+    model_layout,
     plan,
     recommend,
     seed_recommendation,
@@ -106,12 +107,58 @@ def test_offload_states_the_host_memory_it_needs():
     assert offload.host_bytes == estimate_memory(shape, 16, "FULL_SHARD", "bf16-mixed", micro_batch=1, seq_len=4096,
                                                  activation_checkpointing=True, cpu_offload=True).host > 0
     assert all(o.host_bytes == 0 for o in result.options if not o.cpu_offload)
+    # 175B on one GPU: 16 B per parameter is 2.79 TB of host RAM, more than a DGX H100's 2 TiB
     one = plan("gpt3-175b", "h100-80gb", 1)
-    assert one.recommended.cpu_offload
-    assert f"CPU offload needs {one.recommended.host_bytes / 1e9:.1f} GB of host RAM per GPU" in " ".join(one.reasons)
-    eight = plan("gpt3-175b", "h100-80gb", 8)  # per node: 8 GPUs' worth of host memory
-    assert eight.recommended.cpu_offload
-    assert f"({8 * eight.recommended.host_bytes / 1e9:.1f} GB per node of 8 GPUs)" in " ".join(eight.reasons)
+    offload = next(o for o in one.options if o.cpu_offload)
+    assert offload.host_node_bytes == 16 * 174_604_259_328 > 2 * 2**40 and not offload.fits
+    assert not one.recommended.cpu_offload and one.recommended.gpus > 1
+    assert any(r.startswith("FULL_SHARD + AC + offload fits the GPU") and "not the host: 2793.7 GB" in r
+               for r in one.reasons)
+    sixteen = plan("gpt3-175b", "h100-80gb", 16)  # per node: 8 GPUs' worth of host memory, 1.40 TB
+    chosen = sixteen.recommended
+    assert chosen.cpu_offload and chosen.host_node_bytes == 8 * chosen.host_bytes < 2 * 2**40
+    assert (f"CPU offload needs {chosen.host_bytes / 1e9:.1f} GB of host RAM per GPU, "
+            f"{8 * chosen.host_bytes / 1e9:.1f} GB per node of 8 GPUs against 2199.0 GB"
+            in " ".join(sixteen.reasons))  # a DGX H100's 2 TB (2**41 bytes)
+
+
+def test_offload_is_priced_as_fsdp2_runs_it():
+    """Llama 2 70B on 8 A100 80GB (one DGX A100, 128 cores, PCIe 4), FULL_SHARD + AC + offload:
+    every all-gather copies its fp32 shard up, every reduce-scatter copies its fp32 gradient
+    shard down, and AdamW steps the rank's shard on 128 / 8 = 16 cores."""
+    result = plan("llama2-70b", "a100-80gb", 8, seq_len=4096)
+    o = next(o for o in result.options if o.cpu_offload)
+    plain = next(o for o in result.options if o.name == "FULL_SHARD + AC")
+    p = get_shape("llama2-70b").num_params
+    units = model_layout("llama2-70b").units()
+    shards = {u.name: -(-u.numel // 8) for u in units}  # P / 8 per rank, dim-0 padding aside
+    gathers = {u.name: 1 if u.root else 2 for u in units}  # forward and backward; the root kept
+    up = 4 * sum(shards[n] * gathers[n] for n in shards)  # the fp32 shard before each all-gather
+    down = 4 * sum(shards.values())  # each reduced fp32 gradient shard
+    copy_s = (up + down) / 25e9  # PCIe 4 achieves 25 GB/s
+    assert o.comm_s - plain.comm_s == pytest.approx(copy_s, rel=1e-3)
+    assert o.cpu_step_s == pytest.approx(-(-p // 8) / (16 * 1.5e8))
+    assert o.step_s > o.compute_s + o.cpu_step_s  # the CPU step is never hidden
+    assert o.host_node_bytes == 8 * o.host_bytes < 2 * 2**40  # fits a 2 TB DGX A100 80GB
+
+
+def test_a_platform_without_a_host_gets_no_offload_option():
+    result = plan("llama2-70b", "mi300x-192gb", 8, seq_len=4096)
+    assert not any(o.cpu_offload for o in result.options)
+    assert any("CPU offload not priced" in r for r in result.reasons)
+
+
+def test_margins_are_budget_less_reserved_peak():
+    result = plan("gpt3-175b", "a100-80gb", 64, seq_len=4096)
+    usable = 81_920 * 2**20 - 287_047_680  # nvidia-smi's total less the CUDA context
+    for o in result.options:
+        assert o.budget_bytes == usable
+        assert o.peak_reserved_bytes >= 1.1 * o.peak_bytes  # the allocator's 10 % reserve
+        assert o.peak_reserved_bytes - 1.1 * o.peak_bytes < 2 * 2**20  # rounded up to 2 MiB
+        assert o.margin_bytes == usable - o.peak_reserved_bytes and o.fits == (o.margin_bytes >= 0)
+    assert result.recommended.name == "FULL_SHARD + AC" and 0 < result.recommended.margin < 0.06
+    tight = plan("gpt3-175b", "a100-80gb", 64, seq_len=4096, headroom=0.10)
+    assert tight.recommended.cpu_offload  # 10 % more kept free: the margin is gone
 
 
 def test_the_intra_node_link_comes_from_the_accelerator_preset():

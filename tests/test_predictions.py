@@ -19,7 +19,7 @@ import json
 
 from tests.prediction_grid import GOLDEN, canonical, predictions
 
-GOLDEN_SHA256 = "9882be62c6da3b9aecf6460b061a69921bd432a05a4ed2c1444aa4e72b718373"
+GOLDEN_SHA256 = "2eaee23a07a7e0e1c1ac46c9d4803d132b9c478179bca414c60c94e14b9b5bc6"
 """SHA-256 of the golden file's canonical text (a change to it must be deliberate)."""
 
 

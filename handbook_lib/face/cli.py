@@ -202,7 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="network ports per node (default: one per GPU for InfiniBand, one for Ethernet)")
     pl.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS, metavar="P",
                     help=f"one of {', '.join(PRECISIONS)} (default bf16-mixed)")
-    pl.add_argument("--headroom", type=_fraction, default=0.10, help="fraction of GPU memory kept free")
+    pl.add_argument("--headroom", type=_fraction, default=0.0,
+                    help="fraction of usable GPU memory kept free beyond what the model prices (default 0)")
+    pl.add_argument("--sensitivity", action="store_true",
+                    help="plan again with each assumption changed (headroom, capacity, allocator reserve, "
+                    "utilization, network, CPU optimizer) and show where the verdict flips")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     _add_slurm(sub)

@@ -28,12 +28,27 @@ from handbook_lib.face.display import (
 from handbook_lib.face.views import fit_table, step_time_summary, step_time_table
 from handbook_lib.launch.errors import describe_failed_checks
 from handbook_lib.launch.runner import torchrun
+from handbook_lib.models.allocator import (
+    RESERVE_FRACTION,
+    RESERVE_MODEL,
+    RESERVE_SOURCE,
+)
 from handbook_lib.models.hardware import get_accelerator, get_link, node_preset
 from handbook_lib.models.hf_config import read_hf_config
 from handbook_lib.models.layout import ModelLayout, model_layout
 from handbook_lib.models.memory import PHASE_WORDS, estimate_memory
-from handbook_lib.models.planner import check_whole_nodes, plan
-from handbook_lib.models.timing import estimate_compute_time, estimate_step_time
+from handbook_lib.models.planner import Plan, check_whole_nodes, plan
+from handbook_lib.models.sensitivity import (
+    FlipPoints,
+    Sensitivity,
+    flip_points,
+    plan_sensitivity,
+)
+from handbook_lib.models.timing import (
+    DEFAULT_UTILIZATION,
+    estimate_compute_time,
+    estimate_step_time,
+)
 from handbook_lib.models.traffic import estimate_step_traffic
 from handbook_lib.runs import describe_runs
 
@@ -123,8 +138,11 @@ def _cmd_memory(args: argparse.Namespace) -> int:
                f"{'on' if args.cpu_offload else 'off'}")
     if args.json:
         print(json.dumps({"model": named.removeprefix("model: "), "assumptions": assumes.removeprefix("assumes: "),
-                          "components": est.components, "peak": est.peak, "peak_phase": est.peak_phase,
-                          "phases": est.phases, "host": est.host, "notes": list(est.notes)}, indent=2))
+                          "components": est.components, "peak": est.peak, "peak_reserved": est.peak_reserved,
+                          "peak_phase": est.peak_phase, "phases": est.phases, "host": est.host,
+                          "reserve": {"fraction": RESERVE_FRACTION, "model": RESERVE_MODEL,
+                                      "source": RESERVE_SOURCE},
+                          "notes": list(est.notes)}, indent=2))
         return 0
     print(wrap_line(named, "  "))
     print(wrap_line(assumes, "  "))
@@ -132,10 +150,13 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         print("(runs default to fp32: add --precision fp32 to compare with a run's measurements)")
     rows = [[name, b, format_bytes(b)] for name, b in est.components.items()]
     rows.append([f"peak ({est.peak_phase})", est.peak, format_bytes(est.peak)])
+    rows.append(["peak reserved (CUDA)", est.peak_reserved, format_bytes(est.peak_reserved)])
     if est.host:
         rows.append(["host (offloaded)", est.host, format_bytes(est.host)])
     print(Table(["component", "bytes", "human"], rows))
     what = PHASE_WORDS.get(est.peak_phase, ("", ""))[1]
+    print(wrap_line(f"peak reserved = the peak as CUDA's caching allocator holds it (nvidia-smi, less "
+                    f"the CUDA context): {RESERVE_MODEL}", "  "))
     print(wrap_line(f"peak = the step's largest phase; {est.peak_phase} = {what}",
                 "  "))
     for note in est.notes:
@@ -182,7 +203,7 @@ def _cmd_comm(args: argparse.Namespace) -> int:
     print(Table(["collective", "calls", "bytes sent", "human"], rows))
     print(f"communication: {plain.comm_s * 1e3:.2f} ms on {link.name}")
     if compute_s:
-        print(f"compute (6PT at 40 % of {args.gpu}'s bf16 peak): {compute_s * 1e3:.2f} ms")
+        print(f"compute (6PT at {DEFAULT_UTILIZATION:.0%} of {args.gpu}'s bf16 peak): {compute_s * 1e3:.2f} ms")
         print(f"step: {plain.total_s * 1e3:.2f} ms without overlap, {hidden.total_s * 1e3:.2f} ms with; "
               f"{hidden.bound}-bound")
         print(wrap_line("bound = what sets the step time with overlap: compute (the links' time hides "
@@ -193,33 +214,74 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     per_node = args.gpus_per_node or node_preset(args.gpu).gpus_per_node
     check_whole_nodes(args.gpus, per_node, names=("--gpus {}", "--gpus-per-node {}"))
     model, named = _chosen_model(args)
-    result = plan(model, args.gpu, args.gpus, micro_batch=args.micro_batch, seq_len=args.seq_len,
-                  gpus_per_node=per_node, inter_link=args.inter_link, nics_per_node=args.nics_per_node,
-                  precision=args.precision, headroom=args.headroom)
+    kwargs = dict(micro_batch=args.micro_batch, seq_len=args.seq_len, gpus_per_node=per_node,
+                  inter_link=args.inter_link, nics_per_node=args.nics_per_node, precision=args.precision,
+                  headroom=args.headroom)
+    if args.sensitivity:
+        result, changes = plan_sensitivity(model, args.gpu, args.gpus, **kwargs)
+    else:
+        result, changes = plan(model, args.gpu, args.gpus, **kwargs), []
+    flips = flip_points(result) if args.sensitivity else None
     if args.json:
-        print(json.dumps(dataclasses.asdict(result), indent=2))
+        data = dataclasses.asdict(result)
+        if args.sensitivity:
+            data["sensitivity"] = [dataclasses.asdict(c) for c in changes]
+            data["flip_points"] = dataclasses.asdict(flips) if flips else None
+        print(json.dumps(data, indent=2))
         return 0
     print(wrap_line(named, "  "))
     print(wrap_line(f"assumes: {result.gpus} x {result.gpu} ({per_node} per node, "
                 f"{result.nics_per_node} x {args.inter_link} between nodes), {args.precision}, optimizer adamw, micro-batch "
-                f"{args.micro_batch} x {args.seq_len} tokens, {args.headroom:.0%} of GPU memory kept "
-                "free; every strategy priced", "  "))
-    rows = [[o.name, o.gpus, format_bytes(o.peak_bytes), format_bytes(o.host_bytes) if o.host_bytes else "-",
-             "yes" if o.fits else "no", round(o.comm_s, 3), round(o.compute_s, 3), round(o.step_s, 3),
-             "comm" if o.bound == "communication" else o.bound] for o in result.options]
-    print(Table(["option", "GPUs", "peak/GPU", "host/GPU", "fits", "comm s", "compute s", "step s", "bound"],
+                f"{args.micro_batch} x {args.seq_len} tokens, utilization {100 * result.utilization:.0f} %, "
+                f"{100 * args.headroom:.0f} % headroom; every strategy priced", "  "))
+    rows = [[o.name, o.gpus, format_bytes(o.peak_reserved_bytes),
+             _margin(o.margin) if o.fits or o.margin < 0 else "host RAM",
+             format_bytes(o.host_bytes) if o.host_bytes else "-", round(o.comm_s, 3), round(o.compute_s, 3),
+             round(o.step_s, 3), "comm" if o.bound == "communication" else "comp"] for o in result.options]
+    print(Table(["option", "GPUs", "reserved", "margin", "host/GPU", "comm s", "comp s", "step s", "bound"],
                 rows))
-    print(wrap_line("AC = activation checkpointing; offload = model state in host RAM (host/GPU); bound = "
-                "what sets the step time: compute, or comm (communication not hidden by compute)", "  "))
+    budget = result.options[0].budget_bytes
+    print(wrap_line(f"reserved = peak per GPU as the allocator holds it; margin = what is left of "
+                    f"{format_bytes(budget)} usable (capacity less the CUDA context and headroom), "
+                    "negative: does not fit (host RAM: the node's host memory is too small); AC = "
+                    "activation checkpointing; offload = model state in host RAM (host/GPU), its optimizer "
+                    "step on the CPU; comp = compute; bound = what sets the step: compute, or comm "
+                    "(communication not hidden by compute)", "  "))
     print("how the collectives travel (NCCL's ring or tree, over every rail of a machine):")
     for o in result.options:
-        if o.name == o.strategy:
+        if o.name == o.strategy or o.cpu_offload:
             for route in o.routes:
                 print(wrap_line(f"  {o.name} {route}", "    "))
     for reason in result.reasons:
         print(wrap_line(f"- {reason}", "  "))
     print(f"(the seed's rule, fp32 model state only, would answer: {result.seed_answer})")
+    if args.sensitivity:
+        _print_sensitivity(result, changes, flips)
     return 0
+
+def _margin(fraction: float) -> str:
+    """A margin as a signed percentage, to 0.1 % near the edge, whole far from it (fits 100 columns)."""
+    return f"{100 * fraction:+.1f} %" if abs(fraction) < 1 else f"{100 * fraction:+.0f} %"
+
+def _print_sensitivity(result: Plan, changes: list[Sensitivity], flips: FlipPoints | None) -> None:
+    print("sensitivity: the plan again with one assumption changed")
+    rows = [[c.assumption, c.planned, c.changed, c.recommended, round(c.step_s, 3),
+             _margin(c.margin) if c.step_s else "-", "FLIPS" if c.flips else "same"] for c in changes]
+    print(Table(["assumption", "planned", "changed to", "recommended", "step s", "margin", "verdict"], rows))
+    if flips is None:
+        return
+    o = result.recommended
+    words = [f"fits up to {100 * flips.headroom:.1f} % headroom",
+             f"on cards of at least {format_bytes(flips.memory_bytes)}"]
+    if flips.utilization is not None:
+        words.append(f"compute-bound up to {100 * flips.utilization:.0f} % utilization")
+    elif o.bound == "compute":
+        words.append("compute-bound at any utilization")
+    else:
+        words.append("communication-bound already")
+    if flips.network_factor is not None:
+        words.append(f"and down to {100 * flips.network_factor:.0f} % of the links' bandwidth")
+    print(wrap_line(f"where {o.name} flips: it {', '.join(words)}", "  "))
 
 def _cmd_runs() -> int:
     for name, doc in describe_runs().items():

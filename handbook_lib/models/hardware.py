@@ -24,9 +24,16 @@ Conventions, so that every figure reads the same way:
 - A node reaches the others through ``nics_per_node`` network ports of ``inter_link`` each
   (rails): 8 in a DGX, one per GPU. How a collective spread over them is priced is
   :mod:`handbook_lib.models.topology`'s.
-- An accelerator's memory is the datasheet's figure in decimal bytes (80 GB → 80e9). The hardware
-  capacity is usually that number in GiB, and what a program can allocate is a little less;
-  the book compares against the datasheet figure and says so.
+- An accelerator's memory is the total its driver reports (``nvidia-smi``: 81,559 MiB on an
+  H100 80GB, 81,920 MiB on an A100 80GB), where that is published, else the datasheet's "GB"
+  read as GiB, as the HBM stacks hold it (an MI300X carries 8 stacks of 24 GiB): either way
+  about 7 % more than the datasheet's figure read as decimal GB. What a program can allocate
+  is less:
+  :func:`usable_memory_bytes` takes off what the driver and the CUDA context hold
+  (:data:`CUDA_CONTEXT_BYTES`), and the caching allocator's own reserve is the memory model's
+  (:mod:`handbook_lib.models.allocator`).
+- A machine's host (:class:`Host`): its CPU cores, RAM and the link a GPU reaches it over
+  (PCIe), from the server's datasheet: what CPU offload leans on.
 - Peak FLOP/s are dense (no 2:4 sparsity), from the vendor's datasheet.
 """
 
@@ -38,6 +45,7 @@ from handbook_lib.core.checks import check_int, is_int, lookup
 
 __all__ = [
     "Link",
+    "Host",
     "Accelerator",
     "Node",
     "LINKS",
@@ -46,7 +54,14 @@ __all__ = [
     "get_accelerator",
     "default_intra_link",
     "node_preset",
+    "usable_memory_bytes",
+    "datasheet_bytes",
+    "CUDA_CONTEXT_BYTES",
+    "GIB",
 ]
+
+GIB = 2**30
+"""Bytes in a GiB."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +97,37 @@ class Link:
         return self.bandwidth_bytes_per_s * self.efficiency
 
 
+CUDA_CONTEXT_BYTES = 287_047_680
+"""Device bytes a training process holds before its first tensor: the CUDA context (the driver's
+state and the kernels loaded so far). PyTorch measured 287,047,680 bytes with CUDA's lazy module
+loading (the default since CUDA 12.2 on Linux) against 666,632,192 without
+(pytorch/pytorch#86509, which made ``CUDA_MODULE_LOADING=LAZY`` torch's default); NVIDIA's
+PyTorch engineer puts it at "~300MB" (pytorch/pytorch#107667). NCCL's channel buffers come on
+top and are not priced."""
+
+
+@dataclass(frozen=True)
+class Host:
+    """The CPU side of a GPU machine, as its datasheet describes it."""
+
+    name: str
+    """The CPUs, e.g. ``"2 x Intel Xeon Platinum 8480C"``."""
+    cores: int
+    """CPU cores of the machine, all sockets (a count)."""
+    memory_bytes: int
+    """System memory (RAM) of the machine, bytes."""
+    link: str
+    """Key in :data:`LINKS` of the link between one GPU and host memory (``"pcie5"``)."""
+    source: str
+    """Where the figures come from, in words."""
+
+    def __post_init__(self) -> None:
+        check_int("cores", self.cores, 1)
+        check_int("memory_bytes", self.memory_bytes, 1)
+        if self.link not in LINKS:
+            raise ValueError(f"host link of {self.name!r} must be one of {', '.join(LINKS)}, got {self.link!r}")
+
+
 @dataclass(frozen=True)
 class Accelerator:
     """One accelerator (GPU), as its datasheet describes it, and the node it usually sits in."""
@@ -89,7 +135,8 @@ class Accelerator:
     name: str
     """Human-readable name, e.g. ``"NVIDIA H100 SXM 80GB"``."""
     memory_bytes: int
-    """Device memory, bytes, as the datasheet states it (80 GB → 80e9)."""
+    """Device memory, bytes: the datasheet's GB read as GiB, as the HBM stacks hold it
+    (80 GB → 80 x 2**30)."""
     peak_flops_bf16: float
     """Dense bf16 tensor-core peak, FLOP/s."""
     peak_flops_fp32: float
@@ -106,11 +153,26 @@ class Accelerator:
     memory_bandwidth_bytes_per_s: float | None = None
     """Device-memory (HBM) bandwidth, bytes/s, as the datasheet states it; ``None`` = not given.
     ``source`` names the datasheet."""
+    host: Host | None = None
+    """The machine's CPU side these GPUs usually sit in (``None`` = unknown: CPU offload cannot be
+    priced)."""
+    datasheet_gb: float | None = None
+    """The memory as the datasheet prints it, in its "GB" (80 for "80 GB"); ``None``: the
+    capacity in decimal GB. Read as 10**9 bytes it is the convention this book used before, and
+    what chapter 4's sensitivity compares against."""
+    context_bytes: int = CUDA_CONTEXT_BYTES
+    """Device bytes no tensor can use: the CUDA context and NCCL's buffers (0 for the ``cpu``
+    preset, whose "device" is host memory)."""
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "peak_flops_bf16", "peak_flops_fp32"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        check_int("context_bytes", self.context_bytes, 0)
+        if self.context_bytes >= self.memory_bytes:
+            raise ValueError(f"context_bytes of {self.name!r} must be less than memory_bytes")
+        if self.datasheet_gb is not None and not self.datasheet_gb > 0:
+            raise ValueError(f"datasheet_gb of {self.name!r} must be > 0 or None, got {self.datasheet_gb!r}")
         bw = self.memory_bandwidth_bytes_per_s
         if bw is not None and not bw > 0:
             raise ValueError(f"memory_bandwidth_bytes_per_s must be > 0 or None, got {bw!r}")
@@ -211,49 +273,97 @@ _H100 = "NVIDIA H100 Tensor Core GPU datasheet (2023), SXM: 989 TFLOP/s bf16 den
 _DGX_A100 = "NVIDIA DGX A100 datasheet (2020): 8 A100 SXM per system, joined by NVLink 3 through NVSwitch"
 _DGX_H = ("NVIDIA DGX H100 / DGX H200 datasheets (2023, 2024): 8 SXM GPUs per system, joined by "
           "NVLink 4 through NVSwitch")
+_GIB = " (GB read as GiB, as the memory stacks hold it: no driver-reported total is published)"
+_MIB = 2**20
+
+
+def _smi(mib: int) -> str:
+    return (f" ({mib:,} MiB as nvidia-smi reports the card's total, modal-labs/modal-client#2797 "
+            "and public nvidia-smi logs)")
+
+
+def _dgx_a100_host(memory_tb: int) -> Host:
+    return Host("2 x AMD EPYC 7742", 128, memory_tb * 2**40, "pcie4",
+                f"NVIDIA DGX A100 datasheet (2020): dual AMD Rome 7742, 128 cores in all, {memory_tb} TB "
+                "of system memory (the 320 GB system 1 TB, the 640 GB system 2 TB); PCIe 4.0")
+
+
+_DGX_H_HOST = Host("2 x Intel Xeon Platinum 8480C", 112, 2 * 2**40, "pcie5",
+                   "NVIDIA DGX BasePOD reference architecture, core components (DGX H100 / H200): "
+                   "'Dual Intel Xeon Platinum 8480C processors, 112 cores total ... with PCIe 5.0 "
+                   "support', '2 TB of DDR5 system memory'")
 
 ACCELERATORS: dict[str, Accelerator] = {
-    "a100-40gb": Accelerator("NVIDIA A100 40GB", 40 * 10**9, 312e12, 19.5e12, f"{_A100}, 40 GB HBM2 at 1,555 GB/s",
-                             "nvlink3", 8, _DGX_A100, 1.555e12),
-    "a100-80gb": Accelerator("NVIDIA A100 80GB", 80 * 10**9, 312e12, 19.5e12, f"{_A100}, 80 GB HBM2e at 2,039 GB/s",
-                             "nvlink3", 8, _DGX_A100, 2.039e12),
-    "h100-80gb": Accelerator("NVIDIA H100 SXM 80GB", 80 * 10**9, 989e12, 67e12, f"{_H100}, 80 GB HBM3 at 3.35 TB/s",
-                             "nvlink4", 8, _DGX_H, 3.35e12),
-    "h200-141gb": Accelerator("NVIDIA H200 SXM 141GB", 141 * 10**9, 989e12, 67e12,
-                              "NVIDIA H200 Tensor Core GPU datasheet (2024): 141 GB HBM3e at 4.8 TB/s, "
+    "a100-40gb": Accelerator("NVIDIA A100 40GB", 40_960 * _MIB, 312e12, 19.5e12,
+                             f"{_A100}, 40 GB HBM2{_smi(40_960)} at 1,555 GB/s", "nvlink3", 8, _DGX_A100, 1.555e12,
+                             _dgx_a100_host(1), datasheet_gb=40),
+    "a100-80gb": Accelerator("NVIDIA A100 80GB", 81_920 * _MIB, 312e12, 19.5e12,
+                             f"{_A100}, 80 GB HBM2e{_smi(81_920)} at 2,039 GB/s", "nvlink3", 8, _DGX_A100, 2.039e12,
+                             _dgx_a100_host(2), datasheet_gb=80),
+    "h100-80gb": Accelerator("NVIDIA H100 SXM 80GB", 81_559 * _MIB, 989e12, 67e12,
+                             f"{_H100}, 80 GB HBM3{_smi(81_559)} at 3.35 TB/s", "nvlink4", 8, _DGX_H, 3.35e12,
+                             _DGX_H_HOST, datasheet_gb=80),
+    "h200-141gb": Accelerator("NVIDIA H200 SXM 141GB", 143_771 * _MIB, 989e12, 67e12,
+                              f"NVIDIA H200 Tensor Core GPU datasheet (2024): 141 GB HBM3e{_smi(143_771)} at 4.8 TB/s, "
                               "compute as the H100 SXM (989 TFLOP/s bf16 dense, 67 TFLOP/s fp32)",
-                              "nvlink4", 8, _DGX_H, 4.8e12),
-    "l4-24gb": Accelerator("NVIDIA L4 24GB", 24 * 10**9, 121e12, 30.3e12,
-                           "NVIDIA L4 Tensor Core GPU datasheet (2023): 24 GB GDDR6, 121 TFLOP/s "
+                              "nvlink4", 8, _DGX_H, 4.8e12, _DGX_H_HOST, datasheet_gb=141),
+    "l4-24gb": Accelerator("NVIDIA L4 24GB", 24 * GIB, 121e12, 30.3e12,
+                           f"NVIDIA L4 Tensor Core GPU datasheet (2023): 24 GB GDDR6{_GIB}, 121 TFLOP/s "
                            "bf16 dense (242 with sparsity), 30.3 TFLOP/s fp32",
                            "pcie4", 8,
                            "NVIDIA L4 datasheet (2023): a PCIe Gen4 x16 card (64 GB/s bidirectional) "
                            "with no NVLink, so GPUs of one machine talk over PCIe 4; the largest "
                            "cloud L4 machines hold 8 (Google Cloud g2-standard-96, AWS EC2 "
-                           "g6.48xlarge)"),
-    "b200-180gb": Accelerator("NVIDIA B200 SXM 180GB", 180 * 10**9, 2.25e15, 75e12,
+                           "g6.48xlarge)", None,
+                           Host("96 vCPUs (Google Cloud g2-standard-96)", 48, 384 * 10**9, "pcie4",
+                                "Google Cloud machine types, G2: g2-standard-96 has 8 L4, 96 vCPUs "
+                                "(2 per core, so 48 cores) and 384 GB of memory"), datasheet_gb=24),
+    "b200-180gb": Accelerator("NVIDIA B200 SXM 180GB", 180 * GIB, 2.25e15, 75e12,
                               "NVIDIA DGX B200 datasheet (2024): 1,440 GB HBM3e for 8 GPUs, so 180 GB "
-                              "each (the 2024 launch figure was 192 GB); NVIDIA HGX B200 datasheet: "
-                              "36 PFLOP/s bf16 with sparsity and 600 TFLOP/s fp32 for 8 GPUs, so "
-                              "2.25 PFLOP/s bf16 dense and 75 TFLOP/s fp32 per GPU",
+                              f"each{_GIB} (the 2024 launch figure was 192 GB); NVIDIA HGX B200 "
+                              "datasheet: 36 PFLOP/s bf16 with sparsity and 600 TFLOP/s fp32 for 8 "
+                              "GPUs, so 2.25 PFLOP/s bf16 dense and 75 TFLOP/s fp32 per GPU",
                               "nvlink5", 8,
                               "NVIDIA DGX B200 datasheet (2024): 8 B200 SXM per system, joined by "
-                              "NVLink 5 through NVSwitch"),
-    "mi300x-192gb": Accelerator("AMD Instinct MI300X 192GB", 192 * 10**9, 1307.4e12, 163.4e12,
-                                "AMD Instinct MI300X datasheet (2023): 192 GB HBM3, 1307.4 TFLOP/s "
+                              "NVLink 5 through NVSwitch", None,
+                              Host("2 x Intel Xeon Platinum 8570", 112, 2 * 2**40, "pcie5",
+                                   "NVIDIA DGX B200 user guide, hardware overview: '2 x Intel Xeon "
+                                   "8570 PCIe Gen5 CPUs with 56 cores each', '2 TB using 32 x DIMMs "
+                                   "(upgradable to 4 TB)'; the B200's own PCIe 6 runs at the "
+                                   "host's Gen5"), datasheet_gb=180),
+    "mi300x-192gb": Accelerator("AMD Instinct MI300X 192GB", 192 * GIB, 1307.4e12, 163.4e12,
+                                f"AMD Instinct MI300X datasheet (2023): 192 GB HBM3{_GIB}, 1307.4 TFLOP/s "
                                 "bf16 dense (2614.9 with sparsity), 163.4 TFLOP/s fp32 vector",
                                 "infinity-fabric", 8,
                                 "AMD Instinct MI300X Platform datasheet (2023): 8 MI300X on one "
-                                "board, each joined to the 7 others by Infinity Fabric links"),
-    "cpu": Accelerator("CPU (nominal)", 16 * 10**9, 100e9, 100e9,
-                       "nominal figures for the book's CPU runs (16 GB, 100 GFLOP/s), not a "
+                                "board, each joined to the 7 others by Infinity Fabric links; the "
+                                "platform names no host server, so CPU offload is not priced", datasheet_gb=192),
+    "cpu": Accelerator("CPU (nominal)", 16 * GIB, 100e9, 100e9,
+                       "nominal figures for the book's CPU runs (16 GiB, 100 GFLOP/s), not a "
                        "datasheet or a measurement: use them for arithmetic, not for predictions",
                        "loopback", 2,
                        "nominal: the book's CPU runs start their ranks as processes of one host "
                        "(2 by default, as 'run --nproc 2'), talking over TCP loopback; pass "
-                       "gpus_per_node for more ranks"),
+                       "gpus_per_node for more ranks", None,
+                       Host("the same CPU (nominal)", 2, 16 * GIB, "loopback",
+                            "nominal: on a CPU run the 'device' is host memory already; 2 cores "
+                            "and 16 GiB as the book's build machine, not a datasheet"), context_bytes=0),
 }
 """Accelerator presets by short name. Memory in bytes, peaks in FLOP/s (dense)."""
+
+
+def datasheet_bytes(accelerator: Accelerator | str) -> int:
+    """``accelerator``'s memory as its datasheet's "GB" read as decimal: 80 GB → 80e9 bytes."""
+    acc = _accelerator(accelerator)
+    return int(acc.memory_bytes if acc.datasheet_gb is None else acc.datasheet_gb * 10**9)
+
+
+def usable_memory_bytes(accelerator: Accelerator | str) -> int:
+    """Bytes of ``accelerator``'s memory a training process can allocate: its capacity less its
+    ``context_bytes`` (:data:`CUDA_CONTEXT_BYTES` on a GPU). The caching allocator's own reserve
+    is not taken off here: the memory model prices it (``MemoryEstimate.peak_reserved``)."""
+    acc = _accelerator(accelerator)
+    return acc.memory_bytes - acc.context_bytes
 
 
 def get_link(name: str) -> Link:

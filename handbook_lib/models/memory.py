@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from handbook_lib.core.checks import check_int, check_world, lookup
 from handbook_lib.core.config import dtype_bytes, get_precision
 from handbook_lib.core.strategies import Strategy, get_strategy
+from handbook_lib.models.allocator import reserved_bytes
 from handbook_lib.models.layout import ModelLayout, ModelLike, model_layout
 from handbook_lib.models.model_state import (
     RankState,
@@ -102,8 +103,15 @@ class MemoryEstimate:
 
     @property
     def peak(self) -> int:
-        """Predicted peak device bytes: the largest phase."""
+        """Predicted peak device bytes: the largest phase (what tensors hold, as
+        ``torch.cuda.max_memory_allocated`` reports it)."""
         return self.phases[self.peak_phase]
+
+    @property
+    def peak_reserved(self) -> int:
+        """The peak as PyTorch's CUDA caching allocator reserves it, bytes
+        (``torch.cuda.max_memory_reserved``: :func:`~handbook_lib.models.allocator.reserved_bytes`)."""
+        return reserved_bytes(self.peak)
 
     @property
     def model_state(self) -> int:
@@ -328,6 +336,7 @@ def min_gpus_to_fit(
     *,
     max_gpus: int = 4096,
     headroom: float = 0.0,
+    reserve_fraction: float | None = None,
     **kwargs,
 ) -> int | None:
     """Smallest power-of-two GPU count whose predicted peak fits in ``device_bytes``.
@@ -338,6 +347,9 @@ def min_gpus_to_fit(
         max_gpus: Give up above this many GPUs.
         headroom: Fraction of ``device_bytes`` kept free (e.g. 0.1 for fragmentation and the
             CUDA context).
+        reserve_fraction: Compare the peak as the allocator reserves it with this fraction on
+            top (:func:`~handbook_lib.models.allocator.reserved_bytes`) instead of the tensors'
+            peak (``None``).
         **kwargs: Passed to :func:`estimate_memory` (strategy, precision, micro_batch, ...).
 
     Returns:
@@ -349,7 +361,8 @@ def min_gpus_to_fit(
     budget = device_bytes * (1 - headroom)
     n = 1
     while n <= max_gpus:
-        if estimate_memory(model, n, **kwargs).peak <= budget:
+        peak = estimate_memory(model, n, **kwargs).peak
+        if peak <= budget if reserve_fraction is None else reserved_bytes(peak, fraction=reserve_fraction) <= budget:
             return n
         n *= 2
     return None

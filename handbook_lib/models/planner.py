@@ -11,32 +11,35 @@ course started from, to compare. Pure arithmetic.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
 from handbook_lib.core.checks import check_int
 from handbook_lib.core.config import get_precision
 from handbook_lib.core.strategies import get_strategy
+from handbook_lib.models.allocator import RESERVE_FRACTION, reserved_bytes
 from handbook_lib.models.hardware import (
     Accelerator,
     Link,
     Node,
     get_accelerator,
-    get_link,
     node_preset,
+    usable_memory_bytes,
 )
 from handbook_lib.models.layout import ModelLayout, ModelLike, model_layout
 from handbook_lib.models.memory import PHASE_WORDS, estimate_memory, min_gpus_to_fit
+from handbook_lib.models.offload import CPU_ADAM_PARAMS_PER_S_PER_CORE, estimate_offload
 from handbook_lib.models.seed import seed_recommendation
-from handbook_lib.models.timing import estimate_compute_time, estimate_step_time
+from handbook_lib.models.timing import (
+    DEFAULT_UTILIZATION,
+    estimate_compute_time,
+    estimate_step_time,
+)
 from handbook_lib.models.topology import Route, route_collective
 from handbook_lib.models.traffic import CollectiveRecord, estimate_step_traffic
 
-__all__ = ["Option", "Plan", "plan", "preference", "recommend", "STEP_TIE", "check_whole_nodes", "OFFLOAD_LINK"]
-
-
-OFFLOAD_LINK = "pcie4"
-"""Host link the CPU-offload option moves sharded parameters and gradients over."""
+__all__ = ["Option", "Plan", "plan", "preference", "recommend", "STEP_TIE", "check_whole_nodes"]
 _ORDER = ("DDP", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
 
 
@@ -51,9 +54,16 @@ class Option:
     cpu_offload: bool = False
     shard_group_size: int | None = None
     peak_bytes: int = 0
-    """Predicted peak device memory per GPU, bytes."""
+    """Predicted peak device memory per GPU, bytes: what the tensors hold (``allocated``)."""
+    peak_reserved_bytes: int = 0
+    """The same peak as the caching allocator reserves it, bytes (what ``nvidia-smi`` shows,
+    less the CUDA context): what must fit."""
+    budget_bytes: int = 0
+    """Bytes of a GPU the plan lets an option reserve: capacity less the CUDA context, less the
+    headroom."""
     fits: bool = False
-    """Peak within the GPU's memory less the headroom."""
+    """The reserved peak within the budget, and (offloading) the node's host bytes within its
+    RAM."""
     comm_s: float = 0.0
     """Communication per step, seconds (all collectives back to back, plus offload traffic)."""
     compute_s: float = 0.0
@@ -67,9 +77,24 @@ class Option:
     model_state_bytes: int = 0
     host_bytes: int = 0
     """Host (CPU) memory per GPU the option needs for what it offloads, bytes (0: none)."""
+    host_node_bytes: int = 0
+    """The same for a whole machine (every GPU of it), bytes, against its RAM."""
+    cpu_step_s: float = 0.0
+    """The optimizer step on the host's CPU (offload), seconds, part of ``step_s`` and never
+    hidden."""
     routes: tuple[str, ...] = ()
     """How its collectives travel, one line per route with the kinds that take it:
     ``"all_gather, reduce_scatter: ring on NVLink 4 (H100 SXM) at 369 GB/s"``."""
+
+    @property
+    def margin_bytes(self) -> int:
+        """Budget less reserved peak, bytes: negative when the option does not fit the GPU."""
+        return self.budget_bytes - self.peak_reserved_bytes
+
+    @property
+    def margin(self) -> float:
+        """:attr:`margin_bytes` as a fraction of the budget."""
+        return self.margin_bytes / self.budget_bytes
 
 
 @dataclass(frozen=True)
@@ -89,6 +114,12 @@ class Plan:
     """GPUs per node the plan assumed (sharing the intra-node link)."""
     nics_per_node: int = 0
     """Network ports per node the plan assumed."""
+    headroom: float = 0.0
+    """Fraction of usable memory the plan kept free."""
+    utilization: float = DEFAULT_UTILIZATION
+    """Model FLOPs utilization the plan assumed."""
+    context_bytes: int = 0
+    """Device bytes the plan took off each GPU's capacity for the CUDA context."""
 
 
 def check_whole_nodes(gpus: int, gpus_per_node: int, *,
@@ -152,8 +183,11 @@ def plan(
     nics_per_node: int | None = None,
     precision: str = "bf16-mixed",
     optimizer: str = "adamw",
-    headroom: float = 0.10,
-    utilization: float = 0.4,
+    headroom: float = 0.0,
+    utilization: float = DEFAULT_UTILIZATION,
+    memory_bytes: int | None = None,
+    cpu_params_per_s_per_core: float = CPU_ADAM_PARAMS_PER_S_PER_CORE,
+    reserve_fraction: float = RESERVE_FRACTION,
 ) -> Plan:
     """Price every option for training ``model`` on ``gpus`` GPUs and recommend one.
 
@@ -177,8 +211,17 @@ def plan(
             (:func:`~handbook_lib.models.topology.route_collective`).
         precision: As for :func:`~handbook_lib.models.memory.estimate_memory`.
         optimizer: As for :func:`~handbook_lib.models.memory.estimate_memory`.
-        headroom: Fraction of the GPU's memory kept free (CUDA context, NCCL, fragmentation).
-        utilization: Fraction of the bf16 peak that compute achieves.
+        headroom: Fraction of the usable memory kept free beyond what the model prices (the CUDA
+            context and the allocator's reserve are priced already): 0 by default, so every
+            option's margin is shown as it is.
+        utilization: Fraction of the bf16 peak that compute achieves
+            (:data:`~handbook_lib.models.timing.DEFAULT_UTILIZATION`, a published measurement).
+        memory_bytes: Overrides the accelerator's capacity, bytes (e.g. 80e9 to see a verdict
+            with the datasheet's GB read as decimal).
+        cpu_params_per_s_per_core: CPU optimizer speed for the offload option
+            (:data:`~handbook_lib.models.offload.CPU_ADAM_PARAMS_PER_S_PER_CORE`).
+        reserve_fraction: The caching allocator's reserve over the allocated peak
+            (:data:`~handbook_lib.models.allocator.RESERVE_FRACTION`).
 
     Raises:
         ValueError: for unknown presets or precision, ``gpus < 1``, ``gpus_per_node < 1`` or
@@ -196,10 +239,15 @@ def plan(
     check_int("seq_len", seq_len, 1)
     if not 0 <= headroom < 1:  # also refuses NaN
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
+    if memory_bytes is not None:
+        check_int("memory_bytes", memory_bytes, acc.context_bytes + 1)
+        acc = dataclasses.replace(acc, memory_bytes=memory_bytes)
     node = node_preset(acc, inter_link=inter_link, intra_link=intra_link, gpus_per_node=min(gpus_per_node, gpus),
                        nics_per_node=nics_per_node)
-    job = _Job(layout, node, precision, optimizer, micro_batch, seq_len, utilization,
-               acc.memory_bytes * (1 - headroom))
+    budget = int(usable_memory_bytes(acc) * (1 - headroom))
+    reserved_bytes(0, fraction=reserve_fraction)  # refuses a fraction outside [0, 1)
+    job = _Job(layout, node, precision, optimizer, micro_batch, seq_len, utilization, budget,
+               cpu_params_per_s_per_core, reserve_fraction)
     price = functools.partial(_price, job)
     options = []
     for strategy in _ORDER:
@@ -207,8 +255,9 @@ def plan(
             continue  # one node: hybrid is FULL_SHARD
         for ac in (False, True):
             options.append(price(strategy, gpus, ac, False, strategy + (" + AC" if ac else "")))
-    options.append(price("FULL_SHARD", gpus, True, True, "FULL_SHARD + AC + offload"))
-    more = min_gpus_to_fit(layout, acc.memory_bytes, headroom=headroom, strategy="FULL_SHARD",
+    if acc.host is not None:
+        options.append(price("FULL_SHARD", gpus, True, True, "FULL_SHARD + AC + offload"))
+    more = min_gpus_to_fit(layout, budget, strategy="FULL_SHARD", reserve_fraction=reserve_fraction,
                            precision=precision, optimizer=optimizer, micro_batch=micro_batch,
                            seq_len=seq_len, activation_checkpointing=True)
     if more is not None and more > gpus:
@@ -222,7 +271,7 @@ def plan(
     reasons = _reasons(options, recommended, acc, job.budget, gpus, gpus_per_node)
     return Plan(layout.name, layout.num_params, acc.name, gpus, options, recommended, reasons,
                 seed_recommendation(layout.num_params, acc.memory_bytes, gpus), gpus_per_node,
-                node.nics_per_node)
+                node.nics_per_node, headroom, utilization, acc.context_bytes)
 
 
 @dataclass(frozen=True)
@@ -237,14 +286,19 @@ class _Job:
     micro_batch: int
     seq_len: int
     utilization: float
-    budget: float
-    """Bytes of a GPU's memory an option may use (less the headroom)."""
+    budget: int
+    """Bytes of a GPU's memory an option may reserve (usable, less the headroom)."""
+    cpu_speed: float
+    """CPU optimizer parameters/s per core (offload)."""
+    reserve: float
+    """The allocator's reserve over the allocated peak, a fraction."""
 
 
 def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str) -> Option:
-    """One option on ``n`` GPUs: its peak memory (chapter 2's model), its step's collectives on
-    the links they cross and its compute (chapter 3's), overlapped; offload adds the sharded
-    fp32 parameters up and the fp32 gradients down over the host link, not hidden."""
+    """One option on ``n`` GPUs: its peak memory (chapter 2's model, as the allocator reserves
+    it), its step's collectives on the links they cross and its compute (chapter 3's),
+    overlapped; offload adds its copies to the communication and the CPU optimizer step to the
+    step (:func:`~handbook_lib.models.offload.estimate_offload`)."""
     row = get_strategy(strategy)
     group = job.node.gpus_per_node if row.hybrid else None
     mem = estimate_memory(job.layout, n, strategy, job.precision, job.optimizer, micro_batch=job.micro_batch,
@@ -267,15 +321,25 @@ def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str)
                                     job.utilization)
     compute *= 4 / 3 if ac else 1  # recomputing the forward: 8PT instead of 6PT
     time = estimate_step_time(traffic, link_of, compute, overlap=True)
-    comm, step = time.comm_s, time.total_s
+    comm, step, cpu_s, per_node = time.comm_s, time.total_s, 0.0, 0
+    reserved = reserved_bytes(mem.peak, fraction=job.reserve)
+    fits = reserved <= job.budget
     if offload:
-        moved = 8 * -(-job.layout.num_params // n)
-        extra = moved / get_link(OFFLOAD_LINK).achievable_bytes_per_s
-        comm, step = comm + extra, step + extra
-    return Option(name, strategy, n, ac, offload, group, mem.peak, mem.peak <= job.budget, comm,
-                  compute, step, "communication" if comm > compute else "compute",
-                  mem.peak_phase, mem.components["activations"], mem.model_state, mem.host,
-                  tuple(f"{', '.join(kinds)}: {d}" for d, kinds in routes.items()))
+        host = acc.host
+        assert host is not None  # plan() offers offload only with a host
+        g = job.node.gpus_per_node
+        cost = estimate_offload(traffic, job.layout.num_params, host, g, shard_group_size=group,
+                                params_per_s_per_core=job.cpu_speed)
+        routes.setdefault(f"host copies over {cost.link}", {})["offload"] = None
+        comm += cost.copy_s
+        cpu_s = cost.optimizer_s
+        step = time.exposed_comm_s + max(compute, comm - time.exposed_comm_s) + cpu_s
+        per_node = mem.host * g
+        fits = fits and per_node <= host.memory_bytes
+    return Option(name, strategy, n, ac, offload, group, mem.peak, reserved, job.budget, fits,
+                  comm, compute, step, "communication" if comm > compute else "compute",
+                  mem.peak_phase, mem.components["activations"], mem.model_state, mem.host, per_node,
+                  cpu_s, tuple(f"{', '.join(kinds)}: {d}" for d, kinds in routes.items()))
 
 
 def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, budget: float,
@@ -287,23 +351,35 @@ def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, bud
         if o and not o.fits:
             what = ("activations decide" if o.activation_bytes > o.model_state_bytes
                     else "model state decides")
-            reasons.append(f"{name} does not fit: {_gb(o.peak_bytes)} per GPU against {_gb(budget)} "
-                           f"usable on {acc.name}; {what} ({_gb(o.activation_bytes)} "
+            reasons.append(f"{name} does not fit: {_gb(o.peak_reserved_bytes)} reserved per GPU against "
+                           f"{_gb(budget)} usable on {acc.name}; {what} ({_gb(o.activation_bytes)} "
                            f"activations, {_gb(o.model_state_bytes)} model state).")
+    for o in options:
+        if o.cpu_offload and not o.fits and o.margin_bytes >= 0 and acc.host is not None:
+            reasons.append(f"{o.name} fits the GPU ({_gb(o.peak_reserved_bytes)} reserved) but not the host: "
+                           f"{_gb(o.host_node_bytes)} of host RAM per node against {_gb(acc.host.memory_bytes)} "
+                           f"in a {acc.host.name} host.")
     if chosen is None:
         reasons.append("No option fits, even with activation checkpointing on more GPUs: the "
                        "activations of one sequence exceed a GPU; shorten the sequence or add "
                        "tensor/sequence parallelism (not covered by FSDP).")
         return reasons
     faster = [o for o in options if o.gpus == gpus and o.fits and o is not chosen]
-    reasons.append(f"Recommended: {chosen.name} on {chosen.gpus} GPUs — peak {_gb(chosen.peak_bytes)} "
-                   f"per GPU {PHASE_WORDS.get(chosen.peak_phase, (chosen.peak_phase,))[0]}, step "
-                   f"{chosen.step_s:.3f} s, {chosen.bound}-bound.")
+    reasons.append(f"Recommended: {chosen.name} on {chosen.gpus} GPUs — peak {_gb(chosen.peak_reserved_bytes)} "
+                   f"reserved per GPU {PHASE_WORDS.get(chosen.peak_phase, (chosen.peak_phase,))[0]}, "
+                   f"margin {_gb(chosen.margin_bytes)} ({100 * chosen.margin:.1f} % of {_gb(budget)} usable), "
+                   f"step {chosen.step_s:.3f} s, {chosen.bound}-bound.")
     if chosen.cpu_offload:
+        host = acc.host
+        assert host is not None
         per_node = min(gpus_per_node, chosen.gpus)
-        node = f" ({_gb(chosen.host_bytes * per_node)} per node of {per_node} GPUs)" if per_node > 1 else ""
-        reasons.append(f"CPU offload needs {_gb(chosen.host_bytes)} of host RAM per GPU{node} for the "
-                       "offloaded parameters, gradients and optimizer state: check the machine has it.")
+        reasons.append(f"CPU offload needs {_gb(chosen.host_bytes)} of host RAM per GPU, "
+                       f"{_gb(chosen.host_node_bytes)} per node of {per_node} GPUs against "
+                       f"{_gb(host.memory_bytes)} in a {host.name} host; its optimizer step runs "
+                       f"on that CPU: {chosen.cpu_step_s:.2f} s of the step, never hidden.")
+    elif acc.host is None:
+        reasons.append(f"CPU offload not priced: the {acc.name} preset names no host machine "
+                       "(its CPU cores, RAM and PCIe).")
     if chosen.gpus > gpus:
         reasons.append(f"Nothing fits on {gpus} GPUs; {chosen.gpus} are the fewest that do.")
     plain = by_name.get(chosen.strategy)
@@ -320,7 +396,7 @@ def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, bud
     if faster:
         runner = min(faster, key=lambda o: o.step_s)
         reasons.append(f"Next best: {runner.name} ({runner.step_s:.3f} s per step, "
-                       f"{_gb(runner.peak_bytes)} per GPU).")
+                       f"{_gb(runner.peak_reserved_bytes)} reserved per GPU).")
     if chosen.bound == "communication":
         reasons.append("Communication is not hidden by compute on these links: a faster "
                        "interconnect, HYBRID_SHARD, or a larger micro-batch would help.")

@@ -19,7 +19,19 @@ from handbook_lib.models.hardware import Link
 from handbook_lib.models.topology import Route
 from handbook_lib.models.traffic import CollectiveRecord, StepTraffic
 
-__all__ = ["StepTime", "bytes_by_link", "estimate_step_time", "estimate_compute_time"]
+__all__ = ["StepTime", "bytes_by_link", "estimate_step_time", "estimate_compute_time",
+           "DEFAULT_UTILIZATION", "UTILIZATION_SOURCE"]
+
+DEFAULT_UTILIZATION = 0.41
+"""Model FLOPs utilization assumed where none is given: see :data:`UTILIZATION_SOURCE`."""
+
+UTILIZATION_SOURCE = (
+    "Llama 3 405B pre-training on 16,384 H100 80GB (TP 8, PP 16, FSDP 128, sequences of 8,192): "
+    "400 TFLOP/s per GPU, 'BF16 MFU' 41 %, Grattafiori et al. 2024, The Llama 3 Herd of Models, "
+    "Table 4 (43 % on 8,192 GPUs, 38 % with 131,072-token sequences). FSDP alone on fewer GPUs "
+    "measures 32 to 37 % on H100 and 47 to 57 % on A100 (PyTorch/IBM, 'Maximizing training "
+    "throughput using PyTorch FSDP', 2024, Llama 2 7B to 70B)")
+"""Where :data:`DEFAULT_UTILIZATION` comes from."""
 
 LinkOrRoute = Link | Route
 """What prices a collective: one link (chapter 3), or its route on a cluster (chapter 4)."""
@@ -87,7 +99,7 @@ def estimate_step_time(
     return StepTime(comm, compute_s, exposed, total, bound)
 
 def estimate_compute_time(num_params: int, tokens: int, peak_flops: float,
-                          utilization: float = 0.4) -> float:
+                          utilization: float = DEFAULT_UTILIZATION) -> float:
     """Seconds of one rank's forward + backward: the 6PT rule, ``6·P·T / (peak · utilization)``.
 
     Forward costs 2 FLOPs (a multiply and an add) per parameter per token, backward twice that

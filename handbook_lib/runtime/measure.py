@@ -33,6 +33,7 @@ __all__ = [
     "CollectiveCounter",
     "collective_totals",
     "tensors_in",
+    "measure_cpu_adam",
 ]
 
 
@@ -430,3 +431,47 @@ def collective_totals(calls: Iterable[CollectiveCall]) -> dict[str, dict[str, in
         entry["buffer_bytes"] += call.buffer_bytes
         entry["sent_bytes"] += estimate_collective(call.kind, call.buffer_bytes, call.group_size).sent_bytes
     return out
+
+
+def measure_cpu_adam(numel: int = 2**24, *, tensors: int = 16, threads: int = 1, repeats: int = 5,
+                     fused: bool = False) -> float:
+    """fp32 parameters per second that ``torch.optim.AdamW`` steps on this CPU: the offloaded
+    optimizer step's speed (:data:`handbook_lib.models.offload.CPU_ADAM_PARAMS_PER_S_PER_CORE`).
+
+    Times ``repeats`` steps over ``numel`` parameters in ``tensors`` equal tensors, every one with
+    a gradient, after one warm-up step that creates Adam's moments, on ``threads`` intra-op
+    threads, and returns ``numel / fastest step``. Changes torch's thread count for the call
+    and restores it.
+
+    Args:
+        numel: Parameters in all, a multiple of ``tensors``.
+        tensors: How many tensors they come in (a model's are many).
+        threads: Intra-op threads (cores) the step may use.
+        repeats: Timed steps; the fastest counts.
+        fused: AdamW's fused CPU kernel instead of its default for-loop implementation.
+
+    Raises:
+        ValueError: for a count < 1 or ``numel`` not a multiple of ``tensors``.
+    """
+    for name, value in (("numel", numel), ("tensors", tensors), ("threads", threads), ("repeats", repeats)):
+        if not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if numel % tensors:
+        raise ValueError(f"numel={numel} must be a multiple of tensors={tensors}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(numel // tensors, generator=gen)) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt = torch.optim.AdamW(params, lr=1e-3, **({"fused": True} if fused else {}))
+        opt.step()
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            opt.step()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return numel / best

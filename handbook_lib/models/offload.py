@@ -1,0 +1,97 @@
+"""What CPU offload costs per step, as FSDP2's ``CPUOffloadPolicy`` runs it. Pure arithmetic.
+
+Chapter 4's planner prices it; chapter 5 runs it on this machine. With the policy, each rank's
+sharded fp32 parameters, their gradients and the optimizer state live in (pinned) host memory:
+
+- **host → device, at every all-gather**: before a unit is gathered, its shard is copied to the
+  GPU (4 bytes per parameter, fp32), then cast to the compute dtype and all-gathered. FULL_SHARD
+  gathers a unit in forward and again in backward, so a shard crosses PCIe twice per step
+  (once for a unit kept gathered, as SHARD_GRAD_OP keeps every unit and FSDP2 keeps the root).
+- **device → host, at every reduce-scatter**: the reduced gradient shard (in the reduce dtype)
+  is copied back.
+- **the optimizer step runs on the CPU**, over the rank's shard: a few passes over parameters,
+  gradients and two Adam moments, at the host's speed. Nothing hides it: it sits between the
+  last reduce-scatter and the next forward.
+
+The copies run on the same streams as the collectives that need them, so they join the step's
+communication (which compute may hide); the CPU step is added to the step. The CPU speed is
+:data:`CPU_ADAM_PARAMS_PER_S_PER_CORE`, measured on this book's machine, times the cores a rank
+gets: the host's cores shared by its GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from handbook_lib.core.checks import check_int
+from handbook_lib.core.config import dtype_bytes
+from handbook_lib.models.hardware import LINKS, Host
+from handbook_lib.models.traffic import StepTraffic
+
+__all__ = ["OffloadCost", "CPU_ADAM_PARAMS_PER_S_PER_CORE", "CPU_ADAM_SOURCE", "estimate_offload"]
+
+CPU_ADAM_PARAMS_PER_S_PER_CORE = 1.5e8
+"""fp32 parameters per second one CPU core steps through ``torch.optim.AdamW`` (its default
+for-loop implementation, which CPU tensors get), 0.6 GB/s of parameters: see
+:data:`CPU_ADAM_SOURCE`."""
+
+CPU_ADAM_SOURCE = (
+    "measured on this book's build machine (AMD EPYC, 1 thread, torch 2.13.0+cpu) with "
+    "handbook_lib.runtime.measure.measure_cpu_adam over 16 Mi fp32 parameters in 16 tensors: "
+    "147 to 177 M parameters/s for AdamW's default (for-loop) implementation, 510 to 583 M with "
+    "fused=True; 1.5e8 taken per core, and per rank the host's cores divided by its GPUs. The "
+    "host's memory bandwidth, not modelled, caps it below that on a full node")
+"""Where :data:`CPU_ADAM_PARAMS_PER_S_PER_CORE` comes from."""
+
+
+@dataclass(frozen=True)
+class OffloadCost:
+    """One rank's offload traffic and CPU work in one optimizer step."""
+
+    host_to_device_bytes: int
+    """Shards copied to the GPU before their all-gathers, bytes."""
+    device_to_host_bytes: int
+    """Reduced gradient shards copied back, bytes."""
+    copy_s: float
+    """Both copies over the host link, back to back, seconds."""
+    optimizer_params: int
+    """Parameters the rank's CPU optimizer step updates (its shard)."""
+    optimizer_s: float
+    """That step on the rank's share of the host's cores, seconds."""
+    link: str
+    """The host link's name."""
+
+
+def estimate_offload(traffic: StepTraffic, num_params: int, host: Host, gpus_per_node: int, *,
+                     shard_group_size: int | None = None,
+                     params_per_s_per_core: float = CPU_ADAM_PARAMS_PER_S_PER_CORE) -> OffloadCost:
+    """Price CPU offload for one rank of the step ``traffic`` lists (an FSDP strategy's).
+
+    Args:
+        traffic: The step's collectives (:func:`~handbook_lib.models.traffic.estimate_step_traffic`).
+        num_params: Parameters of the whole model, P; the rank's optimizer steps ceil(P / S).
+        shard_group_size: Ranks one copy of the model state is sharded over, S (HSDP's group;
+            default the whole world).
+        host: The machine's CPU side (cores and the GPU's link to host memory).
+        gpus_per_node: GPUs sharing the host's cores (ranks per machine).
+        params_per_s_per_core: CPU optimizer speed, parameters/s per core.
+
+    Raises:
+        ValueError: for a count < 1 or a speed not > 0.
+    """
+    check_int("num_params", num_params, 1)
+    check_int("gpus_per_node", gpus_per_node, 1)
+    if not params_per_s_per_core > 0:
+        raise ValueError(f"params_per_s_per_core must be > 0, got {params_per_s_per_core!r}")
+    up = down = 0
+    for r in traffic.records:
+        shard = r.buffer_bytes // r.group_size
+        if r.kind == "all_gather":
+            up += shard * 4 // dtype_bytes(r.dtype)  # the fp32 shard, cast after the copy
+        elif r.kind == "reduce_scatter":
+            down += shard
+    link = LINKS[host.link]
+    mine = -(-num_params // (shard_group_size or traffic.world_size))
+    cores = host.cores / gpus_per_node
+    return OffloadCost(up, down, (up + down) / link.achievable_bytes_per_s, mine,
+                       mine / (cores * params_per_s_per_core), link.name)
