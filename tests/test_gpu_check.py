@@ -259,7 +259,8 @@ def test_prefetch_extra_is_the_largest_unit_in_the_compute_dtype():
 
 
 def test_memory_figures_subtracts_and_divides():
-    ranks = [{"rank": 1, "peak_bytes": 1300, "predicted_peak_bytes": 1000, "allocator_peak_bytes": 1500},
+    ranks = [{"rank": 1, "peak_bytes": 1300, "predicted_peak_bytes": 1000, "allocator_peak_bytes": 1500,
+              "allocator_reserved_bytes": 3000, "predicted_peak_reserved_bytes": 2000},
              {"rank": 0, "peak_bytes": 1000, "predicted_peak_bytes": 1000, "allocator_peak_bytes": None},
              {"rank": 2}]
     rows = memory_figures(ranks, {"largest_unit": ("root", 600), "largest_layer": ("layers.0", 300)})
@@ -267,8 +268,11 @@ def test_memory_figures_subtracts_and_divides():
     assert rows[1] == {"rank": 1, "predicted_peak_bytes": 1000, "peak_bytes": 1300, "allocator_peak_bytes": 1500,
                        "largest_unit_unit": "root", "largest_unit_bytes": 600, "largest_layer_unit": "layers.0",
                        "largest_layer_bytes": 300, "excess_bytes": 300, "allocator_excess_bytes": 500,
-                       "excess_over_largest_unit": 0.5, "excess_over_largest_layer": 1.0}
+                       "excess_over_largest_unit": 0.5, "excess_over_largest_layer": 1.0,
+                       "allocator_reserved_bytes": 3000, "predicted_peak_reserved_bytes": 2000,
+                       "reserved_over_predicted": 1.5}
     assert rows[0]["excess_bytes"] == 0 and "allocator_excess_bytes" not in rows[0]
+    assert "reserved_over_predicted" not in rows[0]  # CPU or an older result: no reserved peak
     assert "missing" in rows[2] and "excess_bytes" not in rows[2]
 
 

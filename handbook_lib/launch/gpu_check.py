@@ -165,8 +165,9 @@ def memory_figures(ranks: Sequence[Mapping[str, Any]], extras: Mapping[str, tupl
 
     Args:
         ranks: A fsdp_train result's ``ranks`` (each with ``rank``, ``peak_bytes`` — the memory
-            tracker's —, ``allocator_peak_bytes`` — ``torch.cuda.max_memory_allocated`` —, and
-            ``predicted_peak_bytes``).
+            tracker's —, ``allocator_peak_bytes`` — ``torch.cuda.max_memory_allocated`` —,
+            ``predicted_peak_bytes`` and, on CUDA, ``allocator_reserved_bytes`` —
+            ``torch.cuda.max_memory_reserved`` — beside ``predicted_peak_reserved_bytes``).
         extras: Candidate prefetch extras by label, each ``(unit name, bytes)`` from
             :func:`estimate_prefetch_extra_bytes`, e.g. ``{"largest_unit": ..., "largest_layer": ...}``.
 
@@ -174,7 +175,9 @@ def memory_figures(ranks: Sequence[Mapping[str, Any]], extras: Mapping[str, tupl
         One dict per rank: the three peaks, ``excess_bytes`` (tracker − predicted),
         ``allocator_excess_bytes`` (allocator − predicted) and, per extra, ``<label>_unit``,
         ``<label>_bytes`` and ``excess_over_<label>`` (excess ÷ extra: about 1 when the excess
-        is that one unit gathered early).
+        is that one unit gathered early); on CUDA also the reserved peaks and
+        ``reserved_over_predicted`` (measured ÷ the allocator model's, 1.0 when the 10 % reserve
+        is right).
     """
     rows = []
     for r in sorted(ranks, key=lambda r: r["rank"]):
@@ -183,6 +186,10 @@ def memory_figures(ranks: Sequence[Mapping[str, Any]], extras: Mapping[str, tupl
         allocator = r.get("allocator_peak_bytes")
         row: dict[str, Any] = {"rank": r["rank"], "predicted_peak_bytes": predicted, "peak_bytes": measured,
                                "allocator_peak_bytes": allocator}
+        reserved, predicted_reserved = r.get("allocator_reserved_bytes"), r.get("predicted_peak_reserved_bytes")
+        if reserved is not None and predicted_reserved:
+            row.update(allocator_reserved_bytes=reserved, predicted_peak_reserved_bytes=predicted_reserved,
+                       reserved_over_predicted=reserved / predicted_reserved)
         for label, (unit, extra) in extras.items():
             row[f"{label}_unit"], row[f"{label}_bytes"] = unit, extra
         if predicted is None or measured is None:

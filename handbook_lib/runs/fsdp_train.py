@@ -29,6 +29,7 @@ from torch import nn
 from handbook_lib.core.config import RunConfig, get_precision
 from handbook_lib.core.results import Check
 from handbook_lib.core.strategies import STRATEGY_TABLE
+from handbook_lib.models.allocator import reserved_bytes
 from handbook_lib.models.init_bytes import estimate_init_bytes
 from handbook_lib.models.layout import ModelLayout, model_layout
 from handbook_lib.models.memory import MemoryEstimate, estimate_memory
@@ -214,6 +215,9 @@ def _memory_checks(config: RunConfig, ctx: RankContext, layout: ModelLayout, pre
     metrics.update(predicted_peak_bytes=peak, peak_bytes=mem.peak_bytes, activation_bytes=mem.activation_bytes,
                    peak_breakdown=mem.peak_breakdown, allocator_peak_bytes=mem.allocator_peak_bytes,
                    held_between_micro_steps=mem.held_between_micro_steps)
+    if mem.allocator_reserved_bytes is not None:  # CUDA: the allocator's segments beside the model's
+        metrics.update(allocator_reserved_bytes=mem.allocator_reserved_bytes,
+                       predicted_peak_reserved_bytes=reserved_bytes(peak))
     return checks
 
 

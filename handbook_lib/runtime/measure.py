@@ -145,6 +145,9 @@ class StepMemory:
     """The tracker's categories at the peak (bytes), e.g. ``Sharded Param``, ``Activation``."""
     allocator_peak_bytes: int | None = None
     """On CUDA: ``torch.cuda.max_memory_allocated`` over the step (``None`` on CPU)."""
+    allocator_reserved_bytes: int | None = None
+    """On CUDA: ``torch.cuda.max_memory_reserved`` over the step, the caching allocator's
+    segments (what ``nvidia-smi`` shows less the CUDA context; ``None`` on CPU)."""
     held_between_micro_steps: int | None = None
     """With gradient accumulation: bytes alive after the first micro-step's backward beyond
     those alive when the step began (the unsharded gradients kept until the last micro-step
@@ -221,15 +224,17 @@ class StepMemoryTracker:
         self._tracker.__exit__(*exc)
         peak = self._tracker.get_tracker_snapshot("peak").get(self._device, {})
         breakdown = {str(getattr(k, "value", k)): int(v) for k, v in peak.items() if v}
-        allocator = None
+        allocator = reserved = None
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
             allocator = int(torch.cuda.max_memory_allocated(self._device))
+            reserved = int(torch.cuda.max_memory_reserved(self._device))
         self.result = StepMemory(
             peak_bytes=breakdown.pop("Total", 0),
             activation_bytes=self._activations,
             peak_breakdown=breakdown,
             allocator_peak_bytes=allocator,
+            allocator_reserved_bytes=reserved,
             held_between_micro_steps=(self._between - self._start
                                       if self._start is not None and self._between is not None else None),
         )
