@@ -19,7 +19,7 @@ import json
 
 from tests.prediction_grid import GOLDEN, canonical, predictions
 
-GOLDEN_SHA256 = "2eaee23a07a7e0e1c1ac46c9d4803d132b9c478179bca414c60c94e14b9b5bc6"
+GOLDEN_SHA256 = "6dbc5a1cc775d97ab54bdf5e1f5d32b184e203fe9be04f3ebe7943e4f89e077e"
 """SHA-256 of the golden file's canonical text (a change to it must be deliberate)."""
 
 

@@ -1,18 +1,29 @@
-"""handbook_lib.models.published: published bus bandwidths beside the topology model's."""
+"""handbook_lib.models.published: other people's GPU measurements beside the models'."""
 
 from __future__ import annotations
 
 import pytest
 
-from handbook_lib.models import PUBLISHED_BUS_BANDWIDTH, bus_bandwidth_rows
+from handbook_lib.models import (
+    PUBLISHED_BUS_BANDWIDTH,
+    PUBLISHED_MEMORY_CHANGE,
+    PUBLISHED_SOURCES,
+    PUBLISHED_THROUGHPUT,
+    bus_bandwidth_rows,
+    memory_change_rows,
+    throughput_rows,
+)
 
 
-def test_every_independent_published_bus_bandwidth_is_within_15_percent():
-    rows = bus_bandwidth_rows()
-    independent = [r for r in rows if not r.published.calibration]
-    assert len(independent) >= 2 and len({r.published.source for r in independent}) >= 1
-    for r in independent:
-        assert abs(r.error) < 0.15, (r.published.label, r.published.kind, r.error)
+def test_every_independent_bus_bandwidth_is_within_15_percent_or_says_why_not():
+    rows = [r for r in bus_bandwidth_rows() if not r.published.calibration]
+    assert len(rows) >= 7 and len({r.published.source.split(":")[0] for r in rows}) >= 4
+    for r in rows:
+        if r.published.why:  # an explained miss is a miss: the reason is not a way to hide a hit
+            assert abs(r.error) >= 0.15, r.published.label
+        else:
+            assert abs(r.error) < 0.15, (r.published.label, r.published.kind, r.error)
+    assert sum(bool(r.published.why) for r in rows) == 1  # NVLink SHARP, on one node of H100
 
 
 def test_the_model_figure_is_the_ring_bytes_over_the_routed_time():
@@ -25,7 +36,46 @@ def test_the_model_figure_is_the_ring_bytes_over_the_routed_time():
     assert row.error == pytest.approx(row.model_bytes_per_s / 323.53e9 - 1)
 
 
+def test_fewer_ports_than_gpus_are_priced_on_the_ports():
+    row = next(r for r in bus_bandwidth_rows() if r.published.label == "2 x 8 A100, 4 x HDR")
+    # 4 ports of HDR 200 (23.5 GB/s achievable) for 8 GPUs: 94 GB/s per GPU, a ring of 16
+    b = row.published.buffer_bytes
+    sent = 2 * 15 * -(-b // 16)
+    assert row.model_bytes_per_s == pytest.approx(sent / (30 * 5e-6 + sent / 94e9))
+
+
 def test_a_row_the_parameters_came_from_is_marked_as_calibration():
     calibration = [p for p in PUBLISHED_BUS_BANDWIDTH if p.calibration]
     assert calibration and all("nccl-tests#212" in p.source for p in calibration)
     assert all(p.source for p in PUBLISHED_BUS_BANDWIDTH)
+    assert [p.label for p in PUBLISHED_THROUGHPUT if p.calibration] == ["Llama 3 405B, 16,384 H100"]
+
+
+def test_throughput_is_tokens_over_the_compute_model():
+    rows = {r.published.label: r for r in throughput_rows()}
+    seven = rows["Llama 2 7B, 128 A100"]  # 8,192 tokens per GPU, 6PT at 41 % of 312 TFLOP/s
+    assert seven.model_tokens_per_s == pytest.approx(0.41 * 312e12 / (6 * 6_738_415_616))
+    ac = rows["Llama 2 70B, 128 A100, AC"]  # recomputation: 8PT
+    assert ac.model_tokens_per_s == pytest.approx(0.41 * 312e12 / (8 * 68_976_648_192))
+    # the row the default utilization was taken from agrees but for the peak's rounding
+    assert abs(rows["Llama 3 405B, 16,384 H100"].error) < 0.02
+    independent = [r for r in rows.values() if not r.published.calibration]
+    assert len(independent) >= 12 and len({r.published.source for r in independent}) >= 3
+
+
+def test_the_memory_change_is_the_sharded_state_and_the_reserve():
+    rows = memory_change_rows()
+    assert len(rows) == 3
+    p = 8_030_261_248  # Llama 3.1 8B, from its config.json
+    by_hand = 1.10 * 16 * p * (1 / 8 - 1 / 128)  # fp32 params, grads, Adam's 2: 16 B, sharded
+    for r in rows:
+        assert r.model_change_bytes == pytest.approx(by_hand, rel=0.005)
+        assert abs(r.error) < 0.10, (r.published.label, r.error)
+
+
+def test_the_sources_are_independent_groups():
+    assert len(PUBLISHED_SOURCES) >= 3
+    cited = " ".join(p.source for rows in (PUBLISHED_BUS_BANDWIDTH, PUBLISHED_THROUGHPUT, PUBLISHED_MEMORY_CHANGE)
+                     for p in rows)
+    for refs in PUBLISHED_SOURCES.values():
+        assert any(ref.split("#")[0].split("/")[-1] in cited or ref in cited for ref in refs), refs

@@ -63,25 +63,10 @@ _HOMES = {
 """Each exported name and the module of this package it is defined in."""
 
 __all__ = [
-    "launch_env",
-    "what_accelerate_did",
-    "LAYER_CLASS",
-    "accelerate_config",
-    "trainer_fsdp_args",
-    "deepspeed_config",
-    "trainer_deepspeed_args",
-    "fsdp_strategies",
-    "gpt2_config",
-    "build_gpt2",
-    "SyntheticLM",
-    "RecordingTrainer",
-    "probe_batch",
-    "probe_logits",
-    "import_deepspeed",
-    "EngineOptimizer",
-    "build_engine",
-    "measure_zero_bytes",
-    "measure_zero_grad_bytes",
+    "launch_env", "what_accelerate_did", "LAYER_CLASS", "accelerate_config", "trainer_fsdp_args",
+    "deepspeed_config", "trainer_deepspeed_args", "fsdp_strategies", "gpt2_config", "build_gpt2",
+    "SyntheticLM", "RecordingTrainer", "probe_batch", "probe_logits", "import_deepspeed",
+    "EngineOptimizer", "build_engine", "measure_zero_bytes", "measure_zero_grad_bytes",
     "deepspeed_estimates",
 ]
 

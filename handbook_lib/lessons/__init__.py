@@ -50,20 +50,10 @@ _HOMES = {
 """Each exported name and the module of this package it is defined in."""
 
 __all__ = [
-    "CAUSALITY_SETUP",
-    "MASK_VARIANTS",
-    "random_batch",
-    "measure_future_gradient_share",
-    "estimate_position_blind_loss",
-    "CausalityRun",
-    "CausalityResult",
-    "measure_causality",
-    "UNDERFLOW_SETUP",
-    "GLOBAL_BATCH_TOKENS",
-    "PRECISION_VARIANTS",
-    "PrecisionRun",
-    "LossScalingResult",
-    "measure_loss_scaling",
+    "CAUSALITY_SETUP", "MASK_VARIANTS", "random_batch", "measure_future_gradient_share",
+    "estimate_position_blind_loss", "CausalityRun", "CausalityResult", "measure_causality",
+    "UNDERFLOW_SETUP", "GLOBAL_BATCH_TOKENS", "PRECISION_VARIANTS", "PrecisionRun",
+    "LossScalingResult", "measure_loss_scaling",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

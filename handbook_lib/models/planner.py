@@ -29,7 +29,11 @@ from handbook_lib.models.hardware import (
 )
 from handbook_lib.models.layout import ModelLayout, ModelLike, model_layout
 from handbook_lib.models.memory import PHASE_WORDS, estimate_memory, min_gpus_to_fit
-from handbook_lib.models.offload import CPU_ADAM_PARAMS_PER_S_PER_CORE, estimate_offload
+from handbook_lib.models.offload import (
+    CPU_ADAM_PARAMS_PER_S_PER_CORE,
+    OffloadCost,
+    estimate_offload,
+)
 from handbook_lib.models.seed import seed_recommendation
 from handbook_lib.models.timing import (
     DEFAULT_UTILIZATION,
@@ -82,6 +86,8 @@ class Option:
     cpu_step_s: float = 0.0
     """The optimizer step on the host's CPU (offload), seconds, part of ``step_s`` and never
     hidden."""
+    offload: OffloadCost | None = None
+    """What CPU offload costs it per step (copies and the CPU optimizer step); ``None``: none."""
     routes: tuple[str, ...] = ()
     """How its collectives travel, one line per route with the kinds that take it:
     ``"all_gather, reduce_scatter: ring on NVLink 4 (H100 SXM) at 369 GB/s"``."""
@@ -321,7 +327,7 @@ def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str)
                                     job.utilization)
     compute *= 4 / 3 if ac else 1  # recomputing the forward: 8PT instead of 6PT
     time = estimate_step_time(traffic, link_of, compute, overlap=True)
-    comm, step, cpu_s, per_node = time.comm_s, time.total_s, 0.0, 0
+    comm, step, cpu_s, per_node, cost = time.comm_s, time.total_s, 0.0, 0, None
     reserved = reserved_bytes(mem.peak, fraction=job.reserve)
     fits = reserved <= job.budget
     if offload:
@@ -339,7 +345,7 @@ def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str)
     return Option(name, strategy, n, ac, offload, group, mem.peak, reserved, job.budget, fits,
                   comm, compute, step, "communication" if comm > compute else "compute",
                   mem.peak_phase, mem.components["activations"], mem.model_state, mem.host, per_node,
-                  cpu_s, tuple(f"{', '.join(kinds)}: {d}" for d, kinds in routes.items()))
+                  cpu_s, cost, tuple(f"{', '.join(kinds)}: {d}" for d, kinds in routes.items()))
 
 
 def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, budget: float,

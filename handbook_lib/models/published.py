@@ -5,9 +5,20 @@ published, each with its configuration and its source. One model for every row, 
 per row; a row the model's own parameters were taken from is marked ``calibration`` and is not
 evidence for the model.
 
-Bus bandwidth is nccl-tests' ``busbw`` (NVIDIA/nccl-tests, ``doc/PERFORMANCE.md``): the bytes
-one rank sends in the ring algorithm over the time, ``2(N-1)/N · B / t`` for an all-reduce and
-``(N-1)/N · B / t`` for an all-gather, comparable to a link's bandwidth whatever N is.
+Three kinds of rows, each priced by one model:
+
+- **bus bandwidth**, nccl-tests' ``busbw`` (NVIDIA/nccl-tests, ``doc/PERFORMANCE.md``): the bytes
+  one rank sends in the ring algorithm over the time, ``2(N-1)/N · B / t`` for an all-reduce and
+  ``(N-1)/N · B / t`` for an all-gather, comparable to a link's bandwidth whatever N is; the
+  model is :func:`~handbook_lib.models.topology.route_collective`;
+- **training throughput**, tokens per second per GPU, against the compute model
+  (:func:`~handbook_lib.models.timing.estimate_compute_time` at
+  :data:`~handbook_lib.models.timing.DEFAULT_UTILIZATION`, 8PT with activation checkpointing):
+  what the default utilization is worth on other people's jobs;
+- **peak memory**, the change of the peak per GPU between two published runs that differ only in
+  their GPU count, against :attr:`~handbook_lib.models.memory.MemoryEstimate.peak_reserved`: the
+  sharded model state and the allocator's reserve, with the activations (which the two runs
+  share) cancelled.
 """
 
 from __future__ import annotations
@@ -15,10 +26,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from handbook_lib.models.collectives import estimate_collective
-from handbook_lib.models.hardware import node_preset
+from handbook_lib.models.hardware import get_accelerator, node_preset
+from handbook_lib.models.hf_config import decoder_shape_from_hf
+from handbook_lib.models.layout import ModelLike
+from handbook_lib.models.memory import estimate_memory
+from handbook_lib.models.presets import DecoderShape, get_shape
+from handbook_lib.models.timing import DEFAULT_UTILIZATION, estimate_compute_time
 from handbook_lib.models.topology import route_collective
 
-__all__ = ["PublishedBandwidth", "PUBLISHED_BUS_BANDWIDTH", "BandwidthRow", "bus_bandwidth_rows"]
+__all__ = ["PublishedBandwidth", "PUBLISHED_BUS_BANDWIDTH", "BandwidthRow", "bus_bandwidth_rows",
+           "PublishedThroughput", "PUBLISHED_THROUGHPUT", "ThroughputRow", "throughput_rows",
+           "PublishedMemoryChange", "PUBLISHED_MEMORY_CHANGE", "MemoryChangeRow", "memory_change_rows",
+           "PUBLISHED_SOURCES"]
 
 _VOLTAGE_PARK = ("AI @ Georgia Tech and Voltage Park, github.com/aigatech/vpbenchmarking (2025): "
                  "4 nodes x 8 H100 SXM, 3.2 Tb/s InfiniBand (8 x 400 Gb/s) per node, NCCL 2.24.3, "
@@ -48,7 +67,17 @@ class PublishedBandwidth:
     source: str
     calibration: bool = False
     """The model's own parameters were taken from this figure."""
+    nics_per_node: int | None = None
+    """Network ports per machine, where the benchmark's machines have fewer than one per GPU
+    (``None``: the preset's, one per GPU for InfiniBand)."""
+    why: str = ""
+    """Where the model misses, why (a known gap of the model, not a correction)."""
 
+
+_AZURE = ("Microsoft Azure, github.com/Azure/AI-benchmarking-guide, Azure_Results (2024): "
+          "nccl-tests all_reduce, in place, 8 GB message, NCCL 2.18.5")
+_NVLS = ("NCCL ran NVLink SHARP (NVLS): the NVSwitch adds the buffers, so each GPU sends its data "
+         "once instead of a ring's twice; the model knows only ring and tree")
 
 PUBLISHED_BUS_BANDWIDTH: tuple[PublishedBandwidth, ...] = (
     PublishedBandwidth("1 x 8 H100, ring", "all_gather", "FULL_SHARD", "h100-80gb", 8, "ib-ndr400", 8 * 2**30, 370e9,
@@ -59,6 +88,27 @@ PUBLISHED_BUS_BANDWIDTH: tuple[PublishedBandwidth, ...] = (
                        330.93e9, _VOLTAGE_PARK),
     PublishedBandwidth("4 x 8 H100, 8 x NDR", "all_gather", "FULL_SHARD", "h100-80gb", 32, "ib-ndr400", 8 * 2**30,
                        323.53e9, _VOLTAGE_PARK),
+    PublishedBandwidth("1 x 8 A100 (ND A100 v4)", "all_reduce", "DDP", "a100-80gb", 8, "ib-hdr200", 8 * 10**9,
+                       231.58e9, _AZURE),
+    PublishedBandwidth("1 x 8 H100 (ND H100 v5)", "all_reduce", "DDP", "h100-80gb", 8, "ib-ndr400", 8 * 10**9,
+                       478.87e9, _AZURE, why=_NVLS),
+    PublishedBandwidth("DGX A100, 8 x HDR", "all_reduce", "DDP", "a100-80gb", 16, "ib-hdr200", 8 * 2**30, 192e9,
+                       "NCCL's maintainers, NVIDIA/nccl#812 (2023): 'we have 8x200Gbit/s IB cards and we "
+                       "measure 192GB/s AllReduce BusBW' (DGX A100; the node count is not stated, "
+                       "priced on 2)"),
+    PublishedBandwidth("2 x 8 A100, 4 x HDR", "all_reduce", "DDP", "a100-80gb", 16, "ib-hdr200", 8 * 2**30, 91e9,
+                       "NVIDIA/nccl-tests#100 (2022): 2 HGX A100 80GB with 4 ConnectX-6 200 Gb/s each, "
+                       "'the testing result can reach 91GB/s in busbw' at 1 to 8 GB",
+                       nics_per_node=4),
+    PublishedBandwidth("3 x 8 A100 40GB, 4 x HDR", "all_reduce", "DDP", "a100-40gb", 24, "ib-hdr200", 131_072_008,
+                       96.45e9,
+                       "NVIDIA/nccl-tests#119 (2023): 3 nodes of 8 A100 SXM4 40GB, 4 x HDR 200 Gb/s "
+                       "each, all_reduce peak 96.45 GB/s at 131,072,008 bytes", nics_per_node=4),
+    PublishedBandwidth("248 x 8 H200, 8 x NDR", "all_reduce", "DDP", "h200-141gb", 1984, "ib-ndr400", 512 * 2**20,
+                       350e9,
+                       "NVIDIA/nccl-tests#283 (2025): 1,984 ranks on 248 nodes of 8 H200 with 8 HCAs "
+                       "each, all_reduce of 512 MB 'typically measuring around 350G' (the HCAs' speed "
+                       "is not stated; priced as NDR 400 Gb/s)"),
 )
 """Published bus bandwidths, with their configurations and sources."""
 
@@ -85,8 +135,192 @@ def bus_bandwidth_rows(rows: tuple[PublishedBandwidth, ...] = PUBLISHED_BUS_BAND
     preset, its ring bytes over the predicted time."""
     out = []
     for row in rows:
-        node = node_preset(row.gpu, inter_link=row.inter_link)
+        node = node_preset(row.gpu, inter_link=row.inter_link, nics_per_node=row.nics_per_node)
         cost = estimate_collective(row.kind, row.buffer_bytes, row.gpus)
         route = route_collective(cost, node, row.gpus, row.strategy)
         out.append(BandwidthRow(row, cost.sent_bytes / route.seconds, route.algorithm))
     return out
+
+
+_LLAMA3_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+               "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+               "tie_word_embeddings": False}
+_LLAMA31_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+               "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+               "tie_word_embeddings": False}
+
+
+def _model(model: str | int) -> DecoderShape | int:
+    """A row's model: a preset name, ``"llama3-70b"``/``"llama3.1-8b"`` (their published
+    ``config.json`` sizes), or a parameter count as the source states it."""
+    if isinstance(model, int):
+        return model
+    hf = {"llama3-70b": (_LLAMA3_70B, "Llama 3 70B"), "llama3.1-8b": (_LLAMA31_8B, "Llama 3.1 8B")}
+    return decoder_shape_from_hf(*hf[model]) if model in hf else get_shape(model)
+
+
+def _params(model: str | int) -> int:
+    m = _model(model)
+    return m if isinstance(m, int) else m.num_params
+
+
+_IBM = ("PyTorch and IBM, 'Maximizing training throughput using PyTorch FSDP', pytorch.org/blog/maximizing-training (2024): "
+        "Llama 2 architecture, 4,096-token sequences, 2 per GPU, bf16, FSDP; 128 A100 80GB or 96 H100")
+_TITAN_A100 = ("pytorch/torchtitan docs/performance.md (2024): FSDP2 on 64 A100 80GB, tokens/s per GPU "
+               "(WPS) and MFU")
+_FOUNDRY = ("MosaicML, mosaicml/llm-foundry scripts/train/benchmarking/README.md (2023): MPT models, "
+            "Composer FSDP FULL_SHARD, bf16, tokens/s per GPU and MFU")
+
+
+@dataclass(frozen=True)
+class PublishedThroughput:
+    """One published training throughput."""
+
+    label: str
+    model: str | int
+    """A preset name, ``"llama3-70b"``, or the parameter count the source states."""
+    gpu: str
+    gpus: int
+    seq_len: int
+    micro_batch: int
+    activation_checkpointing: bool
+    tokens_per_s_per_gpu: float
+    """The published figure."""
+    published_mfu: float
+    """The utilization the source reports for it (its own FLOP count), a fraction."""
+    source: str
+    calibration: bool = False
+
+
+PUBLISHED_THROUGHPUT: tuple[PublishedThroughput, ...] = (
+    PublishedThroughput("Llama 3 405B, 16,384 H100", 405_000_000_000, "h100-80gb", 16384, 8192, 16, False,
+                        400e12 / (6 * 405e9), 0.41,
+                        "Grattafiori et al. 2024, The Llama 3 Herd of Models (arXiv:2407.21783), Table 4: 400 TFLOP/s per GPU, "
+                        "BF16 MFU 41 % (TP 8, PP 16, FSDP 128); tokens/s per GPU are 400 TFLOP/s over 6P "
+                        "(the paper states FLOP/s, not tokens)", calibration=True),
+    PublishedThroughput("Llama 2 7B, 128 A100", "llama2-7b", "a100-80gb", 128, 4096, 2, False, 3700, 0.57, _IBM),
+    PublishedThroughput("Llama 2 70B, 128 A100, AC", "llama2-70b", "a100-80gb", 128, 4096, 2, True, 370, 0.50, _IBM),
+    PublishedThroughput("Llama 2 7B, 96 H100", "llama2-7b", "h100-80gb", 96, 4096, 2, False, 7500, 0.37, _IBM),
+    PublishedThroughput("Llama 2 70B, 96 H100, AC", "llama2-70b", "h100-80gb", 96, 4096, 2, True, 800, 0.34, _IBM),
+    PublishedThroughput("Llama 2 13B, 64 A100", "llama2-13b", "a100-80gb", 64, 4096, 2, False, 2162, 0.611,
+                        _TITAN_A100),
+    PublishedThroughput("Llama 2 70B, 64 A100, AC", "llama2-70b", "a100-80gb", 64, 4096, 2, True, 353, 0.505,
+                        _TITAN_A100),
+    PublishedThroughput("Llama 3 70B, 64 A100, AC", "llama3-70b", "a100-80gb", 64, 8192, 1, True, 331, 0.517,
+                        _TITAN_A100),
+    PublishedThroughput("MPT 7B, 8 H100", 6_658_859_008, "h100-80gb", 8, 2048, 6, False, 10643, 0.4644, _FOUNDRY),
+    PublishedThroughput("MPT 13B, 8 H100", 12_853_954_560, "h100-80gb", 8, 2048, 2, False, 4792, 0.3979, _FOUNDRY),
+    PublishedThroughput("MPT 70B, 64 H100, AC", 64_862_437_376, "h100-80gb", 64, 2048, 8, True, 1039, 0.4257,
+                        _FOUNDRY),
+    PublishedThroughput("MPT 7B, 8 A100", 6_658_859_008, "a100-80gb", 8, 2048, 6, False, 4641, 0.6423, _FOUNDRY),
+    PublishedThroughput("MPT 70B, 64 A100, AC", 64_862_437_376, "a100-80gb", 64, 2048, 8, True, 410, 0.5333,
+                        _FOUNDRY),
+)
+"""Published training throughputs (FSDP, or FSDP with other parallelism for the calibration row)."""
+
+
+@dataclass(frozen=True)
+class ThroughputRow:
+    """A published throughput beside the compute model's."""
+
+    published: PublishedThroughput
+    model_tokens_per_s: float
+    """Tokens per second per GPU at the default utilization: tokens of a step over its compute."""
+
+    @property
+    def error(self) -> float:
+        """Model over published, minus one."""
+        return self.model_tokens_per_s / self.published.tokens_per_s_per_gpu - 1
+
+
+def throughput_rows(rows: tuple[PublishedThroughput, ...] = PUBLISHED_THROUGHPUT,
+                    utilization: float = DEFAULT_UTILIZATION) -> list[ThroughputRow]:
+    """Each published throughput with the compute model's: ``micro_batch x seq_len`` tokens over
+    6PT (8PT with activation checkpointing) FLOPs at ``utilization`` of the GPU's bf16 peak.
+    Communication is taken as hidden: these jobs run on machines with a network port per GPU,
+    where chapter 4's planner finds FSDP compute-bound."""
+    out = []
+    for row in rows:
+        tokens = row.micro_batch * row.seq_len
+        seconds = estimate_compute_time(_params(row.model), tokens, get_accelerator(row.gpu).peak_flops_bf16,
+                                        utilization) * (4 / 3 if row.activation_checkpointing else 1)
+        out.append(ThroughputRow(row, tokens / seconds))
+    return out
+
+
+_TITAN_H100 = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (2024): Llama 3.1 8B, FSDP "
+               "over every GPU, local batch 2, selective activation checkpointing, bf16 (the 8,192-token "
+               "sequence is the run's default config), on H100 96GB (HBM2e) hosts; peak memory per GPU "
+               "in GiB, Tables 1 (8 GPUs) and 3 (128 GPUs)")
+
+
+@dataclass(frozen=True)
+class PublishedMemoryChange:
+    """Two published runs that differ only in their GPU count, and their peaks per GPU."""
+
+    label: str
+    model: str
+    gpus: tuple[int, int]
+    seq_len: int
+    micro_batch: int
+    peaks_gib: tuple[float, float]
+    """The published peak per GPU of each run, GiB."""
+    source: str
+
+
+PUBLISHED_MEMORY_CHANGE: tuple[PublishedMemoryChange, ...] = (
+    PublishedMemoryChange("Llama 3.1 8B, FSDP, eager", "llama3.1-8b", (8, 128), 8192, 2, (82.4, 67.0), _TITAN_H100),
+    PublishedMemoryChange("Llama 3.1 8B, FSDP + compile", "llama3.1-8b", (8, 128), 8192, 2, (77.0, 62.0),
+                          _TITAN_H100),
+    PublishedMemoryChange("Llama 3.1 8B, FSDP + compile + Float8", "llama3.1-8b", (8, 128), 8192, 2, (76.8, 61.8),
+                          _TITAN_H100),
+)
+"""Published peak-memory pairs (torchtitan's tables)."""
+
+
+@dataclass(frozen=True)
+class MemoryChangeRow:
+    """A published change of peak memory beside the model's."""
+
+    published: PublishedMemoryChange
+    model_change_bytes: int
+    """The model's reserved peak on the fewer GPUs less that on the more, bytes."""
+    model_peaks_bytes: tuple[int, int]
+    """The model's reserved peaks themselves (full activation checkpointing: the runs' selective
+    checkpointing is not modelled, and its activations cancel in the change)."""
+
+    @property
+    def published_change_bytes(self) -> float:
+        a, b = self.published.peaks_gib
+        return (a - b) * 2**30
+
+    @property
+    def error(self) -> float:
+        """Model over published, minus one."""
+        return self.model_change_bytes / self.published_change_bytes - 1
+
+
+def memory_change_rows(rows: tuple[PublishedMemoryChange, ...] = PUBLISHED_MEMORY_CHANGE) -> list[MemoryChangeRow]:
+    """Each published pair with the model's change: the reserved peak (bf16 mixed precision,
+    FULL_SHARD, AdamW) on the first GPU count less that on the second."""
+    out = []
+    for row in rows:
+        model: ModelLike = _model(row.model)  # type: ignore[assignment]
+        peaks = tuple(estimate_memory(model, n, "FULL_SHARD", "bf16-mixed", micro_batch=row.micro_batch,
+                                      seq_len=row.seq_len, activation_checkpointing=True).peak_reserved
+                      for n in row.gpus)
+        out.append(MemoryChangeRow(row, peaks[0] - peaks[1], peaks))  # type: ignore[arg-type]
+    return out
+
+
+PUBLISHED_SOURCES = {
+    "NVIDIA (NCCL maintainers)": ("NVIDIA/nccl-tests#212", "NVIDIA/nccl#812"),
+    "Voltage Park and Georgia Tech": ("aigatech/vpbenchmarking",),
+    "Microsoft Azure": ("Azure/AI-benchmarking-guide",),
+    "NCCL users' clusters": ("NVIDIA/nccl-tests#100", "NVIDIA/nccl-tests#119", "NVIDIA/nccl-tests#283"),
+    "Meta (Llama 3 paper)": ("arXiv:2407.21783",),
+    "PyTorch and IBM": ("pytorch.org/blog/maximizing-training",),
+    "PyTorch (torchtitan)": ("pytorch/torchtitan",),
+    "MosaicML (llm-foundry)": ("mosaicml/llm-foundry",),
+}
+"""Who published the rows, and where: independent groups, each with its own machines."""
