@@ -19,7 +19,7 @@ import json
 
 from tests.prediction_grid import GOLDEN, canonical, predictions
 
-GOLDEN_SHA256 = "6dbc5a1cc775d97ab54bdf5e1f5d32b184e203fe9be04f3ebe7943e4f89e077e"
+GOLDEN_SHA256 = "c517f2339d363a3023e9408d6072ff39a68b851b69a25a60cb2dcc357ed99804"
 """SHA-256 of the golden file's canonical text (a change to it must be deliberate)."""
 
 

@@ -23,6 +23,7 @@ from handbook_lib.models.hardware import (
     Accelerator,
     Link,
     Node,
+    datasheet_bytes,
     get_accelerator,
     node_preset,
     usable_memory_bytes,
@@ -83,14 +84,17 @@ class Option:
     """Host (CPU) memory per GPU the option needs for what it offloads, bytes (0: none)."""
     host_node_bytes: int = 0
     """The same for a whole machine (every GPU of it), bytes, against its RAM."""
-    cpu_step_s: float = 0.0
-    """The optimizer step on the host's CPU (offload), seconds, part of ``step_s`` and never
-    hidden."""
     offload: OffloadCost | None = None
     """What CPU offload costs it per step (copies and the CPU optimizer step); ``None``: none."""
     routes: tuple[str, ...] = ()
     """How its collectives travel, one line per route with the kinds that take it:
     ``"all_gather, reduce_scatter: ring on NVLink 4 (H100 SXM) at 369 GB/s"``."""
+
+    @property
+    def cpu_step_s(self) -> float:
+        """The optimizer step on the host's CPU (offload), seconds, part of ``step_s`` and never
+        hidden; 0 without offload."""
+        return self.offload.optimizer_s if self.offload else 0.0
 
     @property
     def margin_bytes(self) -> int:
@@ -276,7 +280,7 @@ def plan(
         recommended = bigger[0] if bigger else None
     reasons = _reasons(options, recommended, acc, job.budget, gpus, gpus_per_node)
     return Plan(layout.name, layout.num_params, acc.name, gpus, options, recommended, reasons,
-                seed_recommendation(layout.num_params, acc.memory_bytes, gpus), gpus_per_node,
+                seed_recommendation(layout.num_params, datasheet_bytes(acc), gpus), gpus_per_node,
                 node.nics_per_node, headroom, utilization, acc.context_bytes)
 
 
@@ -327,7 +331,7 @@ def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str)
                                     job.utilization)
     compute *= 4 / 3 if ac else 1  # recomputing the forward: 8PT instead of 6PT
     time = estimate_step_time(traffic, link_of, compute, overlap=True)
-    comm, step, cpu_s, per_node, cost = time.comm_s, time.total_s, 0.0, 0, None
+    comm, step, per_node, cost = time.comm_s, time.total_s, 0, None
     reserved = reserved_bytes(mem.peak, fraction=job.reserve)
     fits = reserved <= job.budget
     if offload:
@@ -338,14 +342,13 @@ def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str)
                                 params_per_s_per_core=job.cpu_speed)
         routes.setdefault(f"host copies over {cost.link}", {})["offload"] = None
         comm += cost.copy_s
-        cpu_s = cost.optimizer_s
-        step = time.exposed_comm_s + max(compute, comm - time.exposed_comm_s) + cpu_s
+        step = time.exposed_comm_s + max(compute, comm - time.exposed_comm_s) + cost.optimizer_s
         per_node = mem.host * g
         fits = fits and per_node <= host.memory_bytes
     return Option(name, strategy, n, ac, offload, group, mem.peak, reserved, job.budget, fits,
                   comm, compute, step, "communication" if comm > compute else "compute",
                   mem.peak_phase, mem.components["activations"], mem.model_state, mem.host, per_node,
-                  cpu_s, cost, tuple(f"{', '.join(kinds)}: {d}" for d, kinds in routes.items()))
+                  cost, tuple(f"{', '.join(kinds)}: {d}" for d, kinds in routes.items()))
 
 
 def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, budget: float,
