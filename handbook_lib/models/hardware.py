@@ -27,11 +27,10 @@ Conventions, so that every figure reads the same way:
 - An accelerator's memory is the total its driver reports (``nvidia-smi``: 81,559 MiB on an
   H100 80GB, 81,920 MiB on an A100 80GB), where that is published, else the datasheet's "GB"
   read as GiB, as the HBM stacks hold it (an MI300X carries 8 stacks of 24 GiB): either way
-  about 7 % more than the datasheet's figure read as decimal GB. What a program can allocate
-  is less:
-  :func:`usable_memory_bytes` takes off what the driver and the CUDA context hold
-  (:data:`CUDA_CONTEXT_BYTES`), and the caching allocator's own reserve is the memory model's
-  (:mod:`handbook_lib.models.allocator`).
+  about 7 % more than the datasheet's figure read as decimal GB (:func:`datasheet_bytes`, the
+  convention this book used before). What a program can allocate is less:
+  :func:`usable_memory_bytes` takes off the CUDA context (:data:`CUDA_CONTEXT_BYTES`), and the
+  caching allocator's own reserve is the memory model's (:mod:`handbook_lib.models.allocator`).
 - A machine's host (:class:`Host`): its CPU cores, RAM and the link a GPU reaches it over
   (PCIe), from the server's datasheet: what CPU offload leans on.
 - Peak FLOP/s are dense (no 2:4 sparsity), from the vendor's datasheet.
