@@ -38,7 +38,7 @@ for-loop implementation, which CPU tensors get), 0.6 GB/s of parameters: see
 CPU_ADAM_SOURCE = (
     "measured on this book's build machine (AMD EPYC, 1 thread, torch 2.13.0+cpu) with "
     "handbook_lib.runtime.measure.measure_cpu_adam over 16 Mi fp32 parameters in 16 tensors: "
-    "147 to 177 M parameters/s for AdamW's default (for-loop) implementation, 510 to 583 M with "
+    "134 to 177 M parameters/s for AdamW's default (for-loop) implementation, 510 to 617 M with "
     "fused=True; 1.5e8 taken per core, and per rank the host's cores divided by its GPUs. The "
     "host's memory bandwidth, not modelled, caps it below that on a full node")
 """Where :data:`CPU_ADAM_PARAMS_PER_S_PER_CORE` comes from."""

@@ -236,7 +236,8 @@ def plan(
     Raises:
         ValueError: for unknown presets or precision, ``gpus < 1``, ``gpus_per_node < 1`` or
             ``gpus`` more than one node and not a whole number of nodes, ``micro_batch``/``seq_len``
-            < 1, or a headroom outside [0, 1).
+            < 1, a headroom or reserve fraction outside [0, 1), a utilization outside (0, 1], a
+            ``memory_bytes`` not above the CUDA context, or a CPU speed not > 0.
     """
     layout = model_layout(model)
     acc = get_accelerator(gpu) if isinstance(gpu, str) else gpu
@@ -256,6 +257,8 @@ def plan(
                        nics_per_node=nics_per_node)
     budget = int(usable_memory_bytes(acc) * (1 - headroom))
     reserved_bytes(0, fraction=reserve_fraction)  # refuses a fraction outside [0, 1)
+    if not cpu_params_per_s_per_core > 0:  # also refuses NaN
+        raise ValueError(f"cpu_params_per_s_per_core must be > 0, got {cpu_params_per_s_per_core!r}")
     job = _Job(layout, node, precision, optimizer, micro_batch, seq_len, utilization, budget,
                cpu_params_per_s_per_core, reserve_fraction)
     price = functools.partial(_price, job)
