@@ -69,7 +69,8 @@ def predictions() -> tuple[int, dict[str, object]]:
         group = 2 if strategy.startswith("HYBRID") and world >= 4 else None
         for mb, seq, ac, off, backend, accum in (
                 (0, 0, False, False, "nccl", 1), (2, 64, False, False, "gloo", 1), (2, 64, True, False, "nccl", 1),
-                (1, 32, False, True, "nccl", 1), (4, 16, False, False, "gloo", 2)):
+                (1, 32, False, True, "nccl", 1), (4, 16, False, False, "gloo", 2),
+                (2, 64, "selective", False, "gloo", 1)):
             key = f"mem|{mname}|{world}|{strategy}|{precision}|{mb}x{seq}|ac{ac}|off{off}|{backend}|acc{accum}"
             out[key] = mem(call(estimate_memory, model, world, strategy, precision, "adamw", micro_batch=mb,
                                 seq_len=seq, shard_group_size=group, rank=world - 1, activation_checkpointing=ac,

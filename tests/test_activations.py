@@ -55,6 +55,31 @@ def test_checkpointing_keeps_layer_inputs_and_recomputes_one_layer():
     assert ac.total < full.total
 
 
+def test_selective_keeps_the_matrix_products_and_attention_outputs():
+    config = ModelConfig(vocab_size=100, d_model=32, nhead=2, dim_feedforward=64, num_layers=4)
+    none = estimate_activation_bytes(config, 2, 8, activation_checkpointing="none")
+    full = estimate_activation_bytes(config, 2, 8, activation_checkpointing="full")
+    sel = estimate_activation_bytes(config, 2, 8, activation_checkpointing="selective")
+    t, d, f, h = 16, 32, 64, 2
+    kept = t * (3 * d + d + d + f + d) * 4 + 4 * h * t  # QKV, attention out + lse, out proj, linear1, linear2
+    assert sel.layers == full.layers + 4 * kept and sel.head == full.head == none.head
+    assert sel.recompute == none.per_layer - kept  # the recomputed layer holds the rest
+    assert full.total < sel.total < none.total
+    assert none == estimate_activation_bytes(config, 2, 8)  # False, "none": the same
+
+
+def test_selective_decoder_is_22_sbh_for_gpt3():
+    from handbook_lib.models import model_layout
+
+    layout = model_layout("gpt3-175b")
+    s, b, hdim = 2048, 1, 12288
+    sel = layout.activations(b, s, "bf16", activation_checkpointing="selective")
+    none = layout.activations(b, s, "bf16")
+    # input 2, QKV 6, attention 2, out proj 2, fc1 8, fc2 2: 22·s·b·h, plus the fp32 lse (4·a·s·b)
+    assert sel.layers == 96 * (22 * s * b * hdim + 4 * 96 * s * b)
+    assert none.per_layer == 34 * s * b * hdim and sel.recompute == none.per_layer - (sel.layers // 96 - 2 * s * b * hdim)
+
+
 def test_bf16_halves_the_compute_tensors_not_the_fp32_ones():
     config = ModelConfig()
     fp32 = estimate_activation_bytes(config, 4, 64, "fp32")

@@ -111,6 +111,8 @@ WIDE_OUTPUTS = [
     ["memory"],
     ["memory", "--model", "13b", "--world-size", "16", "--micro-batch", "1", "--seq-len", "4096",
      "--activation-checkpointing"],
+    ["memory", "--model", "13b", "--world-size", "16", "--micro-batch", "1", "--seq-len", "4096",
+     "--activation-checkpointing", "selective"],
     ["memory", "--params", "7e9", "--strategy", "HYBRID_SHARD", "--shard-group-size", "4", "--cpu-offload"],
     ["comm", "--model", "70b", "--gpu", "h100-80gb", "--tokens", "4096"],
     ["comm", "--params", "7e9", "--world-size", "16", "--strategy", "HYBRID_SHARD", "--shard-group-size", "8"],

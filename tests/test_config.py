@@ -41,8 +41,21 @@ def test_strings_are_converted_by_field_type():
     config = RunConfig.from_mapping(parse_overrides(
         ["steps=3", "lr=0.5", "activation_checkpointing=true", "cpu_offload=0", "strategy=SHARD_GRAD_OP"]
     ))
-    assert (config.steps, config.lr, config.activation_checkpointing, config.cpu_offload) == (3, 0.5, True, False)
+    assert (config.steps, config.lr, config.activation_checkpointing, config.cpu_offload) == (3, 0.5, "full", False)
     assert config.strategy == "SHARD_GRAD_OP"
+
+
+@pytest.mark.parametrize("value, mode", [(True, "full"), (False, "none"), ("true", "full"), ("False", "none"),
+                                         ("none", "none"), ("selective", "selective"), ("full", "full")])
+def test_activation_checkpointing_takes_three_modes_and_the_old_booleans(value, mode):
+    assert RunConfig.from_mapping({"activation_checkpointing": value}).activation_checkpointing == mode
+    assert RunConfig(activation_checkpointing=value).activation_checkpointing == mode
+    assert RunConfig.choices()["activation_checkpointing"] == ("none", "selective", "full")
+
+
+def test_activation_checkpointing_refuses_other_values():
+    with pytest.raises(ValueError, match="'activation_checkpointing' got 'some'; accepted values: none, selective"):
+        RunConfig.from_mapping({"activation_checkpointing": "some"})
 
 
 @pytest.mark.parametrize("mapping, match", [
@@ -112,7 +125,8 @@ def test_every_run_config_key_is_documented_and_choices_are_literals():
     assert set(RunConfig.keys()) - documented == set()
     assert RunConfig.choices() == {"strategy": STRATEGIES, "api": APIS, "wrap": ("layer", "model", "size"),
                                    "precision": tuple(PRECISIONS), "optimizer": OPTIMIZERS,
-                                   "init": ("meta", "full")}
+                                   "init": ("meta", "full"),
+                                   "activation_checkpointing": ("none", "selective", "full")}
 
 
 def _config_classes():

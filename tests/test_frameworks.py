@@ -136,7 +136,7 @@ def check_plugin(plugin: FullyShardedDataParallelPlugin, config: RunConfig) -> N
     else:
         assert plugin.auto_wrap_policy is None  # NO_WRAP: the root, one unit
     assert plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT
-    assert plugin.activation_checkpointing is config.activation_checkpointing
+    assert plugin.activation_checkpointing is (config.activation_checkpointing == "full")
     assert plugin.cpu_ram_efficient_loading is (config.init == "meta")
 
 
@@ -401,6 +401,9 @@ REFUSALS = [
      r"each transformer layer; accepted: 'layer' with activation_checkpointing$"),
     (accelerate, dict(wrap="size", api="fsdp1", activation_checkpointing=True), r"'wrap' got 'size': Accelerate "
                                                                                 r"checkpoints"),
+    (accelerate, dict(activation_checkpointing="selective"),
+     r"'activation_checkpointing' got 'selective': Accelerate's fsdp_activation_checkpointing recomputes "
+     r"whole layers; the selective policy is fsdp_train's; accepted: 'none', 'full'$"),
     (accelerate, dict(precision="bf16-mixed"),
      r"'precision' got 'bf16-mixed': it reduces gradients in fp32, but Accelerate's mixed_precision='bf16' makes "
      r"FSDP reduce them in bf16 .*; accepted: 'fp32'; 'bf16-mixed' with reduce_in_compute_dtype=True$"),

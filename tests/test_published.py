@@ -79,3 +79,9 @@ def test_the_sources_are_independent_groups():
                      for p in rows)
     for refs in PUBLISHED_SOURCES.values():
         assert any(ref.split("#")[0].split("/")[-1] in cited or ref in cited for ref in refs), refs
+
+
+def test_the_published_absolute_peaks_fall_between_full_and_selective_recomputation():
+    for r in memory_change_rows():
+        for gpus, published in zip(r.published.gpus, r.published.peaks_gib):
+            assert r.model_peaks_gib(gpus, "full") < published < r.model_peaks_gib(gpus, "selective")

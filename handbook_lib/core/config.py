@@ -32,6 +32,9 @@ from handbook_lib.core.strategies import StrategyName
 __all__ = [
     "FlatConfig",
     "RunConfig",
+    "CheckpointingMode",
+    "CHECKPOINTING_MODES",
+    "checkpointing_mode",
     "APIS",
     "Dtype",
     "DTYPES",
@@ -134,6 +137,30 @@ def _parse_bool(text: str) -> bool:
     if lowered in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"expected a boolean (true/false), got {text!r}")
+
+
+CheckpointingMode = Literal["none", "selective", "full"]
+"""What activation checkpointing recomputes: nothing, the cheap operations of each layer
+(``selective``: the outputs of its matrix products and of its attention are kept), or the whole
+layer from its input (``full``)."""
+CHECKPOINTING_MODES: tuple[str, ...] = get_args(CheckpointingMode)
+_CHECKPOINTING_ALIASES = {True: "full", False: "none", "true": "full", "false": "none"}
+
+
+def checkpointing_mode(value: bool | str, name: str = "activation_checkpointing") -> str:
+    """``value`` as one of :data:`CHECKPOINTING_MODES`: a mode, or ``True``/``False`` (and their
+    strings) for ``full``/``none``, as the book's first runs spelled it.
+
+    Raises:
+        ValueError: naming ``name`` and the accepted values.
+    """
+    if isinstance(value, str) and value.lower() in _CHECKPOINTING_ALIASES:
+        return _CHECKPOINTING_ALIASES[value.lower()]
+    if isinstance(value, bool):
+        return _CHECKPOINTING_ALIASES[value]
+    if value in CHECKPOINTING_MODES:
+        return value
+    raise ValueError(f"{name} must be one of {', '.join(CHECKPOINTING_MODES)} (or true/false), got {value!r}")
 
 
 def parse_overrides(items: Iterable[str]) -> dict[str, str]:
@@ -293,8 +320,10 @@ class RunConfig(FlatConfig):
     max_grad_norm: float = 0.0
     """Clip the gradients to this total L2 norm before each optimizer step (0: no clipping)."""
     # memory levers
-    activation_checkpointing: bool = False
-    """Recompute each transformer layer's activations in backward instead of keeping them."""
+    activation_checkpointing: CheckpointingMode = "none"
+    """Recompute each transformer layer's activations in backward: ``none``, ``selective`` (keep
+    the outputs of its matrix products and attention, recompute the rest) or ``full`` (keep only
+    its input); ``true``/``false`` mean ``full``/``none``."""
     cpu_offload: bool = False
     """Keep the sharded parameters, gradients and optimizer states in host memory (FSDP only)."""
     init: InitName = "meta"
@@ -308,6 +337,12 @@ class RunConfig(FlatConfig):
     }
 
     def __post_init__(self) -> None:
+        ac = self.activation_checkpointing
+        if isinstance(ac, (bool, str)) and ac not in CHECKPOINTING_MODES:  # true/false: full/none
+            try:
+                object.__setattr__(self, "activation_checkpointing", checkpointing_mode(ac))
+            except ValueError:
+                pass  # the base class's check names the key and the accepted values
         super().__post_init__()
         if not self.grad_scale_init > 0:
             raise ValueError(f"config key 'grad_scale_init' must be > 0, got {self.grad_scale_init}")

@@ -40,7 +40,12 @@ import sys
 from collections.abc import Callable
 
 from handbook_lib.core.architecture import MODEL_KEYS
-from handbook_lib.core.config import OPTIMIZERS, PRECISIONS, RunConfig
+from handbook_lib.core.config import (
+    CHECKPOINTING_MODES,
+    OPTIMIZERS,
+    PRECISIONS,
+    RunConfig,
+)
 from handbook_lib.core.strategies import STRATEGIES, strategies_where
 from handbook_lib.face.commands import COMMANDS, wrap_line
 from handbook_lib.launch.errors import RunFailed
@@ -165,8 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--micro-batch", type=_whole(0), default=0, metavar="B",
                      help="sequences per rank (0: no activations); needs --seq-len and a model shape")
     mem.add_argument("--seq-len", type=_whole(0), default=0, metavar="T", help="tokens per sequence")
-    mem.add_argument("--activation-checkpointing", action="store_true",
-                     help="recompute each layer's activations in backward (needs --micro-batch)")
+    mem.add_argument("--activation-checkpointing", nargs="?", const="full", default="none",
+                     choices=CHECKPOINTING_MODES, metavar="MODE",
+                     help="recompute activations in backward: none, selective (keep the matrix products' "
+                     "and attention's outputs) or full (keep each layer's input; the flag alone); needs "
+                     "--micro-batch")
     mem.add_argument("--cpu-offload", action="store_true", help="keep the model state in host RAM (FSDP only)")
     mem.add_argument("--json", action="store_true", help="print bytes as JSON")
 

@@ -122,7 +122,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     if args.micro_batch and args.params is not None:
         raise ValueError("--micro-batch/--seq-len need a model shape, and --params is only a count: "
                          "use --model (e.g. 7b), --hf-config or the handbook's model instead")
-    if args.activation_checkpointing and not args.micro_batch:
+    if args.activation_checkpointing != "none" and not args.micro_batch:
         raise ValueError("--activation-checkpointing changes activations only: give --micro-batch "
                          "and --seq-len too")
     model, named = _chosen_model(args)
@@ -134,7 +134,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     tokens = (f"micro-batch {args.micro_batch} x {args.seq_len} tokens" if args.micro_batch
               else "no activations")
     assumes = (f"{_assumptions(args, args.optimizer)}; {tokens}; activation checkpointing "
-               f"{'on' if args.activation_checkpointing else 'off'}; CPU offload "
+               f"{args.activation_checkpointing}; CPU offload "
                f"{'on' if args.cpu_offload else 'off'}")
     if args.json:
         print(json.dumps({"model": named.removeprefix("model: "), "assumptions": assumes.removeprefix("assumes: "),

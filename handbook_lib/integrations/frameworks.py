@@ -103,7 +103,11 @@ def _check_fsdp(config: RunConfig, what: str) -> Strategy:
         raise _refuse(what, "wrap", config.wrap, "Accelerate's FSDP2 size policy shards every module of more "
                       "than min_num_params parameters, its children's included, where the book's (FSDP1's) "
                       "counts those not yet in a unit", "'layer', 'model'; 'size' with api='fsdp1'")
-    if config.activation_checkpointing and config.wrap != "layer":
+    if config.activation_checkpointing == "selective":
+        raise _refuse(what, "activation_checkpointing", config.activation_checkpointing,
+                      "Accelerate's fsdp_activation_checkpointing recomputes whole layers; the selective "
+                      "policy is fsdp_train's", "'none', 'full'")
+    if config.activation_checkpointing == "full" and config.wrap != "layer":
         raise _refuse(what, "wrap", config.wrap, "Accelerate checkpoints the modules its wrap policy selects; "
                       "the book checkpoints each transformer layer", "'layer' with activation_checkpointing")
     return row
@@ -147,7 +151,7 @@ def _fsdp_settings(config: RunConfig, row: Strategy) -> dict[str, Any]:
         "reshard_after_forward": row.reshard_after_forward if version == 2 else row.fsdp1,
         "state_dict_type": "SHARDED_STATE_DICT",
         "cpu_offload": config.cpu_offload,
-        "activation_checkpointing": config.activation_checkpointing,
+        "activation_checkpointing": config.activation_checkpointing == "full",
         "cpu_ram_efficient_loading": config.init == "meta",
     }
     if config.wrap == "layer":

@@ -18,8 +18,10 @@ from handbook_lib.core.lazy import lazy_exports
 
 if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported on first use
     from handbook_lib.models.activations import (
+        SELECTIVE_SAVE,
         ActivationBytes,
         ModelSizes,
+        checkpointed,
         estimate_activation_bytes,
         estimate_decoder_activation_bytes,
     )
@@ -205,10 +207,12 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     )
 
 _HOMES = {
+    "SELECTIVE_SAVE": "activations",
     "ModelSizes": "activations",
     "ActivationBytes": "activations",
     "estimate_activation_bytes": "activations",
     "estimate_decoder_activation_bytes": "activations",
+    "checkpointed": "activations",
     "RESERVE_FRACTION": "allocator",
     "RESERVE_SOURCE": "allocator",
     "RESERVE_MODEL": "allocator",
@@ -358,10 +362,10 @@ _HOMES = {
 """Each exported name and the module of this package it is defined in."""
 
 __all__ = [
-    "ModelSizes", "ActivationBytes", "estimate_activation_bytes",
-    "estimate_decoder_activation_bytes", "RESERVE_FRACTION", "RESERVE_SOURCE", "RESERVE_MODEL",
-    "reserved_bytes", "CHECKPOINT_SCHEMA", "CHECKSUM", "MANIFEST", "LATEST", "CommitStep",
-    "COMMIT_STEPS", "FSDP1_STATE_DICT_TYPES", "TensorCount", "checkpoint_name",
+    "SELECTIVE_SAVE", "ModelSizes", "ActivationBytes", "estimate_activation_bytes",
+    "estimate_decoder_activation_bytes", "checkpointed", "RESERVE_FRACTION", "RESERVE_SOURCE",
+    "RESERVE_MODEL", "reserved_bytes", "CHECKPOINT_SCHEMA", "CHECKSUM", "MANIFEST", "LATEST",
+    "CommitStep", "COMMIT_STEPS", "FSDP1_STATE_DICT_TYPES", "TensorCount", "checkpoint_name",
     "estimate_checkpoint_count", "COLLECTIVES", "CollectiveCost", "estimate_collective",
     "RING_KINDS", "RingTransfer", "ring_schedule", "estimate_collective_time", "AlphaBeta",
     "fit_alpha_beta", "Link", "Host", "Accelerator", "Node", "LINKS", "ACCELERATORS", "get_link",

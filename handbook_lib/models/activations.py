@@ -16,16 +16,25 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from handbook_lib.core.checks import check_int
-from handbook_lib.core.config import dtype_bytes
+from handbook_lib.core.config import checkpointing_mode, dtype_bytes
 
 __all__ = [
+    "SELECTIVE_SAVE",
     "ModelSizes",
     "ActivationBytes",
     "estimate_activation_bytes",
     "estimate_decoder_activation_bytes",
+    "checkpointed",
 ]
 
 _INDEX_BYTES = 8  # int64 token ids and targets
+
+SELECTIVE_SAVE = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
+                  "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+                  "_scaled_dot_product_cudnn_attention")
+"""The ``aten`` operators whose outputs selective activation checkpointing keeps (the matrix
+products and the fused attentions); every other operator of a layer is recomputed in backward.
+The runtime's policy (``handbook_lib.runtime.build``) and the memory model read this one list."""
 
 
 class ModelSizes(Protocol):
@@ -66,7 +75,7 @@ def estimate_activation_bytes(
     seq_len: int,
     compute_dtype: str = "fp32",
     *,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | str = False,
 ) -> ActivationBytes:
     """Bytes that autograd saves in one forward pass of ``SimpleTransformer(config)``.
 
@@ -84,8 +93,15 @@ def estimate_activation_bytes(
 
     That is ``T·(8d + 2f)·c + T·(16 + 4h) + s²·c`` bytes. Outside the layers the model saves the
     token ids and targets (int64), the head's input (``T·d·c``), the log-softmax output of the
-    loss, always fp32 (``T·V·4``), and the loss's 4-byte weight total. With activation checkpointing each layer keeps only its input
-    (``T·d·c``) and recomputes the rest, one layer at a time, in backward.
+    loss, always fp32 (``T·V·4``), and the loss's 4-byte weight total.
+
+    ``activation_checkpointing`` (``none``, ``selective`` or ``full``; ``True`` is ``full``):
+    with ``full`` each layer keeps only its input (``T·d·c``) and recomputes the rest, one layer
+    at a time, in backward. With ``selective`` it keeps its input and the outputs of its matrix
+    products and attention, which the book's policy saves (:data:`SELECTIVE_SAVE`): Q/K/V
+    (``T·3d·c``), the attention's output and log-sum-exp (``T·d·c + h·T·4``), the output
+    projection, linear1 and linear2 (``T·(2d + f)·c``): ``T·(6d + f)·c + 4hT`` more per layer;
+    what the recomputation holds is the rest of the layer's tensors.
 
     The count is exact for fp32 on PyTorch 2.x's CPU kernels (the tests compare it with the
     tensors autograd saves); in bf16 and on GPUs the kernels save slightly different tensors
@@ -98,13 +114,22 @@ def estimate_activation_bytes(
     tokens = micro_batch * seq_len
     per_layer = tokens * (8 * d + 2 * f) * c + tokens * (16 + 4 * h) + seq_len**2 * c
     head = 2 * tokens * _INDEX_BYTES + tokens * d * c + tokens * v * 4 + 4
-    if activation_checkpointing:
-        layers = config.num_layers * tokens * d * c
-        recompute = per_layer
-    else:
-        layers = config.num_layers * per_layer
-        recompute = 0
-    return ActivationBytes(per_layer=per_layer, layers=layers, head=head, recompute=recompute)
+    kept = {"selective": tokens * (6 * d + f) * c + 4 * h * tokens, "full": 0}
+    return checkpointed(per_layer, tokens * d * c, kept, config.num_layers, head, activation_checkpointing)
+
+
+def checkpointed(per_layer: int, layer_input: int, kept: dict[str, int], num_layers: int, head: int,
+                  activation_checkpointing: bool | str) -> ActivationBytes:
+    """The activations of ``num_layers`` layers of ``per_layer`` bytes each under a checkpointing
+    mode: all of them (``none``); each layer's input and what the mode keeps besides,
+    ``kept[mode]`` (``selective``: the tensors its policy saves; ``full``: 0). The layer being
+    recomputed in backward holds the rest of its share, ``per_layer - kept[mode]``."""
+    mode = checkpointing_mode(activation_checkpointing)
+    if mode == "none":
+        return ActivationBytes(per_layer=per_layer, layers=num_layers * per_layer, head=head, recompute=0)
+    saved = layer_input + kept[mode]
+    return ActivationBytes(per_layer=per_layer, layers=num_layers * saved, head=head,
+                           recompute=per_layer - kept[mode])
 
 
 def estimate_decoder_activation_bytes(

@@ -36,6 +36,7 @@ from handbook_lib.core.checks import check_int, check_world
 from handbook_lib.core.config import dtype_bytes
 from handbook_lib.models.activations import (
     ActivationBytes,
+    checkpointed,
     estimate_activation_bytes,
     estimate_decoder_activation_bytes,
 )
@@ -87,6 +88,13 @@ class ModelLayout:
     """Attention heads per layer; 0 when unknown."""
     dim_feedforward: int = 0
     """Feed-forward width; 0 when unknown."""
+    q_width: int = 0
+    """Width of a layer's queries (``nhead`` heads of their width; 0: ``d_model``), decoders."""
+    kv_width: int = 0
+    """Width of its keys, and of its values (fewer heads with grouped-query attention; 0:
+    ``q_width``), decoders."""
+    gated_mlp: bool = False
+    """A gated feed-forward (Llama's gate and up projections, both ``dim_feedforward`` wide)."""
     head_numel: int = 0
     """Elements of the output head, whose gradients backward computes first."""
     containers: tuple[str, ...] = ("layers",)
@@ -168,15 +176,20 @@ class ModelLayout:
         return parts
 
     def activations(self, micro_batch: int, seq_len: int, compute_dtype: str = "fp32", *,
-                    activation_checkpointing: bool = False) -> ActivationBytes | None:
+                    activation_checkpointing: bool | str = False) -> ActivationBytes | None:
         """Bytes of activations one rank keeps for one micro-batch of ``micro_batch`` ×
         ``seq_len`` tokens, in the compute dtype (``None`` when the layout has no activation
         model, or no tokens are given).
 
         ``handbook``: counted tensor by tensor. ``decoder``: Korthikanti et al.'s per-layer
-        ``34·s·b·h`` (``2·s·b·h`` with checkpointing), scaled from 16-bit to the compute dtype,
-        plus the head's input (``T·d·c``), the fp32 log-softmax (``T·V·4``) and the int64 token ids
-        and targets (``16·T``); the layer being recomputed holds one layer's share.
+        ``34·s·b·h`` (``2·s·b·h``, the input, with full checkpointing), scaled from 16-bit to the
+        compute dtype, plus the head's input (``T·d·c``), the fp32 log-softmax (``T·V·4``) and the
+        int64 token ids and targets (``16·T``); the layer being recomputed holds the rest of its
+        share. Selective checkpointing keeps, besides the input, what the policy saves: the
+        outputs of the Q, K and V projections (``T·(q + 2k)·c``), of the attention (``T·q·c`` and
+        its fp32 log-sum-exp, ``4·a·T``), of the output projection (``T·d·c``), of the feed-forward's
+        up (and gate) projections (``T·f·c``, twice when gated) and of its down projection
+        (``T·d·c``); for GPT-3's shape that is ``22·s·b·h`` of the ``34``.
         """
         if not micro_batch or self.activation_model == "none":
             return None
@@ -184,13 +197,15 @@ class ModelLayout:
             return estimate_activation_bytes(self, micro_batch, seq_len, compute_dtype,
                                              activation_checkpointing=activation_checkpointing)
         c = dtype_bytes(compute_dtype)
-        recompute = "full" if activation_checkpointing else "none"
-        layers = estimate_decoder_activation_bytes(self, micro_batch, seq_len, recompute=recompute) * c // 2
         tokens = micro_batch * seq_len
+        per_layer = estimate_decoder_activation_bytes(self, micro_batch, seq_len) * c // 2 // self.num_layers
         head = tokens * self.d_model * c + tokens * self.vocab_size * 4 + 16 * tokens
-        per_layer = layers // self.num_layers
-        return ActivationBytes(per_layer=per_layer, layers=layers, head=head,
-                               recompute=per_layer if activation_checkpointing else 0)
+        d, f = self.d_model, self.dim_feedforward
+        q = self.q_width or d
+        k = self.kv_width or q
+        kept = tokens * (q + 2 * k + q + d + f * (2 if self.gated_mlp else 1) + d) * c + 4 * self.nhead * tokens
+        return checkpointed(per_layer, tokens * d * c, {"selective": kept, "full": 0}, self.num_layers,
+                            head, activation_checkpointing)
 
     def causal_mask_bytes(self, seq_len: int) -> int:
         """Bytes of the boolean (s × s) causal mask the handbook's model builds before its first
@@ -254,6 +269,8 @@ def _build(model: ModelConfig | DecoderShape | int) -> ModelLayout:
         return ModelLayout(model.name, model.num_params, blocks, exact=False, units_known=True,
                            activation_model="decoder", d_model=model.d_model, vocab_size=model.vocab_size,
                            num_layers=model.num_layers, nhead=model.nhead, dim_feedforward=model.ffn,
+                           q_width=model.nhead * model.head_width,
+                           kv_width=model.kv_heads * model.head_width, gated_mlp=model.gated_mlp,
                            head_numel=model.d_model * model.vocab_size,
                            breakdown=tuple(model.param_breakdown().items()))
     check_int("model", model, 0)

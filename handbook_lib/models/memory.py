@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from handbook_lib.core.checks import check_int, check_world, lookup
-from handbook_lib.core.config import dtype_bytes, get_precision
+from handbook_lib.core.config import checkpointing_mode, dtype_bytes, get_precision
 from handbook_lib.core.strategies import Strategy, get_strategy
 from handbook_lib.models.allocator import reserved_bytes
 from handbook_lib.models.layout import ModelLayout, ModelLike, model_layout
@@ -190,7 +190,7 @@ def estimate_memory(
     seq_len: int = 0,
     shard_group_size: int | None = None,
     rank: int = 0,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | str = False,
     cpu_offload: bool = False,
     reduce_dtype: str | None = None,
     units: Sequence[Unit] | None = None,
@@ -215,7 +215,8 @@ def estimate_memory(
         shard_group_size: Ranks that shard one copy of the model, for the HYBRID strategies
             (must divide ``world_size``); the others use ``world_size`` (or 1 for DDP/NO_SHARD).
         rank: Which rank (matters only for uneven shards).
-        activation_checkpointing: Recompute each layer's activations in backward.
+        activation_checkpointing: ``none``, ``selective`` or ``full`` (``True``: ``full``): what
+            each layer keeps for backward (:func:`~handbook_lib.models.activations.checkpointed`).
         cpu_offload: Keep sharded parameters, gradients and optimizer states in host memory
             (FSDP strategies only: refused with ``NONE`` and ``DDP``, as ``fsdp_train`` does).
         reduce_dtype: Gradient-reduction dtype, overriding the precision's (e.g. ``bf16``).
@@ -275,7 +276,8 @@ def estimate_memory(
 
 def _step_shape(layout: ModelLayout, row: Strategy, state: dict[str, int], c: int, r: int, world_size: int,
                 group: int, units: Sequence[Unit] | None, flat: bool, backend: str, accumulated: int,
-                optimizer: str, micro_batch: int, seq_len: int, compute: str, checkpointing: bool) -> StepShape:
+                optimizer: str, micro_batch: int, seq_len: int, compute: str,
+                checkpointing: bool | str) -> StepShape:
     """The :class:`~handbook_lib.models.phases.StepShape` every phase reads, from the layout."""
     units = list(units) if units is not None else layout.units()
     if layout.exact and (not units or not units[0].root):
@@ -301,7 +303,7 @@ def _step_shape(layout: ModelLayout, row: Strategy, state: dict[str, int], c: in
         hidden=tokens * layout.d_model, logits=tokens * layout.vocab_size,
         mask=layout.causal_mask_bytes(seq_len) if acts else 0, saved=saved, lasts=lasts, plain=plain,
         biggest=biggest, largest=largest, optimizer_states=optimizer_states(optimizer), accumulated=accumulated,
-        gloo=backend == "gloo" and group > 1, flat=flat, checkpointing=checkpointing,
+        gloo=backend == "gloo" and group > 1, flat=flat, checkpointing=checkpointing_mode(checkpointing) != "none",
     )
 
 

@@ -299,16 +299,26 @@ class MemoryChangeRow:
         """Model over published, minus one."""
         return self.model_change_bytes / self.published_change_bytes - 1
 
+    def model_peaks_gib(self, gpus: int, mode: str) -> float:
+        """The model's reserved peak per GPU on ``gpus`` GPUs under checkpointing ``mode``
+        (``"full"`` or ``"selective"``: the book's policy, not torchtitan's), GiB."""
+        return _reserved_peak(self.published, gpus, mode) / 2**30
+
+
+def _reserved_peak(row: PublishedMemoryChange, gpus: int, mode: str) -> int:
+    """The model's reserved peak per GPU for ``row``'s run on ``gpus`` GPUs (bf16 mixed
+    precision, FULL_SHARD, AdamW, activation checkpointing ``mode``), bytes."""
+    model: ModelLike = _model(row.model)  # type: ignore[assignment]
+    return estimate_memory(model, gpus, "FULL_SHARD", "bf16-mixed", micro_batch=row.micro_batch,
+                           seq_len=row.seq_len, activation_checkpointing=mode).peak_reserved
+
 
 def memory_change_rows(rows: tuple[PublishedMemoryChange, ...] = PUBLISHED_MEMORY_CHANGE) -> list[MemoryChangeRow]:
     """Each published pair with the model's change: the reserved peak (bf16 mixed precision,
     FULL_SHARD, AdamW) on the first GPU count less that on the second."""
     out = []
     for row in rows:
-        model: ModelLike = _model(row.model)  # type: ignore[assignment]
-        peaks = tuple(estimate_memory(model, n, "FULL_SHARD", "bf16-mixed", micro_batch=row.micro_batch,
-                                      seq_len=row.seq_len, activation_checkpointing=True).peak_reserved
-                      for n in row.gpus)
+        peaks = tuple(_reserved_peak(row, n, "full") for n in row.gpus)
         out.append(MemoryChangeRow(row, peaks[0] - peaks[1], peaks))  # type: ignore[arg-type]
     return out
 

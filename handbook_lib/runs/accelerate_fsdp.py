@@ -54,7 +54,7 @@ def validate(config: RunConfig, world_size: int) -> None:
                          f"got api={config.api!r}, strategy={row.name!r}")
     if world_size < 2:
         raise ValueError(f"accelerate_fsdp needs >= 2 ranks, got {world_size}")
-    if config.precision != "fp32" or config.cpu_offload or config.activation_checkpointing:
+    if config.precision != "fp32" or config.cpu_offload or config.activation_checkpointing != "none":
         raise ValueError("accelerate_fsdp runs precision='fp32' without cpu_offload or activation_checkpointing")
     if config.steps < 2 or config.grad_accum_steps != 1 or config.max_grad_norm:
         raise ValueError("accelerate_fsdp needs steps >= 2, grad_accum_steps=1 and max_grad_norm=0")

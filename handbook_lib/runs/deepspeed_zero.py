@@ -87,8 +87,8 @@ def validate(config: ZeroRunConfig, world_size: int) -> None:
     if config.init != "full":
         raise ValueError(f"deepspeed_zero accepts init='full' only (DeepSpeed partitions a whole model); "
                          f"got {config.init!r}")
-    if config.grad_accum_steps != 1 or config.activation_checkpointing:
-        raise ValueError("deepspeed_zero runs grad_accum_steps=1 and activation_checkpointing=false only")
+    if config.grad_accum_steps != 1 or config.activation_checkpointing != "none":
+        raise ValueError("deepspeed_zero runs grad_accum_steps=1 and activation_checkpointing=none only")
     if config.steps < 2:
         raise ValueError(f"deepspeed_zero needs steps >= 2 (the optimizer state exists after the first), "
                          f"got {config.steps}")

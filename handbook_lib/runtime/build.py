@@ -33,8 +33,15 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from handbook_lib.core.config import DTYPES, InitName, RunConfig, get_precision
+from handbook_lib.core.config import (
+    DTYPES,
+    InitName,
+    RunConfig,
+    checkpointing_mode,
+    get_precision,
+)
 from handbook_lib.core.strategies import STRATEGY_TABLE, Strategy, get_strategy
+from handbook_lib.models.activations import SELECTIVE_SAVE
 from handbook_lib.models.layout import wrap_units
 from handbook_lib.runtime.distributed import RankContext
 from handbook_lib.runtime.model import SimpleTransformer, TransformerLayer
@@ -99,14 +106,39 @@ def build_mp_policy(precision: str) -> MixedPrecisionPolicy | None:
     return MixedPrecisionPolicy(param_dtype=torch_dtype(compute), reduce_dtype=torch_dtype(reduce))
 
 
-def apply_activation_checkpointing(model: SimpleTransformer) -> None:
-    """Wrap each :class:`TransformerLayer` so its activations are recomputed in backward."""
+def apply_activation_checkpointing(model: SimpleTransformer, mode: str = "full") -> None:
+    """Wrap each :class:`TransformerLayer` so its activations are recomputed in backward.
+
+    ``full`` keeps each layer's input only. ``selective`` keeps, besides, the outputs of the
+    operators named in :data:`handbook_lib.models.activations.SELECTIVE_SAVE` (the matrix
+    products and the fused attention), through ``torch.utils.checkpoint``'s
+    ``create_selective_checkpoint_contexts`` with a policy that must save those and may
+    recompute the rest. ``none`` (or ``False``) leaves the model as it is.
+    """
+    import functools
+
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         checkpoint_wrapper,
     )
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        create_selective_checkpoint_contexts,
+    )
 
+    mode = checkpointing_mode(mode)
+    if mode == "none":
+        return
+    kwargs = {}
+    if mode == "selective":
+        saved = {getattr(torch.ops.aten, name).default for name in SELECTIVE_SAVE
+                 if hasattr(torch.ops.aten, name)}
+
+        def policy(ctx, func, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003 - torch's signature
+            return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
     for i, layer in enumerate(model.layers):
-        model.layers[i] = checkpoint_wrapper(layer)
+        model.layers[i] = checkpoint_wrapper(layer, **kwargs)
 
 
 def apply_fsdp2(
@@ -308,8 +340,7 @@ def parallelize(config: RunConfig, ctx: RankContext, *, init: InitMode = "meta")
         torch.manual_seed(config.seed)
         model, seeded = SimpleTransformer(config.model_config()), None
     units = _unit_modules(model, config)
-    if config.activation_checkpointing:
-        apply_activation_checkpointing(model)
+    apply_activation_checkpointing(model, config.activation_checkpointing)
     return APPLY[row.wrapper](model, config, ctx, row, units, seeded)
 
 
