@@ -128,7 +128,7 @@ def apply_activation_checkpointing(model: SimpleTransformer, mode: str = "full")
     mode = checkpointing_mode(mode)
     if mode == "none":
         return
-    kwargs = {}
+    wrap_kwargs = {}
     if mode == "selective":
         saved = {getattr(torch.ops.aten, name).default for name in SELECTIVE_SAVE
                  if hasattr(torch.ops.aten, name)}
@@ -136,9 +136,9 @@ def apply_activation_checkpointing(model: SimpleTransformer, mode: str = "full")
         def policy(ctx, func, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003 - torch's signature
             return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
-        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
+        wrap_kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
     for i, layer in enumerate(model.layers):
-        model.layers[i] = checkpoint_wrapper(layer, **kwargs)
+        model.layers[i] = checkpoint_wrapper(layer, **wrap_kwargs)
 
 
 def apply_fsdp2(
