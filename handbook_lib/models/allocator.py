@@ -28,7 +28,8 @@ RESERVE_SOURCE = (
     "+5.4 % (hf_T5, FSDP, eager) and +15.7 % (the same, torch.compile), pytorch/pytorch#89457; "
     "+8.9 % (a 42-layer Megatron FSDP v2 job, 221,706 against 203,504 MiB), "
     "NVIDIA/Megatron-LM#6885; +27 % and +31 % (Llama 2 7B, FSDP1, 4 x A100 40GB), "
-    "meta-llama/llama-cookbook#41 and #165. 0.10 is their middle; the spread is 5 to 31 %")
+    "meta-llama/llama-cookbook#41 and #165. 0.10 lies within the three lower figures (5.4 to "
+    "15.7 %), below the two LoRA fine-tunes'; the spread is 5 to 31 %")
 """Where :data:`RESERVE_FRACTION` comes from."""
 
 RESERVE_MODEL = (f"the allocated peak + {100 * RESERVE_FRACTION:.0f} % (rounding and fragmentation; published FSDP "
