@@ -285,6 +285,11 @@ def test_step_time_with_and_without_overlap_by_hand():
     assert estimate_step_time(twice, link, compute_s=20.0, overlap=True).exposed_comm_s == 4.0
     with pytest.raises(ValueError, match="compute_s"):
         estimate_step_time(traffic, link, compute_s=-1.0, overlap=True)
+    # other transfers on the collectives' streams (offload's copies) join the communication
+    copies = estimate_step_time(traffic, link, compute_s=3.0, overlap=True, extra_comm_s=4.0)
+    assert (copies.comm_s, copies.total_s, copies.bound) == (10.0, 2.0 + 8.0, "communication")
+    with pytest.raises(ValueError, match="extra_comm_s"):
+        estimate_step_time(traffic, link, compute_s=1.0, overlap=True, extra_comm_s=-1.0)
 
 
 def test_six_p_t_rule_by_hand():
@@ -293,6 +298,8 @@ def test_six_p_t_rule_by_hand():
     # the default: Llama 3 405B's 41 % BF16 MFU on 16,384 H100s (Table 4 of the Llama 3 paper)
     assert DEFAULT_UTILIZATION == 0.41 and "Table 4" in UTILIZATION_SOURCE
     assert estimate_compute_time(10**9, 10**6, 1e15) == pytest.approx(6e15 / (1e15 * 0.41))
+    # full recomputation runs the forward twice: 8PT
+    assert estimate_compute_time(10**9, 10**6, 1e15, 0.5, activation_checkpointing=True) == pytest.approx(16.0)
 
 
 @pytest.mark.parametrize("args, match", [

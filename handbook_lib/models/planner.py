@@ -331,25 +331,24 @@ def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str)
     acc = job.node.accelerator
     peak_flops = acc.peak_flops_bf16 if job.precision != "fp32" else acc.peak_flops_fp32
     compute = estimate_compute_time(job.layout.num_params, job.micro_batch * job.seq_len, peak_flops,
-                                    job.utilization)
-    compute *= 4 / 3 if ac else 1  # recomputing the forward: 8PT instead of 6PT
-    time = estimate_step_time(traffic, link_of, compute, overlap=True)
-    comm, step, per_node, cost = time.comm_s, time.total_s, 0, None
+                                    job.utilization, activation_checkpointing=ac)
+    cost = None
+    if offload:
+        assert acc.host is not None  # plan() offers offload only with a host
+        cost = estimate_offload(traffic, job.layout.num_params, acc.host, job.node.gpus_per_node,
+                                shard_group_size=group, params_per_s_per_core=job.cpu_speed)
+    time = estimate_step_time(traffic, link_of, compute, overlap=True, extra_comm_s=cost.copy_s if cost else 0.0)
+    step, per_node = time.total_s, 0
     reserved = reserved_bytes(mem.peak, fraction=job.reserve)
     fits = reserved <= job.budget
-    if offload:
-        host = acc.host
-        assert host is not None  # plan() offers offload only with a host
-        g = job.node.gpus_per_node
-        cost = estimate_offload(traffic, job.layout.num_params, host, g, shard_group_size=group,
-                                params_per_s_per_core=job.cpu_speed)
+    if cost is not None:
+        assert acc.host is not None
         routes.setdefault(f"host copies over {cost.link}", {})["offload"] = None
-        comm += cost.copy_s
-        step = time.exposed_comm_s + max(compute, comm - time.exposed_comm_s) + cost.optimizer_s
-        per_node = mem.host * g
-        fits = fits and per_node <= host.memory_bytes
+        step += cost.optimizer_s  # between the last reduce-scatter and the next forward: never hidden
+        per_node = mem.host * job.node.gpus_per_node
+        fits = fits and per_node <= acc.host.memory_bytes
     return Option(name, strategy, n, ac, offload, group, mem.peak, reserved, job.budget, fits,
-                  comm, compute, step, "communication" if comm > compute else "compute",
+                  time.comm_s, compute, step, time.bound,
                   mem.peak_phase, mem.components["activations"], mem.model_state, mem.host, per_node,
                   cost, tuple(f"{', '.join(kinds)}: {d}" for d, kinds in routes.items()))
 

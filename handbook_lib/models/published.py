@@ -243,7 +243,7 @@ def throughput_rows(rows: tuple[PublishedThroughput, ...] = PUBLISHED_THROUGHPUT
     for row in rows:
         tokens = row.micro_batch * row.seq_len
         seconds = estimate_compute_time(_params(row.model), tokens, get_accelerator(row.gpu).peak_flops_bf16,
-                                        utilization) * (4 / 3 if row.activation_checkpointing else 1)
+                                        utilization, activation_checkpointing=row.activation_checkpointing)
         out.append(ThroughputRow(row, tokens / seconds))
     return out
 
@@ -283,11 +283,14 @@ class MemoryChangeRow:
     """A published change of peak memory beside the model's."""
 
     published: PublishedMemoryChange
-    model_change_bytes: int
-    """The model's reserved peak on the fewer GPUs less that on the more, bytes."""
     model_peaks_bytes: tuple[int, int]
-    """The model's reserved peaks themselves (full activation checkpointing: the runs' selective
-    checkpointing is not modelled, and its activations cancel in the change)."""
+    """The model's reserved peaks on each GPU count (full activation checkpointing: its
+    activations, like the runs' selective ones, cancel in the change)."""
+
+    @property
+    def model_change_bytes(self) -> int:
+        """The model's reserved peak on the fewer GPUs less that on the more, bytes."""
+        return self.model_peaks_bytes[0] - self.model_peaks_bytes[1]
 
     @property
     def published_change_bytes(self) -> float:
@@ -316,11 +319,8 @@ def _reserved_peak(row: PublishedMemoryChange, gpus: int, mode: str) -> int:
 def memory_change_rows(rows: tuple[PublishedMemoryChange, ...] = PUBLISHED_MEMORY_CHANGE) -> list[MemoryChangeRow]:
     """Each published pair with the model's change: the reserved peak (bf16 mixed precision,
     FULL_SHARD, AdamW) on the first GPU count less that on the second."""
-    out = []
-    for row in rows:
-        peaks = tuple(_reserved_peak(row, n, "full") for n in row.gpus)
-        out.append(MemoryChangeRow(row, peaks[0] - peaks[1], peaks))  # type: ignore[arg-type]
-    return out
+    return [MemoryChangeRow(row, (_reserved_peak(row, row.gpus[0], "full"),
+                                  _reserved_peak(row, row.gpus[1], "full"))) for row in rows]
 
 
 PUBLISHED_SOURCES = {

@@ -66,10 +66,9 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f} %"
 
 
-def _label(option: Option | None, gpus: int) -> str:
-    if option is None:
-        return "nothing fits"
-    return option.name if option.gpus == gpus or " on " in option.name else f"{option.name} on {option.gpus} GPUs"
+def _label(option: Option | None) -> str:
+    """The recommendation's name (the planner names an option on more GPUs "... on N GPUs")."""
+    return "nothing fits" if option is None else option.name
 
 
 def flip_points(result: Plan) -> FlipPoints | None:
@@ -122,12 +121,12 @@ def plan_sensitivity(model: ModelLike, gpu: str, gpus: int, **kwargs: Any) -> tu
     if any(o.cpu_offload for o in base.options):
         changes.append(("CPU optimizer", f"{cpu / 1e6:.0f} M/s/core", f"{cpu / 2e6:.0f} M/s/core",
                         {"cpu_params_per_s_per_core": cpu / 2}))
-    was = _label(base.recommended, gpus)
+    was = _label(base.recommended)
     rows = []
     for assumption, planned, changed, change in changes:
         other = plan(model, gpu, gpus, **{**kwargs, **change})
         o = other.recommended
-        label = _label(o, gpus)
+        label = _label(o)
         rows.append(Sensitivity(assumption, planned, changed, label, o.step_s if o else 0.0,
                                 o.margin_bytes if o else 0, o.margin if o else 0.0, label != was))
     return base, rows

@@ -67,6 +67,8 @@ def estimate_step_time(
     link: Link | Callable[[CollectiveRecord], LinkOrRoute],
     compute_s: float,
     overlap: bool,
+    *,
+    extra_comm_s: float = 0.0,
 ) -> StepTime:
     """Time of one step: its collectives on ``link`` plus ``compute_s`` seconds of compute.
 
@@ -78,9 +80,14 @@ def estimate_step_time(
     all-gather while the previous unit computes and reduce-scatters while the next one does;
     only the first forward all-gather of each micro-step has nothing to hide behind. So
     ``total = exposed + max(compute, comm - exposed)``, exposed being those first all-gathers.
+
+    ``extra_comm_s`` is other transfer time on the collectives' streams, hidden as they are
+    (CPU offload's copies to and from the host, :mod:`handbook_lib.models.offload`).
     """
     if not compute_s >= 0:
         raise ValueError(f"compute_s must be >= 0, got {compute_s!r}")
+    if not extra_comm_s >= 0:
+        raise ValueError(f"extra_comm_s must be >= 0, got {extra_comm_s!r}")
     choose = link if callable(link) else (lambda record: link)
     comm = exposed = 0.0
     started: set[int] = set()
@@ -91,6 +98,7 @@ def estimate_step_time(
         if r.kind == "all_gather" and r.phase == "forward" and r.micro_step not in started:
             started.add(r.micro_step)
             exposed += t
+    comm += extra_comm_s
     if overlap:
         total = exposed + max(compute_s, comm - exposed)
     else:
@@ -99,14 +107,16 @@ def estimate_step_time(
     return StepTime(comm, compute_s, exposed, total, bound)
 
 def estimate_compute_time(num_params: int, tokens: int, peak_flops: float,
-                          utilization: float = DEFAULT_UTILIZATION) -> float:
-    """Seconds of one rank's forward + backward: the 6PT rule, ``6·P·T / (peak · utilization)``.
+                          utilization: float = DEFAULT_UTILIZATION, *,
+                          activation_checkpointing: bool = False) -> float:
+    """Seconds of one rank's forward + backward: the 6PT rule, ``6·P·T / (peak · utilization)``;
+    with ``activation_checkpointing`` (full recomputation) the forward runs twice, 8PT: a third
+    more.
 
     Forward costs 2 FLOPs (a multiply and an add) per parameter per token, backward twice that
     (gradients of activations and of weights); every rank runs the whole model (gathered, under
     FSDP) on its own tokens. The rule ignores attention's sequence-length
-    term, counts embedding lookups as matrix products, and adds nothing for activation
-    checkpointing (which recomputes the forward: 8PT).
+    term and counts embedding lookups as matrix products.
 
     Args:
         num_params: P, parameters.
@@ -120,4 +130,5 @@ def estimate_compute_time(num_params: int, tokens: int, peak_flops: float,
         raise ValueError(f"peak_flops must be > 0 FLOP/s, got {peak_flops!r}")
     if not 0 < utilization <= 1:
         raise ValueError(f"utilization must be in (0, 1], got {utilization!r}")
-    return 6 * num_params * tokens / (peak_flops * utilization)
+    seconds = 6 * num_params * tokens / (peak_flops * utilization)
+    return seconds * (4 / 3) if activation_checkpointing else seconds

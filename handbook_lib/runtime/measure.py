@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from handbook_lib.core.checks import check_int
 from handbook_lib.core.config import DTYPES
 from handbook_lib.models.collectives import estimate_collective
 
@@ -459,8 +460,7 @@ def measure_cpu_adam(numel: int = 2**24, *, tensors: int = 16, threads: int = 1,
         ValueError: for a count < 1 or ``numel`` not a multiple of ``tensors``.
     """
     for name, value in (("numel", numel), ("tensors", tensors), ("threads", threads), ("repeats", repeats)):
-        if not (isinstance(value, int) and value >= 1):
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_int(name, value, 1)
     if numel % tensors:
         raise ValueError(f"numel={numel} must be a multiple of tensors={tensors}")
     before = torch.get_num_threads()
