@@ -342,3 +342,24 @@ def test_show_source_folds_long_lines_in_text_only():
     assert max(len(line) for line in repr(code).splitlines()) <= BOOK_WIDTH
     assert " ".join(repr(code).split()) == " ".join(inspect.getsource(save_checkpoint).split())  # nothing lost
     assert "save_checkpoint" in code._repr_html_()
+
+
+def test_checks_summary_folds_agreeing_ranks_into_one_row():
+    from handbook_lib.face import checks_summary
+
+    import dataclasses
+
+    checks = [Check("param_shard_bytes", r, 10, 10, "bytes") for r in range(4)] + [
+        Check("peak_bytes", r, 100, 100 if r else 130, "bytes", 0.1) for r in range(4)] + [
+        Check("loss_FULL_SHARD_vs_DDP", None, 9.35, 9.35, "nats", 1e-5)]
+    run = dataclasses.replace(_run(4, [1.0], 1, 1), checks=checks)
+    table = checks_summary(run)
+    assert list(table.columns) == ["quantity", "ranks", "predicted", "measured", "error", "unit",
+                                   "tolerance", "ok"]
+    # four equal shards: one row; rank 0's peak differs from the other three: two rows, in order
+    assert [row[:4] for row in table.rows] == [["param_shard", "4/4", 10, 10], ["peak", "1/4", 100, 130],
+                                               ["peak", "3/4", 100, 100],
+                                               ["loss_FULL_SHARD_vs_DDP", "all", 9.35, 9.35]]
+    assert [row[-1] for row in table.rows] == ["yes", "NO", "yes", "yes"]
+    # a plain list of checks knows no world size: the count alone
+    assert checks_summary(run.checks[:4]).rows[0][1] == "4"

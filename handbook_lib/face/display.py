@@ -21,7 +21,7 @@ from handbook_lib.core.results import Check, RunResult
 from handbook_lib.core.text import BOOK_WIDTH, wrap
 
 __all__ = ["format_bytes", "format_loss", "format_losses", "format_bound", "LOSS_DECIMALS", "Table",
-           "checks_table", "checks_verdict", "checks_legend", "format_tolerance", "ranks_table",
+           "checks_table", "checks_summary", "checks_verdict", "checks_legend", "format_tolerance", "ranks_table",
            "Definitions", "definitions", "ErrorText", "show_exception", "SourceCode", "show_source"]
 
 _DECIMAL = [("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)]
@@ -181,6 +181,39 @@ def checks_table(checks: RunResult | Iterable[Check]) -> Table:
           _UNIT_SHORT.get(c.unit, c.unit), format_tolerance(c.tolerance), "yes" if c.ok else "NO"]
          for c in items],
     )
+
+
+def checks_summary(checks: RunResult | Iterable[Check]) -> Table:
+    """Predictions beside measurements: one row per quantity, with how many ranks agree.
+
+    The ranks of a run usually measure the same thing (each holds an equal shard, counts the
+    same collectives): :func:`checks_table` then repeats one block per rank. Here the checks
+    that share a quantity, a prediction, a measurement and a verdict make one row, whose
+    ``ranks`` column says how many ranks it stands for: ``2/2`` when every rank of a
+    :class:`~handbook_lib.core.results.RunResult` agrees, ``3/4`` and ``1/4`` on two rows when
+    one rank differs, ``all`` for a quantity of the whole job (a check with no rank). Rows keep
+    the order in which their quantity first appears. The other columns are those of
+    :func:`checks_table`.
+    """
+    items = checks.checks if isinstance(checks, RunResult) else list(checks)
+    world = checks.world_size if isinstance(checks, RunResult) else None
+    groups: dict[tuple[Any, ...], list[Check]] = {}
+    order: dict[str, int] = {}
+    for c in items:
+        order.setdefault(c.quantity, len(order))
+        key = (c.quantity, c.rank is None, c.predicted, c.measured, c.unit, c.tolerance, c.ok)
+        groups.setdefault(key, []).append(c)
+
+    def ranks(group: list[Check]) -> str:
+        if group[0].rank is None:
+            return "all"
+        n = len({c.rank for c in group})
+        return f"{n}/{world}" if world else str(n)
+
+    keys = sorted(groups, key=lambda k: order[k[0]])
+    table = checks_table([groups[k][0] for k in keys])
+    rows = [[row[0], ranks(groups[k]), *row[2:]] for row, k in zip(table.rows, keys)]
+    return Table(["quantity", "ranks", *table.columns[2:]], rows, table.note)
 
 
 def checks_verdict(checks: RunResult | Iterable[Check]) -> str:
