@@ -13,6 +13,8 @@ served on 127.0.0.1 by Python's http.server and opened at a 1400 px wide window.
 - nothing wider than the content column (``article.bd-article``), and no box whose content spills
   out of it or is clipped, unless it sits inside a box that scrolls horizontally (computed
   ``overflow-x`` auto or scroll);
+- no box that scrolls sideways: a table or a code line wider than its scroll box (a reader
+  who does not scroll misses its end);
 - each glossary term link: hovering it shows one tooltip, inside the window, whose text is the
   definition on the glossary page; no ``title`` attribute (a second, native tooltip).
 
@@ -215,6 +217,17 @@ for (const el of col.querySelectorAll("*")) {
     spilled.push([el, path(el) + (o === "visible" ? " content spills out: " : " content clipped: ")
                       + el.scrollWidth + size]);
   }
+}
+// A box that scrolls sideways (a wide table, a long code line) hides part of itself from a
+// reader who does not scroll: the content must fit the column, not a scroll box.
+for (const el of col.querySelectorAll("*")) {
+  if (el.closest("mjx-assistive-mml, .glossary-tooltip, script, style, mjx-container")) continue;
+  const o = getComputedStyle(el).overflowX;
+  if ((o === "auto" || o === "scroll") && el.clientWidth > 0 &&
+      el.scrollWidth > el.clientWidth + 1 && contentRight(el) > el.getBoundingClientRect().left
+        + el.clientLeft + el.clientWidth + 1)
+    wide.push(path(el) + " scrolls sideways: " + el.scrollWidth + " px in " + el.clientWidth
+              + " px");
 }
 // Of the boxes whose content overflows, the innermost (the one that holds the long line), and
 // none that a box already listed as too wide explains.

@@ -1,0 +1,56 @@
+"""Every notebook's code and every output it shows fit the book's column (86 characters).
+
+At a 1400 px window the book's code column is 768 px; layout.css sets code and outputs at a size
+where 86 monospace characters fit it (scripts/check_book.py measures that in Chromium). A longer
+line scrolls sideways, and a reader who does not scroll misses its end.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from handbook_lib.core.text import BOOK_WIDTH
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+
+
+def _shown_text(output: dict) -> str:
+    """The text a reader sees of one output: a stream, or the plain text of a result that has
+    no HTML form (an HTML table is checked in the browser by scripts/check_book.py)."""
+    if output.get("output_type") == "stream":
+        return "".join(output["text"])
+    data = output.get("data", {})
+    if "text/html" in data or "image/png" in data or "image/svg+xml" in data:
+        return ""
+    return "".join(data.get("text/plain", ""))
+
+
+def _too_long(notebook: Path) -> list[str]:
+    found = []
+    for i, cell in enumerate(json.loads(notebook.read_text())["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        texts = [("code", "".join(cell["source"]))]
+        texts += [("output", _shown_text(o)) for o in cell.get("outputs", [])]
+        for where, text in texts:
+            found += [f"cell {i} {where}: {len(line)} characters: {line[:40]!r}..."
+                      for line in text.splitlines() if len(line) > BOOK_WIDTH]
+    return found
+
+
+def test_book_width_is_86():
+    assert BOOK_WIDTH == 86
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_code_and_outputs_fit_the_column(notebook):
+    assert not _too_long(notebook), "\n".join(_too_long(notebook))
+
+
+def test_the_check_finds_a_long_line(tmp_path):
+    cell = {"cell_type": "code", "source": ["x = 1\n", "y = '" + "a" * 90 + "'"],
+            "outputs": [{"output_type": "stream", "text": ["b" * 87 + "\n"]}]}
+    path = tmp_path / "n.ipynb"
+    path.write_text(json.dumps({"cells": [cell]}))
+    assert [line.split(":")[0] for line in _too_long(path)] == ["cell 0 code", "cell 0 output"]
