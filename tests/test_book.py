@@ -211,3 +211,16 @@ def test_book_glossary_links_match_the_glossary(html):
                 nested.decompose()
             tip = link.select_one(".glossary-tooltip").get_text()
             assert " ".join(tip.split()) == " ".join(dd.get_text().split()), (page.name, link["href"])
+
+
+def test_every_chapter_cites_its_sources():
+    """Each chapter cites at least one work of book/references.bib, and every key it cites is
+    there (a missing key is also a build warning; this names the chapter)."""
+    keys = set(re.findall(r"^@\w+\{([^,]+),", (ROOT / "book" / "references.bib").read_text(), re.M))
+    for notebook in sorted((ROOT / "notebooks").glob("0*.ipynb")):
+        text = "".join("".join(c["source"]) for c in json.loads(notebook.read_text())["cells"]
+                       if c["cell_type"] == "markdown")
+        cited = {k.strip() for group in re.findall(r"\{cite(?::\w+)?\}`([^`]+)`", text)
+                 for k in group.split(",")}
+        assert cited, f"{notebook.name} cites nothing of book/references.bib"
+        assert cited <= keys, f"{notebook.name} cites keys not in references.bib: {cited - keys}"
