@@ -182,10 +182,61 @@ def test_accelerate_launch_reads_the_file_as_the_run(keys, tmp_path, clean_env, 
 
 
 def test_accelerate_processes_and_machines(tmp_path, clean_env):
-    file = accelerate_config(RunConfig(), num_processes=8, num_machines=2)
-    file.update(main_process_ip="10.0.0.1", main_process_port=29511)  # the caller's, per cluster
+    file = accelerate_config(RunConfig(), num_processes=8, num_machines=2, main_process_ip="10.0.0.1",
+                             main_process_port=29511)
     _, args, _ = launch(tmp_path, clean_env, file)
     assert (args.nproc_per_node, args.nnodes, args.node_rank) == ("4", "2", 0)
+    assert (args.rdzv_backend, args.rdzv_endpoint) == ("static", "10.0.0.1:29511")
+
+
+def launch_env_of(tmp_path, env_patch, file: dict, *flags: str) -> tuple:
+    """The launcher's arguments and torchrun's environment for ``accelerate launch <flags>
+    --config_file <file> train.py`` on one node (``prepare_multi_gpu_env``, as launch does)."""
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(yaml.safe_dump(file))
+    env_patch.setattr(accelerate_launch, "is_port_in_use", lambda port=None: False)
+    args = launch_command_parser().parse_args([*flags, "--config_file", str(path), "train.py"])
+    args, _, _ = _validate_launch_command(args)
+    return args, prepare_multi_gpu_env(args)
+
+
+@pytest.mark.parametrize("node", [0, 1, 2])
+def test_accelerate_one_file_for_every_node(node, tmp_path, clean_env):
+    """Three nodes of 8 GPUs, one file: each node's ``--machine_rank`` (the documented
+    ``$SLURM_NODEID``) wins over the file's 0, and every node meets at machine 0's address."""
+    from handbook_lib.integrations import MACHINE_RANK_FLAG
+    file = accelerate_config(RunConfig(), num_processes=24, num_machines=3, main_process_ip="node-a",
+                             main_process_port=29600)
+    assert file["machine_rank"] == 0 and MACHINE_RANK_FLAG.split()[0] == "--machine_rank"
+    args, env = launch_env_of(tmp_path, clean_env, file, "--machine_rank", str(node))
+    assert (args.nproc_per_node, args.nnodes, args.node_rank) == ("8", "3", node)
+    assert (args.rdzv_backend, args.rdzv_endpoint) == ("static", "node-a:29600")
+    assert env["ACCELERATE_USE_FSDP"] == "true"
+
+
+def test_accelerate_machine_rank_in_the_file(tmp_path, clean_env):
+    """A per-node file: its ``machine_rank`` is the node's rank when no flag overrides it."""
+    file = accelerate_config(RunConfig(), num_processes=16, num_machines=2, main_process_ip="10.1.2.3",
+                             machine_rank=1)
+    args, _ = launch_env_of(tmp_path, clean_env, file)
+    assert (args.node_rank, args.rdzv_endpoint) == (1, "10.1.2.3:29500")
+
+
+def test_accelerate_one_machine_writes_no_rendezvous():
+    file = accelerate_config(RunConfig(), num_processes=8, main_process_ip="ignored")
+    assert "main_process_ip" not in file and "main_process_port" not in file
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"num_machines": 2}, r"num_machines=2 needs main_process_ip"),
+    ({"num_machines": 2, "main_process_ip": "h", "main_process_port": 70000}, r"not a TCP port"),
+    ({"num_machines": 2, "main_process_ip": "h", "main_process_port": 0}, r"main_process_port must be"),
+    ({"num_machines": 2, "main_process_ip": "h", "machine_rank": 2}, r"machine_rank=2 must be below"),
+    ({"machine_rank": -1}, r"machine_rank must be an int >= 0"),
+])
+def test_accelerate_refuses_a_rendezvous_it_cannot_meet(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        accelerate_config(RunConfig(), num_processes=8, **kwargs)
 
 
 def test_accelerate_fsdp1_strategy_needs_the_sharding_strategy_key(tmp_path, clean_env):

@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     from handbook_lib.integrations.accelerate_job import launch_env, what_accelerate_did
     from handbook_lib.integrations.frameworks import (
         LAYER_CLASS,
+        MACHINE_RANK_FLAG,
         accelerate_config,
         deepspeed_config,
         fsdp_strategies,
@@ -42,6 +43,7 @@ _HOMES = {
     "launch_env": "accelerate_job",
     "what_accelerate_did": "accelerate_job",
     "LAYER_CLASS": "frameworks",
+    "MACHINE_RANK_FLAG": "frameworks",
     "accelerate_config": "frameworks",
     "trainer_fsdp_args": "frameworks",
     "deepspeed_config": "frameworks",
@@ -67,7 +69,7 @@ __all__ = [
     "deepspeed_config", "trainer_deepspeed_args", "fsdp_strategies", "gpt2_config", "build_gpt2",
     "SyntheticLM", "RecordingTrainer", "probe_batch", "probe_logits", "import_deepspeed",
     "EngineOptimizer", "build_engine", "measure_zero_bytes", "measure_zero_grad_bytes",
-    "deepspeed_estimates",
+    "deepspeed_estimates", "MACHINE_RANK_FLAG",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

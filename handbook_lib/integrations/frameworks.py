@@ -46,7 +46,7 @@ from handbook_lib.core.checks import check_int
 from handbook_lib.core.config import PRECISIONS, RunConfig
 from handbook_lib.core.strategies import STRATEGY_TABLE, Strategy, get_strategy
 
-__all__ = ["LAYER_CLASS", "accelerate_config", "trainer_fsdp_args", "deepspeed_config", "trainer_deepspeed_args",
+__all__ = ["LAYER_CLASS", "MACHINE_RANK_FLAG", "accelerate_config", "trainer_fsdp_args", "deepspeed_config", "trainer_deepspeed_args",
            "fsdp_strategies"]
 
 LAYER_CLASS = "TransformerLayer"
@@ -164,8 +164,16 @@ def _fsdp_settings(config: RunConfig, row: Strategy) -> dict[str, Any]:
     return settings
 
 
+MACHINE_RANK_FLAG = "--machine_rank $SLURM_NODEID"
+"""How each node says its own ``machine_rank`` to ``accelerate launch``: one file serves every
+node (it writes 0), and the flag overrides it, since ``_validate_launch_command`` fills from the
+file only the arguments the command line left unset. ``$SLURM_NODEID`` is Slurm's 0-based index
+of the node in the job, as ``srun`` sets it in each node's task."""
+
+
 def accelerate_config(config: RunConfig, *, num_processes: int, num_machines: int = 1,
-                      reduce_in_compute_dtype: bool = False) -> dict[str, Any]:
+                      main_process_ip: str | None = None, main_process_port: int = 29500,
+                      machine_rank: int = 0, reduce_in_compute_dtype: bool = False) -> dict[str, Any]:
     """The ``accelerate launch --config_file`` file of an FSDP run, as a dict (write it with
     ``yaml.safe_dump``).
 
@@ -185,15 +193,27 @@ def accelerate_config(config: RunConfig, *, num_processes: int, num_machines: in
     as the book's FSDP1 runs (Accelerate's default is no prefetch). Top level:
     ``mixed_precision`` and the process counts.
 
+    With ``num_machines`` > 1 also the rendezvous: ``main_process_ip`` and ``main_process_port``
+    (machine 0's address, where every node's launcher meets: the launcher hands torchrun
+    ``--rdzv_endpoint ip:port`` with its default static rendezvous) and ``machine_rank``: this
+    file's node. One file can serve every node: it
+    says ``machine_rank: 0`` and each node's command adds :data:`MACHINE_RANK_FLAG`
+    (``accelerate launch --config_file f.yaml --machine_rank $SLURM_NODEID train.py``), which
+    the launcher prefers to the file's value.
+
     Not written, because the file has no key for it: the batch, ``grad_accum_steps``,
     ``max_grad_norm``, the optimizer and ``lr`` (the training script's ``Accelerator(...)``,
-    ``accelerator.clip_grad_norm_`` and optimizer), and, with ``num_machines`` > 1,
-    ``main_process_ip``/``main_process_port`` and each machine's ``machine_rank`` (0 here).
+    ``accelerator.clip_grad_norm_`` and optimizer).
 
     Args:
         config: The run.
         num_processes: Processes in all, over every machine (one per GPU).
         num_machines: Machines (nodes); must divide ``num_processes``.
+        main_process_ip: Machine 0's address (host name or IP) as the other nodes reach it;
+            required with ``num_machines`` > 1 (under Slurm, the first host of
+            ``scontrol show hostnames $SLURM_JOB_NODELIST``), not written with one machine.
+        main_process_port: The free TCP port on machine 0 (written with ``num_machines`` > 1).
+        machine_rank: This node's index, ``0 <= machine_rank < num_machines``.
         reduce_in_compute_dtype: Accept that with ``bf16-mixed``/``fp16-mixed`` Accelerate
             reduces gradients in bf16/fp16 rather than the run config's fp32 (see the module).
 
@@ -202,7 +222,9 @@ def accelerate_config(config: RunConfig, *, num_processes: int, num_machines: in
             that is not FSDP, not in this API, or hybrid; ``shard_group_size``; ``wrap="size"``
             with FSDP2; activation checkpointing without ``wrap="layer"``; a mixed precision
             without ``reduce_in_compute_dtype``; fp16 without the default loss scaler), or for
-            process counts that are not ints >= 1 with ``num_machines`` dividing ``num_processes``.
+            process counts that are not ints >= 1 with ``num_machines`` dividing ``num_processes``,
+            for ``num_machines`` > 1 without ``main_process_ip``, a port outside 1..65535 or a
+            ``machine_rank`` outside ``0..num_machines-1``.
     """
     what = "accelerate_config"
     row = _check_fsdp(config, what)
@@ -212,6 +234,18 @@ def accelerate_config(config: RunConfig, *, num_processes: int, num_machines: in
     if num_processes % num_machines:
         raise ValueError(f"{what}: num_processes={num_processes} (processes in all) must be a multiple of "
                          f"num_machines={num_machines}")
+    check_int(f"{what}: machine_rank", machine_rank, 0)
+    if machine_rank >= num_machines:
+        raise ValueError(f"{what}: machine_rank={machine_rank} must be below num_machines={num_machines}")
+    rendezvous: dict[str, Any] = {}
+    if num_machines > 1:
+        if not main_process_ip or not isinstance(main_process_ip, str):
+            raise ValueError(f"{what}: num_machines={num_machines} needs main_process_ip, machine 0's address "
+                             f"as the other nodes reach it, got {main_process_ip!r}")
+        check_int(f"{what}: main_process_port", main_process_port, 1)
+        if main_process_port > 65535:
+            raise ValueError(f"{what}: main_process_port={main_process_port} is not a TCP port (1..65535)")
+        rendezvous = {"main_process_ip": main_process_ip, "main_process_port": main_process_port}
     fsdp = {f"fsdp_{_ACCELERATE_SPELLING.get(key, key)}": value
             for key, value in _fsdp_settings(config, row).items()}
     if config.api == "fsdp1":
@@ -222,7 +256,8 @@ def accelerate_config(config: RunConfig, *, num_processes: int, num_machines: in
         "mixed_precision": mixed,
         "num_processes": num_processes,
         "num_machines": num_machines,
-        "machine_rank": 0,
+        "machine_rank": machine_rank,
+        **rendezvous,
         "main_training_function": "main",
         "fsdp_config": fsdp,
     }
