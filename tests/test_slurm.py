@@ -79,7 +79,7 @@ def jobs() -> dict[int, SlurmJob]:
 def sbatch_options(script: str) -> dict[str, str]:
     """The script's ``#SBATCH --key=value`` lines as a dict."""
     pairs = [line.removeprefix("#SBATCH --").split("=", 1) for line in script.splitlines()
-             if line.startswith("#SBATCH")]
+             if line.startswith("#SBATCH") and "=" in line]
     return dict(pairs)
 
 
@@ -113,8 +113,10 @@ def test_sbatch_lines_request_one_task_per_node(jobs, nodes, gpus, batch):
     assert script.startswith(f"{SHEBANG}\n{MARKER}\n")
     assert sbatch_options(script) == {
         "job-name": "handbook-fsdp_train", "nodes": str(nodes), "ntasks-per-node": "1",
-        "gpus-per-node": str(gpus), "cpus-per-task": str(4 * gpus), "time": "00:30:00", "output": "%x-%j.out",
+        "gpus-per-node": str(gpus), "cpus-per-task": str(4 * gpus), "mem": "0", "time": "00:30:00",
+        "output": "%x-%j.out",
     }
+    assert "#SBATCH --exclusive" in script.splitlines()  # whole nodes (a flag without a value)
     # sbatch reads #SBATCH lines only before the first command: all of them come before `set`
     lines = script.splitlines()
     assert max(i for i, line in enumerate(lines) if line.startswith("#SBATCH")) < lines.index("set -euo pipefail")
@@ -153,10 +155,11 @@ def test_each_node_starts_torchrun_with_the_job_shape(jobs, tmp_path, nodes, gpu
     log = tmp_path / "log"
     assert (log / "scontrol").read_text().split() == ["show", "hostnames", f"gpu[001-{nodes:03d}]"]
     assert (log / "srun").read_text().split() == ["--ntasks-per-node=1", f"--cpus-per-task={4 * gpus}",
-                                                  "--kill-on-bad-exit=1"]
+                                                  "--label", "--kill-on-bad-exit=1"]
     expected = ["-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", str(gpus),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", "gpu001:29500", "--rdzv-id", "4242",
-                "--max-restarts", "0", "-m", "handbook_lib.runs.fsdp_train",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"gpu001:{29500 + 4242 % 1000}",
+                "--rdzv-id", "4242", "--max-restarts", "0", "--tee", "3", "--log-dir", f"{out}/logs",
+                "-m", "handbook_lib.runs.fsdp_train",
                 "--config", f"{out}/config.json", "--out", out]
     for node in range(nodes):
         assert (log / f"node{node}.argv").read_text().splitlines() == expected
@@ -228,9 +231,11 @@ def test_every_slurm_variable_is_documented(jobs, nodes, gpus, batch):
 def test_every_option_and_command_has_a_comment_above():
     lines = render_sbatch(SlurmJob("fault", 2, 4, partition="p", account="a")).splitlines()
     starts = ("#SBATCH", "set ", ": ", "MASTER_ADDR=", "MASTER_PORT=", "OUT_DIR=", "export ", "if ", "cat ", "srun ")
-    explained = [line for i, line in enumerate(lines) if line.startswith(starts) and lines[i - 1].startswith("# ")]
+    # an export may follow another one, the comment above the first explaining both
+    explained = [line for i, line in enumerate(lines) if line.startswith(starts)
+                 and (lines[i - 1].startswith("# ") or lines[i - 1].startswith("export ") and line.startswith("export "))]
     assert explained == [line for line in lines if line.startswith(starts)]
-    assert len(explained) == 18  # 9 #SBATCH lines, 9 commands
+    assert len(explained) == 23  # 11 #SBATCH lines, 12 commands
 
 
 def test_parse_time():
@@ -292,3 +297,61 @@ def test_write_script_never_replaces_a_foreign_file(tmp_path):
         write_script(tmp_path / "link.sbatch", text, overwrite=True)
     with pytest.raises(ValueError, match="does not exist"):
         write_script(tmp_path / "no" / "job.sbatch", text)
+
+
+@needs_bash
+def test_the_port_follows_the_job_id_unless_one_is_given(tmp_path):
+    """Two jobs sharing a first node get different rendezvous ports: bash computes them from the
+    job id at run time; an explicit port is kept as it is."""
+    def endpoint(job: SlurmJob, job_id: str) -> str:
+        (tmp_path / "job.sbatch").write_text(render_sbatch(job))
+        env = {**fake_cluster(tmp_path / job_id, 1), "SLURM_JOB_ID": job_id}
+        done = subprocess.run([BASH, "job.sbatch"], check=False, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        argv = (tmp_path / job_id / "log" / "node0.argv").read_text().splitlines()
+        return argv[argv.index("--rdzv-endpoint") + 1]
+
+    for job_id in ("4242", "4243", "1999"):
+        (tmp_path / job_id).mkdir()
+    derived = SlurmJob("fault", 1, 1)
+    assert [endpoint(derived, i) for i in ("4242", "4243")] == ["gpu001:29742", "gpu001:29743"]
+    assert endpoint(SlurmJob("fault", 1, 1, port=31000), "1999") == "gpu001:31000"
+    assert "MASTER_PORT=$((29500 + SLURM_JOB_ID % 1000))\n" in render_sbatch(derived)
+
+
+def test_the_script_sets_nccl_reporting_and_says_how_to_debug():
+    script = render_sbatch(SlurmJob("fault", 2, 8))
+    exported = dict(pair.split("=", 1) for line in script.splitlines() if line.startswith("export ")
+                    for pair in line.removeprefix("export ").split())
+    assert exported == {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NCCL_DEBUG": "WARN",
+                        "HANDBOOK_COLLECTIVE_TIMEOUT_S": "600", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+                        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    comments = "\n".join(line for line in script.splitlines() if line.startswith("#"))
+    for advice in ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "TORCH_DISTRIBUTED_DEBUG=DETAIL", "py-spy dump",
+                   "--requeue", "--signal=USR1@120", "resume_if_present=true", "module load",
+                   "flight_recorder.fr_trace"):
+        assert advice in comments, advice
+
+
+def test_the_timeout_variable_is_the_one_the_runtime_reads():
+    from handbook_lib.core.protocol import COLLECTIVE_TIMEOUT_ENV
+
+    runtime = (Path(__file__).parents[1] / "handbook_lib/runtime/distributed.py").read_text()
+    assert "os.environ.get(COLLECTIVE_TIMEOUT_ENV" in runtime
+    assert f"export {COLLECTIVE_TIMEOUT_ENV}=600 " in render_sbatch(SlurmJob("fault", 1, 1))
+
+
+def test_c10d_numbers_the_nodes_by_their_sorted_descriptors():
+    """What the script's comment says about --rdzv-backend c10d, read from the installed torch: on
+    completion the rendezvous ranks its participants by sorting their node descriptors (host,
+    pid, local id), whatever order they joined in."""
+    import inspect
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    assert "sorted(state.participants)" in inspect.getsource(dr._DistributedRendezvousOpExecutor
+                                                             ._mark_rendezvous_complete)
+    joined = [dr._NodeDesc("gpu007", 10, 0), dr._NodeDesc("gpu002", 99, 0), dr._NodeDesc("gpu002", 12, 0)]
+    assert sorted(joined) == [joined[2], joined[1], joined[0]]
+    assert "numbers them in the sorted\n#                      order of their (host name, pid)" in render_sbatch(SlurmJob("fault", 2, 1))

@@ -54,7 +54,7 @@ from handbook_lib.models.hf_config import HF_FAMILIES
 from handbook_lib.models.presets import DECODER_SHAPES
 from handbook_lib.runs import describe_runs, run_config_fields
 
-__all__ = ["main", "build_parser", "MAX_PARAMS"]
+__all__ = ["MAX_PARAMS", "build_parser", "main"]
 
 MAX_PARAMS = 10**15
 """Largest ``--params`` accepted: a quadrillion parameters, beyond any model trained so far."""
@@ -246,7 +246,8 @@ def _add_slurm(sub: argparse._SubParsersAction) -> None:
                     help="the job's log, sbatch --output (default %%x-%%j.out: job name, job id)")
     sl.add_argument("--cpus-per-task", type=_whole(1), default=None, metavar="C",
                     help="CPU cores per node (default: 4 per GPU)")
-    sl.add_argument("--port", type=_whole(1), default=29500, help="rendezvous TCP port (default 29500)")
+    sl.add_argument("--port", type=_whole(1), default=None,
+                    help="rendezvous TCP port (default: 29500 + the job id mod 1000)")
     sl.add_argument("--output", default=None, metavar="FILE", help="write the script here (default: stdout)")
     sl.add_argument("--overwrite", action="store_true",
                     help="replace --output FILE if it is an earlier script of this tool")

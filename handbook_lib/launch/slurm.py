@@ -10,6 +10,11 @@ the same launch on a cluster. From the terminal::
 The script asks Slurm for N nodes with one task each; ``srun`` starts that task, one torchrun
 agent per node, and the agents meet at a c10d rendezvous on the allocation's first node, then
 start G ranks each (one per GPU): N x G ranks in all. Every line carries a comment saying why.
+The script asks for whole nodes (``--exclusive``, ``--mem=0``), takes a rendezvous port derived
+from the job id unless one is given, writes one log per rank (torchrun's ``--tee 3 --log-dir``),
+sets NCCL's and PyTorch's error reporting (``NCCL_DEBUG=WARN``, the flight recorder) and says,
+in comments, what to set on hosts with several network interfaces, how to look at a hung rank,
+and how a preempted job resumes from its latest checkpoint.
 
 - :class:`SlurmJob` is the job spec (a frozen dataclass); :func:`build_job` makes one with the
   run's config checked by the run module's own ``CONFIG`` and ``validate`` (imports torch);
@@ -30,15 +35,28 @@ from pathlib import Path
 from typing import Any
 
 from handbook_lib.core.checks import check_int, is_int
+from handbook_lib.core.protocol import COLLECTIVE_TIMEOUT_ENV
 from handbook_lib.runs import available_runs
 
-__all__ = ["SlurmJob", "build_job", "render_sbatch", "write_script", "is_own_script", "parse_time",
-           "SHEBANG", "MARKER"]
+__all__ = [
+    "BASE_PORT",
+    "MARKER",
+    "SHEBANG",
+    "SlurmJob",
+    "build_job",
+    "is_own_script",
+    "parse_time",
+    "render_sbatch",
+    "write_script",
+]
 
 SHEBANG = "#!/bin/bash"
 """First line of every script: sbatch runs the script with the interpreter it names."""
 MARKER = "# Written by `python -m handbook_lib slurm` (the FSDP Handbook)."
 """Second line of every script: how :func:`write_script` knows a file is one of its own."""
+
+BASE_PORT = 29500
+"""torchrun's default rendezvous port; a script without ``--port`` adds ``SLURM_JOB_ID % 1000``."""
 
 _TIME = re.compile(r"(?:(\d+)-)?(\d+):(\d\d):(\d\d)")
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -98,8 +116,9 @@ class SlurmJob:
     Relative to the folder sbatch is run from; Slurm does not create its folder."""
     cpus_per_task: int | None = None
     """CPU cores per node for its agent and ranks; ``None``: 4 per GPU."""
-    port: int = 29500
-    """TCP port of the rendezvous on the first node (``--port``)."""
+    port: int | None = None
+    """TCP port of the rendezvous on the first node (``--port``); ``None``: derived from the job
+    id, ``29500 + SLURM_JOB_ID % 1000``, so two jobs sharing a first node do not collide."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "config", dict(self.config))
@@ -109,7 +128,7 @@ class SlurmJob:
         for flag, value in (("--nodes", self.nodes), ("--gpus-per-node", self.gpus_per_node),
                             ("--cpus-per-task", 1 if self.cpus_per_task is None else self.cpus_per_task)):
             check_int(flag, value, 1, noun="a whole number")
-        if not is_int(self.port) or not 1024 <= self.port <= 65535:
+        if self.port is not None and (not is_int(self.port) or not 1024 <= self.port <= 65535):
             raise ValueError(f"--port must be a whole number from 1024 to 65535, got {self.port!r}")
         parse_time(self.time)
         for flag, value, pattern, accepted in (
@@ -134,6 +153,11 @@ class SlurmJob:
     def name(self) -> str:
         """The job's name (``job_name``, else ``handbook-<run>``)."""
         return self.job_name or f"handbook-{self.run}"
+
+    @property
+    def port_expression(self) -> str:
+        """The script's ``MASTER_PORT`` value: the fixed ``port``, else one derived from the job id."""
+        return str(self.port) if self.port is not None else f"$(({BASE_PORT} + SLURM_JOB_ID % 1000))"
 
     @property
     def cpus(self) -> int:
@@ -184,6 +208,8 @@ def render_sbatch(job: SlurmJob) -> str:
         f"# It runs {run} on {job.nodes} {nodes_word} x {g} GPUs = {job.world_size} ranks. Submit it with",
         "# `sbatch <this file>` from the handbook's folder, its Python environment active: sbatch",
         "# hands your shell's environment to the job, so `python` below is the one you use there.",
+        "# (Where the site sets SBATCH_EXPORT=NONE or builds environments from modules, load them",
+        "# below, before srun: e.g. `module load cuda` and `source .venv/bin/activate`.)",
         "#",
         "# sbatch reads the #SBATCH lines (up to the first command) as if they were its own options.",
         "# The job's name, shown by squeue.",
@@ -196,6 +222,11 @@ def render_sbatch(job: SlurmJob) -> str:
         f"#SBATCH --gpus-per-node={g}",
         f"# CPU cores for each node's task, shared by its {g} rank{'s' * (g != 1)}.",
         f"#SBATCH --cpus-per-task={job.cpus}",
+        "# Whole nodes: no other job shares their GPUs, NICs or memory.",
+        "#SBATCH --exclusive",
+        "# All of each node's memory (0 means all): a default of a few GB per CPU is too little",
+        "# for a full-state export or CPU offload, and the kernel's OOM kill looks like a crash.",
+        "#SBATCH --mem=0",
         "# Wall-clock limit ([D-]HH:MM:SS): Slurm stops the job when it is reached.",
         f"#SBATCH --time={job.time}",
     ]
@@ -204,8 +235,9 @@ def render_sbatch(job: SlurmJob) -> str:
     if job.account:
         lines += ["# The account charged for the job.", f"#SBATCH --account={job.account}"]
     lines += [
-        "# Where the output of every node goes (%x: job name, %j: job id); Slurm does not create",
-        "# its folder, and a relative path starts at the folder you run sbatch from.",
+        "# The job's log (%x: job name, %j: job id): every node's lines, each prefixed by its",
+        "# node (srun --label); each rank also writes its own files under $OUT_DIR/logs. Slurm",
+        "# does not create the log's folder; a relative path starts where you run sbatch.",
         f"#SBATCH --output={job.log}",
         "",
         "# Stop at the first failing command (-e), an unset variable (-u) or a failing pipe stage.",
@@ -218,13 +250,35 @@ def render_sbatch(job: SlurmJob) -> str:
         "# sed -n 1p keeps the first but reads them all (head -n 1 would stop reading, and on a",
         "# long list scontrol's next write would fail, which pipefail turns into a failed job).",
         'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"',
-        "# Its TCP port; two jobs whose first node is the same need different ones (--port).",
-        f"MASTER_PORT={job.port}",
+        "# Its TCP port: two jobs whose first node is the same need different ones, so it is"
+        if job.port is None else "# Its TCP port (--port): two jobs whose first node is the same need different ones.",
+        *(["# derived from the job id (--port fixes one)."] if job.port is None else []),
+        f"MASTER_PORT={job.port_expression}",
         "# The run's folder, for config.json and result.json; every node must see it (shared disk).",
         f"OUT_DIR={out}",
         "# One thread per rank for CPU math (torchrun would set it too, with a warning), and",
         "# Python output unbuffered so the log follows the run live; exported, srun passes them on.",
         "export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1",
+        "",
+        "# NCCL reports problems only (INFO also prints, at start-up, the rings, channels and NICs",
+        "# it chose: rerun with it when a job is slower than nccl-tests says the fabric is).",
+        "export NCCL_DEBUG=WARN",
+        "# A collective that waits past the timeout (seconds) raises instead of hanging to --time;",
+        "# error handling 1 then ends the process, and --kill-on-bad-exit ends the job. The flight",
+        "# recorder keeps each rank's last 2000 collectives and dumps them on a timeout",
+        "# (read the dumps with python -m torch.distributed.flight_recorder.fr_trace).",
+        f"export {COLLECTIVE_TIMEOUT_ENV}=600 TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
+        "export TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1",
+        "# On hosts with several interfaces (docker0, a management Ethernet), name NCCL's:",
+        "#   export NCCL_SOCKET_IFNAME=ib0     # bootstrap and sockets; ^docker0,lo excludes those",
+        "#   export NCCL_IB_HCA=mlx5_0,mlx5_1  # the InfiniBand adapters (ibstat lists them)",
+        "# To debug a hang: TORCH_DISTRIBUTED_DEBUG=DETAIL checks that every rank calls the same",
+        "# collectives (slow: for a rerun), and on a stuck rank's node (srun --overlap",
+        "# --jobid <id> --pty bash), py-spy dump --pid <pid> prints where its Python waits.",
+        "# Preemption: Slurm sends SIGTERM, then SIGKILL; --requeue (a #SBATCH line) reruns this",
+        "# script with the same job id, so the same $OUT_DIR. A run that saves checkpoints",
+        "# (checkpoint_resume, with resume=true resume_if_present=true) then continues from the",
+        "# latest; --signal=USR1@120 warns 120 s ahead, for a run that traps SIGUSR1 to save.",
         "",
         "# Never mix two runs' files: a folder that already holds a result is refused.",
         'if [ -e "$OUT_DIR/result.json" ]; then',
@@ -242,20 +296,26 @@ def render_sbatch(job: SlurmJob) -> str:
         'echo "rendezvous at $MASTER_ADDR:$MASTER_PORT; results in $OUT_DIR"',
         "",
         "# srun starts the job's tasks: one per node, each one torchrun agent. It gives each task",
-        "# the GPUs and cores of its node, and --kill-on-bad-exit=1 stops every node as soon as",
-        "# one fails, rather than leaving the others waiting at a collective until --time.",
+        "# the GPUs and cores of its node, --label prefixes each output line with its node, and",
+        "# --kill-on-bad-exit=1 stops every node as soon as one fails, rather than leaving the",
+        "# others waiting at a collective until --time.",
         "# (--cpus-per-task is repeated: since Slurm 22.05, srun may not take it from sbatch.)",
         "# torchrun's arguments:",
         "#   --nnodes           agents that must join before any rank starts: all the nodes",
         f"#   --nproc-per-node   ranks each agent starts: one per GPU, so {job.world_size} ranks in all",
         "#   --rdzv-backend     c10d: the agents meet through a TCP store that torchrun runs on",
-        "#                      MASTER_ADDR, and it gives each agent its node rank as it joins",
-        "#                      (so no --node-rank: torchrun ignores it here, with a warning)",
+        "#                      MASTER_ADDR; once all have joined, it numbers them in the sorted",
+        "#                      order of their (host name, pid) descriptors, not in the order",
+        "#                      they joined, so node 0 is the smallest host name, which need not",
+        "#                      be MASTER_ADDR's or $SLURM_NODEID's (no --node-rank: torchrun",
+        "#                      ignores it here, with a warning)",
         "#   --rdzv-endpoint    host:port of that store",
         "#   --rdzv-id          unique to this job, so agents of two jobs never join each other",
         "#   --max-restarts 0   a failed rank ends the run (no silent restart)",
+        "#   --tee 3 --log-dir  each rank's stdout and stderr in its own files under",
+        "#                      $OUT_DIR/logs/<rdzv id>_*/attempt_0/<local rank>/, and in the log",
         "#   -m ...             the run, as every rank starts it: config in, $OUT_DIR/result.json out",
-        f"srun --ntasks-per-node=1 --cpus-per-task={job.cpus} --kill-on-bad-exit=1 \\",
+        f"srun --ntasks-per-node=1 --cpus-per-task={job.cpus} --label --kill-on-bad-exit=1 \\",
         "  python -m torch.distributed.run \\",
         '    --nnodes "$SLURM_NNODES" \\',
         f"    --nproc-per-node {g} \\",
@@ -263,6 +323,7 @@ def render_sbatch(job: SlurmJob) -> str:
         '    --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \\',
         '    --rdzv-id "$SLURM_JOB_ID" \\',
         "    --max-restarts 0 \\",
+        '    --tee 3 --log-dir "$OUT_DIR/logs" \\',
         f"    -m handbook_lib.runs.{run} \\",
         '    --config "$OUT_DIR/config.json" \\',
         '    --out "$OUT_DIR"',
