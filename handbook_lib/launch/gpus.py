@@ -1,7 +1,9 @@
 """How many ranks a lesson runs on: the GPU hub policy. Pure, apart from counting the GPUs.
 
-Chapter 8 introduces it (section "On a GPU hub"). Every chapter runs on a hub with 1, 2, 4 or 8
-GPUs, or on the CPU. A notebook cell asks for the ranks it needs, and gets the ranks it can have::
+Chapter 8 introduces it (section "On a GPU hub"). Every chapter runs on the CPU (ranks are
+processes) and on a hub with at least its minimum of GPUs: 2 for chapters 1, 4 and 7, 4 for
+chapters 2, 3, 5, 6 and 8 (its ``ranks_for`` call at the top). A notebook cell asks for the
+ranks it needs, and gets the ranks it can have::
 
     from handbook_lib.launch.gpus import ranks_for
     plan = ranks_for(4, lesson="the sharding lesson")

@@ -2,6 +2,7 @@
 
 Chapter 8 teaches it: every node's agent on this machine (a c10d rendezvous on 127.0.0.1, each
 agent with its own GPUs), or one node of a real multi-node job (a rendezvous every node reaches).
+The node numbers are the rendezvous's, not the launch order: see :meth:`Nodes.commands`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ class Nodes:
     endpoint: str = "127.0.0.1:0"
 
     def commands(self, nproc: int, out_dir: Path, tail: list[str]) -> list[list[str]]:
-        """One torchrun command per agent this machine starts."""
+        """One torchrun command per agent this machine starts.
+
+        Each agent's ``--node-rank`` names its log folder (``logs/nodeK``) only: with the c10d
+        rendezvous torchrun ignores it (with a warning). When every agent has joined, the
+        rendezvous numbers them by sorting their descriptors (host name, process id, local id;
+        ``_mark_rendezvous_complete`` in ``torch.distributed.elastic.rendezvous.
+        dynamic_rendezvous``), not in the order they joined: on a cluster node 0 is the
+        smallest host name, here the agent with the smallest process id. Each rank records
+        the node torchrun gave it (``GROUP_RANK``), which is what :meth:`where` reports."""
         def agent(node: int | None, conf: list[str], logs: Path) -> list[str]:
             rank = [] if node is None else ["--node-rank", str(node)]
             return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.count),

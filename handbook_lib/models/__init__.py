@@ -132,6 +132,8 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         Option,
         Plan,
         check_whole_nodes,
+        global_batch_tokens,
+        max_data_parallel,
         plan,
         preference,
         recommend,
@@ -152,6 +154,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         memory_change_rows,
         throughput_rows,
     )
+    from handbook_lib.models.roofline import min_tokens_per_gpu, wire_bytes_per_param
     from handbook_lib.models.seed import (
         SEED_SCENARIOS,
         SEED_STRATEGIES,
@@ -181,15 +184,20 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         estimate_compute_time,
         estimate_step_time,
     )
+    from handbook_lib.models.cluster import ClusterLayout, compare_cluster_layouts
     from handbook_lib.models.topology import (
         ALGORITHMS,
         Route,
         network_bandwidth,
+        network_share,
         route_collective,
     )
     from handbook_lib.models.traffic import (
         CollectiveRecord,
+        GatheredState,
         StepTraffic,
+        estimate_gathered_units,
+        estimate_held_between_micro_steps,
         estimate_step_bytes_for_params,
         estimate_step_traffic,
     )
@@ -303,6 +311,10 @@ _HOMES = {
     "recommend": "planner",
     "STEP_TIE": "planner",
     "check_whole_nodes": "planner",
+    "global_batch_tokens": "planner",
+    "max_data_parallel": "planner",
+    "min_tokens_per_gpu": "roofline",
+    "wire_bytes_per_param": "roofline",
     "DecoderShape": "presets",
     "DECODER_SHAPES": "presets",
     "get_shape": "presets",
@@ -344,9 +356,15 @@ _HOMES = {
     "Route": "topology",
     "route_collective": "topology",
     "network_bandwidth": "topology",
+    "network_share": "topology",
+    "ClusterLayout": "cluster",
+    "compare_cluster_layouts": "cluster",
     "CollectiveRecord": "traffic",
     "StepTraffic": "traffic",
     "estimate_step_traffic": "traffic",
+    "GatheredState": "traffic",
+    "estimate_gathered_units": "traffic",
+    "estimate_held_between_micro_steps": "traffic",
     "estimate_step_bytes_for_params": "traffic",
     "ZERO_STAGES": "zero",
     "estimate_zero_memory": "zero",
@@ -394,6 +412,7 @@ __all__ = [
     "ZERO_STAGES", "estimate_zero_memory", "ALIGNMENT", "DEFAULT_PERSISTENCE_THRESHOLD",
     "zero_stage", "flat_partition", "gather_units", "estimate_zero_rank_bytes",
     "bookkeeping_reductions", "estimate_zero_step_traffic",
+    "GatheredState", "estimate_gathered_units", "estimate_held_between_micro_steps", "global_batch_tokens", "max_data_parallel", "min_tokens_per_gpu", "network_share", "ClusterLayout", "compare_cluster_layouts", "wire_bytes_per_param",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

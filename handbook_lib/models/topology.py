@@ -126,3 +126,21 @@ def route_collective(cost: CollectiveCost, node: Node, gpus: int, strategy: str)
                  2 * cost.buffer_bytes,
                  f"tree over {machines} machines at {bw / 1e9:.3g} GB/s per GPU ({rails})")
     return tree if tree.seconds < ring.seconds else ring
+
+
+def network_share(cost: CollectiveCost, node: Node, gpus: int, strategy: str) -> float:
+    """The fraction of one rank's bytes in ``cost`` that leave its machine through a network
+    port, the rest staying on the intra-node link (NVLink).
+
+    A group inside one machine sends nothing over the network (0). A group with ``c`` of its
+    ranks on each machine it spans runs rings whose ``c`` consecutive hops inside a machine are
+    followed by one hop out of it; NCCL's channels give each of the ``c`` ranks that exit hop in
+    turn (each channel leaves through another port), so each rank sends ``1/c`` of its bytes
+    over the network. HSDP's replica all-reduce (``c = 1``) sends all of them. The tree an
+    all-reduce may take is counted the same way. Arguments as :func:`route_collective`."""
+    check_int("gpus", gpus, 1)
+    replica = get_strategy(strategy).hybrid and cost.kind == "all_reduce"
+    c, machines = _placement(cost, node, gpus, replica)
+    if machines <= 1 or cost.group_size <= 1:
+        return 0.0
+    return 1.0 / c

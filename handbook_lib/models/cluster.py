@@ -1,0 +1,127 @@
+"""Layouts of one training job over several machines, side by side: the bytes each GPU sends
+on NVLink and through the network ports, the step's communication and total time, and whether
+its peak fits. Pure arithmetic: no ``torch``.
+
+Chapter 8 compares FULL_SHARD over every GPU with HSDP whose shard groups are one machine or
+several. Every figure comes from the models of chapters 2 and 3 at scale:
+:func:`~handbook_lib.models.traffic.estimate_step_traffic` (the collectives),
+:func:`~handbook_lib.models.topology.route_collective` (their routes and bandwidths, NCCL over
+every rail), :func:`~handbook_lib.models.topology.network_share` (which of a rank's bytes leave
+its machine), :func:`~handbook_lib.models.timing.estimate_compute_time` (the 6PT rule, 8PT with
+activation checkpointing, at the model FLOPs utilization given: by default
+:data:`~handbook_lib.models.timing.DEFAULT_UTILIZATION`) and
+:func:`~handbook_lib.models.memory.estimate_memory` (the peak as the allocator reserves it,
+against the card's usable memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from handbook_lib.core.checks import check_int
+from handbook_lib.core.config import get_precision
+from handbook_lib.models.hardware import Node, usable_memory_bytes
+from handbook_lib.models.layout import wrap_units
+from handbook_lib.models.memory import estimate_memory
+from handbook_lib.models.presets import DecoderShape
+from handbook_lib.models.timing import (
+    DEFAULT_UTILIZATION,
+    estimate_compute_time,
+    estimate_step_time,
+)
+from handbook_lib.models.topology import network_share, route_collective
+from handbook_lib.models.traffic import estimate_step_traffic
+
+__all__ = ["ClusterLayout", "compare_cluster_layouts"]
+
+
+@dataclass(frozen=True)
+class ClusterLayout:
+    """One layout of the job, as :func:`compare_cluster_layouts` prices it."""
+
+    label: str
+    """``FULL_SHARD`` or ``HSDP/<shard group size>``."""
+    strategy: str
+    """``FULL_SHARD`` or ``HYBRID_SHARD``."""
+    shard_group_size: int | None
+    """Ranks sharding one copy of the model (``None``: every rank, FULL_SHARD)."""
+    nvlink_bytes: int
+    """Bytes one GPU sends per step on the intra-node link."""
+    network_bytes: int
+    """Bytes one GPU sends per step through a network port (the hops that leave its machine)."""
+    comm_s: float
+    """Seconds of the step's collectives, on their routes."""
+    compute_s: float
+    """Seconds of forward and backward at the utilization given."""
+    step_s: float
+    """Seconds of the step, communication overlapped with compute as FSDP prefetches."""
+    peak_reserved: int
+    """The peak as the caching allocator reserves it, bytes per GPU."""
+    usable_bytes: int
+    """What a process can allocate on the card, bytes."""
+
+    @property
+    def fits(self) -> bool:
+        """Whether the reserved peak fits the card's usable memory."""
+        return self.peak_reserved <= self.usable_bytes
+
+
+def compare_cluster_layouts(
+    shape: DecoderShape,
+    node: Node,
+    gpus: int,
+    shard_group_sizes: Sequence[int | None] = (None,),
+    *,
+    seq_len: int = 4096,
+    micro_batch: int = 1,
+    precision: str = "bf16-mixed",
+    activation_checkpointing: bool | str = True,
+    utilization: float = DEFAULT_UTILIZATION,
+) -> list[ClusterLayout]:
+    """Each layout of ``shape`` on ``gpus`` GPUs of machines like ``node``, one per entry of
+    ``shard_group_sizes``: ``None`` is FULL_SHARD over every GPU, an integer HSDP
+    (``HYBRID_SHARD``) with shard groups of that many consecutive ranks.
+
+    ``micro_batch`` sequences of ``seq_len`` tokens per GPU; ``precision`` sets the gathered
+    parameters' and the reduction's dtypes (``bf16-mixed``: bf16 and fp32); the compute time is
+    ``8PT`` (with full activation checkpointing; ``6PT`` without) over the accelerator's bf16
+    peak times ``utilization``.
+
+    Raises:
+        ValueError: for a shard group size that does not divide ``gpus``, or bad counts.
+    """
+    check_int("gpus", gpus, 1)
+    check_int("seq_len", seq_len, 1)
+    check_int("micro_batch", micro_batch, 1)
+    compute, reduce = get_precision(precision)
+    units = wrap_units(shape)
+    full = activation_checkpointing in (True, "full")
+    compute_s = estimate_compute_time(shape.num_params, micro_batch * seq_len,
+                                      node.accelerator.peak_flops_bf16, utilization,
+                                      activation_checkpointing=full)
+    usable = usable_memory_bytes(node.accelerator)
+    rows = []
+    for group in shard_group_sizes:
+        if group is not None:
+            check_int("shard_group_size", group, 1)
+            if gpus % group:
+                raise ValueError(f"shard_group_size {group} must divide gpus={gpus}")
+        strategy = "FULL_SHARD" if group is None else "HYBRID_SHARD"
+        traffic = estimate_step_traffic(units, gpus, strategy, param_dtype=compute,
+                                        reduce_dtype=reduce, shard_group_size=group)
+
+        def route(record, strategy=strategy):
+            return route_collective(record, node, gpus, strategy)
+
+        network = sum(round(route(r).sent_bytes * network_share(r, node, gpus, strategy))
+                      for r in traffic.records)
+        total = sum(route(r).sent_bytes for r in traffic.records)
+        step = estimate_step_time(traffic, route, compute_s, overlap=True)
+        peak = estimate_memory(shape, gpus, strategy, precision, micro_batch=micro_batch,
+                               seq_len=seq_len, shard_group_size=group,
+                               activation_checkpointing=activation_checkpointing).peak_reserved
+        rows.append(ClusterLayout("FULL_SHARD" if group is None else f"HSDP/{group}", strategy,
+                                  group, total - network, network, step.comm_s, compute_s,
+                                  step.total_s, peak, usable))
+    return rows
