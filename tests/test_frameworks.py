@@ -524,3 +524,94 @@ def test_trainer_deepspeed_args_agree_with_what_the_trainer_checks(tmp_path, ds_
     hf = HfTrainerDeepSpeedConfig(kwargs["deepspeed"])
     hf.trainer_config_process(args)  # fills "auto" values and records mismatches
     assert not hf.mismatches, hf.mismatches
+
+
+# ---- production configs (chapter 7's "what you would write") ---------------------------------
+
+def test_deepspeed_stage3_defaults_are_deepspeeds(ds_world):
+    """The production config writes DeepSpeed's own ZeRO-3 defaults, read from its config class."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from handbook_lib.integrations import DEEPSPEED_STAGE3_DEFAULTS
+
+    fields = {f.alias: f.default for f in DeepSpeedZeroConfig.model_fields.values() if f.alias}
+    assert {key: fields[key] for key in DEEPSPEED_STAGE3_DEFAULTS} == DEEPSPEED_STAGE3_DEFAULTS
+    ds_world(8)
+    written = deepspeed_config(RunConfig(strategy="ZERO3", precision="bf16-mixed"), 8, production=True,
+                               reduce_in_compute_dtype=True)
+    zero = DeepSpeedConfig(written, mpu=None).zero_config
+    assert (zero.prefetch_bucket_size, zero.max_reuse_distance, zero.param_persistence_threshold) == (
+        5e7, 1e9, 1e5)
+    assert zero.overlap_comm is True
+    assert DeepSpeedConfig(written, mpu=None).communication_data_type is None  # bf16 reduces in bf16
+    measured = deepspeed_config(RunConfig(strategy="ZERO3", precision="bf16-mixed"), 8)
+    assert DeepSpeedConfig(measured, mpu=None).communication_data_type == torch.float32
+
+
+@pytest.mark.parametrize("strategy", ["ZERO1", "ZERO2", "SHARD_GRAD_OP"])
+def test_deepspeed_production_overlaps_below_stage_3(strategy, ds_world):
+    ds_world(2)
+    zero = DeepSpeedConfig(deepspeed_config(RunConfig(strategy=strategy), 2, production=True), mpu=None).zero_config
+    assert zero.overlap_comm is True and zero.use_multi_rank_bucket_allreduce is True
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adam", "sgd", "sgd-momentum"])
+def test_deepspeed_weight_decay_is_the_books(optimizer, ds_world):
+    ds_world(2)
+    ds = DeepSpeedConfig(deepspeed_config(RunConfig(strategy="ZERO2", optimizer=optimizer), 2), mpu=None)
+    ours = build_optimizer([torch.nn.Parameter(torch.zeros(2))], optimizer, 1e-3).param_groups[0]
+    assert ds.optimizer_params["weight_decay"] == ours["weight_decay"]
+
+
+def test_trainer_checks_the_written_weight_decay(tmp_path, ds_world):
+    """Why ``trainer_deepspeed_args`` passes ``weight_decay``: the JSON now says 0.01, and the
+    Trainer's default (0.0) would be a mismatch it refuses."""
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    from handbook_lib.integrations import trainer_deepspeed_args
+
+    ds_world(1)
+    kwargs = trainer_deepspeed_args(RunConfig(strategy="ZERO3"), 1)
+    assert kwargs["weight_decay"] == 0.01
+    del kwargs["weight_decay"]
+    args = TrainingArguments(output_dir=str(tmp_path), **{k: v for k, v in kwargs.items() if k != "deepspeed"})
+    hf = HfTrainerDeepSpeedConfig(kwargs["deepspeed"])
+    hf.trainer_config_process(args)
+    assert any("weight_decay" in m for m in hf.mismatches)
+
+
+def test_production_configs_are_read_by_their_libraries(tmp_path, clean_env, ds_world):
+    """The bf16 trio of chapter 7, each handed to its library: Accelerate's launcher, the
+    plugin it builds, ``TrainingArguments`` and the plugin the Trainer builds, DeepSpeed."""
+    from handbook_lib.integrations import accelerate_launch_env, production_configs
+
+    config = RunConfig(strategy="FULL_SHARD", precision="bf16-mixed", activation_checkpointing=True,
+                       batch_size=64, max_grad_norm=1.0)
+    trio = production_configs(config, num_processes=16, num_machines=2, main_process_ip="10.0.0.1")
+    env = accelerate_launch_env(trio["accelerate"], "--machine_rank", "1")
+    assert env["ACCELERATE_MIXED_PRECISION"] == "bf16" and env["FSDP_VERSION"] == "2"
+    for key, value in env.items():
+        clean_env.setenv(key, value)
+    plugin = FullyShardedDataParallelPlugin()
+    plugin.set_mixed_precision("bf16")
+    assert plugin.mixed_precision_policy.reduce_dtype == torch.bfloat16  # the file's bf16 reduces in bf16
+    args = training_args(tmp_path, trio["trainer"])
+    assert args.bf16 and args.fsdp_plugin_args["fsdp_version"] == 2
+    ds_world(16)
+    ds = DeepSpeedConfig(trio["deepspeed"], mpu=None)
+    assert ds.zero_optimization_stage == 3 and ds.bfloat16_config.enabled and ds.gradient_clipping == 1.0
+    assert ds.train_micro_batch_size_per_gpu == 4
+
+
+def test_fsdp_plugin_keeps_an_fp32_reduce(clean_env):
+    """The escape hatch: a policy given in code survives ``mixed_precision="bf16"``."""
+    from handbook_lib.integrations import fsdp_plugin
+
+    plugin = fsdp_plugin(RunConfig(strategy="FULL_SHARD", precision="bf16-mixed"))
+    plugin.set_mixed_precision("bf16")  # what AcceleratorState does with the Accelerator's precision
+    policy = plugin.mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (
+        torch.bfloat16, torch.float32, torch.bfloat16)
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    with pytest.raises(ValueError, match="api='fsdp2'"):
+        fsdp_plugin(RunConfig(api="fsdp1", init="full"))

@@ -12,13 +12,21 @@ from typing import TYPE_CHECKING
 from handbook_lib.core.lazy import lazy_exports
 
 if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported on first use
-    from handbook_lib.integrations.accelerate_job import launch_env, what_accelerate_did
+    from handbook_lib.integrations.accelerate_job import (
+        accelerate_launch_env,
+        fsdp_plugin,
+        launch_env,
+        what_accelerate_did,
+    )
     from handbook_lib.integrations.frameworks import (
+        DEEPSPEED_STAGE3_DEFAULTS,
         LAYER_CLASS,
         MACHINE_RANK_FLAG,
+        MEASUREMENT_OVERRIDES,
         accelerate_config,
         deepspeed_config,
         fsdp_strategies,
+        production_configs,
         trainer_deepspeed_args,
         trainer_fsdp_args,
     )
@@ -42,6 +50,11 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
 _HOMES = {
     "launch_env": "accelerate_job",
     "what_accelerate_did": "accelerate_job",
+    "accelerate_launch_env": "accelerate_job",
+    "fsdp_plugin": "accelerate_job",
+    "DEEPSPEED_STAGE3_DEFAULTS": "frameworks",
+    "MEASUREMENT_OVERRIDES": "frameworks",
+    "production_configs": "frameworks",
     "LAYER_CLASS": "frameworks",
     "MACHINE_RANK_FLAG": "frameworks",
     "accelerate_config": "frameworks",

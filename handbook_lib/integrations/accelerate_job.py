@@ -22,13 +22,16 @@ from handbook_lib.core.config import RunConfig
 from handbook_lib.integrations.frameworks import accelerate_config
 from handbook_lib.runtime.measure import measure_param_bytes
 
-__all__ = ["launch_env", "what_accelerate_did"]
+__all__ = ["launch_env", "accelerate_launch_env", "fsdp_plugin", "what_accelerate_did"]
 
 
-def launch_env(config: RunConfig, num_processes: int) -> dict[str, str]:
-    """The ``ACCELERATE_*`` and ``FSDP_*`` variables ``accelerate launch`` sets for ``config``
-    (the launcher's own ``_validate_launch_command`` and ``prepare_multi_gpu_env`` compute
-    them; the rendezvous variables torchrun already set are left out)."""
+def accelerate_launch_env(file: dict[str, Any], *flags: str) -> dict[str, str]:
+    """The ``ACCELERATE_*`` and ``FSDP_*`` variables ``accelerate launch <flags> --config_file
+    <file> train.py`` hands each process, computed by the launcher's own code: the file is
+    written as YAML, loaded, checked by ``_validate_launch_command`` and turned into the
+    environment by ``prepare_multi_gpu_env`` (an invalid file raises there, as at launch). On
+    one machine the port is the launcher's pick of a free one (``--main_process_port 0``), so
+    that a busy 29500 on this machine says nothing about the file."""
     from accelerate.commands.launch import (
         _validate_launch_command,
         launch_command_parser,
@@ -37,11 +40,54 @@ def launch_env(config: RunConfig, num_processes: int) -> dict[str, str]:
 
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "accelerate.yaml"
-        path.write_text(yaml.safe_dump(accelerate_config(config, num_processes=num_processes)))
-        args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+        path.write_text(yaml.safe_dump(file))
+        args = launch_command_parser().parse_args([*flags, "--config_file", str(path), "train.py"])
         args, _, _ = _validate_launch_command(args)
+        if file.get("num_machines", 1) == 1 and args.main_process_port is None:
+            args.main_process_port = 0
         env = prepare_multi_gpu_env(args)
     return {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_"))}
+
+
+def launch_env(config: RunConfig, num_processes: int) -> dict[str, str]:
+    """The ``ACCELERATE_*`` and ``FSDP_*`` variables ``accelerate launch`` sets for ``config``
+    (:func:`accelerate_launch_env` of :func:`accelerate_config`; the rendezvous variables
+    torchrun already set are left out)."""
+    return accelerate_launch_env(accelerate_config(config, num_processes=num_processes))
+
+
+def fsdp_plugin(config: RunConfig) -> Any:
+    """Accelerate's ``FullyShardedDataParallelPlugin`` for an FSDP2 run, built in code, with the
+    run's own mixed-precision policy: ``param_dtype`` and ``output_dtype`` the compute dtype,
+    ``reduce_dtype`` the reduce dtype (``bf16-mixed``: bf16 and fp32). The escape hatch the
+    config file lacks: ``Accelerator(mixed_precision="bf16", fsdp_plugin=fsdp_plugin(config))``
+    keeps this policy (``set_mixed_precision`` replaces only a policy left unset), where
+    ``mixed_precision: bf16`` in the file reduces in bf16. Wrapping, resharding, offload and
+    state-dict type as :func:`accelerate_config` writes them."""
+    import torch
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from handbook_lib.core.config import DTYPES, PRECISIONS
+
+    file = accelerate_config(config, num_processes=1, reduce_in_compute_dtype=True)["fsdp_config"]
+    if file["fsdp_version"] != 2:
+        raise ValueError(f"fsdp_plugin: api={config.api!r}; this writes FSDP2's policy (api='fsdp2')")
+    compute, reduce = (getattr(torch, DTYPES[name].torch_name) for name in PRECISIONS[config.precision])
+    keywords: dict[str, Any] = {
+        "fsdp_version": 2,
+        "reshard_after_forward": file["fsdp_reshard_after_forward"],
+        "state_dict_type": file["fsdp_state_dict_type"],
+        "cpu_offload": file["fsdp_offload_params"],
+        "activation_checkpointing": file["fsdp_activation_checkpointing"],
+        "cpu_ram_efficient_loading": file["fsdp_cpu_ram_efficient_loading"],
+        "auto_wrap_policy": file["fsdp_auto_wrap_policy"].lower(),
+    }
+    if "fsdp_transformer_layer_cls_to_wrap" in file:
+        keywords["transformer_cls_names_to_wrap"] = [file["fsdp_transformer_layer_cls_to_wrap"]]
+    if compute != torch.float32:
+        keywords["mixed_precision_policy"] = {"param_dtype": compute, "reduce_dtype": reduce,
+                                              "output_dtype": compute}
+    return FullyShardedDataParallelPlugin(**keywords)
 
 
 def what_accelerate_did(accelerator: Any, model: nn.Module) -> dict[str, Any]:

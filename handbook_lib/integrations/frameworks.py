@@ -47,7 +47,7 @@ from handbook_lib.core.config import PRECISIONS, RunConfig
 from handbook_lib.core.strategies import STRATEGY_TABLE, Strategy, get_strategy
 
 __all__ = ["LAYER_CLASS", "MACHINE_RANK_FLAG", "accelerate_config", "trainer_fsdp_args", "deepspeed_config", "trainer_deepspeed_args",
-           "fsdp_strategies"]
+           "fsdp_strategies", "DEEPSPEED_STAGE3_DEFAULTS", "MEASUREMENT_OVERRIDES", "production_configs"]
 
 LAYER_CLASS = "TransformerLayer"
 """The class FSDP wraps as a unit (:class:`handbook_lib.runtime.model.TransformerLayer`)."""
@@ -318,8 +318,51 @@ def trainer_fsdp_args(config: RunConfig, *, reduce_in_compute_dtype: bool = Fals
     return out
 
 
-def deepspeed_config(config: RunConfig, world_size: int, *, persistence_threshold: int = 0) -> dict[str, Any]:
+DEEPSPEED_STAGE3_DEFAULTS: dict[str, int] = {
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+}
+"""DeepSpeed 0.19's defaults of the three ZeRO-3 keys the book's measurement runs set to 0
+(``deepspeed/runtime/zero/config.py``, ``DeepSpeedZeroConfig``; a test reads them there)."""
+
+MEASUREMENT_OVERRIDES: dict[str, tuple[str, str, str]] = {
+    "stage3_prefetch_bucket_size": (
+        "0", "5e7 (DeepSpeed)",
+        "no prefetch: each module is gathered when it runs, so the count of gathers is exact; "
+        "on a real model every gather is then exposed"),
+    "stage3_max_reuse_distance": (
+        "0", "1e9 (DeepSpeed)",
+        "gather again in backward, as FSDP's reshard_after_forward; production keeps a "
+        "parameter gathered if it is reused soon"),
+    "stage3_param_persistence_threshold": (
+        "0", "1e5 (DeepSpeed)",
+        "shard every tensor, so the bytes match FSDP's; production keeps norms and biases "
+        "whole rather than gather each in its own tiny all-gather"),
+    "communication_data_type": (
+        "fp32 (bf16-mixed)", "omitted: bf16",
+        "reduce gradients in fp32 as the book's FSDP runs do; doubles the reduction bytes of a "
+        "bf16 job, a numerical choice, not a default"),
+    "overlap_comm": (
+        "omitted (stage 3 on, 1/2 off)", "true",
+        "the measurement runs count collectives one at a time; production overlaps the "
+        "reduction with backward"),
+}
+"""The keys :func:`deepspeed_config` writes for the book's measurements and what the production
+config (``production=True``) writes instead: key → (measurement, production, why)."""
+
+
+def deepspeed_config(config: RunConfig, world_size: int, *, persistence_threshold: int = 0,
+                     production: bool = False, reduce_in_compute_dtype: bool = False) -> dict[str, Any]:
     """A DeepSpeed config with the run's sharding, batch, precision, optimizer and clipping.
+
+    By default the config of the book's *measurement* runs (:data:`MEASUREMENT_OVERRIDES`): with
+    ZeRO-3, no prefetch, no reuse and every tensor of at least ``persistence_threshold``
+    elements sharded. ``production=True`` writes the config to run a job with: DeepSpeed's own
+    ZeRO-3 defaults (:data:`DEEPSPEED_STAGE3_DEFAULTS`, written out so that they show) and
+    ``overlap_comm: true``; ``persistence_threshold`` is then ignored. With
+    ``reduce_in_compute_dtype=True`` no ``communication_data_type`` is written, so a bf16 job
+    reduces in bf16, as Accelerate's and the Trainer's ``bf16`` do.
 
     ``zero_optimization`` comes from the strategy table (``Strategy.deepspeed_config``: ZERO1/2/3
     their own stage; DDP → 0, SHARD_GRAD_OP → 2, FULL_SHARD → 3; the hybrid strategies have none).
@@ -338,6 +381,13 @@ def deepspeed_config(config: RunConfig, world_size: int, *, persistence_threshol
     The optimizer is PyTorch's AdamW/Adam/SGD inside DeepSpeed (``torch_adam``: no compiled op;
     ``adam_w_mode: false`` for Adam, which DeepSpeed would otherwise run as AdamW).
 
+    ``optimizer.params`` always holds ``weight_decay`` (the book's optimizer's: 0.01 for AdamW,
+    else 0): DeepSpeed's AdamW would take 0.01, and the Trainer checks only the keys written.
+
+    ZeRO-1/2 reduce with DeepSpeed's default ``use_multi_rank_bucket_allreduce: true``: every
+    gradient bucket is all-reduced (about twice the bytes of a reduce-scatter); with ``false``
+    each bucket is reduced to the ranks that own its partitions, about the ZeRO paper's 2Ψ.
+
     Raises:
         ValueError: for a strategy with no ZeRO stage, a world size the batch does not divide,
             or a negative ``persistence_threshold``.
@@ -348,7 +398,11 @@ def deepspeed_config(config: RunConfig, world_size: int, *, persistence_threshol
         raise ValueError(f"strategy {row.name!r} has no DeepSpeed ZeRO counterpart ({row.zero_note or 'none'})")
     config.check_batch(check_int("world_size", world_size, 1))
     check_int("persistence_threshold", persistence_threshold, 0, noun="a whole number of elements")
-    if section["stage"] == 3:
+    if production:
+        if section["stage"] == 3:
+            section.update(DEEPSPEED_STAGE3_DEFAULTS)
+        section["overlap_comm"] = True
+    elif section["stage"] == 3:
         section.update(stage3_param_persistence_threshold=persistence_threshold,
                        stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0)
     if config.cpu_offload:
@@ -356,7 +410,7 @@ def deepspeed_config(config: RunConfig, world_size: int, *, persistence_threshol
         if section["stage"] == 3:
             section["offload_param"] = {"device": "cpu"}
     optimizer = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "sgd-momentum": "SGD"}[config.optimizer]
-    params: dict[str, Any] = {"lr": config.lr}
+    params: dict[str, Any] = {"lr": config.lr, "weight_decay": _OPTIMIZERS[config.optimizer][1]}
     if optimizer.startswith("Adam"):
         params["torch_adam"] = True
     if config.optimizer == "adam":  # DeepSpeed's "Adam" is AdamW unless told otherwise
@@ -375,6 +429,8 @@ def deepspeed_config(config: RunConfig, world_size: int, *, persistence_threshol
         "communication_data_type": reduce,
         "zero_optimization": section,
     }
+    if reduce_in_compute_dtype and compute != "fp32":
+        del out["communication_data_type"]
     if compute == "fp16":
         out["fp16"].update(initial_scale_power=round(math.log2(config.grad_scale_init)),
                            loss_scale=0 if config.grad_scaler else 1)
@@ -388,7 +444,7 @@ def deepspeed_config(config: RunConfig, world_size: int, *, persistence_threshol
 def trainer_deepspeed_args(config: RunConfig, world_size: int, *, persistence_threshold: int = 0) -> dict[str, Any]:
     """``TrainingArguments`` keywords for a DeepSpeed run of the Trainer: ``deepspeed`` (the
     :func:`deepspeed_config` dict) and the keys the Trainer checks against it — batch per rank,
-    accumulation, clipping, learning rate — spelled the Trainer's way, plus a constant learning
+    accumulation, clipping, learning rate, weight decay — spelled the Trainer's way, plus a constant learning
     rate (the Trainer's default schedule decays it to 0) and the optimizer steps to run.
 
     With ZeRO-3, ``save_model`` gathers the whole 16-bit weights into one file
@@ -408,8 +464,30 @@ def trainer_deepspeed_args(config: RunConfig, world_size: int, *, persistence_th
         "gradient_accumulation_steps": config.grad_accum_steps,
         "max_grad_norm": config.max_grad_norm,
         "learning_rate": config.lr,
+        "weight_decay": ds["optimizer"]["params"]["weight_decay"],
         "lr_scheduler_type": "constant",
         "max_steps": config.steps,
         "bf16": compute == "bf16",
         "fp16": compute == "fp16",
+    }
+
+
+def production_configs(config: RunConfig, *, num_processes: int, num_machines: int = 1,
+                       main_process_ip: str | None = None) -> dict[str, dict[str, Any]]:
+    """The three configs of one production job, as chapter 7 shows them: ``accelerate`` (the
+    ``accelerate launch`` file, :func:`accelerate_config`), ``trainer`` (``TrainingArguments``
+    keywords, :func:`trainer_fsdp_args`) and ``deepspeed`` (:func:`deepspeed_config` with
+    ``production=True``, the ZeRO stage of the same strategy: FULL_SHARD → 3).
+
+    Mixed precision reduces in the compute dtype in all three (``reduce_in_compute_dtype``), as
+    ``mixed_precision: bf16``, ``bf16=True`` and DeepSpeed's ``bf16`` do; to reduce in fp32,
+    pass Accelerate a plugin with that policy in code
+    (:func:`handbook_lib.integrations.accelerate_job.fsdp_plugin`) and give DeepSpeed
+    ``communication_data_type: fp32``.
+    """
+    return {
+        "accelerate": accelerate_config(config, num_processes=num_processes, num_machines=num_machines,
+                                        main_process_ip=main_process_ip, reduce_in_compute_dtype=True),
+        "trainer": trainer_fsdp_args(config, reduce_in_compute_dtype=True),
+        "deepspeed": deepspeed_config(config, num_processes, production=True, reduce_in_compute_dtype=True),
     }
