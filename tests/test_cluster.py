@@ -59,6 +59,8 @@ def test_hsdp_in_one_machine_sends_only_its_all_reduce_over_the_network():
     assert row.network_bytes == reduce
     assert row.nvlink_bytes == sum(route.sent_bytes for route in routes) - reduce
     assert row.label == "HSDP/8" and row.strategy == "HYBRID_SHARD"
+    assert len(row.routes) == 2 and row.routes[0].startswith("ring on NVLink")
+    assert "shared by 8 groups at once" in row.routes[1]
 
 
 def test_times_and_peaks_are_the_models_own():
@@ -84,3 +86,18 @@ def test_times_and_peaks_are_the_models_own():
 def test_a_shard_group_must_divide_the_gpus():
     with pytest.raises(ValueError, match="shard_group_size 12 must divide gpus=32"):
         compare_cluster_layouts(SHAPE, DGX, 32, (12,))
+
+
+def test_hsdp_groups_are_the_rows_and_columns_of_torchs_mesh():
+    import torch
+
+    from handbook_lib.models import hsdp_groups
+
+    for world, group in ((4, 2), (8, 4), (32, 8), (6, 1)):
+        mesh = torch.arange(world).reshape(world // group, group)  # init_device_mesh's layout
+        shard, replica = hsdp_groups(world, group)
+        assert shard == tuple(tuple(row.tolist()) for row in mesh)
+        assert replica == tuple(tuple(col.tolist()) for col in mesh.T)
+    assert hsdp_groups(4, 2) == (((0, 1), (2, 3)), ((0, 2), (1, 3)))
+    with pytest.raises(ValueError, match="must divide world_size=4"):
+        hsdp_groups(4, 3)

@@ -132,8 +132,6 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         Option,
         Plan,
         check_whole_nodes,
-        global_batch_tokens,
-        max_data_parallel,
         plan,
         preference,
         recommend,
@@ -154,7 +152,6 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         memory_change_rows,
         throughput_rows,
     )
-    from handbook_lib.models.roofline import min_tokens_per_gpu, wire_bytes_per_param
     from handbook_lib.models.seed import (
         SEED_SCENARIOS,
         SEED_STRATEGIES,
@@ -184,7 +181,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         estimate_compute_time,
         estimate_step_time,
     )
-    from handbook_lib.models.cluster import ClusterLayout, compare_cluster_layouts
+    from handbook_lib.models.cluster import ClusterLayout, compare_cluster_layouts, hsdp_groups
     from handbook_lib.models.topology import (
         ALGORITHMS,
         Route,
@@ -194,10 +191,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     )
     from handbook_lib.models.traffic import (
         CollectiveRecord,
-        GatheredState,
         StepTraffic,
-        estimate_gathered_units,
-        estimate_held_between_micro_steps,
         estimate_step_bytes_for_params,
         estimate_step_traffic,
     )
@@ -311,10 +305,6 @@ _HOMES = {
     "recommend": "planner",
     "STEP_TIE": "planner",
     "check_whole_nodes": "planner",
-    "global_batch_tokens": "planner",
-    "max_data_parallel": "planner",
-    "min_tokens_per_gpu": "roofline",
-    "wire_bytes_per_param": "roofline",
     "DecoderShape": "presets",
     "DECODER_SHAPES": "presets",
     "get_shape": "presets",
@@ -359,12 +349,10 @@ _HOMES = {
     "network_share": "topology",
     "ClusterLayout": "cluster",
     "compare_cluster_layouts": "cluster",
+    "hsdp_groups": "cluster",
     "CollectiveRecord": "traffic",
     "StepTraffic": "traffic",
     "estimate_step_traffic": "traffic",
-    "GatheredState": "traffic",
-    "estimate_gathered_units": "traffic",
-    "estimate_held_between_micro_steps": "traffic",
     "estimate_step_bytes_for_params": "traffic",
     "ZERO_STAGES": "zero",
     "estimate_zero_memory": "zero",
@@ -412,7 +400,7 @@ __all__ = [
     "ZERO_STAGES", "estimate_zero_memory", "ALIGNMENT", "DEFAULT_PERSISTENCE_THRESHOLD",
     "zero_stage", "flat_partition", "gather_units", "estimate_zero_rank_bytes",
     "bookkeeping_reductions", "estimate_zero_step_traffic",
-    "GatheredState", "estimate_gathered_units", "estimate_held_between_micro_steps", "global_batch_tokens", "max_data_parallel", "min_tokens_per_gpu", "network_share", "ClusterLayout", "compare_cluster_layouts", "wire_bytes_per_param",
+    "network_share", "ClusterLayout", "compare_cluster_layouts", "hsdp_groups",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

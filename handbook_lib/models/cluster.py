@@ -33,7 +33,7 @@ from handbook_lib.models.timing import (
 from handbook_lib.models.topology import network_share, route_collective
 from handbook_lib.models.traffic import estimate_step_traffic
 
-__all__ = ["ClusterLayout", "compare_cluster_layouts"]
+__all__ = ["ClusterLayout", "compare_cluster_layouts", "hsdp_groups"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,8 @@ class ClusterLayout:
     """The peak as the caching allocator reserves it, bytes per GPU."""
     usable_bytes: int
     """What a process can allocate on the card, bytes."""
+    routes: tuple[str, ...] = ()
+    """The distinct routes its collectives take, one line each (:attr:`Route.description`)."""
 
     @property
     def fits(self) -> bool:
@@ -121,7 +123,30 @@ def compare_cluster_layouts(
         peak = estimate_memory(shape, gpus, strategy, precision, micro_batch=micro_batch,
                                seq_len=seq_len, shard_group_size=group,
                                activation_checkpointing=activation_checkpointing).peak_reserved
+        routes = tuple(sorted({route(r).description for r in traffic.records}))
         rows.append(ClusterLayout("FULL_SHARD" if group is None else f"HSDP/{group}", strategy,
                                   group, total - network, network, step.comm_s, compute_s,
-                                  step.total_s, peak, usable))
+                                  step.total_s, peak, usable, routes))
     return rows
+
+
+def hsdp_groups(world_size: int, shard_group_size: int) -> tuple[tuple[tuple[int, ...], ...],
+                                                                 tuple[tuple[int, ...], ...]]:
+    """HSDP's two kinds of process group over ``world_size`` ranks: ``(shard groups, replica
+    groups)``, each a tuple of member-rank tuples, as FSDP2's 2-D mesh lays them out
+    (``init_device_mesh(..., (world_size // shard_group_size, shard_group_size))``, dimensions
+    ``("replicate", "shard")``, ranks in row-major order). A shard group is a row, consecutive
+    ranks (with torchrun's numbering, one node's ranks when it is the node's size); a replica
+    group is a column, the ranks holding the same shard, one per shard group.
+
+    Raises:
+        ValueError: unless ``shard_group_size`` is >= 1 and divides ``world_size``.
+    """
+    check_int("world_size", world_size, 1)
+    check_int("shard_group_size", shard_group_size, 1)
+    if world_size % shard_group_size:
+        raise ValueError(f"shard_group_size {shard_group_size} must divide world_size={world_size}")
+    rows = world_size // shard_group_size
+    shard = tuple(tuple(range(r * shard_group_size, (r + 1) * shard_group_size)) for r in range(rows))
+    replica = tuple(tuple(range(c, world_size, shard_group_size)) for c in range(shard_group_size))
+    return shard, replica
