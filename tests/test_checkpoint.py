@@ -304,3 +304,79 @@ def test_commit_steps_are_what_a_save_does_in_that_order(tmp_path, monkeypatch):
     # a crash at any observed moment before the pointer is replaced leaves the previous checkpoint
     assert all(p == f"{previous}\n" for p, row in zip(pointers, seen) if not row[-1])
     assert [s.name for s in checkpoint_model.COMMIT_STEPS][-2:] == ["rename", "point latest"]
+
+
+def test_a_resave_of_the_latest_step_never_leaves_latest_dangling(tmp_path, monkeypatch):
+    """Re-saving the step ``latest`` names (a job resumed from an older checkpoint reaches it
+    again): the old copy is moved aside in one rename, and a crash before the new one is in
+    place leaves ``latest`` loading the old copy, never nothing."""
+    model, opt = _trained(steps=1)
+    save_checkpoint(tmp_path, 2, model, opt)
+    old_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    _step(model, opt, 1)
+    real_replace = os.replace
+
+    def die_before_the_new_copy(src, dst):
+        if str(src).endswith(".tmp"):
+            raise OSError("node lost")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "replace", die_before_the_new_copy)
+    with pytest.raises(OSError, match="node lost"):
+        save_checkpoint(tmp_path, 2, model, opt)
+    monkeypatch.undo()
+    assert (tmp_path / LATEST).read_text() == "step_000002\n" and not (tmp_path / "step_000002").exists()
+    assert resolve_checkpoint(tmp_path) == tmp_path / "step_000002.old"
+    fresh, fresh_opt = _trained(seed=1, steps=0)
+    assert load_checkpoint(tmp_path, fresh, fresh_opt).step == 2
+    assert _same_tensors(fresh.state_dict(), old_weights)
+    save_checkpoint(tmp_path, 2, model, opt, keep_last=1)  # the job, restarted, saves step 2 again
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step_000002"]
+    fresh, _ = _trained(seed=1, steps=0)
+    load_checkpoint(tmp_path, fresh)
+    assert _same_tensors(fresh.state_dict(), model.state_dict())
+
+
+def test_a_resave_that_completes_leaves_nothing_aside(tmp_path):
+    model, opt = _trained()
+    save_checkpoint(tmp_path, 1, model, opt)
+    _step(model, opt, 1)
+    save_checkpoint(tmp_path, 1, model, opt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step_000001"]
+    fresh, _ = _trained(seed=1, steps=0)
+    load_checkpoint(tmp_path, fresh)
+    assert _same_tensors(fresh.state_dict(), model.state_dict())
+
+
+def test_checkpoint_cost_of_a_70b_job():
+    """The arithmetic of chapter 6's cost section, from the model's shape, checked by hand."""
+    from handbook_lib.models import (
+        NCCL_DEFAULT_TIMEOUT_S,
+        checkpoint_interval_s,
+        estimate_checkpoint_cost,
+        job_mtbf_s,
+        model_layout,
+    )
+
+    params = model_layout("llama2-70b").num_params
+    cost = estimate_checkpoint_cost(params, nodes=16, storage_gbps=5.0, hash_gbps=1.35)
+    assert cost.total_bytes == 12 * params and 800e9 < cost.total_bytes < 850e9
+    assert cost.bytes_per_rank == -(-12 * params // 128)
+    assert cost.write_s == pytest.approx(8 * cost.bytes_per_rank / 5e9)
+    assert cost.rank0_hash_s == pytest.approx(12 * params / 1.35e9) and cost.rank0_hash_s > NCCL_DEFAULT_TIMEOUT_S
+    assert cost.load_read_bytes == 128 * cost.total_bytes
+    assert cost.own_hash_s == pytest.approx(cost.bytes_per_rank / 1.35e9)
+    assert job_mtbf_s(16_384) == pytest.approx(54 * 24 * 3600 / 419)
+    assert checkpoint_interval_s(10.0, 3600.0 * 20) == pytest.approx((2 * 10 * 72_000) ** 0.5)
+    with pytest.raises(ValueError):
+        checkpoint_interval_s(0, 1)
+
+
+def test_nccl_default_timeout_is_what_pytorch_documents():
+    import torch.distributed as dist
+
+    from handbook_lib.models import NCCL_DEFAULT_TIMEOUT_S
+
+    assert NCCL_DEFAULT_TIMEOUT_S == 600
+    doc = " ".join(dist.init_process_group.__doc__.split())
+    assert "10 minutes for NCCL" in doc

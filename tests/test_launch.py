@@ -240,3 +240,13 @@ def test_a_progress_bar_is_labelled_with_the_run_and_redraws_once_in_the_log():
     assert out.getvalue().endswith("fsdp_train: 50%|##   | 1/2\n")  # a bar without a label gets one too
     assert list(streamer.log) == ["[rank0] train:  100%|##   | 2/2 [00:00<00:00]", "[rank1] hello",
                                   "[rank0]   50%|##   | 1/2"]
+
+
+def test_killed_lines_are_the_ranks_lines_that_say_sigkill():
+    from handbook_lib.launch import RunFailed, killed_lines
+
+    tail = ["[rank1]: step 3 done", "[rank1]: sending SIGKILL to itself", "torchrun: SIGKILL (rank 1)",
+            "[rank0]: waiting"]
+    err = RunFailed("x", run="r", rank=1, rank_traceback="", out_dir=None, returncode=1, log_tail=tail)
+    assert killed_lines(err) == ["[rank1]: sending SIGKILL to itself"]
+    assert killed_lines(err, "waiting") == ["[rank0]: waiting"]

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         RunInterrupted,
         RunTimeout,
         describe_failed_checks,
+        killed_lines,
     )
     from handbook_lib.launch.gpu_check import (
         BILLION_MODEL,
@@ -67,6 +68,7 @@ _HOMES = {
     "RankFailure": "diagnose",
     "diagnose_failure": "diagnose",
     "RunFailed": "errors",
+    "killed_lines": "errors",
     "RunTimeout": "errors",
     "RunInterrupted": "errors",
     "ChecksFailed": "errors",
@@ -114,7 +116,7 @@ _HOMES = {
 """Each exported name and the module of this package it is defined in."""
 
 __all__ = [
-    "RankFailure", "diagnose_failure", "RunFailed", "RunTimeout", "RunInterrupted", "ChecksFailed",
+    "RankFailure", "diagnose_failure", "RunFailed", "RunTimeout", "RunInterrupted", "ChecksFailed", "killed_lines",
     "describe_failed_checks", "RESULT_SET_SCHEMA", "WRITER", "BILLION_MODEL", "MEMORY_CONFIGS",
     "STEP_TIME_CONFIG", "MFU_CONFIG", "SWEEP_CONFIG", "NO_GPU_MESSAGE", "match_accelerator",
     "estimate_mfu", "estimate_prefetch_extra_bytes", "memory_figures", "steady_step_time_s",

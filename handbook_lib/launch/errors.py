@@ -13,7 +13,7 @@ from typing import Any
 
 from handbook_lib.core.results import RunResult
 
-__all__ = ["RunFailed", "RunTimeout", "RunInterrupted", "ChecksFailed", "describe_failed_checks"]
+__all__ = ["RunFailed", "RunTimeout", "RunInterrupted", "ChecksFailed", "describe_failed_checks", "killed_lines"]
 
 
 class RunFailed(RuntimeError):
@@ -94,3 +94,9 @@ def describe_failed_checks(result: RunResult, limit: int = 10) -> str:
     if len(failed) > limit:
         lines.append(f"  ... and {len(failed) - limit} more")
     return "\n".join(lines)
+
+
+def killed_lines(err: RunFailed, word: str = "SIGKILL") -> list[str]:
+    """The lines of ``err.log_tail`` in which a rank said ``word`` (by default, the line a rank
+    prints as it sends itself ``SIGKILL``: its last words, which chapter 6 shows)."""
+    return [line for line in err.log_tail if line.startswith("[rank") and word in line]

@@ -40,8 +40,15 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         MANIFEST,
         CommitStep,
         TensorCount,
+        JOB_INTERRUPTIONS,
+        NCCL_DEFAULT_TIMEOUT_S,
+        NOT_SAVED_ON_GPU,
+        CheckpointCost,
+        checkpoint_interval_s,
         checkpoint_name,
+        estimate_checkpoint_cost,
         estimate_checkpoint_count,
+        job_mtbf_s,
     )
     from handbook_lib.models.collectives import (
         COLLECTIVES,
@@ -132,6 +139,8 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         Option,
         Plan,
         check_whole_nodes,
+        global_batch_tokens,
+        max_data_parallel,
         plan,
         preference,
         recommend,
@@ -152,6 +161,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         memory_change_rows,
         throughput_rows,
     )
+    from handbook_lib.models.roofline import min_tokens_per_gpu, wire_bytes_per_param
     from handbook_lib.models.seed import (
         SEED_SCENARIOS,
         SEED_STRATEGIES,
@@ -191,7 +201,10 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     )
     from handbook_lib.models.traffic import (
         CollectiveRecord,
+        GatheredState,
         StepTraffic,
+        estimate_gathered_units,
+        estimate_held_between_micro_steps,
         estimate_step_bytes_for_params,
         estimate_step_traffic,
     )
@@ -220,6 +233,13 @@ _HOMES = {
     "RESERVE_MODEL": "allocator",
     "reserved_bytes": "allocator",
     "CHECKPOINT_SCHEMA": "checkpoint",
+    "NCCL_DEFAULT_TIMEOUT_S": "checkpoint",
+    "JOB_INTERRUPTIONS": "checkpoint",
+    "NOT_SAVED_ON_GPU": "checkpoint",
+    "CheckpointCost": "checkpoint",
+    "estimate_checkpoint_cost": "checkpoint",
+    "job_mtbf_s": "checkpoint",
+    "checkpoint_interval_s": "checkpoint",
     "CHECKSUM": "checkpoint",
     "MANIFEST": "checkpoint",
     "LATEST": "checkpoint",
@@ -305,6 +325,10 @@ _HOMES = {
     "recommend": "planner",
     "STEP_TIE": "planner",
     "check_whole_nodes": "planner",
+    "global_batch_tokens": "planner",
+    "max_data_parallel": "planner",
+    "min_tokens_per_gpu": "roofline",
+    "wire_bytes_per_param": "roofline",
     "DecoderShape": "presets",
     "DECODER_SHAPES": "presets",
     "get_shape": "presets",
@@ -353,6 +377,9 @@ _HOMES = {
     "CollectiveRecord": "traffic",
     "StepTraffic": "traffic",
     "estimate_step_traffic": "traffic",
+    "GatheredState": "traffic",
+    "estimate_gathered_units": "traffic",
+    "estimate_held_between_micro_steps": "traffic",
     "estimate_step_bytes_for_params": "traffic",
     "ZERO_STAGES": "zero",
     "estimate_zero_memory": "zero",
@@ -400,7 +427,8 @@ __all__ = [
     "ZERO_STAGES", "estimate_zero_memory", "ALIGNMENT", "DEFAULT_PERSISTENCE_THRESHOLD",
     "zero_stage", "flat_partition", "gather_units", "estimate_zero_rank_bytes",
     "bookkeeping_reductions", "estimate_zero_step_traffic",
-    "network_share", "ClusterLayout", "compare_cluster_layouts", "hsdp_groups",
+    "GatheredState", "estimate_gathered_units", "estimate_held_between_micro_steps", "global_batch_tokens", "max_data_parallel", "min_tokens_per_gpu", "network_share", "ClusterLayout", "compare_cluster_layouts", "hsdp_groups", "wire_bytes_per_param",
+    "NCCL_DEFAULT_TIMEOUT_S", "JOB_INTERRUPTIONS", "NOT_SAVED_ON_GPU", "CheckpointCost", "estimate_checkpoint_cost", "job_mtbf_s", "checkpoint_interval_s",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

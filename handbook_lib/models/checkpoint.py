@@ -8,6 +8,7 @@ protocol is drawn from :data:`COMMIT_STEPS` and a test checks a real save agains
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from handbook_lib.core.checks import check_int, lookup
@@ -15,7 +16,9 @@ from handbook_lib.models.layout import ModelLike, model_layout
 from handbook_lib.models.model_state import OPTIMIZER_RULES
 
 __all__ = ["CHECKPOINT_SCHEMA", "CHECKSUM", "MANIFEST", "LATEST", "CommitStep", "COMMIT_STEPS",
-           "FSDP1_STATE_DICT_TYPES", "TensorCount", "checkpoint_name", "estimate_checkpoint_count"]
+           "FSDP1_STATE_DICT_TYPES", "TensorCount", "checkpoint_name", "estimate_checkpoint_count",
+           "NCCL_DEFAULT_TIMEOUT_S", "JOB_INTERRUPTIONS", "NOT_SAVED_ON_GPU", "CheckpointCost",
+           "estimate_checkpoint_cost", "job_mtbf_s", "checkpoint_interval_s"]
 
 CHECKPOINT_SCHEMA = "handbook.checkpoint/2"
 """Version tag of the manifest (2: with a checksum per file)."""
@@ -57,7 +60,8 @@ COMMIT_STEPS: tuple[CommitStep, ...] = (
                "rank's shards are written", "the previous checkpoint; step_K.tmp is never loaded"),
     CommitStep("manifest", "{name}.tmp/" + MANIFEST, "rank 0", "hash every file; write sizes and "
                "SHA-256 (temporary file, renamed)", "the previous checkpoint; step_K.tmp is never loaded"),
-    CommitStep("rename", "{name}", "rank 0", "rename step_K.tmp to step_K (os.replace)",
+    CommitStep("rename", "{name}", "rank 0", "rename step_K.tmp to step_K (os.replace; an "
+               "earlier step_K is first renamed step_K.old, which loads until then)",
                "the previous checkpoint; step_K is complete, just not latest"),
     CommitStep("point latest", LATEST, "rank 0", "write 'step_K' to a temporary file, "
                "rename it over latest", "step_K (os.replace is atomic: the old name or the new, never none)"),
@@ -123,3 +127,122 @@ def estimate_checkpoint_count(config: ModelLike, optimizer: str) -> dict[str, Te
         "model": TensorCount(tensors, 4 * layout.num_params),
         "optim": TensorCount(rule.states * tensors + steps, rule.states * 4 * layout.num_params + 4 * steps),
     }
+
+
+NCCL_DEFAULT_TIMEOUT_S = 600
+"""``torch.distributed.init_process_group``'s default timeout with NCCL, seconds: 10 minutes
+(30 with the other backends; the function's documentation). A rank that waits longer in a
+collective (a barrier too) is aborted by NCCL's watchdog."""
+
+JOB_INTERRUPTIONS = (419, 54 * 24 * 3600, 16_384)
+"""Unexpected interruptions, over seconds, of a job on GPUs: Llama 3's pre-training, 419
+interruptions in a 54-day snapshot on 16,384 H100s (Grattafiori et al. 2024, section 3.3.4),
+about one every 3 hours; as a rate per GPU, one every ~6 years."""
+
+NOT_SAVED_ON_GPU: dict[str, tuple[str, str]] = {
+    "CUDA RNG": ("torch.get_rng_state() is the CPU generator only; dropout on a GPU draws "
+                 "from torch.cuda's", "torch.cuda.get_rng_state_all() / set_rng_state_all"),
+    "Python, NumPy RNG": ("random and numpy.random keep their own state",
+                          "random.getstate(), numpy.random.get_state()"),
+    "LR scheduler": ("the book's runs keep the learning rate constant",
+                     "scheduler.state_dict() in the app state"),
+    "GradScaler": ("fp16's loss scale would restart at 2**16 and grow back",
+                   "scaler.state_dict() (scale, growth tracker)"),
+    "data position": ("the step alone: make_batch(config, step) is a pure function of the "
+                      "step; a shuffling DataLoader with workers is not",
+                      "torchdata's StatefulDataLoader.state_dict()"),
+    "kernels": ("bit-identical on a GPU also needs deterministic kernels (atomics in "
+                "index_add, embedding backward)",
+                "torch.use_deterministic_algorithms(True)"),
+}
+"""What :func:`~handbook_lib.runtime.checkpoint.save_checkpoint` does not save, why the book's
+CPU runs resume exactly without it, and the standard way to add it: item → (why, fix). The
+idiomatic home of all of it is one ``Stateful`` app state handed to ``dcp.save`` (PyTorch's
+DCP recipe)."""
+
+
+@dataclass(frozen=True)
+class CheckpointCost:
+    """The bytes and seconds of saving and verifying one resumable checkpoint of a job
+    (:func:`estimate_checkpoint_cost`). Seconds assume every node writes and reads at its
+    ``storage_bps`` and the file system can serve all nodes at once."""
+
+    params: int
+    bytes_per_param: int
+    nodes: int
+    gpus_per_node: int
+    storage_bps: float
+    """Bytes per second one node writes to (or reads from) the shared file system."""
+    hash_bps: float
+    """Bytes per second one process hashes (SHA-256 on one core)."""
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def total_bytes(self) -> int:
+        return self.params * self.bytes_per_param
+
+    @property
+    def bytes_per_rank(self) -> int:
+        return -(-self.total_bytes // self.ranks)
+
+    @property
+    def write_s(self) -> float:
+        """Every rank writes its shard, a node's ranks sharing its bandwidth."""
+        return self.bytes_per_rank * self.gpus_per_node / self.storage_bps
+
+    @property
+    def rank0_hash_s(self) -> float:
+        """The book's save: rank 0 reads back and hashes every file, one after another, while
+        every other rank waits in a barrier (the slower of reading and hashing)."""
+        return self.total_bytes / min(self.hash_bps, self.storage_bps)
+
+    @property
+    def load_read_bytes(self) -> int:
+        """The book's load: every rank reads every file to verify its checksum."""
+        return self.ranks * self.total_bytes
+
+    @property
+    def own_hash_s(self) -> float:
+        """Each rank hashing only the file it wrote (issue 26): its shard, in parallel."""
+        return self.bytes_per_rank / self.hash_bps
+
+
+def estimate_checkpoint_cost(params: int, *, nodes: int, gpus_per_node: int = 8,
+                             bytes_per_param: int = 12, storage_gbps: float = 5.0,
+                             hash_gbps: float = 1.35) -> CheckpointCost:
+    """Bytes and seconds of one resumable checkpoint of a ``params``-parameter job.
+
+    ``bytes_per_param`` 12: fp32 parameters (or bf16 training's fp32 master) and AdamW's two
+    fp32 moments; gradients are not saved. ``storage_gbps``: GB/s one node writes to a shared
+    parallel file system (a few GB/s per client is common; the whole system's aggregate must be
+    at least ``nodes`` times that for the result to hold). ``hash_gbps``: SHA-256 on one core,
+    as :data:`CHECKSUM` measured on this book's CPU.
+    """
+    check_int("params", params, 1)
+    check_int("nodes", nodes, 1)
+    check_int("gpus_per_node", gpus_per_node, 1)
+    check_int("bytes_per_param", bytes_per_param, 1)
+    if not (storage_gbps > 0 and hash_gbps > 0):
+        raise ValueError(f"bandwidths must be > 0, got storage {storage_gbps}, hash {hash_gbps} GB/s")
+    return CheckpointCost(params, bytes_per_param, nodes, gpus_per_node, storage_gbps * 1e9, hash_gbps * 1e9)
+
+
+def job_mtbf_s(gpus: int, interruptions: tuple[int, float, int] = JOB_INTERRUPTIONS) -> float:
+    """Mean seconds between interruptions of a job on ``gpus`` GPUs, at the per-GPU rate of
+    ``interruptions`` (count, seconds, GPUs): failures of independent GPUs add up."""
+    check_int("gpus", gpus, 1)
+    count, seconds, observed = interruptions
+    return seconds * observed / (count * gpus)
+
+
+def checkpoint_interval_s(save_s: float, mtbf_s: float) -> float:
+    """The compute time between checkpoints that wastes least, Young's first-order optimum
+    sqrt(2·δ·M) for a save of ``save_s`` (δ) and a mean time between failures ``mtbf_s`` (M)
+    (Young 1974; Daly 2006 refines it, by a few per cent when δ is far below M). Too often and
+    the saves cost; too rarely and each failure throws away up to an interval of work."""
+    if not (save_s > 0 and mtbf_s > 0):
+        raise ValueError(f"save_s and mtbf_s must be > 0, got {save_s}, {mtbf_s}")
+    return math.sqrt(2 * save_s * mtbf_s)

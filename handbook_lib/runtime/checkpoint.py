@@ -207,16 +207,24 @@ def save_checkpoint(
         })
         files[MANIFEST] = (tmp / MANIFEST).stat().st_size
         fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
+        aside = _aside(final)
+        if final.exists():  # a save of this step by an earlier job: moved aside in one rename
+            shutil.rmtree(aside, ignore_errors=True)  # (a leftover of a commit that finished)
+            os.replace(final, aside)  # until the next rename, resolve_checkpoint reads `aside`
         os.replace(tmp, final)
         write_text_atomic(root / LATEST, name + "\n")
         fsync_dir(root)
+        shutil.rmtree(aside, ignore_errors=True)
         if keep_last > 0:
             _prune(root, keep_last, name)
     _barrier()
     elapsed = time.perf_counter() - start
     return SavedCheckpoint(final, step, elapsed, files, checksum_s)
+
+
+def _aside(final: Path) -> Path:
+    """Where a re-save of ``final``'s step keeps the older copy until the new one is in place."""
+    return final.with_name(final.name + ".old")
 
 
 def file_checksum(path: str | os.PathLike[str]) -> str:
@@ -231,7 +239,7 @@ def file_checksum(path: str | os.PathLike[str]) -> str:
 def _prune(root: Path, keep_last: int, current: str) -> None:
     """Delete complete checkpoints but ``current`` (the new ``latest``) and the newest others."""
     others = sorted(p for p in root.glob("step_*")
-                    if p.is_dir() and not p.name.endswith(".tmp") and p.name != current)
+                    if p.is_dir() and not p.name.endswith((".tmp", ".old")) and p.name != current)
     for old in others[:max(0, len(others) - (keep_last - 1))]:
         shutil.rmtree(old)
 
@@ -246,6 +254,8 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     pointer = p / LATEST
     if pointer.is_file():
         target = p / pointer.read_text().strip()
+        if not target.is_dir() and _aside(target).is_dir():
+            return _aside(target)  # a re-save of this step died between its two renames
         if not target.is_dir():
             raise CheckpointError(f"{pointer} points to {target.name!r}, which does not exist")
         return target
