@@ -485,3 +485,103 @@ def test_collective_timeline_one_row_per_unit_in_forward_order(figs: list[Figure
     assert sorted(float(m.get_xdata()[0]) for m in marks) == pytest.approx(
         sorted(c["start_s"] * 1e3 for c in calls if c["kind"] == "reduce_scatter"))
     assert ax.get_title() == "Timeline" and "ms" in ax.get_xlabel()
+
+
+def _fsdp2_calls(layers: int, *, regather: bool = True) -> list[dict[str, Any]]:
+    """A FULL_SHARD (or, without ``regather``, SHARD_GRAD_OP) step's collectives as FSDP2
+    issues them: every unit gathered in forward; in backward the root first, each layer's
+    all-gather prefetching the next before the layer's reduce-scatter, the root reduced last."""
+    names = [f"layers.{i}" for i in range(layers)]
+    calls = [{"kind": "all_gather", "unit": u, "phase": "forward"} for u in ["root", *names]]
+    back = names[::-1]
+    if regather:
+        calls.append({"kind": "all_gather", "unit": "root", "phase": "backward"})
+        calls.append({"kind": "all_gather", "unit": back[0], "phase": "backward"})
+    for j, u in enumerate(back):
+        if regather and j + 1 < len(back):
+            calls.append({"kind": "all_gather", "unit": back[j + 1], "phase": "backward"})
+        calls.append({"kind": "reduce_scatter", "unit": u, "phase": "backward"})
+    calls.append({"kind": "reduce_scatter", "unit": "root", "phase": "backward"})
+    return calls
+
+
+def test_fsdp_step_slots_place_each_computation_between_the_collectives() -> None:
+    slots = diagrams.fsdp_step_slots(_fsdp2_calls(2))
+    short = [f"{a[:2]} {u}" for a, u, _ in slots]
+    assert short == ["al root", "co root", "al layers.0", "co layers.0", "al layers.1", "co layers.1",
+                     "co root",  # the head
+                     "al root", "co root", "al layers.1", "al layers.0", "co layers.1", "re layers.1",
+                     "co layers.0", "re layers.0", "co root", "re root", "op *"]
+    # every collective appears once, in issue order
+    assert [(a, u) for a, u, _ in slots if a not in ("compute", "optimizer")] == [
+        (c["kind"], c["unit"]) for c in _fsdp2_calls(2)]
+    # SHARD_GRAD_OP: nothing gathered in backward, the head's backward opens it
+    sgo = diagrams.fsdp_step_slots(_fsdp2_calls(2, regather=False))
+    assert sgo[7] == ("compute", "root", "backward")
+    with pytest.raises(ValueError, match="forward"):
+        diagrams.fsdp_step_slots([{"kind": "all_reduce", "unit": "model", "phase": "backward"}])
+
+
+def test_gathered_spans_show_resharding_and_the_backward_prefetch() -> None:
+    slots = diagrams.fsdp_step_slots(_fsdp2_calls(3))
+    spans = diagrams._gathered_spans(slots)
+    # FULL_SHARD: each unit gathered twice (forward, backward), each time until its computation ends
+    assert sorted(u for u, _, _ in spans) == sorted(["root", "layers.0", "layers.1", "layers.2"] * 2)
+    for unit, first, last in spans:
+        assert slots[first] == ("all_gather", unit, slots[first][2]) and slots[last][0] == "compute"
+    # at most the root and two layers are gathered at once in backward: the one computing, the
+    # prefetched one (chapter 2's layer_backward)
+    backward = [i for i, s in enumerate(slots) if s[2] == "backward"]
+    alive = [sum(a <= i <= b for _, a, b in spans) for i in backward]
+    assert max(alive) == 3
+    # SHARD_GRAD_OP: one span per unit, from the forward all-gather into backward
+    sgo = diagrams._gathered_spans(diagrams.fsdp_step_slots(_fsdp2_calls(3, regather=False)))
+    assert len(sgo) == 4 and all(b > a + 1 for _, a, b in sgo)
+
+
+def test_fsdp_step_draws_one_row_per_unit(figs: list[Figure]) -> None:
+    calls = _fsdp2_calls(3)
+    figs.append(fig := diagrams.plot_fsdp_step(calls, title="Step"))
+    _assert_readable(fig)
+    ax = _ax(fig)
+    assert _ticks(ax.get_yticklabels()) == ["root", "layers.0", "layers.1", "layers.2"]
+    colours = [p.get_facecolor() for p in ax.patches]
+    from matplotlib.colors import to_rgba
+    assert colours.count(to_rgba("tab:blue")) == sum(c["kind"] == "all_gather" for c in calls)
+    assert colours.count(to_rgba("tab:orange")) == sum(c["kind"] == "reduce_scatter" for c in calls)
+    assert colours.count(to_rgba("tab:purple")) == 4  # the optimizer, on every unit's shard
+    assert "all-gather" in _legend(ax) and ax.get_title() == "Step"
+
+
+def test_step_phases_stack_the_state_and_each_phase_in_step_order(figs: list[Figure]) -> None:
+    from handbook_lib.core import ModelConfig
+    from handbook_lib.models import estimate_memory
+
+    est = estimate_memory(ModelConfig(), 2, "FULL_SHARD", "bf16-mixed", micro_batch=4, seq_len=64,
+                          backend="gloo")
+    figs.append(fig := diagrams.plot_step_phases(est, measured_peak=est.peak))
+    _assert_readable(fig)
+    ax = _ax(fig)
+    assert _ticks(ax.get_yticklabels()) == list(est.phases)
+    state, added = _bars(ax)
+    widths = [p.get_width() for p in state.patches]
+    assert widths == pytest.approx([est.model_state / 1e6] * len(est.phases))
+    totals = [a.get_x() + a.get_width() for a in added.patches]
+    assert totals == pytest.approx([v / 1e6 for v in est.phases.values()])
+    colours = {name: p.get_facecolor() for p, name in zip(added.patches, est.phases)}
+    peak = colours.pop(est.peak_phase)
+    assert est.peak_phase == "root_reduce" and all(c != peak for c in colours.values())
+    line = [ln for ln in ax.get_lines() if ln.get_linestyle() == "--"]
+    assert list(line[0].get_xdata()) == pytest.approx([est.peak / 1e6] * 2)
+
+
+def test_prediction_scatter_puts_each_pair_at_predicted_measured(figs: list[Figure]) -> None:
+    pairs = [("1 rank, fp32", 270.4e6, 270.39e6), ("2 ranks, bf16", 130.27e6, 130.0e6)]
+    figs.append(fig := plots.plot_prediction_scatter(pairs, title="Peaks"))
+    _assert_readable(fig)
+    ax = _ax(fig)
+    points = [_points(c) for c in ax.collections]
+    assert points == [pytest.approx([270.4, 270.39]), pytest.approx([130.27, 130.0])]
+    diagonal = ax.get_lines()[0]
+    assert list(diagonal.get_xdata()) == list(diagonal.get_ydata())
+    assert _legend(ax) == ["measured = predicted", "1 rank,\nfp32", "2 ranks,\nbf16"]

@@ -12,9 +12,12 @@ from handbook_lib.core.lazy import lazy_exports
 if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported on first use
     from handbook_lib.face.cli import build_parser, main
     from handbook_lib.face.diagrams import (
+        fsdp_step_slots,
         plot_collective_timeline,
         plot_commit_protocol,
+        plot_fsdp_step,
         plot_ring_schedule,
+        plot_step_phases,
     )
     from handbook_lib.face.display import (
         LOSS_DECIMALS,
@@ -46,6 +49,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         plot_memory_vs_seq_len,
         plot_peak_by_run,
         plot_predicted_vs_measured,
+        plot_prediction_scatter,
         plot_rank_bytes,
         plot_step_time_by_link,
         plot_volume_vs_memory,
@@ -66,6 +70,9 @@ _HOMES = {
     "plot_ring_schedule": "diagrams",
     "plot_collective_timeline": "diagrams",
     "plot_commit_protocol": "diagrams",
+    "fsdp_step_slots": "diagrams",
+    "plot_fsdp_step": "diagrams",
+    "plot_step_phases": "diagrams",
     "format_bytes": "display",
     "format_loss": "display",
     "format_losses": "display",
@@ -87,6 +94,7 @@ _HOMES = {
     "plot_rank_bytes": "plots",
     "plot_memory_breakdown": "plots",
     "plot_predicted_vs_measured": "plots",
+    "plot_prediction_scatter": "plots",
     "plot_collective_bench": "plots",
     "plot_volume_vs_memory": "plots",
     "plot_step_time_by_link": "plots",
@@ -115,7 +123,8 @@ __all__ = [
     "plot_collective_bench", "plot_volume_vs_memory", "plot_step_time_by_link", "plot_fit_map",
     "plot_loss_curves", "plot_peak_by_run", "plot_memory_vs_seq_len", "BOOK_WIDTH_IN",
     "MIN_FONT_PT", "summarize_runs", "run_summary", "compare_runs", "step_time_table",
-    "step_time_summary", "fit_table", "zero_vs_fsdp_table",
+    "step_time_summary", "fit_table", "zero_vs_fsdp_table", "fsdp_step_slots", "plot_fsdp_step",
+    "plot_step_phases", "plot_prediction_scatter",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -5,7 +5,9 @@ axis, and the commit protocol of a checkpoint. Each ``plot_*`` function returns 
 Chapter 3 draws :func:`plot_ring_schedule` from :func:`handbook_lib.models.collectives.ring_schedule`,
 chapter 5 :func:`plot_collective_timeline` from a run's counted collectives, chapter 6
 :func:`plot_commit_protocol` from :data:`handbook_lib.models.checkpoint.COMMIT_STEPS`: the data
-come from the models and the runs, never typed into a figure.
+come from the models and the runs, never typed into a figure. Chapter 1 draws
+:func:`plot_fsdp_step` from its first run's counted collectives, chapter 2
+:func:`plot_step_phases` from :func:`~handbook_lib.models.memory.estimate_memory`.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from matplotlib.patches import FancyArrowPatch, Rectangle
 from handbook_lib.face.plots import BOOK_WIDTH_IN
 from handbook_lib.models.checkpoint import CommitStep
 from handbook_lib.models.collectives import ring_schedule
+from handbook_lib.models.memory import MemoryEstimate
 
-__all__ = ["plot_ring_schedule", "plot_collective_timeline", "plot_commit_protocol"]
+__all__ = ["plot_ring_schedule", "plot_collective_timeline", "plot_commit_protocol", "fsdp_step_slots", "plot_fsdp_step", "plot_step_phases"]
 
 
 def _ring_states(kind: str, n: int) -> list[list[dict[int, int]]]:
@@ -153,4 +156,151 @@ def plot_commit_protocol(steps: Sequence[CommitStep]) -> Figure:
                                          arrowstyle="-|>", mutation_scale=10, color="0.2"))
     fig.suptitle("A save commits in this order: until step 6, latest names the previous checkpoint",
                  fontsize=10)
+    return fig
+
+
+_STEP_COLOURS = {"all_gather": "tab:blue", "reduce_scatter": "tab:orange", "all_reduce": "tab:green",
+                 "compute": "0.45", "optimizer": "tab:purple"}
+_STEP_WORDS = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "all_reduce": "all-reduce",
+               "compute": "compute (forward or backward)", "optimizer": "optimizer step on the shard"}
+
+
+def fsdp_step_slots(calls: Sequence[Mapping[str, object]]) -> list[tuple[str, str, str]]:
+    """One FSDP step as a sequence of slots ``(action, unit, phase)``, in the order rank 0 issued
+    its collectives, with each unit's computation placed between them.
+
+    ``action`` is a collective's kind, ``compute`` or ``optimizer`` (unit ``"*"``: every rank
+    steps its own shard, no communication). The root is the unit gathered first in forward. Its
+    forward computes twice (the embedding first, the head after the last layer), and so does its
+    backward (the head first, right after backward gathers it, or at backward's start when it
+    stayed gathered; the embedding last, just before its reduce-scatter). A layer computes right
+    after its forward all-gather and, in backward, just before its reduce-scatter: a later unit's
+    all-gather issued in between is FSDP2's backward prefetch.
+
+    Args:
+        calls: A rank's ``collectives`` from an ``fsdp_train`` result (FSDP2), in issue order:
+            dicts with ``kind``, ``unit`` and ``phase`` (or the same fields of
+            :class:`~handbook_lib.models.traffic.CollectiveRecord` as dicts).
+    """
+    forward = [c for c in calls if c["phase"] == "forward"]
+    backward = [c for c in calls if c["phase"] == "backward"]
+    if not forward:
+        raise ValueError("no forward collective: fsdp_step_slots draws a sharded strategy's step")
+    root = str(forward[0]["unit"])
+    slots: list[tuple[str, str, str]] = []
+    for c in forward:
+        slots += [(str(c["kind"]), str(c["unit"]), "forward"), ("compute", str(c["unit"]), "forward")]
+    slots.append(("compute", root, "forward"))  # the head and the loss, after the last layer
+    if not any(c["kind"] == "all_gather" and c["unit"] == root for c in backward):
+        slots.append(("compute", root, "backward"))  # the head's backward: the root stayed gathered
+    computed: set[str] = set()
+    for c in backward:
+        kind, unit = str(c["kind"]), str(c["unit"])
+        if kind != "all_gather" and unit not in computed:
+            slots.append(("compute", unit, "backward"))
+            computed.add(unit)
+        slots.append((kind, unit, "backward"))
+        if kind == "all_gather" and unit == root:
+            slots.append(("compute", root, "backward"))  # the head's backward, first
+    slots.append(("optimizer", "*", "optimizer"))
+    return slots
+
+
+def _gathered_spans(slots: Sequence[tuple[str, str, str]]) -> list[tuple[str, int, int]]:
+    """``(unit, first, last)`` slot indices during which a unit's parameters are gathered: from
+    each all-gather to the unit's last computation before its next collective."""
+    spans = []
+    for i, (action, unit, _) in enumerate(slots):
+        if action != "all_gather":
+            continue
+        last = i
+        for j in range(i + 1, len(slots)):
+            a, u, _ = slots[j]
+            if u != unit:
+                continue
+            if a == "compute":
+                last = j
+            else:
+                break
+        spans.append((unit, i, last))
+    return spans
+
+
+def plot_fsdp_step(
+    calls: Sequence[Mapping[str, object]], *, title: str = "One FSDP step, unit by unit"
+) -> Figure:
+    """A schematic of one FSDP step: one row per unit, one slot per collective or computation,
+    in the order :func:`fsdp_step_slots` gives (issue order, not time).
+
+    A light band behind a unit's slots marks when its parameters are gathered (unsharded):
+    from its all-gather to its last computation before its next collective. The backward pass is
+    shaded; the last column is the optimizer step, each rank on its own shard.
+
+    Args:
+        calls: A rank's ``collectives`` from an ``fsdp_train`` result (FSDP2), in issue order.
+        title: Figure title.
+    """
+    slots = fsdp_step_slots(calls)
+    units = list(dict.fromkeys(u for _, u, p in slots if p == "forward"))
+    units += [u for u in dict.fromkeys(u for _, u, _ in slots) if u not in units and u != "*"]
+    row = {u: i for i, u in enumerate(units)}
+    fig = Figure(figsize=(BOOK_WIDTH_IN, 1.9 + 0.38 * len(units)), layout="constrained")
+    ax = fig.add_subplot()
+    n = len(slots)
+    first_bwd = next(i for i, s in enumerate(slots) if s[2] != "forward")
+    ax.axvspan(first_bwd - 0.05, n - 1 - 0.05, color="0.93", zorder=0)
+    for unit, a, b in _gathered_spans(slots):
+        ax.add_patch(Rectangle((a - 0.05, row[unit] - 0.42), b - a + 1.0, 0.84, facecolor="#cfe3f7",
+                               edgecolor="none", zorder=1))
+    labelled: set[str] = set()
+    for i, (action, unit, _) in enumerate(slots):
+        rows = range(len(units)) if unit == "*" else [row[unit]]
+        for y in rows:
+            label = _STEP_WORDS[action] if action not in labelled else None
+            labelled.add(action)
+            height = 0.5 if action == "compute" else 0.64
+            ax.add_patch(Rectangle((i + 0.05, y - height / 2), 0.8, height, zorder=2,
+                                   facecolor=_STEP_COLOURS.get(action, "black"), label=label))
+    ax.add_patch(Rectangle((0, 0), 0, 0, facecolor="#cfe3f7", label="parameters gathered (unsharded)"))
+    ax.set_xlim(-0.2, n + 0.1)
+    ax.set_ylim(len(units) - 0.5, -0.5)
+    ax.set_yticks(range(len(units)), units, fontsize=8)
+    ax.set_xticks([first_bwd / 2, (first_bwd + n - 1) / 2, n - 0.5],
+                  ["forward", "backward (shaded)", "step"], fontsize=8)
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False)
+    return fig
+
+
+def plot_step_phases(
+    estimate: MemoryEstimate, *, measured_peak: float | None = None,
+    title: str = "Bytes alive in each phase of a step (one rank)",
+) -> Figure:
+    """One horizontal bar per phase of :func:`~handbook_lib.models.memory.estimate_memory`, in
+    step order: the model state at rest (the same in every phase) and what the phase adds on top
+    of it; the peak phase's bar is dark. ``measured_peak`` (bytes) draws a run's measured peak.
+
+    Bytes are MB (10^6) below 1 GB, else GB (10^9).
+    """
+    phases = list(estimate.phases)
+    scale, unit = (1e9, "GB") if max(estimate.phases.values()) >= 1e9 else (1e6, "MB")
+    state = estimate.model_state / scale
+    fig = Figure(figsize=(BOOK_WIDTH_IN, 1.5 + 0.36 * len(phases)), layout="constrained")
+    ax = fig.add_subplot()
+    ys = range(len(phases))
+    extra = [max(estimate.phases[p] / scale - state, 0.0) for p in phases]
+    ax.barh(ys, [state] * len(phases), color="0.75", label="model state at rest")
+    ax.barh(ys, extra, left=[state] * len(phases), label="what the phase adds",
+            color=["tab:red" if p == estimate.peak_phase else "#f2b8a8" for p in phases])
+    if measured_peak is not None:
+        ax.axvline(measured_peak / scale, color="black", linestyle="--", linewidth=1,
+                   label="measured peak")
+    ax.set_yticks(list(ys), phases, fontsize=8)
+    ax.set_ylim(len(phases) - 0.5, -0.5)
+    ax.set_xlabel(f"bytes on the rank ({unit}, 10^{9 if unit == 'GB' else 6}); dark: the peak")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, frameon=False)
     return fig

@@ -23,6 +23,7 @@ __all__ = [
     "plot_rank_bytes", "plot_memory_breakdown", "plot_predicted_vs_measured",
     "plot_collective_bench", "plot_volume_vs_memory", "plot_step_time_by_link", "plot_fit_map",
     "plot_loss_curves", "plot_peak_by_run", "plot_memory_vs_seq_len", "BOOK_WIDTH_IN", "MIN_FONT_PT",
+    "plot_prediction_scatter",
 ]
 
 BOOK_WIDTH_IN = 7.2
@@ -372,4 +373,36 @@ def plot_memory_vs_seq_len(
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    return fig
+
+
+def plot_prediction_scatter(
+    pairs: Sequence[tuple[str, float, float]],
+    *,
+    title: str = "Peak memory per rank: model against run",
+) -> Figure:
+    """Measured against predicted bytes, one point per label, with the line y = x (MB, 10^6).
+
+    A point on the line is a prediction that holds; the legend names the points (a label's
+    commas start new lines, so ``"2 ranks, FULL_SHARD, bf16"`` stays narrow). Made for pairs
+    whose errors are small next to their spread, as a run's checks are.
+    """
+    fig = Figure(figsize=(BOOK_WIDTH_IN, 3.9), layout="constrained")
+    ax = fig.add_subplot()
+    values = [v / 1e6 for _, p, m in pairs for v in (p, m)]
+    lo, hi = min(values), max(values)
+    pad = 0.08 * (hi - lo or hi or 1.0)
+    ax.plot([lo - pad, hi + pad], [lo - pad, hi + pad], color="0.5", linestyle="--", linewidth=1,
+            label="measured = predicted")
+    markers = "osD^vP*X"
+    for i, (label, predicted, measured) in enumerate(pairs):
+        ax.scatter([predicted / 1e6], [measured / 1e6], s=42, marker=markers[i % len(markers)],
+                   color=f"C{i % 10}", zorder=3, label=label.replace(", ", ",\n"))
+    ax.set_xlim(lo - pad, hi + pad)
+    ax.set_ylim(lo - pad, hi + pad)
+    ax.set_aspect("equal")
+    ax.set_xlabel("predicted (MB, 10^6)")
+    ax.set_ylabel("measured (MB, 10^6)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     return fig

@@ -1,7 +1,10 @@
-"""Why a language model needs its causal mask: the seed's unmasked encoder trained on next tokens.
+"""Why a language model needs its causal mask: the seed's unmasked layer, if trained on next tokens.
 
-Chapter 1 shows it. The course's seed calls self-attention with no mask, so every position
-sees the whole sequence, including the token it is asked to predict. The handbook's
+Chapter 1 shows it, in an aside. The course's seed calls self-attention with no mask. Its own
+loop cannot show the harm (its targets are random tokens drawn independently of its inputs, and
+it fits one fixed batch), but trained as a causal language model, as its "language modeling"
+loss suggests, every position would see the whole sequence, including the token it is asked to
+predict. The handbook's
 :class:`~handbook_lib.runtime.model.SimpleTransformer` masks attention to later positions; built with
 ``causal=False`` it is the seed's bidirectional variant, with the same weights.
 
