@@ -121,7 +121,7 @@ def test_sbatch_lines_request_one_task_per_node(jobs, nodes, gpus, batch):
     lines = script.splitlines()
     assert max(i for i, line in enumerate(lines) if line.startswith("#SBATCH")) < lines.index("set -euo pipefail")
     assert f"{nodes * gpus} ranks" in script
-    assert all(len(line) <= 100 for line in lines)
+    assert all(len(line) <= 86 for line in lines)  # the book's column: chapter 8 prints it
 
 
 def test_partition_account_and_names_when_given():
@@ -354,4 +354,20 @@ def test_c10d_numbers_the_nodes_by_their_sorted_descriptors():
                                                              ._mark_rendezvous_complete)
     joined = [dr._NodeDesc("gpu007", 10, 0), dr._NodeDesc("gpu002", 99, 0), dr._NodeDesc("gpu002", 12, 0)]
     assert sorted(joined) == [joined[2], joined[1], joined[0]]
-    assert "numbers them in the sorted\n#                      order of their (host name, pid)" in render_sbatch(SlurmJob("fault", 2, 1))
+    words = " ".join(render_sbatch(SlurmJob("fault", 2, 1)).replace("#", " ").split())
+    assert "numbers them in the sorted order of their (host name, pid) descriptors" in words
+
+
+def test_every_run_s_script_fits_the_book_s_column_and_keeps_its_header():
+    from handbook_lib.runs import available_runs
+
+    for run in available_runs():
+        for nodes, gpus in ((1, 1), (16, 8)):
+            script = render_sbatch(SlurmJob(run, nodes, gpus, partition="gpu", account="proj"))
+            assert max(map(len, script.splitlines())) <= 86, run
+            assert script.splitlines()[:2] == [SHEBANG, MARKER]
+    # the reflowed comments keep every word of the table of torchrun's flags, in order
+    script = render_sbatch(SlurmJob("fault", 2, 8))
+    flags = [line.split()[1] for line in script.splitlines() if line.startswith("#   -")]
+    assert flags == ["--nnodes", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id",
+                     "--max-restarts", "--tee", "-m"]

@@ -29,6 +29,7 @@ import importlib
 import json
 import re
 import shlex
+import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,6 +213,7 @@ def render_sbatch(job: SlurmJob) -> str:
         "# below, before srun: e.g. `module load cuda` and `source .venv/bin/activate`.)",
         "#",
         "# sbatch reads the #SBATCH lines (up to the first command) as if they were its own options.",
+        "#",
         "# The job's name, shown by squeue.",
         f"#SBATCH --job-name={job.name}",
         "# Nodes to allocate: one torchrun agent runs on each.",
@@ -269,12 +271,15 @@ def render_sbatch(job: SlurmJob) -> str:
         "# (read the dumps with python -m torch.distributed.flight_recorder.fr_trace).",
         f"export {COLLECTIVE_TIMEOUT_ENV}=600 TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
         "export TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1",
+        "#",
         "# On hosts with several interfaces (docker0, a management Ethernet), name NCCL's:",
-        "#   export NCCL_SOCKET_IFNAME=ib0     # bootstrap and sockets; ^docker0,lo excludes those",
-        "#   export NCCL_IB_HCA=mlx5_0,mlx5_1  # the InfiniBand adapters (ibstat lists them)",
+        "#   export NCCL_SOCKET_IFNAME=ib0     # its sockets (^docker0,lo: all but those)",
+        "#   export NCCL_IB_HCA=mlx5_0,mlx5_1  # its InfiniBand adapters (ibstat lists them)",
+        "#",
         "# To debug a hang: TORCH_DISTRIBUTED_DEBUG=DETAIL checks that every rank calls the same",
         "# collectives (slow: for a rerun), and on a stuck rank's node (srun --overlap",
         "# --jobid <id> --pty bash), py-spy dump --pid <pid> prints where its Python waits.",
+        "#",
         "# Preemption: Slurm sends SIGTERM, then SIGKILL; --requeue (a #SBATCH line) reruns this",
         "# script with the same job id, so the same $OUT_DIR. A run that saves checkpoints",
         "# (checkpoint_resume, with resume=true resume_if_present=true) then continues from the",
@@ -292,7 +297,8 @@ def render_sbatch(job: SlurmJob) -> str:
         json.dumps(dict(job.config), indent=2),
         "JSON",
         "",
-        f'echo "job $SLURM_JOB_ID: {run} on $SLURM_NNODES {nodes_word} ($SLURM_JOB_NODELIST) x {g} GPUs"',
+        f'echo "job $SLURM_JOB_ID: {run} on $SLURM_NNODES {nodes_word} x {g} GPUs"',
+        'echo "nodes: $SLURM_JOB_NODELIST"',
         'echo "rendezvous at $MASTER_ADDR:$MASTER_PORT; results in $OUT_DIR"',
         "",
         "# srun starts the job's tasks: one per node, each one torchrun agent. It gives each task",
@@ -300,6 +306,7 @@ def render_sbatch(job: SlurmJob) -> str:
         "# --kill-on-bad-exit=1 stops every node as soon as one fails, rather than leaving the",
         "# others waiting at a collective until --time.",
         "# (--cpus-per-task is repeated: since Slurm 22.05, srun may not take it from sbatch.)",
+        "#",
         "# torchrun's arguments:",
         "#   --nnodes           agents that must join before any rank starts: all the nodes",
         f"#   --nproc-per-node   ranks each agent starts: one per GPU, so {job.world_size} ranks in all",
@@ -329,7 +336,52 @@ def render_sbatch(job: SlurmJob) -> str:
         '    --out "$OUT_DIR"',
         'echo "result: $OUT_DIR/result.json"',
     ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(_fit(lines)) + "\n"
+
+
+WIDTH = 86
+"""Longest line of a script (the book's column): :func:`_fit` reflows the comments to it."""
+
+
+def _fit(lines: list[str], width: int = WIDTH) -> list[str]:
+    """The script's lines with every comment reflowed within ``width`` columns: a paragraph of
+    prose comments (``# text`` lines, ended by a line ending in ``:``, a ``#`` line or code),
+    and an entry of a table of flags (``#   --flag   what it does``, with the lines under its
+    text) keeping its columns. Code lines, ``#SBATCH`` lines and the header are left as they
+    are."""
+    out: list[str] = []
+    prose: list[str] = []
+    entry: list[str] = []  # [head, text...] of a table entry: head is "#   --flag    "
+
+    def flush(keep_prose: bool = False) -> None:
+        if prose and not keep_prose:
+            out.extend(textwrap.wrap(" ".join(prose), width, initial_indent="# ", subsequent_indent="# ",
+                                     break_on_hyphens=False, break_long_words=False))
+            prose.clear()
+        if entry:
+            head, *text = entry
+            out.extend(textwrap.wrap(" ".join(text), width, initial_indent=head,
+                                     subsequent_indent="#" + " " * (len(head) - 1),
+                                     break_on_hyphens=False, break_long_words=False))
+            entry.clear()
+
+    for line in lines:
+        flag = re.match(r"#   -\S*(?: \S+)*?\s{2,}", line)
+        if flag:
+            flush()
+            entry.extend([flag.group(0), line[flag.end():]])
+        elif entry and line.startswith("#" + " " * (len(entry[0]) - 1)) and line.strip("# "):
+            entry.append(line.strip("# "))
+        elif line.startswith("# ") and not line.startswith("#  ") and line != MARKER:
+            flush(keep_prose=True)
+            prose.append(line[2:])
+            if line.endswith(":"):
+                flush()
+        else:
+            flush()
+            out.append(line)
+    flush()
+    return out
 
 
 def is_own_script(path: str | Path) -> bool:
