@@ -363,3 +363,16 @@ def test_checks_summary_folds_agreeing_ranks_into_one_row():
     assert [row[-1] for row in table.rows] == ["yes", "NO", "yes", "yes"]
     # a plain list of checks knows no world size: the count alone
     assert checks_summary(run.checks[:4]).rows[0][1] == "4"
+
+
+def test_collective_checks_keep_counts_and_bytes_of_collectives_only():
+    from handbook_lib.face import collective_checks
+
+    names = ["fsdp_unit_count", "all_gather_count", "all_gather_buffer_bytes",
+             "reduce_scatter_buffer_bytes", "all_reduce_buffer_bytes", "sent_bytes",
+             "peak_bytes", "activation_bytes", "param_shard_bytes", "loss_FULL_SHARD_vs_DDP"]
+    checks = [Check(q, r, 1, 1, "bytes") for r in range(2) for q in names]
+    kept = collective_checks(checks)
+    assert [c.quantity for c in kept] == names[:6] * 2
+    assert [c.quantity for c in collective_checks(checks, rank=1)] == names[:6]
+    assert all(c.rank == 1 for c in collective_checks(checks, rank=1))

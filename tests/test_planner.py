@@ -232,3 +232,15 @@ def test_seed_scenarios_reproduce_the_seed(scenario, printed):
     assert [round(g, 1) for g in got] == list(gb)
     gpu_bytes = {"a100-80gb": 80e9, "a100-40gb": 40e9}[scenario.gpu]
     assert seed_recommendation(scenario.nominal_params, gpu_bytes, scenario.gpus) == answer
+
+
+def test_global_batch_grows_with_the_gpus_of_pure_fsdp():
+    from handbook_lib.models import global_batch_tokens, max_data_parallel
+
+    assert global_batch_tokens(64, 1, 4096) == 64 * 4096
+    assert global_batch_tokens(64, 2, 4096, grad_accum_steps=4) == 64 * 2 * 4096 * 4
+    assert global_batch_tokens(64, 1, 4096, model_parallel=8) == 8 * 4096
+    assert max_data_parallel(4 * 2**20, 1, 4096) == 1024
+    assert max_data_parallel(4096, 2, 4096) == 0
+    with pytest.raises(ValueError, match="multiple"):
+        global_batch_tokens(12, 1, 4096, model_parallel=8)

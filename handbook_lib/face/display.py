@@ -388,3 +388,17 @@ def show_source(obj: Any) -> SourceCode:
                          f"{err}") from None
 
 
+
+
+COLLECTIVE_QUANTITIES = ("fsdp_unit_count", "all_gather_", "reduce_scatter_", "all_reduce_",
+                         "sent_bytes")
+"""How the quantities of a run's collective checks begin (:func:`collective_checks`)."""
+
+
+def collective_checks(checks: RunResult | Iterable[Check], *, rank: int | None = None) -> list[Check]:
+    """The checks of a run that count its collectives: FSDP units, every kind's count and
+    buffer bytes, and the bytes each rank sends (quantities beginning with one of
+    :data:`COLLECTIVE_QUANTITIES`), not its memory or its loss; only ``rank``'s when given."""
+    items = checks.checks if isinstance(checks, RunResult) else list(checks)
+    return [c for c in items if c.quantity.startswith(COLLECTIVE_QUANTITIES)
+            and (rank is None or c.rank == rank)]

@@ -1,0 +1,82 @@
+"""When compute hides FSDP's communication: the roofline of one step. Pure arithmetic.
+
+Chapter 3 teaches it (the FSDP sections of How to Scale Your Model and of the Ultra-Scale
+Playbook derive the same bound). Per optimizer step and micro-step, a rank of an ``N``-way
+sharded job sends about ``b·P·(N-1)/N`` bytes, ``b`` the bytes per parameter on the wire
+(:func:`wire_bytes_per_param`: FULL_SHARD's two all-gathers of the parameters and one
+reduce-scatter of the gradients, ``2 + 2 + 4 = 8`` in bf16 with fp32 reduction), and computes
+``k·P·T`` FLOPs on its ``T`` tokens (``k = 6``, or 8 with full recomputation,
+:func:`~handbook_lib.models.timing.estimate_compute_time`). With overlap, compute hides the
+communication while
+
+    k·P·T / (F·MFU)  >=  b·P·(N-1)/N / beta,   that is   T >= T_min = b·(N-1)/N · F·MFU / (k·beta)
+
+``F`` the accelerator's peak FLOP/s, ``MFU`` the fraction of it achieved, ``beta`` the
+bandwidth each GPU's ring gets each way. ``P`` cancels: the threshold depends on the link and
+on how fast the GPU computes, not on the model's size, and on ``N`` only through ``(N-1)/N``.
+The latency term (``alpha`` per ring step) is left out: it matters for small buffers and many
+ranks, not for a layer's gigabytes.
+"""
+
+from __future__ import annotations
+
+from handbook_lib.core.checks import check_int
+from handbook_lib.core.config import dtype_bytes
+from handbook_lib.models.timing import DEFAULT_UTILIZATION
+
+__all__ = ["min_tokens_per_gpu", "wire_bytes_per_param"]
+
+_GATHERS = {"FULL_SHARD": 2, "HYBRID_SHARD": 2, "SHARD_GRAD_OP": 1, "HYBRID_SHARD_ZERO2": 1}
+"""All-gathers of the parameters per micro-step (forward, and backward where they were freed)."""
+
+
+def wire_bytes_per_param(strategy: str = "FULL_SHARD", param_dtype: str = "bf16",
+                         reduce_dtype: str = "fp32") -> int:
+    """Bytes per parameter a rank's collectives carry per step, before the ring's ``(N-1)/N``:
+    FULL_SHARD ``2·p + r`` (two all-gathers, one reduce-scatter), SHARD_GRAD_OP ``p + r``,
+    DDP ``2·r`` (one all-reduce of the gradients), ``p`` and ``r`` the bytes of one parameter
+    in ``param_dtype`` and of one gradient in ``reduce_dtype``. The hybrid strategies count
+    their shard group's collectives only (the replicas' all-reduce of a ``1/S`` shard comes on
+    top). E.g. 8 for FULL_SHARD in bf16 with fp32 reduction, 6 for SHARD_GRAD_OP.
+    """
+    p, r = dtype_bytes(param_dtype, "param_dtype"), dtype_bytes(reduce_dtype, "reduce_dtype")
+    if strategy == "DDP":
+        return 2 * r
+    if strategy not in _GATHERS:
+        raise ValueError(f"strategy must be DDP or one of {', '.join(_GATHERS)}, got {strategy!r}")
+    return _GATHERS[strategy] * p + r
+
+
+def min_tokens_per_gpu(bandwidth_bytes_per_s: float, peak_flops: float,
+                       utilization: float = DEFAULT_UTILIZATION, *,
+                       wire_bytes: float = 8.0, ranks: int | None = None,
+                       activation_checkpointing: bool = False) -> float:
+    """Tokens each GPU must process per micro-step for compute to hide the communication:
+    ``T_min = b·(N-1)/N · F·MFU / (k·beta)`` (module docstring), ``k`` 6, or 8 with
+    ``activation_checkpointing``.
+
+    Args:
+        bandwidth_bytes_per_s: beta, the bandwidth one GPU's ring gets each way (a link's
+            ``achievable_bytes_per_s``, or a route's).
+        peak_flops: F, the accelerator's peak FLOP/s (``Accelerator.peak_flops_bf16``).
+        utilization: MFU, the fraction of the peak achieved, in (0, 1].
+        wire_bytes: b, bytes per parameter on the wire (:func:`wire_bytes_per_param`).
+        ranks: N, the ranks sharing the collectives; ``None`` for the limit of many ranks
+            (``(N-1)/N -> 1``).
+        activation_checkpointing: Count the recomputed forward (8PT): fewer tokens suffice.
+    """
+    if not bandwidth_bytes_per_s > 0:
+        raise ValueError(f"bandwidth_bytes_per_s must be > 0, got {bandwidth_bytes_per_s!r}")
+    if not peak_flops > 0:
+        raise ValueError(f"peak_flops must be > 0 FLOP/s, got {peak_flops!r}")
+    if not 0 < utilization <= 1:
+        raise ValueError(f"utilization must be in (0, 1], got {utilization!r}")
+    if not wire_bytes > 0:
+        raise ValueError(f"wire_bytes must be > 0, got {wire_bytes!r}")
+    ring = 1.0
+    if ranks is not None:
+        check_int("ranks", ranks, 2)
+        ring = (ranks - 1) / ranks
+    flops_per_token_param = 8 if activation_checkpointing else 6
+    return (wire_bytes * ring * peak_flops * utilization
+            / (flops_per_token_param * bandwidth_bytes_per_s))
