@@ -585,3 +585,27 @@ def test_prediction_scatter_puts_each_pair_at_predicted_measured(figs: list[Figu
     diagonal = ax.get_lines()[0]
     assert list(diagonal.get_xdata()) == list(diagonal.get_ydata())
     assert _legend(ax) == ["measured = predicted", "1 rank,\nfp32", "2 ranks,\nbf16"]
+
+
+def test_min_tokens_by_link_bars_labels_and_marks(figs: list[Figure]) -> None:
+    rows = [("NVLink 4", 1465.0), ("PCIe 5", 8448.0), ("100 GbE", 43256.0)]
+    figs.append(fig := plots.plot_min_tokens_by_link(rows, title="Roofline",
+                                                     marks={"one sequence": 4096}))
+    _assert_readable(fig)
+    ax = _ax(fig)
+    widths = [p.get_width() for p in ax.patches]
+    assert widths == pytest.approx([t for _, t in rows])
+    assert _ticks(ax.get_yticklabels()) == ["NVLink 4", "PCIe 5", "100 GbE"]
+    assert ax.patches[0].get_y() > ax.patches[2].get_y()  # the first row on top
+    assert [t.get_text() for t in ax.texts] == ["1,465", "8,448", "43,256"]
+    assert ax.get_xscale() == "log" and [line.get_xdata()[0] for line in ax.lines] == [4096]
+    assert _legend(ax) == ["one sequence"]
+
+
+def test_fit_map_outlines_the_edges(figs: list[Figure]) -> None:
+    answers = {("small", 8): "DDP", ("large", 8): "FULL_SHARD + AC"}
+    figs.append(fig := plots.plot_fit_map(answers, title="Plan", edges=[("large", 8)]))
+    ax = _ax(fig)
+    (box,) = ax.patches
+    assert box.get_xy() == pytest.approx((-0.47, 0.55)) and "within 5 %" in ax.get_xlabel()
+    assert "within" not in _ax(plots.plot_fit_map(answers, title="Plan")).get_xlabel()

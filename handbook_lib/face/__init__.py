@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         plot_step_phases,
     )
     from handbook_lib.face.display import (
+        COLLECTIVE_QUANTITIES,
         LOSS_DECIMALS,
         Definitions,
         ErrorText,
@@ -29,6 +30,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         checks_summary,
         checks_table,
         checks_verdict,
+        collective_checks,
         definitions,
         format_bound,
         format_bytes,
@@ -47,6 +49,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         plot_loss_curves,
         plot_memory_breakdown,
         plot_memory_vs_seq_len,
+        plot_min_tokens_by_link,
         plot_peak_by_run,
         plot_predicted_vs_measured,
         plot_prediction_scatter,
@@ -81,6 +84,8 @@ _HOMES = {
     "Table": "display",
     "checks_table": "display",
     "checks_summary": "display",
+    "collective_checks": "display",
+    "COLLECTIVE_QUANTITIES": "display",
     "checks_verdict": "display",
     "checks_legend": "display",
     "format_tolerance": "display",
@@ -99,6 +104,7 @@ _HOMES = {
     "plot_volume_vs_memory": "plots",
     "plot_step_time_by_link": "plots",
     "plot_fit_map": "plots",
+    "plot_min_tokens_by_link": "plots",
     "plot_loss_curves": "plots",
     "plot_peak_by_run": "plots",
     "plot_memory_vs_seq_len": "plots",
@@ -123,8 +129,9 @@ __all__ = [
     "plot_collective_bench", "plot_volume_vs_memory", "plot_step_time_by_link", "plot_fit_map",
     "plot_loss_curves", "plot_peak_by_run", "plot_memory_vs_seq_len", "BOOK_WIDTH_IN",
     "MIN_FONT_PT", "summarize_runs", "run_summary", "compare_runs", "step_time_table",
-    "step_time_summary", "fit_table", "zero_vs_fsdp_table", "fsdp_step_slots", "plot_fsdp_step",
-    "plot_step_phases", "plot_prediction_scatter",
+    "step_time_summary", "fit_table", "zero_vs_fsdp_table",
+    "COLLECTIVE_QUANTITIES", "collective_checks", "fsdp_step_slots", "plot_fsdp_step",
+    "plot_min_tokens_by_link", "plot_prediction_scatter", "plot_step_phases",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

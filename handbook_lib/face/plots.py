@@ -2,9 +2,9 @@
 
 Chapter 1 introduces :func:`plot_rank_bytes`; chapter 2 adds :func:`plot_memory_breakdown`,
 :func:`plot_memory_vs_seq_len` and :func:`plot_predicted_vs_measured`; chapter 3 the
-communication plots; chapter 4 :func:`plot_fit_map`; chapter 5 :func:`plot_loss_curves` and
-:func:`plot_peak_by_run`. The diagrams (a ring's steps, one step's collectives on a time axis,
-the commit protocol) are in :mod:`handbook_lib.face.diagrams`. Figures are built with the
+communication plots (:func:`plot_min_tokens_by_link`, the roofline); chapter 4
+:func:`plot_fit_map`; chapter 5 :func:`plot_loss_curves` and :func:`plot_peak_by_run`. The
+diagrams (a ring's steps, one step's collectives on a time axis, the commit protocol) are in :mod:`handbook_lib.face.diagrams`. Figures are built with the
 object-oriented API (no ``pyplot`` state), so a notebook cell shows a returned figure exactly once. Every figure is at most
 :data:`BOOK_WIDTH_IN` wide, so the book shows it unscaled, and no text is below 8 pt.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
 from handbook_lib.core.results import RunResult, model_state_bytes
 from handbook_lib.models.collectives import AlphaBeta
@@ -23,7 +24,7 @@ __all__ = [
     "plot_rank_bytes", "plot_memory_breakdown", "plot_predicted_vs_measured",
     "plot_collective_bench", "plot_volume_vs_memory", "plot_step_time_by_link", "plot_fit_map",
     "plot_loss_curves", "plot_peak_by_run", "plot_memory_vs_seq_len", "BOOK_WIDTH_IN", "MIN_FONT_PT",
-    "plot_prediction_scatter",
+    "plot_min_tokens_by_link", "plot_prediction_scatter",
 ]
 
 BOOK_WIDTH_IN = 7.2
@@ -253,12 +254,12 @@ def plot_step_time_by_link(rows: Sequence[tuple[str, float, float, float]], *, t
     """
     labels = [r[0] for r in rows]
     xs = range(len(rows))
-    fig = Figure(figsize=(max(6.4, 1.1 * len(rows)), 4.0), layout="constrained")
+    fig = Figure(figsize=(BOOK_WIDTH_IN, 4.0), layout="constrained")
     ax = fig.add_subplot()
     ax.bar([x - 0.2 for x in xs], [r[1] for r in rows], width=0.4, label="compute")
     ax.bar([x + 0.2 for x in xs], [r[2] for r in rows], width=0.4, label="communication")
     ax.scatter(list(xs), [r[3] for r in rows], color="black", marker="_", s=400, label="step, overlapped", zorder=3)
-    ax.set_xticks(list(xs), labels, fontsize=8, rotation=20)
+    ax.set_xticks(list(xs), labels, fontsize=8, rotation=35, ha="right")
     ax.set_yscale("log")
     ax.set_ylabel("seconds per step")
     ax.set_title(title)
@@ -270,12 +271,16 @@ def plot_fit_map(
     answers: Mapping[tuple[str, int], str],
     *,
     title: str = "What the planner recommends",
+    edges: Sequence[tuple[str, int]] = (),
+    edge_label: str = "outlined: within 5 % of the budget",
 ) -> Figure:
     """A grid of recommendations: models (rows) by GPU counts (columns), coloured by option.
 
     Args:
         answers: ``(model name, GPU count)`` → the recommended option's name (or "none").
         title: Figure title.
+        edges: Cells to outline (a verdict on a knife edge), as keys of ``answers``.
+        edge_label: What an outline means, added to the x label when ``edges`` is not empty.
     """
     models = list(dict.fromkeys(m for m, _ in answers))
     counts = sorted({n for _, n in answers})
@@ -289,10 +294,50 @@ def plot_fit_map(
     for r, m in enumerate(models):
         for c, n in enumerate(counts):
             ax.text(c, r, answers[(m, n)].replace(" + ", "\n+ "), ha="center", va="center", fontsize=8)
+    for m, n in edges:
+        r, c = models.index(m), counts.index(n)
+        ax.add_patch(Rectangle((c - 0.47, r - 0.45), 0.94, 0.9, fill=False, edgecolor="black",
+                               linewidth=2, linestyle="--"))
     ax.set_xticks(range(len(counts)), [str(n) for n in counts], fontsize=9)
     ax.set_yticks(range(len(models)), models, fontsize=9)
-    ax.set_xlabel("GPUs")
+    ax.set_xlabel(f"GPUs ({edge_label})" if edges else "GPUs")
     ax.set_title(title, fontsize=10)
+    return fig
+
+
+def plot_min_tokens_by_link(
+    rows: Sequence[tuple[str, float]],
+    *,
+    title: str,
+    marks: Mapping[str, float] | None = None,
+) -> Figure:
+    """Horizontal bars of the tokens per GPU per step above which compute hides the
+    communication (:func:`~handbook_lib.models.roofline.min_tokens_per_gpu`), one bar per link,
+    on a log axis, each labelled with its figure.
+
+    Args:
+        rows: ``(link name, minimum tokens per GPU)``, drawn top to bottom in this order.
+        title: Figure title.
+        marks: Vertical reference lines, label → tokens (e.g. ``{"one 4,096-token sequence":
+            4096}``).
+    """
+    fig = Figure(figsize=(BOOK_WIDTH_IN, 0.32 * len(rows) + 1.3), layout="constrained")
+    ax = fig.add_subplot()
+    ys = list(range(len(rows)))[::-1]
+    ax.barh(ys, [t for _, t in rows], color="tab:blue", height=0.6)
+    for y, (_, t) in zip(ys, rows):
+        ax.text(t * 1.08, y, f"{t:,.0f}", va="center", fontsize=8)
+    for i, (label, t) in enumerate((marks or {}).items()):
+        ax.axvline(t, color="tab:red", linestyle=("--", ":", "-.")[i % 3], linewidth=1,
+                   label=label)
+    ax.set_yticks(ys, [name for name, _ in rows], fontsize=8)
+    ax.set_xscale("log")
+    top = max(t for _, t in rows)
+    ax.set_xlim(right=top * 3)
+    ax.set_xlabel("tokens per GPU per step for compute to hide the communication")
+    ax.set_title(title, fontsize=10)
+    if marks:
+        ax.legend(fontsize=8, loc="upper right")
     return fig
 
 
