@@ -615,3 +615,22 @@ def test_fsdp_plugin_keeps_an_fp32_reduce(clean_env):
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
     with pytest.raises(ValueError, match="api='fsdp2'"):
         fsdp_plugin(RunConfig(api="fsdp1", init="full"))
+
+
+def test_parse_deepspeed_config_sees_the_world_size_it_is_given():
+    from handbook_lib.integrations import parse_deepspeed_config
+
+    config = deepspeed_config(RunConfig(strategy="ZERO3", batch_size=32), 8)
+    assert parse_deepspeed_config(config, 8).train_micro_batch_size_per_gpu == 4
+    with pytest.raises(Exception, match="train_batch_size"):  # 32 != 4 x 1 x 2: DeepSpeed's check
+        parse_deepspeed_config(config, 2)
+    assert ds_config_module.dist.get_world_size.__name__ != "<lambda>"  # restored
+
+
+def test_training_arguments_leave_the_environment_as_they_found_it(tmp_path, clean_env):
+    from handbook_lib.integrations import training_arguments
+
+    before = {k: v for k, v in os.environ.items() if k.startswith(("FSDP_", "ACCELERATE_"))}
+    args = training_arguments(trainer_fsdp_args(RunConfig(), reduce_in_compute_dtype=True), str(tmp_path))
+    assert args.fsdp_plugin_args["fsdp_version"] == 2 and args.fsdp_plugin_args["cpu_ram_efficient_loading"]
+    assert {k: v for k, v in os.environ.items() if k.startswith(("FSDP_", "ACCELERATE_"))} == before

@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         gpt2_config,
         probe_batch,
         probe_logits,
+        training_arguments,
     )
     from handbook_lib.integrations.zero_engine import (
         EngineOptimizer,
@@ -45,6 +46,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         import_deepspeed,
         measure_zero_bytes,
         measure_zero_grad_bytes,
+        parse_deepspeed_config,
     )
 
 _HOMES = {
@@ -74,6 +76,8 @@ _HOMES = {
     "measure_zero_bytes": "zero_engine",
     "measure_zero_grad_bytes": "zero_engine",
     "deepspeed_estimates": "zero_engine",
+    "parse_deepspeed_config": "zero_engine",
+    "training_arguments": "hf_trainer",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -82,7 +86,9 @@ __all__ = [
     "deepspeed_config", "trainer_deepspeed_args", "fsdp_strategies", "gpt2_config", "build_gpt2",
     "SyntheticLM", "RecordingTrainer", "probe_batch", "probe_logits", "import_deepspeed",
     "EngineOptimizer", "build_engine", "measure_zero_bytes", "measure_zero_grad_bytes",
-    "deepspeed_estimates", "MACHINE_RANK_FLAG",
+    "deepspeed_estimates", "MACHINE_RANK_FLAG", "accelerate_launch_env", "fsdp_plugin",
+    "DEEPSPEED_STAGE3_DEFAULTS", "MEASUREMENT_OVERRIDES", "production_configs",
+    "parse_deepspeed_config", "training_arguments",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -11,12 +11,13 @@ exact loss of every training step (the Trainer logs them rounded to 4 decimals).
 from __future__ import annotations
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from handbook_lib.core.config import RunConfig
 from handbook_lib.runtime.data import make_batch
 
-__all__ = ["gpt2_config", "build_gpt2", "SyntheticLM", "RecordingTrainer", "probe_batch", "probe_logits"]
+__all__ = ["gpt2_config", "build_gpt2", "SyntheticLM", "RecordingTrainer", "probe_batch", "probe_logits",
+           "training_arguments"]
 
 
 def gpt2_config(config: RunConfig) -> GPT2Config:
@@ -97,3 +98,23 @@ if __name__ == "__main__":  # python -m handbook_lib.integrations.hf_trainer MOD
     model_dir, logits_file, config_json = sys.argv[1:4]
     config = RunConfig.from_mapping({k: v for k, v in json.loads(config_json).items() if k in RunConfig.keys()})
     print(json.dumps({"max_abs_diff": saved_logits_difference(model_dir, logits_file, config)}))
+
+
+def training_arguments(keywords: dict, output_dir: str) -> TrainingArguments:
+    """``TrainingArguments(**keywords)``, Transformers' own check of them, on this machine.
+
+    Without a GPU, ``use_cpu=True`` (Transformers refuses ``bf16`` on a machine with no bf16
+    GPU otherwise; no key compared by the book changes). The ``FSDP_*`` and ``ACCELERATE_*``
+    variables the arguments write into the environment are undone, so that later runs started
+    from this process do not inherit them.
+    """
+    import os
+
+    saved = {k: v for k, v in os.environ.items() if k.startswith(("FSDP_", "ACCELERATE_"))}
+    try:
+        return TrainingArguments(output_dir=output_dir, report_to="none",
+                                 use_cpu=not torch.cuda.is_available(), **keywords)
+    finally:
+        for key in [k for k in os.environ if k.startswith(("FSDP_", "ACCELERATE_"))]:
+            del os.environ[key]
+        os.environ.update(saved)

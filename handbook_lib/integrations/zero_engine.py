@@ -35,7 +35,7 @@ from handbook_lib.runtime.measure import tensors_in
 from handbook_lib.runtime.model import build_model
 
 __all__ = ["import_deepspeed", "EngineOptimizer", "build_engine", "measure_zero_bytes",
-           "measure_zero_grad_bytes", "deepspeed_estimates"]
+           "measure_zero_grad_bytes", "deepspeed_estimates", "parse_deepspeed_config"]
 
 
 def import_deepspeed() -> Any:
@@ -159,3 +159,23 @@ def deepspeed_estimates(model: ModelConfig, world_size: int) -> dict[str, int]:
     _, zero3, _ = estimate_zero3_model_states_mem_needs(total, largest, num_gpus_per_node=world_size,
                                                         cpu_offload=False)
     return {"num_params": total, "largest_layer_params": largest, "zero2": int(zero2), "zero3": int(zero3)}
+
+
+def parse_deepspeed_config(config: dict[str, Any], world_size: int) -> Any:
+    """``DeepSpeedConfig(config)`` as each of ``world_size`` processes would parse it: DeepSpeed's
+    own parser (its keys, types and batch arithmetic), run here in one process. DeepSpeed takes
+    the world size from ``deepspeed.comm``; it is set to ``world_size`` for the parse only.
+
+    Raises:
+        deepspeed.runtime.config.DeepSpeedConfigError: for what DeepSpeed refuses.
+    """
+    import_deepspeed()
+    import deepspeed.runtime.config as ds_config
+
+    comm = ds_config.dist
+    saved = comm.get_world_size, comm.get_rank
+    comm.get_world_size, comm.get_rank = (lambda group=None: world_size), (lambda group=None: 0)
+    try:
+        return ds_config.DeepSpeedConfig(config, mpu=None)
+    finally:
+        comm.get_world_size, comm.get_rank = saved
