@@ -164,3 +164,25 @@ def test_check_batch(batch, ranks, accum, message):
     else:
         with pytest.raises(ValueError, match=f"^{message}$"):
             config.check_batch(ranks)
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("reshard_after_forward_size", 1, "SHARD_GRAD_OP"),
+    ("explicit_prefetch", -1, "explicit_prefetch"),
+    ("sync_every_micro_step", True, "grad_accum_steps >= 2"),
+    ("reshard_after_backward", False, "grad_accum_steps >= 2"),
+])
+def test_fsdp2_knobs_are_validated_with_the_key_named(key, value, words):
+    with pytest.raises(ValueError) as err:
+        RunConfig.from_mapping({key: value})
+    assert key in str(err.value) and words in str(err.value)
+
+
+def test_fsdp2_knobs_accepted_and_flag_the_probe():
+    assert not RunConfig().tunes_fsdp2  # the book's other runs: no probe, no extra checks
+    for change in ({"explicit_prefetch": 1}, {"reshard_after_forward_size": 2}, {"count_gathered": True},
+                   {"grad_accum_steps": 2, "sync_every_micro_step": True},
+                   {"grad_accum_steps": 2, "reshard_after_backward": "false"}):
+        config = RunConfig.from_mapping(change)
+        assert config.tunes_fsdp2
+        assert all(getattr(config, k) == (v if not isinstance(v, str) else False) for k, v in change.items())

@@ -376,3 +376,49 @@ def test_collective_checks_keep_counts_and_bytes_of_collectives_only():
     assert [c.quantity for c in kept] == names[:6] * 2
     assert [c.quantity for c in collective_checks(checks, rank=1)] == names[:6]
     assert all(c.rank == 1 for c in collective_checks(checks, rank=1))
+
+
+def test_compare_runs_note_names_the_baseline():
+    from handbook_lib.face import compare_runs
+
+    table = compare_runs({"one": _run(1, [2.0, 1.0], 100, 10)}, "one")
+    assert table.note.endswith("from the baseline's")
+
+
+def test_gathered_table_names_units_and_the_peaks():
+    from handbook_lib.face import gathered_table
+
+    seen = [{"phase": "forward", "unit": "layers.0", "gathered": ["root", "layers.0"], "gathered_bytes": 30},
+            {"phase": "backward", "unit": "layers.0", "gathered": ["root", "layers.0", "layers.1"],
+             "gathered_bytes": 50}]
+    predicted = [dict(s, gathered_bytes=s["gathered_bytes"] + 1) for s in seen]
+    table = gathered_table({"a": _run(2, [1.0], 1, 1, gathered=seen, predicted_gathered=predicted)})
+    assert table.rows[0] == ["for", "L0", "root L0"] and table.rows[1][2] == "root L0 L1"
+    assert table.rows[-1] == ["peak", "", "50 B (51 B)"]  # the largest of each, measured (predicted)
+
+
+def test_knob_traffic_table_counts_groups_and_reads_the_checks():
+    import dataclasses
+
+    from handbook_lib.core import Check
+    from handbook_lib.face import knob_traffic_table
+
+    calls = [{"kind": "all_gather", "group_size": 4}, {"kind": "all_gather", "group_size": 2},
+             {"kind": "reduce_scatter", "group_size": 4}]
+    result = dataclasses.replace(_run(4, [1.0], 1, 1, collectives=calls), checks=[
+        Check("sent_bytes", 0, 90, 90, "bytes", 0.0), Check("held_between_micro_steps", 0, 8, 8, "bytes", 0.0)])
+    row = knob_traffic_table({"r": result}).rows[0]
+    assert row == ["r", "2 in 4/2", 1, "90 B (90 B)", "8 B (8 B)"]
+
+
+def test_checks_by_run_counts_the_ranks_that_pass():
+    import dataclasses
+
+    from handbook_lib.core import Check
+    from handbook_lib.face import checks_by_run
+
+    result = dataclasses.replace(_run(2, [1.0], 1, 1), checks=[
+        Check("issue_order", 0, 12, 12, "in place", 0.0), Check("issue_order", 1, 12, 11, "in place", 0.0),
+        Check("peak_bytes", 0, 100, 104, "bytes", 0.1), Check("peak_bytes", 1, 100, 104, "bytes", 0.1)])
+    rows = checks_by_run({"r": result}, ("issue_order", "peak_bytes", "absent")).rows
+    assert rows == [["r", "issue_order", "12", "12", "1/2"], ["r", "peak", "100 B", "104 B", "2/2"]]

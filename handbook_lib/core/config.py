@@ -331,9 +331,34 @@ class RunConfig(FlatConfig):
     fills just what it holds) or ``full`` (the whole seeded model on every rank, then wrapped).
     The weights are the same; the host memory at init is not (chapter 5)."""
 
+    # FSDP2's tuning knobs (chapter 5, "Tuning FSDP2"); the defaults are the book's other runs
+    explicit_prefetch: int = 0
+    """All-gathers issued ahead, in units (FSDP2, ``wrap`` units other than the root): 0 keeps
+    FSDP2's implicit prefetching (forward: each unit gathered in its own pre-forward; backward:
+    one unit ahead, in reverse post-forward order); n >= 1 makes each unit prefetch the next n
+    in forward (``set_modules_to_forward_prefetch``) and the previous n in backward
+    (``set_modules_to_backward_prefetch``), and each step begins with the root's ``unshard()``."""
+    reshard_after_forward_size: int = 0
+    """FSDP2's ``reshard_after_forward`` as an int, in ranks: 0 keeps the strategy's bool; g >= 2
+    (a divisor of the shard group, smaller than it) makes every unit, root included, keep after
+    forward a 1/g shard of its gathered parameters, so backward all-gathers within groups of g
+    ranks (g/N of the bytes sent; more held between forward and backward)."""
+    sync_every_micro_step: bool = False
+    """With ``grad_accum_steps`` > 1: reduce(-scatter) the gradients in every micro-step's
+    backward, so they stay sharded (torchtitan's default), instead of only in the last one's
+    (``set_requires_gradient_sync(False)`` / ``no_sync()`` before it: unsharded gradients held)."""
+    reshard_after_backward: bool = True
+    """With ``grad_accum_steps`` > 1 (FSDP2): False calls ``set_reshard_after_backward(False)``
+    for every micro-step but the last, so each unit stays gathered from one micro-step's backward
+    into the next one's forward, which then all-gathers nothing (more memory, fewer bytes)."""
+    count_gathered: bool = False
+    """A measurement setting, not a knob: record, at each unit's compute, which FSDP2 units are
+    gathered, and check it and the collectives' order of issue against FSDP2's schedule (hooks
+    on every unit). On by itself whenever one of the four knobs above is set."""
+
     MINIMUMS: ClassVar[Mapping[str, int]] = {
         "batch_size": 1, "seq_len": 1, "steps": 1, "seed": 0, "shard_group_size": 0, "wrap_min_params": 1,
-        "grad_accum_steps": 1,
+        "grad_accum_steps": 1, "explicit_prefetch": 0, "reshard_after_forward_size": 0,
     }
 
     def __post_init__(self) -> None:
@@ -350,7 +375,21 @@ class RunConfig(FlatConfig):
             raise ValueError(f"config key 'max_grad_norm' must be >= 0 (0: no clipping), got {self.max_grad_norm}")
         if not self.lr > 0:
             raise ValueError(f"config key 'lr' must be > 0, got {self.lr}")
+        if self.reshard_after_forward_size == 1:
+            raise ValueError("config key 'reshard_after_forward_size' must be 0 (the strategy's bool) or "
+                             ">= 2 ranks, got 1 (to keep the gathered parameters, use strategy SHARD_GRAD_OP)")
+        for key, default in (("sync_every_micro_step", False), ("reshard_after_backward", True)):
+            if getattr(self, key) != default and self.grad_accum_steps == 1:
+                raise ValueError(f"config key {key!r}={getattr(self, key)} applies between micro-steps: "
+                                 f"it needs grad_accum_steps >= 2, got {self.grad_accum_steps}")
         self.model_config()  # validates the model keys
+
+    @property
+    def tunes_fsdp2(self) -> bool:
+        """Whether one of FSDP2's tuning knobs differs from its default, or ``count_gathered``
+        is set: the run then counts the gathered units and checks the order of issue."""
+        return bool(self.explicit_prefetch or self.reshard_after_forward_size or self.sync_every_micro_step
+                    or not self.reshard_after_backward or self.count_gathered)
 
     def check_batch(self, world_size: int) -> None:
         """Refuse a global batch that ``world_size`` ranks, each cutting its share into

@@ -65,6 +65,9 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         step_time_table,
         summarize_runs,
         zero_vs_fsdp_table,
+        gathered_table,
+        knob_traffic_table,
+        checks_by_run,
     )
 
 _HOMES = {
@@ -117,6 +120,9 @@ _HOMES = {
     "step_time_summary": "views",
     "fit_table": "views",
     "zero_vs_fsdp_table": "views",
+    "gathered_table": "views",
+    "knob_traffic_table": "views",
+    "checks_by_run": "views",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -129,7 +135,7 @@ __all__ = [
     "plot_collective_bench", "plot_volume_vs_memory", "plot_step_time_by_link", "plot_fit_map",
     "plot_loss_curves", "plot_peak_by_run", "plot_memory_vs_seq_len", "BOOK_WIDTH_IN",
     "MIN_FONT_PT", "summarize_runs", "run_summary", "compare_runs", "step_time_table",
-    "step_time_summary", "fit_table", "zero_vs_fsdp_table",
+    "step_time_summary", "fit_table", "zero_vs_fsdp_table", "gathered_table", "knob_traffic_table", "checks_by_run",
     "COLLECTIVE_QUANTITIES", "collective_checks", "fsdp_step_slots", "plot_fsdp_step",
     "plot_min_tokens_by_link", "plot_prediction_scatter", "plot_step_phases",
 ]

@@ -21,7 +21,8 @@ from handbook_lib.face.display import Table, format_bytes, format_losses
 from handbook_lib.models.collectives import AlphaBeta
 
 __all__ = ["summarize_runs", "run_summary", "compare_runs", "step_time_table", "step_time_summary", "fit_table",
-           "zero_vs_fsdp_table"]
+           "zero_vs_fsdp_table", "gathered_table", "knob_traffic_table",
+           "checks_by_run"]
 
 
 def summarize_runs(results: Mapping[str, RunResult]) -> Table:
@@ -85,7 +86,7 @@ def compare_runs(results: Mapping[str, RunResult], baseline: str) -> Table:
     return Table(["run", "ranks", "model state\nper rank", "ratio", "peak\nper rank", "ratio ",
                   "loss\ndiff."], rows,
                  note=f"ratio: to the {baseline!r} run; loss diff.: the largest relative difference "
-                      "of the per-step losses from its")
+                      "of the per-step losses from the baseline's")
 
 def step_time_table(result: RunResult) -> Table:
     """Rank 0's step times of a ``step_time`` run: per strategy, the median over repeats of the
@@ -161,3 +162,64 @@ def zero_vs_fsdp_table(results: Mapping[str, RunResult], what: str = "bytes", ra
     if what == "bytes":
         return Table(["who", "params", "master", "grads", "optimizer", "total"], rows)
     return Table(["who", "all-gathers", "reduce-scatters", "all-reduces", "sent bytes"], rows)
+
+
+def _short_unit(name: str) -> str:
+    return name.replace("layers.", "L")
+
+
+def gathered_table(results: Mapping[str, RunResult], rank: int = 0) -> Table:
+    """Which FSDP2 units each run held gathered while each unit computed (forward, then
+    backward), as ``fsdp_train``'s probe saw them on ``rank`` (runs with ``count_gathered`` or a
+    tuning knob; chapter 5): ``root L0 L1`` is the root and layers 0 and 1. The last row is the
+    peak of gathered bytes, measured, with the traffic model's prediction beside it."""
+    seen = {label: r.ranks[rank]["gathered"] for label, r in results.items()}
+    first = next(iter(seen.values()))
+    rows = [[s["phase"][:3], _short_unit(s["unit"]),
+             *(" ".join(_short_unit(n) for n in seen[label][i]["gathered"]) for label in seen)]
+            for i, s in enumerate(first)]
+    peaks = []
+    for label, r in results.items():
+        measured = max(s["gathered_bytes"] for s in seen[label])
+        predicted = max(s["gathered_bytes"] for s in r.ranks[rank].get("predicted_gathered", seen[label]))
+        peaks.append(f"{format_bytes(measured)} ({format_bytes(predicted)})")
+    rows.append(["peak", "", *peaks])
+    return Table(["phase", "unit", *seen], rows,
+                 note="units gathered (all-gather issued, not yet freed) while that unit computes; "
+                      "peak: bytes gathered at once, measured (predicted)")
+
+
+def knob_traffic_table(results: Mapping[str, RunResult], rank: int = 0) -> Table:
+    """One row per run: its all-gathers and reduce-scatters counted on ``rank``, the bytes it
+    sent by the ring model (measured, and the communication model's prediction from the run's
+    ``sent_bytes`` check), and the bytes held between micro-steps (measured; prediction)."""
+    rows = []
+    for label, r in results.items():
+        calls = r.ranks[rank]["collectives"]
+        sent = next(c for c in r.checks if c.quantity == "sent_bytes" and c.rank == rank)
+        held = next((c for c in r.checks if c.quantity == "held_between_micro_steps" and c.rank == rank), None)
+        ags = [c for c in calls if c["kind"] == "all_gather"]
+        groups = "/".join(str(g) for g in sorted({c["group_size"] for c in ags}, reverse=True))
+        rows.append([label, f"{len(ags)} in {groups}", sum(c["kind"] == "reduce_scatter" for c in calls),
+                     f"{format_bytes(sent.measured)} ({format_bytes(sent.predicted)})",
+                     f"{format_bytes(held.measured)} ({format_bytes(held.predicted)})" if held else "-"])
+    return Table(["run", "all-gathers", "RS", "sent (model)", "held (model)"], rows,
+                 note="all-gathers: count, in groups of that many ranks; RS: reduce-scatters; sent: "
+                      "bytes one rank sends in the step; held: bytes held between micro-steps")
+
+
+def checks_by_run(results: Mapping[str, RunResult], quantities: tuple[str, ...]) -> Table:
+    """The checks of ``quantities`` for several runs, one row per run and quantity: rank 0's
+    prediction and measurement, and how many ranks' checks passed (``2/2``)."""
+    rows = []
+    for label, r in results.items():
+        for q in quantities:
+            mine = [c for c in r.checks if c.quantity == q]
+            if not mine:
+                continue
+            first = next(c for c in mine if c.rank == 0)
+            value = (lambda v: format_bytes(v)) if first.unit == "bytes" else (lambda v: f"{v:,}")
+            rows.append([label, q.removesuffix("_bytes"), value(first.predicted), value(first.measured),
+                         f"{sum(c.ok for c in mine)}/{len(mine)}"])
+    return Table(["run", "quantity", "predicted", "measured", "ok"], rows,
+                 note="predicted and measured on rank 0; ok: checks within tolerance / ranks")

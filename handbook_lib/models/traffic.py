@@ -23,7 +23,8 @@ from handbook_lib.models.collectives import (
 from handbook_lib.models.layout import model_layout
 from handbook_lib.models.sharding import Unit
 
-__all__ = ["CollectiveRecord", "StepTraffic", "estimate_step_traffic", "estimate_step_bytes_for_params"]
+__all__ = ["CollectiveRecord", "StepTraffic", "estimate_step_traffic", "estimate_step_bytes_for_params",
+           "GatheredState", "estimate_gathered_units", "estimate_held_between_micro_steps"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ def estimate_step_traffic(
     param_dtype: str = "fp32", reduce_dtype: str = "fp32", root_reshard_after_forward: bool = False,
     grad_accum_steps: int = 1, sync_every_micro_step: bool = True, shard_group_size: int | None = None,
     flat_params: bool = False, grad_scaler_group: int | None = None,
+    reshard_after_forward_size: int | None = None, reshard_after_backward: bool = True,
+    issue_order: int | None = None,
 ) -> StepTraffic:
     """List the collectives of one optimizer step of ``strategy`` on ``world_size`` ranks.
 
@@ -111,6 +114,24 @@ def estimate_step_traffic(
             found-inf flag (one fp32 scalar, 4 bytes) once per optimizer step — FSDP1's
             ``ShardedGradScaler`` over the world, FSDP2's DTensors over the shard group.
 
+        reshard_after_forward_size: FSDP2's ``reshard_after_forward`` as an int g (for every
+            unit, the root included, where ``root_reshard_after_forward``): after forward each
+            unit keeps a 1/g shard of its gathered buffer, so backward all-gathers the same
+            padded buffer within groups of g ranks ((g-1)/g of it sent, instead of (S-1)/S).
+            g must divide the shard group S, 2 <= g < S; strategies that reshard after forward.
+        reshard_after_backward: ``False``: FSDP2's ``set_reshard_after_backward(False)`` in every
+            micro-step but the last; each unit stays gathered into the next micro-step, whose
+            forward then all-gathers nothing (with k micro-steps, k-1 fewer forward all-gathers
+            per unit).
+        issue_order: ``None`` lists the collectives unit by unit (the order above). An int n
+            lists them in the order FSDP2 issues them, with n units of explicit prefetch
+            (0: FSDP2's implicit prefetching): forward, the root, then each unit followed by
+            the next n not yet issued; backward, the root's all-gather (if resharded) and its
+            implicit prefetch of the last unit, then for each unit from the last: its
+            prefetches (the previous unit, or the previous n), its reduce-scatter (and HSDP
+            all-reduce); the root's reduction last, in FSDP's final callback. FSDP2 only
+            (not ``flat_params``).
+
     A unit without parameters (e.g. a root whose children are all wrapped) issues nothing.
 
     Raises:
@@ -131,6 +152,19 @@ def estimate_step_traffic(
         raise ValueError(f"shard_group_size applies only to {', '.join(strategies_where(hybrid=True))}, "
                          f"not {strategy!r}")
     replicas = world_size // group
+    back_group = group
+    if reshard_after_forward_size is not None:
+        check_int("reshard_after_forward_size", reshard_after_forward_size, 2)
+        if not row.reshard_after_forward or group % reshard_after_forward_size or reshard_after_forward_size >= group:
+            raise ValueError(f"reshard_after_forward_size={reshard_after_forward_size} must divide the shard "
+                             f"group of {group} ranks and be smaller, with a strategy that reshards after "
+                             f"forward ({', '.join(strategies_where(reshard_after_forward=True))}); "
+                             f"got strategy {strategy!r}")
+        back_group = reshard_after_forward_size
+    if issue_order is not None:
+        check_int("issue_order", issue_order, 0)
+        if flat_params or row.wrapper != "fsdp" or not row.shards_grads:
+            raise ValueError("issue_order is FSDP2's schedule: a sharded FSDP strategy without flat_params")
 
     records: list[CollectiveRecord] = []
     units = [u for u in units if u.numel]
@@ -156,21 +190,127 @@ def estimate_step_traffic(
             continue
         if group == 1 and replicas == 1:
             continue  # FSDP on one rank issues no collectives at all
+        gather_forward = m == 0 or reshard_after_backward
+
+        def regathered(u: Unit) -> bool:
+            return group > 1 and row.reshard_after_forward and (not u.root or root_reshard_after_forward)
+
+        def reduce(u: Unit, sync: bool = sync) -> None:
+            if sync and group > 1:
+                add("reduce_scatter", u.name, "backward", reduce_dtype, padded(u) * r_size, group)
+            if sync and row.hybrid and replicas > 1:
+                add("all_reduce", u.name, "backward", reduce_dtype, padded(u) * r_size // group, replicas)
+
+        if issue_order is not None:
+            _fsdp2_order(units, issue_order, group > 1 and gather_forward, regathered, reduce,
+                         lambda u, phase: add("all_gather", u.name, phase, param_dtype, padded(u) * p_size,
+                                              group if phase == "forward" else back_group))
+            continue
         for u in units:
-            if group > 1:
+            if group > 1 and gather_forward:
                 add("all_gather", u.name, "forward", param_dtype, padded(u) * p_size, group)
         for u in reversed(units):
-            numel = padded(u)
-            if group > 1 and row.reshard_after_forward and (not u.root or root_reshard_after_forward):
-                add("all_gather", u.name, "backward", param_dtype, numel * p_size, group)
-            if sync and group > 1:
-                add("reduce_scatter", u.name, "backward", reduce_dtype, numel * r_size, group)
-            if sync and row.hybrid and replicas > 1:
-                add("all_reduce", u.name, "backward", reduce_dtype, numel * r_size // group, replicas)
+            if regathered(u):
+                add("all_gather", u.name, "backward", param_dtype, padded(u) * p_size, back_group)
+            reduce(u)
     if grad_scaler_group is not None and grad_scaler_group > 1:
         m = grad_accum_steps - 1
         add("all_reduce", "grad_scaler", "optimizer", "fp32", 4, grad_scaler_group)
     return StepTraffic(strategy, world_size, grad_accum_steps, tuple(records))
+
+def _fsdp2_order(units: list[Unit], ahead: int, gather_forward: bool, regathered, reduce, gather) -> None:
+    """One micro-step's collectives in FSDP2's issue order (see ``issue_order`` of
+    :func:`estimate_step_traffic`); ``units`` has the root first, then the rest in forward order."""
+    root = [u for u in units if u.root]
+    rest = [u for u in units if not u.root]
+    if gather_forward:
+        issued: set[str] = set()
+        for u in root + rest:
+            ahead_of = rest[rest.index(u) + 1:rest.index(u) + 1 + ahead] if not u.root else []
+            for v in [u, *ahead_of]:
+                if v.name not in issued:
+                    issued.add(v.name)
+                    gather(v, "forward")
+    pending = [u for u in rest if regathered(u)]  # resharded after forward, not yet gathered again
+
+    def prefetch(v: Unit) -> None:
+        if v in pending:
+            pending.remove(v)
+            gather(v, "backward")
+
+    for u in root:
+        if regathered(u):
+            gather(u, "backward")
+        if rest:
+            prefetch(rest[-1])  # the root's implicit prefetch: the last unit of the forward
+    for i in range(len(rest) - 1, -1, -1):
+        prefetch(rest[i])  # its own pre-backward, if nothing prefetched it
+        for v in rest[max(0, i - max(ahead, 1)):i][::-1]:
+            prefetch(v)
+        reduce(rest[i])
+    for u in root:
+        reduce(u)
+
+
+@dataclass(frozen=True)
+class GatheredState:
+    """The units holding gathered parameters while one unit computes (FSDP2, CPU timing:
+    each collective completes when issued)."""
+
+    phase: str
+    """``forward`` (the unit's compute starts) or ``backward`` (its backward has computed the
+    gradient of its input, before its reduce-scatter)."""
+    unit: str
+    """The unit computing."""
+    gathered: tuple[str, ...]
+    """Units gathered (all-gather issued, not yet freed), root first, then in forward order."""
+    gathered_bytes: int
+    """Their all-gather buffers, padded, in ``param_dtype``."""
+
+
+def estimate_gathered_units(
+    units: Iterable[Unit], world_size: int, strategy: str, *, explicit_prefetch: int = 0,
+    param_dtype: str = "fp32", shard_group_size: int | None = None,
+) -> tuple[GatheredState, ...]:
+    """Which units are gathered at each unit's compute, forward then backward, under FSDP2's
+    prefetching (every unit but the root; the root holds the embedding and the head and stays
+    gathered through forward and backward).
+
+    Forward, with n = ``explicit_prefetch`` units of explicit prefetch: unit i computes with
+    units i … i+n gathered (0: FSDP2's implicit prefetching issues nothing ahead of a unit's own
+    pre-forward, so on a CPU — where a collective completes as it is issued — one unit; on a
+    GPU the CPU runs ahead and the next unit's all-gather is in flight too). Backward: unit i
+    finishes with units i-max(n, 1) … i gathered (FSDP2 prefetches one unit by default). With
+    ``SHARD_GRAD_OP`` nothing is freed before backward ends: every unit gathered so far stays.
+    These are the extra gathered bytes a prefetch costs at the peak: one unit per unit ahead.
+
+    Raises:
+        ValueError: for a strategy that does not shard parameters, or as
+            :func:`estimate_step_traffic`.
+    """
+    units = [u for u in units if u.numel]
+    check_int("explicit_prefetch", explicit_prefetch, 0)
+    row = get_strategy(strategy).torch_only("estimate_gathered_units")
+    if row.wrapper != "fsdp" or not row.shards_params:
+        raise ValueError(f"estimate_gathered_units needs a strategy that shards parameters, got {strategy!r}")
+    group = row.shard_group(world_size, shard_group_size) if row.hybrid else world_size
+    size = dtype_bytes(param_dtype, "param_dtype")
+    root = [u for u in units if u.root]
+    rest = [u for u in units if not u.root]
+    out = []
+
+    def state(phase: str, u: Unit, lo: int, hi: int) -> GatheredState:
+        held = root + rest[lo:hi + 1]
+        return GatheredState(phase, u.name, tuple(v.name for v in held),
+                             sum(v.padded_numel(group) * size for v in held))
+
+    keep = not row.reshard_after_forward
+    for i, u in enumerate(rest):
+        out.append(state("forward", u, 0 if keep else i, min(i + explicit_prefetch, len(rest) - 1)))
+    for i in range(len(rest) - 1, -1, -1):
+        out.append(state("backward", rest[i], 0 if keep else max(0, i - max(explicit_prefetch, 1)), i))
+    return tuple(out)
+
 
 def estimate_step_bytes_for_params(
     num_params: int, world_size: int, strategy: str, param_dtype: str = "fp32",
@@ -191,3 +331,33 @@ def estimate_step_bytes_for_params(
     check_int("num_params", num_params, 0)
     return estimate_step_traffic(model_layout(num_params).units(), world_size, strategy, param_dtype=param_dtype,
                                  reduce_dtype=reduce_dtype, shard_group_size=shard_group_size).sent_bytes
+
+
+def estimate_held_between_micro_steps(
+    units: Iterable[Unit], world_size: int, strategy: str, *, param_dtype: str = "fp32",
+    reduce_dtype: str = "fp32", sync_every_micro_step: bool = False, reshard_after_backward: bool = True,
+    shard_group_size: int | None = None,
+) -> int:
+    """Bytes a rank holds after one micro-step's backward beyond what it held before it, for
+    the two accumulation modes and FSDP2's ``set_reshard_after_backward`` (chapter 5):
+
+    - gradient sync off (``sync_every_micro_step=False``): every parameter's unsharded
+      gradient, P·r bytes (:func:`handbook_lib.models.model_state.estimate_accumulation_bytes`);
+      reduce-scattered every micro-step: nothing, the shards accumulate in place;
+    - ``reshard_after_backward=False``: every unit's gathered parameters too, its padded buffer
+      in ``param_dtype`` (the root's included), so the next forward gathers nothing.
+
+    Replicating strategies (DDP, NO_SHARD) accumulate in the gradients they hold anyway: 0.
+
+    Raises:
+        ValueError: as :func:`estimate_step_traffic`.
+    """
+    units = [u for u in units if u.numel]
+    row = get_strategy(strategy).torch_only("estimate_held_between_micro_steps")
+    if not row.shards_grads:
+        return 0
+    group = row.shard_group(world_size, shard_group_size) if row.hybrid else world_size
+    held = 0 if sync_every_micro_step else sum(u.numel for u in units) * dtype_bytes(reduce_dtype, "reduce_dtype")
+    if not reshard_after_backward and row.shards_params:
+        held += sum(u.padded_numel(group) for u in units) * dtype_bytes(param_dtype, "param_dtype")
+    return held

@@ -26,7 +26,7 @@ import sys
 import torch
 from torch import nn
 
-from handbook_lib.core.config import RunConfig, get_precision
+from handbook_lib.core.config import RunConfig, dtype_bytes, get_precision
 from handbook_lib.core.results import Check
 from handbook_lib.core.strategies import STRATEGY_TABLE
 from handbook_lib.models.allocator import reserved_bytes
@@ -39,7 +39,11 @@ from handbook_lib.models.model_state import (
     optimizer_step_bytes,
 )
 from handbook_lib.models.sharding import Unit, estimate_flat_shard_bytes
-from handbook_lib.models.traffic import estimate_step_traffic
+from handbook_lib.models.traffic import (
+    estimate_gathered_units,
+    estimate_held_between_micro_steps,
+    estimate_step_traffic,
+)
 from handbook_lib.runs.entry import RankReport, main
 from handbook_lib.runtime.build import check_runnable, measure_init_bytes, shard_group
 from handbook_lib.runtime.distributed import RankContext
@@ -52,7 +56,12 @@ from handbook_lib.runtime.measure import (
     measure_optimizer_bytes,
     measure_param_bytes,
 )
-from handbook_lib.runtime.training import build_grad_scaler, build_optimizer, train
+from handbook_lib.runtime.probe import GatheredProbe, GatheredSnapshot
+from handbook_lib.runtime.training import (
+    build_grad_scaler,
+    build_optimizer,
+    train,
+)
 
 CONFIG = RunConfig
 
@@ -95,6 +104,7 @@ def validate(config: RunConfig, world_size: int) -> None:
             "buckets during the second step, so the measured (last) step must be the third or later"
         )
     config.check_batch(world_size)
+    _validate_knobs(config, row, world_size)
     if row.hybrid:
         group = shard_group(config, world_size)
         if group == world_size:
@@ -109,6 +119,34 @@ def validate(config: RunConfig, world_size: int) -> None:
             )
 
 
+def _validate_knobs(config: RunConfig, row, world_size: int) -> None:
+    """FSDP2's tuning knobs (``explicit_prefetch``, ``reshard_after_forward_size``,
+    ``reshard_after_backward``) need FSDP2 with sharded parameters; an int reshard must divide
+    the shard group and be smaller.
+
+    Raises:
+        ValueError: naming the key and what is accepted.
+    """
+    fsdp2 = config.api == "fsdp2" and row.wrapper == "fsdp" and row.shards_params
+    for key, default in (("explicit_prefetch", 0), ("reshard_after_forward_size", 0),
+                         ("reshard_after_backward", True), ("count_gathered", False)):
+        if getattr(config, key) != default and not fsdp2:
+            accepted = ", ".join(s.name for s in STRATEGY_TABLE.values() if s.runs_with("fsdp2") and s.shards_params
+                                 and s.wrapper == "fsdp")
+            raise ValueError(f"config key {key!r}={getattr(config, key)!r} is FSDP2's: it needs api='fsdp2' and "
+                             f"strategy {accepted}; got api={config.api!r}, strategy={config.strategy!r}")
+    size = config.reshard_after_forward_size
+    if size:
+        group = shard_group(config, world_size) if row.hybrid else world_size
+        if not row.reshard_after_forward or group % size or size >= group:
+            raise ValueError(f"config key 'reshard_after_forward_size'={size} must divide the shard group of "
+                             f"{group} ranks and be smaller, with a strategy that reshards after forward "
+                             f"(FULL_SHARD, HYBRID_SHARD); got strategy {config.strategy!r} on {world_size} ranks")
+        if config.cpu_offload:
+            raise ValueError("config key 'reshard_after_forward_size' with cpu_offload=True: FSDP2 keeps the "
+                             "post-forward shards on the device; use one or the other")
+
+
 def run(config: RunConfig, ctx: RankContext) -> RankReport:
     """Train ``config`` on this rank, measure what it holds, and check each byte the models predict."""
     validate(config, ctx.world_size)
@@ -117,16 +155,19 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
     flat = config.api == "fsdp1" and row.wrapper == "fsdp"
     model, init_bytes = measure_init_bytes(config, ctx, config.init)
     optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
-    log = train(model, optimizer, config, ctx, track_memory=True, count_collectives=True,
-                scaler=build_grad_scaler(config, ctx))
     layout = model_layout(config.model_config())
     units = layout.units(config.wrap, config.wrap_min_params)
+    probe = _probe(model, units) if config.tunes_fsdp2 and row.wrapper == "fsdp" and not flat \
+        and row.shards_params else None
+    log = train(model, optimizer, config, ctx, track_memory=True, count_collectives=True,
+                scaler=build_grad_scaler(config, ctx))
     predicted = estimate_memory(
         layout, ctx.world_size, config.strategy, config.precision, config.optimizer,
         micro_batch=config.batch_size // (ctx.world_size * config.grad_accum_steps), seq_len=config.seq_len,
         shard_group_size=group if row.hybrid else None, rank=ctx.rank, cpu_offload=config.cpu_offload,
         activation_checkpointing=config.activation_checkpointing, units=units, flat_params=flat,
-        backend=ctx.backend, grad_accum_steps=config.grad_accum_steps,
+        # reduced in every micro-step, the gradients stay sharded: memory as one micro-step
+        backend=ctx.backend, grad_accum_steps=1 if config.sync_every_micro_step else config.grad_accum_steps,
     )
     state, checks = _state(config, ctx, layout, units, group, flat, model, optimizer, init_bytes)
     metrics = {
@@ -140,6 +181,11 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
                             NORM_TOLERANCE))
     if log.memory is not None:
         checks += _memory_checks(config, ctx, layout, predicted, log.memory, flat, metrics)
+    if probe is not None and probe.available and probe.passes:
+        probe.close()
+        checks += _gathered_checks(config, ctx, group, units, probe.passes[-1], metrics)
+    if log.collectives is not None and probe is not None:
+        checks += _order_checks(config, ctx, group, units, log.collectives, metrics)
     if log.collectives is not None:
         # the ring model applied to what was counted (kinds, buffers, group sizes)
         sent = sum(kind["sent_bytes"] for kind in collective_totals(log.collectives).values())
@@ -204,14 +250,27 @@ def _memory_checks(config: RunConfig, ctx: RankContext, layout: ModelLayout, pre
     row = STRATEGY_TABLE[config.strategy]
     # On a CPU-only machine "device" and host are the same memory: offloaded state counts too.
     peak = predicted.peak + (predicted.host if ctx.device.type == "cpu" else 0)
-    checks = [_bytes(ctx, "activation_bytes", predicted.forward_activations, mem.activation_bytes,
+    kept = _post_forward_shard_bytes(config, ctx, layout)
+    checks = [_bytes(ctx, "activation_bytes", predicted.forward_activations + kept, mem.activation_bytes,
                      ACTIVATION_TOLERANCE)]
-    if not flat or not row.shards_params:  # FSDP1 sharding its flat parameters: reported only
+    metrics["post_forward_shard_bytes"] = kept
+    if config.reshard_after_forward_size or not config.reshard_after_backward:
+        pass  # the memory model holds no post-forward shards and no units kept between micro-steps
+    elif not flat or not row.shards_params:  # FSDP1 sharding its flat parameters: reported only
         headroom = max(0, predicted.late_free_peak - predicted.peak) / peak
         checks.append(_bytes(ctx, "peak_bytes", peak, mem.peak_bytes, PEAK_TOLERANCE + headroom))
     if config.grad_accum_steps > 1:
-        checks.append(_bytes(ctx, "held_between_micro_steps", estimate_accumulation_bytes(
-            layout, config.strategy, config.precision), mem.held_between_micro_steps))
+        if config.sync_every_micro_step or not config.reshard_after_backward:
+            param_dtype, reduce_dtype = get_precision(config.precision)
+            held = estimate_held_between_micro_steps(
+                layout.units(config.wrap, config.wrap_min_params), ctx.world_size, config.strategy,
+                param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                sync_every_micro_step=config.sync_every_micro_step,
+                reshard_after_backward=config.reshard_after_backward,
+                shard_group_size=shard_group(config, ctx.world_size) if row.hybrid else None)
+        else:
+            held = estimate_accumulation_bytes(layout, config.strategy, config.precision)
+        checks.append(_bytes(ctx, "held_between_micro_steps", held, mem.held_between_micro_steps))
     metrics.update(predicted_peak_bytes=peak, peak_bytes=mem.peak_bytes, activation_bytes=mem.activation_bytes,
                    peak_breakdown=mem.peak_breakdown, allocator_peak_bytes=mem.allocator_peak_bytes,
                    held_between_micro_steps=mem.held_between_micro_steps)
@@ -219,6 +278,19 @@ def _memory_checks(config: RunConfig, ctx: RankContext, layout: ModelLayout, pre
         metrics.update(allocator_reserved_bytes=mem.allocator_reserved_bytes,
                        predicted_peak_reserved_bytes=reserved_bytes(peak))
     return checks
+
+
+def _post_forward_shard_bytes(config: RunConfig, ctx: RankContext, layout: ModelLayout) -> int:
+    """With ``reshard_after_forward_size`` = g: the 1/g shards of every unit's gathered buffer
+    that FSDP2 keeps from forward to backward (``_sharded_post_forward_param_data``, a clone made
+    in forward, which the memory tracker files with the activations); 0 otherwise."""
+    size = config.reshard_after_forward_size
+    if not size:
+        return 0
+    param_dtype, _ = get_precision(config.precision)
+    units = layout.units(config.wrap, config.wrap_min_params)
+    group = shard_group(config, ctx.world_size) if STRATEGY_TABLE[config.strategy].hybrid else ctx.world_size
+    return sum(u.padded_numel(group) for u in units if u.numel) * dtype_bytes(param_dtype) // size
 
 
 def _scaler_group(config: RunConfig, world_size: int) -> int | None:
@@ -251,8 +323,10 @@ def _collective_checks(config: RunConfig, ctx: RankContext, group: int, units: l
         units, ctx.world_size, config.strategy,
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, root_reshard_after_forward=not flat,
         shard_group_size=group if row.hybrid else None, flat_params=flat,
-        grad_accum_steps=config.grad_accum_steps, sync_every_micro_step=False,
+        grad_accum_steps=config.grad_accum_steps, sync_every_micro_step=config.sync_every_micro_step,
         grad_scaler_group=_scaler_group(config, ctx.world_size),
+        reshard_after_forward_size=config.reshard_after_forward_size or None,
+        reshard_after_backward=config.reshard_after_backward,
     )
     checks = []
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
@@ -264,11 +338,75 @@ def _collective_checks(config: RunConfig, ctx: RankContext, group: int, units: l
             checks.append(Check(f"{kind}_count", ctx.rank, len(predicted), len(measured), "collectives"))
         checks.append(_bytes(ctx, f"{kind}_buffer_bytes", sum(r.buffer_bytes for r in predicted),
                              sum(c.buffer_bytes for c in measured)))
+        if kind == "all_gather" and config.reshard_after_forward_size:  # the backward's smaller groups
+            size = config.reshard_after_forward_size
+            checks.append(Check("small_group_all_gathers", ctx.rank,
+                                sum(r.group_size == size for r in predicted),
+                                sum(c.group_size == size for c in measured), "collectives"))
     if calls or traffic.records:
         # DDP's buckets round each all-reduce's chunks separately: a few bytes off one
         # all-reduce of everything
         checks.append(_bytes(ctx, "sent_bytes", traffic.sent_bytes, sent, 1e-6 if row.wrapper == "ddp" else 0.0))
     return checks
+
+
+def _probe(model: nn.Module, units: list[Unit]) -> GatheredProbe:
+    """A :class:`GatheredProbe` on the run's FSDP2 units (the root is the model itself)."""
+    modules = {u.name: model if u.root else model.get_submodule(u.name) for u in units if u.numel}
+    return GatheredProbe(model, modules)
+
+
+def _gathered_checks(config: RunConfig, ctx: RankContext, group: int, units: list[Unit],
+                     seen: list[GatheredSnapshot], metrics: dict) -> list[Check]:
+    """The units gathered at each unit's compute in the measured micro-step (the last), beside
+    :func:`handbook_lib.models.traffic.estimate_gathered_units`: the peak count and bytes in
+    forward and in backward. Not predicted with an int ``reshard_after_forward_size`` (a unit
+    kept on the smaller mesh is neither sharded nor gathered) or with units kept between
+    micro-steps."""
+    metrics["gathered"] = [vars(s) for s in seen]
+    if config.reshard_after_forward_size or not config.reshard_after_backward:
+        return []
+    param_dtype, _ = get_precision(config.precision)
+    row = STRATEGY_TABLE[config.strategy]
+    predicted = estimate_gathered_units(units, ctx.world_size, config.strategy,
+                                        explicit_prefetch=config.explicit_prefetch, param_dtype=param_dtype,
+                                        shard_group_size=group if row.hybrid else None)
+    metrics["predicted_gathered"] = [vars(s) for s in predicted]
+    checks = []
+    for phase in ("forward", "backward"):
+        want = [s for s in predicted if s.phase == phase]
+        got = [s for s in seen if s.phase == phase]
+        short = "fwd" if phase == "forward" else "bwd"
+        checks.append(Check(f"gathered_units_{short}", ctx.rank, max(len(s.gathered) for s in want),
+                            max((len(s.gathered) for s in got), default=0), "units"))
+        checks.append(_bytes(ctx, f"gathered_peak_{short}_bytes", max(s.gathered_bytes for s in want),
+                             max((s.gathered_bytes for s in got), default=0)))
+    return checks
+
+
+def _order_checks(config: RunConfig, ctx: RankContext, group: int, units: list[Unit],
+                  calls: list[CollectiveCall], metrics: dict) -> list[Check]:
+    """The order in which the last micro-step's collectives were issued, beside FSDP2's
+    schedule (:func:`estimate_step_traffic` with ``issue_order``): how many of them are in the
+    predicted place (exact: all of them)."""
+    row = STRATEGY_TABLE[config.strategy]
+    param_dtype, reduce_dtype = get_precision(config.precision)
+    k = config.grad_accum_steps
+    traffic = estimate_step_traffic(
+        units, ctx.world_size, config.strategy, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        root_reshard_after_forward=True, shard_group_size=group if row.hybrid else None,
+        grad_accum_steps=k, sync_every_micro_step=config.sync_every_micro_step,
+        reshard_after_forward_size=config.reshard_after_forward_size or None,
+        reshard_after_backward=config.reshard_after_backward, issue_order=config.explicit_prefetch)
+    predicted = [(r.kind, r.unit, r.phase) for r in traffic.records]
+    # the counter names a phase after the first backward "optimizer": an all-gather there is
+    # the next micro-step's forward (FSDP gathers nothing in the optimizer step)
+    measured = [(c.kind, c.unit, "forward" if (c.kind, c.phase) == ("all_gather", "optimizer") else c.phase)
+                for c in calls if c.unit is not None]
+    metrics["predicted_order"] = [list(p) for p in predicted]
+    return [Check("issue_order", ctx.rank, len(predicted),
+                  sum(p == m for p, m in zip(predicted, measured)) if len(measured) == len(predicted) else -1,
+                  "in place")]
 
 
 if __name__ == "__main__":

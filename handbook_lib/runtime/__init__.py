@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         APPLY,
         InitMode,
         apply_activation_checkpointing,
+        apply_explicit_prefetch,
         apply_fsdp2,
         build_mesh,
         build_mp_policy,
@@ -87,6 +88,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         count_parameters,
         model_parts,
     )
+    from handbook_lib.runtime.probe import GatheredProbe, GatheredSnapshot
     from handbook_lib.runtime.seeded_init import SeededInit, seeded_parts
     from handbook_lib.runtime.training import (
         ForwardFn,
@@ -112,6 +114,7 @@ _HOMES = {
     "build_mp_policy": "build",
     "apply_activation_checkpointing": "build",
     "apply_fsdp2": "build",
+    "apply_explicit_prefetch": "build",
     "check_runnable": "build",
     "parallelize": "build",
     "APPLY": "build",
@@ -166,6 +169,8 @@ _HOMES = {
     "seeded_parts": "seeded_init",
     "SeededInit": "seeded_init",
     "ForwardFn": "training",
+    "GatheredProbe": "probe",
+    "GatheredSnapshot": "probe",
     "LossFn": "training",
     "next_token_loss": "training",
     "TrainLog": "training",
@@ -197,6 +202,7 @@ __all__ = [
     "build_model", "count_parameters", "seeded_parts", "SeededInit", "ForwardFn", "LossFn",
     "next_token_loss", "TrainLog", "StepEnd", "build_optimizer", "build_grad_scaler", "train_step",
     "train", "train_one_process", "one_thread", "NonFiniteLoss", "check_loss_finite",
+    "GatheredProbe", "GatheredSnapshot", "apply_explicit_prefetch",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -59,6 +59,7 @@ __all__ = [
     "parallelize",
     "APPLY",
     "measure_init_bytes",
+    "apply_explicit_prefetch",
 ]
 
 InitMode = InitName
@@ -145,7 +146,7 @@ def apply_fsdp2(
     model: nn.Module,
     mesh: DeviceMesh,
     *,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     units: list[nn.Module] | None = None,
@@ -158,6 +159,11 @@ def apply_fsdp2(
     :func:`handbook_lib.models.layout.wrap_units` lists them in forward order): ``[]``
     leaves one unit, the root, holding every parameter. Works on a model on the meta
     device too.
+
+    ``reshard_after_forward`` is passed to every unit, the root included, as the runs count
+    it: ``True`` here, where ``fully_shard``'s own default (``None``) means ``True`` for every
+    unit but the root and ``False`` for the root (kept gathered into backward, one all-gather
+    fewer); an ``int`` g reshards each unit after forward to groups of g ranks.
     """
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
@@ -251,8 +257,10 @@ def _apply_fsdp(model, config, ctx, row, units, seeded) -> nn.Module:
     home = torch.device("cpu") if offload is not None else ctx.device
     if seeded is None and offload is None:
         model.to(ctx.device)
-    apply_fsdp2(model, build_mesh(config, ctx), reshard_after_forward=row.reshard_after_forward,
+    reshard = config.reshard_after_forward_size or row.reshard_after_forward  # an int: that group
+    apply_fsdp2(model, build_mesh(config, ctx), reshard_after_forward=reshard,
                 mp_policy=build_mp_policy(config.precision), offload_policy=offload, units=units)
+    apply_explicit_prefetch(units, config.explicit_prefetch)
     if seeded is not None:
         _materialise(model, home, seeded)
     return model
@@ -262,8 +270,11 @@ def _apply_fsdp1(model, config, ctx, row, seeded) -> nn.Module:
     """FSDP1's ``FullyShardedDataParallel``, as the seed wraps it, made device-aware.
 
     ``device_id`` is the rank's device (FSDP1 refuses a CPU model without it), the hybrid
-    strategies get an explicit 2-D mesh (without one FSDP1 silently shards within groups of one
-    rank and never syncs gradients across them), the wrapping policy follows ``wrap`` and
+    strategies get an explicit 2-D mesh (without one, FSDP1 builds its groups from the devices
+    one process sees, ``device_count()``: right on an 8-GPU node where every rank sees all 8,
+    degenerate where each rank sees one device, on a CPU or with Slurm's
+    ``--gpus-per-task=1`` / a per-rank ``CUDA_VISIBLE_DEVICES``: shard groups of one rank,
+    clamped to ``NO_SHARD``, whose gradients are never synced), the wrapping policy follows ``wrap`` and
     parameters are flattened per unit (``use_orig_params=False``). On the meta device, FSDP1
     calls ``param_init_fn`` on each module as it wraps it: that is where the seeded weights go.
     """
@@ -359,3 +370,24 @@ def measure_init_bytes(config: RunConfig, ctx: RankContext, init: InitMode = "me
     peak = tracker.get_tracker_snapshot("peak").get(ctx.device, {})
     total = next((int(v) for k, v in peak.items() if str(getattr(k, "value", k)) == "Total"), 0)
     return model, total
+
+
+def apply_explicit_prefetch(units: list[nn.Module], ahead: int) -> None:
+    """Make each FSDP2 unit of ``units`` (in forward order, root excluded) prefetch the next
+    ``ahead`` units' all-gathers in forward and the previous ``ahead`` in backward, as
+    PyTorch's FSDP2 example does (``set_modules_to_forward_prefetch`` /
+    ``set_modules_to_backward_prefetch``). ``ahead=0`` leaves FSDP2's implicit prefetching:
+    forward gathers each unit in its own pre-forward hook (on a GPU the CPU runs ahead, so the
+    next all-gather is issued while this unit computes); backward prefetches one unit, in
+    reverse post-forward order. The step's ``root.unshard()`` is the training loop's
+    (:func:`handbook_lib.runtime.training.train_step`, ``unshard_first``).
+    """
+    if ahead <= 0:
+        return
+    for i, unit in enumerate(units):
+        later = units[i + 1:i + 1 + ahead]
+        earlier = units[max(0, i - ahead):i][::-1]
+        if later:
+            unit.set_modules_to_forward_prefetch(later)
+        if earlier:
+            unit.set_modules_to_backward_prefetch(earlier)

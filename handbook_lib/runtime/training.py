@@ -195,16 +195,15 @@ class StepEnd:
     optimizer: torch.optim.Optimizer
 
 
-def _gradient_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
-    """Turn the gradient reduction of the next backward on or off (gradient accumulation).
-
-    FSDP2: ``set_requires_gradient_sync``; DDP and FSDP1: their ``no_sync()`` context; a plain
-    module has nothing to sync.
-    """
+def _gradient_sync(model: nn.Module, sync: bool, reshard: bool = True) -> contextlib.AbstractContextManager:
+    """Turn the next backward's gradient reduction on or off, and (FSDP2) its reshard after
+    backward: ``set_requires_gradient_sync``, ``set_reshard_after_backward``; DDP and FSDP1:
+    ``no_sync()``; a plain module has nothing to sync."""
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(sync)
+        model.set_reshard_after_backward(reshard)
         return contextlib.nullcontext()
     if not sync and hasattr(model, "no_sync"):
         return model.no_sync()
@@ -213,10 +212,12 @@ def _gradient_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextMa
 
 def _forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, k: int, last: bool,
                       scaler: torch.amp.GradScaler | None, forward: ForwardFn | None, loss_fn: LossFn,
-                      tracker: StepMemoryTracker | None) -> torch.Tensor:
-    """One micro-step of :func:`train_step`: forward, loss (divided by ``k``), backward, with the
-    gradients reduced across ranks only if ``last``. Returns the reported loss, detached."""
-    with _gradient_sync(model, last):
+                      tracker: StepMemoryTracker | None, sync_every: bool = False,
+                      reshard_after_backward: bool = True) -> torch.Tensor:
+    """One micro-step of :func:`train_step`: forward, loss (divided by ``k``), backward, gradients
+    reduced if ``last`` or ``sync_every``, units resharded (FSDP2) if ``last`` or
+    ``reshard_after_backward``. Returns the reported loss, detached."""
+    with _gradient_sync(model, last or sync_every, last or reshard_after_backward):
         logits = model(x) if forward is None else forward(model, x)
         loss, reported = loss_fn(logits, y)
         if k > 1:  # each micro-batch's share of the step's mean
@@ -267,6 +268,9 @@ def train_step(
     full_norms: list[float] | None = None,
     forward: ForwardFn | None = None,
     loss_fn: LossFn = next_token_loss,
+    sync_every_micro_step: bool = False,
+    reshard_after_backward: bool = True,
+    unshard_first: bool = False,
 ) -> torch.Tensor:
     """One optimizer step: forward, loss, backward, optimizer step. Returns this rank's reported
     loss over ``inputs`` (by default the mean next-token cross-entropy, nats per token).
@@ -286,6 +290,8 @@ def train_step(
     is that gradient exactly, so the numbers are those of freed gradients). With a ``scaler``
     (fp16), the backward pass runs on the scaled loss and the scaler unscales, checks and steps.
     ``after_backward(model)`` is called between the last backward and the optimizer step.
+    ``sync_every_micro_step`` reduces in every micro-step; ``reshard_after_backward=False``
+    (FSDP2) keeps units gathered between micro-steps; ``unshard_first``: root ``unshard()`` first.
 
     Raises:
         ValueError: if ``inputs`` has a number of rows that ``grad_accum_steps`` does not divide.
@@ -306,8 +312,11 @@ def train_step(
             tracker.mark_start()
         if tracker is not None and micro > 0:
             tracker.next_micro_step()
+        if unshard_first and micro == 0 and hasattr(model, "unshard"):
+            model.unshard()
         loss = _forward_backward(model, x, y, k=k, last=micro == k - 1, scaler=scaler, forward=forward,
-                                 loss_fn=loss_fn, tracker=tracker)
+                                 loss_fn=loss_fn, tracker=tracker, sync_every=sync_every_micro_step,
+                                 reshard_after_backward=reshard_after_backward)
         # a Python float between micro-steps: no tensor of the loop's own stays alive
         total = loss if k == 1 else total + loss.item()
         del loss
@@ -426,7 +435,9 @@ def train(
     bar = tqdm(total=config.steps - start_step, desc="train", unit="step", file=_ProgressLines(),
                disable=not (progress and ctx.is_main), mininterval=0, dynamic_ncols=False, ncols=80)
     step_args = {"scaler": scaler, "grad_accum_steps": config.grad_accum_steps, "forward": forward,
-                 "loss_fn": loss_fn, "max_grad_norm": config.max_grad_norm, "grad_norms": record.norms}
+                 "loss_fn": loss_fn, "max_grad_norm": config.max_grad_norm, "grad_norms": record.norms,
+                 "sync_every_micro_step": config.sync_every_micro_step, "unshard_first": config.explicit_prefetch > 0,
+                 "reshard_after_backward": config.reshard_after_backward}
     for step in range(start_step, config.steps):
         batch = local_batch(config, step, ctx, batches)
         tracked = (track_memory or count_collectives) and config.steps >= 2 and step == config.steps - 1
