@@ -10,7 +10,13 @@ exact loss of every training step (the Trainer logs them rounded to 4 decimals).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+
+# In a notebook without ipywidgets, tqdm.auto (imported by Transformers) warns that its widget
+# bars fall back to text: true, harmless, and not the reader's to act on.
+warnings.filterwarnings("ignore", message="IProgress not found")
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from handbook_lib.core.config import RunConfig

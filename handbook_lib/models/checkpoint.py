@@ -60,8 +60,8 @@ COMMIT_STEPS: tuple[CommitStep, ...] = (
                "rank's shards are written", "the previous checkpoint; step_K.tmp is never loaded"),
     CommitStep("manifest", "{name}.tmp/" + MANIFEST, "rank 0", "hash every file; write sizes and "
                "SHA-256 (temporary file, renamed)", "the previous checkpoint; step_K.tmp is never loaded"),
-    CommitStep("rename", "{name}", "rank 0", "rename step_K.tmp to step_K (os.replace; an "
-               "earlier step_K is first renamed step_K.old, which loads until then)",
+    CommitStep("rename", "{name}", "rank 0", "rename step_K.tmp to step_K (os.replace), "
+               "an old step_K to .old first",
                "the previous checkpoint; step_K is complete, just not latest"),
     CommitStep("point latest", LATEST, "rank 0", "write 'step_K' to a temporary file, "
                "rename it over latest", "step_K (os.replace is atomic: the old name or the new, never none)"),
@@ -140,23 +140,20 @@ interruptions in a 54-day snapshot on 16,384 H100s (Grattafiori et al. 2024, sec
 about one every 3 hours; as a rate per GPU, one every ~6 years."""
 
 NOT_SAVED_ON_GPU: dict[str, tuple[str, str]] = {
-    "CUDA RNG": ("torch.get_rng_state() is the CPU generator only; dropout on a GPU draws "
-                 "from torch.cuda's", "torch.cuda.get_rng_state_all() / set_rng_state_all"),
-    "Python, NumPy RNG": ("random and numpy.random keep their own state",
-                          "random.getstate(), numpy.random.get_state()"),
-    "LR scheduler": ("the book's runs keep the learning rate constant",
-                     "scheduler.state_dict() in the app state"),
-    "GradScaler": ("fp16's loss scale would restart at 2**16 and grow back",
-                   "scaler.state_dict() (scale, growth tracker)"),
+    "CUDA RNG": ("not needed: the runs use no dropout, and torch.get_rng_state() is the "
+                 "CPU generator only", "torch.cuda.get_rng_state() of each rank, for dropout"),
+    "Python, NumPy RNG": ("not used by the runs", "random.getstate(), numpy.random.get_state()"),
+    "LR scheduler": ("none: the learning rate is constant", "scheduler.state_dict()"),
+    "GradScaler": ("none in fp32; in fp16 the loss scale would restart at 2**16",
+                   "scaler.state_dict() (scale and growth tracker)"),
     "data position": ("the step alone: make_batch(config, step) is a pure function of the "
-                      "step; a shuffling DataLoader with workers is not",
-                      "torchdata's StatefulDataLoader.state_dict()"),
-    "kernels": ("bit-identical on a GPU also needs deterministic kernels (atomics in "
-                "index_add, embedding backward)",
-                "torch.use_deterministic_algorithms(True)"),
+                      "step", "a shuffling DataLoader's place: torchdata's StatefulDataLoader"),
+    "kernels": ("the CPU kernels add in a fixed order",
+                "torch.use_deterministic_algorithms(True): atomics in index_add and the "
+                "embedding's backward add in no fixed order"),
 }
-"""What :func:`~handbook_lib.runtime.checkpoint.save_checkpoint` does not save, why the book's
-CPU runs resume exactly without it, and the standard way to add it: item → (why, fix). The
+"""What :func:`~handbook_lib.runtime.checkpoint.save_checkpoint` does not save: item → (why the
+book's CPU runs resume exactly without it, what a GPU job adds). The
 idiomatic home of all of it is one ``Stateful`` app state handed to ``dcp.save`` (PyTorch's
 DCP recipe)."""
 
