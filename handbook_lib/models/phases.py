@@ -17,6 +17,15 @@ alive in its phase, or ``None`` where the strategy or the inputs have no such ph
 sharding strategies (FULL_SHARD, SHARD_GRAD_OP and their hybrids) follow what FSDP2 does on
 every rank (torch 2.x); the replicating ones (DDP, NO_SHARD, NONE) keep the whole state, plus
 what each wrapper adds.
+
+What to carry to a GPU, and what is there to match the CPU runs to the byte: FULL_SHARD's peak
+is ``S`` plus, at the worst moment, the root and two layers gathered (the one computing and the
+next, prefetched: FSDP2 issues its backward prefetch on every backend, so it is counted), one
+layer's gradient buffers, and the activations and logits still alive. Two terms exist for
+exactness on the CPU: gloo's flattened copy of a reduce-scatter's input (``gloo``; NCCL has
+none) and the gradient FSDP2's post-backward loop variable still holds (``lasts``). Not
+modelled: the forward all-gathers a GPU issues ahead on their own stream, which can hold one
+more gathered unit in forward.
 """
 
 from __future__ import annotations
