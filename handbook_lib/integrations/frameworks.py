@@ -329,24 +329,24 @@ DEEPSPEED_STAGE3_DEFAULTS: dict[str, int] = {
 MEASUREMENT_OVERRIDES: dict[str, tuple[str, str, str]] = {
     "stage3_prefetch_bucket_size": (
         "0", "5e7 (DeepSpeed)",
-        "no prefetch: each module is gathered when it runs, so the count of gathers is exact; "
-        "on a real model every gather is then exposed"),
+        ("no prefetch: each module is gathered when it runs, so the count of gathers is exact; "
+         "on a real model every gather is then exposed")),
     "stage3_max_reuse_distance": (
         "0", "1e9 (DeepSpeed)",
-        "gather again in backward, as FSDP's reshard_after_forward; production keeps a "
-        "parameter gathered if it is reused soon"),
+        ("gather again in backward, as FSDP's reshard_after_forward; production keeps a "
+         "parameter gathered if it is reused soon")),
     "stage3_param_persistence_threshold": (
         "0", "1e5 (DeepSpeed)",
-        "shard every tensor, so the bytes match FSDP's; production keeps norms and biases "
-        "whole rather than gather each in its own tiny all-gather"),
+        ("shard every tensor, so the bytes match FSDP's; production keeps norms and biases "
+         "whole rather than gather each in its own tiny all-gather")),
     "communication_data_type": (
         "fp32 (bf16-mixed)", "omitted: bf16",
-        "reduce gradients in fp32 as the book's FSDP runs do; doubles the reduction bytes of a "
-        "bf16 job, a numerical choice, not a default"),
+        ("reduce gradients in fp32 as the book's FSDP runs do; doubles the reduction bytes of a "
+         "bf16 job, a numerical choice, not a default")),
     "overlap_comm": (
         "omitted (stage 3 on, 1/2 off)", "true",
-        "the measurement runs count collectives one at a time; production overlaps the "
-        "reduction with backward"),
+        ("the measurement runs count collectives one at a time; production overlaps the "
+         "reduction with backward")),
 }
 """The keys :func:`deepspeed_config` writes for the book's measurements and what the production
 config (``production=True``) writes instead: key → (measurement, production, why)."""

@@ -140,17 +140,17 @@ interruptions in a 54-day snapshot on 16,384 H100s (Grattafiori et al. 2024, sec
 about one every 3 hours; as a rate per GPU, one every ~6 years."""
 
 NOT_SAVED_ON_GPU: dict[str, tuple[str, str]] = {
-    "CUDA RNG": ("not needed: the runs use no dropout, and torch.get_rng_state() is the "
-                 "CPU generator only", "torch.cuda.get_rng_state() of each rank, for dropout"),
+    "CUDA RNG": (("not needed: the runs use no dropout, and torch.get_rng_state() is the "
+                  "CPU generator only"), "torch.cuda.get_rng_state() of each rank, for dropout"),
     "Python, NumPy RNG": ("not used by the runs", "random.getstate(), numpy.random.get_state()"),
     "LR scheduler": ("none: the learning rate is constant", "scheduler.state_dict()"),
     "GradScaler": ("none in fp32; in fp16 the loss scale would restart at 2**16",
                    "scaler.state_dict() (scale and growth tracker)"),
-    "data position": ("the step alone: make_batch(config, step) is a pure function of the "
-                      "step", "a shuffling DataLoader's place: torchdata's StatefulDataLoader"),
+    "data position": (("the step alone: make_batch(config, step) is a pure function of the "
+                       "step"), "a shuffling DataLoader's place: torchdata's StatefulDataLoader"),
     "kernels": ("the CPU kernels add in a fixed order",
-                "torch.use_deterministic_algorithms(True): atomics in index_add and the "
-                "embedding's backward add in no fixed order"),
+                ("torch.use_deterministic_algorithms(True): atomics in index_add and the "
+                 "embedding's backward add in no fixed order")),
 }
 """What :func:`~handbook_lib.runtime.checkpoint.save_checkpoint` does not save: item → (why the
 book's CPU runs resume exactly without it, what a GPU job adds). The
