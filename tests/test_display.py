@@ -393,7 +393,7 @@ def test_gathered_table_names_units_and_the_peaks():
              "gathered_bytes": 50}]
     predicted = [dict(s, gathered_bytes=s["gathered_bytes"] + 1) for s in seen]
     table = gathered_table({"a": _run(2, [1.0], 1, 1, gathered=seen, predicted_gathered=predicted)})
-    assert table.rows[0] == ["for", "L0", "root L0"] and table.rows[1][2] == "root L0 L1"
+    assert table.rows[0] == ["fwd", "L0", "root L0"] and table.rows[1][2] == "root L0 L1"
     assert table.rows[-1] == ["peak", "", "50 B (51 B)"]  # the largest of each, measured (predicted)
 
 

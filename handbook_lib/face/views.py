@@ -175,7 +175,7 @@ def gathered_table(results: Mapping[str, RunResult], rank: int = 0) -> Table:
     peak of gathered bytes, measured, with the traffic model's prediction beside it."""
     seen = {label: r.ranks[rank]["gathered"] for label, r in results.items()}
     first = next(iter(seen.values()))
-    rows = [[s["phase"][:3], _short_unit(s["unit"]),
+    rows = [[{"forward": "fwd", "backward": "bwd"}[s["phase"]], _short_unit(s["unit"]),
              *(" ".join(_short_unit(n) for n in seen[label][i]["gathered"]) for label in seen)]
             for i, s in enumerate(first)]
     peaks = []
