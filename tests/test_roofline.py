@@ -23,8 +23,11 @@ def test_wire_bytes_per_param_counts_each_collective():
     assert wire_bytes_per_param("FULL_SHARD", "fp32", "fp32") == 12
     assert wire_bytes_per_param("FULL_SHARD", "bf16", "bf16") == 6
     assert wire_bytes_per_param("DDP", "bf16", "fp32") == 8
-    with pytest.raises(ValueError, match="strategy"):
-        wire_bytes_per_param("NO_SUCH")
+    assert wire_bytes_per_param("NO_SHARD", "bf16", "fp32") == 8
+    assert wire_bytes_per_param("HYBRID_SHARD_ZERO2") == 2 + 4
+    for bad in ("NO_SUCH", "NONE", "ZERO3"):
+        with pytest.raises(ValueError, match="strateg"):
+            wire_bytes_per_param(bad)
 
 
 def test_wire_bytes_match_the_traffic_model():

@@ -22,13 +22,10 @@ from __future__ import annotations
 
 from handbook_lib.core.checks import check_int
 from handbook_lib.core.config import dtype_bytes
+from handbook_lib.core.strategies import get_strategy
 from handbook_lib.models.timing import DEFAULT_UTILIZATION
 
 __all__ = ["min_tokens_per_gpu", "wire_bytes_per_param"]
-
-_GATHERS = {"FULL_SHARD": 2, "HYBRID_SHARD": 2, "SHARD_GRAD_OP": 1, "HYBRID_SHARD_ZERO2": 1}
-"""All-gathers of the parameters per micro-step (forward, and backward where they were freed)."""
-
 
 def wire_bytes_per_param(strategy: str = "FULL_SHARD", param_dtype: str = "bf16",
                          reduce_dtype: str = "fp32") -> int:
@@ -39,12 +36,14 @@ def wire_bytes_per_param(strategy: str = "FULL_SHARD", param_dtype: str = "bf16"
     their shard group's collectives only (the replicas' all-reduce of a ``1/S`` shard comes on
     top). E.g. 8 for FULL_SHARD in bf16 with fp32 reduction, 6 for SHARD_GRAD_OP.
     """
+    row = get_strategy(strategy).torch_only("wire_bytes_per_param")
+    if not row.distributed:
+        raise ValueError(f"strategy must be one that communicates, got {row.name!r}")
     p, r = dtype_bytes(param_dtype, "param_dtype"), dtype_bytes(reduce_dtype, "reduce_dtype")
-    if strategy == "DDP":
+    if not row.shards_params:  # DDP, NO_SHARD: one all-reduce of the gradients
         return 2 * r
-    if strategy not in _GATHERS:
-        raise ValueError(f"strategy must be DDP or one of {', '.join(_GATHERS)}, got {strategy!r}")
-    return _GATHERS[strategy] * p + r
+    # the parameters gathered for forward, and again for backward where they were freed
+    return (2 if row.reshard_after_forward else 1) * p + r
 
 
 def min_tokens_per_gpu(bandwidth_bytes_per_s: float, peak_flops: float,
