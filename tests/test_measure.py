@@ -82,3 +82,15 @@ def test_cpu_adam_is_measured_in_parameters_per_second():
         measure_cpu_adam(10, tensors=3)
     with pytest.raises(ValueError, match="threads"):
         measure_cpu_adam(threads=0)
+
+
+def test_bytes_between_micro_steps_wait_for_released_buffers(monkeypatch):
+    """A finished collective's buffer may be released a moment late (gloo's worker thread):
+    the reading between micro-steps is the smallest over a short wait, never a later rise."""
+    from handbook_lib.runtime.measure import StepMemoryTracker
+
+    tracker = StepMemoryTracker.__new__(StepMemoryTracker)
+    readings = iter([1_517_032, 1_517_032, 1_000_000] + [1_000_000] * 20)
+    monkeypatch.setattr(tracker, "_current_total", lambda: next(readings))
+    tracker.mark_between_micro_steps()
+    assert tracker._between == 1_000_000

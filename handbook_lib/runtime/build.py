@@ -160,10 +160,11 @@ def apply_fsdp2(
     leaves one unit, the root, holding every parameter. Works on a model on the meta
     device too.
 
-    ``reshard_after_forward`` is passed to every unit, the root included, as the runs count
-    it: ``True`` here, where ``fully_shard``'s own default (``None``) means ``True`` for every
-    unit but the root and ``False`` for the root (kept gathered into backward, one all-gather
-    fewer); an ``int`` g reshards each unit after forward to groups of g ranks.
+    ``reshard_after_forward`` goes to every unit, the root included, as the runs
+    count it: ``True`` here. ``fully_shard``'s own default (``None``) means ``True``
+    for every unit but the root, and ``False`` for the root (kept gathered into
+    backward: one all-gather fewer). An ``int`` g reshards each unit after forward
+    to groups of g ranks.
     """
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:

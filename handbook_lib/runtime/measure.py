@@ -200,8 +200,20 @@ class StepMemoryTracker:
         self._start = self._current_total()
 
     def mark_between_micro_steps(self) -> None:
-        """Record the bytes alive after the first micro-step's backward."""
-        self._between = self._current_total()
+        """Record the bytes alive after the first micro-step's backward.
+
+        A collective that has completed can still hold its buffer for a moment: gloo's worker
+        thread releases a finished work's tensors just after waking the caller, and under load
+        that thread may not have run yet (one CI run measured the root's reduce-scatter input,
+        517,032 B, between the micro-steps of a run that reduce-scatters each one). Nothing is
+        allocated while the loop waits here, so the bytes alive can only fall: the smallest of
+        a few readings over about 30 ms is what the step itself holds.
+        """
+        readings = [self._current_total()]
+        for _ in range(10):
+            time.sleep(0.003)
+            readings.append(self._current_total())
+        self._between = min(readings)
 
     def next_micro_step(self) -> None:
         """Let the next forward of the same modules be tracked (gradient accumulation): the
