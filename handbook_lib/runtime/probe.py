@@ -15,7 +15,6 @@ from torch import nn
 __all__ = ["GatheredProbe", "GatheredSnapshot"]
 
 
-
 @dataclass(frozen=True)
 class GatheredSnapshot:
     """Which FSDP2 units hold gathered parameters at one moment of a micro-step."""
