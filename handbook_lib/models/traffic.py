@@ -218,6 +218,7 @@ def estimate_step_traffic(
         add("all_reduce", "grad_scaler", "optimizer", "fp32", 4, grad_scaler_group)
     return StepTraffic(strategy, world_size, grad_accum_steps, tuple(records))
 
+
 def _fsdp2_order(units: list[Unit], ahead: int, gather_forward: bool, regathered, reduce, gather) -> None:
     """One micro-step's collectives in FSDP2's issue order (see ``issue_order`` of
     :func:`estimate_step_traffic`); ``units`` has the root first, then the rest in forward order."""
@@ -293,7 +294,7 @@ def estimate_gathered_units(
     row = get_strategy(strategy).torch_only("estimate_gathered_units")
     if row.wrapper != "fsdp" or not row.shards_params:
         raise ValueError(f"estimate_gathered_units needs a strategy that shards parameters, got {strategy!r}")
-    group = row.shard_group(world_size, shard_group_size) if row.hybrid else world_size
+    group = row.shard_group(world_size, shard_group_size)
     size = dtype_bytes(param_dtype, "param_dtype")
     root = [u for u in units if u.root]
     rest = [u for u in units if not u.root]
@@ -356,7 +357,7 @@ def estimate_held_between_micro_steps(
     row = get_strategy(strategy).torch_only("estimate_held_between_micro_steps")
     if not row.shards_grads:
         return 0
-    group = row.shard_group(world_size, shard_group_size) if row.hybrid else world_size
+    group = row.shard_group(world_size, shard_group_size)
     held = 0 if sync_every_micro_step else sum(u.numel for u in units) * dtype_bytes(reduce_dtype, "reduce_dtype")
     if not reshard_after_backward and row.shards_params:
         held += sum(u.padded_numel(group) for u in units) * dtype_bytes(param_dtype, "param_dtype")

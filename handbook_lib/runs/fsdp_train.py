@@ -137,7 +137,7 @@ def _validate_knobs(config: RunConfig, row, world_size: int) -> None:
                              f"strategy {accepted}; got api={config.api!r}, strategy={config.strategy!r}")
     size = config.reshard_after_forward_size
     if size:
-        group = shard_group(config, world_size) if row.hybrid else world_size
+        group = shard_group(config, world_size)  # a sharding row here: the world unless hybrid
         if not row.reshard_after_forward or group % size or size >= group:
             raise ValueError(f"config key 'reshard_after_forward_size'={size} must divide the shard group of "
                              f"{group} ranks and be smaller, with a strategy that reshards after forward "
@@ -180,7 +180,7 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
         checks.append(Check("grad_norm", ctx.rank, log.grad_norm_full, log.grad_norm[0], "norm",
                             NORM_TOLERANCE))
     if log.memory is not None:
-        checks += _memory_checks(config, ctx, layout, predicted, log.memory, flat, metrics)
+        checks += _memory_checks(config, ctx, layout, units, group, predicted, log.memory, flat, metrics)
     if probe is not None and probe.available and probe.passes:
         probe.close()
         checks += _gathered_checks(config, ctx, group, units, probe.passes[-1], metrics)
@@ -243,14 +243,15 @@ def _state(config: RunConfig, ctx: RankContext, layout: ModelLayout, units: list
     return metrics, checks
 
 
-def _memory_checks(config: RunConfig, ctx: RankContext, layout: ModelLayout, predicted: MemoryEstimate,
-                   mem: StepMemory, flat: bool, metrics: dict) -> list[Check]:
+def _memory_checks(config: RunConfig, ctx: RankContext, layout: ModelLayout, units: list[Unit], group: int,
+                   predicted: MemoryEstimate, mem: StepMemory, flat: bool, metrics: dict) -> list[Check]:
     """The tracked step's activations, peak and (with accumulation) the gradients held between
-    micro-steps, beside the memory model's; their metrics are added to ``metrics``."""
+    micro-steps, beside the memory model's; their metrics are added to ``metrics``. ``units``
+    and ``group`` are the run's FSDP units and shard group, as :func:`run` derived them."""
     row = STRATEGY_TABLE[config.strategy]
     # On a CPU-only machine "device" and host are the same memory: offloaded state counts too.
     peak = predicted.peak + (predicted.host if ctx.device.type == "cpu" else 0)
-    kept = _post_forward_shard_bytes(config, ctx, layout)
+    kept = _post_forward_shard_bytes(config, units, group)
     checks = [_bytes(ctx, "activation_bytes", predicted.forward_activations + kept, mem.activation_bytes,
                      ACTIVATION_TOLERANCE)]
     metrics["post_forward_shard_bytes"] = kept
@@ -263,11 +264,11 @@ def _memory_checks(config: RunConfig, ctx: RankContext, layout: ModelLayout, pre
         if config.sync_every_micro_step or not config.reshard_after_backward:
             param_dtype, reduce_dtype = get_precision(config.precision)
             held = estimate_held_between_micro_steps(
-                layout.units(config.wrap, config.wrap_min_params), ctx.world_size, config.strategy,
+                units, ctx.world_size, config.strategy,
                 param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                 sync_every_micro_step=config.sync_every_micro_step,
                 reshard_after_backward=config.reshard_after_backward,
-                shard_group_size=shard_group(config, ctx.world_size) if row.hybrid else None)
+                shard_group_size=group if row.hybrid else None)
         else:
             held = estimate_accumulation_bytes(layout, config.strategy, config.precision)
         checks.append(_bytes(ctx, "held_between_micro_steps", held, mem.held_between_micro_steps))
@@ -280,7 +281,7 @@ def _memory_checks(config: RunConfig, ctx: RankContext, layout: ModelLayout, pre
     return checks
 
 
-def _post_forward_shard_bytes(config: RunConfig, ctx: RankContext, layout: ModelLayout) -> int:
+def _post_forward_shard_bytes(config: RunConfig, units: list[Unit], group: int) -> int:
     """With ``reshard_after_forward_size`` = g: the 1/g shards of every unit's gathered buffer
     that FSDP2 keeps from forward to backward (``_sharded_post_forward_param_data``, a clone made
     in forward, which the memory tracker files with the activations); 0 otherwise."""
@@ -288,8 +289,6 @@ def _post_forward_shard_bytes(config: RunConfig, ctx: RankContext, layout: Model
     if not size:
         return 0
     param_dtype, _ = get_precision(config.precision)
-    units = layout.units(config.wrap, config.wrap_min_params)
-    group = shard_group(config, ctx.world_size) if STRATEGY_TABLE[config.strategy].hybrid else ctx.world_size
     return sum(u.padded_numel(group) for u in units if u.numel) * dtype_bytes(param_dtype) // size
 
 
