@@ -164,17 +164,23 @@ def test_a_save_that_dies_leaves_the_previous_checkpoint(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step_000001", "step_000002"]
 
 
+def _fail_replace(monkeypatch, fails, message: str) -> None:
+    """Make the checkpoint module's ``os.replace`` raise ``OSError(message)`` where
+    ``fails(src, dst)`` is true (a crash at that rename), and rename as usual elsewhere."""
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if fails(src, dst):
+            raise OSError(message)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "replace", replace)
+
+
 def test_pointer_is_replaced_atomically(tmp_path, monkeypatch):
     model, opt = _trained()
     save_checkpoint(tmp_path, 1, model, opt)
-    real_replace = os.replace
-
-    def fail_on_pointer(src, dst):
-        if os.path.basename(dst) == LATEST:
-            raise OSError("disk full")
-        return real_replace(src, dst)
-
-    monkeypatch.setattr(ckpt.os, "replace", fail_on_pointer)
+    _fail_replace(monkeypatch, lambda src, dst: os.path.basename(dst) == LATEST, "disk full")
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(tmp_path, 2, model, opt)
     monkeypatch.undo()
@@ -314,14 +320,7 @@ def test_a_resave_of_the_latest_step_never_leaves_latest_dangling(tmp_path, monk
     save_checkpoint(tmp_path, 2, model, opt)
     old_weights = {k: v.clone() for k, v in model.state_dict().items()}
     _step(model, opt, 1)
-    real_replace = os.replace
-
-    def die_before_the_new_copy(src, dst):
-        if str(src).endswith(".tmp"):
-            raise OSError("node lost")
-        return real_replace(src, dst)
-
-    monkeypatch.setattr(ckpt.os, "replace", die_before_the_new_copy)
+    _fail_replace(monkeypatch, lambda src, dst: str(src).endswith(".tmp"), "node lost")  # the new copy
     with pytest.raises(OSError, match="node lost"):
         save_checkpoint(tmp_path, 2, model, opt)
     monkeypatch.undo()
