@@ -6,7 +6,7 @@ import pytest
 from handbook_lib.core import STRATEGIES, ModelConfig, get_strategy, param_count
 from handbook_lib.core import STRATEGIES as CONFIG_STRATEGIES
 from handbook_lib.models import (
-    COLLECTIVES,
+    TRANSFER_KINDS,
     DEFAULT_UTILIZATION,
     UTILIZATION_SOURCE,
     Link,
@@ -36,6 +36,7 @@ def flat(numel: int) -> Unit:
     ("reduce_scatter", 300, 3),   # 3 partial chunks of 100 passed on
     ("all_reduce", 600, 6),       # reduce-scatter then all-gather: 2 * 300
     ("broadcast", 400, 3),        # pipelined chain: a middle rank forwards all 400
+    ("all_to_all", 300, 3),       # keep 1 block of 100, send the other 3, one to each rank
 ])
 def test_ring_collectives_by_hand(kind, sent, steps):
     cost = estimate_collective(kind, 400, 4)
@@ -44,7 +45,13 @@ def test_ring_collectives_by_hand(kind, sent, steps):
     assert isinstance(cost.sent_bytes, int)
 
 
-@pytest.mark.parametrize("kind", COLLECTIVES)
+def test_a_send_moves_its_tensor_once_and_a_receive_takes_it():
+    send, recv = estimate_collective("send", 400, 4), estimate_collective("recv", 400, 4)
+    assert (send.sent_bytes, send.received_bytes, send.steps) == (400, 0, 1)
+    assert (recv.sent_bytes, recv.received_bytes, recv.steps) == (0, 400, 1)
+
+
+@pytest.mark.parametrize("kind", TRANSFER_KINDS)
 def test_a_group_of_one_moves_nothing(kind):
     cost = estimate_collective(kind, 1000, 1)
     assert (cost.sent_bytes, cost.received_bytes, cost.steps) == (0, 0, 0)
@@ -64,14 +71,14 @@ def test_all_reduce_of_an_uneven_buffer_uses_ceil_chunks():
     assert estimate_collective("all_reduce", 10, 3).sent_bytes == 16
 
 
-@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_to_all"])
 def test_uneven_all_gather_or_reduce_scatter_is_refused(kind):
     with pytest.raises(ValueError, match="multiple of group_size"):
         estimate_collective(kind, 10, 3)
 
 
 @pytest.mark.parametrize("args, match", [
-    (("allgather", 8, 2), "kind must be one of all_gather, reduce_scatter, all_reduce, broadcast"),
+    (("allgather", 8, 2), "kind must be one of all_gather, reduce_scatter, all_reduce, broadcast, all_to_all"),
     (("all_gather", -8, 2), "buffer_bytes"),
     (("all_gather", 8.0, 2), "buffer_bytes"),
     (("all_gather", 8, 0), "group_size"),

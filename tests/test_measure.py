@@ -94,3 +94,25 @@ def test_bytes_between_micro_steps_wait_for_released_buffers(monkeypatch):
     monkeypatch.setattr(tracker, "_current_total", lambda: next(readings))
     tracker.mark_between_micro_steps()
     assert tracker._between == 1_000_000
+
+
+def test_counter_sees_functional_collectives_and_all_to_all(tmp_path):
+    """The kinds tensor and sequence parallelism issue: the functional collectives DTensor uses
+    (an all-gather's buffer is its output, input x group) and ``all_to_all_single``. (A group of
+    one cannot send to itself: the ring's sends and receives are counted by the runs' tests.)"""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from handbook_lib.runtime import CollectiveCounter
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with CollectiveCounter() as counter:
+            funcol.all_reduce(torch.ones(3), "sum", dist.group.WORLD).wait()
+            funcol.all_gather_tensor(torch.ones(5), 0, dist.group.WORLD).wait()
+            out = torch.empty(6)
+            dist.all_to_all_single(out, torch.ones(6))
+    finally:
+        dist.destroy_process_group()
+    assert [(c.kind, c.buffer_bytes, c.group_size) for c in counter.calls] == [
+        ("all_reduce", 12, 1), ("all_gather", 20, 1), ("all_to_all", 24, 1)]

@@ -14,7 +14,13 @@ all_gather     (N-1)/N · B       N-1         pass the N-1 chunks you lack aroun
 reduce_scatter (N-1)/N · B       N-1         pass and add N-1 partial chunks
 all_reduce     2(N-1)/N · B      2(N-1)      reduce-scatter, then all-gather
 broadcast      B                 N-1         pipelined chain, NCCL's ring broadcast
+all_to_all     (N-1)/N · B       N-1         one block of B/N to each other rank
+send           B (received: 0)   1           point to point, one peer
+recv           0 (received: B)   1           point to point, one peer
 ============== ================= =========== ======================================
+
+The last three are not FSDP's: sequence parallelism (chapter 9) moves activations with them
+(DeepSpeed Ulysses' all-to-alls, a ring attention's sends and receives).
 
 A training step is a schedule of these over the model's FSDP units
 (:mod:`handbook_lib.models.traffic`); :mod:`handbook_lib.models.timing` prices it on a cluster.
@@ -27,21 +33,27 @@ from dataclasses import dataclass
 from handbook_lib.core.checks import check_int
 from handbook_lib.models.hardware import Link
 
-__all__ = ["COLLECTIVES", "CollectiveCost", "estimate_collective", "RING_KINDS", "RingTransfer",
+__all__ = ["COLLECTIVES", "TRANSFER_KINDS", "CollectiveCost", "estimate_collective", "RING_KINDS", "RingTransfer",
            "ring_schedule", "estimate_collective_time", "AlphaBeta", "fit_alpha_beta"]
 
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-"""Collective kinds, spelled as ``torch.distributed`` spells their functions."""
+"""Collective kinds FSDP, DDP and ZeRO issue, spelled as ``torch.distributed`` spells their
+functions."""
+
+TRANSFER_KINDS = (*COLLECTIVES, "all_to_all", "send", "recv")
+"""Every kind :func:`estimate_collective` prices: :data:`COLLECTIVES` and the all-to-all and
+point-to-point transfers of sequence and context parallelism (chapter 9)."""
 
 @dataclass(frozen=True)
 class CollectiveCost:
     """What one rank does in one ring collective. Bytes are integers."""
 
     kind: str
-    """One of :data:`COLLECTIVES`."""
+    """One of :data:`TRANSFER_KINDS`."""
     buffer_bytes: int
-    """The full, unsharded buffer B, bytes."""
+    """The full, unsharded buffer B, bytes (all-to-all: the input a rank holds; send, recv:
+    the tensor sent or received)."""
     group_size: int
     """Ranks taking part, N."""
     sent_bytes: int
@@ -59,10 +71,12 @@ def estimate_collective(kind: str, buffer_bytes: int, group_size: int) -> Collec
     not a multiple of N the count is that of B padded up (fewer than 2(N-1) bytes above the
     average). Broadcast is NCCL's pipelined chain: every rank but the last forwards all B bytes,
     so the busiest rank sends and receives B (the scatter + all-gather broadcast would move
-    2(N-1)/N·B from the root instead). N = 1 moves nothing.
+    2(N-1)/N·B from the root instead). An all-to-all keeps one of its N equal blocks and sends
+    each of the others to its rank, in N-1 pairwise steps. A send or receive is one transfer
+    between two ranks of a group of N >= 2. N = 1 moves nothing.
 
     Args:
-        kind: One of :data:`COLLECTIVES`.
+        kind: One of :data:`TRANSFER_KINDS`.
         buffer_bytes: The full buffer B, bytes.
         group_size: Ranks in the group, N.
 
@@ -70,17 +84,19 @@ def estimate_collective(kind: str, buffer_bytes: int, group_size: int) -> Collec
         ValueError: for an unknown kind, a negative buffer, a group below 1, or an all-gather /
             reduce-scatter buffer that N does not divide.
     """
-    if kind not in COLLECTIVES:
-        raise ValueError(f"kind must be one of {', '.join(COLLECTIVES)}, got {kind!r}")
+    if kind not in TRANSFER_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(TRANSFER_KINDS)}, got {kind!r}")
     check_int("buffer_bytes", buffer_bytes, 0)
     check_int("group_size", group_size, 1)
     n, b = group_size, buffer_bytes
     if n == 1:
         return CollectiveCost(kind, b, n, 0, 0, 0)
-    if kind in ("all_gather", "reduce_scatter"):
+    if kind in ("send", "recv"):
+        return CollectiveCost(kind, b, n, b if kind == "send" else 0, b if kind == "recv" else 0, 1)
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
         if b % n:
             raise ValueError(f"buffer_bytes={b} must be a multiple of group_size={n} for {kind} "
-                             "(FSDP pads every buffer so that it is)")
+                             "(FSDP pads every buffer so that it is; an all-to-all's blocks are equal)")
         moved, steps = (n - 1) * (b // n), n - 1
     elif kind == "all_reduce":
         moved, steps = 2 * (n - 1) * -(-b // n), 2 * (n - 1)

@@ -258,7 +258,8 @@ class CollectiveCall:
     """One collective a rank issued, as the dispatcher saw it."""
 
     kind: str
-    """``all_gather``, ``reduce_scatter``, ``all_reduce`` or ``broadcast``."""
+    """One of :data:`handbook_lib.models.collectives.TRANSFER_KINDS`: ``all_gather``,
+    ``reduce_scatter``, ``all_reduce``, ``broadcast``, ``all_to_all``, ``send`` or ``recv``."""
     dtype: str
     """Element type, e.g. ``fp32``."""
     buffer_bytes: int
@@ -309,6 +310,15 @@ def _group_size(args: tuple) -> int:
     raise RuntimeError("no process group among the collective's arguments")
 
 
+def _functional_group_size(args: tuple) -> int:
+    """Size of the process group a functional collective names: its last string argument (the
+    group's registered name)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    name = next(arg for arg in reversed(args) if isinstance(arg, str))
+    return int(_resolve_process_group(name).size())
+
+
 def _fsdp2_unit() -> str | None:
     """Name of the FSDP2 unit whose parameter group is issuing a collective now, read from the
     call stack: FSDP2 issues its all-gathers in ``FSDPParamGroup.unshard`` (also when another
@@ -343,8 +353,11 @@ class CollectiveCounter(TorchDispatchMode):
     counts them (the training runs check bytes exactly, so they leave it off).
 
     ``torch.distributed``'s collectives go through the dispatcher as ``c10d`` operators
-    (``c10d._allgather_base_``, ``c10d._reduce_scatter_base_``, ``c10d.allreduce_``, ...), on
-    gloo and NCCL alike; this mode reads their tensor arguments. It does not see collectives a
+    (``c10d._allgather_base_``, ``c10d._reduce_scatter_base_``, ``c10d.allreduce_``,
+    ``c10d.alltoall_base_``, ``c10d.send``, ``c10d.recv_``, ...), on gloo and NCCL alike, and
+    tensor parallelism's through their functional twins (``_c10d_functional.all_reduce``,
+    ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_to_all_single``); this mode
+    reads their tensor arguments. It does not see collectives a
     DTensor issues inside its own dispatch (e.g. FSDP2's gradient scaler reducing its inf flag):
     a dispatch mode is switched off while it handles an operator. What it records is the logical
     collective; how many bytes each rank then puts on the wire depends on the algorithm (the ring
@@ -352,7 +365,7 @@ class CollectiveCounter(TorchDispatchMode):
     reduce-scatter as an all-reduce.
     """
 
-    # op name -> (kind, index of the argument holding the full buffer)
+    # c10d op name -> (kind, index of the argument holding the full buffer)
     _OPS = {
         "_allgather_base_": ("all_gather", 0),
         "allgather_into_tensor_coalesced_": ("all_gather", 0),
@@ -363,7 +376,23 @@ class CollectiveCounter(TorchDispatchMode):
         "allreduce_": ("all_reduce", 0),
         "allreduce_coalesced_": ("all_reduce", 0),
         "broadcast_": ("broadcast", 0),
+        "alltoall_base_": ("all_to_all", 1),
+        "send": ("send", 0),
+        "recv_": ("recv", 0),
     }
+    # functional op name (``_c10d_functional``, the ops DTensor and tensor parallelism issue)
+    # -> (kind, index of the input); an all-gather's full buffer is its input times the group
+    _FUNCTIONAL_OPS = {
+        "all_reduce": ("all_reduce", 0),
+        "all_reduce_coalesced": ("all_reduce", 0),
+        "all_gather_into_tensor": ("all_gather", 0),
+        "all_gather_into_tensor_coalesced": ("all_gather", 0),
+        "reduce_scatter_tensor": ("reduce_scatter", 0),
+        "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0),
+        "all_to_all_single": ("all_to_all", 0),
+        "broadcast": ("broadcast", 0),
+    }
+    _FUNCTIONAL_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
 
     def __init__(self, record_ends: bool = False) -> None:
         super().__init__()
@@ -392,16 +421,19 @@ class CollectiveCounter(TorchDispatchMode):
         return [replace(c, end_s=self._ends.get(i)) for i, c in enumerate(self._calls)]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if not (func.namespace == "c10d" and func._opname in self._OPS):
+        functional = func.namespace in self._FUNCTIONAL_NAMESPACES and func._opname in self._FUNCTIONAL_OPS
+        if not (functional or (func.namespace == "c10d" and func._opname in self._OPS)):
             return func(*args, **(kwargs or {}))
-        kind, buffer_arg = self._OPS[func._opname]
+        kind, buffer_arg = (self._FUNCTIONAL_OPS if functional else self._OPS)[func._opname]
         buffers = tensors_in(args[buffer_arg])
+        group = _functional_group_size(args) if functional else _group_size(args)
+        scale = group if functional and kind == "all_gather" else 1
         index = len(self._calls)
         self._calls.append(CollectiveCall(
             kind=kind,
             dtype=_DTYPE_NAMES.get(buffers[0].dtype, str(buffers[0].dtype)),
-            buffer_bytes=sum(_nbytes(t) for t in buffers),
-            group_size=_group_size(args),
+            buffer_bytes=scale * sum(_nbytes(t) for t in buffers),
+            group_size=group,
             unit=_fsdp2_unit(),
             phase=self._phase(),
             start_s=time.perf_counter() - self._t0,
