@@ -107,7 +107,7 @@ def test_counter_sees_functional_collectives_and_all_to_all(tmp_path):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        with CollectiveCounter() as counter:
+        with CollectiveCounter(functional=True) as counter, CollectiveCounter() as plain:
             funcol.all_reduce(torch.ones(3), "sum", dist.group.WORLD).wait()
             funcol.all_gather_tensor(torch.ones(5), 0, dist.group.WORLD).wait()
             out = torch.empty(6)
@@ -116,3 +116,4 @@ def test_counter_sees_functional_collectives_and_all_to_all(tmp_path):
         dist.destroy_process_group()
     assert [(c.kind, c.buffer_bytes, c.group_size) for c in counter.calls] == [
         ("all_reduce", 12, 1), ("all_gather", 20, 1), ("all_to_all", 24, 1)]
+    assert [c.kind for c in plain.calls] == ["all_to_all"]  # the functional ones only when asked

@@ -39,6 +39,8 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         dtype_bytes,
         get_precision,
         parse_overrides,
+        ParallelConfig,
+        SP_METHODS,
     )
     from handbook_lib.core.files import fsync_dir, write_json_atomic, write_text_atomic
     from handbook_lib.core.protocol import (
@@ -92,6 +94,8 @@ _HOMES = {
     "check_world": "checks",
     "FlatConfig": "config",
     "RunConfig": "config",
+    "ParallelConfig": "config",
+    "SP_METHODS": "config",
     "CheckpointingMode": "config",
     "CHECKPOINTING_MODES": "config",
     "checkpointing_mode": "config",
@@ -148,7 +152,7 @@ _HOMES = {
 
 __all__ = [
     "ModelConfig", "MODEL_KEYS", "param_shapes", "param_count", "param_count_breakdown", "is_int",
-    "check_int", "lookup", "check_world", "FlatConfig", "RunConfig", "CheckpointingMode",
+    "check_int", "lookup", "check_world", "FlatConfig", "RunConfig", "ParallelConfig", "SP_METHODS", "CheckpointingMode",
     "CHECKPOINTING_MODES", "checkpointing_mode", "APIS", "Dtype", "DTYPES", "dtype_bytes",
     "Precision", "PRECISIONS", "get_precision", "OPTIMIZERS", "WRAPS", "INITS", "parse_overrides",
     "write_text_atomic", "write_json_atomic", "fsync_dir", "DEADLINE_ENV", "COLLECTIVE_TIMEOUT_ENV",

@@ -31,7 +31,7 @@ from handbook_lib.integrations.frameworks import deepspeed_config
 from handbook_lib.models.model_state import RankState
 from handbook_lib.models.zero import gather_units
 from handbook_lib.runtime.distributed import RankContext
-from handbook_lib.runtime.measure import tensors_in
+from handbook_lib.runtime.collectives import tensors_in
 from handbook_lib.runtime.model import build_model
 
 __all__ = ["import_deepspeed", "EngineOptimizer", "build_engine", "measure_zero_bytes",

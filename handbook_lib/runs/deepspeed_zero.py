@@ -37,8 +37,8 @@ from handbook_lib.models.zero import (
 from handbook_lib.runs.entry import RankReport, main
 from handbook_lib.runtime.build import parallelize
 from handbook_lib.runtime.distributed import RankContext
+from handbook_lib.runtime.collectives import collective_totals
 from handbook_lib.runtime.measure import (
-    collective_totals,
     measure_grad_bytes,
     measure_optimizer_bytes,
     measure_param_bytes,

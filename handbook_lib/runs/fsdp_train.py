@@ -47,10 +47,9 @@ from handbook_lib.models.traffic import (
 from handbook_lib.runs.entry import RankReport, main
 from handbook_lib.runtime.build import check_runnable, measure_init_bytes, shard_group
 from handbook_lib.runtime.distributed import RankContext
+from handbook_lib.runtime.collectives import CollectiveCall, collective_totals
 from handbook_lib.runtime.measure import (
-    CollectiveCall,
     StepMemory,
-    collective_totals,
     measure_fsdp_units,
     measure_grad_bytes,
     measure_optimizer_bytes,

@@ -47,6 +47,12 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         count_checkpoint,
         count_state_tensors,
     )
+    from handbook_lib.runtime.collectives import (
+        CollectiveCall,
+        CollectiveCounter,
+        collective_totals,
+        tensors_in,
+    )
     from handbook_lib.runtime.data import (
         BatchSource,
         data_seed,
@@ -67,19 +73,16 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         is_fsdp1,
     )
     from handbook_lib.runtime.measure import (
-        CollectiveCall,
-        CollectiveCounter,
         ParamBytes,
         StepMemory,
         StepMemoryTracker,
-        collective_totals,
         local_tensor,
         measure_cpu_adam,
         measure_fsdp_units,
         measure_grad_bytes,
         measure_optimizer_bytes,
         measure_param_bytes,
-        tensors_in,
+        nbytes,
     )
     from handbook_lib.runtime.model import (
         SimpleTransformer,
@@ -156,11 +159,12 @@ _HOMES = {
     "measure_fsdp_units": "measure",
     "StepMemory": "measure",
     "StepMemoryTracker": "measure",
-    "CollectiveCall": "measure",
-    "CollectiveCounter": "measure",
-    "collective_totals": "measure",
-    "tensors_in": "measure",
+    "CollectiveCall": "collectives",
+    "CollectiveCounter": "collectives",
+    "collective_totals": "collectives",
+    "tensors_in": "collectives",
     "measure_cpu_adam": "measure",
+    "nbytes": "measure",
     "TransformerLayer": "model",
     "SimpleTransformer": "model",
     "model_parts": "model",
@@ -195,7 +199,7 @@ __all__ = [
     "read_metadata", "checkpoint_files", "checkpoint_items", "count_state_tensors",
     "count_checkpoint", "BatchSource", "data_seed", "make_batch", "local_slice", "local_batch",
     "RankContext", "pick_device", "init_distributed", "shutdown_distributed", "grad_zero_fraction",
-    "clip_grad_norm", "full_grad_norm", "is_fsdp1", "ParamBytes", "local_tensor",
+    "clip_grad_norm", "full_grad_norm", "is_fsdp1", "ParamBytes", "local_tensor", "nbytes",
     "measure_param_bytes", "measure_grad_bytes", "measure_optimizer_bytes", "measure_fsdp_units",
     "StepMemory", "StepMemoryTracker", "CollectiveCall", "CollectiveCounter", "collective_totals",
     "tensors_in", "measure_cpu_adam", "TransformerLayer", "SimpleTransformer", "model_parts",

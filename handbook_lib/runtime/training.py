@@ -34,12 +34,8 @@ from handbook_lib.runtime.grads import (
     grad_zero_fraction,
     is_fsdp1,
 )
-from handbook_lib.runtime.measure import (
-    CollectiveCall,
-    CollectiveCounter,
-    StepMemory,
-    StepMemoryTracker,
-)
+from handbook_lib.runtime.collectives import CollectiveCall, CollectiveCounter
+from handbook_lib.runtime.measure import StepMemory, StepMemoryTracker
 from handbook_lib.runtime.model import build_model
 
 __all__ = [
