@@ -1,0 +1,381 @@
+"""When FSDP stops being the answer: the axes beyond it, and why. Pure arithmetic: no ``torch``.
+
+Chapter 9 teaches it. FSDP shards the model state over every GPU; two things it cannot shard, and
+one thing it cannot hide, call for another axis:
+
+(a) **one sequence's activations.** With full activation checkpointing a layer keeps only its
+    input, ``2·s·d`` bytes per layer in 16-bit, and FSDP does not divide it: past some length one
+    sequence no longer fits a GPU. Splitting the sequence over ``sp`` ranks divides every
+    per-token activation by ``sp`` (:func:`~handbook_lib.models.sequence_parallel.sequence_activation_bytes`);
+    :func:`estimate_axes` finds the smallest ``sp`` that fits, per method (Ulysses needs the
+    heads, and the key/value heads, divisible by ``sp``; the ring needs only the sequence);
+(b) **the global batch.** Every GPU of a pure FSDP job is a data-parallel replica, so the batch
+    grows with the GPUs (:func:`~handbook_lib.models.planner.global_batch_tokens`). Past the batch
+    a job can use (:func:`~handbook_lib.models.planner.max_data_parallel`), the GPUs must share
+    sequences: tensor parallelism inside a node (or the sequence split) shrinks the
+    data-parallel degree by its size;
+(c) **a ring that no longer hides.** A ring's block transfer hides behind the block's attention
+    only when the block is long enough for the link
+    (:func:`~handbook_lib.models.sequence_parallel.ring_overlap`): a ring across nodes, on one
+    network port per GPU, needs blocks ~8x longer than on NVLink. Then the sequence split stays
+    inside a node, or uses Ulysses' all-to-alls.
+
+:func:`estimate_axes` returns the verdict with its reasons (:class:`AxesVerdict`);
+:func:`compare_axes` prices tensor parallelism inside a node x FSDP across nodes beside
+FULL_SHARD and HYBRID_SHARD (:class:`AxisOption`, the planner's options for those two).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from handbook_lib.core.checks import check_int
+from handbook_lib.models.hardware import (
+    Accelerator,
+    Link,
+    get_accelerator,
+    node_preset,
+    usable_memory_bytes,
+)
+from handbook_lib.models.layout import ModelLike, model_layout
+from handbook_lib.models.memory import MemoryEstimate, estimate_memory
+from handbook_lib.models.model_state import optimizer_states
+from handbook_lib.models.planner import check_whole_nodes, max_data_parallel
+from handbook_lib.models.presets import DecoderShape, get_shape
+from handbook_lib.models.sequence_parallel import (
+    SP_METHODS,
+    ring_layer_bytes,
+    ring_overlap,
+    sequence_activation_bytes,
+    ulysses_layer_bytes,
+)
+from handbook_lib.models.tensor_parallel import estimate_decoder_tp_memory
+
+__all__ = ["AxesVerdict", "SpChoice", "estimate_axes", "estimate_sp_memory", "estimate_tp_fsdp_memory",
+           "sp_candidates"]
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+@dataclass(frozen=True)
+class SpChoice:
+    """The smallest sequence split of one method that fits a GPU."""
+
+    method: str
+    """``ulysses`` or ``ring``."""
+    sp_size: int | None
+    """Ranks one sequence is split over; ``None``: no split this method allows fits."""
+    peak_reserved_bytes: int = 0
+    """Reserved peak per GPU at that split (FULL_SHARD over every GPU, full checkpointing)."""
+    layer_sent_bytes: int = 0
+    """Bytes one rank sends per layer per step for the split (forward and backward)."""
+    crosses_nodes: bool = False
+    """The split spans more GPUs than one node holds."""
+    ring_hides: bool | None = None
+    """``ring`` only: whether each ring step's transfer hides behind its block's attention on
+    the link it crosses (:func:`~handbook_lib.models.sequence_parallel.ring_overlap`)."""
+
+
+@dataclass(frozen=True)
+class AxesVerdict:
+    """The planner's answer to "is FSDP enough?", with the figures behind it."""
+
+    model: str
+    gpu: str
+    gpus: int
+    gpus_per_node: int
+    seq_len: int
+    micro_batch: int
+    budget_bytes: int
+    """Bytes of a GPU an option may reserve (capacity less the CUDA context and headroom)."""
+    fsdp_peak_reserved_bytes: int
+    """FULL_SHARD over every GPU with full activation checkpointing, reserved peak per GPU."""
+    sequence_bytes: int
+    """Activations of one micro-batch on one GPU under full checkpointing, unsplit, bytes."""
+    sp: tuple[SpChoice, ...]
+    """The smallest split per method, when one sequence does not fit (empty when it does)."""
+    max_dp: int | None
+    """Most data-parallel replicas the global batch allows (``None``: no batch given)."""
+    tp_size: int
+    """Tensor-parallel ranks recommended, inside a node (1: none)."""
+    sp_size: int
+    """Sequence-parallel ranks recommended (1: none)."""
+    sp_method: str
+    """The split's method (``""`` without one)."""
+    reasons: tuple[str, ...]
+
+    @property
+    def fsdp_enough(self) -> bool:
+        """FULL_SHARD alone fits and the batch allows every GPU as a replica."""
+        return self.tp_size == 1 and self.sp_size == 1 and self.fsdp_peak_reserved_bytes <= self.budget_bytes
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas with the recommended axes."""
+        return self.gpus // (self.tp_size * self.sp_size)
+
+    @property
+    def axes(self) -> str:
+        """The recommendation in a few words: ``"FSDP 64"``, ``"TP 8 x FSDP 8"``,
+        ``"SP 8 (ulysses) x FSDP 8"``."""
+        parts = [f"TP {self.tp_size}"] if self.tp_size > 1 else []
+        if self.sp_size > 1:
+            parts.append(f"SP {self.sp_size} ({self.sp_method})")
+        return " x ".join([*parts, f"FSDP {self.dp_size}"])
+
+
+def estimate_sp_memory(model: ModelLike, world_size: int, seq_len: int, sp_size: int, *, micro_batch: int = 1,
+                       precision: str = "bf16-mixed", optimizer: str = "adamw",
+                       activation_checkpointing: bool | str = "full") -> MemoryEstimate:
+    """One GPU's memory with each sequence split over ``sp_size`` ranks, by component.
+
+    The model state is FULL_SHARD over all ``world_size`` GPUs: the ranks of a split hold the
+    same parameters, so they shard them too (torchtitan folds its context-parallel axis into
+    FSDP's mesh, ``dp_shard_cp``). Each GPU keeps the activations, logits and loss buffers of
+    ``micro_batch`` sequences of ``seq_len / sp_size`` tokens: with a fused attention every term
+    of the activation model is per token (the
+    :func:`~handbook_lib.models.sequence_parallel.sequence_activation_bytes` rule), so the GPU is
+    priced as FSDP at the shorter length. Ulysses' and the ring's in-flight buffers (a few
+    ``T·d`` of one layer) are left out.
+
+    Raises:
+        ValueError: for a ``seq_len`` that ``sp_size`` does not divide, ``sp_size`` not dividing
+            ``world_size``, or what :func:`~handbook_lib.models.memory.estimate_memory` refuses.
+    """
+    check_int("sp_size", sp_size, 1)
+    check_int("seq_len", seq_len, 1)
+    if seq_len % sp_size:
+        raise ValueError(f"seq_len={seq_len} must be divisible by sp_size={sp_size}")
+    if world_size % sp_size:
+        raise ValueError(f"sp_size={sp_size} must divide the GPUs ({world_size})")
+    return estimate_memory(model, world_size, "FULL_SHARD", precision, optimizer, micro_batch=micro_batch,
+                           seq_len=seq_len // sp_size, activation_checkpointing=activation_checkpointing)
+
+
+def estimate_tp_fsdp_memory(shape: DecoderShape | str, world_size: int, tp_size: int, *, micro_batch: int,
+                            seq_len: int, precision: str = "bf16-mixed", optimizer: str = "adamw",
+                            activation_checkpointing: bool | str = "full") -> MemoryEstimate:
+    """One GPU's memory under tensor parallelism over ``tp_size`` GPUs inside a node x FSDP2 over
+    the ``world_size / tp_size`` TP groups, by component; ``micro_batch`` sequences per TP group.
+
+    The model state is the TP slice's FSDP shard
+    (:func:`~handbook_lib.models.tensor_parallel.estimate_decoder_tp_memory`: projections,
+    embedding and head split, norms replicated), 4 bytes per element each for the parameters,
+    the gradients and every optimizer state. Everything else is FULL_SHARD's on ``world_size``
+    GPUs (:func:`~handbook_lib.models.memory.estimate_memory`, phase by phase) divided by
+    ``tp_size``: with sequence parallelism on the norms (Korthikanti et al.'s ``34·s·b·h/t``; with
+    full checkpointing ``2·s·b·h/t``), a loss-parallel head (the logits' vocabulary split, as
+    torchtitan's plan) and gathered units of one TP slice, every activation, logit and gathered
+    byte of a GPU is 1/t of FULL_SHARD's for the same tokens. Tensor parallelism's own in-flight
+    buffers (one (T, d) all-gather output at a time) are left out.
+
+    Raises:
+        ValueError: for ``tp_size`` not dividing ``world_size``, or the heads, KV heads or
+            feed-forward width; for what ``estimate_memory`` refuses.
+    """
+    shape = get_shape(shape) if isinstance(shape, str) else shape
+    check_int("tp_size", tp_size, 1)
+    check_int("world_size", world_size, 1)
+    if world_size % tp_size:
+        raise ValueError(f"tp_size={tp_size} must divide the GPUs ({world_size})")
+    check_int("micro_batch", micro_batch, 1)
+    tp_state = estimate_decoder_tp_memory(shape, tp_size, world_size // tp_size, micro_batch, seq_len,
+                                          optimizer=optimizer)
+    fsdp = estimate_memory(shape, world_size, "FULL_SHARD", precision, optimizer, micro_batch=micro_batch,
+                           seq_len=seq_len, activation_checkpointing=activation_checkpointing)
+    held = tp_state.params_per_gpu
+    state = {"params": 4 * held, "grads": 4 * held, "optimizer": 4 * optimizer_states(optimizer) * held}
+    components = {k: state[k] if k in state else v // tp_size for k, v in fsdp.components.items()}
+    phases = {k: sum(state.values()) + (v - fsdp.model_state) // tp_size for k, v in fsdp.phases.items()}
+    phases[fsdp.peak_phase] = sum(components.values())
+    note = (f"TP {tp_size} x FSDP {world_size // tp_size}: activations, logits and gathered units are "
+            f"FULL_SHARD's / {tp_size} (sequence parallel, loss parallel); TP's in-flight buffers left out")
+    return MemoryEstimate(components, phases, fsdp.peak_phase, forward_activations=fsdp.forward_activations // tp_size,
+                          notes=(note,))
+
+
+def sp_candidates(model: ModelLike, gpus: int, seq_len: int, method: str) -> list[int]:
+    """Sequence splits ``sp > 1`` a method allows on ``gpus`` GPUs, ascending: ``sp`` divides
+    the GPUs and the sequence; Ulysses also needs the heads and the key/value heads divisible
+    by ``sp`` (each rank attends with ``heads/sp`` of them over the whole sequence)."""
+    if method not in SP_METHODS:
+        raise ValueError(f"sp_method must be one of {', '.join(SP_METHODS)}, got {method!r}")
+    layout = model_layout(model)
+    heads = layout.nhead
+    q = layout.q_width or layout.d_model
+    kv = heads * (layout.kv_width or q) // q if heads else 0
+    out = []
+    for sp in range(2, gpus + 1):
+        if gpus % sp or seq_len % sp:
+            continue
+        if method == "ulysses" and (not heads or heads % sp or kv % sp):
+            continue
+        out.append(sp)
+    return out
+
+
+@dataclass(frozen=True)
+class _Job:
+    model: ModelLike
+    acc: Accelerator
+    gpus: int
+    gpus_per_node: int
+    seq_len: int
+    micro_batch: int
+    precision: str
+    budget: int
+    inter_link: Link
+    intra_link: Link
+
+
+def _peak(job: _Job, sp: int) -> int:
+    """Reserved peak per GPU of the job with its sequences split over ``sp`` ranks, bytes."""
+    return estimate_sp_memory(job.model, job.gpus, job.seq_len, sp, micro_batch=job.micro_batch,
+                              precision=job.precision).peak_reserved
+
+
+def _smallest_split(job: _Job, method: str) -> SpChoice:
+    for sp in sp_candidates(job.model, job.gpus, job.seq_len, method):
+        peak = _peak(job, sp)
+        if peak > job.budget:
+            continue
+        per_layer = (ulysses_layer_bytes if method == "ulysses" else ring_layer_bytes)(
+            job.model, job.seq_len, sp, micro_batch=job.micro_batch)
+        crosses = sp > job.gpus_per_node
+        hides = None
+        if method == "ring":
+            link = job.inter_link if crosses else job.intra_link
+            hides = ring_overlap(job.model, job.seq_len, sp, link, job.acc, micro_batch=job.micro_batch).hides
+        return SpChoice(method, sp, peak, per_layer.sent, crosses, hides)
+    return SpChoice(method, None)
+
+
+def _pick_split(choices: tuple[SpChoice, ...]) -> SpChoice | None:
+    """Inside a node first; then the one that sends less; a ring that does not hide last."""
+    usable = [c for c in choices if c.sp_size is not None]
+    if not usable:
+        return None
+    return min(usable, key=lambda c: (c.crosses_nodes, c.ring_hides is False, c.sp_size, c.layer_sent_bytes))
+
+
+def estimate_axes(model: ModelLike, gpu: Accelerator | str, gpus: int, *, seq_len: int, micro_batch: int = 1,
+                  batch_tokens: int | None = None, gpus_per_node: int | None = None,
+                  inter_link: str = "ib-ndr400", precision: str = "bf16-mixed",
+                  headroom: float = 0.0) -> AxesVerdict:
+    """Is FSDP enough for ``model`` on ``gpus`` GPUs at ``seq_len``, and if not, which axis?
+
+    Args:
+        model: A decoder shape or preset name (anything with an activation model).
+        gpu: An accelerator or preset name.
+        gpus: GPUs in the job (whole nodes beyond one).
+        seq_len: Tokens per sequence.
+        micro_batch: Sequences per data-parallel replica per step.
+        batch_tokens: The global batch the training recipe wants, tokens per optimizer step
+            (``None``: no limit from the batch).
+        gpus_per_node: GPUs per node (default: the accelerator preset's node).
+        inter_link: One network port between nodes (a ring across nodes crosses it).
+        precision: As for :func:`~handbook_lib.models.memory.estimate_memory`.
+        headroom: Fraction of usable memory kept free.
+
+    Returns:
+        The verdict: (a) the smallest sequence split per method when one sequence does not fit
+        even with full checkpointing; (b) tensor parallelism inside a node when the batch allows
+        fewer replicas than GPUs; (c) the ring's overlap on the link it would cross.
+
+    Raises:
+        ValueError: for a bad count, a headroom outside [0, 1), or a batch smaller than one
+            micro-batch.
+    """
+    acc = get_accelerator(gpu) if isinstance(gpu, str) else gpu
+    check_int("gpus", gpus, 1)
+    check_int("seq_len", seq_len, 1)
+    check_int("micro_batch", micro_batch, 1)
+    per_node = node_preset(acc).gpus_per_node if gpus_per_node is None else gpus_per_node
+    check_whole_nodes(gpus, per_node)
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom must be in [0, 1), got {headroom}")
+    node = node_preset(acc, inter_link=inter_link, gpus_per_node=per_node)
+    job = _Job(model, acc, gpus, per_node, seq_len, micro_batch, precision,
+               int(usable_memory_bytes(acc) * (1 - headroom)), node.inter_link, node.intra_link)
+    layout = model_layout(model)
+    fsdp_peak = _peak(job, 1)
+    seq_bytes = sequence_activation_bytes(model, seq_len, micro_batch=micro_batch, recompute="full")
+    reasons: list[str] = []
+    choices: tuple[SpChoice, ...] = ()
+    sp, method = 1, ""
+    if fsdp_peak > job.budget:
+        choices = tuple(_smallest_split(job, m) for m in SP_METHODS)
+        reasons.append(_sequence_reason(layout.name, job, fsdp_peak, seq_bytes))
+        pick = _pick_split(choices)
+        reasons += [_split_reason(c, job) for c in choices]
+        if pick is not None:
+            sp, method = pick.sp_size or 1, pick.method
+            reasons.append(_pick_reason(pick, choices, job))
+    else:
+        reasons.append(f"One sequence fits: FULL_SHARD on {gpus} GPUs with full checkpointing reserves "
+                       f"{_gb(fsdp_peak)} per GPU of {_gb(job.budget)}; no sequence split needed.")
+    tp, max_dp = _batch_axis(job, layout.nhead, sp, batch_tokens, reasons)
+    if sp == 1 and tp == 1 and fsdp_peak <= job.budget:
+        reasons.append(f"FSDP is the answer: FSDP {gpus}.")
+    return AxesVerdict(layout.name, acc.name, gpus, per_node, seq_len, micro_batch, job.budget, fsdp_peak,
+                       seq_bytes, choices, max_dp, tp, sp, method, tuple(reasons))
+
+
+def _sequence_reason(name: str, job: _Job, peak: int, seq_bytes: int) -> str:
+    return (f"One sequence does not fit: {job.micro_batch} x {job.seq_len:,} tokens of {name} keep "
+            f"{_gb(seq_bytes)} of activations per GPU even with full checkpointing; FULL_SHARD on "
+            f"{job.gpus} GPUs reserves {_gb(peak)} against {_gb(job.budget)}. FSDP divides the model "
+            "state, not one sequence: split the sequence.")
+
+
+def _split_reason(c: SpChoice, job: _Job) -> str:
+    if c.sp_size is None:
+        why = "the heads allow no split that fits" if c.method == "ulysses" else "no split up to every GPU fits"
+        return f"{c.method}: {why}."
+    where = "across nodes" if c.crosses_nodes else "inside a node"
+    text = (f"{c.method}: sp={c.sp_size} fits ({_gb(c.peak_reserved_bytes)} reserved per GPU), {where}, "
+            f"{_gb(c.layer_sent_bytes)} sent per layer per step")
+    if c.ring_hides is not None:
+        link = job.inter_link if c.crosses_nodes else job.intra_link
+        text += f"; its transfers {'hide' if c.ring_hides else 'do not hide'} behind the block attention on {link.name}"
+    return text + "."
+
+
+def _pick_reason(pick: SpChoice, choices: tuple[SpChoice, ...], job: _Job) -> str:
+    ring = next(c for c in choices if c.method == "ring")
+    if not pick.crosses_nodes:
+        return (f"Split with {pick.method}, sp={pick.sp_size}, inside a node of {job.gpus_per_node} GPUs "
+                f"({job.intra_link.name}): the smallest split that fits (a tie: the fewer bytes sent).")
+    if pick.method == "ulysses" and ring.ring_hides is False:
+        return (f"Split with ulysses, sp={pick.sp_size}, across nodes: a ring there would not hide its "
+                f"transfers behind its blocks of {job.seq_len // (ring.sp_size or 1):,} tokens on "
+                f"{job.inter_link.name}.")
+    return f"Split with {pick.method}, sp={pick.sp_size}, across nodes: no split inside a node fits."
+
+
+def _batch_axis(job: _Job, heads: int, sp: int, batch_tokens: int | None,
+                reasons: list[str]) -> tuple[int, int | None]:
+    """(b): the tensor-parallel degree inside a node that brings the replicas within the batch."""
+    if batch_tokens is None:
+        return 1, None
+    max_dp = max_data_parallel(batch_tokens, job.micro_batch, job.seq_len)
+    dp = job.gpus // sp
+    if dp <= max_dp:
+        reasons.append(f"The batch of {batch_tokens:,} tokens allows {max_dp:,} replicas of {job.micro_batch} x "
+                       f"{job.seq_len:,} tokens; {dp:,} are used.")
+        return 1, max_dp
+    for tp in range(2, job.gpus_per_node + 1):
+        if job.gpus_per_node % tp or (heads and heads % tp) or dp % tp:
+            continue
+        if dp // tp <= max_dp:
+            reasons.append(f"The batch of {batch_tokens:,} tokens allows {max_dp:,} replicas of {job.micro_batch} x "
+                           f"{job.seq_len:,} tokens, not {dp:,}: TP {tp} inside a node makes {dp // tp:,} "
+                           "replicas, each sequence shared by the TP group.")
+            return tp, max_dp
+    reasons.append(f"The batch of {batch_tokens:,} tokens allows {max_dp:,} replicas, fewer than TP "
+                   f"{job.gpus_per_node} inside a node leaves ({dp // job.gpus_per_node:,}): split the "
+                   "sequence too, or add pipeline parallelism (not modelled here).")
+    return job.gpus_per_node if heads % job.gpus_per_node == 0 else 1, max_dp
+

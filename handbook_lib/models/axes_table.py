@@ -1,0 +1,269 @@
+"""Tensor parallelism inside a node x FSDP across nodes, priced beside FULL_SHARD and HYBRID_SHARD.
+Pure arithmetic: no ``torch``.
+
+Chapter 9 teaches it, after :mod:`handbook_lib.models.axes` has said *whether* FSDP is enough.
+:func:`compare_axes` prices, for one job, the planner's FULL_SHARD and HYBRID_SHARD options (with
+and without activation checkpointing, :func:`~handbook_lib.models.planner.plan`) and the same job
+laid out as TP over ``tp`` GPUs of a node x FSDP2 over the TP groups (and, if asked, the sequence
+split over ``sp`` GPUs x FSDP2 over all): per-GPU memory, communication, compute, step and tokens
+per second per GPU, the one figure that compares layouts whose global batches differ (a TP group
+shares its sequences, so TP x FSDP takes ``1/tp`` of FULL_SHARD's tokens per step).
+:func:`recommend_axes` picks the fastest that fits, a tie within 1 % going to fewer axes.
+
+What each layout pays:
+
+- FULL_SHARD / HYBRID_SHARD: the planner's own pricing (chapter 4);
+- TP x FSDP: compute ``1/tp`` of 6PT of its group's tokens; TP's collectives per layer
+  (:func:`~handbook_lib.models.tensor_parallel.estimate_tp_layer_traffic`, sequence parallel:
+  4 all-gathers and 4 reduce-scatters of T·d·c, and the forward's again when a checkpointed layer
+  is recomputed) on the node's link, **not hidden** (each sits between two matrix products);
+  FSDP2's all-gathers and reduce-scatters of the TP slices over the ``dp`` groups, one rank per
+  node when ``tp`` fills it, on that rank's own network port, hidden as chapter 3 hides them;
+- the sequence split: compute of ``1/sp`` of the tokens; Ulysses' all-to-alls (not hidden) or the
+  ring's sends (hidden when :func:`~handbook_lib.models.sequence_parallel.ring_overlap` says so);
+  FSDP2 over every GPU as FULL_SHARD.
+
+The compute model is 6PT (chapter 3): it leaves out attention's ``s²`` term, which grows past the
+parameters' share beyond ~32k tokens for a 70B model; every layout pays it alike per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from handbook_lib.core.config import get_precision
+from handbook_lib.models.axes import estimate_sp_memory, estimate_tp_fsdp_memory
+from handbook_lib.models.collectives import estimate_collective_time
+from handbook_lib.models.hardware import (
+    Accelerator,
+    Link,
+    Node,
+    get_accelerator,
+    node_preset,
+)
+from handbook_lib.models.layout import model_layout
+from handbook_lib.models.planner import STEP_TIE, Option, plan
+from handbook_lib.models.presets import DecoderShape, get_shape
+from handbook_lib.models.sequence_parallel import (
+    ring_layer_bytes,
+    ring_overlap,
+    ulysses_layer_bytes,
+)
+from handbook_lib.models.sharding import Unit
+from handbook_lib.models.tensor_parallel import (
+    _tp_layer_elements,  # one TP rank's elements of a layer: the one home of that split
+    estimate_decoder_tp_memory,
+    estimate_tp_layer_traffic,
+)
+from handbook_lib.models.timing import (
+    DEFAULT_UTILIZATION,
+    estimate_compute_time,
+    estimate_step_time,
+)
+from handbook_lib.models.topology import route_collective
+from handbook_lib.models.traffic import estimate_step_traffic
+
+__all__ = ["AxisOption", "axes_reason", "compare_axes", "decoder_tp_units", "recommend_axes"]
+
+_FROM_PLAN = ("FULL_SHARD", "FULL_SHARD + AC", "HYBRID_SHARD", "HYBRID_SHARD + AC")
+
+
+@dataclass(frozen=True)
+class AxisOption:
+    """One layout of the job, priced (seconds per step, bytes per GPU)."""
+
+    name: str
+    tp_size: int
+    sp_size: int
+    dp_size: int
+    """Data-parallel replicas (FSDP's groups: shard groups of HYBRID_SHARD count as one)."""
+    activation_checkpointing: bool
+    peak_reserved_bytes: int
+    budget_bytes: int
+    comm_s: float
+    """All collectives of a step back to back."""
+    exposed_s: float
+    """Communication no compute hides (TP's and Ulysses' all of it)."""
+    compute_s: float
+    step_s: float
+    tokens_per_step: int
+    """Tokens of one optimizer step over the whole job."""
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_reserved_bytes <= self.budget_bytes
+
+    @property
+    def margin_bytes(self) -> int:
+        return self.budget_bytes - self.peak_reserved_bytes
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        """Tokens per second per GPU: the step's tokens over its time and the job's GPUs."""
+        return self.tokens_per_step / self.step_s / (self.tp_size * self.sp_size * self.dp_size)
+
+
+def decoder_tp_units(shape: DecoderShape, tp_size: int) -> list[Unit]:
+    """FSDP2's units over the dp axis for a decoder under TP: the root (embedding and head split
+    over the vocabulary, final norm replicated) and one unit per layer, each one TP rank's slice
+    (:func:`~handbook_lib.models.tensor_parallel.estimate_decoder_tp_memory`'s split)."""
+    layer = _tp_layer_elements(shape, tp_size)
+    root = estimate_decoder_tp_memory(shape, tp_size, 1, 1, 1).params_per_gpu - shape.num_layers * layer
+    return [Unit("root", ((root,),), root=True)] + [Unit(f"layers.{i}", ((layer,),)) for i in range(shape.num_layers)]
+
+
+@dataclass(frozen=True)
+class _Job:
+    shape: DecoderShape
+    node: Node
+    gpus: int
+    micro_batch: int
+    seq_len: int
+    precision: str
+    utilization: float
+    budget: int
+
+    def compute(self, tokens: int, ac: bool) -> float:
+        acc = self.node.accelerator
+        peak = acc.peak_flops_bf16 if self.precision != "fp32" else acc.peak_flops_fp32
+        return estimate_compute_time(self.shape.num_params, tokens, peak, self.utilization, activation_checkpointing=ac)
+
+    def mode(self, ac: bool) -> str:
+        return "full" if ac else "none"
+
+
+def _from_plan(o: Option, job: _Job) -> AxisOption:
+    """A planner's option as a row: every GPU a data-parallel rank."""
+    return AxisOption(o.name, 1, 1, job.gpus, o.activation_checkpointing, o.peak_reserved_bytes, o.budget_bytes,
+                      o.comm_s, max(0.0, o.step_s - o.compute_s), o.compute_s, o.step_s,
+                      job.gpus * job.micro_batch * job.seq_len)
+
+
+def _price_tp(job: _Job, tp: int, ac: bool) -> AxisOption:
+    """TP over ``tp`` GPUs of a node x FSDP2 over the ``gpus / tp`` groups (module docstring)."""
+    dp = job.gpus // tp
+    tokens = job.micro_batch * job.seq_len  # one TP group's
+    mem = estimate_tp_fsdp_memory(job.shape, job.gpus, tp, micro_batch=job.micro_batch, seq_len=job.seq_len,
+                                  precision=job.precision, activation_checkpointing=job.mode(ac))
+    compute = job.compute(tokens, ac) / tp
+    c = 4 if job.precision == "fp32" else 2
+    layer = estimate_tp_layer_traffic(job.shape.d_model, tokens, tp, c, sequence_parallel=True)
+    per_layer = [estimate_collective_time(x, job.node.intra_link) for x in layer.collectives]
+    half = len(per_layer) // 2  # forward first: recomputed with checkpointing
+    tp_s = job.shape.num_layers * (sum(per_layer) + (sum(per_layer[:half]) if ac else 0.0))
+    param_dtype, reduce_dtype = get_precision(job.precision)
+    traffic = estimate_step_traffic(decoder_tp_units(job.shape, tp), dp, "FULL_SHARD", param_dtype=param_dtype,
+                                    reduce_dtype=reduce_dtype)
+    # one dp group's ranks on each node: a machine of gpus_per_node / tp slots and as many ports
+    node = job.node
+    slots = max(1, node.gpus_per_node // tp)
+    lane = dataclasses.replace(node, gpus_per_node=slots, nics_per_node=max(1, node.nics_per_node * slots
+                                                                           // node.gpus_per_node))
+    fsdp = estimate_step_time(traffic, lambda r: route_collective(r, lane, dp, "FULL_SHARD"), compute, overlap=True)
+    return AxisOption(f"TP {tp} x FSDP {dp}" + (" + AC" if ac else ""), tp, 1, dp, ac, mem.peak_reserved,
+                      job.budget, tp_s + fsdp.comm_s, tp_s + fsdp.exposed_comm_s, compute, tp_s + fsdp.total_s,
+                      dp * tokens)
+
+
+def _price_sp(job: _Job, sp: int, method: str, ac: bool) -> AxisOption:
+    """The sequence split over ``sp`` GPUs x FSDP2 over every GPU (module docstring)."""
+    mem = estimate_sp_memory(job.shape, job.gpus, job.seq_len, sp, micro_batch=job.micro_batch,
+                             precision=job.precision, activation_checkpointing=job.mode(ac))
+    compute = job.compute(job.micro_batch * job.seq_len // sp, ac)
+    link: Link = job.node.intra_link if sp <= job.node.gpus_per_node else job.node.inter_link
+    fn = ulysses_layer_bytes if method == "ulysses" else ring_layer_bytes
+    layer = fn(job.shape, job.seq_len, sp, micro_batch=job.micro_batch)
+    steps = layer.forward_transfers * (2 if ac else 1) + layer.backward_transfers
+    sent = layer.sent + (layer.forward_sent if ac else 0)
+    sp_s = job.shape.num_layers * (steps * link.latency_s + sent / link.achievable_bytes_per_s)
+    hidden = method == "ring" and ring_overlap(job.shape, job.seq_len, sp, link, job.node.accelerator,
+                                               micro_batch=job.micro_batch).hides
+    param_dtype, reduce_dtype = get_precision(job.precision)
+    traffic = estimate_step_traffic(model_layout(job.shape).units(), job.gpus, "FULL_SHARD",
+                                    param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    fsdp = estimate_step_time(traffic, lambda r: route_collective(r, job.node, job.gpus, "FULL_SHARD"),
+                              compute, overlap=True, extra_comm_s=sp_s if hidden else 0.0)
+    exposed = 0.0 if hidden else sp_s
+    return AxisOption(f"SP {sp} ({method}) x FSDP {job.gpus // sp}" + (" + AC" if ac else ""), 1, sp,
+                      job.gpus // sp, ac, mem.peak_reserved, job.budget, fsdp.comm_s + exposed,
+                      fsdp.exposed_comm_s + exposed, compute, fsdp.total_s + exposed,
+                      job.gpus // sp * job.micro_batch * job.seq_len)
+
+
+def compare_axes(model: DecoderShape | str, gpu: Accelerator | str, gpus: int, *, seq_len: int,
+                 tp_size: int | None = None, sp_size: int = 1, sp_method: str = "ulysses", micro_batch: int = 1,
+                 gpus_per_node: int | None = None, inter_link: str = "ib-ndr400", precision: str = "bf16-mixed",
+                 utilization: float = DEFAULT_UTILIZATION, headroom: float = 0.0) -> list[AxisOption]:
+    """FULL_SHARD and HYBRID_SHARD (the planner's pricing) beside TP over ``tp_size`` GPUs of a
+    node x FSDP2 (and, with ``sp_size`` > 1, the sequence split x FSDP2), each with and without
+    full activation checkpointing; ``micro_batch`` sequences per data-parallel replica (a TP
+    group, an sp group or one GPU).
+
+    Args:
+        model: A decoder shape or preset name.
+        gpu: An accelerator or preset name.
+        gpus: GPUs in the job, whole nodes.
+        seq_len: Tokens per sequence.
+        tp_size: TP ranks inside a node (default: the whole node); 1 leaves TP out.
+        sp_size: Ranks of the sequence split (1: left out).
+        sp_method: ``ulysses`` or ``ring``.
+        micro_batch, gpus_per_node, inter_link, precision, utilization, headroom: as for
+            :func:`~handbook_lib.models.planner.plan`.
+
+    Raises:
+        ValueError: for a ``tp_size`` that does not divide the GPUs per node or the heads, an
+            ``sp_size`` that does not divide the GPUs or the sequence, or what ``plan`` refuses.
+    """
+    shape = get_shape(model) if isinstance(model, str) else model
+    acc = get_accelerator(gpu) if isinstance(gpu, str) else gpu
+    result = plan(shape, acc, gpus, micro_batch=micro_batch, seq_len=seq_len, gpus_per_node=gpus_per_node,
+                  inter_link=inter_link, precision=precision, utilization=utilization, headroom=headroom)
+    node = node_preset(acc, inter_link=inter_link, gpus_per_node=min(result.gpus_per_node, gpus))
+    job = _Job(shape, node, gpus, micro_batch, seq_len, precision, utilization, result.options[0].budget_bytes)
+    tp = node.gpus_per_node if tp_size is None else tp_size
+    if tp > 1 and (node.gpus_per_node % tp or shape.nhead % tp):
+        raise ValueError(f"tp_size={tp} must divide the GPUs per node ({node.gpus_per_node}) and the heads "
+                         f"({shape.nhead})")
+    rows = [_from_plan(o, job) for o in result.options if o.name in _FROM_PLAN and o.gpus == gpus]
+    for ac in (False, True):
+        if tp > 1:
+            rows.append(_price_tp(job, tp, ac))
+        if sp_size > 1:
+            rows.append(_price_sp(job, sp_size, sp_method, ac))
+    return rows
+
+
+def recommend_axes(rows: list[AxisOption]) -> AxisOption | None:
+    """The layout that fits with the most tokens per second per GPU; within
+    :data:`~handbook_lib.models.planner.STEP_TIE` (1 %) of the best, fewer axes, then no
+    recomputation. ``None`` when none fits."""
+    fits = [r for r in rows if r.fits]
+    if not fits:
+        return None
+    best = max(r.tokens_per_s_per_gpu for r in fits)
+    tied = [r for r in fits if r.tokens_per_s_per_gpu >= best * (1 - STEP_TIE)]
+    return min(tied, key=lambda r: (r.tp_size * r.sp_size, r.activation_checkpointing, -r.tokens_per_s_per_gpu))
+
+
+def axes_reason(rows: list[AxisOption]) -> str:
+    """One or two sentences: which layout wins and why, against the best of the others."""
+    chosen = recommend_axes(rows)
+    if chosen is None:
+        least = min(rows, key=lambda r: r.peak_reserved_bytes)
+        return (f"Nothing fits: the smallest peak is {least.name}'s, {least.peak_reserved_bytes / 1e9:.1f} GB "
+                f"reserved per GPU against {least.budget_bytes / 1e9:.1f} GB usable.")
+    others = [r for r in rows if r.fits and r is not chosen]
+    text = (f"Picks {chosen.name}: {chosen.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
+            f"{chosen.peak_reserved_bytes / 1e9:.1f} GB reserved of {chosen.budget_bytes / 1e9:.1f} GB.")
+    unfit = [r for r in rows if not r.fits and not r.activation_checkpointing]
+    if others:
+        runner = max(others, key=lambda r: r.tokens_per_s_per_gpu)
+        if runner.tokens_per_s_per_gpu >= chosen.tokens_per_s_per_gpu * (1 - STEP_TIE):
+            why = "a tie, won by fewer axes or no recomputation"
+        else:
+            why = f"{chosen.tokens_per_s_per_gpu / runner.tokens_per_s_per_gpu:.2f}x its tokens/s per GPU"
+        text += f" Best other: {runner.name} ({runner.tokens_per_s_per_gpu:,.0f}); {why}."
+    elif unfit:
+        text += f" Without it nothing else fits (e.g. {unfit[0].name}: {unfit[0].peak_reserved_bytes / 1e9:.1f} GB)."
+    return text

@@ -1,0 +1,151 @@
+"""handbook_lib.models.axes and axes_table: when FSDP stops being the answer (chapter 9)."""
+
+from __future__ import annotations
+
+import pytest
+
+from handbook_lib.models.axes import (
+    estimate_axes,
+    estimate_sp_memory,
+    estimate_tp_fsdp_memory,
+    sp_candidates,
+)
+from handbook_lib.models.axes_table import (
+    axes_reason,
+    compare_axes,
+    decoder_tp_units,
+    recommend_axes,
+)
+from handbook_lib.models.hardware import get_link
+from handbook_lib.models.hf_config import decoder_shape_from_hf
+from handbook_lib.models.memory import estimate_memory
+from handbook_lib.models.presets import get_shape
+from handbook_lib.models.sequence_parallel import sequence_activation_bytes
+from handbook_lib.models.tensor_parallel import estimate_decoder_tp_memory
+
+LLAMA3_70B = decoder_shape_from_hf({"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
+                                    "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+                                    "vocab_size": 128256, "tie_word_embeddings": False}, "Llama 3 70B")
+
+
+def test_one_sequence_of_128k_does_not_fit_and_ulysses_stops_at_the_kv_heads():
+    v = estimate_axes(LLAMA3_70B, "h100-80gb", 64, seq_len=131072)
+    # full checkpointing keeps each layer's input: 2 bytes x 131,072 tokens x 8,192 x 80 layers
+    assert v.sequence_bytes > 2 * 131072 * 8192 * 80 == 171_798_691_840 > v.budget_bytes
+    assert v.sequence_bytes == sequence_activation_bytes(LLAMA3_70B, 131072, recompute="full")
+    assert not v.fsdp_enough and v.fsdp_peak_reserved_bytes > v.budget_bytes
+    by = {c.method: c for c in v.sp}
+    assert by["ulysses"].sp_size == by["ring"].sp_size == 8  # the smallest split that fits
+    assert not by["ulysses"].crosses_nodes and by["ring"].ring_hides is True
+    assert (v.sp_size, v.sp_method, v.tp_size, v.dp_size) == (8, "ulysses", 1, 8)
+    assert v.axes == "SP 8 (ulysses) x FSDP 8"
+    assert any("does not fit" in r for r in v.reasons) and any("inside a node" in r for r in v.reasons)
+
+
+def test_ulysses_splits_need_the_heads_and_the_kv_heads():
+    # 64 heads, 8 KV heads: Ulysses 2, 4, 8; the ring any divisor of the GPUs and the sequence
+    assert sp_candidates(LLAMA3_70B, 64, 131072, "ulysses") == [2, 4, 8]
+    assert sp_candidates(LLAMA3_70B, 64, 131072, "ring") == [2, 4, 8, 16, 32, 64]
+    assert sp_candidates(LLAMA3_70B, 64, 96, "ring") == [2, 4, 8, 16, 32]  # 96 = 2^5 x 3
+    with pytest.raises(ValueError, match="sp_method must be one of ulysses, ring"):
+        sp_candidates(LLAMA3_70B, 64, 131072, "star")
+
+
+def test_at_8k_fsdp_is_the_answer():
+    v = estimate_axes(LLAMA3_70B, "h100-80gb", 64, seq_len=8192)
+    assert v.fsdp_enough and v.axes == "FSDP 64" and v.sp == ()
+    assert v.reasons[-1] == "FSDP is the answer: FSDP 64."
+
+
+def test_a_batch_past_what_the_job_can_use_calls_for_tp_inside_a_node():
+    # 2^18 tokens of 8,192-token sequences: 32 replicas; 64 GPUs -> TP 2
+    v = estimate_axes(LLAMA3_70B, "h100-80gb", 64, seq_len=8192, batch_tokens=2**18)
+    assert v.max_dp == 2**18 // 8192 == 32
+    assert (v.tp_size, v.dp_size, v.axes) == (2, 32, "TP 2 x FSDP 32")
+    # a batch of 8 sequences: TP 8 fills the node, 8 replicas
+    v = estimate_axes(LLAMA3_70B, "h100-80gb", 64, seq_len=8192, batch_tokens=8 * 8192)
+    assert (v.tp_size, v.dp_size) == (8, 8)
+    # a batch every GPU can share: no TP
+    assert estimate_axes(LLAMA3_70B, "h100-80gb", 64, seq_len=8192, batch_tokens=2**20).tp_size == 1
+
+
+def test_a_cross_node_ring_that_does_not_hide_goes_to_ulysses():
+    # nodes of 2 GPUs: a split of 4 crosses them; blocks of 32,768 / 4 = 8,192 tokens, and a ring
+    # step over one NDR port hides only from ~10.5k tokens for a multi-head 7B (F/B)
+    v = estimate_axes("llama2-7b", "h100-80gb", 64, seq_len=32768, gpus_per_node=2, headroom=0.9)
+    by = {c.method: c for c in v.sp}
+    assert by["ring"].sp_size == 4 and by["ring"].crosses_nodes and by["ring"].ring_hides is False
+    assert (v.sp_method, v.sp_size) == ("ulysses", 4)
+    assert "a ring there would not hide" in v.reasons[-1] or any("would not hide" in r for r in v.reasons)
+
+
+def test_sp_memory_is_fsdp_over_every_gpu_at_the_shorter_length():
+    split = estimate_sp_memory(LLAMA3_70B, 64, 131072, 8)
+    plain = estimate_memory(LLAMA3_70B, 64, "FULL_SHARD", "bf16-mixed", micro_batch=1, seq_len=16384,
+                            activation_checkpointing="full")
+    assert split.components == plain.components and split.peak_reserved == plain.peak_reserved
+    with pytest.raises(ValueError, match="seq_len=100 must be divisible by sp_size=8"):
+        estimate_sp_memory(LLAMA3_70B, 64, 100, 8)
+    with pytest.raises(ValueError, match="sp_size=3 must divide the GPUs"):
+        estimate_sp_memory(LLAMA3_70B, 64, 96, 3)
+
+
+def test_tp_memory_is_the_tp_shard_of_the_state_and_a_tp_th_of_the_rest():
+    tp = estimate_tp_fsdp_memory(LLAMA3_70B, 256, 8, micro_batch=16, seq_len=8192)
+    fsdp = estimate_memory(LLAMA3_70B, 256, "FULL_SHARD", "bf16-mixed", micro_batch=16, seq_len=8192,
+                           activation_checkpointing="full")
+    held = estimate_decoder_tp_memory(LLAMA3_70B, 8, 32, 16, 8192).params_per_gpu
+    assert tp.components["params"] == 4 * held and tp.components["optimizer"] == 8 * held
+    assert tp.components["activations"] == fsdp.components["activations"] // 8
+    assert tp.components["loss_buffers"] == fsdp.components["loss_buffers"] // 8
+    # the norms stay whole on every TP rank: a little more than FULL_SHARD's P/256
+    assert 0 < 4 * held - fsdp.components["params"] < 4 * 80 * 2 * 8192
+    assert tp.peak == sum(tp.components.values())
+    with pytest.raises(ValueError, match="tp_size=3 must divide the GPUs"):
+        estimate_tp_fsdp_memory(LLAMA3_70B, 256, 3, micro_batch=1, seq_len=8192)
+    with pytest.raises(ValueError, match="tp_size=16 must divide num_kv_heads=8"):
+        estimate_tp_fsdp_memory(LLAMA3_70B, 256, 16, micro_batch=1, seq_len=8192)
+
+
+def test_tp_units_hold_every_parameter_of_a_tp_rank():
+    units = decoder_tp_units(LLAMA3_70B, 8)
+    assert len(units) == 81 and units[0].root
+    assert sum(u.numel for u in units) == estimate_decoder_tp_memory(LLAMA3_70B, 8, 1, 1, 1).params_per_gpu
+
+
+def _rows(seq_len: int, **kw):
+    return {r.name: r for r in compare_axes(LLAMA3_70B, "h100-80gb", 64, seq_len=seq_len, **kw)}
+
+
+def test_the_table_at_8k_keeps_fsdp_and_at_128k_needs_another_axis():
+    short = _rows(8192)
+    assert set(short) == {"FULL_SHARD", "FULL_SHARD + AC", "HYBRID_SHARD", "HYBRID_SHARD + AC",
+                          "TP 8 x FSDP 8", "TP 8 x FSDP 8 + AC"}
+    assert recommend_axes(list(short.values())).name == "FULL_SHARD + AC"
+    assert not short["HYBRID_SHARD + AC"].fits  # 70B x 16 B over a shard group of 8: 141 GB
+    tp = short["TP 8 x FSDP 8"]
+    assert tp.dp_size == 8 and tp.tokens_per_step == 8 * 8192  # a TP group shares its sequence
+    assert tp.compute_s == pytest.approx(short["FULL_SHARD"].compute_s / 8)
+    long = _rows(131072, sp_size=8)
+    assert not any(long[n].fits for n in ("FULL_SHARD + AC", "HYBRID_SHARD + AC"))
+    assert long["TP 8 x FSDP 8 + AC"].fits and long["SP 8 (ulysses) x FSDP 8 + AC"].fits
+    chosen = recommend_axes(list(long.values()))
+    assert chosen.name == "SP 8 (ulysses) x FSDP 8 + AC"  # fewer bytes than TP's 8 collectives a layer
+    assert axes_reason(list(long.values())).startswith("Picks SP 8 (ulysses) x FSDP 8 + AC")
+
+
+def test_tp_collectives_are_exposed_and_sized_as_the_layer_model_says():
+    row = _rows(8192)["TP 8 x FSDP 8"]
+    # per layer 4 all-gathers + 4 reduce-scatters of B = 8,192 tokens x 8,192 x 2 bytes over 8
+    # ranks: 7 ring steps and 7/8 B each, on NVLink 4; 80 layers, none hidden
+    link, b = get_link("nvlink4"), 8192 * 8192 * 2
+    tp_s = 80 * 8 * (7 * link.latency_s + 7 * (b // 8) / link.achievable_bytes_per_s)
+    assert tp_s < row.exposed_s < tp_s + 0.05  # + FSDP's first all-gather (the root's 1/8)
+    assert row.step_s == pytest.approx(row.exposed_s + max(row.compute_s, row.comm_s - row.exposed_s))
+    with pytest.raises(ValueError, match="tp_size=3 must divide the GPUs per node"):
+        compare_axes(LLAMA3_70B, "h100-80gb", 64, seq_len=8192, tp_size=3)
+
+
+def test_the_preset_and_its_name_give_the_same_answer():
+    assert estimate_axes("llama2-70b", "h100-80gb", 64, seq_len=131072).axes == \
+        estimate_axes(get_shape("llama2-70b"), "h100-80gb", 64, seq_len=131072).axes
