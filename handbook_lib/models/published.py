@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from handbook_lib.models.axes import estimate_sp_memory, estimate_tp_fsdp_memory
 from handbook_lib.models.collectives import estimate_collective
 from handbook_lib.models.hardware import get_accelerator, node_preset
 from handbook_lib.models.hf_config import decoder_shape_from_hf
@@ -34,10 +35,25 @@ from handbook_lib.models.presets import DecoderShape, get_shape
 from handbook_lib.models.timing import DEFAULT_UTILIZATION, estimate_compute_time
 from handbook_lib.models.topology import route_collective
 
-__all__ = ["PublishedBandwidth", "PUBLISHED_BUS_BANDWIDTH", "BandwidthRow", "bus_bandwidth_rows",
-           "PublishedThroughput", "PUBLISHED_THROUGHPUT", "ThroughputRow", "throughput_rows",
-           "PublishedMemoryChange", "PUBLISHED_MEMORY_CHANGE", "MemoryChangeRow", "memory_change_rows",
-           "PUBLISHED_SOURCES"]
+__all__ = [
+    "PUBLISHED_AXIS_MEMORY",
+    "PUBLISHED_BUS_BANDWIDTH",
+    "PUBLISHED_MEMORY_CHANGE",
+    "PUBLISHED_SOURCES",
+    "PUBLISHED_THROUGHPUT",
+    "AxisMemoryRow",
+    "BandwidthRow",
+    "MemoryChangeRow",
+    "PublishedAxisMemory",
+    "PublishedBandwidth",
+    "PublishedMemoryChange",
+    "PublishedThroughput",
+    "ThroughputRow",
+    "axis_memory_rows",
+    "bus_bandwidth_rows",
+    "memory_change_rows",
+    "throughput_rows",
+]
 
 _VOLTAGE_PARK = ("AI @ Georgia Tech and Voltage Park, github.com/aigatech/vpbenchmarking (2025): "
                  "4 nodes x 8 H100 SXM, 3.2 Tb/s InfiniBand (8 x 400 Gb/s) per node, NCCL 2.24.3, "
@@ -334,3 +350,85 @@ PUBLISHED_SOURCES = {
     "MosaicML (llm-foundry)": ("mosaicml/llm-foundry",),
 }
 """Who published the rows, and where: independent groups, each with its own machines."""
+
+
+_TITAN_CP = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (2024), Table 2: Llama 3.1 8B, "
+             "FSDP + CP + torch.compile + Float8, 8 H100 96GB (HBM2e), local batch 1, full activation "
+             "checkpointing; peak memory per GPU in GiB. FSDP shards over the CP ranks too "
+             "(torchtitan/models/llama/parallelize_llama.py: fully_shard on the 'dp_shard_cp' mesh)")
+_TITAN_2D = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (2024), Table 4: Llama 3.1 70B, "
+             "2D (FSDP 32, TP 8) + torch.compile + Float8, 256 H100 96GB, local batch 16, full activation "
+             "checkpointing, 8,192-token sequences (train_configs/llama3_70b.toml seq_len); TP with "
+             "SequenceParallel on the norms and a loss-parallel output (parallelize_llama.py apply_tp)")
+_FLOAT8 = ("Float8 and torch.compile buffers, NCCL's own memory and the allocator's fragmentation are not "
+           "in the model")
+_FLOAT8_TP = (_FLOAT8 + "; nor are TP's in-flight (T, d) buffers of 16 sequences of 8,192 tokens (2 GiB "
+              "each in bf16), which NCCL's streams can hold past their use")
+
+
+@dataclass(frozen=True)
+class PublishedAxisMemory:
+    """One published peak memory per GPU of a run with an axis beyond FSDP (TP or CP)."""
+
+    label: str
+    model: str
+    gpus: int
+    tp_size: int
+    """Tensor-parallel ranks (1: none)."""
+    cp_size: int
+    """Context-parallel ranks one sequence is split over (1: none)."""
+    seq_len: int
+    micro_batch: int
+    """Sequences per data-parallel replica (a TP group shares them)."""
+    peak_gib: float
+    """The published peak per GPU, GiB."""
+    source: str
+    why: str = _FLOAT8
+    """What the model leaves out, in words."""
+
+
+PUBLISHED_AXIS_MEMORY: tuple[PublishedAxisMemory, ...] = (
+    PublishedAxisMemory("8B, FSDP 8, CP 1, 32k", "llama3.1-8b", 8, 1, 1, 32768, 1, 83.9, _TITAN_CP),
+    PublishedAxisMemory("8B, FSDP 4, CP 2, 64k", "llama3.1-8b", 8, 1, 2, 65536, 1, 84.2, _TITAN_CP),
+    PublishedAxisMemory("8B, FSDP 2, CP 4, 128k", "llama3.1-8b", 8, 1, 4, 131072, 1, 84.0, _TITAN_CP),
+    PublishedAxisMemory("8B, FSDP 1, CP 8, 256k", "llama3.1-8b", 8, 1, 8, 262144, 1, 84.5, _TITAN_CP),
+    PublishedAxisMemory("70B, FSDP 32 x TP 8", "llama3-70b", 256, 8, 1, 8192, 16, 71.9, _TITAN_2D, _FLOAT8_TP),
+    PublishedAxisMemory("70B, FSDP 32 x TP 8, AsyncTP", "llama3-70b", 256, 8, 1, 8192, 16, 67.6, _TITAN_2D,
+                        _FLOAT8_TP + "; AsyncTP's symmetric-memory buffers instead of NCCL's"),
+)
+"""Published peaks per GPU of context-parallel and 2-D runs (torchtitan's H100 tables)."""
+
+
+@dataclass(frozen=True)
+class AxisMemoryRow:
+    """A published peak per GPU beside the model's."""
+
+    published: PublishedAxisMemory
+    model_bytes: int
+    """The model's reserved peak per GPU, bytes."""
+
+    @property
+    def model_gib(self) -> float:
+        return self.model_bytes / 2**30
+
+    @property
+    def error(self) -> float:
+        """Model over published, minus one."""
+        return self.model_bytes / (self.published.peak_gib * 2**30) - 1
+
+
+def axis_memory_rows(rows: tuple[PublishedAxisMemory, ...] = PUBLISHED_AXIS_MEMORY) -> list[AxisMemoryRow]:
+    """Each published peak with the model's reserved peak (bf16 mixed precision, AdamW, full
+    checkpointing): the sequence split over ``cp_size`` ranks with FSDP over every GPU
+    (:func:`~handbook_lib.models.axes.estimate_sp_memory`), or TP over ``tp_size`` x FSDP over
+    the rest (:func:`~handbook_lib.models.axes.estimate_tp_fsdp_memory`)."""
+    out = []
+    for row in rows:
+        model: ModelLike = _model(row.model)  # type: ignore[assignment]
+        if row.tp_size > 1:
+            est = estimate_tp_fsdp_memory(model, row.gpus, row.tp_size, micro_batch=row.micro_batch,  # type: ignore[arg-type]
+                                          seq_len=row.seq_len)
+        else:
+            est = estimate_sp_memory(model, row.gpus, row.seq_len, row.cp_size, micro_batch=row.micro_batch)
+        out.append(AxisMemoryRow(row, est.peak_reserved))
+    return out
