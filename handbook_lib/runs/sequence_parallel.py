@@ -1,0 +1,216 @@
+"""Split each sequence over ``sp_size`` ranks (DeepSpeed Ulysses or the book's ring attention), with FSDP2 over every rank.
+
+Chapter 9 launches it. The ranks form a (dp, sp) mesh, the sp ranks contiguous: rank r holds
+rows ``r // sp`` of the global batch and positions ``r % sp`` of each sequence
+(:mod:`handbook_lib.runtime.sequence_parallel`). The book's model
+(:class:`~handbook_lib.runtime.parallel_model.ParallelTransformer`, the seeded weights of
+:class:`~handbook_lib.runtime.model.SimpleTransformer`) gets an attention core that sees the
+other ranks' tokens: ``sp_method=ulysses`` is DeepSpeed's ``DistributedAttention`` (4
+all-to-alls per layer each way, :mod:`handbook_lib.integrations.ulysses`), ``ring`` the book's
+ring of sends (:mod:`handbook_lib.runtime.ring_attention`; on GPUs PyTorch's
+``context_parallel`` is the ring). FSDP2 shards the parameters over all ranks, dp × sp.
+
+Before training, the core runs once on random q, k, v against full causal attention (output
+and gradients, 1e-6 relative). The last step runs under a memory tracker and a collective
+counter. Checks, beside :mod:`handbook_lib.models.sequence_parallel`: parameter, gradient and
+optimizer bytes per rank (exact), activations per rank with the sequence split 1/sp (exact),
+every collective of the step by kind, phase and group (count and bytes, exact), and the fp32
+losses against one process training the book's model on the whole batch (1e-5).
+
+Launch::
+
+    python -m handbook_lib run sequence_parallel --nproc 4 --set sp_size=2 --set sp_method=ulysses
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from handbook_lib.core.config import ParallelConfig, RunConfig
+from handbook_lib.core.results import Check
+from handbook_lib.models.model_state import optimizer_states, optimizer_step_bytes
+from handbook_lib.models.sequence_parallel import (
+    estimate_sp_activation_bytes,
+    estimate_sp_step_traffic,
+    parallel_layout,
+)
+from handbook_lib.runs.entry import RankReport, main
+from handbook_lib.runtime.collectives import CollectiveCall, collective_totals
+from handbook_lib.runtime.data import make_batch
+from handbook_lib.runtime.distributed import RankContext
+from handbook_lib.runtime.measure import (
+    measure_grad_bytes,
+    measure_optimizer_bytes,
+    measure_param_bytes,
+)
+from handbook_lib.runtime.model import build_model
+from handbook_lib.runtime.ring_attention import ring_core
+from handbook_lib.runtime.sequence_parallel import (
+    build_sequence_mesh,
+    build_sequence_model,
+    measure_attention_error,
+    sequence_batches,
+)
+from handbook_lib.runtime.training import (
+    build_optimizer,
+    next_token_loss,
+    train,
+    train_step,
+)
+
+CONFIG = ParallelConfig
+
+LOSS_TOLERANCE = 1e-5
+"""Relative tolerance of each fp32 loss against one process's on the same global batch."""
+ATTENTION_TOLERANCE = 1e-6
+"""The distributed attention's largest difference from full causal attention, relative to the
+reference's largest magnitude (fp32; measured about 1e-7)."""
+
+_DEFAULTS = RunConfig()
+_FIXED = ("shard_group_size", "wrap", "precision", "grad_accum_steps", "max_grad_norm", "activation_checkpointing",
+          "cpu_offload", "explicit_prefetch", "reshard_after_forward_size", "sync_every_micro_step",
+          "reshard_after_backward", "count_gathered")
+"""Keys this run leaves at their defaults (fp32, one micro-step, FSDP2's default schedule)."""
+
+
+def validate(config: ParallelConfig, world_size: int) -> None:
+    """Reject, before any process starts, a config this run cannot execute.
+
+    Raises:
+        ValueError: naming the key and the values this run accepts.
+    """
+    if config.tp_size != 1:
+        raise ValueError(f"config key 'tp_size'={config.tp_size}: sequence_parallel splits sequences; "
+                         "run tensor_parallel for tensor parallelism")
+    if config.sp_size == 1:
+        raise ValueError("config key 'sp_size'=1 splits no sequence: sequence_parallel needs sp_size >= 2 "
+                         "(plain FSDP is fsdp_train)")
+    config.data_parallel_size(world_size)
+    if config.api != "fsdp2" or config.strategy != "FULL_SHARD":
+        raise ValueError(f"sequence_parallel shards with api='fsdp2', strategy='FULL_SHARD' over every rank; "
+                         f"got api={config.api!r}, strategy={config.strategy!r}")
+    for key in _FIXED:
+        if getattr(config, key) != getattr(_DEFAULTS, key):
+            raise ValueError(f"config key {key!r}={getattr(config, key)!r} is not supported by sequence_parallel "
+                             f"(it runs {key}={getattr(_DEFAULTS, key)!r})")
+    if config.steps < 2:
+        raise ValueError(f"config key 'steps'={config.steps}: sequence_parallel measures its last step with "
+                         "the optimizer state in place; it needs steps >= 2")
+
+
+def run(config: ParallelConfig, ctx: RankContext) -> RankReport:
+    """Train ``config`` with the sequence split over ``sp_size`` ranks; check every byte and loss."""
+    validate(config, ctx.world_size)
+    mesh = build_sequence_mesh(config, ctx)
+    if config.sp_method == "ulysses":
+        from handbook_lib.integrations.ulysses import ulysses_core
+
+        core = ulysses_core(mesh.sp_group)
+    else:
+        core = ring_core(mesh.sp_group)
+    error = measure_attention_error(core, config, mesh, ctx.device)
+    model = build_sequence_model(config, ctx, mesh, core)
+    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
+    log = train(model, optimizer, config, ctx, batches=sequence_batches(mesh), loss_fn=own_targets,
+                track_memory=True, count_collectives=True)
+    micro = config.batch_size // mesh.dp_size
+    checks = [
+        Check("attention_output", ctx.rank, error.out_scale, error.out_scale + error.out_diff, "max |value|",
+              ATTENTION_TOLERANCE),
+        Check("attention_grads", ctx.rank, error.grad_scale, error.grad_scale + error.grad_diff, "max |value|",
+              ATTENTION_TOLERANCE),
+        *_state_checks(config, ctx, model, optimizer),
+    ]
+    acts = tracked_activation_bytes(config, micro)
+    checks.append(Check("activation_bytes", ctx.rank, acts, log.memory.activation_bytes, "bytes"))
+    checks += _collective_checks(config, ctx, micro, log.collectives)
+    metrics = {"losses": log.losses, "step_time_s": log.step_time_s, "dp_size": mesh.dp_size,
+               "sp_size": mesh.sp_size, "dp_rank": mesh.dp_rank, "sp_rank": mesh.sp_rank,
+               "activation_bytes": log.memory.activation_bytes, "predicted_activation_bytes": acts,
+               "peak_bytes": log.memory.peak_bytes, "attention_error": vars(error),
+               "collectives": [vars(c) for c in log.collectives],
+               "sent_bytes": sum(k["sent_bytes"] for k in collective_totals(log.collectives).values())}
+    if ctx.is_main:
+        reference = reference_losses(config)
+        metrics["reference_losses"] = reference
+        checks += [Check(f"loss_step{i + 1}", None, want, got, "nats", LOSS_TOLERANCE)
+                   for i, (want, got) in enumerate(zip(reference, log.losses))]
+    return RankReport(metrics=metrics, checks=checks, extra={"num_params": parallel_layout(config.model_config()).num_params})
+
+
+def own_targets(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The run's loss: :func:`~handbook_lib.runtime.training.next_token_loss` on this rank's
+    targets as a tensor of their own, as a sequence-parallel data loader hands each rank its
+    chunk (the loop's slice is a view of the arranged global batch, whose whole storage the
+    memory tracker would count)."""
+    return next_token_loss(logits, targets.clone())
+
+
+def tracked_activation_bytes(config: ParallelConfig, micro_batch: int) -> int:
+    """What the memory tracker files as activations after the forward pass on one rank:
+    :func:`~handbook_lib.models.sequence_parallel.estimate_sp_activation_bytes` (what autograd
+    keeps) less the int64 token ids (the model's input, which the tracker files as an input,
+    not as something the forward pass made), plus the 4-byte loss itself, alive but kept by
+    nobody. Measured equal on 1, 2 and 4 ranks, with and without FSDP2, Ulysses and the ring."""
+    tokens = micro_batch * config.seq_len // config.sp_size
+    saved = estimate_sp_activation_bytes(config.model_config(), micro_batch, config.seq_len, config.sp_size,
+                                         config.sp_method).total
+    return saved - 8 * tokens + 4
+
+
+def reference_losses(config: RunConfig) -> list[float]:
+    """The losses of :func:`~handbook_lib.runtime.training.train_one_process`: the book's
+    SimpleTransformer from ``config.seed`` trained in this process on the whole global batch,
+    step by step through :func:`~handbook_lib.runtime.training.train_step` (``train`` itself
+    would all-reduce its loss over the job's process group)."""
+    model = build_model(config.model_config(), seed=config.seed)
+    model.train()
+    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
+    return [train_step(model, optimizer, *make_batch(config, step), step=step + 1).item()
+            for step in range(config.steps)]
+
+
+def _state_checks(config: ParallelConfig, ctx: RankContext, model: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer) -> list[Check]:
+    """Parameter shards and padding, gradients and optimizer state of this rank, against
+    :func:`parallel_layout`'s shards over the whole world."""
+    layout = parallel_layout(config.model_config())
+    shard = layout.shard_bytes(ctx.world_size, ctx.rank)
+    params = measure_param_bytes(model)
+    sharded, other = measure_optimizer_bytes(optimizer)
+    return [Check("param_shard_bytes", ctx.rank, shard.shard_bytes, params.shard_bytes, "bytes"),
+            Check("param_padding_bytes", ctx.rank, shard.padding_bytes, params.padding_bytes, "bytes"),
+            Check("grad_shard_bytes", ctx.rank, shard.shard_bytes, measure_grad_bytes(model), "bytes"),
+            Check("optimizer_state_bytes", ctx.rank, optimizer_states(config.optimizer) * shard.shard_bytes,
+                  sharded, "bytes"),
+            Check("optimizer_step_bytes", ctx.rank, optimizer_step_bytes(layout, config.optimizer), other, "bytes")]
+
+
+def _collective_checks(config: ParallelConfig, ctx: RankContext, micro: int,
+                       calls: list[CollectiveCall]) -> list[Check]:
+    """Every collective of the last step by (kind, phase, group size): count and buffer bytes,
+    and the bytes this rank sent, against :func:`estimate_sp_step_traffic`. The counter names
+    the phase after the first backward ``optimizer``; FSDP2 issues nothing there, so those are
+    the backward's last reduce-scatters."""
+    traffic = estimate_sp_step_traffic(config.model_config(), ctx.world_size, micro, config.seq_len,
+                                       config.sp_size, config.sp_method)
+    measured: dict[tuple[str, str, int], tuple[int, int]] = {}
+    for c in calls:
+        key = (c.kind, "backward" if c.phase == "optimizer" else c.phase, c.group_size)
+        n, b = measured.get(key, (0, 0))
+        measured[key] = (n + 1, b + c.buffer_bytes)
+    checks = []
+    for key in sorted(set(traffic.counts()) | set(measured)):
+        want, got = traffic.counts().get(key, (0, 0)), measured.get(key, (0, 0))
+        name = f"{key[0]}_{key[1][:3]}_g{key[2]}"
+        checks += [Check(f"{name}_count", ctx.rank, want[0], got[0], "collectives"),
+                   Check(f"{name}_buffer_bytes", ctx.rank, want[1], got[1], "bytes")]
+    sent = sum(k["sent_bytes"] for k in collective_totals(calls).values())
+    checks.append(Check("sent_bytes", ctx.rank, traffic.sent_bytes, sent, "bytes"))
+    return checks
+
+
+if __name__ == "__main__":
+    main(sys.modules[__name__])
