@@ -16,7 +16,8 @@ Chapter 1 introduces it. Commands:
   ...`` — bytes each rank sends per step, and the time they take (``--json``: bytes, seconds);
 - ``plan (--model llama2-7b | --hf-config PATH) --gpu h100-80gb --gpus 8 --seq-len 4096
   --micro-batch 1`` — every option priced, and a recommendation with its reasons (``--json`` for
-  tools);
+  tools); ``--tp-size N`` / ``--sp-size N`` (also on ``memory``, chapter 9) price tensor
+  parallelism inside a node x FSDP, or the sequence split, beside FULL_SHARD and HYBRID_SHARD;
 - ``slurm NAME --nodes N --gpus-per-node G [--set key=value ...] [--output FILE]`` — write a
   Slurm batch script that runs the experiment on N nodes x G GPUs (one torchrun agent per node),
   its config checked first; to stdout, or to FILE (never replacing a file it did not write).
@@ -130,6 +131,16 @@ def _add_sharding(cmd: argparse.ArgumentParser) -> None:
                      help=f"{' and '.join(_HYBRID)} only: ranks per shard group (default: all)")
 
 
+def _add_axes(cmd: argparse.ArgumentParser) -> None:
+    """Chapter 9's axes beyond FSDP: tensor parallelism inside a node, the sequence split."""
+    cmd.add_argument("--tp-size", type=_whole(1), default=1, metavar="N",
+                     help="tensor-parallel ranks inside a node (must divide the GPUs per node and the "
+                     "heads), FSDP across the rest (default 1: none)")
+    cmd.add_argument("--sp-size", type=_whole(1), default=1, metavar="N",
+                     help="ranks one sequence is split over (must divide the GPUs and the sequence), "
+                     "FSDP over every GPU (default 1: none)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every command; subcommands are added one function call each."""
     parser = _Parser(prog="python -m handbook_lib", description="The FSDP Handbook's companion tools.")
@@ -176,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "and attention's outputs) or full (keep each layer's input; the flag alone); needs "
                      "--micro-batch")
     mem.add_argument("--cpu-offload", action="store_true", help="keep the model state in host RAM (FSDP only)")
+    _add_axes(mem)
     mem.add_argument("--json", action="store_true", help="print bytes as JSON")
 
     comm = sub.add_parser("comm", help="bytes sent per step and their time on a link")
@@ -215,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--sensitivity", action="store_true",
                     help="plan again with each assumption changed (headroom, capacity, allocator reserve, "
                     "utilization, network, CPU optimizer) and show where the verdict flips")
+    _add_axes(pl)
+    pl.add_argument("--sp-method", default="ulysses", choices=("ulysses", "ring"), metavar="M",
+                    help="how the split attends across ranks: ulysses (all-to-alls; heads must divide) or "
+                    "ring (point-to-point sends), default ulysses")
+    pl.add_argument("--batch-tokens", type=_whole(1), default=None, metavar="N",
+                    help="the global batch the recipe wants, tokens per step: past it, GPUs must share "
+                    "sequences (chapter 9)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     _add_slurm(sub)

@@ -33,11 +33,19 @@ from handbook_lib.models.allocator import (
     RESERVE_MODEL,
     RESERVE_SOURCE,
 )
+from handbook_lib.models.axes import (
+    AxesVerdict,
+    estimate_axes,
+    estimate_sp_memory,
+    estimate_tp_fsdp_memory,
+)
+from handbook_lib.models.axes_table import AxisOption, axes_reason, compare_axes
 from handbook_lib.models.hardware import get_accelerator, get_link, node_preset
 from handbook_lib.models.hf_config import read_hf_config
 from handbook_lib.models.layout import ModelLayout, model_layout
-from handbook_lib.models.memory import PHASE_WORDS, estimate_memory
+from handbook_lib.models.memory import PHASE_WORDS, MemoryEstimate, estimate_memory
 from handbook_lib.models.planner import Plan, check_whole_nodes, plan
+from handbook_lib.models.presets import DecoderShape, get_shape
 from handbook_lib.models.sensitivity import (
     FlipPoints,
     Sensitivity,
@@ -126,16 +134,16 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         raise ValueError("--activation-checkpointing changes activations only: give --micro-batch "
                          "and --seq-len too")
     model, named = _chosen_model(args)
-    est = estimate_memory(model, args.world_size, args.strategy, args.precision, args.optimizer,
-                          micro_batch=args.micro_batch, seq_len=args.seq_len,
-                          shard_group_size=args.shard_group_size,
-                          activation_checkpointing=args.activation_checkpointing,
-                          cpu_offload=args.cpu_offload)
+    axes = _axes_memory(args, model)
+    est = axes[0] if axes else estimate_memory(
+        model, args.world_size, args.strategy, args.precision, args.optimizer, micro_batch=args.micro_batch,
+        seq_len=args.seq_len, shard_group_size=args.shard_group_size,
+        activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload)
     tokens = (f"micro-batch {args.micro_batch} x {args.seq_len} tokens" if args.micro_batch
               else "no activations")
     assumes = (f"{_assumptions(args, args.optimizer)}; {tokens}; activation checkpointing "
                f"{args.activation_checkpointing}; CPU offload "
-               f"{'on' if args.cpu_offload else 'off'}")
+               f"{'on' if args.cpu_offload else 'off'}{axes[1] if axes else ''}")
     if args.json:
         print(json.dumps({"model": named.removeprefix("model: "), "assumptions": assumes.removeprefix("assumes: "),
                           "components": est.components, "peak": est.peak, "peak_reserved": est.peak_reserved,
@@ -167,6 +175,43 @@ def _cmd_memory(args: argparse.Namespace) -> int:
                     "or --hf-config)")
         print(wrap_line(f"note: {note}", "  "))
     return 0
+
+def _check_axes(args: argparse.Namespace, layout: ModelLayout, world: int) -> None:
+    """Refuse a ``--tp-size``/``--sp-size`` the job cannot take, in one line naming the flag."""
+    tp, sp = args.tp_size, args.sp_size
+    if tp > 1 and sp > 1:
+        raise ValueError("--tp-size and --sp-size: give one of them (each is priced beside FSDP, not "
+                         "the two together)")
+    if tp > 1 and (world % tp or layout.nhead % tp):
+        raise ValueError(f"--tp-size {tp} must divide the GPUs ({world}) and the heads ({layout.nhead})")
+    if sp > 1 and (world % sp or args.seq_len % sp):
+        raise ValueError(f"--sp-size {sp} must divide the GPUs ({world}) and --seq-len ({args.seq_len})")
+
+
+def _axes_memory(args: argparse.Namespace, layout: ModelLayout) -> tuple[MemoryEstimate, str] | None:
+    """``memory --tp-size/--sp-size``: the estimate with the axis, and the words of its assumption."""
+    flag = "--tp-size" if args.tp_size > 1 else "--sp-size" if args.sp_size > 1 else ""
+    if not flag:
+        return None
+    if not args.micro_batch:
+        raise ValueError(f"{flag} divides activations: give --micro-batch and --seq-len too (with --model, "
+                         "--hf-config or the handbook's model)")
+    if args.strategy != "FULL_SHARD" or args.cpu_offload or args.shard_group_size:
+        raise ValueError(f"{flag} prices FSDP (FULL_SHARD, on the device) over the other ranks: use "
+                         f"--strategy FULL_SHARD without --cpu-offload or --shard-group-size")
+    _check_axes(args, layout, args.world_size)
+    ac = args.activation_checkpointing
+    if args.sp_size > 1:
+        est = estimate_sp_memory(layout, args.world_size, args.seq_len, args.sp_size, micro_batch=args.micro_batch,
+                                 precision=args.precision, optimizer=args.optimizer, activation_checkpointing=ac)
+        return est, (f"; the sequence split over {args.sp_size} ranks ({args.seq_len // args.sp_size} tokens "
+                     f"per GPU), FSDP over all {args.world_size}")
+    est = estimate_tp_fsdp_memory(_chosen_shape(args), args.world_size, args.tp_size, micro_batch=args.micro_batch,
+                                  seq_len=args.seq_len, precision=args.precision, optimizer=args.optimizer,
+                                  activation_checkpointing=ac)
+    return est, (f"; TP {args.tp_size} x FSDP {args.world_size // args.tp_size} (sequence parallel on the "
+                 f"norms), micro-batch per TP group")
+
 
 def _cmd_comm(args: argparse.Namespace) -> int:
     _check_sharding(args)
@@ -214,19 +259,23 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     per_node = args.gpus_per_node or node_preset(args.gpu).gpus_per_node
     check_whole_nodes(args.gpus, per_node, names=("--gpus {}", "--gpus-per-node {}"))
     model, named = _chosen_model(args)
-    kwargs = dict(micro_batch=args.micro_batch, seq_len=args.seq_len, gpus_per_node=per_node,
-                  inter_link=args.inter_link, nics_per_node=args.nics_per_node, precision=args.precision,
-                  headroom=args.headroom)
+    kwargs = {"micro_batch": args.micro_batch, "seq_len": args.seq_len, "gpus_per_node": per_node,
+              "inter_link": args.inter_link, "nics_per_node": args.nics_per_node, "precision": args.precision,
+              "headroom": args.headroom}
     if args.sensitivity:
         result, changes = plan_sensitivity(model, args.gpu, args.gpus, **kwargs)
     else:
         result, changes = plan(model, args.gpu, args.gpus, **kwargs), []
     flips = flip_points(result) if args.sensitivity else None
+    axes = _plan_axes(args, per_node)
     if args.json:
         data = dataclasses.asdict(result)
         if args.sensitivity:
             data["sensitivity"] = [dataclasses.asdict(c) for c in changes]
             data["flip_points"] = dataclasses.asdict(flips) if flips else None
+        if axes:
+            data["axes"] = {"options": [dataclasses.asdict(r) for r in axes[0]], "why": axes_reason(axes[0]),
+                            "verdict": dataclasses.asdict(axes[1])}
         print(json.dumps(data, indent=2))
         return 0
     print(wrap_line(named, "  "))
@@ -257,7 +306,58 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(f"(the seed's rule, fp32 model state only, would answer: {result.seed_answer})")
     if args.sensitivity:
         _print_sensitivity(result, changes, flips)
+    if axes:
+        _print_axes(*axes)
     return 0
+
+
+def _chosen_shape(args: argparse.Namespace) -> DecoderShape:
+    """The decoder named by ``--model`` or ``--hf-config`` (the axes price a decoder's shape)."""
+    if getattr(args, "model", None) is not None:
+        return get_shape(args.model)
+    if getattr(args, "hf_config", None) is not None:
+        return read_hf_config(args.hf_config)
+    flag = "--tp-size" if getattr(args, "tp_size", 1) > 1 else "--sp-size"
+    raise ValueError(f"{flag} prices a decoder at scale: give --model (e.g. llama2-70b) or --hf-config, "
+                     "not the handbook's model or --params")
+
+
+def _plan_axes(args: argparse.Namespace, per_node: int) -> tuple[list[AxisOption], AxesVerdict] | None:
+    """``plan --tp-size/--sp-size/--batch-tokens``: the layouts beyond FSDP and the verdict."""
+    if args.tp_size == 1 and args.sp_size == 1 and args.batch_tokens is None:
+        return None
+    shape = _chosen_shape(args)  # plan takes --model or --hf-config: a decoder's shape
+    tp, sp = args.tp_size, args.sp_size
+    if tp > 1 and (per_node % tp or shape.nhead % tp or shape.kv_heads % tp):
+        raise ValueError(f"--tp-size {tp} must divide the GPUs per node ({per_node}), the heads ({shape.nhead}) "
+                         f"and the KV heads ({shape.kv_heads})")
+    if sp > 1 and (args.gpus % sp or args.seq_len % sp):
+        raise ValueError(f"--sp-size {sp} must divide --gpus ({args.gpus}) and --seq-len ({args.seq_len})")
+    if sp > 1 and args.sp_method == "ulysses" and (shape.nhead % sp or shape.kv_heads % sp):
+        raise ValueError(f"--sp-size {sp} with --sp-method ulysses must divide the heads ({shape.nhead}) and "
+                         f"the KV heads ({shape.kv_heads}); --sp-method ring needs neither")
+    common = {"micro_batch": args.micro_batch, "gpus_per_node": per_node, "inter_link": args.inter_link,
+              "precision": args.precision, "headroom": args.headroom}
+    rows = compare_axes(shape, args.gpu, args.gpus, seq_len=args.seq_len, tp_size=tp, sp_size=sp,
+                        sp_method=args.sp_method, **common)
+    verdict = estimate_axes(shape, args.gpu, args.gpus, seq_len=args.seq_len, batch_tokens=args.batch_tokens,
+                            **common)
+    return rows, verdict
+
+
+def _print_axes(rows: list[AxisOption], verdict: AxesVerdict) -> None:
+    print("beyond FSDP (chapter 9): the same job as TP inside a node x FSDP across, or the sequence split")
+    table = [[r.name, format_bytes(r.peak_reserved_bytes), _margin(r.margin_bytes / r.budget_bytes),
+              round(r.comm_s, 3), round(r.exposed_s, 3), round(r.compute_s, 3), round(r.step_s, 3),
+              f"{r.tokens_per_s_per_gpu:,.0f}"] for r in rows]
+    print(Table(["layout", "reserved", "margin", "comm s", "exposed s", "comp s", "step s", "tok/s/GPU"], table))
+    print(wrap_line("exposed = communication no compute hides (TP's collectives and Ulysses' all-to-alls sit "
+                    "between two matrix products); tok/s/GPU compares layouts whose batches differ (a TP "
+                    "group shares its sequences); compute is 6PT, without attention's s^2 term", "  "))
+    print(wrap_line(f"- {axes_reason(rows)}", "  "))
+    print(wrap_line(f"is FSDP enough? {verdict.axes}", "  "))
+    for reason in verdict.reasons:
+        print(wrap_line(f"- {reason}", "  "))
 
 def _margin(fraction: float) -> str:
     """A margin as a signed percentage, to 0.1 % near the edge, whole far from it (fits 100 columns)."""

@@ -256,7 +256,7 @@ def axes_reason(rows: list[AxisOption]) -> str:
     others = [r for r in rows if r.fits and r is not chosen]
     text = (f"Picks {chosen.name}: {chosen.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
             f"{chosen.peak_reserved_bytes / 1e9:.1f} GB reserved of {chosen.budget_bytes / 1e9:.1f} GB.")
-    unfit = [r for r in rows if not r.fits and not r.activation_checkpointing]
+    unfit = [r for r in rows if not r.fits and r.activation_checkpointing and r.tp_size * r.sp_size == 1]
     if others:
         runner = max(others, key=lambda r: r.tokens_per_s_per_gpu)
         if runner.tokens_per_s_per_gpu >= chosen.tokens_per_s_per_gpu * (1 - STEP_TIE):
@@ -265,5 +265,6 @@ def axes_reason(rows: list[AxisOption]) -> str:
             why = f"{chosen.tokens_per_s_per_gpu / runner.tokens_per_s_per_gpu:.2f}x its tokens/s per GPU"
         text += f" Best other: {runner.name} ({runner.tokens_per_s_per_gpu:,.0f}); {why}."
     elif unfit:
-        text += f" Without it nothing else fits (e.g. {unfit[0].name}: {unfit[0].peak_reserved_bytes / 1e9:.1f} GB)."
+        text += (f" Nothing without another axis fits ({unfit[0].name}: "
+                 f"{unfit[0].peak_reserved_bytes / 1e9:.1f} GB).")
     return text
