@@ -336,8 +336,8 @@ def ring_layer_bytes(model: ModelLike, seq_len: int, sp_size: int, *, micro_batc
     one K and one V block (``T·k·c`` each); backward, K and V again for P-1 steps and their dK,
     dV (in ``grad_dtype``, default ``dtype``; fp32 accumulators double them) for P steps.
     Independent of P per step; ``2·(P-1)·T·k·c`` forward, about (P-1)/P · 2M with M = b·s·k·c:
-    P/2 times Ulysses' with full multi-head attention, and less than Ulysses' 4M/P only when K
-    and V are much narrower than Q (grouped-query attention) or P is small."""
+    P/2 times Ulysses' with full multi-head attention; with K and V k wide and Q q wide
+    (grouped-query attention) less than Ulysses' only while P < 1 + q/k (Llama-3 8B: P < 5)."""
     _check(sp_size, seq_len)
     _, _, k = _widths(model)
     p = sp_size
