@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from handbook_lib.core.architecture import ModelConfig
 from handbook_lib.models.axes import (
     estimate_axes,
     estimate_sp_memory,
@@ -149,3 +150,21 @@ def test_tp_collectives_are_exposed_and_sized_as_the_layer_model_says():
 def test_the_preset_and_its_name_give_the_same_answer():
     assert estimate_axes("llama2-70b", "h100-80gb", 64, seq_len=131072).axes == \
         estimate_axes(get_shape("llama2-70b"), "h100-80gb", 64, seq_len=131072).axes
+
+
+def test_a_405b_on_16k_gpus_with_a_16m_token_batch_gets_tp_8_inside_a_node():
+    """Llama 3's recipe (Grattafiori et al. 2024): 16M tokens per step of 8,192-token sequences
+    on 16,384 H100. 16 x 2^20 / 8,192 = 2,048 replicas at most; 16,384 / 2,048 = TP 8, the
+    paper's TP degree (it adds PP 16 and 16 sequences per replica, which this model leaves out)."""
+    shape = decoder_shape_from_hf({"model_type": "llama", "hidden_size": 16384, "intermediate_size": 53248,
+                                   "num_hidden_layers": 126, "num_attention_heads": 128, "num_key_value_heads": 8,
+                                   "vocab_size": 128256, "tie_word_embeddings": False}, "Llama 3 405B")
+    v = estimate_axes(shape, "h100-80gb", 16384, seq_len=8192, batch_tokens=16 * 2**20)
+    assert v.max_dp == 2048 and (v.tp_size, v.sp_size, v.dp_size) == (8, 1, 2048)
+    assert v.axes == "TP 8 x FSDP 2048" and v.peak_reserved_bytes <= v.budget_bytes
+    assert v.fsdp_peak_reserved_bytes > v.budget_bytes  # FSDP alone: 86.6 GB, the gathered 405B layers
+
+
+def test_tp_for_the_batch_needs_a_decoder_shape():
+    with pytest.raises(ValueError, match="tensor parallelism is priced for a decoder's shape"):
+        estimate_axes(ModelConfig(), "h100-80gb", 64, seq_len=16, batch_tokens=16 * 8)

@@ -105,6 +105,8 @@ class AxesVerdict:
     sp_method: str
     """The split's method (``""`` without one)."""
     reasons: tuple[str, ...]
+    peak_reserved_bytes: int = 0
+    """Reserved peak per GPU with the recommended axes, bytes."""
 
     @property
     def fsdp_enough(self) -> bool:
@@ -230,20 +232,32 @@ class _Job:
     intra_link: Link
 
 
-def _peak(job: _Job, sp: int) -> int:
-    """Reserved peak per GPU of the job with its sequences split over ``sp`` ranks, bytes."""
-    return estimate_sp_memory(job.model, job.gpus, job.seq_len, sp, micro_batch=job.micro_batch,
-                              precision=job.precision).peak_reserved
+def _peak(job: _Job, sp: int, tp: int = 1) -> int:
+    """Reserved peak per GPU of the job with its sequences split over ``sp`` ranks, and each
+    layer over ``tp`` (TP x FSDP at ``seq_len / sp`` tokens: every term is per token), bytes."""
+    if tp == 1:
+        return estimate_sp_memory(job.model, job.gpus, job.seq_len, sp, micro_batch=job.micro_batch,
+                                  precision=job.precision).peak_reserved
+    return estimate_tp_fsdp_memory(_shape(job.model), job.gpus, tp, micro_batch=job.micro_batch,
+                                   seq_len=job.seq_len // sp, precision=job.precision).peak_reserved
 
 
-def _smallest_split(job: _Job, method: str) -> SpChoice:
-    for sp in sp_candidates(job.model, job.gpus, job.seq_len, method):
-        peak = _peak(job, sp)
+def _shape(model: ModelLike) -> DecoderShape:
+    shape = get_shape(model) if isinstance(model, str) else model
+    if not isinstance(shape, DecoderShape):
+        name = model_layout(model).name  # a ValueError, as every refusal of the book's models
+        raise ValueError(f"tensor parallelism is priced for a decoder's shape, not {name}")  # noqa: TRY004
+    return shape
+
+
+def _smallest_split(job: _Job, method: str, tp: int) -> SpChoice:
+    for sp in sp_candidates(job.model, job.gpus // tp, job.seq_len, method):
+        peak = _peak(job, sp, tp)
         if peak > job.budget:
             continue
         per_layer = (ulysses_layer_bytes if method == "ulysses" else ring_layer_bytes)(
             job.model, job.seq_len, sp, micro_batch=job.micro_batch)
-        crosses = sp > job.gpus_per_node
+        crosses = sp * tp > job.gpus_per_node
         hides = None
         if method == "ring":
             link = job.inter_link if crosses else job.intra_link
@@ -303,31 +317,34 @@ def estimate_axes(model: ModelLike, gpu: Accelerator | str, gpus: int, *, seq_le
     fsdp_peak = _peak(job, 1)
     seq_bytes = sequence_activation_bytes(model, seq_len, micro_batch=micro_batch, recompute="full")
     reasons: list[str] = []
+    tp, max_dp = _batch_axis(job, batch_tokens, reasons)
+    peak = _peak(job, 1, tp)
     choices: tuple[SpChoice, ...] = ()
     sp, method = 1, ""
-    if fsdp_peak > job.budget:
-        choices = tuple(_smallest_split(job, m) for m in SP_METHODS)
-        reasons.append(_sequence_reason(layout.name, job, fsdp_peak, seq_bytes))
+    if peak > job.budget:
+        choices = tuple(_smallest_split(job, m, tp) for m in SP_METHODS)
+        reasons.append(_sequence_reason(layout.name, job, peak, seq_bytes, tp))
         pick = _pick_split(choices)
         reasons += [_split_reason(c, job) for c in choices]
         if pick is not None:
-            sp, method = pick.sp_size or 1, pick.method
+            sp, method, peak = pick.sp_size or 1, pick.method, pick.peak_reserved_bytes
             reasons.append(_pick_reason(pick, choices, job))
     else:
-        reasons.append(f"One sequence fits: FULL_SHARD on {gpus} GPUs with full checkpointing reserves "
-                       f"{_gb(fsdp_peak)} per GPU of {_gb(job.budget)}; no sequence split needed.")
-    tp, max_dp = _batch_axis(job, layout.nhead, sp, batch_tokens, reasons)
-    if sp == 1 and tp == 1 and fsdp_peak <= job.budget:
+        where = f"TP {tp} x FSDP {gpus // tp}" if tp > 1 else f"FULL_SHARD on {gpus} GPUs"
+        reasons.append(f"One sequence fits: {where} with full checkpointing reserves {_gb(peak)} per GPU "
+                       f"of {_gb(job.budget)}; no sequence split needed.")
+    if sp == 1 and tp == 1:
         reasons.append(f"FSDP is the answer: FSDP {gpus}.")
     return AxesVerdict(layout.name, acc.name, gpus, per_node, seq_len, micro_batch, job.budget, fsdp_peak,
-                       seq_bytes, choices, max_dp, tp, sp, method, tuple(reasons))
+                       seq_bytes, choices, max_dp, tp, sp, method, tuple(reasons), peak)
 
 
-def _sequence_reason(name: str, job: _Job, peak: int, seq_bytes: int) -> str:
+def _sequence_reason(name: str, job: _Job, peak: int, seq_bytes: int, tp: int) -> str:
+    where = f"TP {tp} x FSDP {job.gpus // tp}" if tp > 1 else f"FULL_SHARD on {job.gpus} GPUs"
     return (f"One sequence does not fit: {job.micro_batch} x {job.seq_len:,} tokens of {name} keep "
-            f"{_gb(seq_bytes)} of activations per GPU even with full checkpointing; FULL_SHARD on "
-            f"{job.gpus} GPUs reserves {_gb(peak)} against {_gb(job.budget)}. FSDP divides the model "
-            "state, not one sequence: split the sequence.")
+            f"{_gb(seq_bytes)} of activations and logits per GPU even with full checkpointing; {where} "
+            f"reserves {_gb(peak)} against {_gb(job.budget)}. FSDP divides the model state, not one "
+            "sequence: split the sequence.")
 
 
 def _split_reason(c: SpChoice, job: _Job) -> str:
@@ -355,27 +372,25 @@ def _pick_reason(pick: SpChoice, choices: tuple[SpChoice, ...], job: _Job) -> st
     return f"Split with {pick.method}, sp={pick.sp_size}, across nodes: no split inside a node fits."
 
 
-def _batch_axis(job: _Job, heads: int, sp: int, batch_tokens: int | None,
-                reasons: list[str]) -> tuple[int, int | None]:
-    """(b): the tensor-parallel degree inside a node that brings the replicas within the batch."""
+def _batch_axis(job: _Job, batch_tokens: int | None, reasons: list[str]) -> tuple[int, int | None]:
+    """(b): the smallest tensor-parallel degree inside a node that brings the replicas within the
+    batch; TP needs it to divide the heads, the KV heads and the feed-forward width."""
     if batch_tokens is None:
         return 1, None
     max_dp = max_data_parallel(batch_tokens, job.micro_batch, job.seq_len)
-    dp = job.gpus // sp
-    if dp <= max_dp:
-        reasons.append(f"The batch of {batch_tokens:,} tokens allows {max_dp:,} replicas of {job.micro_batch} x "
-                       f"{job.seq_len:,} tokens; {dp:,} are used.")
+    words = f"The batch of {batch_tokens:,} tokens allows {max_dp:,} replicas of {job.micro_batch} x {job.seq_len:,} tokens"
+    if job.gpus <= max_dp:
+        reasons.append(f"{words}; {job.gpus:,} are used.")
         return 1, max_dp
-    for tp in range(2, job.gpus_per_node + 1):
-        if job.gpus_per_node % tp or (heads and heads % tp) or dp % tp:
-            continue
-        if dp // tp <= max_dp:
-            reasons.append(f"The batch of {batch_tokens:,} tokens allows {max_dp:,} replicas of {job.micro_batch} x "
-                           f"{job.seq_len:,} tokens, not {dp:,}: TP {tp} inside a node makes {dp // tp:,} "
-                           "replicas, each sequence shared by the TP group.")
+    shape = _shape(job.model)
+    sizes = (job.gpus_per_node, shape.nhead, shape.kv_heads, shape.ffn, job.gpus)
+    fits = [tp for tp in range(2, job.gpus_per_node + 1) if all(n % tp == 0 for n in sizes)]
+    for tp in fits:
+        if job.gpus // tp <= max_dp:
+            reasons.append(f"{words}, not {job.gpus:,}: TP {tp} inside a node makes {job.gpus // tp:,} "
+                           "replicas, each sequence shared by its TP group.")
             return tp, max_dp
-    reasons.append(f"The batch of {batch_tokens:,} tokens allows {max_dp:,} replicas, fewer than TP "
-                   f"{job.gpus_per_node} inside a node leaves ({dp // job.gpus_per_node:,}): split the "
-                   "sequence too, or add pipeline parallelism (not modelled here).")
-    return job.gpus_per_node if heads % job.gpus_per_node == 0 else 1, max_dp
-
+    tp = fits[-1] if fits else 1
+    reasons.append(f"{words}, fewer than the {job.gpus // tp:,} TP {tp} inside a node leaves: add pipeline "
+                   "parallelism (not modelled here), or grow the batch.")
+    return tp, max_dp
