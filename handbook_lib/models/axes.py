@@ -378,7 +378,8 @@ def _batch_axis(job: _Job, batch_tokens: int | None, reasons: list[str]) -> tupl
     if batch_tokens is None:
         return 1, None
     max_dp = max_data_parallel(batch_tokens, job.micro_batch, job.seq_len)
-    words = f"The batch of {batch_tokens:,} tokens allows {max_dp:,} replicas of {job.micro_batch} x {job.seq_len:,} tokens"
+    words = (f"The batch of {batch_tokens:,} tokens allows {max_dp:,} replicas of {job.micro_batch} x "
+             f"{job.seq_len:,} tokens")
     if job.gpus <= max_dp:
         reasons.append(f"{words}; {job.gpus:,} are used.")
         return 1, max_dp
