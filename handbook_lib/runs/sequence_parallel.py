@@ -204,7 +204,7 @@ def _collective_checks(config: ParallelConfig, ctx: RankContext, micro: int,
     checks = []
     for key in sorted(set(traffic.counts()) | set(measured)):
         want, got = traffic.counts().get(key, (0, 0)), measured.get(key, (0, 0))
-        name = f"{key[0]}_{key[1][:3]}_g{key[2]}"
+        name = f"{key[0]}_{'fwd' if key[1] == 'forward' else 'bwd'}_{key[2]}ranks"
         checks += [Check(f"{name}_count", ctx.rank, want[0], got[0], "collectives"),
                    Check(f"{name}_buffer_bytes", ctx.rank, want[1], got[1], "bytes")]
     sent = sum(k["sent_bytes"] for k in collective_totals(calls).values())
