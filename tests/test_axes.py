@@ -168,3 +168,13 @@ def test_a_405b_on_16k_gpus_with_a_16m_token_batch_gets_tp_8_inside_a_node():
 def test_tp_for_the_batch_needs_a_decoder_shape():
     with pytest.raises(ValueError, match="tensor parallelism is priced for a decoder's shape"):
         estimate_axes(ModelConfig(), "h100-80gb", 64, seq_len=16, batch_tokens=16 * 8)
+
+
+def test_a_layout_whose_step_is_past_the_batch_is_not_recommended():
+    # 256 GPUs x 8,192 tokens = 2^21 tokens a step under FULL_SHARD; the recipe wants 2^20
+    rows = {r.name: r for r in compare_axes("llama2-70b", "h100-80gb", 256, seq_len=8192, tp_size=2,
+                                            batch_tokens=2**20)}
+    assert rows["FULL_SHARD + AC"].fits and not rows["FULL_SHARD + AC"].within_batch
+    assert rows["TP 2 x FSDP 128 + AC"].tokens_per_step == 2**20 and rows["TP 2 x FSDP 128 + AC"].within_batch
+    assert recommend_axes(list(rows.values())).name == "TP 2 x FSDP 128 + AC"
+    assert "past the batch" in axes_reason(list(rows.values()))

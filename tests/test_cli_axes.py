@@ -99,7 +99,10 @@ def test_plan_json_carries_the_layouts_and_the_verdict(capsys):
     axes = json.loads(capsys.readouterr().out)["axes"]
     assert axes["verdict"]["tp_size"] == 2 and axes["verdict"]["max_dp"] == 32
     assert [o["name"] for o in axes["options"]][:2] == ["FULL_SHARD", "FULL_SHARD + AC"]
-    assert axes["why"].startswith("Picks ")
+    assert axes["why"].startswith("Picks TP 2 x FSDP 32 + AC") and "past the batch" in axes["why"]
+    names = {o["name"]: o for o in axes["options"]}
+    assert "TP 2 x FSDP 32 + AC" in names  # --batch-tokens alone: the TP the batch calls for
+    assert names["FULL_SHARD + AC"]["within_batch"] is False
 
 
 def test_plan_without_the_axes_flags_prints_no_axes(capsys):

@@ -338,22 +338,25 @@ def _plan_axes(args: argparse.Namespace, per_node: int) -> tuple[list[AxisOption
                          f"the KV heads ({shape.kv_heads}); --sp-method ring needs neither")
     common = {"micro_batch": args.micro_batch, "gpus_per_node": per_node, "inter_link": args.inter_link,
               "precision": args.precision, "headroom": args.headroom}
-    rows = compare_axes(shape, args.gpu, args.gpus, seq_len=args.seq_len, tp_size=tp, sp_size=sp,
-                        sp_method=args.sp_method, **common)
     verdict = estimate_axes(shape, args.gpu, args.gpus, seq_len=args.seq_len, batch_tokens=args.batch_tokens,
                             **common)
+    tp = tp if tp > 1 or sp > 1 else verdict.tp_size  # --batch-tokens alone: the TP the batch calls for
+    rows = compare_axes(shape, args.gpu, args.gpus, seq_len=args.seq_len, tp_size=tp, sp_size=sp,
+                        sp_method=args.sp_method, batch_tokens=args.batch_tokens, **common)
     return rows, verdict
 
 
 def _print_axes(rows: list[AxisOption], verdict: AxesVerdict) -> None:
     print("beyond FSDP (chapter 9): the same job as TP inside a node x FSDP across, or the sequence split")
-    table = [[r.name, format_bytes(r.peak_reserved_bytes), _margin(r.margin_bytes / r.budget_bytes),
+    table = [[r.name, format_bytes(r.peak_reserved_bytes),
+              _margin(r.margin_bytes / r.budget_bytes) if r.within_batch or not r.fits else "batch",
               round(r.comm_s, 3), round(r.exposed_s, 3), round(r.compute_s, 3), round(r.step_s, 3),
               f"{r.tokens_per_s_per_gpu:,.0f}"] for r in rows]
     print(Table(["layout", "reserved", "margin", "comm s", "exposed s", "comp s", "step s", "tok/s/GPU"], table))
     print(wrap_line("exposed = communication no compute hides (TP's collectives and Ulysses' all-to-alls sit "
                     "between two matrix products); tok/s/GPU compares layouts whose batches differ (a TP "
-                    "group shares its sequences); compute is 6PT, without attention's s^2 term", "  "))
+                    "group shares its sequences); margin batch: fits, but its step takes more tokens than "
+                    "--batch-tokens; compute is 6PT, without attention's s^2 term", "  "))
     print(wrap_line(f"- {axes_reason(rows)}", "  "))
     print(wrap_line(f"is FSDP enough? {verdict.axes}", "  "))
     for reason in verdict.reasons:

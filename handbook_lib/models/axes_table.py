@@ -89,6 +89,8 @@ class AxisOption:
     step_s: float
     tokens_per_step: int
     """Tokens of one optimizer step over the whole job."""
+    within_batch: bool = True
+    """Its step takes no more tokens than the recipe's batch (``compare_axes(batch_tokens=...)``)."""
 
     @property
     def fits(self) -> bool:
@@ -194,7 +196,8 @@ def _price_sp(job: _Job, sp: int, method: str, ac: bool) -> AxisOption:
 def compare_axes(model: DecoderShape | str, gpu: Accelerator | str, gpus: int, *, seq_len: int,
                  tp_size: int | None = None, sp_size: int = 1, sp_method: str = "ulysses", micro_batch: int = 1,
                  gpus_per_node: int | None = None, inter_link: str = "ib-ndr400", precision: str = "bf16-mixed",
-                 utilization: float = DEFAULT_UTILIZATION, headroom: float = 0.0) -> list[AxisOption]:
+                 utilization: float = DEFAULT_UTILIZATION, headroom: float = 0.0,
+                 batch_tokens: int | None = None) -> list[AxisOption]:
     """FULL_SHARD and HYBRID_SHARD (the planner's pricing) beside TP over ``tp_size`` GPUs of a
     node x FSDP2 (and, with ``sp_size`` > 1, the sequence split x FSDP2), each with and without
     full activation checkpointing; ``micro_batch`` sequences per data-parallel replica (a TP
@@ -210,6 +213,8 @@ def compare_axes(model: DecoderShape | str, gpu: Accelerator | str, gpus: int, *
         sp_method: ``ulysses`` or ``ring``.
         micro_batch, gpus_per_node, inter_link, precision, utilization, headroom: as for
             :func:`~handbook_lib.models.planner.plan`.
+        batch_tokens: The recipe's global batch, tokens per step: a layout whose step takes more
+            is marked not :attr:`AxisOption.within_batch` (``None``: no limit).
 
     Raises:
         ValueError: for a ``tp_size`` that does not divide the GPUs per node or the heads, an
@@ -231,14 +236,16 @@ def compare_axes(model: DecoderShape | str, gpu: Accelerator | str, gpus: int, *
             rows.append(_price_tp(job, tp, ac))
         if sp_size > 1:
             rows.append(_price_sp(job, sp_size, sp_method, ac))
+    if batch_tokens is not None:
+        rows = [dataclasses.replace(r, within_batch=r.tokens_per_step <= batch_tokens) for r in rows]
     return rows
 
 
 def recommend_axes(rows: list[AxisOption]) -> AxisOption | None:
-    """The layout that fits with the most tokens per second per GPU; within
+    """The layout that fits (and keeps within the batch) with the most tokens per second per GPU; within
     :data:`~handbook_lib.models.planner.STEP_TIE` (1 %) of the best, fewer axes, then no
     recomputation. ``None`` when none fits."""
-    fits = [r for r in rows if r.fits]
+    fits = [r for r in rows if r.fits and r.within_batch]
     if not fits:
         return None
     best = max(r.tokens_per_s_per_gpu for r in fits)
@@ -253,9 +260,12 @@ def axes_reason(rows: list[AxisOption]) -> str:
         least = min(rows, key=lambda r: r.peak_reserved_bytes)
         return (f"Nothing fits: the smallest peak is {least.name}'s, {least.peak_reserved_bytes / 1e9:.1f} GB "
                 f"reserved per GPU against {least.budget_bytes / 1e9:.1f} GB usable.")
-    others = [r for r in rows if r.fits and r is not chosen]
+    others = [r for r in rows if r.fits and r.within_batch and r is not chosen]
     text = (f"Picks {chosen.name}: {chosen.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
             f"{chosen.peak_reserved_bytes / 1e9:.1f} GB reserved of {chosen.budget_bytes / 1e9:.1f} GB.")
+    past = [r for r in rows if r.fits and not r.within_batch]
+    if past:
+        text += (f" {past[0].name} would take {past[0].tokens_per_step:,} tokens a step, past the batch.")
     unfit = [r for r in rows if not r.fits and r.activation_checkpointing and r.tp_size * r.sp_size == 1]
     if others:
         runner = max(others, key=lambda r: r.tokens_per_s_per_gpu)
@@ -264,7 +274,7 @@ def axes_reason(rows: list[AxisOption]) -> str:
         else:
             why = f"{chosen.tokens_per_s_per_gpu / runner.tokens_per_s_per_gpu:.2f}x its tokens/s per GPU"
         text += f" Best other: {runner.name} ({runner.tokens_per_s_per_gpu:,.0f}); {why}."
-    elif unfit:
+    elif unfit and not past:
         text += (f" Nothing without another axis fits ({unfit[0].name}: "
                  f"{unfit[0].peak_reserved_bytes / 1e9:.1f} GB).")
     return text
