@@ -272,9 +272,13 @@ def estimate_tp_activation_bytes(config: ModelSizes, micro_batch: int, seq_len: 
     With ``sequence_parallel`` the norms' inputs and statistics are 1/t (the sequence shard):
     ``2·T·d·c`` and ``16·T`` become ``2·T·d·c/t`` and ``16·T/t``. (PyTorch saves the all-gathered
     inputs of the linears; Megatron-SP saves the shards and gathers again in backward, which is
-    how Korthikanti et al. reach 1/t for every term.) Outside the layers: token ids and targets
-    (int64), the head's input ``T·d·c``, the vocabulary-parallel log-softmax ``T·(V/t)·4``, the
-    embedding's masked token ids and mask (``9·T``: int64 + bool) and two fp32 scalars (8).
+    how Korthikanti et al. reach 1/t for every term.) Outside the layers: the rank's token ids
+    and targets (int64, ``16·T``; :func:`~handbook_lib.runtime.tensor_parallel.dp_batch` gives
+    each its own contiguous copy — a non-contiguous view of the global batch would keep that
+    whole batch alive and make the embedding save a contiguous copy of the ids), the head's
+    input ``T·d·c``, the vocabulary-parallel log-softmax ``T·(V/t)·4`` and two fp32 scalars
+    (8 bytes). Batch, sequence, vocabulary, width and depth were varied one at a time to fit
+    the terms outside the layers; the run checks the total exactly.
     """
     check_int("tp_size", tp_size, 2)
     check_int("micro_batch", micro_batch, 1)
@@ -285,7 +289,7 @@ def estimate_tp_activation_bytes(config: ModelSizes, micro_batch: int, seq_len: 
     norms = 2 * tokens * d * c + 16 * tokens
     per_layer = tokens * (2 * d + 4 * d // t + 2 * f // t) * c + tokens * (h // t) * 4
     per_layer += norms // t if sequence_parallel else norms
-    head = tokens * (2 * 8 + d * c + (v // t) * 4 + 9) + 8
+    head = tokens * (2 * 8 + d * c + (v // t) * 4) + 8
     return ActivationBytes(per_layer=per_layer, layers=config.num_layers * per_layer, head=head, recompute=0)
 
 

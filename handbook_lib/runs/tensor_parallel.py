@@ -1,0 +1,162 @@
+"""Tensor parallelism inside each group of ``tp_size`` ranks, FSDP2 across the groups, on a 2-D mesh; every byte checked.
+
+Chapter 9 launches it. The ranks form a (``dp``, ``tp``) mesh, ``tp`` the inner axis (contiguous
+ranks, one node's): :mod:`handbook_lib.runtime.tensor_parallel` splits the book's model
+(:class:`~handbook_lib.runtime.parallel_model.ParallelTransformer` with the seeded weights of
+:class:`~handbook_lib.runtime.model.SimpleTransformer`) Megatron's way over ``tp`` — with
+``sequence_parallel`` the norms and residuals split by sequence too — and shards it with FSDP2
+over ``dp``; each dp group trains on its rows of the global batch. The last step runs under a
+memory tracker and a collective counter that reads TP's functional collectives.
+
+Checks, beside :mod:`handbook_lib.models.tensor_parallel`: parameter shards and FSDP2's padding,
+gradients and optimizer state per rank (exact); activations alive after the forward pass
+(exact on CPU in fp32); every collective of the last step, TP's and FSDP2's, by kind, phase,
+buffer bytes and group (each call matched, exact); the fp32 losses against one process training
+the book's model on the whole batch (1e-5). ``loss_parallel``'s own reductions are issued inside
+DTensor's dispatch, where the counter cannot see them: neither counted nor predicted.
+
+Launch::
+
+    python -m handbook_lib run tensor_parallel --nproc 4 --set tp_size=2 --set sequence_parallel=true
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+from handbook_lib.core.config import ParallelConfig, RunConfig
+from handbook_lib.core.results import Check
+from handbook_lib.models.tensor_parallel import (
+    estimate_tp_activation_bytes,
+    estimate_tp_state_bytes,
+    estimate_tp_step_collectives,
+)
+from handbook_lib.runs.entry import RankReport, main
+from handbook_lib.runtime.collectives import CollectiveCall, collective_totals
+from handbook_lib.runtime.data import make_batch
+from handbook_lib.runtime.distributed import RankContext
+from handbook_lib.runtime.measure import (
+    measure_grad_bytes,
+    measure_optimizer_bytes,
+    measure_param_bytes,
+)
+from handbook_lib.runtime.model import build_model
+from handbook_lib.runtime.tensor_parallel import train_tensor_parallel
+from handbook_lib.runtime.training import build_optimizer, train_step
+
+CONFIG = ParallelConfig
+
+LOSS_TOLERANCE = 1e-5
+"""Relative tolerance of each fp32 loss against one process's on the same global batch."""
+GPU_ACTIVATION_TOLERANCE = 0.05
+"""Relative tolerance of the activation check on CUDA, whose attention kernels save other
+tensors than the CPU's (on CPU the check is exact)."""
+
+_DEFAULTS = ParallelConfig()
+_FIXED = ("shard_group_size", "wrap", "precision", "grad_accum_steps", "max_grad_norm", "activation_checkpointing",
+          "cpu_offload", "explicit_prefetch", "reshard_after_forward_size", "sync_every_micro_step",
+          "reshard_after_backward", "count_gathered", "sp_size")
+"""Keys this run leaves at their defaults (fp32, one micro-step, FSDP2's default schedule, no
+sequence split)."""
+
+
+def validate(config: ParallelConfig, world_size: int) -> None:
+    """Reject, before any process starts, a config this run cannot execute.
+
+    Raises:
+        ValueError: naming the key and the values this run accepts.
+    """
+    if config.tp_size == 1:
+        raise ValueError("config key 'tp_size'=1 splits no tensor: tensor_parallel needs tp_size >= 2 "
+                         "(plain FSDP is fsdp_train)")
+    config.data_parallel_size(world_size)
+    if config.api != "fsdp2" or config.strategy != "FULL_SHARD":
+        raise ValueError(f"tensor_parallel shards over dp with api='fsdp2', strategy='FULL_SHARD' only; "
+                         f"got api={config.api!r}, strategy={config.strategy!r}")
+    for key in _FIXED:
+        if getattr(config, key) != getattr(_DEFAULTS, key):
+            raise ValueError(f"config key {key!r}={getattr(config, key)!r} is not supported by tensor_parallel "
+                             f"(it runs {key}={getattr(_DEFAULTS, key)!r})")
+    if config.steps < 2:
+        raise ValueError(f"config key 'steps'={config.steps}: tensor_parallel measures its last step with "
+                         "the optimizer state in place; it needs steps >= 2")
+
+
+def run(config: ParallelConfig, ctx: RankContext) -> RankReport:
+    """Train ``config`` with TP over ``tp_size`` ranks and FSDP2 over the rest; check every byte and loss."""
+    validate(config, ctx.world_size)
+    dp = config.data_parallel_size(ctx.world_size)
+    dp_rank = ctx.rank // config.tp_size
+    model, optimizer, log = train_tensor_parallel(config, ctx)
+    micro = config.batch_size // dp
+    cfg = config.model_config()
+    state = estimate_tp_state_bytes(cfg, config.tp_size, dp, dp_rank, config.optimizer)
+    params = measure_param_bytes(model)
+    sharded, other = measure_optimizer_bytes(optimizer)
+    checks = [Check("param_shard_bytes", ctx.rank, state.param_shard_bytes, params.shard_bytes, "bytes"),
+              Check("param_padding_bytes", ctx.rank, state.param_padding_bytes, params.padding_bytes, "bytes"),
+              Check("grad_shard_bytes", ctx.rank, state.grad_bytes, measure_grad_bytes(model), "bytes"),
+              Check("optimizer_state_bytes", ctx.rank, state.optimizer_state_bytes, sharded, "bytes"),
+              Check("optimizer_step_bytes", ctx.rank, state.optimizer_step_bytes, other, "bytes")]
+    acts = estimate_tp_activation_bytes(cfg, micro, config.seq_len, config.tp_size, config.sequence_parallel)
+    checks.append(Check("activation_bytes", ctx.rank, acts.total, log.memory.activation_bytes, "bytes",
+                        0.0 if ctx.device.type == "cpu" else GPU_ACTIVATION_TOLERANCE))
+    checks += _collective_checks(config, ctx, dp, micro, log.collectives)
+    metrics = {"losses": log.losses, "dp_size": dp, "tp_size": config.tp_size, "dp_rank": dp_rank,
+               "tp_rank": ctx.rank % config.tp_size, "sequence_parallel": config.sequence_parallel,
+               "param_shard_bytes": params.shard_bytes, "param_padding_bytes": params.padding_bytes,
+               "activation_bytes": log.memory.activation_bytes, "predicted_activation_bytes": acts.total,
+               "activation_per_layer": acts.per_layer, "peak_bytes": log.memory.peak_bytes,
+               "collectives": [vars(c) for c in log.collectives],
+               "sent_bytes": sum(k["sent_bytes"] for k in collective_totals(log.collectives).values())}
+    if ctx.is_main:
+        reference = reference_losses(config)
+        metrics["reference_losses"] = reference
+        checks += [Check(f"loss_step{i + 1}", None, want, got, "nats", LOSS_TOLERANCE)
+                   for i, (want, got) in enumerate(zip(reference, log.losses))]
+    return RankReport(metrics=metrics, checks=checks, extra={"dp_size": dp, "tp_size": config.tp_size})
+
+
+def reference_losses(config: RunConfig) -> list[float]:
+    """The losses of :func:`~handbook_lib.runtime.training.train_one_process`: the book's
+    SimpleTransformer from ``config.seed`` trained in this process on the whole global batch,
+    step by step (``train`` itself would all-reduce its loss over the job's process group)."""
+    model = build_model(config.model_config(), seed=config.seed)
+    model.train()
+    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
+    return [train_step(model, optimizer, *make_batch(config, step), step=step + 1).item()
+            for step in range(config.steps)]
+
+
+def _collective_checks(config: ParallelConfig, ctx: RankContext, dp: int, micro: int,
+                       calls: list[CollectiveCall]) -> list[Check]:
+    """The last step's collectives against :func:`estimate_tp_step_collectives`: per (kind, phase)
+    count and buffer bytes; how many calls match a predicted one in kind, phase, buffer bytes and
+    group size (all of them, and as many as predicted); the bytes this rank sent. The counter
+    names the phase after the first backward ``optimizer``; nothing is issued there but the
+    backward's last reduce-scatters, so it is read as ``backward``."""
+    predicted = estimate_tp_step_collectives(config.model_config(), config.tp_size, dp, micro, config.seq_len,
+                                             config.sequence_parallel)
+    want = Counter((c.kind, c.phase, c.buffer_bytes, c.group_size) for c in predicted)
+    got = Counter((c.kind, "backward" if c.phase == "optimizer" else c.phase, c.buffer_bytes, c.group_size)
+                  for c in calls)
+    checks = []
+    for kind, phase in sorted({k[:2] for k in want} | {k[:2] for k in got}):
+        name = f"{kind}_{'fwd' if phase == 'forward' else 'bwd'}"
+        wanted = [(n, k[2]) for k, n in want.items() if k[:2] == (kind, phase)]
+        seen = [(n, k[2]) for k, n in got.items() if k[:2] == (kind, phase)]
+        checks += [Check(f"{name}_count", ctx.rank, sum(n for n, _ in wanted), sum(n for n, _ in seen),
+                         "collectives"),
+                   Check(f"{name}_buffer_bytes", ctx.rank, sum(n * b for n, b in wanted),
+                         sum(n * b for n, b in seen), "bytes")]
+    matched = sum((want & got).values())
+    checks.append(Check("collectives_matched", ctx.rank, sum(want.values()),
+                        matched if sum(got.values()) == sum(want.values()) else -1, "collectives"))
+    sent = sum(k["sent_bytes"] for k in collective_totals(calls).values())
+    checks.append(Check("sent_bytes", ctx.rank, sum(c.sent_bytes for c in predicted), sent, "bytes"))
+    return checks
+
+
+if __name__ == "__main__":
+    main(sys.modules[__name__])
