@@ -15,6 +15,14 @@ buffer bytes and group (each call matched, exact); the fp32 losses against one p
 the book's model on the whole batch (1e-5). ``loss_parallel``'s own reductions are issued inside
 DTensor's dispatch, where the counter cannot see them: neither counted nor predicted.
 
+Keys: ``tp_size`` (>= 2, dividing the world, ``nhead``, ``dim_feedforward`` and ``vocab_size``)
+and ``sequence_parallel`` (``seq_len`` divisible by ``tp_size``); any ``optimizer``. FSDP2's
+FULL_SHARD over dp in fp32 only: the other strategies, FSDP1, mixed precision, offload,
+accumulation, clipping, checkpointing and FSDP2's tuning knobs are refused in one line naming
+the key. ``init`` is not used: every rank builds the seeded model on the CPU and copies it
+into :class:`~handbook_lib.runtime.parallel_model.ParallelTransformer` before splitting it.
+TP over the whole world (one dp group, e.g. 2 ranks as 1 × 2) runs too.
+
 Launch::
 
     python -m handbook_lib run tensor_parallel --nproc 4 --set tp_size=2 --set sequence_parallel=true
