@@ -7,7 +7,7 @@ One job runs both configs (:func:`torchrun_batch`): Ulysses with sp_size=2 × dp
 
 import pytest
 
-from handbook_lib.core.config import ParallelConfig
+from handbook_lib.core.parallel_config import ParallelConfig
 from handbook_lib.launch import torchrun_batch
 from handbook_lib.runs.sequence_parallel import reference_losses, validate
 

@@ -3,7 +3,7 @@ parallelism, for a shape other than the chapter's; every check exact (losses 1e-
 
 import pytest
 
-from handbook_lib.core.config import ParallelConfig
+from handbook_lib.core.parallel_config import ParallelConfig
 from handbook_lib.launch import torchrun_batch
 from handbook_lib.runs.tensor_parallel import validate
 

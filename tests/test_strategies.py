@@ -134,3 +134,9 @@ def test_which_api_runs_which_row():
     assert get_strategy("DDP").runs_with("fsdp2") and get_strategy("NONE").runs_with("fsdp1")
     assert all(get_strategy(s).runs_with(api) for s in ("SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD",
                                                           "HYBRID_SHARD_ZERO2") for api in ("fsdp1", "fsdp2"))
+
+
+def test_only_full_shard_is_fully_sharded_over_one_group():
+    """Chapter 9's runs compose tensor and sequence parallelism with this row alone: everything
+    sharded, freed after forward, one group (HSDP's replicas and ZeRO-3's engine are not it)."""
+    assert [s for s in STRATEGIES if get_strategy(s).fully_sharded] == ["FULL_SHARD"]

@@ -39,9 +39,8 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         dtype_bytes,
         get_precision,
         parse_overrides,
-        ParallelConfig,
-        SP_METHODS,
     )
+    from handbook_lib.core.parallel_config import SP_METHODS, ParallelConfig
     from handbook_lib.core.files import fsync_dir, write_json_atomic, write_text_atomic
     from handbook_lib.core.protocol import (
         BATCH_KEY,
@@ -94,8 +93,8 @@ _HOMES = {
     "check_world": "checks",
     "FlatConfig": "config",
     "RunConfig": "config",
-    "ParallelConfig": "config",
-    "SP_METHODS": "config",
+    "ParallelConfig": "parallel_config",
+    "SP_METHODS": "parallel_config",
     "CheckpointingMode": "config",
     "CHECKPOINTING_MODES": "config",
     "checkpointing_mode": "config",

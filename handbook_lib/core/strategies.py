@@ -102,6 +102,13 @@ class Strategy:
         return self.shards_params or self.shards_grads or self.shards_optimizer
 
     @property
+    def fully_sharded(self) -> bool:
+        """FSDP over one group, everything sharded, parameters freed after forward: what chapter
+        9's runs compose with tensor and sequence parallelism (FULL_SHARD's row)."""
+        return (self.wrapper == "fsdp" and self.shards_params and self.shards_grads and self.shards_optimizer
+                and self.reshard_after_forward and not self.hybrid)
+
+    @property
     def fsdp2_spelling(self) -> str:
         """How the strategy is written with FSDP2 (or what replaces it)."""
         if self.wrapper == "none":

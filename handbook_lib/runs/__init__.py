@@ -15,7 +15,7 @@ import pkgutil
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["available_runs", "describe_runs", "RunConfigInfo", "run_config_fields"]
+__all__ = ["RunConfigInfo", "available_runs", "describe_runs", "run_config_fields"]
 
 _NOT_RUNS = {"entry"}
 _HERE = Path(__file__).resolve().parent
@@ -76,8 +76,13 @@ def run_config_fields(name: str) -> RunConfigInfo:
     if config_name is None:
         raise ValueError(f"run {name!r} has no 'CONFIG = <class>' line")
     cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == config_name), None)
-    if cls is None:  # imported, e.g. RunConfig itself
-        return RunConfigInfo(config_name, config_name, (), {})
+    if cls is None:  # imported: RunConfig itself, or a shared config of the vocabulary's own module
+        tree = _imported_module(tree, config_name)
+        cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == config_name), None)
+        if cls is None or config_name == "RunConfig":
+            return RunConfigInfo(config_name, config_name, (), {})
+    aliases = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign)
+               for t in node.targets if isinstance(t, ast.Name)}  # e.g. SpMethod = Literal[...]
     fields, choices = [], {}
     for node in cls.body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
@@ -85,6 +90,8 @@ def run_config_fields(name: str) -> RunConfigInfo:
         if "ClassVar" in ast.unparse(node.annotation):
             continue
         annotation = node.annotation
+        if isinstance(annotation, ast.Name) and annotation.id in aliases:
+            annotation = aliases[annotation.id]
         if (isinstance(annotation, ast.Subscript) and isinstance(annotation.value, ast.Name)
                 and annotation.value.id == "Literal"):
             values = ast.literal_eval(annotation.slice)
@@ -92,3 +99,14 @@ def run_config_fields(name: str) -> RunConfigInfo:
         fields.append((node.target.id, ast.unparse(node.value) if node.value is not None else ""))
     base = ast.unparse(cls.bases[0]) if cls.bases else config_name
     return RunConfigInfo(config_name, base, tuple(fields), dict(choices))
+
+
+def _imported_module(tree: ast.Module, name: str) -> ast.Module:
+    """The parsed source of the ``handbook_lib`` module a run imports ``name`` from (a config
+    class of :mod:`handbook_lib.core`), or an empty module if it imports it from elsewhere."""
+    for node in tree.body:
+        if (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("handbook_lib.")
+                and any(alias.name == name for alias in node.names)):
+            path = _HERE.parent.joinpath(*node.module.split(".")[1:]).with_suffix(".py")
+            return ast.parse(path.read_text(encoding="utf-8"))
+    return ast.Module(body=[], type_ignores=[])

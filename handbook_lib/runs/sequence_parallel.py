@@ -28,8 +28,10 @@ import sys
 
 import torch
 
-from handbook_lib.core.config import ParallelConfig, RunConfig
+from handbook_lib.core.config import RunConfig
+from handbook_lib.core.parallel_config import ParallelConfig
 from handbook_lib.core.results import Check
+from handbook_lib.core.strategies import get_strategy
 from handbook_lib.models.model_state import optimizer_states, optimizer_step_bytes
 from handbook_lib.models.sequence_parallel import (
     estimate_sp_activation_bytes,
@@ -88,7 +90,7 @@ def validate(config: ParallelConfig, world_size: int) -> None:
         raise ValueError("config key 'sp_size'=1 splits no sequence: sequence_parallel needs sp_size >= 2 "
                          "(plain FSDP is fsdp_train)")
     config.data_parallel_size(world_size)
-    if config.api != "fsdp2" or config.strategy != "FULL_SHARD":
+    if config.api != "fsdp2" or not get_strategy(config.strategy).fully_sharded:
         raise ValueError(f"sequence_parallel shards with api='fsdp2', strategy='FULL_SHARD' over every rank; "
                          f"got api={config.api!r}, strategy={config.strategy!r}")
     for key in _FIXED:

@@ -33,8 +33,10 @@ from __future__ import annotations
 import sys
 from collections import Counter
 
-from handbook_lib.core.config import ParallelConfig, RunConfig
+from handbook_lib.core.config import RunConfig
+from handbook_lib.core.parallel_config import ParallelConfig
 from handbook_lib.core.results import Check
+from handbook_lib.core.strategies import get_strategy
 from handbook_lib.models.tensor_parallel import (
     estimate_tp_activation_bytes,
     estimate_tp_state_bytes,
@@ -79,7 +81,7 @@ def validate(config: ParallelConfig, world_size: int) -> None:
         raise ValueError("config key 'tp_size'=1 splits no tensor: tensor_parallel needs tp_size >= 2 "
                          "(plain FSDP is fsdp_train)")
     config.data_parallel_size(world_size)
-    if config.api != "fsdp2" or config.strategy != "FULL_SHARD":
+    if config.api != "fsdp2" or not get_strategy(config.strategy).fully_sharded:
         raise ValueError(f"tensor_parallel shards over dp with api='fsdp2', strategy='FULL_SHARD' only; "
                          f"got api={config.api!r}, strategy={config.strategy!r}")
     for key in _FIXED:

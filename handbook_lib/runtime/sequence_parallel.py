@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from handbook_lib.core.config import ParallelConfig
+from handbook_lib.core.parallel_config import ParallelConfig
 from handbook_lib.runtime.build import apply_fsdp2
 from handbook_lib.runtime.data import BatchSource, make_batch
 from handbook_lib.runtime.distributed import RankContext

@@ -43,7 +43,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn import functional as F
 
-from handbook_lib.core.config import ParallelConfig
+from handbook_lib.core.parallel_config import ParallelConfig
 from handbook_lib.runtime.collectives import CollectiveCall, CollectiveCounter
 from handbook_lib.runtime.data import local_slice, make_batch
 from handbook_lib.runtime.distributed import RankContext

@@ -1,0 +1,39 @@
+"""handbook_lib.core.parallel_config: chapter 9's keys, and every shape refused in one line."""
+
+import pytest
+
+from handbook_lib.core.parallel_config import ParallelConfig
+
+
+def test_parallel_config_splits_the_world_into_data_parallel_ranks():
+    assert ParallelConfig(tp_size=2).data_parallel_size(4) == 2
+    assert ParallelConfig(sp_size=4, sp_method="ring").data_parallel_size(4) == 1
+    assert ParallelConfig().data_parallel_size(2) == 2
+    assert ParallelConfig(tp_size=2, sequence_parallel=True).inner_size == 2
+
+
+@pytest.mark.parametrize("keys, match", [
+    ({"tp_size": 3}, "config key 'nhead'=4 must be divisible by tp_size=3"),
+    ({"tp_size": 2, "nhead": 2, "d_model": 256, "dim_feedforward": 1023}, "'dim_feedforward'=1023"),
+    ({"tp_size": 2, "vocab_size": 10_001}, "'vocab_size'=10001 must be divisible by tp_size=2"),
+    ({"tp_size": 2, "sequence_parallel": True, "seq_len": 63}, "'seq_len'=63 must be divisible by tp_size=2"),
+    ({"sequence_parallel": True}, "'sequence_parallel'=True .* needs tp_size >= 2"),
+    ({"sp_size": 3}, "'seq_len'=64 must be divisible by sp_size=3"),
+    ({"sp_size": 8}, "'nhead'=4 must be divisible by sp_size=8 for sp_method=ulysses"),
+    ({"tp_size": 2, "sp_size": 2}, "set the other to 1"),
+    ({"tp_size": 0}, "tp_size"),
+    ({"sp_method": "rings"}, "accepted values: ulysses, ring"),
+])
+def test_parallel_config_refuses_each_shape_in_one_line_naming_the_key(keys, match):
+    with pytest.raises(ValueError, match=match) as err:
+        ParallelConfig(**keys)
+    assert "\n" not in str(err.value)
+
+
+def test_parallel_config_refuses_a_world_its_axes_do_not_divide():
+    with pytest.raises(ValueError, match="config key 'tp_size'=2 must divide the number of ranks 3"):
+        ParallelConfig(tp_size=2).data_parallel_size(3)
+    with pytest.raises(ValueError, match="batch_size=6 must be divisible by the 4 data-parallel"):
+        ParallelConfig(batch_size=6, sp_size=2, sp_method="ring").data_parallel_size(8)
+    # a ring splits any sequence the heads do not divide
+    assert ParallelConfig(sp_size=8, sp_method="ring").data_parallel_size(8) == 1
