@@ -14,7 +14,6 @@ from handbook_lib.models.axes import (
 from handbook_lib.models.axes_table import (
     axes_reason,
     compare_axes,
-    decoder_tp_units,
     recommend_axes,
 )
 from handbook_lib.models.hardware import get_link
@@ -22,7 +21,10 @@ from handbook_lib.models.hf_config import decoder_shape_from_hf
 from handbook_lib.models.memory import estimate_memory
 from handbook_lib.models.presets import get_shape
 from handbook_lib.models.sequence_parallel import sequence_activation_bytes
-from handbook_lib.models.tensor_parallel import estimate_decoder_tp_memory
+from handbook_lib.models.tensor_parallel import (
+    decoder_tp_units,
+    estimate_decoder_tp_memory,
+)
 
 LLAMA3_70B = decoder_shape_from_hf({"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
                                     "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,

@@ -90,7 +90,8 @@ def test_plan_prices_tp_beside_full_shard_and_hsdp_and_says_why(capsys):
     assert "- Picks FULL_SHARD + AC:" in table and "is FSDP enough? FSDP 64" in table
     assert main([*PLAN_128K, "--tp-size", "8"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # the lines wrapped at 100 columns, joined
-    assert "- Picks TP 8 x FSDP 8 + AC:" in out and "Nothing without another axis fits (FULL_SHARD + AC" in out
+    # the verdict calls for the sequence split: the table prices it beside TP, so the two agree
+    assert "- Picks SP 8 (ulysses) x FSDP 8 + AC:" in out and "Best other: TP 8 x FSDP 8 + AC" in out
     assert "is FSDP enough? SP 8 (ulysses) x FSDP 8" in out
 
 

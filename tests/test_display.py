@@ -363,6 +363,21 @@ def test_checks_summary_folds_agreeing_ranks_into_one_row():
     assert [row[-1] for row in table.rows] == ["yes", "NO", "yes", "yes"]
     # a plain list of checks knows no world size: the count alone
     assert checks_summary(run.checks[:4]).rows[0][1] == "4"
+    # only / leave_out: by the quantity's prefix, the world size kept
+    assert [row[0] for row in checks_summary(run, only=("peak",)).rows] == ["peak", "peak"]
+    assert [row[:2] for row in checks_summary(run, leave_out=("loss", "peak")).rows] == [["param_shard", "4/4"]]
+
+
+def test_checks_bound_states_the_largest_relative_error_as_its_bound():
+    from handbook_lib.face import checks_bound
+
+    checks = [Check("loss_step1", None, 4.0, 4.0, "nats", 1e-5), Check("loss_step2", None, 2.0, 2.000001, "nats", 1e-5),
+              Check("peak_bytes", 0, 100, 130, "bytes", 0.1)]
+    assert checks_bound(checks, ("loss",), below=1e-5) == "< 1e-05"  # 5e-7 at most; the peak is not read
+    with pytest.raises(ValueError, match="does not meet|not below|must be"):
+        checks_bound(checks, ("loss", "peak"), below=1e-5)  # 30 % is no rounding noise
+    with pytest.raises(ValueError, match="no check's quantity begins with attention"):
+        checks_bound(checks, ("attention",), below=1e-6)
 
 
 def test_collective_checks_keep_counts_and_bytes_of_collectives_only():

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from handbook_lib.runtime.collectives import CollectiveCounter
 from handbook_lib.runtime.parallel_model import causal_attention
-from handbook_lib.runtime.ring_attention import ring_attention
+from handbook_lib.runtime.ring_attention import causal_ring_attention
 
 WORLD = 4
 BATCH, SEQ, HEAD_DIM = 2, 16, 8
@@ -39,7 +39,7 @@ def _case(rank: int, group: dist.ProcessGroup, size: int, heads: int, seed: int)
     part = slice(me * chunk, (me + 1) * chunk)
     mine = [t.detach()[:, part].clone().requires_grad_() for t in (q, k, v)]
     with CollectiveCounter() as counter:
-        out = ring_attention(*mine, group)
+        out = causal_ring_attention(*mine, group)
         (out * weight[:, part]).sum().backward()
     calls = counter.calls
     return {

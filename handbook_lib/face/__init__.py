@@ -69,6 +69,12 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         knob_traffic_table,
         checks_by_run,
     )
+    from handbook_lib.face.views import (
+        axes_table,
+    )
+    from handbook_lib.face.display import (
+        checks_bound,
+    )
 
 _HOMES = {
     "main": "cli",
@@ -123,6 +129,8 @@ _HOMES = {
     "gathered_table": "views",
     "knob_traffic_table": "views",
     "checks_by_run": "views",
+    "axes_table": "views",
+    "checks_bound": "display",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -138,6 +146,8 @@ __all__ = [
     "step_time_summary", "fit_table", "zero_vs_fsdp_table", "gathered_table", "knob_traffic_table", "checks_by_run",
     "COLLECTIVE_QUANTITIES", "collective_checks", "fsdp_step_slots", "plot_fsdp_step",
     "plot_min_tokens_by_link", "plot_prediction_scatter", "plot_step_phases",
+    "axes_table",
+    "checks_bound",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -25,7 +25,7 @@ from handbook_lib.face.display import (
     checks_verdict,
     format_bytes,
 )
-from handbook_lib.face.views import fit_table, step_time_summary, step_time_table
+from handbook_lib.face.views import axes_table, fit_table, step_time_summary, step_time_table
 from handbook_lib.launch.errors import describe_failed_checks
 from handbook_lib.launch.runner import torchrun
 from handbook_lib.models.allocator import (
@@ -196,7 +196,7 @@ def _axes_memory(args: argparse.Namespace, layout: ModelLayout) -> tuple[MemoryE
     if not args.micro_batch:
         raise ValueError(f"{flag} divides activations: give --micro-batch and --seq-len too (with --model, "
                          "--hf-config or the handbook's model)")
-    if args.strategy != "FULL_SHARD" or args.cpu_offload or args.shard_group_size:
+    if not get_strategy(args.strategy).fully_sharded or args.cpu_offload or args.shard_group_size:
         raise ValueError(f"{flag} prices FSDP (FULL_SHARD, on the device) over the other ranks: use "
                          f"--strategy FULL_SHARD without --cpu-offload or --shard-group-size")
     _check_axes(args, layout, args.world_size)
@@ -340,19 +340,17 @@ def _plan_axes(args: argparse.Namespace, per_node: int) -> tuple[list[AxisOption
               "precision": args.precision, "headroom": args.headroom}
     verdict = estimate_axes(shape, args.gpu, args.gpus, seq_len=args.seq_len, batch_tokens=args.batch_tokens,
                             **common)
-    tp = tp if tp > 1 or sp > 1 else verdict.tp_size  # --batch-tokens alone: the TP the batch calls for
+    # the table also prices the axis the verdict calls for, so that its pick and the verdict agree
+    method = args.sp_method if sp > 1 or verdict.sp_size == 1 else verdict.sp_method
+    tp, sp = (tp if tp > 1 else verdict.tp_size), (sp if sp > 1 else verdict.sp_size)
     rows = compare_axes(shape, args.gpu, args.gpus, seq_len=args.seq_len, tp_size=tp, sp_size=sp,
-                        sp_method=args.sp_method, batch_tokens=args.batch_tokens, **common)
+                        sp_method=method, batch_tokens=args.batch_tokens, **common)
     return rows, verdict
 
 
 def _print_axes(rows: list[AxisOption], verdict: AxesVerdict) -> None:
     print("beyond FSDP (chapter 9): the same job as TP inside a node x FSDP across, or the sequence split")
-    table = [[r.name, format_bytes(r.peak_reserved_bytes),
-              _margin(r.margin_bytes / r.budget_bytes) if r.within_batch or not r.fits else "batch",
-              round(r.comm_s, 3), round(r.exposed_s, 3), round(r.compute_s, 3), round(r.step_s, 3),
-              f"{r.tokens_per_s_per_gpu:,.0f}"] for r in rows]
-    print(Table(["layout", "reserved", "margin", "comm s", "exposed s", "comp s", "step s", "tok/s/GPU"], table))
+    print(axes_table(rows))
     print(wrap_line("exposed = communication no compute hides (TP's collectives and Ulysses' all-to-alls sit "
                     "between two matrix products); tok/s/GPU compares layouts whose batches differ (a TP "
                     "group shares its sequences); margin batch: fits, but its step takes more tokens than "

@@ -21,7 +21,8 @@ from handbook_lib.core.results import Check, RunResult
 from handbook_lib.core.text import BOOK_WIDTH, wrap
 
 __all__ = ["format_bytes", "format_loss", "format_losses", "format_bound", "LOSS_DECIMALS", "Table",
-           "checks_table", "checks_summary", "checks_verdict", "checks_legend", "format_tolerance", "ranks_table",
+           "checks_table", "checks_summary", "checks_bound", "checks_verdict", "checks_legend", "format_tolerance",
+           "ranks_table",
            "Definitions", "definitions", "ErrorText", "show_exception", "SourceCode", "show_source"]
 
 _DECIMAL = [("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)]
@@ -183,7 +184,8 @@ def checks_table(checks: RunResult | Iterable[Check]) -> Table:
     )
 
 
-def checks_summary(checks: RunResult | Iterable[Check]) -> Table:
+def checks_summary(checks: RunResult | Iterable[Check], *, only: tuple[str, ...] = (),
+                   leave_out: tuple[str, ...] = ()) -> Table:
     """Predictions beside measurements: one row per quantity, with how many ranks agree.
 
     The ranks of a run usually measure the same thing (each holds an equal shard, counts the
@@ -193,10 +195,14 @@ def checks_summary(checks: RunResult | Iterable[Check]) -> Table:
     :class:`~handbook_lib.core.results.RunResult` agrees, ``3/4`` and ``1/4`` on two rows when
     one rank differs, ``all`` for a quantity of the whole job (a check with no rank). Rows keep
     the order in which their quantity first appears. The other columns are those of
-    :func:`checks_table`.
+    :func:`checks_table`. ``only`` keeps the quantities that begin with one of its prefixes,
+    ``leave_out`` drops those that do (a chapter shows a check's noise digits as a bound, with
+    :func:`checks_bound`, rather than in the table).
     """
     items = checks.checks if isinstance(checks, RunResult) else list(checks)
     world = checks.world_size if isinstance(checks, RunResult) else None
+    items = [c for c in items if (not only or c.quantity.startswith(only))
+             and not (leave_out and c.quantity.startswith(leave_out))]
     groups: dict[tuple[Any, ...], list[Check]] = {}
     order: dict[str, int] = {}
     for c in items:
@@ -214,6 +220,21 @@ def checks_summary(checks: RunResult | Iterable[Check]) -> Table:
     table = checks_table([groups[k][0] for k in keys])
     rows = [[row[0], ranks(groups[k]), *row[2:]] for row, k in zip(table.rows, keys)]
     return Table(["quantity", "ranks", *table.columns[2:]], rows, table.note)
+
+
+def checks_bound(checks: RunResult | Iterable[Check], prefixes: tuple[str, ...], *, below: float) -> str:
+    """The largest relative error of the checks whose quantity begins with one of ``prefixes``,
+    as the bound it meets (:func:`format_bound`): e.g. ``"< 1e-05"`` for fp32 losses against one
+    process, whose digits change from CPU to CPU.
+
+    Raises:
+        ValueError: if no check matches, or the largest error does not meet the bound.
+    """
+    items = checks.checks if isinstance(checks, RunResult) else list(checks)
+    errors = [abs(c.relative_error) for c in items if c.quantity.startswith(prefixes)]
+    if not errors:
+        raise ValueError(f"no check's quantity begins with {', '.join(prefixes)}")
+    return format_bound(max(errors), below=below)
 
 
 def checks_verdict(checks: RunResult | Iterable[Check]) -> str:

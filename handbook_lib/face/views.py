@@ -18,11 +18,12 @@ from handbook_lib.core.results import (
     model_state_bytes,
 )
 from handbook_lib.face.display import Table, format_bytes, format_losses
+from handbook_lib.models.axes_table import AxisOption
 from handbook_lib.models.collectives import AlphaBeta
 
 __all__ = ["summarize_runs", "run_summary", "compare_runs", "step_time_table", "step_time_summary", "fit_table",
            "zero_vs_fsdp_table", "gathered_table", "knob_traffic_table",
-           "checks_by_run"]
+           "checks_by_run", "axes_table"]
 
 
 def summarize_runs(results: Mapping[str, RunResult]) -> Table:
@@ -223,3 +224,23 @@ def checks_by_run(results: Mapping[str, RunResult], quantities: tuple[str, ...])
                          f"{sum(c.ok for c in mine)}/{len(mine)}"])
     return Table(["run", "quantity", "predicted", "measured", "ok"], rows,
                  note="predicted and measured on rank 0; ok: checks within tolerance / ranks")
+
+
+def axes_table(rows: list[AxisOption], *, compact: bool = False) -> Table:
+    """Chapter 9's layouts of one job beside each other (``models.axes_table.compare_axes``):
+    memory reserved per GPU and its margin (``batch`` where the layout fits but its step takes
+    more tokens than the recipe's batch), the step's communication in seconds (all of it, and
+    what compute does not hide), compute and step seconds, and tokens per second per GPU.
+    ``compact`` leaves out the communication and compute totals (the book's column)."""
+    def margin(r: AxisOption) -> str:
+        if not r.within_batch and r.fits:
+            return "batch"
+        fraction = r.margin_bytes / r.budget_bytes
+        return f"{100 * fraction:+.1f} %" if abs(fraction) < 1 else f"{100 * fraction:+.0f} %"
+
+    headers = ["layout", "reserved", "margin", "comm s", "exposed s", "comp s", "step s", "tok/s/GPU"]
+    table = [[r.name, format_bytes(r.peak_reserved_bytes), margin(r), round(r.comm_s, 3),
+              round(r.exposed_s, 3), round(r.compute_s, 3), round(r.step_s, 3),
+              f"{r.tokens_per_s_per_gpu:,.0f}"] for r in rows]
+    keep = [i for i, h in enumerate(headers) if not (compact and h in ("comm s", "comp s"))]
+    return Table([headers[i] for i in keep], [[row[i] for i in keep] for row in table])

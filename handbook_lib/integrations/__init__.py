@@ -48,6 +48,9 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         measure_zero_grad_bytes,
         parse_deepspeed_config,
     )
+    from handbook_lib.integrations.ulysses import (
+        ulysses_core,
+    )
 
 _HOMES = {
     "launch_env": "accelerate_job",
@@ -78,6 +81,7 @@ _HOMES = {
     "deepspeed_estimates": "zero_engine",
     "parse_deepspeed_config": "zero_engine",
     "training_arguments": "hf_trainer",
+    "ulysses_core": "ulysses",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -89,6 +93,7 @@ __all__ = [
     "deepspeed_estimates", "MACHINE_RANK_FLAG", "accelerate_launch_env", "fsdp_plugin",
     "DEEPSPEED_STAGE3_DEFAULTS", "MEASUREMENT_OVERRIDES", "production_configs",
     "parse_deepspeed_config", "training_arguments",
+    "ulysses_core",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -18,208 +18,112 @@ from handbook_lib.core.lazy import lazy_exports
 
 if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported on first use
     from handbook_lib.models.activations import (
-        SELECTIVE_SAVE,
-        ActivationBytes,
-        ModelSizes,
-        checkpointed,
-        estimate_activation_bytes,
+        SELECTIVE_SAVE, ActivationBytes, ModelSizes, checkpointed, estimate_activation_bytes,
         estimate_decoder_activation_bytes,
     )
     from handbook_lib.models.allocator import (
-        RESERVE_FRACTION,
-        RESERVE_MODEL,
-        RESERVE_SOURCE,
-        reserved_bytes,
+        RESERVE_FRACTION, RESERVE_MODEL, RESERVE_SOURCE, reserved_bytes,
     )
     from handbook_lib.models.checkpoint import (
-        CHECKPOINT_SCHEMA,
-        CHECKSUM,
-        COMMIT_STEPS,
-        FSDP1_STATE_DICT_TYPES,
-        JOB_INTERRUPTIONS,
-        LATEST,
-        MANIFEST,
-        NCCL_DEFAULT_TIMEOUT_S,
-        NOT_SAVED_ON_GPU,
-        CheckpointCost,
-        CommitStep,
-        TensorCount,
-        checkpoint_interval_s,
-        checkpoint_name,
-        estimate_checkpoint_cost,
-        estimate_checkpoint_count,
-        job_mtbf_s,
+        CHECKPOINT_SCHEMA, CHECKSUM, COMMIT_STEPS, FSDP1_STATE_DICT_TYPES, JOB_INTERRUPTIONS,
+        LATEST, MANIFEST, NCCL_DEFAULT_TIMEOUT_S, NOT_SAVED_ON_GPU, CheckpointCost, CommitStep,
+        TensorCount, checkpoint_interval_s, checkpoint_name, estimate_checkpoint_cost,
+        estimate_checkpoint_count, job_mtbf_s,
     )
     from handbook_lib.models.collectives import (
-        COLLECTIVES,
-        RING_KINDS,
-        TRANSFER_KINDS,
-        AlphaBeta,
-        CollectiveCost,
-        RingTransfer,
-        estimate_collective,
-        estimate_collective_time,
-        fit_alpha_beta,
-        ring_schedule,
+        COLLECTIVES, RING_KINDS, TRANSFER_KINDS, AlphaBeta, CollectiveCost, RingTransfer,
+        estimate_collective, estimate_collective_time, fit_alpha_beta, ring_schedule,
     )
     from handbook_lib.models.hardware import (
-        ACCELERATORS,
-        CUDA_CONTEXT_BYTES,
-        GIB,
-        LINKS,
-        Accelerator,
-        Host,
-        Link,
-        Node,
-        datasheet_bytes,
-        default_intra_link,
-        get_accelerator,
-        get_link,
-        node_preset,
+        ACCELERATORS, CUDA_CONTEXT_BYTES, GIB, LINKS, Accelerator, Host, Link, Node,
+        datasheet_bytes, default_intra_link, get_accelerator, get_link, node_preset,
         usable_memory_bytes,
     )
     from handbook_lib.models.hf_config import (
-        HF_DEFAULTS,
-        HF_FAMILIES,
-        decoder_shape_from_hf,
-        read_hf_config,
+        HF_DEFAULTS, HF_FAMILIES, decoder_shape_from_hf, read_hf_config,
     )
     from handbook_lib.models.init_bytes import estimate_init_bytes, model_part_numels
     from handbook_lib.models.layout import (
-        ModelLayout,
-        ModelLike,
-        estimate_shard_bytes,
-        model_layout,
-        wrap_units,
+        ModelLayout, ModelLike, estimate_shard_bytes, model_layout, wrap_units,
     )
     from handbook_lib.models.memory import (
-        COMPONENTS,
-        PHASE_WORDS,
-        MemoryEstimate,
-        estimate_memory,
-        estimate_rank_state,
-        estimate_state_at_rest,
-        min_gpus_to_fit,
+        COMPONENTS, PHASE_WORDS, MemoryEstimate, estimate_memory, estimate_rank_state,
+        estimate_state_at_rest, min_gpus_to_fit,
     )
     from handbook_lib.models.model_state import (
-        OPTIMIZER_RULES,
-        OPTIMIZER_STATES,
-        ModelStateBytes,
-        OptimizerRule,
-        RankState,
-        estimate_accumulation_bytes,
-        estimate_model_state_bytes,
-        optimizer_states,
+        OPTIMIZER_RULES, OPTIMIZER_STATES, ModelStateBytes, OptimizerRule, RankState,
+        estimate_accumulation_bytes, estimate_model_state_bytes, optimizer_states,
         optimizer_step_bytes,
     )
     from handbook_lib.models.offload import (
-        CPU_ADAM_PARAMS_PER_S_PER_CORE,
-        CPU_ADAM_SOURCE,
-        OffloadCost,
-        estimate_offload,
+        CPU_ADAM_PARAMS_PER_S_PER_CORE, CPU_ADAM_SOURCE, OffloadCost, estimate_offload,
     )
     from handbook_lib.models.phases import (
-        PHASES,
-        Moment,
-        StepShape,
-        backward_start,
-        backward_walk,
-        forward_start,
-        head_backward,
-        late_free_bound,
-        layer_backward,
-        layer_forward,
-        layer_recompute,
-        layer_reduce,
-        loss_backward,
-        optimizer_step,
-        root_reduce,
+        PHASES, Moment, StepShape, backward_start, backward_walk, forward_start, head_backward,
+        late_free_bound, layer_backward, layer_forward, layer_recompute, layer_reduce,
+        loss_backward, optimizer_step, root_reduce,
     )
     from handbook_lib.models.planner import (
-        STEP_TIE,
-        Option,
-        Plan,
-        check_whole_nodes,
-        global_batch_tokens,
-        max_data_parallel,
-        plan,
-        preference,
-        recommend,
+        STEP_TIE, Option, Plan, check_whole_nodes, global_batch_tokens, max_data_parallel, plan,
+        preference, recommend,
     )
     from handbook_lib.models.presets import DECODER_SHAPES, DecoderShape, get_shape
     from handbook_lib.models.published import (
-        PUBLISHED_BUS_BANDWIDTH,
-        PUBLISHED_MEMORY_CHANGE,
-        PUBLISHED_SOURCES,
-        PUBLISHED_THROUGHPUT,
-        BandwidthRow,
-        MemoryChangeRow,
-        PublishedBandwidth,
-        PublishedMemoryChange,
-        PublishedThroughput,
-        ThroughputRow,
-        bus_bandwidth_rows,
-        memory_change_rows,
-        throughput_rows,
+        PUBLISHED_BUS_BANDWIDTH, PUBLISHED_MEMORY_CHANGE, PUBLISHED_SOURCES, PUBLISHED_THROUGHPUT,
+        BandwidthRow, MemoryChangeRow, PublishedBandwidth, PublishedMemoryChange,
+        PublishedThroughput, ThroughputRow, bus_bandwidth_rows, memory_change_rows, throughput_rows,
     )
     from handbook_lib.models.roofline import min_tokens_per_gpu, wire_bytes_per_param
     from handbook_lib.models.seed import (
-        SEED_SCENARIOS,
-        SEED_STRATEGIES,
-        SeedScenario,
-        estimate_seed_model_state,
+        SEED_SCENARIOS, SEED_STRATEGIES, SeedScenario, estimate_seed_model_state,
         seed_recommendation,
     )
     from handbook_lib.models.sensitivity import (
-        FlipPoints,
-        Sensitivity,
-        flip_points,
-        plan_sensitivity,
+        FlipPoints, Sensitivity, flip_points, plan_sensitivity,
     )
     from handbook_lib.models.sharding import (
-        ShardBytes,
-        Unit,
-        estimate_flat_shard_bytes,
-        estimate_tensor_shards,
-        policy_units,
+        ShardBytes, Unit, estimate_flat_shard_bytes, estimate_tensor_shards, policy_units,
         shard_rows,
     )
     from handbook_lib.models.timing import (
-        DEFAULT_UTILIZATION,
-        UTILIZATION_SOURCE,
-        StepTime,
-        bytes_by_link,
-        estimate_compute_time,
+        DEFAULT_UTILIZATION, UTILIZATION_SOURCE, StepTime, bytes_by_link, estimate_compute_time,
         estimate_step_time,
     )
     from handbook_lib.models.cluster import ClusterLayout, compare_cluster_layouts, hsdp_groups
     from handbook_lib.models.topology import (
-        ALGORITHMS,
-        Route,
-        network_bandwidth,
-        network_share,
-        route_collective,
+        ALGORITHMS, Route, network_bandwidth, network_share, route_collective,
     )
     from handbook_lib.models.traffic import (
-        CollectiveRecord,
-        GatheredState,
-        StepTraffic,
-        estimate_gathered_units,
-        estimate_held_between_micro_steps,
-        estimate_step_bytes_for_params,
-        estimate_step_traffic,
+        CollectiveRecord, GatheredState, StepTraffic, estimate_gathered_units,
+        estimate_held_between_micro_steps, estimate_step_bytes_for_params, estimate_step_traffic,
     )
     from handbook_lib.models.zero import (
-        ALIGNMENT,
-        DEFAULT_PERSISTENCE_THRESHOLD,
-        ZERO_STAGES,
-        bookkeeping_reductions,
-        estimate_zero_memory,
-        estimate_zero_rank_bytes,
-        estimate_zero_step_traffic,
-        flat_partition,
-        gather_units,
-        zero_stage,
+        ALIGNMENT, DEFAULT_PERSISTENCE_THRESHOLD, ZERO_STAGES, bookkeeping_reductions,
+        estimate_zero_memory, estimate_zero_rank_bytes, estimate_zero_step_traffic, flat_partition,
+        gather_units, zero_stage,
+    )
+    from handbook_lib.models.tensor_parallel import (
+        DecoderTPMemory, TPCollective, TPLayerTraffic, TPParam, TPStateBytes, decoder_tp_units,
+        estimate_decoder_tp_activation_bytes, estimate_decoder_tp_memory,
+        estimate_tp_activation_bytes, estimate_tp_collectives, estimate_tp_layer_traffic,
+        estimate_tp_state_bytes, estimate_tp_step_collectives, tp_local_shapes, tp_param_placements,
+        tp_units,
+    )
+    from handbook_lib.models.sequence_parallel import (
+        SP_METHODS, LayerBytes, RingOverlap, SpCollective, SpStepTraffic,
+        estimate_sp_activation_bytes, estimate_sp_collectives, estimate_sp_step_traffic,
+        local_tokens, megatron_sp_layer_bytes, parallel_layout, ring_layer_bytes, ring_overlap,
+        sequence_activation_bytes, ulysses_layer_bytes,
+    )
+    from handbook_lib.models.axes import (
+        AxesVerdict, SpChoice, estimate_axes, estimate_sp_memory, estimate_tp_fsdp_memory,
+        sp_candidates,
+    )
+    from handbook_lib.models.axes_table import (
+        AxisOption, axes_reason, compare_axes, recommend_axes,
+    )
+    from handbook_lib.models.published import (
+        PUBLISHED_AXIS_MEMORY, AxisMemoryRow, PublishedAxisMemory, axis_memory_rows,
     )
 
 _HOMES = {
@@ -393,6 +297,51 @@ _HOMES = {
     "estimate_zero_rank_bytes": "zero",
     "bookkeeping_reductions": "zero",
     "estimate_zero_step_traffic": "zero",
+    "DecoderTPMemory": "tensor_parallel",
+    "TPCollective": "tensor_parallel",
+    "TPLayerTraffic": "tensor_parallel",
+    "TPParam": "tensor_parallel",
+    "TPStateBytes": "tensor_parallel",
+    "decoder_tp_units": "tensor_parallel",
+    "estimate_decoder_tp_activation_bytes": "tensor_parallel",
+    "estimate_decoder_tp_memory": "tensor_parallel",
+    "estimate_tp_activation_bytes": "tensor_parallel",
+    "estimate_tp_collectives": "tensor_parallel",
+    "estimate_tp_layer_traffic": "tensor_parallel",
+    "estimate_tp_state_bytes": "tensor_parallel",
+    "estimate_tp_step_collectives": "tensor_parallel",
+    "tp_local_shapes": "tensor_parallel",
+    "tp_param_placements": "tensor_parallel",
+    "tp_units": "tensor_parallel",
+    "SP_METHODS": "sequence_parallel",
+    "LayerBytes": "sequence_parallel",
+    "RingOverlap": "sequence_parallel",
+    "SpCollective": "sequence_parallel",
+    "SpStepTraffic": "sequence_parallel",
+    "estimate_sp_activation_bytes": "sequence_parallel",
+    "estimate_sp_collectives": "sequence_parallel",
+    "estimate_sp_step_traffic": "sequence_parallel",
+    "local_tokens": "sequence_parallel",
+    "megatron_sp_layer_bytes": "sequence_parallel",
+    "parallel_layout": "sequence_parallel",
+    "ring_layer_bytes": "sequence_parallel",
+    "ring_overlap": "sequence_parallel",
+    "sequence_activation_bytes": "sequence_parallel",
+    "ulysses_layer_bytes": "sequence_parallel",
+    "AxesVerdict": "axes",
+    "SpChoice": "axes",
+    "estimate_axes": "axes",
+    "estimate_sp_memory": "axes",
+    "estimate_tp_fsdp_memory": "axes",
+    "sp_candidates": "axes",
+    "AxisOption": "axes_table",
+    "axes_reason": "axes_table",
+    "compare_axes": "axes_table",
+    "recommend_axes": "axes_table",
+    "PUBLISHED_AXIS_MEMORY": "published",
+    "AxisMemoryRow": "published",
+    "PublishedAxisMemory": "published",
+    "axis_memory_rows": "published",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -431,6 +380,19 @@ __all__ = [
     "bookkeeping_reductions", "estimate_zero_step_traffic",
     "GatheredState", "estimate_gathered_units", "estimate_held_between_micro_steps", "global_batch_tokens", "max_data_parallel", "min_tokens_per_gpu", "network_share", "ClusterLayout", "compare_cluster_layouts", "hsdp_groups", "wire_bytes_per_param",
     "NCCL_DEFAULT_TIMEOUT_S", "JOB_INTERRUPTIONS", "NOT_SAVED_ON_GPU", "CheckpointCost", "estimate_checkpoint_cost", "job_mtbf_s", "checkpoint_interval_s",
+    "DecoderTPMemory", "TPCollective", "TPLayerTraffic", "TPParam", "TPStateBytes",
+    "decoder_tp_units", "estimate_decoder_tp_activation_bytes", "estimate_decoder_tp_memory",
+    "estimate_tp_activation_bytes", "estimate_tp_collectives", "estimate_tp_layer_traffic",
+    "estimate_tp_state_bytes", "estimate_tp_step_collectives", "tp_local_shapes",
+    "tp_param_placements", "tp_units",
+    "SP_METHODS", "LayerBytes", "RingOverlap", "SpCollective", "SpStepTraffic",
+    "estimate_sp_activation_bytes", "estimate_sp_collectives", "estimate_sp_step_traffic",
+    "local_tokens", "megatron_sp_layer_bytes", "parallel_layout", "ring_layer_bytes",
+    "ring_overlap", "sequence_activation_bytes", "ulysses_layer_bytes",
+    "AxesVerdict", "SpChoice", "estimate_axes", "estimate_sp_memory", "estimate_tp_fsdp_memory",
+    "sp_candidates",
+    "AxisOption", "axes_reason", "compare_axes", "recommend_axes",
+    "PUBLISHED_AXIS_MEMORY", "AxisMemoryRow", "PublishedAxisMemory", "axis_memory_rows",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -50,10 +50,8 @@ from handbook_lib.models.sequence_parallel import (
     ring_overlap,
     ulysses_layer_bytes,
 )
-from handbook_lib.models.sharding import Unit
 from handbook_lib.models.tensor_parallel import (
-    _tp_layer_elements,  # one TP rank's elements of a layer: the one home of that split
-    estimate_decoder_tp_memory,
+    decoder_tp_units,
     estimate_tp_layer_traffic,
 )
 from handbook_lib.models.timing import (
@@ -64,7 +62,7 @@ from handbook_lib.models.timing import (
 from handbook_lib.models.topology import route_collective
 from handbook_lib.models.traffic import estimate_step_traffic
 
-__all__ = ["AxisOption", "axes_reason", "compare_axes", "decoder_tp_units", "recommend_axes"]
+__all__ = ["AxisOption", "axes_reason", "compare_axes", "recommend_axes"]
 
 _FROM_PLAN = ("FULL_SHARD", "FULL_SHARD + AC", "HYBRID_SHARD", "HYBRID_SHARD + AC")
 
@@ -104,15 +102,6 @@ class AxisOption:
     def tokens_per_s_per_gpu(self) -> float:
         """Tokens per second per GPU: the step's tokens over its time and the job's GPUs."""
         return self.tokens_per_step / self.step_s / (self.tp_size * self.sp_size * self.dp_size)
-
-
-def decoder_tp_units(shape: DecoderShape, tp_size: int) -> list[Unit]:
-    """FSDP2's units over the dp axis for a decoder under TP: the root (embedding and head split
-    over the vocabulary, final norm replicated) and one unit per layer, each one TP rank's slice
-    (:func:`~handbook_lib.models.tensor_parallel.estimate_decoder_tp_memory`'s split)."""
-    layer = _tp_layer_elements(shape, tp_size)
-    root = estimate_decoder_tp_memory(shape, tp_size, 1, 1, 1).params_per_gpu - shape.num_layers * layer
-    return [Unit("root", ((root,),), root=True)] + [Unit(f"layers.{i}", ((layer,),)) for i in range(shape.num_layers)]
 
 
 @dataclass(frozen=True)

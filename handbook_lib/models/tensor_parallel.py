@@ -44,6 +44,7 @@ __all__ = [
     "TPLayerTraffic",
     "TPParam",
     "TPStateBytes",
+    "decoder_tp_units",
     "estimate_decoder_tp_activation_bytes",
     "estimate_decoder_tp_memory",
     "estimate_tp_activation_bytes",
@@ -425,3 +426,12 @@ def estimate_decoder_tp_memory(shape: DecoderShape, tp_size: int, dp_size: int, 
                                                 recompute=recompute)
     return DecoderTPMemory(params_per_gpu=held, state_bytes=state, activation_bytes=acts,
                            gathered_bytes=2 * layer * compute_bytes if dp_size > 1 else 0)
+
+
+def decoder_tp_units(shape: DecoderShape, tp_size: int) -> list[Unit]:
+    """FSDP2's units over the dp axis for a decoder under TP: the root (embedding and head split
+    over the vocabulary, final norm replicated) and one unit per layer, each one TP rank's slice
+    (:func:`estimate_decoder_tp_memory`'s split): the planner's FSDP traffic under TP."""
+    layer = _tp_layer_elements(shape, tp_size)
+    root = estimate_decoder_tp_memory(shape, tp_size, 1, 1, 1).params_per_gpu - shape.num_layers * layer
+    return [Unit("root", ((root,),), root=True)] + [Unit(f"layers.{i}", ((layer,),)) for i in range(shape.num_layers)]

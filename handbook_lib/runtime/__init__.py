@@ -108,6 +108,38 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         train_one_process,
         train_step,
     )
+    from handbook_lib.runtime.parallel_model import (
+        AttentionCore,
+        causal_attention,
+        SplitAttention,
+        ParallelLayer,
+        ParallelTransformer,
+        from_simple,
+    )
+    from handbook_lib.runtime.tensor_parallel import (
+        SettledStepMemoryTracker,
+        TPTrainLog,
+        apply_fsdp_over_dp,
+        apply_tensor_parallel,
+        build_tp_mesh,
+        build_tp_model,
+        dp_batch,
+        tp_loss,
+        train_tensor_parallel,
+    )
+    from handbook_lib.runtime.sequence_parallel import (
+        AttentionError,
+        SequenceMesh,
+        build_sequence_mesh,
+        build_sequence_model,
+        measure_attention_error,
+        sequence_batches,
+    )
+    from handbook_lib.runtime.ring_attention import (
+        RingAttention,
+        causal_ring_attention,
+        ring_core,
+    )
 
 _HOMES = {
     "InitMode": "build",
@@ -187,6 +219,30 @@ _HOMES = {
     "one_thread": "training",
     "NonFiniteLoss": "training",
     "check_loss_finite": "training",
+    "AttentionCore": "parallel_model",
+    "causal_attention": "parallel_model",
+    "SplitAttention": "parallel_model",
+    "ParallelLayer": "parallel_model",
+    "ParallelTransformer": "parallel_model",
+    "from_simple": "parallel_model",
+    "SettledStepMemoryTracker": "tensor_parallel",
+    "TPTrainLog": "tensor_parallel",
+    "apply_fsdp_over_dp": "tensor_parallel",
+    "apply_tensor_parallel": "tensor_parallel",
+    "build_tp_mesh": "tensor_parallel",
+    "build_tp_model": "tensor_parallel",
+    "dp_batch": "tensor_parallel",
+    "tp_loss": "tensor_parallel",
+    "train_tensor_parallel": "tensor_parallel",
+    "AttentionError": "sequence_parallel",
+    "SequenceMesh": "sequence_parallel",
+    "build_sequence_mesh": "sequence_parallel",
+    "build_sequence_model": "sequence_parallel",
+    "measure_attention_error": "sequence_parallel",
+    "sequence_batches": "sequence_parallel",
+    "RingAttention": "ring_attention",
+    "causal_ring_attention": "ring_attention",
+    "ring_core": "ring_attention",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -207,6 +263,13 @@ __all__ = [
     "next_token_loss", "TrainLog", "StepEnd", "build_optimizer", "build_grad_scaler", "train_step",
     "train", "train_one_process", "one_thread", "NonFiniteLoss", "check_loss_finite",
     "GatheredProbe", "GatheredSnapshot", "apply_explicit_prefetch",
+    "AttentionCore", "causal_attention", "SplitAttention", "ParallelLayer", "ParallelTransformer",
+    "from_simple",
+    "SettledStepMemoryTracker", "TPTrainLog", "apply_fsdp_over_dp", "apply_tensor_parallel",
+    "build_tp_mesh", "build_tp_model", "dp_batch", "tp_loss", "train_tensor_parallel",
+    "AttentionError", "SequenceMesh", "build_sequence_mesh", "build_sequence_model",
+    "measure_attention_error", "sequence_batches",
+    "RingAttention", "causal_ring_attention", "ring_core",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

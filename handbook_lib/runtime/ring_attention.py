@@ -27,7 +27,7 @@ import math
 import torch
 import torch.distributed as dist
 
-__all__ = ["RingAttention", "ring_attention", "ring_core"]
+__all__ = ["RingAttention", "causal_ring_attention", "ring_core"]
 
 
 class _Ring:
@@ -129,7 +129,7 @@ class RingAttention(torch.autograd.Function):
         return dq.transpose(1, 2), grads[0].transpose(1, 2), grads[1].transpose(1, 2), None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def causal_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Causal attention of the sequence split over ``group`` (its rank i holds chunk i), on
     tensors (batch, seq/P, heads, head_dim) of this rank's chunk; returns this chunk's output,
     the same shape.
@@ -146,6 +146,6 @@ def ring_core(group: dist.ProcessGroup):
     ring over ``group``."""
 
     def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return ring_attention(q, k, v, group)
+        return causal_ring_attention(q, k, v, group)
 
     return core
