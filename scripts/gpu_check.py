@@ -14,7 +14,9 @@ On every visible GPU (world size = the GPU count), through ``handbook_lib.launch
 (c) MFU — FSDP2 bf16 on a ~1.04e9-parameter config: 6·P·tokens / (step · world · peak bf16),
     the peak from the hardware preset matching the GPU's name ("unknown GPU": no MFU);
 (d) the largest micro-batch — doubling until a run fails with CUDA out-of-memory, beside the
-    memory model's largest for the device's memory.
+    memory model's largest for the device's memory;
+(e) chapter 9's runs (with 2 or more GPUs): tensor_parallel with and without sequence
+    parallelism, sequence_parallel with Ulysses and the ring, every check of each on NCCL.
 
 The result set goes to ``results/gpu/<gpu-name-slug>.json`` (written again after each part, so
 a stopped check keeps what it measured); a file there that gpu-check did not write is never
@@ -50,6 +52,7 @@ from handbook_lib.launch import (
     NO_GPU_MESSAGE,
     STEP_TIME_CONFIG,
     SWEEP_CONFIG,
+    axes_configs,
     estimate_mfu,
     estimate_prefetch_extra_bytes,
     gpu_slug,
@@ -214,6 +217,26 @@ class GpuCheck:
         }
 
 
+    # (e) -------------------------------------------------------------------------------------
+    def axes(self) -> dict[str, Any]:
+        """Chapter 9's runs on NCCL (:func:`axes_configs`): every check of each, as on the CPU."""
+        configs = axes_configs(self.world)
+        if not configs:
+            return {"skipped": f"chapter 9's runs need 2 or more GPUs; {self.world} visible"}
+        out: dict[str, Any] = {}
+        for label, (run, config) in configs.items():
+            try:
+                result = self.run(run, config)
+            except Exception as err:  # noqa: BLE001 - recorded; the next run still goes
+                out[label] = {"run": run, "config": config,
+                              "error": f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"[:500]}
+                continue
+            out[label] = {"run": run, "config": config, "checks": [c.to_dict() for c in result.checks],
+                          "failed_checks": sorted({c.quantity for c in result.failed_checks()}),
+                          "losses": result.ranks[0].get("losses")}
+        return out
+
+
 PROBE_IN_CHILD = True
 """Ask a child process about the GPUs: a CUDA context in this process would hold some hundreds of
 MB of GPU 0 for the whole check, and shift the micro-batch sweep's answer (tests set it False)."""
@@ -253,12 +276,12 @@ def main(argv: list[str] | None = None, *, launch: Callable[..., Any] | None = N
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="result set file (default results/gpu/<gpu-name-slug>.json)")
     parser.add_argument("--budget-s", type=float, default=540.0, help="seconds the whole check may take")
-    parser.add_argument("--parts", default="memory,step_time,mfu,max_micro_batch",
-                        help="comma-separated parts to run (default: all four)")
+    parser.add_argument("--parts", default="memory,step_time,mfu,max_micro_batch,axes",
+                        help="comma-separated parts to run (default: all five)")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    known = ("memory", "step_time", "mfu", "max_micro_batch")
+    known = ("memory", "step_time", "mfu", "max_micro_batch", "axes")
     if not parts or any(p not in known for p in parts):
         parser.error(f"--parts takes some of {', '.join(known)}, got {args.parts!r}")
 

@@ -498,3 +498,30 @@ def test_a_failing_memory_config_does_not_lose_the_other(fake_gpus, tmp_path):
     assert calls == ["fp32", "bf16-mixed"]
     assert data["fp32"]["error"].startswith("RunFailed: run 'fsdp_train' failed: rank 0 raised OutOfMemoryError")
     assert data["bf16-mixed"]["ranks"][0]["excess_bytes"] == 100_000
+
+
+def test_axes_configs_split_what_the_gpus_allow():
+    from handbook_lib.launch.gpu_check import axes_configs
+    from handbook_lib.core.parallel_config import ParallelConfig
+
+    assert axes_configs(1) == {}
+    assert set(axes_configs(2)) == {"tp", "tp_sp", "ulysses", "ring"}
+    assert set(axes_configs(3)) == set()  # TP needs an even count, and 3 does not divide 16 tokens
+    four = axes_configs(4)
+    assert four["ring"][1]["sp_size"] == 4 and four["tp"][1]["batch_size"] == 4  # 2 per dp rank
+    for run, config in four.values():  # each is a config its run takes on 4 ranks
+        assert ParallelConfig.from_mapping(config).data_parallel_size(4) in (1, 2)
+
+
+def test_axes_part_runs_chapter_9_on_two_gpus_and_skips_on_one(fake_gpus, tmp_path):
+    fake_gpus(2)
+    launch = FakeLaunch()
+    out = tmp_path / "r.json"
+    assert _load_script().main(["--out", str(out), "--parts", "axes"], launch=launch) == 0
+    data = json.loads(out.read_text())
+    assert [(c[0], c[1]) for c in launch.calls] == [("tensor_parallel", 2)] * 2 + [("sequence_parallel", 2)] * 2
+    assert data["axes"]["ring"]["config"]["sp_method"] == "ring" and data["axes"]["tp"]["checks"]
+    fake_gpus(1)
+    one = tmp_path / "one.json"
+    assert _load_script().main(["--out", str(one), "--parts", "axes"], launch=FakeLaunch()) == 0
+    assert "need 2 or more GPUs; 1 visible" in json.loads(one.read_text())["axes"]["skipped"]

@@ -63,6 +63,10 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         render_sbatch,
         write_script,
     )
+    from handbook_lib.launch.gpu_check import (
+        AXES_MODEL,
+        axes_configs,
+    )
 
 _HOMES = {
     "RankFailure": "diagnose",
@@ -112,6 +116,8 @@ _HOMES = {
     "parse_time": "slurm",
     "SHEBANG": "slurm",
     "MARKER": "slurm",
+    "AXES_MODEL": "gpu_check",
+    "axes_configs": "gpu_check",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -125,6 +131,7 @@ __all__ = [
     "torchrun_batches", "in_notebook", "RunReport", "describe_run", "show_result",
     "config_defaults", "SlurmJob", "build_job", "render_sbatch", "write_script", "is_own_script",
     "parse_time", "SHEBANG", "MARKER",
+    "AXES_MODEL", "axes_configs",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -40,7 +40,7 @@ __all__ = [
     "RESULT_SET_SCHEMA", "WRITER", "BILLION_MODEL", "MEMORY_CONFIGS", "STEP_TIME_CONFIG", "MFU_CONFIG",
     "SWEEP_CONFIG", "NO_GPU_MESSAGE", "match_accelerator", "estimate_mfu", "estimate_prefetch_extra_bytes",
     "memory_figures", "steady_step_time_s", "is_cuda_oom", "SweepTry", "Sweep", "sweep_micro_batch",
-    "predict_max_micro_batch", "gpu_slug", "write_result_set",
+    "predict_max_micro_batch", "gpu_slug", "write_result_set", "AXES_MODEL", "axes_configs",
 ]
 
 RESULT_SET_SCHEMA = "handbook.gpu-check/1"
@@ -75,6 +75,34 @@ Its ``step_time_s`` holds steps 1..5 (the sixth is measured for memory and not t
 
 SWEEP_CONFIG: dict[str, Any] = {**MFU_CONFIG, "steps": 2}
 """The micro-batch sweep: :data:`MFU_CONFIG` for 2 steps (the second under the memory tracker)."""
+
+
+AXES_MODEL: dict[str, Any] = {"vocab_size": 96, "d_model": 64, "nhead": 4, "dim_feedforward": 128,
+                              "num_layers": 2, "seq_len": 16, "steps": 3}
+"""Chapter 9's runs' model and data, as on the CPU (the GPU check's question there is whether
+every byte and collective still matches on NCCL, not speed)."""
+
+
+def axes_configs(world_size: int) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Chapter 9's runs for ``world_size`` GPUs, ``label -> (run, config)``: TP over 2 GPUs with
+    and without sequence parallelism, Ulysses over 2 and a ring over every GPU, each with FSDP2
+    over the rest and 2 sequences per data-parallel rank. Empty below 2 GPUs (a group of one
+    splits nothing); TP needs an even count."""
+    check_int("world_size", world_size, 1)
+    if world_size < 2:
+        return {}
+    out: dict[str, tuple[str, dict[str, Any]]] = {}
+    if world_size % 2 == 0:
+        dp = world_size // 2
+        tp = {**AXES_MODEL, "tp_size": 2, "batch_size": 2 * dp}
+        out["tp"] = ("tensor_parallel", tp)
+        out["tp_sp"] = ("tensor_parallel", {**tp, "sequence_parallel": True})
+        out["ulysses"] = ("sequence_parallel", {**AXES_MODEL, "sp_size": 2, "sp_method": "ulysses",
+                                                "batch_size": 2 * dp})
+    if AXES_MODEL["seq_len"] % world_size == 0:
+        out["ring"] = ("sequence_parallel", {**AXES_MODEL, "sp_size": world_size, "sp_method": "ring",
+                                             "batch_size": 2})
+    return out
 
 
 def match_accelerator(device_name: str) -> str | None:
