@@ -46,6 +46,7 @@ import torch
 
 from handbook_lib.core.architecture import param_shapes
 from handbook_lib.core.config import RunConfig
+from handbook_lib.core.files import check_writable_dir
 from handbook_lib.core.results import Check
 from handbook_lib.core.strategies import STRATEGIES, get_strategy
 from handbook_lib.models.checkpoint import (
@@ -115,6 +116,7 @@ def validate(config: CheckpointRunConfig, world_size: int) -> None:
     """
     if not config.ckpt_dir:
         raise ValueError("checkpoint_resume needs ckpt_dir (the root directory of the checkpoints)")
+    check_writable_dir("ckpt_dir", config.ckpt_dir)
     row = get_strategy(config.strategy)
     if config.api != "fsdp2" or not row.fsdp2 or row.hybrid:
         accepted = [s for s in STRATEGIES if get_strategy(s).fsdp2 and not get_strategy(s).hybrid]

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from handbook_lib.core.config import InitName, RunConfig
+from handbook_lib.core.files import check_writable_dir
 from handbook_lib.core.results import Check
 from handbook_lib.core.strategies import StrategyName, get_strategy, strategies_where
 from handbook_lib.runs.entry import RankReport, main
@@ -73,8 +74,8 @@ def validate(config: TrainerRunConfig, world_size: int) -> None:
             f"{world_size}, and DeepSpeed's batch check stops the job; launch it with --nproc 1 here")
     if not config.trainer_dir:
         raise ValueError("trainer_deepspeed needs trainer_dir (the Trainer's output_dir)")
-    folder = Path(config.trainer_dir)
-    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+    folder = check_writable_dir("trainer_dir", config.trainer_dir)
+    if folder.exists() and any(folder.iterdir()):
         raise ValueError(f"config key 'trainer_dir': {folder} exists and is not an empty folder; the Trainer "
                          "would write its checkpoints among files this run did not write")
     if not 1 <= config.save_every < config.steps:
