@@ -80,6 +80,9 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         strategies_where,
     )
     from handbook_lib.core.text import BOOK_WIDTH, TERMINAL_WIDTH, wrap
+    from handbook_lib.core.files import (
+        check_writable_dir,
+    )
 
 _HOMES = {
     "ModelConfig": "architecture",
@@ -146,6 +149,7 @@ _HOMES = {
     "BOOK_WIDTH": "text",
     "TERMINAL_WIDTH": "text",
     "wrap": "text",
+    "check_writable_dir": "files",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -161,6 +165,7 @@ __all__ = [
     "load_result", "max_relative_difference", "model_state_bytes", "StrategyName", "Wrapper",
     "WRAPPERS", "Strategy", "STRATEGY_TABLE", "STRATEGIES", "FSDP2_SPELLING", "get_strategy",
     "strategies_where", "BOOK_WIDTH", "TERMINAL_WIDTH", "wrap",
+    "check_writable_dir",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)
