@@ -78,6 +78,30 @@ def test_two_runs_can_never_share_a_folder(tmp_path):
     prepare_out_dir("fault", tmp_path).release()  # free again once the first run ends
 
 
+def test_the_nodes_of_one_job_share_a_folder_each_with_its_own_claim(tmp_path):
+    """Issue 26: a real multi-node job's nodes (node_rank given) share one folder: each locks its
+    own marker and owns only its own files; a second command of the same node is refused."""
+    one = prepare_out_dir("fault", tmp_path, node=1)  # node 1 may arrive first
+    (tmp_path / "logs" / "node1").mkdir(parents=True)
+    zero = prepare_out_dir("fault", tmp_path, node=0)
+    try:
+        assert sorted(p.name for p in tmp_path.iterdir()) == [RUN_MARKER, f"{RUN_MARKER}.node1", "logs"]
+        with pytest.raises(ValueError, match="is in use by another run"):
+            prepare_out_dir("fault", tmp_path, node=1)
+    finally:
+        one.release()
+        zero.release()
+    (tmp_path / "config.node1.json").write_text("{}")
+    (tmp_path / "logs" / "node0").mkdir()
+    (tmp_path / "result.json").write_text("{}")
+    # the next job: node 1's earlier files ask for overwrite, which removes only those
+    with pytest.raises(ValueError, match=r"earlier run .*\(config\.node1\.json, logs/node1\)"):
+        prepare_out_dir("fault", tmp_path, node=1)
+    prepare_out_dir("fault", tmp_path, node=1, overwrite=True).release()
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["node0"]
+    assert (tmp_path / "result.json").exists() and not (tmp_path / "config.node1.json").exists()
+
+
 @pytest.mark.parametrize("make_out, match", [
     (lambda d: (d / "file.txt", (d / "file.txt").write_text("x")), r"out \(--out\) '.*file\.txt' is a file, not a folder"),
     (lambda d: (d / "file.txt" / "sub", (d / "file.txt").write_text("x")), r"out \(--out\) '.*sub' cannot be created"),

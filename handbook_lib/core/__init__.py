@@ -83,6 +83,11 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     from handbook_lib.core.files import (
         check_writable_dir,
     )
+    from handbook_lib.core.protocol import (
+        node_marker,
+        node_config_file,
+        node_files,
+    )
 
 _HOMES = {
     "ModelConfig": "architecture",
@@ -150,6 +155,9 @@ _HOMES = {
     "TERMINAL_WIDTH": "text",
     "wrap": "text",
     "check_writable_dir": "files",
+    "node_marker": "protocol",
+    "node_config_file": "protocol",
+    "node_files": "protocol",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -166,6 +174,7 @@ __all__ = [
     "WRAPPERS", "Strategy", "STRATEGY_TABLE", "STRATEGIES", "FSDP2_SPELLING", "get_strategy",
     "strategies_where", "BOOK_WIDTH", "TERMINAL_WIDTH", "wrap",
     "check_writable_dir",
+    "node_marker", "node_config_file", "node_files",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -15,6 +15,11 @@ failed. Both sides import the names below, so neither spells a file or a key of 
         ranks/rank{R}.json     each rank's end state (RankStatus), written atomically
         ranks/rank{R}.stacks.txt   Python stacks of a rank stopped by a signal or a deadline
         logs/                  torchrun's per-rank logs (``--log-dir``)
+
+One node of a real multi-node job (``node_rank`` K given, the folder shared by every node):
+node 0 claims the folder as above (its logs in ``logs/node0``); node K > 0 writes only
+``.handbook-run.nodeK`` (its claim and lock), ``config.nodeK.json`` and ``logs/nodeK``
+(:func:`node_files`), so that every node's command can share one folder.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any, Literal
 __all__ = [
     "DEADLINE_ENV", "COLLECTIVE_TIMEOUT_ENV", "RESULTS_LOG_ENV", "collective_timeout_s", "RUN_MARKER", "CONFIG_FILE",
     "RESULT_FILE", "RESULTS_DIR", "BATCH_KEY", "RANKS_DIR", "LOGS_DIR", "RUN_FILES", "rank_status_path",
-    "rank_stacks_path", "batch_result_path", "RankStatus",
+    "rank_stacks_path", "batch_result_path", "RankStatus", "node_marker", "node_config_file", "node_files",
 ]
 
 DEADLINE_ENV = "HANDBOOK_DEADLINE"
@@ -58,6 +63,33 @@ LOGS_DIR = "logs"
 RUN_FILES = (RESULT_FILE, RESULTS_DIR, CONFIG_FILE, RANKS_DIR, LOGS_DIR)
 """What a run writes into its ``out`` folder (besides :data:`RUN_MARKER`); only these are removed
 when a run overwrites an earlier run's folder."""
+
+
+def node_marker(node: int | None) -> str:
+    """The claim and lock file of one node of a real multi-node job in a shared folder:
+    :data:`RUN_MARKER` for node 0 (and for a job started from one machine, ``node=None``),
+    ``.handbook-run.node{K}`` for node K."""
+    return RUN_MARKER if not node else f"{RUN_MARKER}.node{node}"
+
+
+def node_config_file(node: int | None) -> str:
+    """The config file node ``node``'s launcher writes and its ranks read: :data:`CONFIG_FILE`,
+    or ``config.node{K}.json`` for node K > 0 (the same config, another file: two launchers
+    never write one file)."""
+    return CONFIG_FILE if not node else f"config.node{node}.json"
+
+
+def node_files(node: int | None) -> tuple[str, ...]:
+    """What ``node``'s launcher and ranks write into the folder (besides its marker), relative
+    paths: all of :data:`RUN_FILES` for a job started from one machine; for node 0 of a real
+    multi-node job the result, the batch's results, the config, the rank states and
+    ``logs/node0``; for node K > 0 its config and ``logs/node{K}``. Only these are ever
+    removed, and only by that node's launcher."""
+    if node is None:
+        return RUN_FILES
+    if node == 0:
+        return (RESULT_FILE, RESULTS_DIR, CONFIG_FILE, RANKS_DIR, f"{LOGS_DIR}/node0")
+    return (node_config_file(node), f"{LOGS_DIR}/node{node}")
 
 
 def collective_timeout_s(timeout_s: float) -> float:

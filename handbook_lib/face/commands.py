@@ -396,7 +396,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
                       overwrite=args.overwrite, nnodes=args.nnodes, node_rank=args.node_rank,
                       rdzv_endpoint=args.rdzv_endpoint)
     if result is None:  # one node of a real multi-node job, not rank 0's
-        print(f"node {args.node_rank}: its ranks finished; rank 0's node holds result.json")
+        print(wrap_line(f"node {args.node_rank}: its ranks finished; rank 0 ran on another node "
+                        "(torchrun's rendezvous numbers the nodes), whose --out folder holds "
+                        "result.json", "  "))
         return 0
     if result.checks:
         print(checks_table(result))

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from handbook_lib.core.protocol import RUN_FILES, RUN_MARKER
+from handbook_lib.core.protocol import RUN_MARKER, node_files, node_marker
 
 __all__ = []  # the launcher's own part: prepare_out_dir, OutDir
 
@@ -39,13 +39,24 @@ def _marked_run(marker: Path) -> str:
     except (OSError, ValueError, AttributeError):
         return "?"
 
-def prepare_out_dir(run: str, out: str | os.PathLike[str] | None, overwrite: bool = False) -> OutDir:
+def _run_written(out_dir: Path) -> bool:
+    """Whether a run claimed ``out_dir``: it holds :data:`RUN_MARKER` or a node's marker."""
+    return any(p.is_file() and p.name.startswith(RUN_MARKER) for p in out_dir.iterdir())
+
+
+def prepare_out_dir(run: str, out: str | os.PathLike[str] | None, overwrite: bool = False,
+                    node: int | None = None) -> OutDir:
     """Create or claim the folder a run writes into, and lock it for the whole run.
 
-    A folder is accepted when it does not exist yet, is empty, or carries :data:`RUN_MARKER`
-    (an earlier run's folder: only with ``overwrite``, and then only :data:`RUN_FILES` are
+    A folder is accepted when it does not exist yet, is empty, or carries a run's marker (an
+    earlier run's folder: only with ``overwrite``, and then only the files that run writes are
     removed). A folder locked by a running run is refused at once. Nothing is created or removed
     in a folder that is refused.
+
+    ``node`` is this machine's node in a real multi-node job (``node_rank``): each node claims
+    and locks its own marker and owns only its own files
+    (:func:`~handbook_lib.core.protocol.node_files`), so the nodes of one job can share one
+    folder, as on a cluster's shared disk; two commands of the same node still cannot.
 
     Raises:
         ValueError: one line naming ``out`` (``--out``) and what is accepted.
@@ -58,14 +69,13 @@ def prepare_out_dir(run: str, out: str | os.PathLike[str] | None, overwrite: boo
         out_dir = Path(out)
         if out_dir.exists() and not out_dir.is_dir():
             raise ValueError(f"out (--out) {str(out_dir)!r} is a file, not a folder; {_OUT_ACCEPTS}")
-        marker = out_dir / RUN_MARKER
-        if out_dir.is_dir() and not marker.is_file() and any(out_dir.iterdir()):
+        if out_dir.is_dir() and any(out_dir.iterdir()) and not _run_written(out_dir):
             raise ValueError(f"out (--out) {str(out_dir)!r} is not empty and no run wrote it; {_OUT_ACCEPTS}")
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise ValueError(f"out (--out) {str(out_dir)!r} cannot be created: {err.strerror or err}") from None
-    marker = out_dir / RUN_MARKER
+    marker = out_dir / node_marker(node)
     try:
         fd = os.open(marker, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as err:
@@ -78,7 +88,7 @@ def prepare_out_dir(run: str, out: str | os.PathLike[str] | None, overwrite: boo
                          f"{_marked_run(marker)!r} holds its lock): give each run its own folder") from None
     claimed = OutDir(out_dir, fd)
     try:
-        earlier = [name for name in RUN_FILES if (out_dir / name).exists()]
+        earlier = [name for name in node_files(node) if (out_dir / name).exists()]
         if earlier and not overwrite:
             raise ValueError(f"out (--out) {str(out_dir)!r} holds the files of an earlier run "
                              f"{_marked_run(marker)!r} ({', '.join(earlier)}); pass overwrite=True "

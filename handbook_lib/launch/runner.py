@@ -46,12 +46,13 @@ from handbook_lib.core.config import FlatConfig
 from handbook_lib.core.protocol import (
     BATCH_KEY,
     COLLECTIVE_TIMEOUT_ENV,
-    CONFIG_FILE,
     DEADLINE_ENV,
     RESULT_FILE,
     RESULTS_LOG_ENV,
     batch_result_path,
     collective_timeout_s,
+    node_config_file,
+    rank_status_path,
 )
 from handbook_lib.core.results import RunResult, load_result
 from handbook_lib.launch.diagnose import (
@@ -119,8 +120,11 @@ def torchrun(
     127.0.0.1 (how chapter 8 and the tests run a 2-node job on one box). With ``node_rank``, this
     call is one node of a real multi-node job: it starts this node's agent only, which meets the
     others at ``rdzv_endpoint`` (``host:port`` of a machine every node can reach); run the same
-    call on every node, each with its own ``node_rank``. Either way torchrun's c10d rendezvous
-    forms the job (it numbers the nodes in the order they join), and each rank records its host,
+    call on every node, each with its own ``node_rank``, and one ``out`` on a shared disk or an
+    ``out`` per node: each node claims only its own files in it
+    (:func:`~handbook_lib.core.protocol.node_files`). Either way torchrun's c10d rendezvous
+    forms the job and numbers the nodes itself, in the sorted order of their descriptors
+    (``node_rank`` names this node's files, not its place), and each rank records its host,
     node rank and local rank.
 
     Args:
@@ -145,13 +149,14 @@ def torchrun(
             ``ranks/`` and ``logs/`` are removed first (nothing else is).
         nnodes: Nodes in the job (each runs ``nproc`` ranks): the world size is
             ``nnodes * nproc``.
-        node_rank: This machine's node in a real multi-node job (``0 .. nnodes-1``); ``None``
-            runs every node here.
+        node_rank: This machine's node in a real multi-node job (``0 .. nnodes-1``), naming its
+            files in ``out``; ``None`` runs every node here.
         rdzv_endpoint: ``host:port`` of the c10d rendezvous, required with ``node_rank``.
 
     Returns:
-        The run's ``result.json``, parsed; ``None`` on a node of a real multi-node job whose
-        ``out`` holds no ``result.json`` (rank 0 writes it, on the node it runs on).
+        The run's ``result.json``, parsed; ``None`` on a node of a real multi-node job that did
+        not run rank 0 and whose ``out`` holds no ``result.json`` (rank 0 writes it into the
+        ``out`` of the node it ran on).
 
     Raises:
         ValueError: for an unknown run, a bad ``nproc``, ``timeout_s``, ``env`` or ``out``, or a
@@ -271,7 +276,7 @@ def _job(run: str, nproc: int, configs: dict[str, dict[str, Any] | None], *, out
     shown = cfgs[""].to_dict() if single else {}
     show = Show(run, nproc, shown, defaults, stream, kept=out is not None, nnodes=nnodes,
                 batch=0 if single else len(cfgs))
-    claimed = prepare_out_dir(run, out, overwrite)
+    claimed = prepare_out_dir(run, out, overwrite, node=nodes.node_rank)
     temporary = out is None
     try:
         results = _launch(run, nproc, cfgs, claimed.path, timeout_s, show, env, allow_failed_checks, nodes)
@@ -328,7 +333,7 @@ def _launch_and_wait(run: str, nproc: int, cfgs: dict[str, FlatConfig], out_dir:
                      show: Show, env: dict[str, str] | None, allow_failed_checks: bool,
                      nodes: Nodes) -> dict[str, RunResult] | None:
     """Start torchrun, stream its output through ``show``, and read the results or the failure."""
-    config_path = out_dir / CONFIG_FILE
+    config_path = out_dir / node_config_file(nodes.node_rank)
     written = (cfgs[""].to_dict() if list(cfgs) == [""] else
                {BATCH_KEY: [{"label": label, "config": cfg.to_dict()} for label, cfg in cfgs.items()]})
     config_path.write_text(json.dumps(written, indent=2) + "\n")
@@ -349,7 +354,9 @@ def _launch_and_wait(run: str, nproc: int, cfgs: dict[str, FlatConfig], out_dir:
                         [{**child_env, **nodes.agent_env(k, nproc)} for k in range(nodes.local_agents)])
     timed_out = False
     killed = 0
-    mentions = (f"handbook_lib.runs.{run}", str(out_dir))
+    # this node's processes: its agent's and its ranks' command lines name its own config file
+    # (in a folder shared by the nodes of a real multi-node job, the folder would name theirs too)
+    mentions = (f"handbook_lib.runs.{run}", str(config_path))
     try:
         timed_out = not _pump(proc, streamer, deadline)
     except KeyboardInterrupt:  # Ctrl-C in a notebook or a terminal: leave nothing behind
@@ -402,11 +409,15 @@ def _raise_failure(run: str, nproc: int, proc: subprocess.Popen | Agents, stream
 def _read_results(run: str, labels: list[str], out_dir: Path, nodes: Nodes, allow_failed_checks: bool,
                   common: dict[str, Any]) -> dict[str, RunResult] | None:
     """The results of a job whose torchrun ended cleanly, by label (``None`` on a node other than
-    rank 0's in a real multi-node job); :class:`ChecksFailed` if a check is off."""
+    rank 0's in a real multi-node job); :class:`ChecksFailed` if a check is off.
+
+    torchrun's c10d rendezvous numbers the nodes itself (``--node-rank`` is ignored), so rank 0
+    may run under any node's command: a node knows it hosted rank 0 from rank 0's state file in
+    its folder."""
     paths = {label: batch_result_path(out_dir, k) if label else out_dir / RESULT_FILE
              for k, label in enumerate(labels)}
     missing = [p for p in paths.values() if not p.exists()]
-    if missing and nodes.node_rank not in (None, 0):
+    if missing and nodes.node_rank is not None and not rank_status_path(out_dir, 0).exists():
         return None  # one node of a real multi-node job: rank 0's node holds the result
     if missing:
         raise RunFailed(f"run {run!r} exited cleanly but wrote no {missing[0].relative_to(out_dir)} in {out_dir}",
