@@ -252,3 +252,27 @@ def test_killed_lines_are_the_ranks_lines_that_say_sigkill():
     err = RunFailed("x", run="r", rank=1, rank_traceback="", out_dir=None, returncode=1, log_tail=tail)
     assert killed_lines(err) == ["[rank1]: sending SIGKILL to itself"]
     assert killed_lines(err, "waiting") == ["[rank0]: waiting"]
+
+
+def test_sigterm_to_the_cli_stops_torchrun_and_every_rank(tmp_path):
+    """Slurm's preemption signal (SIGTERM) to the CLI while a job runs: the launcher's Ctrl-C path
+    stops torchrun and the ranks; one line, exit 128 + 15. (Issue 26 found the agent left behind
+    when the CLI was terminated.)"""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "handbook_lib", "run", "fault", "--nproc", "2", "--out",
+                             str(out), "--quiet", "--set", "mode=sleep", "--set", "sleep_s=120"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(processes_mentioning(str(out))) < 4 and time.monotonic() < deadline:  # the CLI, torchrun, 2 ranks
+        time.sleep(0.2)
+    assert len(processes_mentioning(str(out))) >= 4, "the ranks never started"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert err.strip().splitlines() == ["error: run 'fault' stopped by SIGTERM; torchrun and its ranks were stopped"]
+    assert processes_mentioning(str(out)) == []

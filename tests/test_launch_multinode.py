@@ -141,3 +141,4 @@ def test_the_recipe_with_a_folder_per_node_exits_0_and_says_where_the_result_is(
     assert f"result: {tmp_path / f'node{with_result[0]}'}/result.json" in outs[with_result[0]]
     assert (f"node {other}: its ranks finished; rank 0 ran on another node (torchrun's rendezvous "
             "numbers the nodes), whose --out folder holds result.json") in " ".join(outs[other].split())
+

@@ -57,7 +57,7 @@ def check_writable_dir(key: str, value: str | os.PathLike[str]) -> Path:
 
     Raises:
         ValueError: one line naming ``key``, e.g. ``"config key 'ckpt_dir'='/proc/x' cannot be
-            created: /proc takes no new folder ([Errno 2] No such file or directory)"``.
+            created: /proc takes no new folder (No such file or directory)"``.
     """
     import tempfile
 
@@ -77,4 +77,3 @@ def check_writable_dir(key: str, value: str | os.PathLike[str]) -> Path:
         raise ValueError(f"{where} {verb}: {existing} takes no new folder ({err.strerror})") from None
     os.rmdir(probe)
     return path
-

@@ -33,12 +33,15 @@ Exit status: 0 on success, 1 if a run failed or a check was off, 2 for a bad arg
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import math
 import os
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 from handbook_lib.core.architecture import MODEL_KEYS
 from handbook_lib.core.config import (
@@ -310,15 +313,45 @@ def _plain(source: str) -> str:
     return repr(value) if value == "" else str(value)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (or SIGHUP) to the CLI while it runs a job, turned into the launcher's Ctrl-C path,
+    which stops torchrun and every rank before the CLI exits."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_on_terminate(active: bool) -> Iterator[None]:
+    """While ``active`` (the ``run`` command, in the main thread), SIGTERM and SIGHUP raise
+    :class:`_Terminated` here; the previous handlers come back afterwards."""
+    if not active or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise _Terminated(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; return its exit status (0 ok, 1 a run failed, 2 a bad argument)."""
+    """Run one command; return its exit status (0 ok, 1 a run failed, 2 a bad argument, 130 or
+    128 + the signal's number when stopped by Ctrl-C, SIGTERM or SIGHUP)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as stop:  # --help (0) or a bad argument (2), already printed
         return stop.code if isinstance(stop.code, int) else 2
     try:
-        return COMMANDS[args.command](args)
+        with _stop_on_terminate(args.command == "run"):
+            return COMMANDS[args.command](args)
     except ValueError as err:  # one line naming the flag or key; long lists wrapped to TERMINAL_WIDTH
         text = f"error: {err}"
         print(wrap_line(text, "  ") if "\n" not in text else text, file=sys.stderr)
@@ -329,8 +362,13 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`... | head`); a run was stopped by the launcher
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no 2nd error at exit's flush
         return 141  # 128 + SIGPIPE, as a shell reports a command whose pipe closed
-    except KeyboardInterrupt:  # Ctrl-C: the launcher has already stopped torchrun and its ranks
+    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: the launcher has stopped torchrun and its ranks
         what = f"run {args.name!r}" if args.command == "run" else args.command
+        signum = getattr(err, "signum", None) or getattr(err.__context__, "signum", None)
+        if signum is not None:
+            print(f"error: {what} stopped by {signal.Signals(signum).name}; torchrun and its ranks "
+                  "were stopped", file=sys.stderr)
+            return 128 + signum
         print(f"error: {what} interrupted" + ("; torchrun and its ranks were stopped"
                                               if args.command == "run" else ""), file=sys.stderr)
         return 130
