@@ -37,3 +37,23 @@ def test_parallel_config_refuses_a_world_its_axes_do_not_divide():
         ParallelConfig(batch_size=6, sp_size=2, sp_method="ring").data_parallel_size(8)
     # a ring splits any sequence the heads do not divide
     assert ParallelConfig(sp_size=8, sp_method="ring").data_parallel_size(8) == 1
+
+
+@pytest.mark.parametrize("keys, world, match", [
+    ({"tp_size": 2, "strategy": "HYBRID_SHARD"}, 4, "tensor_parallel shards over dp with api='fsdp2', "
+                                                    "strategy='FULL_SHARD' only; got api='fsdp2', strategy='HYBRID_SHARD'"),
+    ({"tp_size": 2, "precision": "bf16-mixed"}, 4, "config key 'precision'='bf16-mixed' is not supported by "
+                                                   "tensor_parallel \\(it runs precision='fp32'\\)"),
+    ({"tp_size": 2, "steps": 1}, 4, "config key 'steps'=1: tensor_parallel measures its last step"),
+    ({"tp_size": 2}, 3, "config key 'tp_size'=2 must divide the number of ranks 3"),
+])
+def test_check_runnable_refuses_what_chapter_9s_runs_do_not_do(keys, world, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelConfig(**keys).check_runnable("tensor_parallel", world, shards_over="over dp")
+
+
+def test_check_runnable_returns_the_data_parallel_size_and_checks_the_extra_keys():
+    assert ParallelConfig(tp_size=2).check_runnable("tensor_parallel", 4, shards_over="over dp") == 2
+    with pytest.raises(ValueError, match="config key 'sp_size'=2 is not supported by tensor_parallel"):
+        ParallelConfig(sp_size=2).check_runnable("tensor_parallel", 4, shards_over="over dp",
+                                                 also_default=("sp_size",))

@@ -9,7 +9,8 @@ import pytest
 
 from handbook_lib.core.parallel_config import ParallelConfig
 from handbook_lib.launch import torchrun_batch
-from handbook_lib.runs.sequence_parallel import reference_losses, validate
+from handbook_lib.runs.sequence_parallel import validate
+from handbook_lib.runtime.training import train_one_process
 
 BASE = {"vocab_size": 64, "d_model": 32, "nhead": 2, "dim_feedforward": 48, "num_layers": 2, "seq_len": 8,
         "batch_size": 4, "steps": 2}
@@ -58,7 +59,7 @@ def test_ring_sends_around_four_ranks(results):
 
 def test_losses_are_one_process_losses(results):
     for label, result in results.items():
-        want = reference_losses(ParallelConfig.from_mapping(CONFIGS[label]))
+        want = train_one_process(ParallelConfig.from_mapping(CONFIGS[label])).losses
         assert result.ranks[0]["losses"] == pytest.approx(want, rel=1e-5)
         assert all(r["losses"] == result.ranks[0]["losses"] for r in result.ranks)
 

@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         get_precision,
         parse_overrides,
     )
-    from handbook_lib.core.parallel_config import SP_METHODS, ParallelConfig
+    from handbook_lib.core.parallel_config import PLAIN_KEYS, SP_METHODS, ParallelConfig
     from handbook_lib.core.files import fsync_dir, write_json_atomic, write_text_atomic
     from handbook_lib.core.protocol import (
         BATCH_KEY,
@@ -158,6 +158,7 @@ _HOMES = {
     "node_marker": "protocol",
     "node_config_file": "protocol",
     "node_files": "protocol",
+    "PLAIN_KEYS": "parallel_config",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -175,6 +176,7 @@ __all__ = [
     "strategies_where", "BOOK_WIDTH", "TERMINAL_WIDTH", "wrap",
     "check_writable_dir",
     "node_marker", "node_config_file", "node_files",
+    "PLAIN_KEYS",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal, get_args
 
 from handbook_lib.core.config import RunConfig
+from handbook_lib.core.strategies import get_strategy
 
-__all__ = ["SP_METHODS", "ParallelConfig"]
+__all__ = ["SP_METHODS", "PLAIN_KEYS", "ParallelConfig"]
 
 
 SpMethod = Literal["ulysses", "ring"]
@@ -22,6 +23,14 @@ SP_METHODS: tuple[str, ...] = get_args(SpMethod)
 ``DistributedAttention``: all-to-alls trade the sequence split for a split of the heads) or
 ``ring`` (the book's ring attention: key and value blocks passed around the group by
 point-to-point sends)."""
+
+
+PLAIN_KEYS: tuple[str, ...] = (
+    "shard_group_size", "wrap", "precision", "grad_accum_steps", "max_grad_norm", "activation_checkpointing",
+    "cpu_offload", "explicit_prefetch", "reshard_after_forward_size", "sync_every_micro_step",
+    "reshard_after_backward", "count_gathered")
+"""Keys chapter 9's runs leave at their defaults: fp32, one micro-step, no clipping, no
+recomputation or offload, FSDP2's default schedule (:meth:`ParallelConfig.check_runnable`)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,33 @@ class ParallelConfig(RunConfig):
             raise ValueError(f"config key 'nhead'={self.nhead} must be divisible by sp_size={sp} "
                              "for sp_method=ulysses (its all-to-all splits the heads); use "
                              "sp_method=ring")
+
+    def check_runnable(self, run: str, world_size: int, *, shards_over: str,
+                       also_default: tuple[str, ...] = ()) -> int:
+        """Refuse, for run ``run`` (``tensor_parallel``, ``sequence_parallel``), what chapter 9's
+        runs do not do: a world the axes do not divide (:meth:`data_parallel_size`), another API or
+        strategy than FSDP2's FULL_SHARD (which shards ``shards_over``, in words), any key of
+        :data:`PLAIN_KEYS` or ``also_default`` away from its default, or fewer than 2 steps.
+
+        Returns:
+            The data-parallel size.
+
+        Raises:
+            ValueError: one line naming the key and what the run accepts.
+        """
+        dp = self.data_parallel_size(world_size)
+        if self.api != "fsdp2" or not get_strategy(self.strategy).fully_sharded:
+            raise ValueError(f"{run} shards {shards_over} with api='fsdp2', strategy='FULL_SHARD' only; "
+                             f"got api={self.api!r}, strategy={self.strategy!r}")
+        default = ParallelConfig()
+        for key in (*PLAIN_KEYS, *also_default):
+            if getattr(self, key) != getattr(default, key):
+                raise ValueError(f"config key {key!r}={getattr(self, key)!r} is not supported by {run} "
+                                 f"(it runs {key}={getattr(default, key)!r})")
+        if self.steps < 2:
+            raise ValueError(f"config key 'steps'={self.steps}: {run} measures its last step with the "
+                             "optimizer state in place; it needs steps >= 2")
+        return dp
 
     @property
     def inner_size(self) -> int:

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from handbook_lib.core.config import parse_overrides
+from handbook_lib.core.config import RunConfig, parse_overrides
 from handbook_lib.core.files import write_json_atomic
 from handbook_lib.core.protocol import (
     BATCH_KEY,
@@ -62,7 +62,7 @@ from handbook_lib.runtime.distributed import (
     shutdown_distributed,
 )
 
-__all__ = ["RankReport", "main", "placement"]
+__all__ = ["RankReport", "main", "placement", "one_process_loss_checks"]
 
 
 @dataclass
@@ -192,3 +192,16 @@ def main(module: ModuleType, argv: list[str] | None = None) -> None:
         sys.stderr.flush()
         stacks.close()
         os._exit(code)
+
+
+def one_process_loss_checks(config: RunConfig, losses: list[float], tolerance: float,
+                            ) -> tuple[list[float], list[Check]]:
+    """:func:`~handbook_lib.runtime.training.train_one_process`'s losses for ``config``, and one
+    check per step of the run's ``losses`` against them (``loss_step1`` ..., nats, relative
+    ``tolerance``, of the whole job).
+    Called by a run on rank 0 (training imported then, not by every rank's harness)."""
+    from handbook_lib.runtime.training import train_one_process
+
+    reference = train_one_process(config).losses
+    return reference, [Check(f"loss_step{i + 1}", None, want, got, "nats", tolerance)
+                       for i, (want, got) in enumerate(zip(reference, losses))]

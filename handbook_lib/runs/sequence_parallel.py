@@ -28,26 +28,22 @@ import sys
 
 import torch
 
-from handbook_lib.core.config import RunConfig
 from handbook_lib.core.parallel_config import ParallelConfig
 from handbook_lib.core.results import Check
-from handbook_lib.core.strategies import get_strategy
 from handbook_lib.models.model_state import optimizer_states, optimizer_step_bytes
 from handbook_lib.models.sequence_parallel import (
     estimate_sp_activation_bytes,
     estimate_sp_step_traffic,
     parallel_layout,
 )
-from handbook_lib.runs.entry import RankReport, main
+from handbook_lib.runs.entry import RankReport, main, one_process_loss_checks
 from handbook_lib.runtime.collectives import CollectiveCall, collective_totals
-from handbook_lib.runtime.data import make_batch
 from handbook_lib.runtime.distributed import RankContext
 from handbook_lib.runtime.measure import (
     measure_grad_bytes,
     measure_optimizer_bytes,
     measure_param_bytes,
 )
-from handbook_lib.runtime.model import build_model
 from handbook_lib.runtime.ring_attention import ring_core
 from handbook_lib.runtime.sequence_parallel import (
     build_sequence_mesh,
@@ -59,7 +55,6 @@ from handbook_lib.runtime.training import (
     build_optimizer,
     next_token_loss,
     train,
-    train_step,
 )
 
 CONFIG = ParallelConfig
@@ -69,12 +64,6 @@ LOSS_TOLERANCE = 1e-5
 ATTENTION_TOLERANCE = 1e-6
 """The distributed attention's largest difference from full causal attention, relative to the
 reference's largest magnitude (fp32; measured about 1e-7)."""
-
-_DEFAULTS = RunConfig()
-_FIXED = ("shard_group_size", "wrap", "precision", "grad_accum_steps", "max_grad_norm", "activation_checkpointing",
-          "cpu_offload", "explicit_prefetch", "reshard_after_forward_size", "sync_every_micro_step",
-          "reshard_after_backward", "count_gathered")
-"""Keys this run leaves at their defaults (fp32, one micro-step, FSDP2's default schedule)."""
 
 
 def validate(config: ParallelConfig, world_size: int) -> None:
@@ -89,17 +78,7 @@ def validate(config: ParallelConfig, world_size: int) -> None:
     if config.sp_size == 1:
         raise ValueError("config key 'sp_size'=1 splits no sequence: sequence_parallel needs sp_size >= 2 "
                          "(plain FSDP is fsdp_train)")
-    config.data_parallel_size(world_size)
-    if config.api != "fsdp2" or not get_strategy(config.strategy).fully_sharded:
-        raise ValueError(f"sequence_parallel shards with api='fsdp2', strategy='FULL_SHARD' over every rank; "
-                         f"got api={config.api!r}, strategy={config.strategy!r}")
-    for key in _FIXED:
-        if getattr(config, key) != getattr(_DEFAULTS, key):
-            raise ValueError(f"config key {key!r}={getattr(config, key)!r} is not supported by sequence_parallel "
-                             f"(it runs {key}={getattr(_DEFAULTS, key)!r})")
-    if config.steps < 2:
-        raise ValueError(f"config key 'steps'={config.steps}: sequence_parallel measures its last step with "
-                         "the optimizer state in place; it needs steps >= 2")
+    config.check_runnable("sequence_parallel", world_size, shards_over="over every rank")
 
 
 def run(config: ParallelConfig, ctx: RankContext) -> RankReport:
@@ -135,10 +114,8 @@ def run(config: ParallelConfig, ctx: RankContext) -> RankReport:
                "collectives": [vars(c) for c in log.collectives],
                "sent_bytes": sum(k["sent_bytes"] for k in collective_totals(log.collectives).values())}
     if ctx.is_main:
-        reference = reference_losses(config)
-        metrics["reference_losses"] = reference
-        checks += [Check(f"loss_step{i + 1}", None, want, got, "nats", LOSS_TOLERANCE)
-                   for i, (want, got) in enumerate(zip(reference, log.losses))]
+        metrics["reference_losses"], loss_checks = one_process_loss_checks(config, log.losses, LOSS_TOLERANCE)
+        checks += loss_checks
     return RankReport(metrics=metrics, checks=checks, extra={"num_params": parallel_layout(config.model_config()).num_params})
 
 
@@ -160,18 +137,6 @@ def tracked_activation_bytes(config: ParallelConfig, micro_batch: int) -> int:
     saved = estimate_sp_activation_bytes(config.model_config(), micro_batch, config.seq_len, config.sp_size,
                                          config.sp_method).total
     return saved - 8 * tokens + 4
-
-
-def reference_losses(config: RunConfig) -> list[float]:
-    """The losses of :func:`~handbook_lib.runtime.training.train_one_process`: the book's
-    SimpleTransformer from ``config.seed`` trained in this process on the whole global batch,
-    step by step through :func:`~handbook_lib.runtime.training.train_step` (``train`` itself
-    would all-reduce its loss over the job's process group)."""
-    model = build_model(config.model_config(), seed=config.seed)
-    model.train()
-    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
-    return [train_step(model, optimizer, *make_batch(config, step), step=step + 1).item()
-            for step in range(config.steps)]
 
 
 def _state_checks(config: ParallelConfig, ctx: RankContext, model: torch.nn.Module,

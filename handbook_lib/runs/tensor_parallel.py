@@ -33,27 +33,22 @@ from __future__ import annotations
 import sys
 from collections import Counter
 
-from handbook_lib.core.config import RunConfig
 from handbook_lib.core.parallel_config import ParallelConfig
 from handbook_lib.core.results import Check
-from handbook_lib.core.strategies import get_strategy
 from handbook_lib.models.tensor_parallel import (
     estimate_tp_activation_bytes,
     estimate_tp_state_bytes,
     estimate_tp_step_collectives,
 )
-from handbook_lib.runs.entry import RankReport, main
+from handbook_lib.runs.entry import RankReport, main, one_process_loss_checks
 from handbook_lib.runtime.collectives import CollectiveCall, collective_totals
-from handbook_lib.runtime.data import make_batch
 from handbook_lib.runtime.distributed import RankContext
 from handbook_lib.runtime.measure import (
     measure_grad_bytes,
     measure_optimizer_bytes,
     measure_param_bytes,
 )
-from handbook_lib.runtime.model import build_model
 from handbook_lib.runtime.tensor_parallel import train_tensor_parallel
-from handbook_lib.runtime.training import build_optimizer, train_step
 
 CONFIG = ParallelConfig
 
@@ -62,13 +57,6 @@ LOSS_TOLERANCE = 1e-5
 GPU_ACTIVATION_TOLERANCE = 0.05
 """Relative tolerance of the activation check on CUDA, whose attention kernels save other
 tensors than the CPU's (on CPU the check is exact)."""
-
-_DEFAULTS = ParallelConfig()
-_FIXED = ("shard_group_size", "wrap", "precision", "grad_accum_steps", "max_grad_norm", "activation_checkpointing",
-          "cpu_offload", "explicit_prefetch", "reshard_after_forward_size", "sync_every_micro_step",
-          "reshard_after_backward", "count_gathered", "sp_size")
-"""Keys this run leaves at their defaults (fp32, one micro-step, FSDP2's default schedule, no
-sequence split)."""
 
 
 def validate(config: ParallelConfig, world_size: int) -> None:
@@ -80,17 +68,7 @@ def validate(config: ParallelConfig, world_size: int) -> None:
     if config.tp_size == 1:
         raise ValueError("config key 'tp_size'=1 splits no tensor: tensor_parallel needs tp_size >= 2 "
                          "(plain FSDP is fsdp_train)")
-    config.data_parallel_size(world_size)
-    if config.api != "fsdp2" or not get_strategy(config.strategy).fully_sharded:
-        raise ValueError(f"tensor_parallel shards over dp with api='fsdp2', strategy='FULL_SHARD' only; "
-                         f"got api={config.api!r}, strategy={config.strategy!r}")
-    for key in _FIXED:
-        if getattr(config, key) != getattr(_DEFAULTS, key):
-            raise ValueError(f"config key {key!r}={getattr(config, key)!r} is not supported by tensor_parallel "
-                             f"(it runs {key}={getattr(_DEFAULTS, key)!r})")
-    if config.steps < 2:
-        raise ValueError(f"config key 'steps'={config.steps}: tensor_parallel measures its last step with "
-                         "the optimizer state in place; it needs steps >= 2")
+    config.check_runnable("tensor_parallel", world_size, shards_over="over dp", also_default=("sp_size",))
 
 
 def run(config: ParallelConfig, ctx: RankContext) -> RankReport:
@@ -121,22 +99,9 @@ def run(config: ParallelConfig, ctx: RankContext) -> RankReport:
                "collectives": [vars(c) for c in log.collectives],
                "sent_bytes": sum(k["sent_bytes"] for k in collective_totals(log.collectives).values())}
     if ctx.is_main:
-        reference = reference_losses(config)
-        metrics["reference_losses"] = reference
-        checks += [Check(f"loss_step{i + 1}", None, want, got, "nats", LOSS_TOLERANCE)
-                   for i, (want, got) in enumerate(zip(reference, log.losses))]
+        metrics["reference_losses"], loss_checks = one_process_loss_checks(config, log.losses, LOSS_TOLERANCE)
+        checks += loss_checks
     return RankReport(metrics=metrics, checks=checks, extra={"dp_size": dp, "tp_size": config.tp_size})
-
-
-def reference_losses(config: RunConfig) -> list[float]:
-    """The losses of :func:`~handbook_lib.runtime.training.train_one_process`: the book's
-    SimpleTransformer from ``config.seed`` trained in this process on the whole global batch,
-    step by step (``train`` itself would all-reduce its loss over the job's process group)."""
-    model = build_model(config.model_config(), seed=config.seed)
-    model.train()
-    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
-    return [train_step(model, optimizer, *make_batch(config, step), step=step + 1).item()
-            for step in range(config.steps)]
 
 
 def _collective_checks(config: ParallelConfig, ctx: RankContext, dp: int, micro: int,

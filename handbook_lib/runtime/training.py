@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from handbook_lib.core.config import RunConfig
 from handbook_lib.core.strategies import get_strategy
+from handbook_lib.runtime.collectives import CollectiveCall, CollectiveCounter
 from handbook_lib.runtime.data import BatchSource, local_batch, make_batch
 from handbook_lib.runtime.distributed import RankContext
 from handbook_lib.runtime.grads import (
@@ -34,7 +35,6 @@ from handbook_lib.runtime.grads import (
     grad_zero_fraction,
     is_fsdp1,
 )
-from handbook_lib.runtime.collectives import CollectiveCall, CollectiveCounter
 from handbook_lib.runtime.measure import StepMemory, StepMemoryTracker
 from handbook_lib.runtime.model import build_model
 
@@ -454,7 +454,7 @@ def train(
             record.times.append(time.perf_counter() - start - record.hook_s)
         if scaler is not None and scaler.get_scale() < record.scales[-1]:
             record.skipped.append(step + 1)  # the scale only drops when inf/NaN gradients were found
-        if dist.is_initialized():
+        if ctx.world_size > 1 and dist.is_initialized():  # train_one_process may run inside a rank
             dist.all_reduce(loss)  # SUM (gloo has no AVG), then divide
             loss /= ctx.world_size
         record.losses.append(loss.item())
@@ -469,7 +469,8 @@ def train(
 
 def train_one_process(config: RunConfig) -> TrainLog:
     """The reference every distributed run must reproduce: ``config``'s model, built from its
-    seed, trained in this process on the whole global batch (no process group, on the CPU).
+    seed, trained in this process on the whole global batch (on the CPU, through no process
+    group: also inside a rank of a job, as chapter 9's runs compute it on rank 0).
 
     Losses agree with an fp32 run on any number of ranks and nodes within rounding (the
     chapters and tests use 1e-5, relative); mixed precision rounds differently by design.
