@@ -117,3 +117,18 @@ def test_counter_sees_functional_collectives_and_all_to_all(tmp_path):
     assert [(c.kind, c.buffer_bytes, c.group_size) for c in counter.calls] == [
         ("all_reduce", 12, 1), ("all_gather", 20, 1), ("all_to_all", 24, 1)]
     assert [c.kind for c in plain.calls] == ["all_to_all"]  # the functional ones only when asked
+
+
+def test_activations_after_forward_can_wait_for_a_late_release(monkeypatch):
+    """settle=True (chapter 9's loss_parallel on gloo): the smallest reading over a short wait,
+    as between micro-steps; without it, the reading of the moment."""
+    from handbook_lib.runtime.measure import StepMemoryTracker
+
+    tracker = StepMemoryTracker.__new__(StepMemoryTracker)
+    readings = iter([147_528, 147_528, 147_464] + [147_464] * 20)
+    monkeypatch.setattr(tracker, "_current_activations", lambda: next(readings))
+    tracker.after_forward(settle=True)
+    assert tracker._activations == 147_464
+    monkeypatch.setattr(tracker, "_current_activations", lambda: 147_528)
+    tracker.after_forward()
+    assert tracker._activations == 147_528

@@ -117,7 +117,6 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         from_simple,
     )
     from handbook_lib.runtime.tensor_parallel import (
-        SettledStepMemoryTracker,
         TPTrainLog,
         apply_fsdp_over_dp,
         apply_tensor_parallel,
@@ -225,7 +224,6 @@ _HOMES = {
     "ParallelLayer": "parallel_model",
     "ParallelTransformer": "parallel_model",
     "from_simple": "parallel_model",
-    "SettledStepMemoryTracker": "tensor_parallel",
     "TPTrainLog": "tensor_parallel",
     "apply_fsdp_over_dp": "tensor_parallel",
     "apply_tensor_parallel": "tensor_parallel",
@@ -265,7 +263,7 @@ __all__ = [
     "GatheredProbe", "GatheredSnapshot", "apply_explicit_prefetch",
     "AttentionCore", "causal_attention", "SplitAttention", "ParallelLayer", "ParallelTransformer",
     "from_simple",
-    "SettledStepMemoryTracker", "TPTrainLog", "apply_fsdp_over_dp", "apply_tensor_parallel",
+    "TPTrainLog", "apply_fsdp_over_dp", "apply_tensor_parallel",
     "build_tp_mesh", "build_tp_model", "dp_batch", "tp_loss", "train_tensor_parallel",
     "AttentionError", "SequenceMesh", "build_sequence_mesh", "build_sequence_model",
     "measure_attention_error", "sequence_batches",

@@ -24,7 +24,6 @@ functional collectives tensor parallelism issues. It uses the device of the
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +52,6 @@ from handbook_lib.runtime.parallel_model import ParallelTransformer, from_simple
 from handbook_lib.runtime.training import build_optimizer
 
 __all__ = [
-    "SettledStepMemoryTracker",
     "TPTrainLog",
     "apply_fsdp_over_dp",
     "apply_tensor_parallel",
@@ -149,26 +147,6 @@ def tp_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-class SettledStepMemoryTracker(StepMemoryTracker):
-    """A :class:`~handbook_lib.runtime.measure.StepMemoryTracker` whose activation reading waits
-    for the backend: the smallest of a few readings over about 30 ms after the forward pass.
-
-    ``loss_parallel`` reduces over the vocabulary shards inside DTensor's dispatch, and gloo's
-    worker thread frees a finished collective's tensors just after waking the caller: under load
-    one such buffer (T fp32 values, 64 B in the tests) was still alive, filed as an activation,
-    when the loss returned. Nothing is allocated while the loop waits, so the bytes can only
-    fall: the smallest reading is what the forward pass keeps.
-    """
-
-    def after_forward(self) -> None:
-        readings = []
-        for _ in range(10):
-            super().after_forward()
-            readings.append(self._activations)
-            time.sleep(0.003)
-        self._activations = min(readings)
-
-
 @dataclass(frozen=True)
 class TPTrainLog:
     """What :func:`train_tensor_parallel` observed."""
@@ -187,7 +165,7 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch
     with loss_parallel():
         loss = tp_loss(model(inputs), targets)
         if tracker is not None:
-            tracker.after_forward()
+            tracker.after_forward(settle=True)  # loss_parallel's reductions free late on gloo
         loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=False)
@@ -209,7 +187,7 @@ def train_tensor_parallel(config: ParallelConfig, ctx: RankContext, *, measure: 
     for step in range(config.steps):
         batch = dp_batch(config, step, mesh, ctx.device)
         if measure and config.steps >= 2 and step == config.steps - 1:
-            tracker = SettledStepMemoryTracker(model, optimizer, ctx.device)
+            tracker = StepMemoryTracker(model, optimizer, ctx.device)
             counter = CollectiveCounter(functional=True)
             with contextlib.ExitStack() as stack:
                 stack.enter_context(tracker)
