@@ -441,12 +441,17 @@ def test_gpu_path_on_two_fake_gpus_of_an_unknown_model(fake_gpus, tmp_path):
     assert data["max_micro_batch"]["preset_memory_bytes"] is None
 
 
+def _run_parts(tmp_path, parts, launch, name="r.json"):
+    """The script's ``main`` on ``--parts parts`` (exit 0 asserted); the result set it wrote."""
+    out = tmp_path / name
+    assert _load_script().main(["--out", str(out), "--parts", parts], launch=launch) == 0
+    return json.loads(out.read_text())
+
+
 def test_step_time_on_two_gpus(fake_gpus, tmp_path):
     fake_gpus(2)
     launch = FakeLaunch()
-    out = tmp_path / "r.json"
-    assert _load_script().main(["--out", str(out), "--parts", "step_time"], launch=launch) == 0
-    data = json.loads(out.read_text())
+    data = _run_parts(tmp_path, "step_time", launch)
     assert [c[0] for c in launch.calls] == ["step_time"]
     assert data["step_time"]["fsdp_over_ddp"] == pytest.approx(1.25)   # median of 1.2 and 1.3
     assert "memory" not in data
@@ -516,12 +521,9 @@ def test_axes_configs_split_what_the_gpus_allow():
 def test_axes_part_runs_chapter_9_on_two_gpus_and_skips_on_one(fake_gpus, tmp_path):
     fake_gpus(2)
     launch = FakeLaunch()
-    out = tmp_path / "r.json"
-    assert _load_script().main(["--out", str(out), "--parts", "axes"], launch=launch) == 0
-    data = json.loads(out.read_text())
+    data = _run_parts(tmp_path, "axes", launch)
     assert [(c[0], c[1]) for c in launch.calls] == [("tensor_parallel", 2)] * 2 + [("sequence_parallel", 2)] * 2
     assert data["axes"]["ring"]["config"]["sp_method"] == "ring" and data["axes"]["tp"]["checks"]
     fake_gpus(1)
-    one = tmp_path / "one.json"
-    assert _load_script().main(["--out", str(one), "--parts", "axes"], launch=FakeLaunch()) == 0
-    assert "need 2 or more GPUs; 1 visible" in json.loads(one.read_text())["axes"]["skipped"]
+    one = _run_parts(tmp_path, "axes", FakeLaunch(), name="one.json")
+    assert "need 2 or more GPUs; 1 visible" in one["axes"]["skipped"]
