@@ -109,9 +109,10 @@ def test_checkpoint_count_is_read_from_metadata_and_exact(tmp_path):
     assert counts["rng"] == TensorCount(1, rng.numel() * rng.element_size())
     assert counts["total"] == counts["model"] + counts["optim"] + counts["rng"]
     assert sum(saved.files.values()) > counts["total"].bytes  # files add headers and the index
-    # every tensor, plus one item per optimizer hyperparameter; the items fill the shard file
+    # every tensor, plus one item per optimizer hyperparameter and the two generators that are
+    # not tensors (Python's, NumPy's); the items fill the shard file
     assert checkpoint_items(saved.path) == {
-        "__0_0.distcp": (counts["total"].tensors + len(opt.param_groups[0]), saved.files["__0_0.distcp"])}
+        "__0_0.distcp": (counts["total"].tensors + len(opt.param_groups[0]) + 2, saved.files["__0_0.distcp"])}
     (saved.path / ".metadata").unlink()
     with pytest.raises(CheckpointError, match="cannot read DCP metadata"):
         count_checkpoint(saved.path)
@@ -139,6 +140,58 @@ def test_rng_state_is_restored_at_the_same_world_size(tmp_path):
     torch.manual_seed(7)
     assert not load_checkpoint(tmp_path, model, opt, restore_rng=False).rng_restored
     assert not torch.equal(torch.get_rng_state(), saved_rng)
+
+
+def test_every_generator_is_restored_not_only_torchs(tmp_path):
+    """Issue 26: torch's CPU generator was the only one saved; Python's and NumPy's are too."""
+    import random
+
+    import numpy as np
+
+    model, opt = _trained()
+    torch.manual_seed(123), random.seed(123), np.random.seed(123)
+    save_checkpoint(tmp_path, 1, model, opt)
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(7), random.seed(7), np.random.seed(7)
+    load_checkpoint(tmp_path, model, opt)
+    drawn = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(drawn[0], expected[0]) and drawn[1:] == expected[1:]
+
+
+class _Counter:
+    """A part of a job's state that is not a tensor: DCP's Stateful protocol."""
+
+    def __init__(self, value: int = 0) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "history": list(range(self.value))}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+        assert state["history"] == list(range(self.value))
+
+
+def test_stateful_parts_are_saved_and_loaded_by_name(tmp_path):
+    model, opt = _trained()
+    save_checkpoint(tmp_path, 1, model, opt, stateful={"counter": _Counter(5)})
+    restored = _Counter()
+    load_checkpoint(tmp_path, model, opt, stateful={"counter": restored})
+    assert restored.value == 5
+    with pytest.raises(CheckpointError, match=r"holds no other state \(it has counter, model, optim, "
+                       r"rng\); nothing was loaded"):
+        load_checkpoint(tmp_path, model, opt, stateful={"other": _Counter()})
+    with pytest.raises(ValueError, match=r"stateful names \['rng'\] are reserved"):
+        save_checkpoint(tmp_path, 2, model, opt, stateful={"rng": _Counter()})
+
+
+def test_a_cpu_checkpoint_refuses_to_restore_a_gpus_generator(tmp_path):
+    from handbook_lib.runtime.random_state import rng_state, set_rng_state
+
+    state = rng_state(torch.device("cpu"))
+    assert set(state) == {"cpu", "python", "numpy"}  # no CUDA generator on the CPU
+    with pytest.raises(ValueError, match="holds no CUDA generator state"):
+        set_rng_state(state, torch.device("cuda", 0))
 
 
 def test_a_save_that_dies_leaves_the_previous_checkpoint(tmp_path):

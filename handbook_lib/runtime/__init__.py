@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         torch_dtype,
     )
     from handbook_lib.runtime.checkpoint import (
+        RESERVED_KEYS,
         CheckpointError,
         LoadedCheckpoint,
         SavedCheckpoint,
@@ -139,6 +140,10 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         causal_ring_attention,
         ring_core,
     )
+    from handbook_lib.runtime.random_state import (
+        rng_state,
+        set_rng_state,
+    )
 
 _HOMES = {
     "InitMode": "build",
@@ -241,6 +246,9 @@ _HOMES = {
     "RingAttention": "ring_attention",
     "causal_ring_attention": "ring_attention",
     "ring_core": "ring_attention",
+    "rng_state": "random_state",
+    "set_rng_state": "random_state",
+    "RESERVED_KEYS": "checkpoint",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -268,6 +276,8 @@ __all__ = [
     "AttentionError", "SequenceMesh", "build_sequence_mesh", "build_sequence_model",
     "measure_attention_error", "sequence_batches",
     "RingAttention", "causal_ring_attention", "ring_core",
+    "rng_state", "set_rng_state",
+    "RESERVED_KEYS",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -43,6 +43,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -61,12 +62,16 @@ from handbook_lib.models.checkpoint import (
     checkpoint_name,
 )
 from handbook_lib.runtime.model import SimpleTransformer
+from handbook_lib.runtime.random_state import rng_state, set_rng_state
 
 __all__ = [
     "CheckpointError", "SavedCheckpoint", "LoadedCheckpoint", "save_checkpoint", "resolve_checkpoint",
     "validate_checkpoint", "load_checkpoint", "export_full_state_dict", "load_exported", "file_checksum",
-    "check_model_shapes", "read_metadata",
+    "check_model_shapes", "read_metadata", "RESERVED_KEYS",
 ]
+
+RESERVED_KEYS = ("model", "optim", "rng")
+"""The top-level keys of every checkpoint; a caller's own ``stateful`` parts take other names."""
 
 _CHUNK = 1 << 20
 """Bytes read at a time while hashing: the whole file is never in memory."""
@@ -159,9 +164,11 @@ def save_checkpoint(
     extra: Mapping[str, Any] | None = None,
     keep_last: int = 0,
     after_shard_written: Callable[[], None] | None = None,
+    stateful: Mapping[str, Stateful] | None = None,
+    device: torch.device | None = None,
 ) -> SavedCheckpoint:
-    """Save model, optimizer and every rank's RNG state as ``root/step_K``; point
-    ``latest`` at it.
+    """Save model, optimizer, every rank's random generators and the caller's other state as
+    ``root/step_K``; point ``latest`` at it.
 
     Collective: every rank calls it. Each rank writes its own shards (DCP); rank 0
     writes the manifest (``step``, the world size, ``extra``, every file with its
@@ -178,8 +185,19 @@ def save_checkpoint(
         after_shard_written: Called on this rank once its shard file is on disk,
             before the save is committed. Chapter 6 kills the rank there to show an
             interrupted save.
+        stateful: More of the job's state, by name: objects with ``state_dict()`` and
+            ``load_state_dict()`` (DCP's ``Stateful`` protocol), e.g. the LR scheduler, the
+            gradient scaler, the data loader. Their state must be the same on every rank (DCP
+            keeps one copy of a key every rank saves). Names other than
+            :data:`RESERVED_KEYS`.
+        device: This rank's device: its CUDA generator is saved with the others
+            (:func:`rng_state`).
+
+    Raises:
+        ValueError: if a ``stateful`` name is one of :data:`RESERVED_KEYS`.
     """
     start = time.perf_counter()
+    parts = _stateful_parts(stateful)
     root = Path(root)
     rank, world = _world()
     name = checkpoint_name(step)
@@ -189,8 +207,8 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # a save of an earlier job that died
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    rng = {_rng_key(rank): torch.get_rng_state()}
-    state = {"model": model_sd, "optim": optim_sd, "rng": rng}
+    rng = {_rng_key(rank): rng_state(device)}
+    state = {"model": model_sd, "optim": optim_sd, "rng": rng, **parts}
     with _single_process_quiet():  # returns once .metadata is written
         writer = _Writer(tmp, after_shard_written)
         dcp.save(state, storage_writer=writer, no_dist=_single())
@@ -220,6 +238,15 @@ def save_checkpoint(
     _barrier()
     elapsed = time.perf_counter() - start
     return SavedCheckpoint(final, step, elapsed, files, checksum_s)
+
+
+def _stateful_parts(stateful: Mapping[str, Stateful] | None) -> dict[str, Stateful]:
+    """The caller's own parts of a checkpoint, refused if one would overwrite a reserved key."""
+    parts = dict(stateful or {})
+    taken = sorted(set(parts) & set(RESERVED_KEYS))
+    if taken:
+        raise ValueError(f"stateful names {taken} are reserved; use names other than {list(RESERVED_KEYS)}")
+    return parts
 
 
 def _aside(final: Path) -> Path:
@@ -354,21 +381,28 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     restore_rng: bool = True,
+    stateful: Mapping[str, Stateful] | None = None,
+    device: torch.device | None = None,
 ) -> LoadedCheckpoint:
-    """Load a checkpoint into ``model`` (and ``optimizer``), resharding to this job's ranks.
+    """Load a checkpoint into ``model`` (and ``optimizer``, and the ``stateful`` parts saved
+    with it), resharding to this job's ranks.
 
     Collective when a process group exists. ``path`` is a checkpoint directory or a root (its
     ``latest`` is loaded). Works at any world size, and without a process group into a plain
-    module. Each rank's RNG state is restored only at the world size that saved it.
+    module. Each rank's random generators (:func:`rng_state`; the CUDA one of ``device``) are
+    restored only at the world size that saved them. ``stateful`` names the same parts as at
+    save; each gets ``load_state_dict`` with what was saved.
 
     Every rank verifies every file's checksum (:func:`validate_checkpoint`) and compares the
     model's tensor names and shapes with the checkpoint's (:func:`check_model_shapes`) before
     any tensor is read.
 
     Raises:
-        CheckpointError: if the checkpoint is incomplete, corrupt or does not fit the model.
+        CheckpointError: if the checkpoint is incomplete, corrupt or does not fit the model, or
+            lacks a ``stateful`` part (named).
     """
     start = time.perf_counter()
+    parts = _stateful_parts(stateful)
     ckpt = resolve_checkpoint(path)
     manifest = validate_checkpoint(ckpt)
     rank, world = _world()
@@ -378,9 +412,15 @@ def load_checkpoint(
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
     check_model_shapes(ckpt, {k: tuple(v.shape) for k, v in state["model"].items()})
+    saved_keys = {key.split(".", 1)[0] for key in read_metadata(ckpt).state_dict_metadata}
+    missing = sorted(set(parts) - saved_keys)
+    if missing:
+        raise CheckpointError(f"checkpoint {ckpt} holds no {', '.join(missing)} state (it has "
+                              f"{', '.join(sorted(saved_keys))}); nothing was loaded")
+    state.update(parts)
     rng = restore_rng and manifest["world_size"] == world
     if rng:
-        state["rng"] = {_rng_key(rank): torch.empty_like(torch.get_rng_state())}
+        state["rng"] = {_rng_key(rank): rng_state(device)}
     try:
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=ckpt, no_dist=_single())
@@ -391,7 +431,10 @@ def load_checkpoint(
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if rng:
-        torch.set_rng_state(state["rng"][_rng_key(rank)])
+        try:
+            set_rng_state(state["rng"][_rng_key(rank)], device)
+        except ValueError as err:
+            raise CheckpointError(f"checkpoint {ckpt}: {err}") from None
     return LoadedCheckpoint(ckpt, manifest["step"], manifest["world_size"], manifest["extra"], rng,
                             time.perf_counter() - start)
 
