@@ -125,7 +125,7 @@ def test_every_run_config_key_is_documented_and_choices_are_literals():
     assert set(RunConfig.keys()) - documented == set()
     assert RunConfig.choices() == {"strategy": STRATEGIES, "api": APIS, "wrap": ("layer", "model", "size"),
                                    "precision": tuple(PRECISIONS), "optimizer": OPTIMIZERS,
-                                   "init": ("meta", "full"),
+                                   "init": ("meta", "full"), "lr_schedule": ("constant", "cosine", "linear"),
                                    "activation_checkpointing": ("none", "selective", "full")}
 
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     )
     from handbook_lib.core.checks import check_int, check_world, is_int, lookup
     from handbook_lib.core.config import (
+        LR_SCHEDULES,
         APIS,
         CHECKPOINTING_MODES,
         DTYPES,
@@ -159,6 +160,7 @@ _HOMES = {
     "node_config_file": "protocol",
     "node_files": "protocol",
     "PLAIN_KEYS": "parallel_config",
+    "LR_SCHEDULES": "config",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -177,6 +179,7 @@ __all__ = [
     "check_writable_dir",
     "node_marker", "node_config_file", "node_files",
     "PLAIN_KEYS",
+    "LR_SCHEDULES",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -43,6 +43,7 @@ __all__ = [
     "PRECISIONS",
     "get_precision",
     "OPTIMIZERS",
+    "LR_SCHEDULES",
     "WRAPS",
     "INITS",
     "parse_overrides",
@@ -111,6 +112,11 @@ def get_precision(name: str, what: str = "precision") -> Precision:
 
 OptimizerName = Literal["adamw", "adam", "sgd", "sgd-momentum"]
 OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
+LrScheduleName = Literal["constant", "cosine", "linear"]
+LR_SCHEDULES: tuple[str, ...] = get_args(LrScheduleName)
+"""The learning rate after warm-up (:func:`handbook_lib.models.lr_schedule.lr_factor`):
+``constant``, the base rate; ``cosine``, half a cosine from the base rate to 0 at the last
+step; ``linear``, a straight line from the base rate to 0 at the last step."""
 WrapName = Literal["layer", "model", "size"]
 WRAPS: tuple[str, ...] = get_args(WrapName)
 """Wrapping policies: ``layer`` — one FSDP unit per transformer layer plus the root (FSDP1's
@@ -307,7 +313,12 @@ class RunConfig(FlatConfig):
     optimizer: OptimizerName = "adamw"
     """``adamw``, ``adam`` (two moments per parameter), ``sgd-momentum`` (one), ``sgd`` (none)."""
     lr: float = 1e-3
-    """Learning rate (dimensionless)."""
+    """Learning rate (dimensionless): the base rate that ``lr_schedule`` multiplies."""
+    lr_schedule: LrScheduleName = "constant"
+    """The rate after warm-up: ``constant``, ``cosine`` or ``linear`` decay to 0 at ``steps``
+    (Hugging Face's schedules of the same names; a ``torch.optim.lr_scheduler.LambdaLR``)."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to ``lr`` before ``lr_schedule`` (0: none)."""
     grad_scaler: bool = True
     """With ``fp16-mixed``: scale the loss (FSDP2: ``torch.amp.GradScaler``; FSDP1:
     ``ShardedGradScaler``). Off shows what fp16 does without it."""
@@ -359,6 +370,7 @@ class RunConfig(FlatConfig):
     MINIMUMS: ClassVar[Mapping[str, int]] = {
         "batch_size": 1, "seq_len": 1, "steps": 1, "seed": 0, "shard_group_size": 0, "wrap_min_params": 1,
         "grad_accum_steps": 1, "explicit_prefetch": 0, "reshard_after_forward_size": 0,
+        "warmup_steps": 0,
     }
 
     def __post_init__(self) -> None:
@@ -375,6 +387,9 @@ class RunConfig(FlatConfig):
             raise ValueError(f"config key 'max_grad_norm' must be >= 0 (0: no clipping), got {self.max_grad_norm}")
         if not self.lr > 0:
             raise ValueError(f"config key 'lr' must be > 0, got {self.lr}")
+        if isinstance(self.warmup_steps, int) and self.warmup_steps >= self.steps:
+            raise ValueError(f"config key 'warmup_steps' must be < steps={self.steps} (the steps of "
+                             f"warm-up come first), got {self.warmup_steps}")
         if self.reshard_after_forward_size == 1:
             raise ValueError("config key 'reshard_after_forward_size' must be 0 (the strategy's bool) or "
                              ">= 2 ranks, got 1 (to keep the gathered parameters, use strategy SHARD_GRAD_OP)")
@@ -402,6 +417,17 @@ class RunConfig(FlatConfig):
             raise ValueError(
                 f"batch_size={self.batch_size} must be divisible by the number of ranks {world_size}"
                 + (f" times grad_accum_steps={self.grad_accum_steps}" if self.grad_accum_steps > 1 else ""))
+
+    def check_constant_lr(self, run: str) -> None:
+        """Refuse a schedule in a run that keeps the rate constant (its own loop steps none).
+
+        Raises:
+            ValueError: e.g. ``"deepspeed_zero keeps the learning rate constant: it needs
+                lr_schedule='constant' and warmup_steps=0, got 'cosine' and 2"``.
+        """
+        if self.lr_schedule != "constant" or self.warmup_steps:
+            raise ValueError(f"{run} keeps the learning rate constant: it needs lr_schedule='constant' "
+                             f"and warmup_steps=0, got {self.lr_schedule!r} and {self.warmup_steps}")
 
     def model_config(self) -> ModelConfig:
         """The :class:`~handbook_lib.core.architecture.ModelConfig` named by this run's model keys."""

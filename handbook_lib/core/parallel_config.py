@@ -28,9 +28,9 @@ point-to-point sends)."""
 PLAIN_KEYS: tuple[str, ...] = (
     "shard_group_size", "wrap", "precision", "grad_accum_steps", "max_grad_norm", "activation_checkpointing",
     "cpu_offload", "explicit_prefetch", "reshard_after_forward_size", "sync_every_micro_step",
-    "reshard_after_backward", "count_gathered")
+    "reshard_after_backward", "count_gathered", "lr_schedule", "warmup_steps")
 """Keys chapter 9's runs leave at their defaults: fp32, one micro-step, no clipping, no
-recomputation or offload, FSDP2's default schedule (:meth:`ParallelConfig.check_runnable`)."""
+recomputation or offload, a constant learning rate, FSDP2's default schedule (:meth:`ParallelConfig.check_runnable`)."""
 
 
 @dataclass(frozen=True)

@@ -273,8 +273,8 @@ def trainer_fsdp_args(config: RunConfig, *, reduce_in_compute_dtype: bool = Fals
     is on) and ``backward_prefetch: BACKWARD_PRE`` (its default is none). ``bf16``/``fp16`` from the
     precision; ``gradient_accumulation_steps``; ``max_grad_norm`` always written (the Trainer
     clips at 1.0 by default; 0 turns clipping off); ``learning_rate`` held constant
-    (``lr_scheduler_type="constant"``: the book has no schedule, the Trainer decays linearly by
-    default); ``optim``/``weight_decay``/``optim_args`` for the book's optimizer (PyTorch's AdamW,
+    (``lr_scheduler_type`` and ``warmup_steps`` from :func:`_trainer_schedule`: the Trainer
+    decays linearly by default, the book's runs keep ``lr_schedule="constant"`` unless told); ``optim``/``weight_decay``/``optim_args`` for the book's optimizer (PyTorch's AdamW,
     not the fused one the Trainer picks by default). One difference remains with ``adamw``: the
     Trainer exempts biases and norm weights from weight decay, PyTorch's ``AdamW(params)`` decays
     every parameter.
@@ -309,7 +309,7 @@ def trainer_fsdp_args(config: RunConfig, *, reduce_in_compute_dtype: bool = Fals
         "gradient_accumulation_steps": config.grad_accum_steps,
         "max_grad_norm": config.max_grad_norm,
         "learning_rate": config.lr,
-        "lr_scheduler_type": "constant",
+        **_trainer_schedule(config),
         "optim": optim,
         "weight_decay": weight_decay,
     }
@@ -465,11 +465,18 @@ def trainer_deepspeed_args(config: RunConfig, world_size: int, *, persistence_th
         "max_grad_norm": config.max_grad_norm,
         "learning_rate": config.lr,
         "weight_decay": ds["optimizer"]["params"]["weight_decay"],
-        "lr_scheduler_type": "constant",
+        **_trainer_schedule(config),
         "max_steps": config.steps,
         "bf16": compute == "bf16",
         "fp16": compute == "fp16",
     }
+
+
+def _trainer_schedule(config: RunConfig) -> dict[str, Any]:
+    """The Trainer's ``lr_scheduler_type`` and ``warmup_steps``: the schedules ``lr_factor`` follows."""
+    warm = config.lr_schedule == "constant" and config.warmup_steps
+    return {"lr_scheduler_type": "constant_with_warmup" if warm else config.lr_schedule,
+            "warmup_steps": config.warmup_steps}
 
 
 def production_configs(config: RunConfig, *, num_processes: int, num_machines: int = 1,

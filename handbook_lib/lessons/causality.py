@@ -33,7 +33,8 @@ from handbook_lib.core.config import RunConfig
 from handbook_lib.runtime.data import data_seed
 from handbook_lib.runtime.distributed import RankContext
 from handbook_lib.runtime.model import build_model
-from handbook_lib.runtime.training import build_optimizer, one_thread, train
+from handbook_lib.runtime.optimization import build_optimizer
+from handbook_lib.runtime.training import one_thread, train
 
 __all__ = ["CAUSALITY_SETUP", "MASK_VARIANTS", "random_batch", "measure_future_gradient_share",
            "estimate_position_blind_loss", "CausalityRun", "CausalityResult", "measure_causality"]

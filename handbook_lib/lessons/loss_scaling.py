@@ -35,13 +35,8 @@ from torch.nn import functional as F
 from handbook_lib.core.config import RunConfig
 from handbook_lib.runtime.distributed import RankContext
 from handbook_lib.runtime.model import build_model
-from handbook_lib.runtime.training import (
-    LossFn,
-    build_grad_scaler,
-    build_optimizer,
-    one_thread,
-    train,
-)
+from handbook_lib.runtime.optimization import build_grad_scaler, build_optimizer
+from handbook_lib.runtime.training import LossFn, one_thread, train
 
 __all__ = ["UNDERFLOW_SETUP", "GLOBAL_BATCH_TOKENS", "PRECISION_VARIANTS", "PrecisionRun",
            "LossScalingResult", "measure_loss_scaling"]

@@ -125,6 +125,9 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     from handbook_lib.models.published import (
         PUBLISHED_AXIS_MEMORY, AxisMemoryRow, PublishedAxisMemory, axis_memory_rows,
     )
+    from handbook_lib.models.lr_schedule import (
+        lr_factor,
+    )
 
 _HOMES = {
     "SELECTIVE_SAVE": "activations",
@@ -342,6 +345,7 @@ _HOMES = {
     "AxisMemoryRow": "published",
     "PublishedAxisMemory": "published",
     "axis_memory_rows": "published",
+    "lr_factor": "lr_schedule",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -393,6 +397,7 @@ __all__ = [
     "sp_candidates",
     "AxisOption", "axes_reason", "compare_axes", "recommend_axes",
     "PUBLISHED_AXIS_MEMORY", "AxisMemoryRow", "PublishedAxisMemory", "axis_memory_rows",
+    "lr_factor",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -33,7 +33,8 @@ from handbook_lib.runs.entry import RankReport, main
 from handbook_lib.runtime.build import parallelize
 from handbook_lib.runtime.distributed import RankContext
 from handbook_lib.runtime.model import build_model
-from handbook_lib.runtime.training import build_optimizer, train
+from handbook_lib.runtime.optimization import build_optimizer
+from handbook_lib.runtime.training import train
 
 CONFIG = RunConfig
 

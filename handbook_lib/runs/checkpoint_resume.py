@@ -67,7 +67,8 @@ from handbook_lib.runtime.checkpoint import (
 from handbook_lib.runtime.checkpoint_inspect import count_checkpoint
 from handbook_lib.runtime.data import make_batch
 from handbook_lib.runtime.distributed import RankContext
-from handbook_lib.runtime.training import StepEnd, build_optimizer, train
+from handbook_lib.runtime.optimization import build_optimizer
+from handbook_lib.runtime.training import StepEnd, train
 
 EXPORT_FILE = "export.pt"
 """File name, under ``ckpt_dir``, of the exported full state dict."""

@@ -43,7 +43,8 @@ from handbook_lib.runtime.measure import (
     measure_optimizer_bytes,
     measure_param_bytes,
 )
-from handbook_lib.runtime.training import build_optimizer, train
+from handbook_lib.runtime.optimization import build_optimizer
+from handbook_lib.runtime.training import train
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ def validate(config: ZeroRunConfig, world_size: int) -> None:
                          f"got {config.init!r}")
     if config.grad_accum_steps != 1 or config.activation_checkpointing != "none":
         raise ValueError("deepspeed_zero runs grad_accum_steps=1 and activation_checkpointing=none only")
+    config.check_constant_lr("deepspeed_zero")
     if config.steps < 2:
         raise ValueError(f"deepspeed_zero needs steps >= 2 (the optimizer state exists after the first), "
                          f"got {config.steps}")

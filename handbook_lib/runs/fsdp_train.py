@@ -55,12 +55,9 @@ from handbook_lib.runtime.measure import (
     measure_optimizer_bytes,
     measure_param_bytes,
 )
+from handbook_lib.runtime.optimization import build_grad_scaler, build_optimizer
 from handbook_lib.runtime.probe import GatheredProbe, GatheredSnapshot
-from handbook_lib.runtime.training import (
-    build_grad_scaler,
-    build_optimizer,
-    train,
-)
+from handbook_lib.runtime.training import train
 
 CONFIG = RunConfig
 

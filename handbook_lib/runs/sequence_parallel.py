@@ -44,6 +44,7 @@ from handbook_lib.runtime.measure import (
     measure_optimizer_bytes,
     measure_param_bytes,
 )
+from handbook_lib.runtime.optimization import build_optimizer
 from handbook_lib.runtime.ring_attention import ring_core
 from handbook_lib.runtime.sequence_parallel import (
     build_sequence_mesh,
@@ -51,11 +52,7 @@ from handbook_lib.runtime.sequence_parallel import (
     measure_attention_error,
     sequence_batches,
 )
-from handbook_lib.runtime.training import (
-    build_optimizer,
-    next_token_loss,
-    train,
-)
+from handbook_lib.runtime.training import next_token_loss, train
 
 CONFIG = ParallelConfig
 

@@ -32,7 +32,8 @@ from handbook_lib.runs.entry import RankReport, main
 from handbook_lib.runtime.build import parallelize
 from handbook_lib.runtime.data import local_batch
 from handbook_lib.runtime.distributed import RankContext
-from handbook_lib.runtime.training import build_optimizer, train_step
+from handbook_lib.runtime.optimization import build_optimizer
+from handbook_lib.runtime.training import train_step
 
 LOSS_TOLERANCE = 1e-5
 """Relative tolerance between a variant's fp32 loss and DDP's on the same batches."""
@@ -85,6 +86,7 @@ def validate(config: StepTimeConfig, world_size: int) -> None:
         raise ValueError(f"step_time times fp32 runs without offload (DDP's setting): needs "
                          f"precision=fp32 and cpu_offload=false, got precision={config.precision!r}, "
                          f"cpu_offload={config.cpu_offload}")
+    config.check_constant_lr("step_time")
 
 
 def run(config: StepTimeConfig, ctx: RankContext) -> RankReport:

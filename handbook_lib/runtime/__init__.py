@@ -55,6 +55,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         tensors_in,
     )
     from handbook_lib.runtime.data import (
+        sequences_from,
         BatchSource,
         data_seed,
         local_batch,
@@ -94,14 +95,17 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     )
     from handbook_lib.runtime.probe import GatheredProbe, GatheredSnapshot
     from handbook_lib.runtime.seeded_init import SeededInit, seeded_parts
+    from handbook_lib.runtime.optimization import (
+        build_grad_scaler,
+        build_lr_scheduler,
+        build_optimizer,
+    )
     from handbook_lib.runtime.training import (
         ForwardFn,
         LossFn,
         NonFiniteLoss,
         StepEnd,
         TrainLog,
-        build_grad_scaler,
-        build_optimizer,
         check_loss_finite,
         next_token_loss,
         one_thread,
@@ -143,6 +147,10 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     from handbook_lib.runtime.random_state import (
         rng_state,
         set_rng_state,
+    )
+    from handbook_lib.runtime.data_loader import (
+        SequenceDataset,
+        LoaderBatches,
     )
 
 _HOMES = {
@@ -215,8 +223,9 @@ _HOMES = {
     "next_token_loss": "training",
     "TrainLog": "training",
     "StepEnd": "training",
-    "build_optimizer": "training",
-    "build_grad_scaler": "training",
+    "build_optimizer": "optimization",
+    "build_grad_scaler": "optimization",
+    "build_lr_scheduler": "optimization",
     "train_step": "training",
     "train": "training",
     "train_one_process": "training",
@@ -249,6 +258,9 @@ _HOMES = {
     "rng_state": "random_state",
     "set_rng_state": "random_state",
     "RESERVED_KEYS": "checkpoint",
+    "sequences_from": "data",
+    "SequenceDataset": "data_loader",
+    "LoaderBatches": "data_loader",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -266,7 +278,8 @@ __all__ = [
     "StepMemory", "StepMemoryTracker", "CollectiveCall", "CollectiveCounter", "collective_totals",
     "tensors_in", "measure_cpu_adam", "TransformerLayer", "SimpleTransformer", "model_parts",
     "build_model", "count_parameters", "seeded_parts", "SeededInit", "ForwardFn", "LossFn",
-    "next_token_loss", "TrainLog", "StepEnd", "build_optimizer", "build_grad_scaler", "train_step",
+    "next_token_loss", "TrainLog", "StepEnd", "build_optimizer", "build_grad_scaler", "build_lr_scheduler",
+    "train_step",
     "train", "train_one_process", "one_thread", "NonFiniteLoss", "check_loss_finite",
     "GatheredProbe", "GatheredSnapshot", "apply_explicit_prefetch",
     "AttentionCore", "causal_attention", "SplitAttention", "ParallelLayer", "ParallelTransformer",
@@ -278,6 +291,8 @@ __all__ = [
     "RingAttention", "causal_ring_attention", "ring_core",
     "rng_state", "set_rng_state",
     "RESERVED_KEYS",
+    "sequences_from",
+    "SequenceDataset", "LoaderBatches",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -16,7 +16,7 @@ import torch
 from handbook_lib.core.config import RunConfig
 from handbook_lib.runtime.distributed import RankContext
 
-__all__ = ["BatchSource", "data_seed", "make_batch", "local_slice", "local_batch"]
+__all__ = ["BatchSource", "data_seed", "make_batch", "sequences_from", "local_slice", "local_batch"]
 
 BatchSource = Callable[[RunConfig, int], tuple[torch.Tensor, torch.Tensor]]
 """Where a training loop's data comes from: ``(config, step) -> (inputs, targets)``, the *global*
@@ -39,11 +39,17 @@ def make_batch(config: RunConfig, step: int) -> tuple[torch.Tensor, torch.Tensor
     """
     gen = torch.Generator().manual_seed(data_seed(config, step))
     start = torch.randint(0, config.vocab_size, (config.batch_size, 1), generator=gen)
-    tokens = [start]
-    for _ in range(config.seq_len):
-        tokens.append((3 * tokens[-1] + 1) % config.vocab_size)
-    seq = torch.cat(tokens, dim=1)
+    seq = sequences_from(start, config.seq_len, config.vocab_size)
     return seq[:, :-1], seq[:, 1:]
+
+
+def sequences_from(start: torch.Tensor, seq_len: int, vocab_size: int) -> torch.Tensor:
+    """The book's sequences that begin with the tokens ``start`` (int64, (n, 1)): each next token
+    is ``(3 * token + 1) mod vocab_size``; ``seq_len + 1`` tokens each, shape (n, seq_len + 1)."""
+    tokens = [start]
+    for _ in range(seq_len):
+        tokens.append((3 * tokens[-1] + 1) % vocab_size)
+    return torch.cat(tokens, dim=1)
 
 
 def local_slice(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

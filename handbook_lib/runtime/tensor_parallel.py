@@ -48,8 +48,8 @@ from handbook_lib.runtime.data import local_slice, make_batch
 from handbook_lib.runtime.distributed import RankContext
 from handbook_lib.runtime.measure import StepMemory, StepMemoryTracker
 from handbook_lib.runtime.model import build_model
+from handbook_lib.runtime.optimization import build_optimizer
 from handbook_lib.runtime.parallel_model import ParallelTransformer, from_simple
-from handbook_lib.runtime.training import build_optimizer
 
 __all__ = [
     "TPTrainLog",

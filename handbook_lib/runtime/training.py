@@ -25,7 +25,6 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from handbook_lib.core.config import RunConfig
-from handbook_lib.core.strategies import get_strategy
 from handbook_lib.runtime.collectives import CollectiveCall, CollectiveCounter
 from handbook_lib.runtime.data import BatchSource, local_batch, make_batch
 from handbook_lib.runtime.distributed import RankContext
@@ -37,6 +36,7 @@ from handbook_lib.runtime.grads import (
 )
 from handbook_lib.runtime.measure import StepMemory, StepMemoryTracker
 from handbook_lib.runtime.model import build_model
+from handbook_lib.runtime.optimization import build_lr_scheduler, build_optimizer
 
 __all__ = [
     "ForwardFn",
@@ -44,8 +44,6 @@ __all__ = [
     "next_token_loss",
     "TrainLog",
     "StepEnd",
-    "build_optimizer",
-    "build_grad_scaler",
     "train_step",
     "train",
     "train_one_process",
@@ -77,38 +75,6 @@ def check_loss_finite(loss: float, step: int | None = None, rank: int | None = N
     where = f" at step {step}" if step is not None else ""
     raise NonFiniteLoss(f"loss is {loss}{where} on rank {rank}: training diverged (lr too large? fp16 "
                         f"without a gradient scaler?)")
-
-
-def build_grad_scaler(config: RunConfig, ctx: RankContext) -> torch.amp.GradScaler | None:
-    """The gradient scaler fp16 needs, or ``None`` (fp32, bf16, or ``grad_scaler=False``).
-
-    fp16's smallest positive value is about 6e-8 (5.96e-8, subnormal); smaller gradients round
-    to zero. The scaler multiplies the loss by a large factor (2**16 at first) so gradients are
-    computed scaled, divides them back in fp32 before the optimizer step, skips a step whose
-    gradients overflowed to inf/NaN and halves the factor then (and doubles it after 2,000 good
-    steps). With FSDP1 the check for inf must agree across ranks, which ``ShardedGradScaler``
-    does with an all-reduce; FSDP2's DTensor gradients let ``torch.amp.GradScaler`` do the same.
-    """
-    if config.precision != "fp16-mixed" or not config.grad_scaler:
-        return None
-    if config.api == "fsdp1" and get_strategy(config.strategy).wrapper == "fsdp":
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        return ShardedGradScaler(device=ctx.device.type, init_scale=config.grad_scale_init)
-    return torch.amp.GradScaler(ctx.device.type, init_scale=config.grad_scale_init)
-
-
-def build_optimizer(params, name: str, lr: float) -> torch.optim.Optimizer:
-    """The optimizer named by the run config (``adamw``, ``adam``, ``sgd``, ``sgd-momentum``)."""
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if name == "sgd-momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    raise ValueError(f"optimizer must be one of adamw, adam, sgd, sgd-momentum; got {name!r}")
 
 
 class _ProgressLines:
@@ -177,6 +143,8 @@ class TrainLog:
     whole gradient gathered to this rank (see :func:`full_grad_norm`)."""
     steps: list[int] = field(default_factory=list)
     """The optimizer step (1-based, counted from the job's start) of each entry of ``losses``."""
+    lr: list[float] = field(default_factory=list)
+    """The learning rate each step used (the first parameter group's), dimensionless."""
 
 
 @dataclass(frozen=True)
@@ -339,6 +307,7 @@ class _Recorder:
     norms: list[float] = field(default_factory=list)
     full: list[float] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
     memory: StepMemory | None = None
     collectives: list[CollectiveCall] | None = None
     hook_s: float = 0.0
@@ -366,7 +335,8 @@ class _Recorder:
         return TrainLog(losses=self.losses, step_time_s=self.times, memory=self.memory,
                         collectives=self.collectives, grad_zero_fraction=self.zeros,
                         grad_scale=self.scales, skipped_steps=self.skipped, grad_norm=self.norms,
-                        grad_norm_full=self.full[0] if self.full else None, steps=self.steps)
+                        grad_norm_full=self.full[0] if self.full else None, steps=self.steps,
+                        lr=self.lrs)
 
 
 def _tracked_step(record: _Recorder, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -402,6 +372,7 @@ def train(
     forward: ForwardFn | None = None,
     loss_fn: LossFn = next_token_loss,
     after_backward: Callable[[nn.Module, int], None] | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> TrainLog:
     """Run optimizer steps ``start_step + 1`` … ``config.steps`` on this rank's share of each
     global batch (the batch of step s is ``batches(config, s - 1)``, :func:`make_batch` by
@@ -421,12 +392,17 @@ def train(
     exists) the last step runs under a :class:`StepMemoryTracker` and/or a
     :class:`CollectiveCounter`; its time is not in ``step_time_s`` and its zeros are not
     counted. ``scaler`` is a gradient scaler for fp16 (see :func:`build_grad_scaler`).
+    ``scheduler`` is stepped after every optimizer step; without one, the loop builds
+    ``config``'s (:func:`build_lr_scheduler`; none for a constant rate). A caller that saves
+    the scheduler's state passes its own, restored where a resumed job needs it.
 
     Raises:
         NonFiniteLoss: as soon as a rank's loss is NaN or infinite, naming the step and the rank
             (the launcher then reports that rank as the cause of the failed run).
     """
     record = _Recorder()
+    if scheduler is None:
+        scheduler = build_lr_scheduler(optimizer, config)
     model.train()
     bar = tqdm(total=config.steps - start_step, desc="train", unit="step", file=_ProgressLines(),
                disable=not (progress and ctx.is_main), mininterval=0, dynamic_ncols=False, ncols=80)
@@ -439,6 +415,7 @@ def train(
         tracked = (track_memory or count_collectives) and config.steps >= 2 and step == config.steps - 1
         if scaler is not None:
             record.scales.append(float(scaler.get_scale()))
+        record.lrs.append(float(optimizer.param_groups[0]["lr"]))
         hook = record.after_backward(after_backward, step + 1, count_zeros=not tracked)
         start = time.perf_counter()
         if tracked:
@@ -454,6 +431,8 @@ def train(
             record.times.append(time.perf_counter() - start - record.hook_s)
         if scaler is not None and scaler.get_scale() < record.scales[-1]:
             record.skipped.append(step + 1)  # the scale only drops when inf/NaN gradients were found
+        if scheduler is not None:
+            scheduler.step()
         if ctx.world_size > 1 and dist.is_initialized():  # train_one_process may run inside a rank
             dist.all_reduce(loss)  # SUM (gloo has no AVG), then divide
             loss /= ctx.world_size

@@ -1,0 +1,64 @@
+"""The optimizer of a run, its learning-rate schedule, and fp16's gradient scaler.
+
+Chapter 1 builds the optimizer; chapter 5 adds the scaler that fp16 needs; chapter 6 saves all
+three in a checkpoint, since a resumed job must continue each where it stopped (the scheduler's
+step count, the scaler's factor and its count of good steps, the optimizer's moments).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from handbook_lib.core.config import RunConfig
+from handbook_lib.core.strategies import get_strategy
+from handbook_lib.models.lr_schedule import lr_factor
+from handbook_lib.runtime.distributed import RankContext
+
+__all__ = ["build_optimizer", "build_lr_scheduler", "build_grad_scaler"]
+
+
+def build_optimizer(params, name: str, lr: float) -> torch.optim.Optimizer:
+    """The optimizer named by the run config (``adamw``, ``adam``, ``sgd``, ``sgd-momentum``)."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "sgd-momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    raise ValueError(f"optimizer must be one of adamw, adam, sgd, sgd-momentum; got {name!r}")
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: RunConfig,
+                       ) -> torch.optim.lr_scheduler.LambdaLR | None:
+    """The scheduler of ``config.lr_schedule`` after ``config.warmup_steps`` of warm-up over
+    ``config.steps`` steps (:func:`~handbook_lib.models.lr_schedule.lr_factor`), or ``None`` for a
+    constant rate without warm-up. :func:`train` steps it after every optimizer step; its state
+    (the steps it has seen) goes into a checkpoint with the optimizer's."""
+    if config.lr_schedule == "constant" and config.warmup_steps == 0:
+        return None
+    factor = functools.partial(lr_factor, schedule=config.lr_schedule, warmup_steps=config.warmup_steps,
+                               total_steps=config.steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def build_grad_scaler(config: RunConfig, ctx: RankContext) -> torch.amp.GradScaler | None:
+    """The gradient scaler fp16 needs, or ``None`` (fp32, bf16, or ``grad_scaler=False``).
+
+    fp16's smallest positive value is about 6e-8 (5.96e-8, subnormal); smaller gradients round
+    to zero. The scaler multiplies the loss by a large factor (2**16 at first) so gradients are
+    computed scaled, divides them back in fp32 before the optimizer step, skips a step whose
+    gradients overflowed to inf/NaN and halves the factor then (and doubles it after 2,000 good
+    steps). With FSDP1 the check for inf must agree across ranks, which ``ShardedGradScaler``
+    does with an all-reduce; FSDP2's DTensor gradients let ``torch.amp.GradScaler`` do the same.
+    """
+    if config.precision != "fp16-mixed" or not config.grad_scaler:
+        return None
+    if config.api == "fsdp1" and get_strategy(config.strategy).wrapper == "fsdp":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=ctx.device.type, init_scale=config.grad_scale_init)
+    return torch.amp.GradScaler(ctx.device.type, init_scale=config.grad_scale_init)
