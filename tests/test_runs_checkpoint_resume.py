@@ -1,12 +1,20 @@
-"""handbook_lib.runs.checkpoint_resume: real FSDP2 jobs, saved, killed with SIGKILL, resumed.
+"""handbook_lib.runs.checkpoint_resume: real FSDP2 jobs, saved, killed with SIGKILL, preempted
+by SIGUSR1 and SIGTERM, resumed.
 
-Five torchrun jobs on a tiny model, shared by the tests through module-scoped fixtures:
+Every job trains with a cosine schedule after 2 warm-up steps, from a data loader whose dataset
+holds 2 batches (so 6 steps are 3 epochs, each in its own order): a resumed job continues the
+schedule and the loader where the saved one stopped. Eight torchrun jobs on a tiny model, shared
+by the tests through module-scoped fixtures:
 
 1. ``reference``: 2 ranks, 6 steps uninterrupted, saving every 2 steps, exporting at the end;
 2. ``killed``: the same, but rank 1 SIGKILLs itself in the save of step 4, its shard written;
 3. ``resumed``: 2 ranks resume the killed job's directory (from step 2) and finish it;
 4. ``grown``: 4 ranks resume the reference's step-2 checkpoint (2 → 4), saving at step 4;
-5. ``shrunk``: 2 ranks resume the 4-rank step-4 checkpoint (4 → 2).
+5. ``shrunk``: 2 ranks resume the 4-rank step-4 checkpoint (4 → 2);
+6. ``fp16_reference``: 8 steps of fp16 with a gradient scaler, uninterrupted;
+7. ``preempted_by_rank``: the same, but rank 1 sends itself SIGUSR1 after step 3;
+8. ``cli_preempted``: the same through the CLI, which gets SIGTERM after step 1, then resumed
+   with the command the CLI prints.
 
 The configs differ from chapter 6's runs, so CI does not run the same experiment twice.
 """
@@ -31,10 +39,12 @@ from handbook_lib.runtime import (
 from tests.conftest import processes_mentioning
 
 TINY = {"vocab_size": 1001, "d_model": 64, "nhead": 2, "dim_feedforward": 96, "num_layers": 2,
-        "batch_size": 8, "seq_len": 16, "steps": 6}
-MODEL = RunConfig.from_mapping(TINY).model_config()
-RESHARD_TOLERANCE = 1e-5
-"""Largest relative loss difference accepted after loading at another world size (fp32)."""
+        "batch_size": 8, "seq_len": 16, "steps": 6, "lr_schedule": "cosine", "warmup_steps": 2,
+        "dataset_size": 16}
+MODEL = RunConfig.from_mapping({k: v for k, v in TINY.items() if k != "dataset_size"}).model_config()
+RESHARD_TOLERANCE = 1e-6
+"""Largest relative loss difference accepted after loading at another world size (fp32; the
+issue asks 1e-6, measured 7e-8 for 2 -> 4 ranks and 1.4e-7 for 4 -> 2)."""
 
 
 def _run(nproc, config, out, **extra):
@@ -133,7 +143,7 @@ def test_half_checkpoint_fails_clearly_and_the_previous_loads(killed, reference)
         validate_checkpoint(root / "ckpt" / "step_000004.tmp")
     plain = SimpleTransformer(MODEL)
     step2 = load_checkpoint(root / "ckpt" / "step_000002", plain)  # in this process, no process group
-    assert (step2.step, step2.world_size, step2.extra) == (2, 2, {"data_position": 2})
+    assert (step2.step, step2.world_size) == (2, 2)
     same = SimpleTransformer(MODEL)
     load_checkpoint(reference[0] / "step_000002", same)  # the uninterrupted run's step 2
     assert _same_weights(plain, same)
@@ -187,3 +197,111 @@ def test_export_loads_into_a_plain_module_with_identical_outputs(reference):
     final = SimpleTransformer(MODEL)
     load_checkpoint(ckpt, final)  # latest: the sharded step-6 checkpoint
     assert _same_weights(plain, final)
+
+
+def test_the_checkpoint_holds_the_whole_job(reference):
+    """Issue 26: model, optimizer, the scheduler, the data loader and every rank's generators."""
+    from handbook_lib.runtime import read_metadata
+
+    ckpt, result = reference
+    parts = {key.split(".", 1)[0] for key in read_metadata(ckpt / "step_000004").state_dict_metadata}
+    assert parts == {"model", "optim", "rng", "scheduler", "data"}
+    lr = result.metric("lr")[0]  # the rates the steps used: warm-up from 0, then half a cosine
+    assert lr[:3] == [0.0, 0.0005, 0.001] and lr[3] == pytest.approx(0.001 * 0.5 * (1 + 0.5 ** 0.5))
+    assert result.extra["epochs_begun"] == 3  # 6 steps of a 2-batch dataset
+
+
+def test_resumed_jobs_continue_the_schedule_and_the_loader(resumed, shrunk, reference):
+    assert resumed.metric("lr")[0] == reference[1].metric("lr")[0][2:]
+    assert shrunk.metric("lr")[0] == reference[1].metric("lr")[0][4:]
+    assert resumed.extra["loaded"]["epoch"] == 0 and shrunk.extra["loaded"]["epoch"] == 1
+
+
+FP16 = {"precision": "fp16-mixed", "steps": 8}
+
+
+@pytest.fixture(scope="module")
+def fp16_reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp16")
+    return _run(2, {**FP16, "ckpt_dir": str(root / "ckpt")}, root / "out")
+
+
+@pytest.fixture(scope="module")
+def preempted_by_rank(tmp_path_factory):
+    from handbook_lib.launch import RunPreempted
+
+    root = tmp_path_factory.mktemp("preempted")
+    with pytest.raises(RunPreempted) as stopped:
+        _run(2, {**FP16, "ckpt_dir": str(root / "ckpt"), "kill_at_step": 3, "kill_signal": "SIGUSR1"},
+             root / "out")
+    return root, stopped.value
+
+
+def test_a_signal_to_one_rank_stops_every_rank_saved(preempted_by_rank):
+    """Rank 1 alone gets SIGUSR1 (as sbatch --signal sends it); the flag's all-reduce at the step's
+    end tells rank 0 too: both save step 3 and stop, saying so."""
+    import json
+
+    from handbook_lib.core import PREEMPTED_EXIT, rank_status_path
+
+    root, stopped = preempted_by_rank
+    assert str(stopped) == f"run 'checkpoint_resume' preempted by SIGUSR1 at step 3; saved step_000003 in {root / 'ckpt'}"
+    assert stopped.step == 3 and stopped.returncode != 0
+    states = [json.loads(rank_status_path(root / "out", r).read_text()) for r in (0, 1)]
+    assert [(s["status"], s["step"]) for s in states] == [("preempted", 3)] * 2
+    assert (root / "ckpt" / LATEST).read_text() == "step_000003\n"
+    assert validate_checkpoint(root / "ckpt")["step"] == 3  # complete, every checksum verified
+    assert not (root / "out" / "result.json").exists()
+    assert processes_mentioning(str(root / "out")) == []
+    assert PREEMPTED_EXIT == 75
+
+
+@pytest.fixture(scope="module")
+def cli_preempted(tmp_path_factory):
+    """The CLI, sent SIGTERM once step 1 is done (as Slurm would); then the command it prints."""
+    import shlex
+    import signal
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("cli")
+    sets = [f"{k}={v}" for k, v in {**TINY, **FP16, "ckpt_dir": root / "ckpt"}.items()]
+    command = [sys.executable, "-m", "handbook_lib", "run", "checkpoint_resume", "--nproc", "2",
+               "--out", str(root / "out"), "--timeout", "180", *[w for kv in sets for w in ("--set", kv)]]
+    cli = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in cli.stdout:
+        if "step 1: loss" in line:
+            cli.send_signal(signal.SIGTERM)
+            break
+    out, err = cli.communicate(timeout=180)
+    printed = err.split("resume with:\n", 1)[1].replace("\\\n", " ")
+    again = shlex.split(printed)
+    assert again[:3] == ["python", "-m", "handbook_lib"]
+    resumed = subprocess.run([sys.executable, *again[1:]], capture_output=True, text=True, timeout=180)
+    return root, cli.returncode, err, again, resumed
+
+
+def test_sigterm_to_the_cli_saves_and_exits_75_with_the_command_to_resume(cli_preempted):
+    root, code, err, again, _ = cli_preempted
+    lines = err.strip().splitlines()
+    assert code == 75, err
+    first = lines[0]
+    assert first.startswith("error: run 'checkpoint_resume' preempted by SIGTERM at step ") and "; saved step_" in first
+    assert all(len(line) <= 100 for line in lines)
+    assert again[-3:] == ["--set", "resume=true", "--overwrite"]
+    step = int(first.split(" at step ")[1].split(";")[0])
+    assert 1 <= step < 8 and (root / "ckpt" / LATEST).read_text() == f"step_{step:06d}\n"
+    assert processes_mentioning(str(root / "out")) == []
+
+
+def test_the_printed_command_completes_bit_identically(cli_preempted, fp16_reference):
+    root, _, err, _, resumed = cli_preempted
+    assert resumed.returncode == 0, resumed.stderr
+    from handbook_lib.core import load_result
+
+    done = load_result(root / "out" / "result.json")
+    start = done.extra["start_step"]
+    assert start >= 1 and done.metric("steps")[0] == list(range(start + 1, 9))
+    for key in ("losses", "lr", "grad_scale"):  # exact floats: weights, schedule, scaler, data
+        assert done.metric(key)[0] == fp16_reference.metric(key)[0][start:], key
+    assert fp16_reference.metric("grad_scale")[0][0] == 65536.0

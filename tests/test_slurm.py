@@ -371,3 +371,61 @@ def test_every_run_s_script_fits_the_book_s_column_and_keeps_its_header():
     flags = [line.split()[1] for line in script.splitlines() if line.startswith("#   -")]
     assert flags == ["--nnodes", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id",
                      "--max-restarts", "--tee", "-m"]
+
+
+def _fake_slurm(tmp_path, srun_body: str) -> dict[str, str]:
+    """PATH with a fake ``scontrol`` (it records requeues) and a fake ``srun`` running
+    ``srun_body`` with ``$out`` the run's folder (the script's last argument)."""
+    import os
+    import stat
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scripts = {
+        "scontrol": '#!/bin/bash\nif [ "$1" = requeue ]; then echo "requeue $2" >> "$REQUEUED"; '
+                    'else echo node01; fi\n',
+        "srun": '#!/bin/bash\nout="${@: -1}"\n' + srun_body + "\n",
+    }
+    for name, text in scripts.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_NNODES": "2", "REQUEUED": str(tmp_path / "requeued")}
+
+
+PREEMPTED_RANKS = ('mkdir -p "$out/ranks"; for r in 0 1; do printf \'{\\n  "rank": %s,\\n  "status": '
+                   '"preempted"\\n}\\n\' $r > "$out/ranks/rank$r.json"; done; exit 1')
+
+
+@pytest.mark.parametrize("body, requeued, code", [
+    (PREEMPTED_RANKS, "requeue 4242\n", 0),        # ranks stopped saved: the job queues itself again
+    ("exit 0", None, 0),                           # finished: no requeue
+    ("exit 3", None, 3),                           # failed: no requeue, srun's status
+])
+def test_a_preemptible_script_requeues_itself_only_when_the_ranks_stopped_saved(tmp_path, body, requeued, code):
+    """Issue 26: the script asks for SIGUSR1 ahead of the limit and requeues on a preemption."""
+    import subprocess
+
+    job = build_job("checkpoint_resume", 2, 1, {"ckpt_dir": "/shared/ck", "save_every": 10})
+    assert job.config["resume"] is True and job.config["resume_if_present"] is True
+    script = render_sbatch(job)
+    assert "#SBATCH --signal=USR1@120\n" in script and "#SBATCH --requeue\n" in script
+    assert "export TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1\n" in script
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    # a stale state of an earlier start must not count: the script removes it before srun
+    stale = tmp_path / "work" / "runs" / "checkpoint_resume-4242" / "ranks"
+    stale.mkdir(parents=True)
+    (stale / "rank0.json").write_text('{"status": "preempted"}')
+    done = subprocess.run(["bash", str(path)], cwd=tmp_path / "work", env=_fake_slurm(tmp_path, body),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == code, done.stderr
+    recorded = (tmp_path / "requeued").read_text() if (tmp_path / "requeued").exists() else None
+    assert recorded == requeued
+    assert ("requeueing job 4242" in done.stdout) == (requeued is not None)
+
+
+def test_a_run_that_cannot_resume_gets_no_signal_or_requeue():
+    script = render_sbatch(build_job("fault", 2, 1, {"mode": "none"}))
+    assert "--signal=USR1" not in script.replace("# latest; --signal=USR1@120", "")
+    assert "#SBATCH --requeue" not in script and "scontrol requeue" not in script

@@ -44,6 +44,8 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     from handbook_lib.core.parallel_config import PLAIN_KEYS, SP_METHODS, ParallelConfig
     from handbook_lib.core.files import fsync_dir, write_json_atomic, write_text_atomic
     from handbook_lib.core.protocol import (
+        PREEMPT_SIGNALS,
+        PREEMPTED_EXIT,
         BATCH_KEY,
         COLLECTIVE_TIMEOUT_ENV,
         CONFIG_FILE,
@@ -161,6 +163,8 @@ _HOMES = {
     "node_files": "protocol",
     "PLAIN_KEYS": "parallel_config",
     "LR_SCHEDULES": "config",
+    "PREEMPT_SIGNALS": "protocol",
+    "PREEMPTED_EXIT": "protocol",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -180,6 +184,7 @@ __all__ = [
     "node_marker", "node_config_file", "node_files",
     "PLAIN_KEYS",
     "LR_SCHEDULES",
+    "PREEMPT_SIGNALS", "PREEMPTED_EXIT",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

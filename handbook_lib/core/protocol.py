@@ -32,6 +32,7 @@ __all__ = [
     "DEADLINE_ENV", "COLLECTIVE_TIMEOUT_ENV", "RESULTS_LOG_ENV", "collective_timeout_s", "RUN_MARKER", "CONFIG_FILE",
     "RESULT_FILE", "RESULTS_DIR", "BATCH_KEY", "RANKS_DIR", "LOGS_DIR", "RUN_FILES", "rank_status_path",
     "rank_stacks_path", "batch_result_path", "RankStatus", "node_marker", "node_config_file", "node_files",
+    "PREEMPT_SIGNALS", "PREEMPTED_EXIT",
 ]
 
 DEADLINE_ENV = "HANDBOOK_DEADLINE"
@@ -43,6 +44,14 @@ RESULTS_LOG_ENV = "HANDBOOK_RESULTS_LOG"
 """Environment variable the caller may set to a file: the launcher appends one JSON line per
 result it reads (``run``, ``label``, ``world_size``, ``checks``, ``failed``). The test suite
 sets it to count the checks of all its runs (``conftest.py``)."""
+
+PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1")
+"""The signals that mean "you will be stopped soon: save and stop" to a run that can resume
+(chapter 6). Slurm sends SIGTERM before it kills a job at its time limit or on preemption, and
+the signal ``sbatch --signal`` names ahead of the limit (the book asks for SIGUSR1)."""
+PREEMPTED_EXIT = 75
+"""Exit status of a rank, and of the CLI, when a run stopped on a preemption signal after saving
+(``EX_TEMPFAIL`` of ``sysexits.h``: a temporary failure, to retry): a batch script requeues on it."""
 
 RUN_MARKER = ".handbook-run"
 """File a run writes into its ``out`` folder: it names the run, marks the folder as a run's, and is
@@ -120,8 +129,10 @@ class RankStatus:
     """How one rank ended, as its harness writes it to :func:`rank_status_path`."""
 
     rank: int
-    status: Literal["ok", "error"]
-    """``ok``: the run's code returned; ``error``: it raised (see the fields below)."""
+    status: Literal["ok", "error", "preempted"]
+    """``ok``: the run's code returned; ``error``: it raised (see the fields below);
+    ``preempted``: it saved and stopped on a signal of :data:`PREEMPT_SIGNALS` (``message``
+    says at which step and where the checkpoint is)."""
     time: float
     """Unix time the state was written, seconds: the launcher orders errors by it."""
     host: str = ""
@@ -141,6 +152,8 @@ class RankStatus:
     failure (a peer gone, a collective timed out)."""
     stage: str = ""
     """In a batch, the label of the config the rank was running (``""`` for one run)."""
+    step: int = -1
+    """``preempted`` only: the optimizer step at which every rank saved and stopped."""
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of the state file."""

@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import math
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -50,9 +51,11 @@ from handbook_lib.core.config import (
     PRECISIONS,
     RunConfig,
 )
+from handbook_lib.core.protocol import PREEMPTED_EXIT
 from handbook_lib.core.strategies import STRATEGIES, strategies_where
+from handbook_lib.core.text import TERMINAL_WIDTH
 from handbook_lib.face.commands import COMMANDS, wrap_line
-from handbook_lib.launch.errors import RunFailed
+from handbook_lib.launch.errors import RunFailed, RunPreempted
 from handbook_lib.models.hardware import ACCELERATORS, LINKS
 from handbook_lib.models.hf_config import HF_FAMILIES
 from handbook_lib.models.presets import DECODER_SHAPES
@@ -341,8 +344,37 @@ def _stop_on_terminate(active: bool) -> Iterator[None]:
             signal.signal(s, h)
 
 
+def _resume_command(argv: list[str] | None) -> str:
+    """The command that resumes a preempted run: this one, with ``--set resume=true`` and, when
+    it names an ``--out`` folder (now the stopped run's), ``--overwrite``; a shell command cut
+    with backslashes to fit the terminal."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    pairs = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--set"]
+    if "resume=true" not in pairs:
+        args += ["--set", "resume=true"]
+    if "--out" in args and "--overwrite" not in args:
+        args.append("--overwrite")
+    words = ["python", "-m", "handbook_lib", *args]
+    # one flag with its value per piece, so no line is cut inside a pair
+    pieces = [shlex.join(words[:4])]
+    rest = words[4:]
+    while rest:
+        take = 2 if rest[0].startswith("--") and len(rest) > 1 and not rest[1].startswith("--") else 1
+        pieces.append(shlex.join(rest[:take]))
+        rest = rest[take:]
+    lines, line = [], ""
+    for piece in pieces:
+        if line and len(line) + 1 + len(piece) > TERMINAL_WIDTH - 2:
+            lines.append(line + " \\")
+            line = "  " + piece
+        else:
+            line = f"{line} {piece}" if line else piece
+    return "\n".join([*lines, line])
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; return its exit status (0 ok, 1 a run failed, 2 a bad argument, 130 or
+    """Run one command; return its exit status (0 ok, 1 a run failed, 2 a bad argument, 75
+    (:data:`~handbook_lib.core.protocol.PREEMPTED_EXIT`) a run preempted after saving, 130 or
     128 + the signal's number when stopped by Ctrl-C, SIGTERM or SIGHUP)."""
     parser = build_parser()
     try:
@@ -356,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
         text = f"error: {err}"
         print(wrap_line(text, "  ") if "\n" not in text else text, file=sys.stderr)
         return 2
+    except RunPreempted as err:  # every rank saved: the same command with resume=true continues
+        print(wrap_line(f"error: {err}", "  "), file=sys.stderr)
+        print("resume with:\n" + _resume_command(argv), file=sys.stderr)
+        return PREEMPTED_EXIT
     except RunFailed as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -15,6 +15,7 @@ from handbook_lib.core.lazy import lazy_exports
 if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported on first use
     from handbook_lib.launch.diagnose import RankFailure, diagnose_failure
     from handbook_lib.launch.errors import (
+        RunPreempted,
         ChecksFailed,
         RunFailed,
         RunInterrupted,
@@ -67,6 +68,11 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         AXES_MODEL,
         axes_configs,
     )
+    from handbook_lib.launch.recipe import (
+        NodeRun,
+        recipe_commands,
+        run_recipe,
+    )
 
 _HOMES = {
     "RankFailure": "diagnose",
@@ -118,6 +124,10 @@ _HOMES = {
     "MARKER": "slurm",
     "AXES_MODEL": "gpu_check",
     "axes_configs": "gpu_check",
+    "RunPreempted": "errors",
+    "NodeRun": "recipe",
+    "recipe_commands": "recipe",
+    "run_recipe": "recipe",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -132,6 +142,8 @@ __all__ = [
     "config_defaults", "SlurmJob", "build_job", "render_sbatch", "write_script", "is_own_script",
     "parse_time", "SHEBANG", "MARKER",
     "AXES_MODEL", "axes_configs",
+    "RunPreempted",
+    "NodeRun", "recipe_commands", "run_recipe",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -13,7 +13,8 @@ from typing import Any
 
 from handbook_lib.core.results import RunResult
 
-__all__ = ["RunFailed", "RunTimeout", "RunInterrupted", "ChecksFailed", "describe_failed_checks", "killed_lines"]
+__all__ = ["RunFailed", "RunTimeout", "RunPreempted", "RunInterrupted", "ChecksFailed", "describe_failed_checks",
+           "killed_lines"]
 
 
 class RunFailed(RuntimeError):
@@ -41,6 +42,22 @@ class RunFailed(RuntimeError):
 
 class RunTimeout(RunFailed):
     """A run did not finish within its timeout; all its processes were killed."""
+
+class RunPreempted(RunFailed):
+    """A run stopped on a preemption signal (SIGTERM, SIGUSR1) after every rank saved.
+
+    ``str(err)`` is one line, e.g. ``run 'checkpoint_resume' preempted by SIGTERM at step 3; saved
+    step_000003 in /ck``: the same run with ``resume=true`` continues from there. The CLI exits
+    with :data:`~handbook_lib.core.protocol.PREEMPTED_EXIT` and says how to resume.
+
+    Attributes:
+        step: The optimizer step every rank saved at.
+    """
+
+    def __init__(self, message: str, *, step: int, **kwargs: Any) -> None:
+        super().__init__(message, rank=None, rank_traceback="", **kwargs)
+        self.step = step
+
 
 class RunInterrupted(KeyboardInterrupt):
     """A run stopped by Ctrl-C (SIGINT in the launching process); torchrun and its ranks were killed.

@@ -9,12 +9,16 @@ names the run's module and folder.
 from __future__ import annotations
 
 import os
+import selectors
 import signal
 import subprocess
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
+
+if TYPE_CHECKING:
+    from handbook_lib.launch.show import Streamer
 
 __all__ = []  # the launcher's own part: kill_tree, Agents, start_agents, stop, sweep, exit_words
 
@@ -198,3 +202,40 @@ def exit_words(code: int | None) -> str:
         except ValueError:
             pass
     return f"exit status {code}"
+
+
+def pump(proc: subprocess.Popen | Agents, streamer: Streamer, deadline: float) -> bool:
+    """Stream output until the process exits (True) or the deadline passes (False)."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while True:
+            remaining = deadline - time.time()
+            if remaining <= 0:
+                return False
+            if sel.select(timeout=min(remaining, 0.2)):
+                data = os.read(fd, 65536)
+                if data:
+                    streamer.feed(data)
+                    continue
+                # EOF: torchrun closed its output; wait for its exit within the deadline.
+                while proc.poll() is None:
+                    if time.time() >= deadline:
+                        return False
+                    time.sleep(0.05)
+                return True
+            if proc.poll() is not None and not sel.select(timeout=0):
+                return True
+
+
+def drain(proc: subprocess.Popen | Agents, streamer: Streamer) -> None:
+    """Read what is left in the pipe after the process ended (non-blocking)."""
+    if proc.stdout is None or proc.poll() is None:
+        return
+    os.set_blocking(proc.stdout.fileno(), False)
+    try:
+        while data := os.read(proc.stdout.fileno(), 65536):
+            streamer.feed(data)
+    except (BlockingIOError, OSError):
+        pass

@@ -33,7 +33,6 @@ import importlib
 import json
 import math
 import os
-import selectors
 import shutil
 import subprocess
 import time
@@ -61,6 +60,7 @@ from handbook_lib.launch.diagnose import (
     where_ranks_were,
 )
 from handbook_lib.launch.errors import (
+    RunPreempted,
     ChecksFailed,
     RunFailed,
     RunInterrupted,
@@ -69,7 +69,8 @@ from handbook_lib.launch.errors import (
 )
 from handbook_lib.launch.nodes import Nodes, check_nodes
 from handbook_lib.launch.outdir import prepare_out_dir
-from handbook_lib.launch.processes import Agents, exit_words, start_agents, stop, sweep
+from handbook_lib.launch.preempt import TORCHRUN_SIGNALS, forward_signals, raise_if_preempted
+from handbook_lib.launch.processes import Agents, drain, exit_words, pump, start_agents, stop, sweep
 from handbook_lib.launch.show import Show, Streamer, config_defaults
 from handbook_lib.runs import available_runs
 
@@ -163,6 +164,8 @@ def torchrun(
             config the run rejects (all before any file is written or process started).
         RunFailed: if a rank failed; the message names the rank and carries its traceback.
         RunTimeout: if the run took longer than ``timeout_s``.
+        RunPreempted: if the ranks saved and stopped on SIGTERM or SIGUSR1 (a run that can
+            resume: this process passes both on to the ranks while it runs).
         ChecksFailed: if a check is outside its tolerance (unless ``allow_failed_checks``).
         RunInterrupted: on Ctrl-C (a :class:`KeyboardInterrupt`), once torchrun and every rank
             are stopped; its message is one line.
@@ -279,7 +282,8 @@ def _job(run: str, nproc: int, configs: dict[str, dict[str, Any] | None], *, out
     claimed = prepare_out_dir(run, out, overwrite, node=nodes.node_rank)
     temporary = out is None
     try:
-        results = _launch(run, nproc, cfgs, claimed.path, timeout_s, show, env, allow_failed_checks, nodes)
+        results = _launch(run, nproc, cfgs, claimed.path, timeout_s, show, env, allow_failed_checks, nodes,
+                          getattr(module, "PREEMPTIBLE", False))
         if results is None:
             return None
         return {k: dataclasses.replace(r, path=None) for k, r in results.items()} if temporary else results
@@ -311,13 +315,16 @@ def _checked(module: Any, label: str, config: dict[str, Any] | None, world_size:
 
 
 def _launch(run: str, nproc: int, cfgs: dict[str, FlatConfig], out_dir: Path, timeout_s: float, show: Show,
-            env: dict[str, str] | None, allow_failed_checks: bool, nodes: Nodes) -> dict[str, RunResult] | None:
+            env: dict[str, str] | None, allow_failed_checks: bool, nodes: Nodes,
+            preemptible: bool) -> dict[str, RunResult] | None:
     """:func:`torchrun` once its arguments are checked and ``out_dir`` is claimed."""
     try:
-        results = _launch_and_wait(run, nproc, cfgs, out_dir, timeout_s, show, env, allow_failed_checks, nodes)
+        results = _launch_and_wait(run, nproc, cfgs, out_dir, timeout_s, show, env, allow_failed_checks, nodes,
+                                   preemptible)
     except RunFailed as err:
         failed = getattr(err, "results", None)
         outcome = ("" if failed is not None else "timed out" if isinstance(err, RunTimeout)
+                   else f"preempted at step {err.step}, saved" if isinstance(err, RunPreempted)
                    else "failed" + (f" (rank {err.rank})" if err.rank is not None else ""))
         show.end(list(failed.values()) if failed else None, time.monotonic() - show.started, out_dir, outcome)
         raise
@@ -331,7 +338,7 @@ def _launch(run: str, nproc: int, cfgs: dict[str, FlatConfig], out_dir: Path, ti
 
 def _launch_and_wait(run: str, nproc: int, cfgs: dict[str, FlatConfig], out_dir: Path, timeout_s: float,
                      show: Show, env: dict[str, str] | None, allow_failed_checks: bool,
-                     nodes: Nodes) -> dict[str, RunResult] | None:
+                     nodes: Nodes, preemptible: bool) -> dict[str, RunResult] | None:
     """Start torchrun, stream its output through ``show``, and read the results or the failure."""
     config_path = out_dir / node_config_file(nodes.node_rank)
     written = (cfgs[""].to_dict() if list(cfgs) == [""] else
@@ -345,6 +352,7 @@ def _launch_and_wait(run: str, nproc: int, cfgs: dict[str, FlatConfig], out_dir:
         "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])),
         DEADLINE_ENV: f"{deadline:.3f}",
         COLLECTIVE_TIMEOUT_ENV: str(collective_timeout_s(timeout_s)),
+        **TORCHRUN_SIGNALS,
         **(env or {}),
     }
     tail = ["-m", f"handbook_lib.runs.{run}", "--config", str(config_path), "--out", str(out_dir)]
@@ -358,7 +366,8 @@ def _launch_and_wait(run: str, nproc: int, cfgs: dict[str, FlatConfig], out_dir:
     # (in a folder shared by the nodes of a real multi-node job, the folder would name theirs too)
     mentions = (f"handbook_lib.runs.{run}", str(config_path))
     try:
-        timed_out = not _pump(proc, streamer, deadline)
+        with forward_signals(proc, preemptible):  # a preemption notice: the ranks save and stop
+            timed_out = not pump(proc, streamer, deadline)
     except KeyboardInterrupt:  # Ctrl-C in a notebook or a terminal: leave nothing behind
         _, ranks = stop(proc, mentions)
         streamer.close()
@@ -373,11 +382,12 @@ def _launch_and_wait(run: str, nproc: int, cfgs: dict[str, FlatConfig], out_dir:
             killed, _ = stop(proc, mentions)
         elif nodes.count > 1:  # a rank whose agent was killed is killed with it; make sure
             sweep(mentions)
-        _drain(proc, streamer)
+        drain(proc, streamer)
         streamer.close()
         if proc.stdout:
             proc.stdout.close()
     common = dict(run=run, out_dir=out_dir, returncode=proc.returncode, log_tail=list(streamer.tail))
+    raise_if_preempted(run, out_dir, nodes.count * nproc, common)
     if timed_out:
         _, states = diagnose_failure(out_dir, nodes.count * nproc)
         lines = [f"run {run!r} did not finish within {timeout_s:g} s and was stopped "
@@ -446,43 +456,6 @@ def _log_results(results: dict[str, RunResult]) -> None:
         for label, result in results.items():
             log.write(json.dumps({"run": result.run, "label": label, "world_size": result.world_size,
                                   "checks": len(result.checks), "failed": len(result.failed_checks())}) + "\n")
-
-
-def _pump(proc: subprocess.Popen | Agents, streamer: Streamer, deadline: float) -> bool:
-    """Stream output until the process exits (True) or the deadline passes (False)."""
-    assert proc.stdout is not None
-    fd = proc.stdout.fileno()
-    with selectors.DefaultSelector() as sel:
-        sel.register(fd, selectors.EVENT_READ)
-        while True:
-            remaining = deadline - time.time()
-            if remaining <= 0:
-                return False
-            if sel.select(timeout=min(remaining, 0.2)):
-                data = os.read(fd, 65536)
-                if data:
-                    streamer.feed(data)
-                    continue
-                # EOF: torchrun closed its output; wait for its exit within the deadline.
-                while proc.poll() is None:
-                    if time.time() >= deadline:
-                        return False
-                    time.sleep(0.05)
-                return True
-            if proc.poll() is not None and not sel.select(timeout=0):
-                return True
-
-
-def _drain(proc: subprocess.Popen | Agents, streamer: Streamer) -> None:
-    """Read what is left in the pipe after the process ended (non-blocking)."""
-    if proc.stdout is None or proc.poll() is None:
-        return
-    os.set_blocking(proc.stdout.fileno(), False)
-    try:
-        while data := os.read(proc.stdout.fileno(), 65536):
-            streamer.feed(data)
-    except (BlockingIOError, OSError):
-        pass
 
 
 def _check_gpus(nproc: int, said: str = "") -> None:

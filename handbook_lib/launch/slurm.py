@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from handbook_lib.core.checks import check_int, is_int
-from handbook_lib.core.protocol import COLLECTIVE_TIMEOUT_ENV
+from handbook_lib.core.protocol import COLLECTIVE_TIMEOUT_ENV, PREEMPTED_EXIT
 from handbook_lib.runs import available_runs
 
 __all__ = [
@@ -120,6 +120,9 @@ class SlurmJob:
     port: int | None = None
     """TCP port of the rendezvous on the first node (``--port``); ``None``: derived from the job
     id, ``29500 + SLURM_JOB_ID % 1000``, so two jobs sharing a first node do not collide."""
+    preemptible: bool = False
+    """The run saves and stops on a preemption signal (its module's ``PREEMPTIBLE``): the script
+    asks for SIGUSR1 ahead of the time limit and requeues itself when the ranks stopped saved."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "config", dict(self.config))
@@ -181,8 +184,12 @@ def build_job(run: str, nodes: int, gpus_per_node: int, overrides: Mapping[str, 
     """
     job = SlurmJob(run, nodes, gpus_per_node, **options)
     module = importlib.import_module(f"handbook_lib.runs.{run}")
+    preemptible = getattr(module, "PREEMPTIBLE", False)
+    overrides = dict(overrides or {})
+    if preemptible:  # the first start begins at step 0; a requeued one resumes from the latest save
+        overrides = {**overrides, "resume": True, "resume_if_present": True}
     try:
-        config = module.CONFIG.from_mapping(dict(overrides or {}))
+        config = module.CONFIG.from_mapping(overrides)
     except ValueError as err:  # one message (the CLI wraps it): the key, then the accepted keys
         raise ValueError("--set: " + "; ".join(str(err).splitlines())) from None
     if hasattr(module, "validate"):
@@ -191,7 +198,7 @@ def build_job(run: str, nodes: int, gpus_per_node: int, overrides: Mapping[str, 
         except ValueError as err:
             raise ValueError(f"--nodes {nodes} x --gpus-per-node {gpus_per_node} = {job.world_size} "
                              f"ranks: {err}") from None
-    return dataclasses.replace(job, config=config.to_dict())
+    return dataclasses.replace(job, config=config.to_dict(), preemptible=preemptible)
 
 
 def render_sbatch(job: SlurmJob) -> str:
@@ -236,6 +243,17 @@ def render_sbatch(job: SlurmJob) -> str:
         lines += ["# The partition (queue) to run in.", f"#SBATCH --partition={job.partition}"]
     if job.account:
         lines += ["# The account charged for the job.", f"#SBATCH --account={job.account}"]
+    if job.preemptible:
+        lines += [
+            "# A preemption notice 120 s before the time limit: SIGUSR1 to every process of the",
+            "# job step (torchrun passes it to its ranks); each rank saves at its next step and stops.",
+            "#SBATCH --signal=USR1@120",
+            "# Slurm may queue the job again (same id, same $OUT_DIR) after a preemption or a",
+            "# node failure; the script asks for it itself when the ranks stopped, saved.",
+            "#SBATCH --requeue",
+            "# A requeued job appends to the same log instead of replacing it.",
+            "#SBATCH --open-mode=append",
+        ]
     lines += [
         "# The job's log (%x: job name, %j: job id): every node's lines, each prefixed by its",
         "# node (srun --label); each rank also writes its own files under $OUT_DIR/logs. Slurm",
@@ -271,6 +289,10 @@ def render_sbatch(job: SlurmJob) -> str:
         "# (read the dumps with python -m torch.distributed.flight_recorder.fr_trace).",
         f"export {COLLECTIVE_TIMEOUT_ENV}=600 TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
         "export TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1",
+        *(["# The signals torchrun passes on to its ranks: its default list lacks SIGUSR1,",
+           "# which would end torchrun at once and its ranks with it, unsaved.",
+           "export TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
+          if job.preemptible else []),
         "#",
         "# On hosts with several interfaces (docker0, a management Ethernet), name NCCL's:",
         "#   export NCCL_SOCKET_IFNAME=ib0     # its sockets (^docker0,lo: all but those)",
@@ -291,6 +313,8 @@ def render_sbatch(job: SlurmJob) -> str:
         "  exit 1",
         "fi",
         'mkdir -p "$OUT_DIR"',
+        *(["# A requeued job: the rank states of its earlier start, which would say preempted.",
+           'rm -f "$OUT_DIR"/ranks/rank*.json'] if job.preemptible else []),
         "# The run's whole config, checked when this script was written; every rank reads it.",
         "# ('JSON' in quotes: the shell copies the lines as they are, expanding nothing.)",
         "cat > \"$OUT_DIR/config.json\" <<'JSON'",
@@ -322,6 +346,8 @@ def render_sbatch(job: SlurmJob) -> str:
         "#   --tee 3 --log-dir  each rank's stdout and stderr in its own files under",
         "#                      $OUT_DIR/logs/<rdzv id>_*/attempt_0/<local rank>/, and in the log",
         "#   -m ...             the run, as every rank starts it: config in, $OUT_DIR/result.json out",
+        *(["# (set +e: the script goes on after a failed srun, to requeue a job whose ranks",
+           "# stopped saved.)", "set +e"] if job.preemptible else []),
         f"srun --ntasks-per-node=1 --cpus-per-task={job.cpus} --label --kill-on-bad-exit=1 \\",
         "  python -m torch.distributed.run \\",
         '    --nnodes "$SLURM_NNODES" \\',
@@ -334,9 +360,26 @@ def render_sbatch(job: SlurmJob) -> str:
         f"    -m handbook_lib.runs.{run} \\",
         '    --config "$OUT_DIR/config.json" \\',
         '    --out "$OUT_DIR"',
-        'echo "result: $OUT_DIR/result.json"',
+        *(_requeue_lines() if job.preemptible else ['echo "result: $OUT_DIR/result.json"']),
     ]
     return "\n".join(_fit(lines)) + "\n"
+
+
+def _requeue_lines() -> list[str]:
+    """The end of a preemptible job's script: requeue it when its ranks stopped saved."""
+    return [
+        "status=$?",
+        "set -e",
+        f"# Each rank that saved and stopped on the signal wrote the state preempted (and exited",
+        f"# {PREEMPTED_EXIT}): then the job queues itself again and resumes from that checkpoint.",
+        "if grep -qs '\"status\": \"preempted\"' \"$OUT_DIR\"/ranks/rank*.json; then",
+        '  echo "preempted: every rank saved; requeueing job $SLURM_JOB_ID"',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "  exit 0",
+        "fi",
+        'if [ "$status" -ne 0 ]; then exit "$status"; fi',
+        'echo "result: $OUT_DIR/result.json"',
+    ]
 
 
 WIDTH = 86

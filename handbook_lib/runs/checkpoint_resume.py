@@ -18,6 +18,20 @@ job that is simply relaunched until it finishes). A checkpoint of another model 
 resumed into a 2-layer config) is refused before anything is loaded, naming the tensors that
 differ (read from DCP's ``.metadata``); every file's checksum is verified at load.
 
+A checkpoint holds the job's whole state, through DCP's ``Stateful`` protocol: the model, the
+optimizer, the LR scheduler (``lr_schedule``, ``warmup_steps``), the gradient scaler (fp16), the
+data loader (a dataset of ``dataset_size`` sequences shuffled each epoch by torchdata's
+``StatefulDataLoader``: its position is its own state, not the step number) and every
+generator of every rank. Resuming at the same world size is bit-identical to the
+uninterrupted job.
+
+Preemption: SIGTERM or SIGUSR1 to any rank (Slurm's notice before it kills a job; the CLI
+forwards its own) makes every rank save at the next step boundary and stop, exiting with
+:data:`~handbook_lib.core.protocol.PREEMPTED_EXIT`; the launcher raises ``RunPreempted``
+("preempted by SIGTERM at step 3; saved step_000003 in …"), and the CLI says how to resume. With
+``kill_signal=SIGTERM`` or ``SIGUSR1``, rank ``kill_rank`` sends itself that signal after step
+``kill_at_step`` instead of SIGKILL, as chapter 6 shows.
+
 ``result.json`` holds the losses with their global step numbers, save and load times (seconds),
 each checkpoint's files and bytes, and ``checks``: the tensors and bytes the newest checkpoint
 holds (read from DCP's metadata) beside their prediction from the model's shape — exact.
@@ -29,6 +43,7 @@ Launch::
     python -m handbook_lib run checkpoint_resume --nproc 2 --set ckpt_dir=/tmp/ck --set resume=true \
         --set resume_if_present=true   # the same command for the first launch and every relaunch
 """
+# (PREEMPTIBLE below tells the launcher to forward SIGTERM and SIGUSR1 to the ranks)
 
 from __future__ import annotations
 
@@ -40,7 +55,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -66,21 +81,26 @@ from handbook_lib.runtime.checkpoint import (
 )
 from handbook_lib.runtime.checkpoint_inspect import count_checkpoint
 from handbook_lib.runtime.data import make_batch
+from handbook_lib.runtime.data_loader import LoaderBatches
 from handbook_lib.runtime.distributed import RankContext
-from handbook_lib.runtime.optimization import build_optimizer
+from handbook_lib.runtime.optimization import build_grad_scaler, build_lr_scheduler, build_optimizer
+from handbook_lib.runtime.preemption import Preempted, PreemptionWatch
 from handbook_lib.runtime.training import StepEnd, train
 
 EXPORT_FILE = "export.pt"
 """File name, under ``ckpt_dir``, of the exported full state dict."""
 PROBE_FILE = "export_probe.pt"
 """File name, under ``ckpt_dir``, of the probe batch and the sharded model's logits on it."""
+PREEMPTIBLE = True
+"""This run saves and stops on SIGTERM or SIGUSR1: the launcher forwards them to its ranks."""
 
 
 @dataclass(frozen=True)
 class CheckpointRunConfig(RunConfig):
     """A training run with checkpoints, and the ways to interrupt and resume it."""
 
-    MINIMUMS: ClassVar[Mapping[str, int]] = {**RunConfig.MINIMUMS, "save_every": 0, "keep_last": 0}
+    MINIMUMS: ClassVar[Mapping[str, int]] = {**RunConfig.MINIMUMS, "save_every": 0, "keep_last": 0,
+                                             "dataset_size": 1}
 
     ckpt_dir: str = ""
     """Root directory of the checkpoints (required)."""
@@ -102,6 +122,11 @@ class CheckpointRunConfig(RunConfig):
     """Kill during the save of ``kill_at_step`` instead: shard written, save not committed."""
     kill_rank: int = 1
     """The rank that kills itself."""
+    kill_signal: Literal["SIGKILL", "SIGTERM", "SIGUSR1"] = "SIGKILL"
+    """What rank ``kill_rank`` sends itself after ``kill_at_step``: SIGKILL (it dies at once) or a
+    preemption notice, SIGTERM or SIGUSR1 (every rank saves at that step's end and stops)."""
+    dataset_size: int = 24
+    """Sequences in the dataset the data loader shuffles each epoch (a multiple of batch_size)."""
     export: bool = False
     """After training, gather the full state dict to rank 0 and save it as ``ckpt_dir/export.pt``."""
 
@@ -123,9 +148,12 @@ def validate(config: CheckpointRunConfig, world_size: int) -> None:
         accepted = [s for s in STRATEGIES if get_strategy(s).fsdp2 and not get_strategy(s).hybrid]
         raise ValueError(f"checkpoint_resume supports api='fsdp2' with strategy {' or '.join(accepted)}; "
                          f"got api={config.api!r}, strategy={config.strategy!r}")
-    if config.precision not in ("fp32", "bf16-mixed") or config.cpu_offload:
-        raise ValueError("checkpoint_resume supports precision fp32 or bf16-mixed, without cpu_offload")
+    if config.cpu_offload:
+        raise ValueError("checkpoint_resume runs without cpu_offload")
     config.check_batch(world_size)
+    if config.dataset_size % config.batch_size:
+        raise ValueError(f"dataset_size must be a multiple of batch_size={config.batch_size} (whole batches "
+                         f"per epoch), got {config.dataset_size}")
     if config.resume_step != -1 and (not config.resume or config.resume_step < 0):
         raise ValueError("resume_step must be -1, or >= 0 together with resume=true")
     if config.resume_if_present and not config.resume:
@@ -140,6 +168,9 @@ def validate(config: CheckpointRunConfig, world_size: int) -> None:
     if config.kill_in_save and not (config.kill_at_step > 0 and config.save_every
                                     and config.kill_at_step % config.save_every == 0):
         raise ValueError("kill_in_save needs kill_at_step to be a step that saves (a multiple of save_every)")
+    if config.kill_in_save and config.kill_signal != "SIGKILL":
+        raise ValueError(f"kill_in_save needs kill_signal='SIGKILL' (a preemption notice is answered at the "
+                         f"step's end, not mid-save), got {config.kill_signal!r}")
 
 
 def _kill(ctx: RankContext, where: str) -> None:
@@ -181,7 +212,7 @@ def _export(config: CheckpointRunConfig, ctx: RankContext, model: torch.nn.Modul
     start = time.perf_counter()
     size = export_full_state_dict(model, root / EXPORT_FILE)
     seconds = time.perf_counter() - start
-    inputs, _ = make_batch(config, config.steps)
+    inputs, _ = make_batch(config, config.steps)  # a batch of no epoch: not one it trained on
     with torch.no_grad():
         logits = model(inputs.to(ctx.device)).cpu()  # every rank: the whole probe batch
     if ctx.is_main:
@@ -189,48 +220,77 @@ def _export(config: CheckpointRunConfig, ctx: RankContext, model: torch.nn.Modul
     return {"file": EXPORT_FILE, "bytes": size, "seconds": seconds}
 
 
+def _constant(step: int) -> float:
+    return 1.0
+
+
+def _job_state(config: CheckpointRunConfig, ctx: RankContext, optimizer: torch.optim.Optimizer,
+               ) -> tuple[dict[str, Any], LoaderBatches, torch.amp.GradScaler | None]:
+    """The parts of the job a checkpoint holds besides the model, the optimizer and the
+    generators (DCP ``Stateful`` objects, by name), the data loader and the scaler among them."""
+    scheduler = build_lr_scheduler(optimizer, config) or torch.optim.lr_scheduler.LambdaLR(optimizer, _constant)
+    loader = LoaderBatches(config, config.dataset_size)
+    scaler = build_grad_scaler(config, ctx)
+    parts: dict[str, Any] = {"scheduler": scheduler, "data": loader}
+    if scaler is not None:
+        parts["scaler"] = scaler
+    return parts, loader, scaler
+
+
 def run(config: CheckpointRunConfig, ctx: RankContext) -> RankReport:
     validate(config, ctx.world_size)
     root = Path(config.ckpt_dir)
     model = parallelize(config, ctx)
     optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
+    parts, loader, scaler = _job_state(config, ctx, optimizer)
 
     start_step, loaded = 0, None
     path = _resume_path(config, root) if config.resume else None
     if path is not None:
-        info = load_checkpoint(path, model, optimizer)
-        if info.extra.get("data_position") != info.step:
-            raise RuntimeError(f"checkpoint {info.path} is at step {info.step} but its data position "
-                               f"is {info.extra.get('data_position')}")
+        info = load_checkpoint(path, model, optimizer, stateful=parts, device=ctx.device)
+        if loader.position != info.step:
+            raise RuntimeError(f"checkpoint {info.path} is at step {info.step} but its data loader is at "
+                               f"batch {loader.position}")
         start_step = info.step
         loaded = {"name": info.path.name, "step": info.step, "saved_world_size": info.world_size,
-                  "rng_restored": info.rng_restored, "load_s": info.seconds}
+                  "rng_restored": info.rng_restored, "load_s": info.seconds, "epoch": loader.epoch}
         if ctx.is_main:
             print(f"resumed from {info.path.name} (saved by {info.world_size} ranks) in "
                   f"{info.seconds:.2f} s", flush=True)
 
     saves = []
 
+    def save(end: StepEnd, hook: Any = None) -> None:
+        saved = save_checkpoint(root, end.step, end.model, end.optimizer, keep_last=config.keep_last,
+                                after_shard_written=hook, stateful=parts, device=ctx.device)
+        saves.append({"name": saved.path.name, "step": end.step, "save_s": saved.seconds,
+                      "files": saved.files})
+        if ctx.is_main:
+            print(f"saved {saved.path.name} in {saved.seconds:.2f} s", flush=True)
+
     def after_step(end: StepEnd) -> None:
-        """Print the loss, save every ``save_every`` steps, and kill this rank where asked."""
+        """Print the loss, save every ``save_every`` steps, kill or signal this rank where asked,
+        and stop every rank, saved, once any rank got a preemption signal."""
         if ctx.is_main:
             print(f"step {end.step}: loss {end.loss:.4f}", flush=True)
         killing = end.step == config.kill_at_step and ctx.rank == config.kill_rank
         if config.save_every and end.step % config.save_every == 0:
-            hook = functools.partial(_kill, ctx, f"during the save of step {end.step}, its shard written") \
-                if killing and config.kill_in_save else None
-            saved = save_checkpoint(root, end.step, end.model, end.optimizer,
-                                    extra={"data_position": end.step}, keep_last=config.keep_last,
-                                    after_shard_written=hook)
-            saves.append({"name": saved.path.name, "step": end.step, "save_s": saved.seconds,
-                          "files": saved.files})
-            if ctx.is_main:
-                print(f"saved {saved.path.name} in {saved.seconds:.2f} s", flush=True)
-        if killing:
+            save(end, functools.partial(_kill, ctx, f"during the save of step {end.step}, its shard written")
+                 if killing and config.kill_in_save else None)
+        if killing and config.kill_signal == "SIGKILL":
             _kill(ctx, f"after step {end.step}")
+        if killing:  # a preemption notice, as Slurm sends one
+            print(f"rank {ctx.rank}: {config.kill_signal} to itself after step {end.step}", flush=True)
+            os.kill(os.getpid(), getattr(signal, config.kill_signal))
+        stop = watch.agreed()
+        if stop is not None:
+            if not saves or saves[-1]["step"] != end.step:
+                save(end)
+            raise Preempted(end.step, stop, f"{checkpoint_name(end.step)} in {root}")
 
-    # the data position is the step index: a resumed job trains on the batches the saved one had not
-    log = train(model, optimizer, config, ctx, start_step=start_step, on_step=after_step, progress=False)
+    with PreemptionWatch(ctx.device) as watch:
+        log = train(model, optimizer, config, ctx, start_step=start_step, on_step=after_step, progress=False,
+                    scaler=scaler, batches=loader, scheduler=parts["scheduler"])
     steps, losses, times = log.steps, log.losses, log.step_time_s
     exported = _export(config, ctx, model, root) if config.export else None
     checks, counted = [], None
@@ -253,10 +313,13 @@ def run(config: CheckpointRunConfig, ctx: RankContext) -> RankReport:
         "save_s": [s["save_s"] for s in saves],
         "load_s": loaded["load_s"] if loaded else None,
         "rng_restored": loaded["rng_restored"] if loaded else None,
+        "lr": log.lr,
+        "grad_scale": log.grad_scale,
     }
     extra = {
         "start_step": start_step,
         "loaded": loaded,
+        "epochs_begun": loader.epoch + 1,
         "saves": saves,
         "export": exported,
         "checkpoint_count": {k: vars(v) for k, v in counted.items()} if counted else None,

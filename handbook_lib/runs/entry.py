@@ -18,6 +18,10 @@ so it can be started as ``torchrun --nproc-per-node N -m handbook_lib.runs.NAME 
 - ``DIR/ranks/rank{R}.stacks.txt`` — Python stacks of a rank stopped by a signal or about to
   miss the launcher's deadline, so a hang shows where it hung.
 
+A rank stopped by :class:`~handbook_lib.runtime.preemption.Preempted` (it saved, on a signal)
+writes the state ``preempted`` and exits with
+:data:`~handbook_lib.core.protocol.PREEMPTED_EXIT`; rank 0 writes no ``result.json`` then.
+
 Every rank ends with ``os._exit``, after flushing and destroying the process group: this avoids
 an abort at interpreter exit in the gloo backend (upstream pytorch#190489).
 """
@@ -48,6 +52,7 @@ from handbook_lib.core.files import write_json_atomic
 from handbook_lib.core.protocol import (
     BATCH_KEY,
     DEADLINE_ENV,
+    PREEMPTED_EXIT,
     RANKS_DIR,
     RESULT_FILE,
     RankStatus,
@@ -61,6 +66,7 @@ from handbook_lib.runtime.distributed import (
     init_distributed,
     shutdown_distributed,
 )
+from handbook_lib.runtime.preemption import Preempted
 
 __all__ = ["RankReport", "main", "placement", "one_process_loss_checks"]
 
@@ -177,6 +183,12 @@ def main(module: ModuleType, argv: list[str] | None = None) -> None:
                 write_json_atomic(path, _result(module, config, ctx, reports).to_dict())
             gc.collect()  # the config's model and buffers, before the next one's measurements
         _write_status(args.out, rank, "ok")
+    except Preempted as exc:  # every rank saved at the same step: a stop, to be resumed
+        code = PREEMPTED_EXIT
+        print(f"rank {rank}: {exc}", flush=True)
+        _write_status(args.out, rank, "preempted", error_type=type(exc).__name__, message=str(exc),
+                      stage=stage, step=exc.step)
+        shutdown_distributed()
     except BaseException as exc:  # noqa: BLE001 - every failure must be reported, then exit
         code = 1
         traceback.print_exc()

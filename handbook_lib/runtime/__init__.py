@@ -152,6 +152,10 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         SequenceDataset,
         LoaderBatches,
     )
+    from handbook_lib.runtime.preemption import (
+        Preempted,
+        PreemptionWatch,
+    )
 
 _HOMES = {
     "InitMode": "build",
@@ -261,6 +265,8 @@ _HOMES = {
     "sequences_from": "data",
     "SequenceDataset": "data_loader",
     "LoaderBatches": "data_loader",
+    "Preempted": "preemption",
+    "PreemptionWatch": "preemption",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -293,6 +299,7 @@ __all__ = [
     "RESERVED_KEYS",
     "sequences_from",
     "SequenceDataset", "LoaderBatches",
+    "Preempted", "PreemptionWatch",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)
