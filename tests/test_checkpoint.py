@@ -7,6 +7,7 @@ FSDP2 on 2 and 4 ranks, killed for real.
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -37,6 +38,7 @@ from handbook_lib.runtime import (
     validate_checkpoint,
 )
 from handbook_lib.runtime import checkpoint as ckpt
+from handbook_lib.runtime import checkpoint_verify
 
 SMALL = ModelConfig(vocab_size=101, d_model=16, nhead=2, dim_feedforward=24, num_layers=2)
 
@@ -203,8 +205,11 @@ def test_a_save_that_dies_leaves_the_previous_checkpoint(tmp_path):
     def die():  # in one process an exception stands in for the SIGKILL of the run tests
         raise RuntimeError("stopped after the shard was written")
 
-    with pytest.raises(DcpCheckpointException):  # DCP reports every rank's failure in one exception
+    # DCP reports every rank's failure in one exception; the save says it in one line per rank
+    with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*step_000002\.tmp: rank 0: "
+                       r"RuntimeError: stopped after the shard was written; it is never loaded") as info:
         save_checkpoint(tmp_path, 2, model, opt, after_shard_written=die)
+    assert "\n" not in str(info.value)
     half = tmp_path / "step_000002.tmp"
     assert (half / "__0_0.distcp").exists() and not (half / ".metadata").exists()
     assert (tmp_path / LATEST).read_text() == "step_000001\n"
@@ -314,25 +319,46 @@ def test_fsdp1_state_dict_types_are_all_explained():
         checkpoint_name(-1)
 
 
+def _present(root, name: str, step: checkpoint_model.CommitStep, hashed: list) -> bool:
+    """Whether ``step`` of the save of ``name`` under ``root`` is done, as far as can be seen."""
+    if not step.path:  # the hash step writes nothing: done once this process has hashed a file
+        return bool(hashed)
+    if step.path == LATEST:  # the pointer exists already: the step is done when it names step_K
+        return (root / LATEST).read_text() == f"{name}\n"
+    path = step.path.format(name=name)  # once renamed, what was in step_K.tmp is in step_K
+    return any(root.glob(path)) or any(root.glob(path.replace(f"{name}.tmp", name)))
+
+
+def _count_hashing(monkeypatch, hashed: list, observe=None) -> None:
+    """Record in ``hashed`` the name of every file the checkpoint code hashes (calling ``observe``
+    before and after each, if given)."""
+    real = checkpoint_verify._hash_spans
+
+    def hash_spans(path, spans):
+        if observe is not None:
+            observe()
+        out = real(path, spans)
+        hashed.append(os.path.basename(path))
+        if observe is not None:
+            observe()
+        return out
+
+    monkeypatch.setattr(checkpoint_verify, "_hash_spans", hash_spans)
+
+
 def test_commit_steps_are_what_a_save_does_in_that_order(tmp_path, monkeypatch):
     """COMMIT_STEPS against a real save: each step's path appears, in the listed order, at the
-    moments the save can be observed (each os.replace, the shard hook, entering DCP), and until
-    the last step ``latest`` still names the previous checkpoint."""
+    moments the save can be observed (each os.replace, the shard hook, each hash, entering and
+    leaving DCP), and until the last step ``latest`` still names the previous checkpoint."""
     model, opt = _trained()
     save_checkpoint(tmp_path, 1, model, opt)
     name, previous = checkpoint_name(2), checkpoint_name(1)
-
-    def present(step: checkpoint_model.CommitStep) -> bool:
-        if step.path == LATEST:  # the pointer exists already: the step is done when it names step_K
-            return (tmp_path / LATEST).read_text() == f"{name}\n"
-        path = step.path.format(name=name)  # once renamed, what was in step_K.tmp is in step_K
-        return any(tmp_path.glob(path)) or any(tmp_path.glob(path.replace(f"{name}.tmp", name)))
-
     seen: list[list[bool]] = []
     pointers: list[str] = []
+    hashed: list[str] = []
 
     def observe() -> None:
-        seen.append([present(s) for s in checkpoint_model.COMMIT_STEPS])
+        seen.append([_present(tmp_path, name, s, hashed) for s in checkpoint_model.COMMIT_STEPS])
         pointers.append((tmp_path / LATEST).read_text())
 
     real_replace, real_save = os.replace, ckpt.dcp.save
@@ -351,6 +377,7 @@ def test_commit_steps_are_what_a_save_does_in_that_order(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ckpt.os, "replace", replace)
     monkeypatch.setattr(ckpt.dcp, "save", dcp_save)
+    _count_hashing(monkeypatch, hashed, observe)
     _step(model, opt, 1)
     save_checkpoint(tmp_path, 2, model, opt, after_shard_written=observe)
     monkeypatch.undo()
@@ -363,6 +390,82 @@ def test_commit_steps_are_what_a_save_does_in_that_order(tmp_path, monkeypatch):
     # a crash at any observed moment before the pointer is replaced leaves the previous checkpoint
     assert all(p == f"{previous}\n" for p, row in zip(pointers, seen) if not row[-1])
     assert [s.name for s in checkpoint_model.COMMIT_STEPS][-2:] == ["rename", "point latest"]
+    assert hashed == ["__0_0.distcp", ".metadata"]  # each file once: the shard, then the index
+
+
+def test_an_asynchronous_save_commits_only_in_wait(tmp_path):
+    """Staged, written and hashed in the background: the ``background`` steps of COMMIT_STEPS
+    are done before ``wait()``, and nothing else; ``wait()`` commits."""
+    model, opt = _trained()
+    save_checkpoint(tmp_path, 1, model, opt)
+    _step(model, opt, 1)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    pending = save_checkpoint(tmp_path, 2, model, opt, asynchronous=True)
+    assert isinstance(pending, ckpt.PendingCheckpoint) and pending.path == tmp_path / "step_000002.tmp"
+    _step(model, opt, 2)  # training goes on: the save holds the state of the call, staged
+    while not pending.done():
+        time.sleep(0.001)
+    done = [_present(tmp_path, checkpoint_name(2), s, ["hashed"]) for s in checkpoint_model.COMMIT_STEPS]
+    assert done == [s.background or s.name == "write aside" for s in checkpoint_model.COMMIT_STEPS]
+    assert (tmp_path / LATEST).read_text() == "step_000001\n"
+    assert resolve_checkpoint(tmp_path) == tmp_path / "step_000001"  # a job killed now resumes from 1
+    saved = pending.wait()
+    assert pending.wait() is saved  # a second call: the same result, nothing done twice
+    assert (saved.path, saved.step, saved.asynchronous) == (tmp_path / "step_000002", 2, True)
+    assert (tmp_path / LATEST).read_text() == "step_000002\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step_000001", "step_000002"]
+    assert 0 < saved.blocked_s < saved.seconds and 0 < saved.wait_s < saved.seconds
+    assert saved.hashed == {k: v for k, v in saved.files.items() if k != MANIFEST}
+    fresh, fresh_opt = _trained(seed=1, steps=0)
+    load_checkpoint(tmp_path, fresh, fresh_opt)
+    assert _same_tensors(fresh.state_dict(), expected)
+
+
+def test_an_asynchronous_save_never_waited_for_leaves_only_its_tmp(tmp_path):
+    model, opt = _trained()
+    save_checkpoint(tmp_path, 1, model, opt)
+    pending = save_checkpoint(tmp_path, 2, model, opt, asynchronous=True)
+    while not pending.done():
+        time.sleep(0.001)
+    ckpt._PENDING.clear()  # as if the job died here: wait() never runs
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step_000001", "step_000002.tmp"]
+    assert sorted(p.name for p in pending.path.iterdir()) == [".metadata", "__0_0.distcp"]  # no manifest
+    with pytest.raises(CheckpointError, match=r"incomplete checkpoint .*checkpoint\.json is missing"):
+        load_checkpoint(pending.path, model, opt)
+    assert load_checkpoint(tmp_path, model, opt).step == 1
+
+
+def test_an_asynchronous_save_that_fails_raises_in_wait_and_commits_nothing(tmp_path):
+    model, opt = _trained()
+    save_checkpoint(tmp_path, 1, model, opt)
+
+    def die():  # in the background thread, once the shard is on disk
+        raise RuntimeError("disk gone")
+
+    pending = save_checkpoint(tmp_path, 2, model, opt, asynchronous=True, after_shard_written=die)
+    with pytest.raises(DcpCheckpointException, match="disk gone"):
+        pending.wait()
+    assert (tmp_path / LATEST).read_text() == "step_000001\n" and not (tmp_path / "step_000002").exists()
+    assert save_checkpoint(tmp_path, 2, model, opt).step == 2  # the next save is not held up by it
+
+
+def test_asynchronous_and_synchronous_saves_hold_the_same_bytes(tmp_path):
+    """The same state saved both ways: identical shard files (their checksums), identical
+    tensors loaded; the next save commits a pending one first."""
+    model, opt = _trained(steps=2)
+    pending = save_checkpoint(tmp_path / "async", 2, model, opt, asynchronous=True)
+    sync = save_checkpoint(tmp_path / "sync", 2, model, opt)  # commits the pending save first
+    assert pending.done() and (tmp_path / "async" / LATEST).read_text() == "step_000002\n"
+    waited = pending.wait()
+    manifests = [json.loads((s.path / MANIFEST).read_text()) for s in (waited, sync)]
+    assert manifests[0]["sha256"]["__0_0.distcp"] == manifests[1]["sha256"]["__0_0.distcp"]
+    loaded = []
+    for s in (waited, sync):
+        fresh, fresh_opt = _trained(seed=1, steps=0)
+        load_checkpoint(s.path, fresh, fresh_opt)
+        loaded.append((fresh.state_dict(), fresh_opt.state_dict()["state"]))
+    assert _same_tensors(loaded[0][0], loaded[1][0]) and _same_tensors(loaded[0][0], model.state_dict())
+    assert all(_same_tensors(loaded[0][1][i], loaded[1][1][i]) for i in loaded[0][1])
 
 
 def test_a_resave_of_the_latest_step_never_leaves_latest_dangling(tmp_path, monkeypatch):

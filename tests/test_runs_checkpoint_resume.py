@@ -9,7 +9,8 @@ by the tests through module-scoped fixtures:
 1. ``reference``: 2 ranks, 6 steps uninterrupted, saving every 2 steps, exporting at the end;
 2. ``killed``: the same, but rank 1 SIGKILLs itself in the save of step 4, its shard written;
 3. ``resumed``: 2 ranks resume the killed job's directory (from step 2) and finish it;
-4. ``grown``: 4 ranks resume the reference's step-2 checkpoint (2 → 4), saving at step 4;
+4. ``grown``: 4 ranks resume the reference's step-2 checkpoint (2 → 4), saving at step 4
+   asynchronously;
 5. ``shrunk``: 2 ranks resume the 4-rank step-4 checkpoint (4 → 2);
 6. ``fp16_reference``: 8 steps of fp16 with a gradient scaler, uninterrupted;
 7. ``preempted_by_rank``: the same, but rank 1 sends itself SIGUSR1 after step 3;
@@ -93,8 +94,9 @@ def resumed(killed):
 def grown(reference, tmp_path_factory):
     root = tmp_path_factory.mktemp("grown")
     shutil.copytree(reference[0] / "step_000002", root / "ckpt" / "step_000002")
-    result = _run(4, {"ckpt_dir": str(root / "ckpt"), "save_every": 4, "resume": True, "resume_step": 2},
-                  root / "out")
+    # its save is asynchronous (DCP's async_save), committed when training ends; shrunk loads it
+    result = _run(4, {"ckpt_dir": str(root / "ckpt"), "save_every": 4, "resume": True, "resume_step": 2,
+                      "async_checkpoint": True}, root / "out")
     return root / "ckpt", result
 
 
@@ -305,3 +307,12 @@ def test_the_printed_command_completes_bit_identically(cli_preempted, fp16_refer
     for key in ("losses", "lr", "grad_scale"):  # exact floats: weights, schedule, scaler, data
         assert done.metric(key)[0] == fp16_reference.metric(key)[0][start:], key
     assert fp16_reference.metric("grad_scale")[0][0] == 65536.0
+
+
+def test_an_asynchronous_save_blocks_less_and_commits_a_verified_checkpoint(grown, shrunk):
+    ckpt, result = grown
+    (save,) = result.extra["saves"]
+    assert save["name"] == "step_000004" and (ckpt / LATEST).read_text() == "step_000004\n"
+    assert 0 < save["blocked_s"] < save["save_s"]  # the loop waited for the copy, not the write
+    assert validate_checkpoint(ckpt)["step"] == 4  # complete, every checksum verified
+    assert shrunk.extra["loaded"]["name"] == "step_000004"  # and it loads, resharded to 2 ranks

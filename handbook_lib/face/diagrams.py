@@ -154,7 +154,7 @@ def plot_commit_protocol(steps: Sequence[CommitStep]) -> Figure:
         if i:
             ax.add_patch(FancyArrowPatch((i - (1 - width) / 2 - 0.005, 0.695), (x + 0.005, 0.695),
                                          arrowstyle="-|>", mutation_scale=10, color="0.2"))
-    fig.suptitle("A save commits in this order: until step 6, latest names the previous checkpoint",
+    fig.suptitle(f"A save commits in this order: until step {n}, latest names the previous checkpoint",
                  fontsize=10)
     return fig
 

@@ -42,6 +42,14 @@ class RankFailure:
     stage: str = ""
     """In a batch, the label of the config the rank was running when it failed."""
 
+def _raised_in_a_collective(traceback: str) -> bool:
+    """Whether the innermost frame of a Python traceback is in ``torch.distributed`` (a
+    collective, or DCP's all-reduce of its ranks' errors): the rank was waiting on its peers when
+    it failed. gloo's words for a lost peer vary (and DCP wraps them), so the frame says it."""
+    frames = [line for line in traceback.splitlines() if line.lstrip().startswith('File "')]
+    return bool(frames) and "torch/distributed/" in frames[-1].replace("\\", "/")
+
+
 def read_rank(out_dir: Path, rank: int) -> RankFailure:
     """How rank ``rank`` of the run in ``out_dir`` ended, from its state and stack files."""
     status_file = rank_status_path(out_dir, rank)
@@ -51,7 +59,8 @@ def read_rank(out_dir: Path, rank: int) -> RankFailure:
         if info.status == "ok":
             return RankFailure(rank, "ok", "finished")
         summary = f"{info.error_type}: {info.message}".strip()
-        consequential = info.distributed_error or bool(_CONSEQUENTIAL.search(summary))
+        consequential = (info.distributed_error or bool(_CONSEQUENTIAL.search(summary))
+                         or _raised_in_a_collective(info.traceback))
         return RankFailure(rank, "error", summary, info.traceback, consequential, info.stage)
     if not stacks_file.exists():  # the harness creates it first thing: this rank never got there
         return RankFailure(

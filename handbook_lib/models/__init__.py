@@ -25,6 +25,8 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         RESERVE_FRACTION, RESERVE_MODEL, RESERVE_SOURCE, reserved_bytes,
     )
     from handbook_lib.models.checkpoint import (
+        scale_model_width,
+        cost_fraction,
         CHECKPOINT_SCHEMA, CHECKSUM, COMMIT_STEPS, FSDP1_STATE_DICT_TYPES, JOB_INTERRUPTIONS,
         LATEST, MANIFEST, NCCL_DEFAULT_TIMEOUT_S, NOT_SAVED_ON_GPU, CheckpointCost, CommitStep,
         TensorCount, checkpoint_interval_s, checkpoint_name, estimate_checkpoint_cost,
@@ -127,6 +129,10 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     )
     from handbook_lib.models.lr_schedule import (
         lr_factor,
+    )
+    from handbook_lib.models.faults import (
+        Fault,
+        NODE_FAULTS,
     )
 
 _HOMES = {
@@ -346,6 +352,10 @@ _HOMES = {
     "PublishedAxisMemory": "published",
     "axis_memory_rows": "published",
     "lr_factor": "lr_schedule",
+    "Fault": "faults",
+    "NODE_FAULTS": "faults",
+    "scale_model_width": "checkpoint",
+    "cost_fraction": "checkpoint",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -398,6 +408,8 @@ __all__ = [
     "AxisOption", "axes_reason", "compare_axes", "recommend_axes",
     "PUBLISHED_AXIS_MEMORY", "AxisMemoryRow", "PublishedAxisMemory", "axis_memory_rows",
     "lr_factor",
+    "Fault", "NODE_FAULTS",
+    "scale_model_width", "cost_fraction",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

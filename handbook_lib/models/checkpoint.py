@@ -9,8 +9,11 @@ protocol is drawn from :data:`COMMIT_STEPS` and a test checks a real save agains
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from statistics import median
 
+from handbook_lib.core.architecture import ModelConfig
 from handbook_lib.core.checks import check_int, lookup
 from handbook_lib.models.layout import ModelLike, model_layout
 from handbook_lib.models.model_state import OPTIMIZER_RULES
@@ -18,14 +21,20 @@ from handbook_lib.models.model_state import OPTIMIZER_RULES
 __all__ = ["CHECKPOINT_SCHEMA", "CHECKSUM", "MANIFEST", "LATEST", "CommitStep", "COMMIT_STEPS",
            "FSDP1_STATE_DICT_TYPES", "TensorCount", "checkpoint_name", "estimate_checkpoint_count",
            "NCCL_DEFAULT_TIMEOUT_S", "JOB_INTERRUPTIONS", "NOT_SAVED_ON_GPU", "CheckpointCost",
-           "estimate_checkpoint_cost", "job_mtbf_s", "checkpoint_interval_s"]
+           "estimate_checkpoint_cost", "job_mtbf_s", "checkpoint_interval_s", "scale_model_width",
+           "cost_fraction"]
 
-CHECKPOINT_SCHEMA = "handbook.checkpoint/2"
-"""Version tag of the manifest (2: with a checksum per file)."""
+CHECKPOINT_SCHEMA = "handbook.checkpoint/3"
+"""Version tag of the manifest (2: a checksum per file; 3: a checksum per item of every file,
+hashed by the rank that wrote it)."""
 
 CHECKSUM = "sha256"
-"""The hash of every file, in the manifest under this key. SHA-256 over blake2b: measured 1.35 vs
-0.81 GB/s on this book's CPU (SHA extensions), and it is what ``sha256sum`` prints."""
+"""The hash in the manifest, under this key: for every file, the SHA-256 of each of its items
+(DCP's unit of reading: one tensor piece or one pickled value), as ``[offset, length, hex]``
+covering the file. SHA-256 over blake2b: measured 1.35 vs 0.81 GB/s on this book's CPU (SHA
+extensions). Per item, not per file, so that a rank verifies exactly the bytes it reads: at
+load every rank reads a few bytes of many files (the replicated ``step`` counters and
+hyperparameters that DCP wrote once, into whichever rank's file it chose)."""
 
 MANIFEST = "checkpoint.json"
 """The manifest: written last, so its presence marks a complete save."""
@@ -43,23 +52,31 @@ class CommitStep:
     """Short name, e.g. ``"manifest"``."""
     path: str
     """What the step makes appear, relative to the root; ``{name}`` stands for ``step_K``
-    (a glob pattern where one file per rank appears)."""
+    (a glob pattern where one file per rank appears); empty for a step that writes nothing."""
     who: str
     """Which ranks do it."""
     action: str
     """What is done, in a few words."""
     crash_leaves: str
     """What ``latest`` names if the job dies during or right after this step."""
+    background: bool = False
+    """Done in the background by an asynchronous save (``save_checkpoint(asynchronous=True)``),
+    while training goes on; the other steps run in the save call or in ``wait()``."""
+
+
+_BEFORE = "the previous checkpoint; step_K.tmp is never loaded"
 
 COMMIT_STEPS: tuple[CommitStep, ...] = (
     CommitStep("write aside", "{name}.tmp", "DCP", "create step_K.tmp (rank 0 first removes a dead "
-               "save's)", "the previous checkpoint; step_K.tmp is never loaded"),
-    CommitStep("shards", "{name}.tmp/__*_*.distcp", "every rank", "write its own shards",
-               "the previous checkpoint; step_K.tmp is never loaded"),
-    CommitStep("index", "{name}.tmp/.metadata", "rank 0 (DCP)", "write DCP's .metadata once every "
-               "rank's shards are written", "the previous checkpoint; step_K.tmp is never loaded"),
-    CommitStep("manifest", "{name}.tmp/" + MANIFEST, "rank 0", "hash every file; write sizes and "
-               "SHA-256 (temporary file, renamed)", "the previous checkpoint; step_K.tmp is never loaded"),
+               "save's)", _BEFORE),
+    CommitStep("shards", "{name}.tmp/__*_*.distcp", "every rank", "write its own shards", _BEFORE,
+               background=True),
+    CommitStep("hash", "", "every rank", "hash its own file, item by item, in parallel", _BEFORE,
+               background=True),
+    CommitStep("index", "{name}.tmp/.metadata", "rank 0 (DCP)", "write DCP's index once all "
+               "shards are written", _BEFORE, background=True),
+    CommitStep("manifest", "{name}.tmp/" + MANIFEST, "rank 0", "gather every rank's sizes and "
+               "hashes, add the index's; write them (temporary file, renamed)", _BEFORE),
     CommitStep("rename", "{name}", "rank 0", "rename step_K.tmp to step_K (os.replace), "
                "an old step_K to .old first",
                "the previous checkpoint; step_K is complete, just not latest"),
@@ -67,8 +84,10 @@ COMMIT_STEPS: tuple[CommitStep, ...] = (
                "rename it over latest", "step_K (os.replace is atomic: the old name or the new, never none)"),
 )
 """The commit protocol of :func:`~handbook_lib.runtime.checkpoint.save_checkpoint`, in the order it
-performs the steps: the one
-list the book's diagram and the tests read."""
+performs the steps: the one list the book's diagram and the tests read. A step's ``path`` is
+empty when it writes nothing to disk (``hash``: each rank's digests travel to rank 0 in a
+gather). An asynchronous save does the ``background`` steps in a thread, after copying the
+state to CPU memory; the manifest, the rename and the pointer wait for ``wait()``."""
 
 FSDP1_STATE_DICT_TYPES: dict[str, tuple[str, str, str]] = {
     "FULL_STATE_DICT": (
@@ -192,19 +211,26 @@ class CheckpointCost:
 
     @property
     def rank0_hash_s(self) -> float:
-        """The book's save: rank 0 reads back and hashes every file, one after another, while
-        every other rank waits in a barrier (the slower of reading and hashing)."""
+        """The book's first design: rank 0 read back and hashed every file, one after another,
+        while every other rank waited in a barrier (the slower of reading and hashing)."""
         return self.total_bytes / min(self.hash_bps, self.storage_bps)
 
     @property
     def load_read_bytes(self) -> int:
-        """The book's load: every rank reads every file to verify its checksum."""
+        """The first design's load: every rank read every file to verify its checksum."""
         return self.ranks * self.total_bytes
 
     @property
     def own_hash_s(self) -> float:
-        """Each rank hashing only the file it wrote (issue 26): its shard, in parallel."""
+        """Each rank hashing only the file it wrote (issue 26, today's save): its shard, all
+        ranks in parallel."""
         return self.bytes_per_rank / self.hash_bps
+
+    @property
+    def verify_read_bytes(self) -> int:
+        """Today's load at the saving world size: each rank verifies the items it reads, its own
+        shard and a few replicated bytes of the others; the job reads the checkpoint about once."""
+        return self.total_bytes
 
 
 def estimate_checkpoint_cost(params: int, *, nodes: int, gpus_per_node: int = 8,
@@ -243,3 +269,42 @@ def checkpoint_interval_s(save_s: float, mtbf_s: float) -> float:
     if not (save_s > 0 and mtbf_s > 0):
         raise ValueError(f"save_s and mtbf_s must be > 0, got {save_s}, {mtbf_s}")
     return math.sqrt(2 * save_s * mtbf_s)
+
+
+def scale_model_width(config: ModelConfig, scale: int) -> ModelConfig:
+    """``config`` widened so that it has about ``scale`` times its parameters (and checkpoint
+    bytes): ``d_model`` (a multiple of ``nhead``) and ``dim_feedforward`` grow by the same
+    factor, the vocabulary and the layers stay. The width whose parameter count is nearest to
+    ``scale`` times ``config``'s is chosen; ``scale`` 1 returns ``config``.
+
+    Raises:
+        ValueError: if ``scale`` is not an int >= 1.
+    """
+    check_int("scale", scale, 1)
+    if scale == 1:
+        return config
+    target = scale * model_layout(config).num_params
+
+    def widened(d_model: int) -> ModelConfig:
+        return replace(config, d_model=d_model,
+                       dim_feedforward=max(1, round(config.dim_feedforward * d_model / config.d_model)))
+
+    # parameters grow at most quadratically with the width: scale x params needs at most scale x width
+    widths = range(config.d_model, scale * config.d_model + config.nhead, config.nhead)
+    return min((widened(d) for d in widths), key=lambda m: abs(model_layout(m).num_params - target))
+
+
+def cost_fraction(part_s: Sequence[float], whole_s: Sequence[float]) -> float:
+    """The median of ``part_s`` over the median of ``whole_s`` (seconds, one value per repeat):
+    e.g. the hashing inside a save as a fraction of the save. Medians, so one slow repeat on a
+    busy machine moves neither.
+
+    Raises:
+        ValueError: if either is empty, or the median of ``whole_s`` is not > 0.
+    """
+    if not part_s or not whole_s:
+        raise ValueError("cost_fraction needs at least one time in part_s and in whole_s")
+    whole = median(whole_s)
+    if not whole > 0:
+        raise ValueError(f"whole_s must have a median > 0 s, got {whole}")
+    return median(part_s) / whole

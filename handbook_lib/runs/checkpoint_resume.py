@@ -73,6 +73,8 @@ from handbook_lib.runs.entry import RankReport, main
 from handbook_lib.runtime.build import parallelize
 from handbook_lib.runtime.checkpoint import (
     CheckpointError,
+    PendingCheckpoint,
+    SavedCheckpoint,
     check_model_shapes,
     export_full_state_dict,
     load_checkpoint,
@@ -85,6 +87,7 @@ from handbook_lib.runtime.data_loader import LoaderBatches
 from handbook_lib.runtime.distributed import RankContext
 from handbook_lib.runtime.optimization import build_grad_scaler, build_lr_scheduler, build_optimizer
 from handbook_lib.runtime.preemption import Preempted, PreemptionWatch
+from handbook_lib.runtime.random_state import seed_generators
 from handbook_lib.runtime.training import StepEnd, train
 
 EXPORT_FILE = "export.pt"
@@ -125,8 +128,17 @@ class CheckpointRunConfig(RunConfig):
     kill_signal: Literal["SIGKILL", "SIGTERM", "SIGUSR1"] = "SIGKILL"
     """What rank ``kill_rank`` sends itself after ``kill_at_step``: SIGKILL (it dies at once) or a
     preemption notice, SIGTERM or SIGUSR1 (every rank saves at that step's end and stops)."""
+    kill_node: bool = False
+    """With ``kill_signal=SIGKILL``: kill rank ``kill_rank``'s whole node instead, its torchrun
+    agent (the agent and every rank it started die at once, as a node that loses power), in the
+    middle of step ``kill_at_step`` (after its backward, before its optimizer step), or with
+    ``kill_in_save`` during that step's save."""
     dataset_size: int = 24
     """Sequences in the dataset the data loader shuffles each epoch (a multiple of batch_size)."""
+    async_checkpoint: bool = False
+    """Save with DCP's ``async_save``: the loop waits only while the state is copied to host
+    memory; the files are written in the background and committed (verified, renamed, pointed
+    to) at the next save, a preemption or the end."""
     export: bool = False
     """After training, gather the full state dict to rank 0 and save it as ``ckpt_dir/export.pt``."""
 
@@ -168,15 +180,20 @@ def validate(config: CheckpointRunConfig, world_size: int) -> None:
     if config.kill_in_save and not (config.kill_at_step > 0 and config.save_every
                                     and config.kill_at_step % config.save_every == 0):
         raise ValueError("kill_in_save needs kill_at_step to be a step that saves (a multiple of save_every)")
-    if config.kill_in_save and config.kill_signal != "SIGKILL":
-        raise ValueError(f"kill_in_save needs kill_signal='SIGKILL' (a preemption notice is answered at the "
-                         f"step's end, not mid-save), got {config.kill_signal!r}")
+    if (config.kill_in_save or config.kill_node) and config.kill_signal != "SIGKILL":
+        raise ValueError(f"kill_in_save and kill_node need kill_signal='SIGKILL' (a preemption notice is "
+                         f"answered at the step's end), got {config.kill_signal!r}")
+    if config.kill_node and config.kill_at_step == -1:
+        raise ValueError("kill_node needs kill_at_step (the step in which the node is lost)")
 
 
-def _kill(ctx: RankContext, where: str) -> None:
-    print(f"rank {ctx.rank}: SIGKILL {where}", flush=True)
+def _kill(ctx: RankContext, where: str, node: bool = False) -> None:
+    """SIGKILL this rank, or (``node``) its torchrun agent: the rank dies with it (the harness
+    asked Linux for that), and so does every other rank of its node."""
+    print(f"rank {ctx.rank}: SIGKILL {'to its node (torchrun agent) ' if node else ''}{where}", flush=True)
     sys.stderr.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getppid() if node else os.getpid(), signal.SIGKILL)
+    time.sleep(60)  # (a node's rank waits for the death its agent's brings)
 
 
 def _resume_path(config: CheckpointRunConfig, root: Path) -> Path | None:
@@ -237,36 +254,89 @@ def _job_state(config: CheckpointRunConfig, ctx: RankContext, optimizer: torch.o
     return parts, loader, scaler
 
 
+class _Saves:
+    """The run's saves, each as one record: synchronous, or (``async_checkpoint``) started by
+    DCP's ``async_save`` and committed at the next save, at a preemption or at the end."""
+
+    def __init__(self, config: CheckpointRunConfig, ctx: RankContext, root: Path, parts: dict[str, Any]) -> None:
+        self.config, self.ctx, self.root, self.parts = config, ctx, root, parts
+        self.records: list[dict[str, Any]] = []
+        self.pending: PendingCheckpoint | None = None
+
+    def save(self, end: StepEnd, hook: Any = None) -> None:
+        self.commit()
+        saved = save_checkpoint(self.root, end.step, end.model, end.optimizer, keep_last=self.config.keep_last,
+                                after_shard_written=hook, stateful=self.parts, device=self.ctx.device,
+                                asynchronous=self.config.async_checkpoint)
+        if isinstance(saved, PendingCheckpoint):
+            self.pending = saved
+        else:
+            self._record(saved)
+
+    def commit(self) -> None:
+        """Wait for an asynchronous save and commit it (collective: every rank calls it)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self._record(pending.wait())
+
+    def _record(self, saved: SavedCheckpoint) -> None:
+        blocked = saved.blocked_s + saved.wait_s if saved.asynchronous else saved.seconds
+        self.records.append({"name": saved.path.name, "step": saved.step, "save_s": saved.seconds,
+                             "blocked_s": blocked, "files": saved.files})
+        if self.ctx.is_main:
+            print(f"saved {saved.path.name} in {saved.seconds:.2f} s (the loop blocked {blocked:.2f} s)", flush=True)
+
+    @property
+    def last_step(self) -> int:
+        """The step of the newest save, committed or pending (-1: none)."""
+        return self.pending.step if self.pending else self.records[-1]["step"] if self.records else -1
+
+
+def _resume(config: CheckpointRunConfig, ctx: RankContext, model: torch.nn.Module,
+            optimizer: torch.optim.Optimizer, parts: dict[str, Any], loader: LoaderBatches,
+            ) -> tuple[int, dict[str, Any] | None]:
+    """Load the checkpoint ``resume`` names, if any: ``(start step, what was loaded)``."""
+    path = _resume_path(config, Path(config.ckpt_dir)) if config.resume else None
+    if path is None:
+        return 0, None
+    info = load_checkpoint(path, model, optimizer, stateful=parts, device=ctx.device)
+    if loader.position != info.step:
+        raise RuntimeError(f"checkpoint {info.path} is at step {info.step} but its data loader is at "
+                           f"batch {loader.position}")
+    if ctx.is_main:
+        print(f"resumed from {info.path.name} (saved by {info.world_size} ranks) in {info.seconds:.2f} s",
+              flush=True)
+    return info.step, {"name": info.path.name, "step": info.step, "saved_world_size": info.world_size,
+                       "rng_restored": info.rng_restored, "load_s": info.seconds, "epoch": loader.epoch}
+
+
+def _count_checks(config: CheckpointRunConfig, root: Path, newest: str, exported: dict | None,
+                  ) -> tuple[list[Check], dict[str, Any]]:
+    """The newest checkpoint's tensors and bytes, read from DCP's index, beside their prediction
+    (and the export's tensor bytes): rank 0's checks."""
+    counted = count_checkpoint(root / newest)
+    predicted = estimate_checkpoint_count(config.model_config(), config.optimizer)
+    checks = []
+    for group in ("model", "optim"):
+        checks += [
+            Check(f"checkpoint_{group}_tensors", None, predicted[group].tensors, counted[group].tensors, "tensors"),
+            Check(f"checkpoint_{group}_bytes", None, predicted[group].bytes, counted[group].bytes, "bytes"),
+        ]
+    if exported is not None:
+        checks.append(Check("export_tensor_bytes", None, predicted["model"].bytes,
+                            _exported_tensor_bytes(root / EXPORT_FILE), "bytes"))
+    return checks, {k: vars(v) for k, v in counted.items()}
+
+
 def run(config: CheckpointRunConfig, ctx: RankContext) -> RankReport:
     validate(config, ctx.world_size)
+    seed_generators(config.seed, ctx.rank)  # Python's and NumPy's too: their state is saved
     root = Path(config.ckpt_dir)
     model = parallelize(config, ctx)
     optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
     parts, loader, scaler = _job_state(config, ctx, optimizer)
-
-    start_step, loaded = 0, None
-    path = _resume_path(config, root) if config.resume else None
-    if path is not None:
-        info = load_checkpoint(path, model, optimizer, stateful=parts, device=ctx.device)
-        if loader.position != info.step:
-            raise RuntimeError(f"checkpoint {info.path} is at step {info.step} but its data loader is at "
-                               f"batch {loader.position}")
-        start_step = info.step
-        loaded = {"name": info.path.name, "step": info.step, "saved_world_size": info.world_size,
-                  "rng_restored": info.rng_restored, "load_s": info.seconds, "epoch": loader.epoch}
-        if ctx.is_main:
-            print(f"resumed from {info.path.name} (saved by {info.world_size} ranks) in "
-                  f"{info.seconds:.2f} s", flush=True)
-
-    saves = []
-
-    def save(end: StepEnd, hook: Any = None) -> None:
-        saved = save_checkpoint(root, end.step, end.model, end.optimizer, keep_last=config.keep_last,
-                                after_shard_written=hook, stateful=parts, device=ctx.device)
-        saves.append({"name": saved.path.name, "step": end.step, "save_s": saved.seconds,
-                      "files": saved.files})
-        if ctx.is_main:
-            print(f"saved {saved.path.name} in {saved.seconds:.2f} s", flush=True)
+    start_step, loaded = _resume(config, ctx, model, optimizer, parts, loader)
+    saves = _Saves(config, ctx, root, parts)
 
     def after_step(end: StepEnd) -> None:
         """Print the loss, save every ``save_every`` steps, kill or signal this rank where asked,
@@ -275,8 +345,8 @@ def run(config: CheckpointRunConfig, ctx: RankContext) -> RankReport:
             print(f"step {end.step}: loss {end.loss:.4f}", flush=True)
         killing = end.step == config.kill_at_step and ctx.rank == config.kill_rank
         if config.save_every and end.step % config.save_every == 0:
-            save(end, functools.partial(_kill, ctx, f"during the save of step {end.step}, its shard written")
-                 if killing and config.kill_in_save else None)
+            saves.save(end, functools.partial(_kill, ctx, f"during the save of step {end.step}, its shard "
+                                              "written", config.kill_node) if killing and config.kill_in_save else None)
         if killing and config.kill_signal == "SIGKILL":
             _kill(ctx, f"after step {end.step}")
         if killing:  # a preemption notice, as Slurm sends one
@@ -284,46 +354,33 @@ def run(config: CheckpointRunConfig, ctx: RankContext) -> RankReport:
             os.kill(os.getpid(), getattr(signal, config.kill_signal))
         stop = watch.agreed()
         if stop is not None:
-            if not saves or saves[-1]["step"] != end.step:
-                save(end)
+            if saves.last_step != end.step:
+                saves.save(end)
+            saves.commit()
             raise Preempted(end.step, stop, f"{checkpoint_name(end.step)} in {root}")
+
+    def mid_step(model: torch.nn.Module, step: int) -> None:
+        if not config.kill_in_save and step == config.kill_at_step and ctx.rank == config.kill_rank:
+            _kill(ctx, f"in step {step}, after its backward", node=True)
 
     with PreemptionWatch(ctx.device) as watch:
         log = train(model, optimizer, config, ctx, start_step=start_step, on_step=after_step, progress=False,
-                    scaler=scaler, batches=loader, scheduler=parts["scheduler"])
-    steps, losses, times = log.steps, log.losses, log.step_time_s
+                    scaler=scaler, batches=loader, scheduler=parts["scheduler"],
+                    after_backward=mid_step if config.kill_node else None)
+    saves.commit()
     exported = _export(config, ctx, model, root) if config.export else None
-    checks, counted = [], None
-    newest = saves[-1]["name"] if saves else loaded["name"] if loaded else None
-    if ctx.is_main and newest is not None:
-        counted = count_checkpoint(root / newest)
-        predicted = estimate_checkpoint_count(config.model_config(), config.optimizer)
-        for group in ("model", "optim"):
-            checks += [
-                Check(f"checkpoint_{group}_tensors", None, predicted[group].tensors, counted[group].tensors, "tensors"),
-                Check(f"checkpoint_{group}_bytes", None, predicted[group].bytes, counted[group].bytes, "bytes"),
-            ]
-        if exported is not None:
-            checks.append(Check("export_tensor_bytes", None, predicted["model"].bytes,
-                                _exported_tensor_bytes(root / EXPORT_FILE), "bytes"))
+    newest = saves.records[-1]["name"] if saves.records else loaded["name"] if loaded else None
+    checks, counted = _count_checks(config, root, newest, exported) if ctx.is_main and newest else ([], None)
     metrics = {
-        "steps": steps,
-        "losses": losses,
-        "step_time_s": times,
-        "save_s": [s["save_s"] for s in saves],
+        "steps": log.steps, "losses": log.losses, "step_time_s": log.step_time_s,
+        "save_s": [s["save_s"] for s in saves.records],
+        "save_blocked_s": [s["blocked_s"] for s in saves.records],
         "load_s": loaded["load_s"] if loaded else None,
         "rng_restored": loaded["rng_restored"] if loaded else None,
-        "lr": log.lr,
-        "grad_scale": log.grad_scale,
+        "lr": log.lr, "grad_scale": log.grad_scale,
     }
-    extra = {
-        "start_step": start_step,
-        "loaded": loaded,
-        "epochs_begun": loader.epoch + 1,
-        "saves": saves,
-        "export": exported,
-        "checkpoint_count": {k: vars(v) for k, v in counted.items()} if counted else None,
-    }
+    extra = {"start_step": start_step, "loaded": loaded, "epochs_begun": loader.epoch + 1, "saves": saves.records,
+             "export": exported, "checkpoint_count": counted}
     return RankReport(metrics=metrics, checks=checks, extra=extra)
 
 

@@ -28,18 +28,21 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         torch_dtype,
     )
     from handbook_lib.runtime.checkpoint import (
+        PendingCheckpoint,
         RESERVED_KEYS,
-        CheckpointError,
         LoadedCheckpoint,
         SavedCheckpoint,
-        check_model_shapes,
         export_full_state_dict,
-        file_checksum,
         load_checkpoint,
         load_exported,
+        save_checkpoint,
+    )
+    from handbook_lib.runtime.checkpoint_verify import (
+        CheckpointError,
+        check_model_shapes,
+        file_checksum,
         read_metadata,
         resolve_checkpoint,
-        save_checkpoint,
         validate_checkpoint,
     )
     from handbook_lib.runtime.checkpoint_inspect import (
@@ -145,6 +148,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         ring_core,
     )
     from handbook_lib.runtime.random_state import (
+        seed_generators,
         rng_state,
         set_rng_state,
     )
@@ -170,18 +174,18 @@ _HOMES = {
     "parallelize": "build",
     "APPLY": "build",
     "measure_init_bytes": "build",
-    "CheckpointError": "checkpoint",
+    "CheckpointError": "checkpoint_verify",
     "SavedCheckpoint": "checkpoint",
     "LoadedCheckpoint": "checkpoint",
     "save_checkpoint": "checkpoint",
-    "resolve_checkpoint": "checkpoint",
-    "validate_checkpoint": "checkpoint",
+    "resolve_checkpoint": "checkpoint_verify",
+    "validate_checkpoint": "checkpoint_verify",
     "load_checkpoint": "checkpoint",
     "export_full_state_dict": "checkpoint",
     "load_exported": "checkpoint",
-    "file_checksum": "checkpoint",
-    "check_model_shapes": "checkpoint",
-    "read_metadata": "checkpoint",
+    "file_checksum": "checkpoint_verify",
+    "check_model_shapes": "checkpoint_verify",
+    "read_metadata": "checkpoint_verify",
     "checkpoint_files": "checkpoint_inspect",
     "checkpoint_items": "checkpoint_inspect",
     "count_state_tensors": "checkpoint_inspect",
@@ -267,6 +271,8 @@ _HOMES = {
     "LoaderBatches": "data_loader",
     "Preempted": "preemption",
     "PreemptionWatch": "preemption",
+    "PendingCheckpoint": "checkpoint",
+    "seed_generators": "random_state",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -300,6 +306,8 @@ __all__ = [
     "sequences_from",
     "SequenceDataset", "LoaderBatches",
     "Preempted", "PreemptionWatch",
+    "PendingCheckpoint",
+    "seed_generators",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

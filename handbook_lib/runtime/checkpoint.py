@@ -9,7 +9,7 @@ On disk, under a root directory::
         __0_0.distcp ...     one file per rank: that rank's shards (DCP)
         .metadata            DCP's index: every tensor's global shape and where its pieces are
         checkpoint.json      our manifest, written last: step, world size, extra state, every
-                             file with its size and SHA-256 checksum
+                             file's size and the SHA-256 of each of its items
     root/step_000006.tmp/    a save in progress (or one that died): never loaded
 
 A save is written into ``step_K.tmp``, and becomes ``step_K`` (a rename) and ``latest`` (a
@@ -17,21 +17,23 @@ pointer file replaced atomically) only after every rank's shard, DCP's ``.metada
 manifest are on disk: the steps of :data:`~handbook_lib.models.checkpoint.COMMIT_STEPS`, in that
 order. A job killed at any moment therefore leaves ``latest`` pointing to a complete
 checkpoint; loading an incomplete one raises :class:`CheckpointError` naming what is missing.
-Loading verifies every file's checksum (streamed, ~1.3 GB/s with SHA-256 on a CPU with SHA
-extensions), so a file changed after the save — even with its size unchanged — is refused by
-name, and the model's tensor names and shapes are compared with DCP's index before any tensor is
-read, so a checkpoint of another model is refused naming the tensors that differ.
+Each rank hashes the file it wrote, item by item, all ranks at once, and at load verifies the
+items it reads (:mod:`handbook_lib.runtime.checkpoint_verify`; SHA-256, ~1.3 GB/s on a CPU with
+SHA extensions), so bytes changed after the save — even with the file's size unchanged — are
+refused by name; the model's tensor names and shapes are compared with DCP's index before any
+tensor is read, so a checkpoint of another model is refused naming the tensors that differ.
+An asynchronous save (``asynchronous=True``) copies the state to CPU memory and writes it in a
+background thread; it is committed, just as a synchronous one, by :meth:`PendingCheckpoint.wait`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,8 +43,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -61,38 +61,58 @@ from handbook_lib.models.checkpoint import (
     MANIFEST,
     checkpoint_name,
 )
+from handbook_lib.runtime.checkpoint_room import check_room
+from handbook_lib.runtime.checkpoint_verify import (
+    METADATA,
+    CheckpointError,
+    ShardWriter,
+    VerifyingReader,
+    aside_path,
+    check_model_shapes,
+    file_checksum,  # noqa: F401 - re-exported: still found here
+    load_refusal,
+    manifest_files,
+    read_metadata,
+    resolve_checkpoint,
+    summary,
+    validate_checkpoint,
+    verify_items,
+)
 from handbook_lib.runtime.model import SimpleTransformer
 from handbook_lib.runtime.random_state import rng_state, set_rng_state
 
 __all__ = [
-    "CheckpointError", "SavedCheckpoint", "LoadedCheckpoint", "save_checkpoint", "resolve_checkpoint",
-    "validate_checkpoint", "load_checkpoint", "export_full_state_dict", "load_exported", "file_checksum",
-    "check_model_shapes", "read_metadata", "RESERVED_KEYS",
+    "SavedCheckpoint", "LoadedCheckpoint", "PendingCheckpoint", "save_checkpoint", "load_checkpoint",
+    "export_full_state_dict", "load_exported", "RESERVED_KEYS",
 ]
+# CheckpointError, resolve_checkpoint, validate_checkpoint, file_checksum, check_model_shapes and
+# read_metadata live in checkpoint_verify; imported here, they are still found where they were.
 
 RESERVED_KEYS = ("model", "optim", "rng")
 """The top-level keys of every checkpoint; a caller's own ``stateful`` parts take other names."""
 
-_CHUNK = 1 << 20
-"""Bytes read at a time while hashing: the whole file is never in memory."""
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or unreadable. The message says what and where."""
-
 
 @dataclass(frozen=True)
 class SavedCheckpoint:
-    """What :func:`save_checkpoint` wrote."""
+    """What :func:`save_checkpoint` wrote (or :meth:`PendingCheckpoint.wait` committed)."""
 
     path: Path
     step: int
     seconds: float
-    """Wall time of the save on this rank, seconds (state dict, DCP write, commit)."""
+    """Wall time of the save on this rank, seconds: from the call to the commit (an
+    asynchronous save: to the end of ``wait()``, whatever ran in between)."""
     files: dict[str, int] = field(default_factory=dict)
-    """File name → bytes on disk (empty on ranks other than 0)."""
+    """File name → bytes on disk, every file of the checkpoint (empty on ranks other than 0)."""
     checksum_s: float = 0.0
-    """Of ``seconds``: time rank 0 spent hashing the files, seconds (0 on other ranks)."""
+    """Time this rank spent hashing the files it wrote (rank 0: and ``.metadata``), seconds."""
+    hashed: dict[str, int] = field(default_factory=dict)
+    """File name → bytes, of the files this rank hashed: its own (rank 0: and ``.metadata``)."""
+    blocked_s: float = 0.0
+    """Seconds the save call blocked its caller: all of ``seconds`` for a synchronous save; the
+    copy to CPU memory (staging) for an asynchronous one."""
+    wait_s: float = 0.0
+    """Seconds ``wait()`` blocked its caller (an asynchronous save; 0 otherwise)."""
+    asynchronous: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,6 +129,13 @@ class LoadedCheckpoint:
     """True if this rank's RNG state was restored (only at the saving world size)."""
     seconds: float
     """Wall time of the load on this rank, seconds."""
+    verified: dict[str, int] = field(default_factory=dict)
+    """File name → bytes this rank verified: ``.metadata`` and the items it read (empty without
+    ``verify_checksums``)."""
+    read: dict[str, int] = field(default_factory=dict)
+    """File name → bytes of the items DCP read from it on this rank."""
+    verify_s: float = 0.0
+    """Of ``seconds``: time this rank spent verifying checksums."""
 
 
 def _world() -> tuple[int, int]:
@@ -140,19 +167,65 @@ def _rng_key(rank: int) -> str:
     return f"rank{rank}"
 
 
-class _Writer(FileSystemWriter):
-    """DCP's file writer, with a hook called once this rank's shard file is on disk."""
+_ASYNC_GROUP: list[Any] = []
+"""The gloo process group of asynchronous saves, created once (collectively) by the first."""
 
-    def __init__(self, path: Path, after_write: Callable[[], None] | None) -> None:
-        super().__init__(path)
-        self._after_write = after_write
 
-    def write_data(self, plan, planner):
-        future = super().write_data(plan, planner)
-        if self._after_write is not None:
-            future.wait()
-            self._after_write()
-        return future
+def _async_group() -> Any:
+    """A process group of its own for DCP's collectives in the background thread (``None``
+    without a process group). The training loop's collectives run on the default group at the
+    same time; collectives of two threads on one group would be issued in different orders on
+    different ranks and mismatch. Gloo, because DCP's ``async_save`` needs a CPU backend."""
+    if _single():
+        return None
+    if not _ASYNC_GROUP:
+        _ASYNC_GROUP.append(dist.new_group(backend="gloo"))
+    return _ASYNC_GROUP[0]
+
+
+class PendingCheckpoint:
+    """An asynchronous save in flight (:func:`save_checkpoint` with ``asynchronous=True``): the
+    state was copied to CPU memory, and a background thread writes and hashes the shards into
+    ``step_K.tmp``. Nothing is committed until :meth:`wait`: a job that dies first leaves only
+    ``step_K.tmp``, never loaded.
+
+    Attributes:
+        step: The step being saved.
+        path: The directory being written, ``step_K.tmp``.
+        blocked_s: Seconds the save call blocked its caller (state dict and staging).
+    """
+
+    def __init__(self, future: Future, commit: Callable[[float], SavedCheckpoint], step: int, path: Path,
+                 blocked_s: float) -> None:
+        self._future, self._commit, self._saved = future, commit, None
+        self.step, self.path, self.blocked_s = step, path, blocked_s
+
+    def done(self) -> bool:
+        """True once the background write has ended (it may have failed: :meth:`wait` raises)."""
+        return self._future.done()
+
+    def wait(self) -> SavedCheckpoint:
+        """Wait for the background write, then commit the save exactly as a synchronous one does
+        (gather every rank's checksums, manifest, rename, ``latest``, pruning). Collective: every
+        rank calls it, at a step boundary (the next save does it first, if not done). A second
+        call returns the same result.
+
+        Raises:
+            torch.distributed.checkpoint.CheckpointException: if the background write failed
+                (on every rank: DCP gathers the failures); nothing is committed.
+        """
+        if self._saved is None:
+            begin = time.perf_counter()
+            try:
+                self._future.result()
+                self._saved = self._commit(begin)
+            finally:
+                _PENDING.clear()
+        return self._saved
+
+
+_PENDING: list[PendingCheckpoint] = []
+"""This process's asynchronous save not yet committed (at most one)."""
 
 
 def save_checkpoint(
@@ -166,14 +239,17 @@ def save_checkpoint(
     after_shard_written: Callable[[], None] | None = None,
     stateful: Mapping[str, Stateful] | None = None,
     device: torch.device | None = None,
-) -> SavedCheckpoint:
+    checksums: bool = True,
+    asynchronous: bool = False,
+) -> SavedCheckpoint | PendingCheckpoint:
     """Save model, optimizer, every rank's random generators and the caller's other state as
     ``root/step_K``; point ``latest`` at it.
 
-    Collective: every rank calls it. Each rank writes its own shards (DCP); rank 0
-    writes the manifest (``step``, the world size, ``extra``, every file with its
-    size), renames the directory from ``.tmp`` and replaces the ``latest`` pointer:
-    the steps of :data:`~handbook_lib.models.checkpoint.COMMIT_STEPS`, in that order.
+    Collective: every rank calls it. Each rank writes its own shards (DCP) and hashes them,
+    item by item, all ranks at once; rank 0 gathers the sizes and checksums, writes the
+    manifest (``step``, the world size, ``extra``, every file with its size and checksums),
+    renames the directory from ``.tmp`` and replaces the ``latest`` pointer: the steps of
+    :data:`~handbook_lib.models.checkpoint.COMMIT_STEPS`, in that order.
 
     Args:
         root: Directory holding the checkpoints.
@@ -192,40 +268,86 @@ def save_checkpoint(
             :data:`RESERVED_KEYS`.
         device: This rank's device: its CUDA generator is saved with the others
             (:func:`rng_state`).
+        checksums: Hash the files (False: sizes only; such a checkpoint loads only with
+            ``verify_checksums=False``; chapter 6 measures what the hashing costs with it).
+        asynchronous: Copy the state to CPU memory, write it in a background thread (DCP's
+            ``async_save``) and return a :class:`PendingCheckpoint` at once; its ``wait()``
+            commits. A pending save of this process is committed first.
+
+    Returns:
+        The :class:`SavedCheckpoint`, or with ``asynchronous`` a :class:`PendingCheckpoint`.
 
     Raises:
         ValueError: if a ``stateful`` name is one of :data:`RESERVED_KEYS`.
+        CheckpointError: before anything is written, on every rank, if the save would not fit:
+            the folder's free space, or a rank's file over the file-size limit
+            (:func:`~handbook_lib.runtime.checkpoint_room.check_room`).
     """
+    for pending in list(_PENDING):
+        pending.wait()
     start = time.perf_counter()
     parts = _stateful_parts(stateful)
     root = Path(root)
     rank, world = _world()
     name = checkpoint_name(step)
     tmp, final = root / f"{name}.tmp", root / name
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    rng = {_rng_key(rank): rng_state(device)}
+    state = {"model": model_sd, "optim": optim_sd, "rng": rng, **parts}
+    check_room(root, name, state, device)  # a full disk or a file-size limit: refused, nothing written
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a save of an earlier job that died
     _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    rng = {_rng_key(rank): rng_state(device)}
-    state = {"model": model_sd, "optim": optim_sd, "rng": rng, **parts}
-    with _single_process_quiet():  # returns once .metadata is written
-        writer = _Writer(tmp, after_shard_written)
-        dcp.save(state, storage_writer=writer, no_dist=_single())
-    files: dict[str, int] = {}
-    checksum_s = 0.0
-    if rank == 0:
-        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
-        begin = time.perf_counter()
-        sums = {name: file_checksum(tmp / name) for name in files}
-        checksum_s = time.perf_counter() - begin
-        write_json_atomic(tmp / MANIFEST, {
-            "schema": CHECKPOINT_SCHEMA, "step": step, "world_size": world,
-            "extra": dict(extra or {}), "files": files, CHECKSUM: sums,
-        })
+    writer = ShardWriter(tmp, after_shard_written, checksums)
+
+    def commit(wait_begin: float) -> SavedCheckpoint:
+        files, hashed, hash_s = _commit(root, name, step, world, extra, keep_last, writer, checksums)
+        end = time.perf_counter()
+        return SavedCheckpoint(final, step, end - start, files, hash_s, hashed,
+                               blocked_s if asynchronous else end - start,
+                               end - wait_begin if asynchronous else 0.0, asynchronous)
+
+    with _single_process_quiet():  # returns once .metadata is written (async: once staged)
+        if not asynchronous:
+            try:
+                dcp.save(state, storage_writer=writer, no_dist=_single())
+            except dcp.CheckpointException as err:  # one line per rank, not DCP's tracebacks
+                raise CheckpointError(f"cannot write checkpoint {tmp}: {summary(err)}; it is never loaded, "
+                                      f"and {LATEST!r} still names the previous one") from None
+            return commit(start)
+        future = dcp.async_save(state, storage_writer=writer, process_group=_async_group(),
+                                no_dist=_single())
+        while _single() and not (writer.started.wait(0.001) or future.done()):
+            pass  # DCP's thread warns first that it saves in one process: still silenced here
+    blocked_s = time.perf_counter() - start
+    _PENDING.append(PendingCheckpoint(future, commit, step, tmp, blocked_s))
+    return _PENDING[-1]
+
+
+def _commit(root: Path, name: str, step: int, world: int, extra: Mapping[str, Any] | None, keep_last: int,
+            writer: ShardWriter, checksums: bool) -> tuple[dict[str, int], dict[str, int], float]:
+    """Gather every rank's files and checksums on rank 0, which writes the manifest, renames
+    ``step_K.tmp`` and points ``latest`` at it; then a barrier. Returns (on this rank) the
+    checkpoint's files (rank 0; else empty), the files this rank hashed and its seconds hashing."""
+    tmp, final = root / f"{name}.tmp", root / name
+    report = (writer.written, writer.digests)
+    reports = [report]
+    if world > 1:
+        reports = [None] * world if dist.get_rank() == 0 else None
+        dist.gather_object(report, reports, dst=0)
+    hashed = dict(writer.written) if checksums else {}
+    hash_s, files = writer.hash_s, {}
+    if reports is not None:  # rank 0
+        files, sums, meta_s = manifest_files(tmp, reports, checksums)
+        if checksums:
+            hashed[METADATA], hash_s = files[METADATA], hash_s + meta_s
+        manifest = {"schema": CHECKPOINT_SCHEMA, "step": step, "world_size": world,
+                    "extra": dict(extra or {}), "files": files}
+        write_json_atomic(tmp / MANIFEST, {**manifest, CHECKSUM: sums} if checksums else manifest)
         files[MANIFEST] = (tmp / MANIFEST).stat().st_size
         fsync_dir(tmp)
-        aside = _aside(final)
+        aside = aside_path(final)
         if final.exists():  # a save of this step by an earlier job: moved aside in one rename
             shutil.rmtree(aside, ignore_errors=True)  # (a leftover of a commit that finished)
             os.replace(final, aside)  # until the next rename, resolve_checkpoint reads `aside`
@@ -236,8 +358,7 @@ def save_checkpoint(
         if keep_last > 0:
             _prune(root, keep_last, name)
     _barrier()
-    elapsed = time.perf_counter() - start
-    return SavedCheckpoint(final, step, elapsed, files, checksum_s)
+    return files, hashed, hash_s
 
 
 def _stateful_parts(stateful: Mapping[str, Stateful] | None) -> dict[str, Stateful]:
@@ -249,130 +370,12 @@ def _stateful_parts(stateful: Mapping[str, Stateful] | None) -> dict[str, Statef
     return parts
 
 
-def _aside(final: Path) -> Path:
-    """Where a re-save of ``final``'s step keeps the older copy until the new one is in place."""
-    return final.with_name(final.name + ".old")
-
-
-def file_checksum(path: str | os.PathLike[str]) -> str:
-    """The SHA-256 of a file as hex, read in 1 MiB chunks (constant memory)."""
-    digest = hashlib.new(CHECKSUM)
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _prune(root: Path, keep_last: int, current: str) -> None:
     """Delete complete checkpoints but ``current`` (the new ``latest``) and the newest others."""
     others = sorted(p for p in root.glob("step_*")
                     if p.is_dir() and not p.name.endswith((".tmp", ".old")) and p.name != current)
     for old in others[:max(0, len(others) - (keep_last - 1))]:
         shutil.rmtree(old)
-
-
-def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
-    """The checkpoint directory ``path`` names: itself, or the target of ``path/latest``.
-
-    Raises:
-        CheckpointError: if ``path`` is neither a checkpoint nor a root with a valid pointer.
-    """
-    p = Path(path)
-    pointer = p / LATEST
-    if pointer.is_file():
-        target = p / pointer.read_text().strip()
-        if not target.is_dir() and _aside(target).is_dir():
-            return _aside(target)  # a re-save of this step died between its two renames
-        if not target.is_dir():
-            raise CheckpointError(f"{pointer} points to {target.name!r}, which does not exist")
-        return target
-    if p.is_dir() and ((p / MANIFEST).exists() or (p / ".metadata").exists() or p.name.startswith("step_")):
-        return p
-    raise CheckpointError(f"no checkpoint at {p}: neither a checkpoint directory nor a root with "
-                          f"a {LATEST!r} pointer")
-
-
-def validate_checkpoint(path: str | os.PathLike[str], *, verify_checksums: bool = True) -> dict[str, Any]:
-    """Check that a checkpoint is complete and intact, and return its manifest.
-
-    Complete means: the manifest exists and parses, and every file it lists (DCP's
-    ``.metadata`` among them) exists with the listed size in bytes. Intact (with
-    ``verify_checksums``): every file's SHA-256 equals the one recorded at save, read in 1 MiB
-    chunks — about 1 ms per MB here.
-
-    Raises:
-        CheckpointError: naming the first thing missing or wrong.
-    """
-    ckpt = resolve_checkpoint(path)
-    manifest_path = ckpt / MANIFEST
-    if not manifest_path.exists():
-        dcp_done = "present" if (ckpt / ".metadata").exists() else "missing too"
-        raise CheckpointError(
-            f"incomplete checkpoint {ckpt}: {MANIFEST} is missing (DCP's .metadata is {dcp_done}), "
-            "so the save never finished: a rank died or the job was stopped mid-save. "
-            f"Load the previous checkpoint (the root's {LATEST!r} pointer never points to this one)."
-        )
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"corrupt checkpoint {ckpt}: {MANIFEST} is unreadable ({err})") from None
-    if not isinstance(manifest, dict) or manifest.get("schema") != CHECKPOINT_SCHEMA:
-        raise CheckpointError(f"corrupt checkpoint {ckpt}: {MANIFEST} is not a {CHECKPOINT_SCHEMA!r} manifest")
-    files = manifest.get("files", {})
-    if ".metadata" not in files:
-        raise CheckpointError(f"corrupt checkpoint {ckpt}: its manifest lists no DCP .metadata")
-    for name, size in files.items():
-        file = ckpt / name
-        if not file.exists():
-            raise CheckpointError(f"incomplete checkpoint {ckpt}: file {name} is missing")
-        if file.stat().st_size != size:
-            raise CheckpointError(f"corrupt checkpoint {ckpt}: {name} has {file.stat().st_size} bytes, "
-                                  f"the manifest says {size}")
-    sums = manifest.get(CHECKSUM)
-    if not isinstance(sums, dict) or set(sums) != set(files):
-        raise CheckpointError(f"corrupt checkpoint {ckpt}: its manifest has no {CHECKSUM} checksum for "
-                              f"every file it lists")
-    if verify_checksums:
-        for name in files:
-            if file_checksum(ckpt / name) != sums[name]:
-                raise CheckpointError(
-                    f"corrupt checkpoint {ckpt}: {name} does not match its {CHECKSUM} checksum (its "
-                    f"bytes changed after the save, though its size did not); load an earlier checkpoint")
-    return manifest
-
-
-def check_model_shapes(path: str | os.PathLike[str], expected: Mapping[str, tuple[int, ...]],
-                       limit: int = 5) -> None:
-    """Refuse a checkpoint whose model tensors differ from ``expected``, before anything is loaded.
-
-    Reads DCP's ``.metadata`` only (no tensor data) and compares the names and global shapes of
-    the saved ``model`` tensors with ``expected``: a parameter name → its shape, e.g.
-    ``dict(param_shapes(config))`` or a model's state dict shapes.
-
-    Raises:
-        CheckpointError: naming (up to ``limit`` of each) the tensors missing from the
-            checkpoint, those it has that the model lacks, and those whose shapes differ.
-    """
-    ckpt = resolve_checkpoint(path)
-    saved = {key.split(".", 1)[1]: tuple(item.size)
-             for key, item in read_metadata(ckpt).state_dict_metadata.items()
-             if key.startswith("model.") and isinstance(item, TensorStorageMetadata)}
-    expected = {k: tuple(v) for k, v in expected.items()}
-    missing = [k for k in expected if k not in saved]
-    unexpected = [k for k in saved if k not in expected]
-    differ = [f"{k} saved {saved[k]}, model {expected[k]}" for k in expected
-              if k in saved and saved[k] != expected[k]]
-
-    def listed(title: str, items: list[str]) -> str:
-        more = f" and {len(items) - limit} more" if len(items) > limit else ""
-        return f"{title} ({len(items)}): {', '.join(items[:limit])}{more}"
-
-    parts = [listed(title, items) for title, items in (
-        ("missing from the checkpoint", missing), ("in the checkpoint, not in the model", unexpected),
-        ("shapes differ", differ)) if items]
-    if parts:
-        raise CheckpointError(f"checkpoint {ckpt} holds another model's tensors ({len(saved)} saved, "
-                              f"{len(expected)} in the model); nothing was loaded. " + "; ".join(parts))
 
 
 def load_checkpoint(
@@ -383,6 +386,7 @@ def load_checkpoint(
     restore_rng: bool = True,
     stateful: Mapping[str, Stateful] | None = None,
     device: torch.device | None = None,
+    verify_checksums: bool = True,
 ) -> LoadedCheckpoint:
     """Load a checkpoint into ``model`` (and ``optimizer``, and the ``stateful`` parts saved
     with it), resharding to this job's ranks.
@@ -393,18 +397,25 @@ def load_checkpoint(
     restored only at the world size that saved them. ``stateful`` names the same parts as at
     save; each gets ``load_state_dict`` with what was saved.
 
-    Every rank verifies every file's checksum (:func:`validate_checkpoint`) and compares the
-    model's tensor names and shapes with the checkpoint's (:func:`check_model_shapes`) before
-    any tensor is read.
+    Every rank checks that every file has its recorded size, verifies ``.metadata``'s checksum
+    and, before DCP reads any tensor, the checksum of every item its load plan reads (not the
+    files other ranks alone read: :class:`~handbook_lib.runtime.checkpoint_verify.VerifyingReader`;
+    ``verify_checksums=False``: sizes only), and compares the model's tensor names and shapes
+    with the checkpoint's (:func:`check_model_shapes`).
 
     Raises:
         CheckpointError: if the checkpoint is incomplete, corrupt or does not fit the model, or
-            lacks a ``stateful`` part (named).
+            lacks a ``stateful`` part (named); a damaged item is refused naming its file and bytes
+            (and the ranks that found it).
     """
     start = time.perf_counter()
     parts = _stateful_parts(stateful)
     ckpt = resolve_checkpoint(path)
-    manifest = validate_checkpoint(ckpt)
+    manifest = validate_checkpoint(ckpt, verify_checksums=verify_checksums, verify=())  # sizes
+    begin, meta_s = time.perf_counter(), 0.0
+    if verify_checksums:
+        verify_items(ckpt, manifest, METADATA, [(o, n) for o, n, _ in manifest[CHECKSUM][METADATA]])
+        meta_s = time.perf_counter() - begin
     rank, world = _world()
     if optimizer is None:
         state: dict[str, Any] = {"model": get_model_state_dict(model)}
@@ -421,11 +432,12 @@ def load_checkpoint(
     rng = restore_rng and manifest["world_size"] == world
     if rng:
         state["rng"] = {_rng_key(rank): rng_state(device)}
+    reader = VerifyingReader(ckpt, manifest if verify_checksums else None)
     try:
         with _single_process_quiet():
-            dcp.load(state, checkpoint_id=ckpt, no_dist=_single())
+            dcp.load(state, storage_reader=reader, no_dist=_single())
     except (Exception, dcp.CheckpointException) as err:  # DCP's own exception is a BaseException
-        raise CheckpointError(f"cannot load checkpoint {ckpt}: {_summary(err)}") from err
+        raise load_refusal(ckpt, err, _single()) from err
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
@@ -435,29 +447,9 @@ def load_checkpoint(
             set_rng_state(state["rng"][_rng_key(rank)], device)
         except ValueError as err:
             raise CheckpointError(f"checkpoint {ckpt}: {err}") from None
+    verified = {METADATA: manifest["files"][METADATA], **reader.verified} if verify_checksums else {}
     return LoadedCheckpoint(ckpt, manifest["step"], manifest["world_size"], manifest["extra"], rng,
-                            time.perf_counter() - start)
-
-
-def _summary(err: BaseException) -> str:
-    """One line per failing rank: DCP's exception carries every rank's error and traceback."""
-    if isinstance(err, dcp.CheckpointException):
-        return "; ".join(f"rank {rank}: {_summary(exc)}" for rank, (exc, _) in sorted(err.failures.items()))
-    first = next((line for line in str(err).splitlines() if line.strip()), "")
-    return f"{type(err).__name__}: {first}"
-
-
-def read_metadata(path: Path) -> Any:
-    """DCP's index of a checkpoint (``.metadata``): every tensor's global shape and where its
-    pieces are.
-
-    Raises:
-        CheckpointError: if the file is missing or unreadable.
-    """
-    try:
-        return FileSystemReader(path).read_metadata()
-    except Exception as err:  # noqa: BLE001 - a missing file or a bad pickle: both mean "unreadable"
-        raise CheckpointError(f"cannot read DCP metadata of {path}: {_summary(err)}") from None
+                            time.perf_counter() - start, verified, reader.read, meta_s + reader.verify_s)
 
 
 def export_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> int:

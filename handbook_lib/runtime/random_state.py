@@ -15,7 +15,16 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["rng_state", "set_rng_state"]
+__all__ = ["rng_state", "set_rng_state", "seed_generators"]
+
+
+def seed_generators(seed: int, rank: int = 0) -> None:
+    """Seed Python's ``random`` and NumPy's global generator from ``(seed, rank)``: each rank its
+    own stream, the same in every run (their saved state, and so a checkpoint's bytes, too).
+    torch's generator is the model's: :func:`~handbook_lib.runtime.model.build_model` seeds it."""
+    value = (seed * 1_000_003 + rank) % 2**32
+    random.seed(value)
+    np.random.seed(value)
 
 
 def rng_state(device: torch.device | None = None) -> dict[str, Any]:
