@@ -253,6 +253,11 @@ def test_a_signal_to_one_rank_stops_every_rank_saved(preempted_by_rank):
     assert [(s["status"], s["step"]) for s in states] == [("preempted", 3)] * 2
     assert (root / "ckpt" / LATEST).read_text() == "step_000003\n"
     assert validate_checkpoint(root / "ckpt")["step"] == 3  # complete, every checksum verified
+    from handbook_lib.models import JOB_STATE
+    from handbook_lib.runtime import read_metadata
+
+    parts = {key.split(".", 1)[0] for key in read_metadata(root / "ckpt" / "step_000003").state_dict_metadata}
+    assert parts == set(JOB_STATE)  # fp16: the scaler too; the chapter's table names every part
     assert not (root / "out" / "result.json").exists()
     assert processes_mentioning(str(root / "out")) == []
     assert PREEMPTED_EXIT == 75

@@ -20,7 +20,7 @@ from handbook_lib.models.model_state import OPTIMIZER_RULES
 
 __all__ = ["CHECKPOINT_SCHEMA", "CHECKSUM", "MANIFEST", "LATEST", "CommitStep", "COMMIT_STEPS",
            "FSDP1_STATE_DICT_TYPES", "TensorCount", "checkpoint_name", "estimate_checkpoint_count",
-           "NCCL_DEFAULT_TIMEOUT_S", "JOB_INTERRUPTIONS", "NOT_SAVED_ON_GPU", "CheckpointCost",
+           "NCCL_DEFAULT_TIMEOUT_S", "JOB_INTERRUPTIONS", "JOB_STATE", "CheckpointCost",
            "estimate_checkpoint_cost", "job_mtbf_s", "checkpoint_interval_s", "scale_model_width",
            "cost_fraction"]
 
@@ -158,23 +158,25 @@ JOB_INTERRUPTIONS = (419, 54 * 24 * 3600, 16_384)
 interruptions in a 54-day snapshot on 16,384 H100s (Grattafiori et al. 2024, section 3.3.4),
 about one every 3 hours; as a rate per GPU, one every ~6 years."""
 
-NOT_SAVED_ON_GPU: dict[str, tuple[str, str]] = {
-    "CUDA RNG": (("not needed: the runs use no dropout, and torch.get_rng_state() is the "
-                  "CPU generator only"), "torch.cuda.get_rng_state() of each rank, for dropout"),
-    "Python, NumPy RNG": ("not used by the runs", "random.getstate(), numpy.random.get_state()"),
-    "LR scheduler": ("none: the learning rate is constant", "scheduler.state_dict()"),
-    "GradScaler": ("none in fp32; in fp16 the loss scale would restart at 2**16",
-                   "scaler.state_dict() (scale and growth tracker)"),
-    "data position": (("the step alone: make_batch(config, step) is a pure function of the "
-                       "step"), "a shuffling DataLoader's place: torchdata's StatefulDataLoader"),
-    "kernels": ("the CPU kernels add in a fixed order",
-                ("torch.use_deterministic_algorithms(True): atomics in index_add and the "
-                 "embedding's backward add in no fixed order")),
+JOB_STATE: dict[str, tuple[str, str]] = {
+    "model": ("every parameter, each rank its shard (DTensor)", "the weights: nothing to resume"),
+    "optim": ("both AdamW moments and each tensor's step counter, sharded like the weights",
+              "moments restart at 0: the next steps differ, bias correction restarts"),
+    "rng": ("per rank: torch's CPU generator, the rank's CUDA one on a GPU, Python's, NumPy's",
+            "dropout masks and any sampling differ from the uninterrupted job's"),
+    "scheduler": ("the LR scheduler's steps (LambdaLR over lr_schedule, warmup_steps)",
+                  "the warm-up starts again: a learning rate of 0, then the wrong curve"),
+    "scaler": ("fp16 only: the gradient scaler's factor and its count of good steps",
+               "the factor restarts at 2**16: overflowing, skipped steps after every resume"),
+    "data": ("the data loader's place: epoch, batches handed out, the sampler's generator",
+             "the epoch starts over: batches seen twice, others never"),
 }
-"""What :func:`~handbook_lib.runtime.checkpoint.save_checkpoint` does not save: item → (why the
-book's CPU runs resume exactly without it, what a GPU job adds). The
-idiomatic home of all of it is one ``Stateful`` app state handed to ``dcp.save`` (PyTorch's
-DCP recipe)."""
+"""What :func:`~handbook_lib.runtime.checkpoint.save_checkpoint` saves for chapter 6's run, by the
+checkpoint's top-level key: key → (what it holds, what a resume without it gets wrong). The first
+three are every checkpoint's; the others are the run's ``Stateful`` parts, each an object with
+``state_dict()`` and ``load_state_dict()`` that DCP calls (the "app state" of PyTorch's DCP
+recipe). Not in any checkpoint: the order in which GPU kernels add (bit-identical on a GPU also
+needs ``torch.use_deterministic_algorithms(True)``)."""
 
 
 @dataclass(frozen=True)
