@@ -144,7 +144,8 @@ class TrainLog:
     steps: list[int] = field(default_factory=list)
     """The optimizer step (1-based, counted from the job's start) of each entry of ``losses``."""
     lr: list[float] = field(default_factory=list)
-    """The learning rate each step used (the first parameter group's), dimensionless."""
+    """The learning rate each step used (the first parameter group's), dimensionless; empty
+    for an optimizer without parameter groups (DeepSpeed's engine)."""
 
 
 @dataclass(frozen=True)
@@ -415,7 +416,8 @@ def train(
         tracked = (track_memory or count_collectives) and config.steps >= 2 and step == config.steps - 1
         if scaler is not None:
             record.scales.append(float(scaler.get_scale()))
-        record.lrs.append(float(optimizer.param_groups[0]["lr"]))
+        if hasattr(optimizer, "param_groups"):  # (DeepSpeed's engine steps an optimizer of its own)
+            record.lrs.append(float(optimizer.param_groups[0]["lr"]))
         hook = record.after_backward(after_backward, step + 1, count_zeros=not tracked)
         start = time.perf_counter()
         if tracked:
