@@ -134,6 +134,16 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         Fault,
         NODE_FAULTS,
     )
+    from handbook_lib.models.clinic_cases import (
+        ClinicCase,
+        CLINIC_GROUPS,
+        FIELD_NOTES,
+        CLINIC_CASES,
+        get_case,
+        cases_in,
+        notes_left_out,
+        thread_url,
+    )
 
 _HOMES = {
     "SELECTIVE_SAVE": "activations",
@@ -356,6 +366,14 @@ _HOMES = {
     "NODE_FAULTS": "faults",
     "scale_model_width": "checkpoint",
     "cost_fraction": "checkpoint",
+    "ClinicCase": "clinic_cases",
+    "CLINIC_GROUPS": "clinic_cases",
+    "FIELD_NOTES": "clinic_cases",
+    "CLINIC_CASES": "clinic_cases",
+    "get_case": "clinic_cases",
+    "cases_in": "clinic_cases",
+    "notes_left_out": "clinic_cases",
+    "thread_url": "clinic_cases",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -410,6 +428,7 @@ __all__ = [
     "lr_factor",
     "Fault", "NODE_FAULTS",
     "scale_model_width", "cost_fraction",
+    "ClinicCase", "CLINIC_GROUPS", "FIELD_NOTES", "CLINIC_CASES", "get_case", "cases_in", "notes_left_out", "thread_url",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -160,6 +160,14 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         Preempted,
         PreemptionWatch,
     )
+    from handbook_lib.runtime.diagnosis import (
+        Finding,
+        diagnose_wrapping,
+        diagnose_tied_weights,
+        diagnose_grad_norm,
+        diagnose_accumulation,
+        repeated_block,
+    )
 
 _HOMES = {
     "InitMode": "build",
@@ -273,6 +281,12 @@ _HOMES = {
     "PreemptionWatch": "preemption",
     "PendingCheckpoint": "checkpoint",
     "seed_generators": "random_state",
+    "Finding": "diagnosis",
+    "diagnose_wrapping": "diagnosis",
+    "diagnose_tied_weights": "diagnosis",
+    "diagnose_grad_norm": "diagnosis",
+    "diagnose_accumulation": "diagnosis",
+    "repeated_block": "diagnosis",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -308,6 +322,7 @@ __all__ = [
     "Preempted", "PreemptionWatch",
     "PendingCheckpoint",
     "seed_generators",
+    "Finding", "diagnose_wrapping", "diagnose_tied_weights", "diagnose_grad_norm", "diagnose_accumulation", "repeated_block",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -1,0 +1,120 @@
+"""The FSDP clinic's hangs: a collective that some ranks call and others never do.
+
+Chapter 10, "Hangs". A collective completes only when every rank of its group has called it; a
+rank that calls one the others skip waits until the group's timeout (NCCL's watchdog: 10 to 30
+minutes) and the job looks frozen. Each broken half here runs its collective on a gloo group of
+its own with a timeout of :attr:`~handbook_lib.runtime.clinic_common.CaseSetup.hang_timeout_s`
+seconds (:meth:`~handbook_lib.runtime.clinic_common.CaseSetup.hang_group`), so the hang becomes an
+error the case records: the waiting rank, the collectives it issued (counted), the message.
+Each fixed half calls the same collectives on every rank, and checks them against the book's
+models (:func:`~handbook_lib.models.traffic.estimate_step_traffic`, the bytes of a full state dict).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from handbook_lib.models.traffic import estimate_step_traffic
+from handbook_lib.runtime.clinic_common import (
+    CaseFn,
+    CaseSetup,
+    Half,
+    counted,
+    first_line,
+    raised,
+    shard_model,
+)
+from handbook_lib.runtime.measure import nbytes
+
+__all__ = ["rank0_only_forward", "rank0_only_state_dict", "HANG_CASES"]
+
+
+def _hang(setup: CaseSetup, half: Half, call: Callable[[nn.Module], object]) -> None:
+    """The broken half of a hang case: a model sharded over a short-timeout group; rank 0 alone
+    calls ``call(model)``, which waits in its first collective until the timeout; the others
+    skip it. Records, per rank, the collectives issued (1 on rank 0, 0 elsewhere), whether it
+    timed out (rank 0 only), how long it waited (s) and the error's first line."""
+    model = shard_model(setup.model(), setup.mesh(setup.hang_group()))
+    waiting = setup.rank == 0
+    err, waited, calls = None, 0.0, []
+    if waiting:
+        start = time.perf_counter()
+        with counted() as calls:
+            err = raised(lambda: call(model))
+        waited = time.perf_counter() - start
+    half.check("collectives", int(waiting), len(calls), "collectives")
+    half.flag("timed_out", waiting, err is not None and "timed out" in str(err).lower())
+    half.symptom = err is not None  # seen by the rank left waiting
+    half.metrics.update(waited_s=waited, error=first_line(err) if err else None, timeout_s=setup.hang_timeout_s)
+    half.finding = (f"rank 0 alone: {first_line(err) if err else 'no error'}" if waiting else
+                    "skipped it: rank 0 is left waiting")
+
+
+def _eval_forward(setup: CaseSetup) -> Callable[[nn.Module], object]:
+    x, _ = setup.batch(0)
+
+    def forward(model: nn.Module) -> object:
+        with torch.no_grad():
+            return model(x)
+
+    return forward
+
+
+def rank0_only_forward(setup: CaseSetup) -> tuple[Half, Half]:
+    """An evaluation (or a generation) run on rank 0 only, after training: FSDP all-gathers each
+    unit before it runs, and rank 0 waits in the first all-gather for ranks that never come.
+    Fixed: every rank runs the forward (each on its share of the data). Checked: the collectives
+    issued (1 on the waiting rank, 0 on the others, broken; one all-gather per unit on every
+    rank, fixed: :func:`~handbook_lib.models.traffic.estimate_step_traffic`'s forward), exact."""
+    broken = setup.half()
+    _hang(setup, broken, _eval_forward(setup))
+    fixed = setup.half()
+    model = shard_model(setup.model(), setup.mesh())
+    with counted() as calls:
+        err = raised(lambda: _eval_forward(setup)(model))
+    units = setup.layout.units("layer")
+    forward = [r for r in estimate_step_traffic(units, setup.world, "FULL_SHARD", root_reshard_after_forward=True)
+               .records if r.phase == "forward"]
+    fixed.check("all_gathers", len(forward), sum(c.kind == "all_gather" for c in calls), "collectives")
+    fixed.flag("timed_out", False, err is not None)
+    fixed.metrics.update(all_gathers=len(calls))
+    fixed.finding = f"every rank: {len(calls)} all-gathers, one per unit; done"
+    return broken, fixed
+
+
+def _state_dict(model: nn.Module, cpu_offload: bool) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
+
+
+def rank0_only_state_dict(setup: CaseSetup) -> tuple[Half, Half]:
+    """The full state dict asked for on rank 0 only (``if rank == 0: save(state_dict())``):
+    making each tensor whole is an all-gather, and rank 0 waits in the first one. Fixed: every
+    rank asks, with ``cpu_offload=True``: rank 0 keeps the whole model, the others nothing.
+    Checked: the collectives issued (broken), one all-gather per parameter tensor and the bytes
+    each rank keeps (4P on rank 0, 0 elsewhere; fixed), exact."""
+    broken = setup.half()
+    _hang(setup, broken, lambda model: _state_dict(model, cpu_offload=False))
+    fixed = setup.half()
+    model = shard_model(setup.model(), setup.mesh())
+    with counted() as calls:
+        state = _state_dict(model, cpu_offload=True)
+    held = sum(nbytes(t) for t in state.values())
+    fixed.check("all_gathers", len(setup.layout.tensors), sum(c.kind == "all_gather" for c in calls),
+                "collectives")
+    fixed.check("state_dict_bytes", 4 * setup.layout.num_params if setup.rank == 0 else 0, held, "bytes")
+    fixed.metrics.update(state_dict_bytes=held)
+    fixed.finding = f"every rank gathers, cpu_offload=True: rank {setup.rank} keeps {held:,} B"
+    return broken, fixed
+
+
+HANG_CASES: dict[str, CaseFn] = {
+    "rank0_only_forward": rank0_only_forward,
+    "rank0_only_state_dict": rank0_only_state_dict,
+}
+"""The hang cases of this module, by name."""
