@@ -231,3 +231,27 @@ def test_skipped_steps_are_1_based_and_are_the_steps_whose_scale_dropped(start_s
     assert 0 < len(log.skipped_steps) < len(log.steps)  # and then it trains
     for i, step in enumerate(log.steps):
         assert torch.equal(weights[i + 1], weights[i]) == (step in log.skipped_steps)
+
+
+def test_on_a_gpu_the_inspection_waits_for_the_backward_before_its_timer(monkeypatch):
+    """gpu-path.md S2-1: the time kept out of step_time_s must not hold the queued backward."""
+    import time as clock
+
+    from handbook_lib.runtime.training import _Recorder
+
+    calls = []
+
+    def synchronize(device):  # stands in for the rest of a backward still running on the GPU
+        calls.append(("sync", str(device)))
+        clock.sleep(0.2)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    record = _Recorder()
+    hook = record.after_backward(lambda model, step: calls.append(("hook", step)), 3, count_zeros=False,
+                                 device=torch.device("cuda", 0))
+    hook(torch.nn.Linear(2, 2))
+    assert calls == [("sync", "cuda:0"), ("hook", 3)]
+    assert record.hook_s < 0.1  # the 0.2 s wait is the step's, not the inspection's
+    cpu = _Recorder().after_backward(lambda model, step: None, 1, count_zeros=False, device=torch.device("cpu"))
+    cpu(torch.nn.Linear(2, 2))
+    assert len(calls) == 2  # no synchronize on the CPU
