@@ -5,6 +5,7 @@ after the first step. On a CPU the Trainer runs one process (see the run's docst
 """
 
 import pytest
+import torch
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
@@ -69,3 +70,18 @@ def test_several_processes_need_gpus(tmp_path):
         pytest.skip("with GPUs the Trainer forms a multi-process job")
     with pytest.raises(ValueError, match="needs a GPU per process for 2 processes: on a CPU, Accelerate"):
         validate(TrainerRunConfig.from_mapping({**TINY, "trainer_dir": str(tmp_path / "t")}), 2)
+
+
+def test_the_trained_model_is_probed_on_the_cpu_like_its_saved_copy():
+    """gpu-path.md S1-4: a GPU model's logits against a CPU process's differ by ~1e-6; the run
+    probes a CPU copy instead, which gives the model's own CPU logits bit for bit."""
+    from handbook_lib.core import RunConfig
+    from handbook_lib.integrations.hf_trainer import build_gpt2, probe_logits, probe_logits_on_cpu
+
+    config = RunConfig.from_mapping({"vocab_size": 64, "d_model": 32, "nhead": 2, "dim_feedforward": 48,
+                                     "num_layers": 1, "seq_len": 8})
+    model = build_gpt2(config)
+    with torch.no_grad():
+        for p in model.parameters():  # a trained model, not the seeded one a copy would rebuild
+            p.add_(0.01)
+        assert torch.equal(probe_logits_on_cpu(model, config), probe_logits(model, config))

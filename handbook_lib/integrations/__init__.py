@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         trainer_fsdp_args,
     )
     from handbook_lib.integrations.hf_trainer import (
+        probe_logits_on_cpu,
         RecordingTrainer,
         SyntheticLM,
         build_gpt2,
@@ -82,6 +83,7 @@ _HOMES = {
     "parse_deepspeed_config": "zero_engine",
     "training_arguments": "hf_trainer",
     "ulysses_core": "ulysses",
+    "probe_logits_on_cpu": "hf_trainer",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -94,6 +96,7 @@ __all__ = [
     "DEEPSPEED_STAGE3_DEFAULTS", "MEASUREMENT_OVERRIDES", "production_configs",
     "parse_deepspeed_config", "training_arguments",
     "ulysses_core",
+    "probe_logits_on_cpu",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

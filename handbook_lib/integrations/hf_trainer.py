@@ -22,7 +22,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 from handbook_lib.core.config import RunConfig
 from handbook_lib.runtime.data import make_batch
 
-__all__ = ["gpt2_config", "build_gpt2", "SyntheticLM", "RecordingTrainer", "probe_batch", "probe_logits",
+__all__ = ["probe_logits_on_cpu", "gpt2_config", "build_gpt2", "SyntheticLM", "RecordingTrainer", "probe_batch", "probe_logits",
            "training_arguments"]
 
 
@@ -86,6 +86,15 @@ def probe_logits(model: torch.nn.Module, config: RunConfig) -> torch.Tensor:
     model.eval()
     device = next(model.parameters()).device
     return model(input_ids=probe_batch(config).to(device)).logits.float().cpu()
+
+
+def probe_logits_on_cpu(model: torch.nn.Module, config: RunConfig) -> torch.Tensor:
+    """:func:`probe_logits` of a CPU copy of ``model`` (a fresh GPT-2 given its state dict): the
+    same kernels as :func:`saved_logits_difference`'s plain process, so a trained model on a
+    GPU is compared with its saved copy on the CPU exactly (cuBLAS and MKL differ by ~1e-6)."""
+    copy = GPT2LMHeadModel(gpt2_config(config))
+    copy.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    return probe_logits(copy, config)
 
 
 def saved_logits_difference(model_dir: str, logits_file: str, config: RunConfig) -> float:

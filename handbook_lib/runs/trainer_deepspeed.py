@@ -98,7 +98,7 @@ def run(config: TrainerRunConfig, ctx: RankContext) -> RankReport:
         RecordingTrainer,
         SyntheticLM,
         build_gpt2,
-        probe_logits,
+        probe_logits_on_cpu,
     )
     from handbook_lib.integrations.zero_engine import import_deepspeed
 
@@ -114,7 +114,7 @@ def run(config: TrainerRunConfig, ctx: RankContext) -> RankReport:
     final = folder / "final"
     first.save_model(str(final))
     with deepspeed.zero.GatheredParameters(list(first.model.parameters())):  # whole again (ZeRO-3)
-        trained = probe_logits(first.model, config)
+        trained = probe_logits_on_cpu(first.model, config)  # CPU against the CPU, on any device
     losses = first.step_losses()
 
     second = RecordingTrainer(model=build_gpt2(config), args=TrainingArguments(**common),
