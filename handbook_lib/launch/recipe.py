@@ -22,7 +22,7 @@ from handbook_lib.core.text import BOOK_WIDTH, wrap
 from handbook_lib.launch.errors import RunTimeout
 from handbook_lib.launch.nodes import Nodes, free_port
 from handbook_lib.launch.processes import kill_tree
-from handbook_lib.runs import available_runs
+from handbook_lib.runs import check_run_name
 
 __all__ = ["NodeRun", "recipe_commands", "run_recipe"]
 
@@ -97,8 +97,7 @@ def recipe_commands(run: str, nnodes: int, nproc: int, overrides: Mapping[str, o
         ValueError: for an unknown run, ``nnodes < 2``, ``nproc < 1``, a bad ``timeout_s``, or
             ``out`` neither one folder nor ``nnodes`` folders.
     """
-    if run not in available_runs():
-        raise ValueError(f"unknown run {run!r}; available runs: {', '.join(available_runs())}")
+    check_run_name(run)
     check_int("nnodes", nnodes, 2, context="(the recipe is for several nodes)")
     check_int("nproc", nproc, 1)
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:

@@ -72,7 +72,7 @@ from handbook_lib.launch.outdir import prepare_out_dir
 from handbook_lib.launch.preempt import TORCHRUN_SIGNALS, forward_signals, raise_if_preempted
 from handbook_lib.launch.processes import Agents, drain, exit_words, pump, start_agents, stop, sweep
 from handbook_lib.launch.show import Show, Streamer, config_defaults
-from handbook_lib.runs import available_runs
+from handbook_lib.runs import available_runs, check_run_name
 
 __all__ = ["torchrun", "torchrun_batch", "torchrun_batches"]
 
@@ -260,9 +260,7 @@ def _job(run: str, nproc: int, configs: dict[str, dict[str, Any] | None], *, out
          nnodes: int, node_rank: int | None, rdzv_endpoint: str | None) -> dict[str, RunResult] | None:
     """:func:`torchrun` and :func:`torchrun_batch`: one job of one or several configs (a single
     run's label is ``""``)."""
-    runs = available_runs()
-    if run not in runs:
-        raise ValueError(f"unknown run {run!r}; available runs: {', '.join(runs)}")
+    check_run_name(run)
     check_int("nproc", nproc, 1)
     for config in configs.values():
         _check_call(config, timeout_s, env, overwrite)

@@ -37,7 +37,7 @@ from typing import Any
 
 from handbook_lib.core.checks import check_int, is_int
 from handbook_lib.core.protocol import COLLECTIVE_TIMEOUT_ENV, PREEMPTED_EXIT
-from handbook_lib.runs import available_runs
+from handbook_lib.runs import check_run_name
 
 __all__ = [
     "BASE_PORT",
@@ -126,9 +126,7 @@ class SlurmJob:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "config", dict(self.config))
-        runs = available_runs()
-        if self.run not in runs:
-            raise ValueError(f"unknown run {self.run!r}; available runs: {', '.join(runs)}")
+        check_run_name(self.run)
         for flag, value in (("--nodes", self.nodes), ("--gpus-per-node", self.gpus_per_node),
                             ("--cpus-per-task", 1 if self.cpus_per_task is None else self.cpus_per_task)):
             check_int(flag, value, 1, noun="a whole number")

@@ -15,7 +15,7 @@ import pkgutil
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RunConfigInfo", "available_runs", "describe_runs", "run_config_fields"]
+__all__ = ["RunConfigInfo", "available_runs", "check_run_name", "describe_runs", "run_config_fields"]
 
 _NOT_RUNS = {"entry"}
 _HERE = Path(__file__).resolve().parent
@@ -61,14 +61,33 @@ class RunConfigInfo:
     choices: dict[str, tuple[str, ...]]
 
 
+def check_run_name(name: str) -> None:
+    """Refuse a name that is not a run, in one line: the closest run's name when one is close
+    (the whole list is one command away), else every run's name.
+
+    Raises:
+        ValueError: e.g. ``unknown run 'fsdp-train': did you mean 'fsdp_train'? (all 12 available
+            runs: python -m handbook_lib runs)`` or ``unknown run 'nope'; available runs: ...``.
+    """
+    import difflib
+
+    runs = available_runs()
+    if name in runs:
+        return
+    close = difflib.get_close_matches(str(name), runs, n=1)
+    if close:
+        raise ValueError(f"unknown run {name!r}: did you mean {close[0]!r}? (all {len(runs)} available runs: "
+                         "python -m handbook_lib runs)")
+    raise ValueError(f"unknown run {name!r}; available runs: {', '.join(runs)}")
+
+
 def run_config_fields(name: str) -> RunConfigInfo:
     """What run ``name`` accepts as config keys, read from its source (no import, no torch).
 
     Raises:
         ValueError: if ``name`` is not a run, or its module has no ``CONFIG = <class>`` line.
     """
-    if name not in available_runs():
-        raise ValueError(f"unknown run {name!r}; available runs: {', '.join(available_runs())}")
+    check_run_name(name)
     tree = _tree(name)
     config_name = next((node.value.id for node in tree.body if isinstance(node, ast.Assign)
                         and any(isinstance(t, ast.Name) and t.id == "CONFIG" for t in node.targets)
