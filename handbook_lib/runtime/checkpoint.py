@@ -294,7 +294,7 @@ def save_checkpoint(
     model_sd, optim_sd = get_state_dict(model, optimizer)
     rng = {_rng_key(rank): rng_state(device)}
     state = {"model": model_sd, "optim": optim_sd, "rng": rng, **parts}
-    check_room(root, name, state, device)  # a full disk or a file-size limit: refused, nothing written
+    check_room(root, name, state, device)  # disk full, a file-size limit: refused, none written
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a save of an earlier job that died
@@ -302,7 +302,8 @@ def save_checkpoint(
     writer = ShardWriter(tmp, after_shard_written, checksums)
 
     def commit(wait_begin: float) -> SavedCheckpoint:
-        files, hashed, hash_s = _commit(root, name, step, world, extra, keep_last, writer, checksums)
+        files, hashed, hash_s = _commit(root, name, step, world, extra, keep_last, writer,
+                                        checksums)
         end = time.perf_counter()
         return SavedCheckpoint(final, step, end - start, files, hash_s, hashed,
                                blocked_s if asynchronous else end - start,
@@ -313,7 +314,8 @@ def save_checkpoint(
             try:
                 dcp.save(state, storage_writer=writer, no_dist=_single())
             except dcp.CheckpointException as err:  # one line per rank, not DCP's tracebacks
-                raise CheckpointError(f"cannot write checkpoint {tmp}: {summary(err)}; it is never loaded, "
+                where = f"{tmp}: {summary(err)}"
+                raise CheckpointError(f"cannot write checkpoint {where}; it is never loaded, "
                                       f"and {LATEST!r} still names the previous one") from None
             return commit(start)
         future = dcp.async_save(state, storage_writer=writer, process_group=_async_group(),
