@@ -7,6 +7,11 @@
 #                        a reader sees (scripts/check_book.py): no console error, no request off
 #                        127.0.0.1, images and maths rendered, nothing wider than the column,
 #                        glossary definitions on hover
+#   make check-hub       a chapter through a real JupyterHub on 127.0.0.1, as a learner in headless
+#                        Chromium: the book's launch button, nbgitpuller, Run All, 0 errors, log out,
+#                        nothing left running (scripts/check_hub.py; about 2 min)
+#   make book-hub HUB_URL=https://hub.example.org REPO_URL=https://github.com/ORG/REPO [BRANCH=main]
+#                        the book for a hub, a JupyterHub launch button on every chapter (hub/build_book.py)
 #   make gpu-check       on a CUDA machine, run the experiments on every visible GPU (NCCL) and write
 #                        results/gpu/<gpu-name-slug>.json (scripts/gpu_check.py; < 10 min; exits 2 without a GPU)
 SHELL := /bin/bash
@@ -22,7 +27,7 @@ OTHER_CPU = kernels="$$($(PY) scripts/cpu_variant.py --other)"; \
 	echo "CPU kernels for this run: $$(echo $$kernels) (notebooks stored with $$($(PY) scripts/cpu_variant.py --stored))"; \
 	env $$kernels
 
-.PHONY: book test check-portable check-book gpu-check notebooks lab setup clean
+.PHONY: book test check-portable check-book check-hub book-hub gpu-check notebooks lab setup clean
 
 setup:
 	scripts/setup.sh book,test,lab,frameworks
@@ -55,6 +60,33 @@ check-book:
 	fi
 	$(VENV)/bin/jupyter-book build . --all -n -W --keep-going
 	$(PY) scripts/check_book.py _build/html
+
+# JupyterHub and nbgitpuller from PyPI (the hub extra), configurable-http-proxy from npm into
+# .venv/node (not global), Chromium as for check-book. CHECK_HUB_ARGS: e.g. --chapter, --repo-url.
+check-hub:
+	scripts/setup.sh book,test,lab,hub,browser
+	@if ! command -v chromedriver >/dev/null || ! command -v chromium >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get install -y chromium chromium-driver \
+	      || { apt-get update && apt-get install -y chromium chromium-driver; }; \
+	  else \
+	    echo "check-hub needs Chromium and its driver: sudo apt-get install chromium chromium-driver"; exit 1; \
+	  fi; \
+	fi
+	@if [ ! -x $(VENV)/node/node_modules/.bin/configurable-http-proxy ]; then \
+	  command -v npm >/dev/null || { echo "check-hub needs Node.js >= 20 and npm (for configurable-http-proxy)"; exit 1; }; \
+	  npm install --prefix $(VENV)/node --no-audit --no-fund --loglevel=error "configurable-http-proxy@^5"; \
+	fi
+	$(PY) scripts/check_hub.py $(CHECK_HUB_ARGS)
+
+BRANCH ?= main
+book-hub:
+	@if [ -z "$(HUB_URL)" ] || [ -z "$(REPO_URL)" ]; then \
+	  echo "usage: make book-hub HUB_URL=https://hub.example.org REPO_URL=https://github.com/ORG/REPO [BRANCH=main]"; \
+	  exit 2; \
+	fi
+	scripts/setup.sh book
+	$(PY) hub/build_book.py --hub-url "$(HUB_URL)" --repo-url "$(REPO_URL)" --branch "$(BRANCH)"
 
 # Memory peaks against the model, the FSDP/DDP step-time ratio, MFU of a ~1B model in bf16 and the
 # largest micro-batch, on CUDA + NCCL; the script keeps to a 540 s budget (--budget-s).

@@ -73,6 +73,14 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         recipe_commands,
         run_recipe,
     )
+    from handbook_lib.launch.gpus import (
+        DEVICE_CHOICES,
+        DEVICE_ENV,
+        device_setting,
+        gpus_hidden,
+        rank_env,
+    )
+    from handbook_lib.launch.planned import torchrun_planned
 
 _HOMES = {
     "RankFailure": "diagnose",
@@ -128,6 +136,12 @@ _HOMES = {
     "NodeRun": "recipe",
     "recipe_commands": "recipe",
     "run_recipe": "recipe",
+    "DEVICE_CHOICES": "gpus",
+    "DEVICE_ENV": "gpus",
+    "device_setting": "gpus",
+    "gpus_hidden": "gpus",
+    "rank_env": "gpus",
+    "torchrun_planned": "planned",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -144,6 +158,7 @@ __all__ = [
     "AXES_MODEL", "axes_configs",
     "RunPreempted",
     "NodeRun", "recipe_commands", "run_recipe",
+    "DEVICE_CHOICES", "DEVICE_ENV", "device_setting", "gpus_hidden", "rank_env", "torchrun_planned",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

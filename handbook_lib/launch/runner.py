@@ -67,6 +67,7 @@ from handbook_lib.launch.errors import (
     RunTimeout,
     describe_failed_checks,
 )
+from handbook_lib.launch.gpus import gpus_hidden, rank_env
 from handbook_lib.launch.nodes import Nodes, check_nodes
 from handbook_lib.launch.outdir import prepare_out_dir
 from handbook_lib.launch.preempt import TORCHRUN_SIGNALS, forward_signals, raise_if_preempted
@@ -267,10 +268,11 @@ def _job(run: str, nproc: int, configs: dict[str, dict[str, Any] | None], *, out
     nodes = check_nodes(nnodes, node_rank, rdzv_endpoint)
     module = importlib.import_module(f"handbook_lib.runs.{run}")
     cfgs = {label: _checked(module, label, config, nnodes * nproc) for label, config in configs.items()}
+    env = rank_env(env)  # HANDBOOK_DEVICE=cpu: the ranks see no GPU and run on the CPU with gloo
     if nodes.local_agents > 1:
-        _check_gpus(nnodes * nproc, f"nnodes x nproc = {nnodes} x {nproc} ranks on this machine")
+        _check_gpus(nnodes * nproc, f"nnodes x nproc = {nnodes} x {nproc} ranks on this machine", env)
     else:
-        _check_gpus(nproc)
+        _check_gpus(nproc, env=env)
 
     defaults = config_defaults(run)
     single = list(cfgs) == [""]
@@ -357,7 +359,8 @@ def _launch_and_wait(run: str, nproc: int, cfgs: dict[str, FlatConfig], out_dir:
     show.started = time.monotonic()
     streamer = show.start()
     proc = start_agents(nodes.commands(nproc, out_dir, tail),
-                        [{**child_env, **nodes.agent_env(k, nproc)} for k in range(nodes.local_agents)])
+                        [{**child_env, **({} if gpus_hidden(env) else nodes.agent_env(k, nproc))}
+                         for k in range(nodes.local_agents)])
     timed_out = False
     killed = 0
     # this node's processes: its agent's and its ranks' command lines name its own config file
@@ -456,11 +459,13 @@ def _log_results(results: dict[str, RunResult]) -> None:
                                   "checks": len(result.checks), "failed": len(result.failed_checks())}) + "\n")
 
 
-def _check_gpus(nproc: int, said: str = "") -> None:
+def _check_gpus(nproc: int, said: str = "", env: dict[str, str] | None = None) -> None:
     """Refuse more ranks on this machine than GPUs; ``said`` is how the caller asked for them
-    (default ``nproc=N``)."""
+    (default ``nproc=N``). Ranks whose ``env`` hides the GPUs run on the CPU: any number fits."""
     import torch
 
+    if gpus_hidden(env):
+        return
     if torch.cuda.is_available() and nproc > torch.cuda.device_count():
         raise ValueError(
             f"{said or f'nproc={nproc}'} but {torch.cuda.device_count()} GPU(s) are visible; "

@@ -2,7 +2,9 @@
 
 Chapter 1 introduces it. The device and the backend are picked at run time, so one code path
 serves a laptop and a GPU node: CUDA + NCCL (one rank per visible GPU, ``cuda:LOCAL_RANK``) when
-GPUs are present, else CPU + gloo.
+GPUs are present, else CPU + gloo. A rank started with ``CUDA_VISIBLE_DEVICES=""`` sees no GPU
+and takes CPU + gloo on any machine: that is how the launcher runs a lesson's ranks on the CPU of
+a GPU hub (``HANDBOOK_DEVICE=cpu``, or too few GPUs: :mod:`handbook_lib.launch.gpus`).
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ def pick_device(local_rank: int = 0) -> tuple[torch.device, str]:
         count = torch.cuda.device_count()
         if local_rank >= count:
             raise RuntimeError(
-                f"local rank {local_rank} has no GPU: {count} visible; "
-                f"start at most {count} processes per node"
+                f"local rank {local_rank} has no GPU: {count} visible; start at most {count} "
+                "processes per node, or run the ranks on the CPU (CUDA_VISIBLE_DEVICES='')"
             )
         return torch.device("cuda", local_rank), "nccl"
     return torch.device("cpu"), "gloo"
