@@ -113,6 +113,18 @@ ROWS: list[BadInputRow] = [
     cli("ckpt-ddp", [*CKPT, "--set", f"ckpt_dir={TMP}/ck", "--set", "strategy=DDP"], "strategy"),
     cli("ckpt-offload", [*CKPT, "--set", f"ckpt_dir={TMP}/ck", "--set", "cpu_offload=true"], "cpu_offload"),
     cli("ckpt-resume-not-bool", [*CKPT, "--set", f"ckpt_dir={TMP}/ck", "--set", "resume=if-present"], "resume"),
+    # issue 26: the whole job's state, preemption and node loss
+    cli("ckpt-dataset-not-whole-batches", [*CKPT, "--set", f"ckpt_dir={TMP}/ck", "--set", "dataset_size=20"],
+        "dataset_size"),
+    cli("ckpt-preempt-signal-mid-save", [*CKPT, "--set", f"ckpt_dir={TMP}/ck", "--set", "save_every=2",
+                                         "--set", "kill_at_step=2", "--set", "kill_in_save=true",
+                                         "--set", "kill_signal=SIGTERM"], "kill_signal"),
+    cli("ckpt-kill-node-without-step", [*CKPT, "--set", f"ckpt_dir={TMP}/ck", "--set", "kill_node=true"],
+        "kill_at_step"),
+    cli("ckpt-warmup-as-long-as-the-run", [*CKPT, "--set", f"ckpt_dir={TMP}/ck", "--set", "steps=3",
+                                           "--set", "warmup_steps=3"], "warmup_steps"),
+    cli("ckpt-unknown-schedule", [*CKPT, "--set", f"ckpt_dir={TMP}/ck", "--set", "lr_schedule=step"],
+        "lr_schedule"),
     api("api-load-missing-checkpoint", _load_missing_checkpoint, "no checkpoint at",
         raises=RuntimeError),  # CheckpointError is a RuntimeError
     api("api-validate-a-file", _validate_file_as_checkpoint, "no checkpoint at", raises=RuntimeError),
