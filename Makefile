@@ -12,6 +12,8 @@
 #                        nothing left running (scripts/check_hub.py; about 2 min)
 #   make book-hub HUB_URL=https://hub.example.org REPO_URL=https://github.com/ORG/REPO [BRANCH=main]
 #                        the book for a hub, a JupyterHub launch button on every chapter (hub/build_book.py)
+#   make gpu-smoke       on one CUDA GPU, each CUDA-only path once; prints every failed check and writes
+#                        results/gpu/smoke-<gpu-name-slug>.json (scripts/gpu_smoke.py; < 10 min; exits 2 without a GPU)
 #   make gpu-check       on a CUDA machine, run the experiments on every visible GPU (NCCL) and write
 #                        results/gpu/<gpu-name-slug>.json (scripts/gpu_check.py; < 10 min; exits 2 without a GPU)
 SHELL := /bin/bash
@@ -27,7 +29,7 @@ OTHER_CPU = kernels="$$($(PY) scripts/cpu_variant.py --other)"; \
 	echo "CPU kernels for this run: $$(echo $$kernels) (notebooks stored with $$($(PY) scripts/cpu_variant.py --stored))"; \
 	env $$kernels
 
-.PHONY: book test check-portable check-book check-hub book-hub gpu-check notebooks lab setup clean
+.PHONY: book test check-portable check-book check-hub book-hub gpu-smoke gpu-check notebooks lab setup clean
 
 setup:
 	scripts/setup.sh book,test,lab,frameworks
@@ -40,9 +42,11 @@ book:
 # Two workers, one test file each at a time (--dist loadfile keeps a file's module-scoped runs
 # together): the torchrun jobs wait on their ranks' startup as much as they compute.
 # JupyterLab (the lab extra) is for reading, not testing: the suite installs without it.
+# The suite is calibrated on CPU ranks: on a GPU machine it still runs them on the CPU (no GPU
+# visible); the GPU checks are make gpu-smoke and make gpu-check.
 test:
 	scripts/setup.sh book,test,frameworks
-	$(OTHER_CPU) $(PY) -m pytest -n 2 --dist loadfile tests notebooks $(NBVAL)
+	$(OTHER_CPU) CUDA_VISIBLE_DEVICES= $(PY) -m pytest -n 2 --dist loadfile tests notebooks $(NBVAL)
 
 check-portable: setup
 	$(OTHER_CPU) $(PY) -m pytest notebooks $(NBVAL)
@@ -93,6 +97,11 @@ book-hub:
 gpu-check:
 	scripts/setup.sh test
 	$(PY) scripts/gpu_check.py
+
+# The CUDA-only paths, once each, on one GPU (trainer_deepspeed needs the frameworks extra).
+gpu-smoke:
+	scripts/setup.sh test,frameworks
+	$(PY) scripts/gpu_smoke.py
 
 notebooks: setup  ## re-execute every notebook (native CPU kernels) and store its outputs
 	$(PY) scripts/execute_notebooks.py

@@ -49,7 +49,6 @@ from handbook_lib.launch import (
     BILLION_MODEL,
     MEMORY_CONFIGS,
     MFU_CONFIG,
-    NO_GPU_MESSAGE,
     STEP_TIME_CONFIG,
     SWEEP_CONFIG,
     axes_configs,
@@ -63,6 +62,7 @@ from handbook_lib.launch import (
     sweep_micro_batch,
     write_result_set,
 )
+from handbook_lib.launch.gpu_check import gpu_present, no_gpu_message  # noqa: E402
 from handbook_lib.models import ACCELERATORS  # noqa: E402
 
 RUN_TIMEOUT_S = 240.0
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None, *, launch: Callable[..., Any] | None = N
     import torch
 
     if not torch.cuda.is_available():
-        print(NO_GPU_MESSAGE, file=sys.stderr)
+        print(no_gpu_message(torch.version.cuda, gpu_present(), torch.__version__), file=sys.stderr)
         return 2
     if args.probe:  # the child of environment(): one JSON line
         print(json.dumps(probe()))

@@ -223,8 +223,14 @@ def test_init_bytes_by_hand():
     shards = 4 * (501 * 64 + TINY_LAYER * 2 // 2 + 501 * 64 + 501)
     assert shards == estimate_shard_bytes(TINY, 2, 0).padded_bytes  # no odd first dims in a layer
     assert estimate_init_bytes(TINY, 2, "FULL_SHARD", "meta") == shards + 4 * TINY_OUTPUT + 8
-    # the full build: the whole model, plus the first layer's shards as fully_shard makes them
-    assert estimate_init_bytes(TINY, 2, "FULL_SHARD", "full") == 4 * n + 4 * TINY_LAYER // 2 + 8
+    # the full build: fully_shard unit by unit, a unit's originals freed once its shards exist.
+    # The first layer's moment is the whole model plus its shards; the root's (last) is its own
+    # originals, both layers' shards and its shards: larger here, with a 1001-word vocabulary
+    # (a 2-rank gloo run of TINY measures 892,416 B)
+    first = 4 * n + 4 * TINY_LAYER // 2 + 8
+    root = 4 * (TINY_EMBEDDING + TINY_OUTPUT) + 2 * 4 * TINY_LAYER // 2 + 4 * (501 * 64 + 501 * 64 + 501) + 8
+    assert root > first and root == 892_416
+    assert estimate_init_bytes(TINY, 2, "FULL_SHARD", "full") == root
 
 
 def test_accumulation_keeps_unsharded_gradients_only_when_they_are_sharded():

@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         training_arguments,
     )
     from handbook_lib.integrations.zero_engine import (
+        set_ds_accelerator,
         EngineOptimizer,
         build_engine,
         deepspeed_estimates,
@@ -84,6 +85,7 @@ _HOMES = {
     "training_arguments": "hf_trainer",
     "ulysses_core": "ulysses",
     "probe_logits_on_cpu": "hf_trainer",
+    "set_ds_accelerator": "zero_engine",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -97,6 +99,7 @@ __all__ = [
     "parse_deepspeed_config", "training_arguments",
     "ulysses_core",
     "probe_logits_on_cpu",
+    "set_ds_accelerator",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

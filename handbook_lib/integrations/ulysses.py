@@ -39,7 +39,8 @@ def ulysses_core(group: dist.ProcessGroup) -> Callable[[torch.Tensor, torch.Tens
     from deepspeed.sequence.layer import DistributedAttention
 
     if not ds_comm.is_initialized():
-        ds_comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False)
+        backend = "nccl" if "nccl" in dist.get_backend() else dist.get_backend()  # not "cpu:gloo,cuda:nccl"
+        ds_comm.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
     attention = DistributedAttention(causal_attention, group, scatter_idx=2, gather_idx=1)
 
     def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
@@ -34,8 +35,26 @@ from handbook_lib.runtime.distributed import RankContext
 from handbook_lib.runtime.collectives import tensors_in
 from handbook_lib.runtime.model import build_model
 
-__all__ = ["import_deepspeed", "EngineOptimizer", "build_engine", "measure_zero_bytes",
+__all__ = ["set_ds_accelerator", "import_deepspeed", "EngineOptimizer", "build_engine", "measure_zero_bytes",
            "measure_zero_grad_bytes", "deepspeed_estimates", "parse_deepspeed_config"]
+
+
+def set_ds_accelerator(environ: MutableMapping[str, str], cuda: bool) -> str | None:
+    """Point DeepSpeed at this machine's accelerator through ``environ`` (``os.environ`` for a
+    rank): ``DS_ACCELERATOR=cpu`` when there is no GPU, and with a GPU a ``cpu`` value a notebook
+    kernel or a parent left there removed, since DeepSpeed would move the model to the CPU inside
+    NCCL ranks (issue 29, S1-3).
+
+    Returns:
+        One line saying what was dropped, or ``None`` when nothing was.
+    """
+    if not cuda:
+        environ.setdefault("DS_ACCELERATOR", "cpu")
+        return None
+    if environ.get("DS_ACCELERATOR", "").strip().lower() != "cpu":
+        return None
+    del environ["DS_ACCELERATOR"]
+    return "DS_ACCELERATOR=cpu ignored: this process sees a CUDA GPU, so DeepSpeed uses it"
 
 
 def import_deepspeed() -> Any:
@@ -45,8 +64,9 @@ def import_deepspeed() -> Any:
     Raises:
         ImportError: naming the extra to install, when DeepSpeed is missing.
     """
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    dropped = set_ds_accelerator(os.environ, torch.cuda.is_available())
+    if dropped:
+        warnings.warn(dropped, stacklevel=2)
     try:
         import deepspeed
     except ImportError as err:

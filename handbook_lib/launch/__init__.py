@@ -24,6 +24,9 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         killed_lines,
     )
     from handbook_lib.launch.gpu_check import (
+        CUDA_WHEELS,
+        gpu_present,
+        no_gpu_message,
         BILLION_MODEL,
         MEMORY_CONFIGS,
         MFU_CONFIG,
@@ -81,6 +84,22 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         rank_env,
     )
     from handbook_lib.launch.planned import torchrun_planned
+    from handbook_lib.launch.gpu_smoke import (
+        SMOKE_SCHEMA,
+        SMOKE_WRITER,
+        SMOKE_MFU_BATCH,
+        SmokeRun,
+        smoke_plan,
+        smoke_path,
+        check_failures,
+        mfu_failure,
+        smoke_failures,
+        smoke_summary,
+    )
+    from handbook_lib.launch.preflight import (
+        SHM_MIN_BYTES,
+        shm_warning,
+    )
 
 _HOMES = {
     "RankFailure": "diagnose",
@@ -142,6 +161,21 @@ _HOMES = {
     "gpus_hidden": "gpus",
     "rank_env": "gpus",
     "torchrun_planned": "planned",
+    "CUDA_WHEELS": "gpu_check",
+    "gpu_present": "gpu_check",
+    "no_gpu_message": "gpu_check",
+    "SMOKE_SCHEMA": "gpu_smoke",
+    "SMOKE_WRITER": "gpu_smoke",
+    "SMOKE_MFU_BATCH": "gpu_smoke",
+    "SmokeRun": "gpu_smoke",
+    "smoke_plan": "gpu_smoke",
+    "smoke_path": "gpu_smoke",
+    "check_failures": "gpu_smoke",
+    "mfu_failure": "gpu_smoke",
+    "smoke_failures": "gpu_smoke",
+    "smoke_summary": "gpu_smoke",
+    "SHM_MIN_BYTES": "preflight",
+    "shm_warning": "preflight",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -159,6 +193,9 @@ __all__ = [
     "RunPreempted",
     "NodeRun", "recipe_commands", "run_recipe",
     "DEVICE_CHOICES", "DEVICE_ENV", "device_setting", "gpus_hidden", "rank_env", "torchrun_planned",
+    "CUDA_WHEELS", "gpu_present", "no_gpu_message",
+    "SMOKE_SCHEMA", "SMOKE_WRITER", "SMOKE_MFU_BATCH", "SmokeRun", "smoke_plan", "smoke_path", "check_failures", "mfu_failure", "smoke_failures", "smoke_summary",
+    "SHM_MIN_BYTES", "shm_warning",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

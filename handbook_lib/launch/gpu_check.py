@@ -38,7 +38,8 @@ from handbook_lib.models.layout import wrap_units
 
 __all__ = [
     "RESULT_SET_SCHEMA", "WRITER", "BILLION_MODEL", "MEMORY_CONFIGS", "STEP_TIME_CONFIG", "MFU_CONFIG",
-    "SWEEP_CONFIG", "NO_GPU_MESSAGE", "match_accelerator", "estimate_mfu", "estimate_prefetch_extra_bytes",
+    "SWEEP_CONFIG", "NO_GPU_MESSAGE", "CUDA_WHEELS", "gpu_present", "no_gpu_message", "match_accelerator", "estimate_mfu",
+    "estimate_prefetch_extra_bytes",
     "memory_figures", "steady_step_time_s", "is_cuda_oom", "SweepTry", "Sweep", "sweep_micro_batch",
     "predict_max_micro_batch", "gpu_slug", "write_result_set", "AXES_MODEL", "axes_configs",
 ]
@@ -48,6 +49,35 @@ RESULT_SET_SCHEMA = "handbook.gpu-check/1"
 WRITER = "scripts/gpu_check.py"
 """Recorded in every result set: a file without it was not written by gpu-check."""
 NO_GPU_MESSAGE = "gpu-check needs a CUDA GPU: none is visible (torch.cuda.is_available() is False)"
+CUDA_WHEELS = "download.pytorch.org/whl/cu126"
+"""The index of torch's CUDA 12.6 wheels, which the drivers of current GPU hubs (>= 560) run."""
+
+
+def gpu_present(dev: str | Path = "/dev/nvidia0", smi: str = "nvidia-smi") -> bool:
+    """Whether this machine has an NVIDIA GPU, whatever torch says: the device node ``dev``
+    exists (containers often lack ``nvidia-smi``), or ``smi -L`` lists a GPU."""
+    import subprocess
+
+    if Path(dev).exists():
+        return True
+    try:
+        proc = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0 and "GPU" in proc.stdout
+
+
+def no_gpu_message(cuda_version: str | None, present: bool, torch_version: str = "", tool: str = "gpu-check") -> str:
+    """The one line to print when ``torch.cuda.is_available()`` is False, telling the cases
+    apart (issue 29, S1-2): no GPU (:data:`NO_GPU_MESSAGE`); a GPU, but ``torch`` is a CPU
+    build (``torch.version.cuda`` is ``None``); a GPU and a CUDA build that cannot use it (a
+    driver older than the build's CUDA ``cuda_version``, or none loaded)."""
+    if not present:
+        return NO_GPU_MESSAGE.replace("gpu-check", tool, 1)
+    version = torch_version.split("+")[0] or "X"
+    if cuda_version is None:
+        return f"torch is a CPU build on a GPU machine: install torch=={version} from {CUDA_WHEELS}"
+    return f"torch (CUDA {cuda_version}) cannot use this GPU: update the NVIDIA driver, or use an older CUDA build"
 
 BILLION_MODEL = ModelConfig(vocab_size=32_000, d_model=2048, nhead=16, dim_feedforward=8192, num_layers=18)
 """The handbook model at about a billion parameters (1,037,552,896): 18 layers of width 2048."""
@@ -367,27 +397,30 @@ def gpu_slug(device_name: str) -> str:
     return slug
 
 
-def _written_by_us(path: Path) -> bool:
+def _written_by_us(path: Path, schema: str, writer: str) -> bool:
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
-    return isinstance(data, dict) and data.get("schema") == RESULT_SET_SCHEMA and data.get("written_by") == WRITER
+    return isinstance(data, dict) and data.get("schema") == schema and data.get("written_by") == writer
 
 
-def write_result_set(path: str | Path, data: Mapping[str, Any]) -> Path:
-    """Write a GPU result set (JSON, atomically), stamped with :data:`RESULT_SET_SCHEMA` and :data:`WRITER`.
+def write_result_set(path: str | Path, data: Mapping[str, Any], *, schema: str = RESULT_SET_SCHEMA,
+                     writer: str = WRITER) -> Path:
+    """Write a GPU result set (JSON, atomically), stamped with ``schema`` and ``writer``
+    (default :data:`RESULT_SET_SCHEMA` and :data:`WRITER`; gpu-smoke passes its own).
 
-    A file already at ``path`` is replaced only if gpu-check wrote it (its ``schema`` and
+    A file already at ``path`` is replaced only if the same writer wrote it (its ``schema`` and
     ``written_by`` say so); anything else is left alone.
 
     Raises:
-        FileExistsError: if ``path`` holds a file gpu-check did not write (or is not a file).
+        FileExistsError: if ``path`` holds a file that writer did not write (or is not a file).
     """
     target = Path(path)
-    if target.exists() and not (target.is_file() and _written_by_us(target)):
-        raise FileExistsError(f"{target} exists and was not written by gpu-check: not replaced; "
+    if target.exists() and not (target.is_file() and _written_by_us(target, schema, writer)):
+        tool = Path(writer).stem.replace("_", "-")
+        raise FileExistsError(f"{target} exists and was not written by {tool}: not replaced; "
                               "move it away or pass another --out")
     target.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(target, {"schema": RESULT_SET_SCHEMA, "written_by": WRITER, **data})
+    write_json_atomic(target, {"schema": schema, "written_by": writer, **data})
     return target

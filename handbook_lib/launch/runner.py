@@ -35,6 +35,7 @@ import math
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -70,6 +71,7 @@ from handbook_lib.launch.errors import (
 from handbook_lib.launch.gpus import gpus_hidden, rank_env
 from handbook_lib.launch.nodes import Nodes, check_nodes
 from handbook_lib.launch.outdir import prepare_out_dir
+from handbook_lib.launch.preflight import shm_warning
 from handbook_lib.launch.preempt import TORCHRUN_SIGNALS, forward_signals, raise_if_preempted
 from handbook_lib.launch.processes import Agents, drain, exit_words, pump, start_agents, stop, sweep
 from handbook_lib.launch.show import Show, Streamer, config_defaults
@@ -273,6 +275,7 @@ def _job(run: str, nproc: int, configs: dict[str, dict[str, Any] | None], *, out
         _check_gpus(nnodes * nproc, f"nnodes x nproc = {nnodes} x {nproc} ranks on this machine", env)
     else:
         _check_gpus(nproc, env=env)
+    _warn_small_shm(nproc, env)
 
     defaults = config_defaults(run)
     single = list(cfgs) == [""]
@@ -457,6 +460,15 @@ def _log_results(results: dict[str, RunResult]) -> None:
         for label, result in results.items():
             log.write(json.dumps({"run": result.run, "label": label, "world_size": result.world_size,
                                   "checks": len(result.checks), "failed": len(result.failed_checks())}) + "\n")
+
+
+def _warn_small_shm(nproc: int, env: dict[str, str] | None) -> None:
+    """One line on stderr when NCCL ranks would share a container's 64 MB ``/dev/shm``."""
+    import torch
+
+    note = shm_warning(nproc, torch.cuda.is_available() and not gpus_hidden(env))
+    if note:
+        print(note, file=sys.stderr)
 
 
 def _check_gpus(nproc: int, said: str = "", env: dict[str, str] | None = None) -> None:

@@ -144,6 +144,11 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         notes_left_out,
         thread_url,
     )
+    from handbook_lib.models.init_bytes import (
+        CUDA_ALLOCATION_BYTES,
+        DDP_BUCKET_CAPS,
+        device_storage_bytes,
+    )
 
 _HOMES = {
     "SELECTIVE_SAVE": "activations",
@@ -374,6 +379,9 @@ _HOMES = {
     "cases_in": "clinic_cases",
     "notes_left_out": "clinic_cases",
     "thread_url": "clinic_cases",
+    "CUDA_ALLOCATION_BYTES": "init_bytes",
+    "DDP_BUCKET_CAPS": "init_bytes",
+    "device_storage_bytes": "init_bytes",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -429,6 +437,7 @@ __all__ = [
     "Fault", "NODE_FAULTS",
     "scale_model_width", "cost_fraction",
     "ClinicCase", "CLINIC_GROUPS", "FIELD_NOTES", "CLINIC_CASES", "get_case", "cases_in", "notes_left_out", "thread_url",
+    "CUDA_ALLOCATION_BYTES", "DDP_BUCKET_CAPS", "device_storage_bytes",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from math import prod
 
 from handbook_lib.core.checks import check_int, lookup
 from handbook_lib.core.config import dtype_bytes, get_precision
 from handbook_lib.core.strategies import get_strategy
+from handbook_lib.models.init_bytes import device_storage_bytes
 from handbook_lib.models.layout import ModelLike, model_layout
 from handbook_lib.models.sharding import Unit
 
@@ -109,18 +111,28 @@ def estimate_accumulation_bytes(
     precision: str = "fp32",
     *,
     reduce_dtype: str | None = None,
+    device: str = "cpu",
 ) -> int:
     """Bytes a rank holds between the micro-steps of gradient accumulation, beyond its state at
     rest: with gradient sync off (FSDP2's ``set_requires_gradient_sync(False)``), a strategy
     that shards gradients keeps every parameter's *unsharded* gradient, in the reduce dtype,
     until the last micro-step reduce-scatters it: P·r bytes, where FSDP held P·4/N. A
     replicating strategy (DDP, NO_SHARD) accumulates in the gradients it holds anyway: 0.
+
+    ``device="cuda"``: each gradient is its own storage, rounded up to the caching allocator's
+    512 B (:func:`~handbook_lib.models.init_bytes.device_storage_bytes`); needs a model with
+    exact tensors. Not yet measured on a GPU.
     """
     row = get_strategy(strategy).torch_only("estimate_accumulation_bytes")
-    reduce = get_precision(precision).reduce
+    size = dtype_bytes(reduce_dtype or get_precision(precision).reduce)
+    device_storage_bytes(0, device)  # checks the device
     if not row.shards_grads:
         return 0
-    return model_layout(model).num_params * dtype_bytes(reduce_dtype or reduce)
+    layout = model_layout(model)
+    if device == "cpu":
+        return layout.num_params * size
+    layout.require_exact("estimate_accumulation_bytes")
+    return sum(device_storage_bytes(prod(shape) * size, device) for _, shape in layout.tensors)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from math import prod
 
 from handbook_lib.core.checks import check_int
 from handbook_lib.core.config import dtype_bytes
@@ -20,6 +21,7 @@ from handbook_lib.models.collectives import (
     CollectiveCost,
     estimate_collective,
 )
+from handbook_lib.models.init_bytes import device_storage_bytes
 from handbook_lib.models.layout import model_layout
 from handbook_lib.models.sharding import Unit
 
@@ -337,7 +339,7 @@ def estimate_step_bytes_for_params(
 def estimate_held_between_micro_steps(
     units: Iterable[Unit], world_size: int, strategy: str, *, param_dtype: str = "fp32",
     reduce_dtype: str = "fp32", sync_every_micro_step: bool = False, reshard_after_backward: bool = True,
-    shard_group_size: int | None = None,
+    shard_group_size: int | None = None, device: str = "cpu",
 ) -> int:
     """Bytes a rank holds after one micro-step's backward beyond what it held before it, for
     the two accumulation modes and FSDP2's ``set_reshard_after_backward`` (chapter 5):
@@ -350,15 +352,28 @@ def estimate_held_between_micro_steps(
 
     Replicating strategies (DDP, NO_SHARD) accumulate in the gradients they hold anyway: 0.
 
+    ``device="cuda"``: every gradient, and every parameter's gathered copy (FSDP2 keeps one
+    all-gather output per parameter), is its own storage, rounded up to the caching allocator's
+    512 B (:func:`~handbook_lib.models.init_bytes.device_storage_bytes`). Not yet measured on a GPU.
+
     Raises:
-        ValueError: as :func:`estimate_step_traffic`.
+        ValueError: as :func:`estimate_step_traffic`, or for a device other than cpu or cuda.
     """
     units = [u for u in units if u.numel]
     row = get_strategy(strategy).torch_only("estimate_held_between_micro_steps")
     if not row.shards_grads:
         return 0
     group = row.shard_group(world_size, shard_group_size)
-    held = 0 if sync_every_micro_step else sum(u.numel for u in units) * dtype_bytes(reduce_dtype, "reduce_dtype")
+    reduce, param = dtype_bytes(reduce_dtype, "reduce_dtype"), dtype_bytes(param_dtype, "param_dtype")
+    device_storage_bytes(0, device)  # checks the device
+    if device == "cuda":
+        shapes = [shape for u in units for shape in u.shapes]
+        held = 0 if sync_every_micro_step else sum(device_storage_bytes(prod(s) * reduce, device) for s in shapes)
+        if not reshard_after_backward and row.shards_params:
+            held += sum(device_storage_bytes(-(-s[0] // group) * group * prod(s[1:]) * param, device)
+                        for s in shapes)
+        return held
+    held = 0 if sync_every_micro_step else sum(u.numel for u in units) * reduce
     if not reshard_after_backward and row.shards_params:
-        held += sum(u.padded_numel(group) for u in units) * dtype_bytes(param_dtype, "param_dtype")
+        held += sum(u.padded_numel(group) for u in units) * param
     return held

@@ -96,6 +96,7 @@ def _arm_stack_dumps(stacks_path: Path):
     """Dump all threads' stacks on SIGTERM, and shortly before the launcher's deadline."""
     handle = open(stacks_path, "w")  # noqa: SIM115 - must outlive this function
     faulthandler.register(signal.SIGTERM, file=handle, all_threads=True, chain=True)
+    faulthandler.enable(file=handle, all_threads=True)  # SIGABRT (NCCL's watchdog), SIGSEGV: stacks
     deadline = os.environ.get(DEADLINE_ENV)
     if deadline:
         seconds = float(deadline) - time.time() - 3.0
@@ -198,6 +199,7 @@ def main(module: ModuleType, argv: list[str] | None = None) -> None:
     finally:
         faulthandler.cancel_dump_traceback_later()
         faulthandler.unregister(signal.SIGTERM)
+        faulthandler.disable()  # before its file is closed
         if code == 0:
             shutdown_distributed()
         sys.stdout.flush()

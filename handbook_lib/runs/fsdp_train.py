@@ -224,9 +224,12 @@ def _state(config: RunConfig, ctx: RankContext, layout: ModelLayout, units: list
                opt_other),
     ]
     if not flat:  # FSDP1 flattens while it materialises: its init is reported, not predicted
-        checks.append(_bytes(ctx, "init_bytes", estimate_init_bytes(
+        # on CUDA the tracker reads the GPU only: offloaded shards live on the host, none there
+        gpu = ctx.device.type == "cuda"
+        checks.append(_bytes(ctx, "init_bytes", 0 if gpu and config.cpu_offload else estimate_init_bytes(
             layout, ctx.world_size, config.strategy, config.init, rank=ctx.rank,
-            shard_group_size=group if row.hybrid else None, units=units), init_bytes))
+            shard_group_size=group if row.hybrid else None, units=units,
+            device="cuda" if gpu else "cpu"), init_bytes))
     wrapped = measure_fsdp_units(model)
     if row.wrapper == "fsdp":
         checks.append(Check("fsdp_unit_count", ctx.rank, sum(1 for u in units if u.numel), len(wrapped), "units"))
@@ -264,9 +267,11 @@ def _memory_checks(config: RunConfig, ctx: RankContext, layout: ModelLayout, uni
                 param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                 sync_every_micro_step=config.sync_every_micro_step,
                 reshard_after_backward=config.reshard_after_backward,
-                shard_group_size=group if row.hybrid else None)
+                shard_group_size=group if row.hybrid else None,
+                device="cuda" if ctx.device.type == "cuda" else "cpu")
         else:
-            held = estimate_accumulation_bytes(layout, config.strategy, config.precision)
+            held = estimate_accumulation_bytes(layout, config.strategy, config.precision,
+                                               device="cuda" if ctx.device.type == "cuda" else "cpu")
         checks.append(_bytes(ctx, "held_between_micro_steps", held, mem.held_between_micro_steps))
     metrics.update(predicted_peak_bytes=peak, peak_bytes=mem.peak_bytes, activation_bytes=mem.activation_bytes,
                    peak_breakdown=mem.peak_breakdown, allocator_peak_bytes=mem.allocator_peak_bytes,

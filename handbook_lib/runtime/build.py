@@ -361,7 +361,10 @@ def measure_init_bytes(config: RunConfig, ctx: RankContext, init: InitMode = "me
     the rank's device (on a CPU run: host memory) while it was built, wrapped and initialised.
 
     Meta tensors hold no storage and are not counted; with ``init="full"`` the whole seeded
-    model is counted, with ``meta`` the rank's shards plus the largest part being copied.
+    model is counted, with ``meta`` the rank's shards plus the largest part being copied. On
+    CUDA only the GPU is read (the seeded part, the mesh and offloaded shards are host memory),
+    every storage rounded up to 512 B as the caching allocator takes it: predict it with
+    ``estimate_init_bytes(..., device="cuda")``.
     """
     from torch.distributed._tools.mem_tracker import MemTracker
 

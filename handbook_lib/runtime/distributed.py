@@ -69,10 +69,16 @@ def init_distributed(timeout_s: float | None = None) -> RankContext:
     device, backend = pick_device(local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        # a rank that times out in a collective raises (and dumps NCCL's flight record) instead
+        # of being aborted by the watchdog without a Python traceback
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     if timeout_s is None:
         timeout_s = float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, "300"))
     dist.init_process_group(
-        backend=backend,
+        # with NCCL, gloo too, for CPU tensors: offloaded gradients' norm, fp16's found-inf, DCP,
+        # objects (gpu-path.md S1-7); ctx.backend stays "nccl"
+        backend="cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
         timeout=datetime.timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
