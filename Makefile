@@ -51,17 +51,21 @@ test:
 check-portable: setup
 	$(OTHER_CPU) $(PY) -m pytest notebooks $(NBVAL)
 
-# --all: Sphinx copies _static only when some page is out of date, and a CSS change is not one.
-check-book:
-	scripts/setup.sh book,browser
-	@if ! command -v chromedriver >/dev/null || ! command -v chromium >/dev/null; then \
+# Chromium and its driver, for the checks that open pages headless: apt-get as root, else one
+# line saying how ($@: the target that needs them).
+NEED_CHROMIUM = if ! command -v chromedriver >/dev/null || ! command -v chromium >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    apt-get install -y chromium chromium-driver \
 	      || { apt-get update && apt-get install -y chromium chromium-driver; }; \
 	  else \
-	    echo "check-book needs Chromium and its driver: sudo apt-get install chromium chromium-driver"; exit 1; \
+	    echo "$@ needs Chromium and its driver: sudo apt-get install chromium chromium-driver"; exit 1; \
 	  fi; \
 	fi
+
+# --all: Sphinx copies _static only when some page is out of date, and a CSS change is not one.
+check-book:
+	scripts/setup.sh book,browser
+	@$(NEED_CHROMIUM)
 	$(VENV)/bin/jupyter-book build . --all -n -W --keep-going
 	$(PY) scripts/check_book.py _build/html
 
@@ -69,14 +73,7 @@ check-book:
 # .venv/node (not global), Chromium as for check-book. CHECK_HUB_ARGS: e.g. --chapter, --repo-url.
 check-hub:
 	scripts/setup.sh book,test,lab,hub,browser
-	@if ! command -v chromedriver >/dev/null || ! command -v chromium >/dev/null; then \
-	  if [ "$$(id -u)" = 0 ]; then \
-	    apt-get install -y chromium chromium-driver \
-	      || { apt-get update && apt-get install -y chromium chromium-driver; }; \
-	  else \
-	    echo "check-hub needs Chromium and its driver: sudo apt-get install chromium chromium-driver"; exit 1; \
-	  fi; \
-	fi
+	@$(NEED_CHROMIUM)
 	@if [ ! -x $(VENV)/node/node_modules/.bin/configurable-http-proxy ]; then \
 	  command -v npm >/dev/null || { echo "check-hub needs Node.js >= 20 and npm (for configurable-http-proxy)"; exit 1; }; \
 	  npm install --prefix $(VENV)/node --no-audit --no-fund --loglevel=error "configurable-http-proxy@^5"; \
