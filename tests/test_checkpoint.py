@@ -311,6 +311,29 @@ def test_export_loads_into_a_plain_module_with_weights_only(tmp_path):
                                                          dim_feedforward=24, num_layers=2))
 
 
+def test_a_probe_is_reproduced_where_it_was_computed(tmp_path, monkeypatch):
+    """gpu-path.md S3-2: the plain module reruns the probe on the job's device, one CPU thread."""
+    from handbook_lib.runtime import reproduces_probe
+
+    model, _ = _trained(steps=2)
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 8), generator=torch.Generator().manual_seed(5))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        logits = model(tokens)
+    torch.set_num_threads(threads)
+    torch.save({"inputs": tokens, "logits": logits, "device": "cpu"}, tmp_path / "probe.pt")
+    torch.save({"inputs": tokens, "logits": logits}, tmp_path / "old.pt")  # before "device" was saved
+    torch.save({"inputs": tokens, "logits": logits + 1e-6, "device": "cpu"}, tmp_path / "off.pt")
+    assert reproduces_probe(model, tmp_path / "probe.pt") and reproduces_probe(model, tmp_path / "old.pt")
+    assert not reproduces_probe(model, tmp_path / "off.pt")
+    assert torch.get_num_threads() == threads
+    torch.save({"inputs": tokens, "logits": logits, "device": "cuda"}, tmp_path / "gpu.pt")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="computed on CUDA and no GPU is visible here"):
+        reproduces_probe(model, tmp_path / "gpu.pt")
+
+
 def test_fsdp1_state_dict_types_are_all_explained():
     assert set(FSDP1_STATE_DICT_TYPES) == {"FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"}
     assert "final" in FSDP1_STATE_DICT_TYPES["FULL_STATE_DICT"][2]

@@ -255,3 +255,42 @@ def test_on_a_gpu_the_inspection_waits_for_the_backward_before_its_timer(monkeyp
     cpu = _Recorder().after_backward(lambda model, step: None, 1, count_zeros=False, device=torch.device("cpu"))
     cpu(torch.nn.Linear(2, 2))
     assert len(calls) == 2  # no synchronize on the CPU
+
+
+def test_the_one_process_reference_trains_where_it_is_told(monkeypatch):
+    """gpu-path.md S2-2: a GPU job is compared with a reference on its own kind of device."""
+    from handbook_lib.runtime import train_one_process
+    from handbook_lib.runtime import resolve_device as _reference_device
+
+    config = RunConfig(vocab_size=50, d_model=32, nhead=2, dim_feedforward=64, num_layers=1,
+                       batch_size=4, seq_len=8, steps=2)
+    default, on_cpu = train_one_process(config), train_one_process(config, device="cpu")
+    assert default.losses == on_cpu.losses and len(default.losses) == 2
+    for bad, says in (("meta", "use 'cpu' or 'cuda"), ("nowhere", "not a device"),
+                      ("cuda", "no CUDA device is visible")):
+        with pytest.raises(ValueError, match=f"^device='{bad}': .*{says}"):
+            train_one_process(config, device=bad)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a faked 2-GPU machine
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert _reference_device("cuda") == torch.device("cuda", 1)
+    assert _reference_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"^device='cuda:2': 2 CUDA device\(s\) are visible"):
+        _reference_device("cuda:2")
+
+
+def test_a_run_checks_its_losses_against_a_reference_on_its_own_device(monkeypatch):
+    from handbook_lib.runs import entry
+    from handbook_lib.runtime import training
+
+    seen = []
+
+    def reference(config, device="cpu"):
+        seen.append(device)
+        return training.TrainLog(losses=[2.0, 1.0], step_time_s=[])
+
+    monkeypatch.setattr(training, "train_one_process", reference)
+    want, checks = entry.one_process_loss_checks(RunConfig(steps=2), [2.0, 1.5], 1e-5, "cuda:0")
+    assert seen == ["cuda:0"] and want == [2.0, 1.0]
+    assert [(c.quantity, c.predicted, c.measured) for c in checks] == [
+        ("loss_step1", 2.0, 2.0), ("loss_step2", 1.0, 1.5)]

@@ -93,7 +93,9 @@ from handbook_lib.runtime.training import StepEnd, train
 EXPORT_FILE = "export.pt"
 """File name, under ``ckpt_dir``, of the exported full state dict."""
 PROBE_FILE = "export_probe.pt"
-"""File name, under ``ckpt_dir``, of the probe batch and the sharded model's logits on it."""
+"""File name, under ``ckpt_dir``, of the probe batch, the sharded model's logits on it, and the
+device type they were computed on (read by
+:func:`handbook_lib.runtime.checkpoint_inspect.reproduces_probe`)."""
 PREEMPTIBLE = True
 """This run saves and stops on SIGTERM or SIGUSR1: the launcher forwards them to its ranks."""
 
@@ -233,7 +235,7 @@ def _export(config: CheckpointRunConfig, ctx: RankContext, model: torch.nn.Modul
     with torch.no_grad():
         logits = model(inputs.to(ctx.device)).cpu()  # every rank: the whole probe batch
     if ctx.is_main:
-        torch.save({"inputs": inputs, "logits": logits}, root / PROBE_FILE)
+        torch.save({"inputs": inputs, "logits": logits, "device": ctx.device.type}, root / PROBE_FILE)
     return {"file": EXPORT_FILE, "bytes": size, "seconds": seconds}
 
 

@@ -209,13 +209,14 @@ def main(module: ModuleType, argv: list[str] | None = None) -> None:
 
 
 def one_process_loss_checks(config: RunConfig, losses: list[float], tolerance: float,
-                            ) -> tuple[list[float], list[Check]]:
-    """:func:`~handbook_lib.runtime.training.train_one_process`'s losses for ``config``, and one
-    check per step of the run's ``losses`` against them (``loss_step1`` ..., nats, relative
-    ``tolerance``, of the whole job).
+                            device: str = "cpu") -> tuple[list[float], list[Check]]:
+    """:func:`~handbook_lib.runtime.training.train_one_process`'s losses for ``config``, trained
+    on ``device`` (the rank's own: a GPU job is compared with a GPU reference), and one check per
+    step of the run's ``losses`` against them (``loss_step1`` ..., nats, relative ``tolerance``,
+    of the whole job).
     Called by a run on rank 0 (training imported then, not by every rank's harness)."""
     from handbook_lib.runtime.training import train_one_process
 
-    reference = train_one_process(config).losses
+    reference = train_one_process(config, device).losses
     return reference, [Check(f"loss_step{i + 1}", None, want, got, "nats", tolerance)
                        for i, (want, got) in enumerate(zip(reference, losses))]

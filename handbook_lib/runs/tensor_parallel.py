@@ -99,7 +99,8 @@ def run(config: ParallelConfig, ctx: RankContext) -> RankReport:
                "collectives": [vars(c) for c in log.collectives],
                "sent_bytes": sum(k["sent_bytes"] for k in collective_totals(log.collectives).values())}
     if ctx.is_main:
-        metrics["reference_losses"], loss_checks = one_process_loss_checks(config, log.losses, LOSS_TOLERANCE)
+        metrics["reference_losses"], loss_checks = one_process_loss_checks(
+            config, log.losses, LOSS_TOLERANCE, str(ctx.device))  # the reference on the rank's device
         checks += loss_checks
     return RankReport(metrics=metrics, checks=checks, extra={"dp_size": dp, "tp_size": config.tp_size})
 

@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         validate_checkpoint,
     )
     from handbook_lib.runtime.checkpoint_inspect import (
+        reproduces_probe,
         checkpoint_files,
         checkpoint_items,
         count_checkpoint,
@@ -66,6 +67,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         make_batch,
     )
     from handbook_lib.runtime.distributed import (
+        resolve_device,
         RankContext,
         init_distributed,
         pick_device,
@@ -287,6 +289,8 @@ _HOMES = {
     "diagnose_grad_norm": "diagnosis",
     "diagnose_accumulation": "diagnosis",
     "repeated_block": "diagnosis",
+    "reproduces_probe": "checkpoint_inspect",
+    "resolve_device": "distributed",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -323,6 +327,8 @@ __all__ = [
     "PendingCheckpoint",
     "seed_generators",
     "Finding", "diagnose_wrapping", "diagnose_tied_weights", "diagnose_grad_norm", "diagnose_accumulation", "repeated_block",
+    "reproduces_probe",
+    "resolve_device",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

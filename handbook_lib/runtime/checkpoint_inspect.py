@@ -17,7 +17,8 @@ from handbook_lib.models.checkpoint import TensorCount
 from handbook_lib.runtime.checkpoint import read_metadata
 from handbook_lib.runtime.measure import local_tensor
 
-__all__ = ["checkpoint_files", "checkpoint_items", "count_state_tensors", "count_checkpoint"]
+__all__ = ["checkpoint_files", "checkpoint_items", "count_state_tensors", "count_checkpoint",
+           "reproduces_probe"]
 
 
 def checkpoint_files(path: str | os.PathLike[str]) -> list[tuple[str, int]]:
@@ -78,3 +79,32 @@ def count_checkpoint(path: str | os.PathLike[str]) -> dict[str, TensorCount]:
             counts[group] = counts.get(group, TensorCount(0, 0)) + TensorCount(1, size)
     counts["total"] = sum(counts.values(), TensorCount(0, 0))
     return counts
+
+
+def reproduces_probe(module: torch.nn.Module, probe_path: str | os.PathLike[str]) -> bool:
+    """Whether ``module`` (a plain model, e.g. :func:`~handbook_lib.runtime.checkpoint.load_exported`)
+    gives exactly the logits a job saved in ``probe_path``: a dict with ``inputs``, ``logits``
+    and ``device`` (where the job computed them, ``cpu`` or ``cuda``; ``cpu`` if absent).
+
+    ``module`` runs where the job ran, so the comparison is of the same kernels: on the CPU with
+    one thread, as each rank computed them (a thread count changes how a sum is split); on CUDA
+    on this process's current GPU (cuBLAS and MKL round differently, so GPU logits would never
+    equal CPU ones bit for bit). ``module`` is left on the CPU.
+
+    Raises:
+        ValueError: if the probe was computed on CUDA and this process sees no GPU.
+    """
+    probe = torch.load(probe_path, map_location="cpu", weights_only=True)
+    device = str(probe.get("device", "cpu"))
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{probe_path}: its logits were computed on CUDA and no GPU is visible "
+                         "here; compare them on a machine with one")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            logits = module.to(device)(probe["inputs"].to(device)).cpu()
+    finally:
+        torch.set_num_threads(threads)
+        module.to("cpu")
+    return torch.equal(logits, probe["logits"])

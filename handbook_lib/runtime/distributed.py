@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from handbook_lib.core.protocol import COLLECTIVE_TIMEOUT_ENV
 
-__all__ = ["RankContext", "pick_device", "init_distributed", "shutdown_distributed"]
+__all__ = ["RankContext", "pick_device", "resolve_device", "init_distributed", "shutdown_distributed"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,31 @@ def pick_device(local_rank: int = 0) -> tuple[torch.device, str]:
             )
         return torch.device("cuda", local_rank), "nccl"
     return torch.device("cpu"), "gloo"
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``) as a
+    ``torch.device``, with an index on CUDA (this process's current GPU where none is given).
+
+    Raises:
+        ValueError: in one line naming ``device``, for anything else, or a CUDA device that is
+            not visible here.
+    """
+    try:
+        where = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r}: not a device; use 'cpu' or 'cuda[:N]'") from None
+    if where.type == "cpu":
+        return where
+    if where.type != "cuda":
+        raise ValueError(f"device={str(where)!r}: use 'cpu' or 'cuda[:N]'")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={str(where)!r}: no CUDA device is visible here; use 'cpu'")
+    index = torch.cuda.current_device() if where.index is None else where.index
+    if not 0 <= index < torch.cuda.device_count():
+        raise ValueError(f"device={str(where)!r}: {torch.cuda.device_count()} CUDA device(s) "
+                         "are visible here")
+    return torch.device("cuda", index)
 
 
 def init_distributed(timeout_s: float | None = None) -> RankContext:

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from handbook_lib.core.config import RunConfig
 from handbook_lib.runtime.collectives import CollectiveCall, CollectiveCounter
 from handbook_lib.runtime.data import BatchSource, local_batch, make_batch
-from handbook_lib.runtime.distributed import RankContext
+from handbook_lib.runtime.distributed import RankContext, resolve_device
 from handbook_lib.runtime.grads import (
     clip_grad_norm,
     full_grad_norm,
@@ -456,16 +456,28 @@ def train(
     return record.log()
 
 
-def train_one_process(config: RunConfig) -> TrainLog:
+def train_one_process(config: RunConfig, device: str | torch.device = "cpu") -> TrainLog:
     """The reference every distributed run must reproduce: ``config``'s model, built from its
-    seed, trained in this process on the whole global batch (on the CPU, through no process
-    group: also inside a rank of a job, as chapter 9's runs compute it on rank 0).
+    seed, trained in this process on the whole global batch (through no process group: also
+    inside a rank of a job, as chapter 9's runs compute it on rank 0).
 
-    Losses agree with an fp32 run on any number of ranks and nodes within rounding (the
-    chapters and tests use 1e-5, relative); mixed precision rounds differently by design.
+    Args:
+        config: The run's configuration (its model, seed, batch, steps and optimizer).
+        device: Where this process trains: ``"cpu"`` (the default) or a CUDA device
+            (``"cuda"``, ``"cuda:1"``). Compare a job with a reference on the job's own kind of
+            device: the weights are the same everywhere (built on the CPU from the seed, then
+            moved), but cuBLAS and MKL, CUDA's and the CPU's attention kernels, round differently.
+
+    Losses agree with an fp32 run on any number of ranks and nodes on the same kind of device
+    within rounding (the chapters and tests use 1e-5, relative); mixed precision rounds
+    differently by design.
+
+    Raises:
+        ValueError: if ``device`` is neither the CPU nor a visible CUDA device.
     """
-    model = build_model(config.model_config(), seed=config.seed)
-    one = RankContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
+    where = resolve_device(device)
+    model = build_model(config.model_config(), seed=config.seed).to(where)
+    one = RankContext(rank=0, world_size=1, local_rank=0, device=where, backend="none")
     optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
     return train(model, optimizer, config, one, progress=False)
 
