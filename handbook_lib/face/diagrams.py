@@ -96,7 +96,9 @@ def plot_collective_timeline(
         title: Figure title.
 
     Rows are the units in the order the forward pass gathers them; time is milliseconds since
-    the step began; the backward pass is shaded from its first collective on.
+    the step began; the backward pass is shaded from its first collective on. Without ends (on
+    CUDA) the markers are the times the host *issued* each collective, and the axis says so:
+    NCCL runs it later on its own stream, so the figure shows the order, not the overlap.
     """
     units = list(dict.fromkeys(str(c["unit"]) for c in calls if c.get("phase") == "forward"))
     units += [u for u in dict.fromkeys(str(c["unit"]) for c in calls) if u not in units]
@@ -123,7 +125,9 @@ def plot_collective_timeline(
     ax.set_yticks(range(len(units)), units, fontsize=8)
     ax.set_ylim(len(units) - 0.5, -0.5)
     ax.set_xlim(0, max(ms) * 1.03 if ms else 1)
-    ax.set_xlabel("time since the step began (ms)")
+    issued_only = all(c.get("end_s") is None for c in calls)
+    ax.set_xlabel("when the host issued each one, ms since the step began (a GPU runs it later)"
+                  if issued_only else "time since the step began (ms)")
     ax.set_ylabel("FSDP unit")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)

@@ -43,7 +43,10 @@ class CollectiveCall:
     """``forward``, ``backward`` (issued while autograd runs the backward pass: FSDP's hooks,
     prefetches and its final callback) or ``optimizer`` (after the backward pass)."""
     start_s: float | None = None
-    """When it was issued, seconds after the counter was entered (the step's start)."""
+    """When the host issued it, seconds after the counter was entered (the step's start). On
+    CPU ranks (gloo) that is when it began; on CUDA it is only the issue time: NCCL runs the
+    collective later, on its own stream, so these times give the order, not the overlap (a
+    profiler trace gives that)."""
     end_s: float | None = None
     """When it completed, seconds after the same origin: recorded only by a counter made with
     ``record_ends=True``, on CPU (gloo); ``None`` otherwise (on CUDA that needs the stream's
