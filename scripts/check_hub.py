@@ -50,7 +50,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 from urllib.request import Request, urlopen
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,6 +65,7 @@ CHAPTER = "notebooks/01_model_and_parameters.ipynb"
 FOLDER = "fsdp-handbook"  # the repository's name: the folder nbgitpuller clones into
 LEARNER = "learner1"
 TOKEN_BYTES = 32
+LAUNCH_LINK = 'a[href*="/hub/user-redirect/git-pull"]'  # the JupyterHub button, as CSS
 
 
 class BadInput(ValueError):
@@ -274,6 +275,11 @@ def _stop(proc: subprocess.Popen | None, timeout_s: float = 30.0) -> None:
         proc.wait()
 
 
+def _tail(log: Path | None) -> str:
+    """The end of ``log`` on lines of its own after the message, or nothing without a log."""
+    return "\n" + log.read_text(errors="replace")[-2000:] if log else ""
+
+
 def _wait_for(what: str, test, timeout_s: float, proc: subprocess.Popen | None = None, log: Path | None = None):
     """Poll ``test()`` until it returns something true; raise naming ``what`` (and the log's end)."""
     deadline = time.monotonic() + timeout_s
@@ -282,11 +288,9 @@ def _wait_for(what: str, test, timeout_s: float, proc: subprocess.Popen | None =
         if got:
             return got
         if proc is not None and proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-2000:] if log else ""
-            raise CheckFailed(f"{what}: the process exited with {proc.returncode}\n{tail}")
+            raise CheckFailed(f"{what}: the process exited with {proc.returncode}{_tail(log)}")
         if time.monotonic() > deadline:
-            tail = log.read_text(errors="replace")[-2000:] if log else ""
-            raise CheckFailed(f"{what}: not within {timeout_s:.0f} s\n{tail}")
+            raise CheckFailed(f"{what}: not within {timeout_s:g} s{_tail(log)}")
         time.sleep(0.25)
 
 
@@ -440,20 +444,40 @@ def _accept_dialog(driver, timeout_s: float = 10.0) -> None:
         pass
 
 
+def open_page(driver, url: str, timeout_s: float = 30.0) -> None:
+    """Open ``url`` and wait for its load event: chromedriver's ``get()`` sometimes returns before
+    it, and the DOM read then is the blank tab's or half the page's (no launch link yet).
+
+    Raises:
+        CheckFailed: the browser is not on ``url`` with the page loaded within ``timeout_s`` s.
+    """
+    driver.get(url)
+    _wait_for(f"{url} loaded", lambda: driver.execute_script(
+        "return [location.href, document.readyState]") == [url, "complete"], timeout_s)
+
+
+def launch_links(driver, page: str, timeout_s: float = 30.0) -> list[str]:
+    """The nbgitpuller links (``href``) on the book's ``page``, read once it has loaded."""
+    from selenium.webdriver.common.by import By
+
+    open_page(driver, page, timeout_s)
+    return [a.get_attribute("href") for a in driver.find_elements(By.CSS_SELECTOR, LAUNCH_LINK)]
+
+
 def learner_session(driver, book_base: str, hub_url: str, repo_url: str, branch: str, chapter: str,
                     timeout_s: float, log, watch) -> dict:
     """What a learner does, from the book's page to logging out; what the browser showed.
     ``watch()`` is called while the cells run (to record the processes under the hub)."""
     from selenium.webdriver.common.by import By
 
-    page = book_base + chapter.removesuffix(".ipynb") + ".html"
-    driver.get(page)
-    links = driver.find_elements(By.CSS_SELECTOR, 'a[href*="/hub/user-redirect/git-pull"]')
+    page = book_base + quote(chapter.removesuffix(".ipynb")) + ".html"
+    links = launch_links(driver, page)
     expected = book.launch_url(hub_url, repo_url, chapter, branch)
-    if [a.get_attribute("href") for a in links] != [expected]:
-        raise CheckFailed(f"{page}: launch links {[a.get_attribute('href') for a in links]}, expected [{expected}]")
+    if links != [expected]:
+        raise CheckFailed(f"{page}: launch links {links}, expected [{expected}]")
     driver.find_element(By.CSS_SELECTOR, 'button[aria-label="Launch interactive content"]').click()
-    _wait_for("the JupyterHub button under the rocket", links[0].is_displayed, 10)
+    _wait_for("the JupyterHub button under the rocket",
+              driver.find_element(By.CSS_SELECTOR, LAUNCH_LINK).is_displayed, 10)
     log(f"the book's JupyterHub button: {expected}")
     driver.get(expected)  # the button opens a new tab; the learner's path is the same
     _wait_for("the hub's login page", lambda: driver.find_elements(By.ID, "username_input"), 30)

@@ -11,10 +11,14 @@ parts of scripts/check_hub.py (``make check-hub``) that start nothing.
 - the Slurm hub's config runs, offers 1, 2, 4 and 8 GPUs through ``req_ngpus``, and its batch
   script, rendered as batchspawner renders it, passes ``bash -n`` for every profile;
 - ``hub/build_book.py`` gives every chapter of the book built for a hub one launch button, the exact
-  nbgitpuller link, and leaves the default config without one.
+  nbgitpuller link, and leaves the default config without one; ``check_hub`` reads that link from
+  the page once it has loaded, even when the browser's ``get()`` returns before (headless Chromium;
+  skipped without it).
 """
 
 import copy
+import functools
+import http.server
 import importlib.util
 import json
 import re
@@ -22,6 +26,8 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -45,6 +51,7 @@ def _load(name: str, path: Path):
 book = _load("build_book", HUB / "build_book.py")
 sys.path.insert(0, str(ROOT / "scripts"))
 check_hub = _load("check_hub", ROOT / "scripts" / "check_hub.py")
+check_book = sys.modules["check_book"]  # scripts/check_book.py, imported by check_hub
 
 # --- the chart's schema, for the keys hub/config.yaml sets --------------------------------------------
 
@@ -280,6 +287,88 @@ def test_every_chapter_has_one_launch_button(hub_html):
         assert links == expected, page
         assert external_urls_loaded(html) == [], page  # the button is a link: nothing loaded off-site
     assert (hub_html / "_static" / "images" / "logo_jupyterhub.svg").exists()
+
+
+SLOW_S = 1.0  # seconds between the head of a page and its body, from the test's server
+
+
+@pytest.fixture
+def eager_browser():
+    """Headless Chromium whose ``get()`` returns as soon as the navigation starts (page load
+    strategy "none"): what chromedriver's ``get()`` does now and then under "normal"."""
+    reason = check_hub.missing_requirements()
+    if reason:
+        pytest.skip(f"no browser: {reason}")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = next(shutil.which(b) for b in check_book.BROWSERS if shutil.which(b))
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                 "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"):
+        options.add_argument(flag)
+    options.page_load_strategy = "none"
+    driver = webdriver.Chrome(options=options, service=Service(
+        executable_path=next(shutil.which(d) for d in check_book.DRIVERS if shutil.which(d))))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+class _HeadFirst(http.server.SimpleHTTPRequestHandler):
+    """Sends a page's ``<head>`` at once and the rest :data:`SLOW_S` later: a page that is still
+    loading when ``get()`` has returned, as on a busy machine."""
+
+    def do_GET(self):
+        path = Path(self.translate_path(self.path))
+        if path.suffix != ".html" or not path.is_file():
+            return super().do_GET()
+        data = path.read_bytes()
+        cut = data.index(b"<body")
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data[:cut])
+        self.wfile.flush()
+        time.sleep(SLOW_S)
+        self.wfile.write(data[cut:])
+
+    def log_message(self, format, *args):  # noqa: A002 (the base class's name)
+        pass
+
+
+@pytest.fixture
+def slow_book(hub_html):
+    """The hub's book on 127.0.0.1, each page's body sent :data:`SLOW_S` after its head; its URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_HeadFirst, directory=str(hub_html)))
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_launch_links_are_read_once_the_page_has_loaded(eager_browser, slow_book):
+    """``make check-hub`` failed 1 run in 3 with "launch links []" on chapter 1, a page that has
+    the link: it read the page as soon as ``get()`` returned, and chromedriver's ``get()`` sometimes
+    returns before the page has loaded. Here it always does (strategy "none", the body late)."""
+    from selenium.webdriver.common.by import By
+
+    chapter = "notebooks/01_model_and_parameters.ipynb"
+    page = slow_book + chapter.removesuffix(".ipynb") + ".html"
+    eager_browser.get(page)
+    assert eager_browser.find_elements(By.CSS_SELECTOR, check_hub.LAUNCH_LINK) == []  # read too early: no body yet
+    started = time.monotonic()
+    assert check_hub.launch_links(eager_browser, page) == [book.launch_url(HUB_URL, REPO_URL, chapter)]
+    assert time.monotonic() - started >= SLOW_S  # it waited for the server's answer
+    assert eager_browser.execute_script("return document.title").startswith("1. ")
+    with pytest.raises(check_hub.CheckFailed) as err:  # a page that does not load in time: named
+        check_hub.launch_links(eager_browser, slow_book + "genindex.html", timeout_s=SLOW_S / 4)
+    assert str(err.value) == f"{slow_book}genindex.html loaded: not within {SLOW_S / 4:g} s"
 
 
 # --- scripts/check_hub.py: bad input, before anything starts ------------------------------------------
