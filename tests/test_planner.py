@@ -52,6 +52,25 @@ def test_every_option_is_priced_by_the_memory_model(model, gpu, gpus):
     assert result.seed_answer == seed_recommendation(shape.num_params, acc.datasheet_gb * 10**9, gpus)
 
 
+def test_a_cpu_plan_prices_cpu_ranks_and_a_gpu_plan_gpu_ranks():
+    """The cpu preset's ranks are gloo processes: no foreach Adam temporary (a GPU's), so its
+    options are priced with backend="gloo"; every GPU preset with "nccl"."""
+    from handbook_lib.core import ModelConfig
+
+    assert ACCELERATORS["cpu"].backend == "gloo"
+    assert {a.backend for k, a in ACCELERATORS.items() if k != "cpu"} == {"nccl"}
+    small = ModelConfig(num_layers=1, vocab_size=5000)  # little activation memory, a large head
+    for gpu, backend in (("cpu", "gloo"), ("h100-80gb", "nccl")):
+        for option in plan(small, gpu, 2, micro_batch=1, seq_len=8, precision="fp32").options:
+            expected = estimate_memory(small, 2, option.strategy, "fp32", micro_batch=1, seq_len=8,
+                                       activation_checkpointing=option.activation_checkpointing,
+                                       cpu_offload=option.cpu_offload, backend=backend)
+            assert option.peak_bytes == expected.peak, (gpu, option.name)
+    gloo, nccl = (plan(small, g, 2, micro_batch=1, seq_len=8, precision="fp32").options[0]
+                  for g in ("cpu", "h100-80gb"))
+    assert nccl.peak_phase == "optimizer_step" and nccl.peak_bytes > gloo.peak_bytes
+
+
 def test_agrees_with_the_seed_where_model_state_decides():
     # short sequences: activations are small, so the seed's fp32 answer and the planner agree
     # that FULL_SHARD is needed for 13B on 8 x 40 GB (the seed: SHARD_GRAD_OP needs 4P = 52 GB)

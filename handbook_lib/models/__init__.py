@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         optimizer_step_bytes,
     )
     from handbook_lib.models.offload import (
+        estimate_offload_gather_bytes,
         CPU_ADAM_PARAMS_PER_S_PER_CORE, CPU_ADAM_SOURCE, OffloadCost, estimate_offload,
     )
     from handbook_lib.models.phases import (
@@ -382,6 +383,7 @@ _HOMES = {
     "CUDA_ALLOCATION_BYTES": "init_bytes",
     "DDP_BUCKET_CAPS": "init_bytes",
     "device_storage_bytes": "init_bytes",
+    "estimate_offload_gather_bytes": "offload",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -438,6 +440,7 @@ __all__ = [
     "scale_model_width", "cost_fraction",
     "ClinicCase", "CLINIC_GROUPS", "FIELD_NOTES", "CLINIC_CASES", "get_case", "cases_in", "notes_left_out", "thread_url",
     "CUDA_ALLOCATION_BYTES", "DDP_BUCKET_CAPS", "device_storage_bytes",
+    "estimate_offload_gather_bytes",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

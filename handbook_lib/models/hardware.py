@@ -162,12 +162,18 @@ class Accelerator:
     context_bytes: int = CUDA_CONTEXT_BYTES
     """Device bytes no tensor can use: the CUDA context and NCCL's buffers (0 for the ``cpu``
     preset, whose "device" is host memory)."""
+    backend: str = "nccl"
+    """The process group's backend of its ranks: ``nccl`` for a GPU, ``gloo`` for the ``cpu``
+    preset. :func:`~handbook_lib.models.memory.estimate_memory` takes it as ``backend``, which
+    also says where the ranks compute (foreach Adam's temporary is a GPU's)."""
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "peak_flops_bf16", "peak_flops_fp32"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         check_int("context_bytes", self.context_bytes, 0)
+        if self.backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend of {self.name!r} must be 'nccl' or 'gloo', got {self.backend!r}")
         if self.context_bytes >= self.memory_bytes:
             raise ValueError(f"context_bytes of {self.name!r} must be less than memory_bytes")
         if self.datasheet_gb is not None and not self.datasheet_gb > 0:
@@ -346,7 +352,8 @@ ACCELERATORS: dict[str, Accelerator] = {
                        "gpus_per_node for more ranks", None,
                        Host("the same CPU (nominal)", 2, 16 * GIB, "loopback",
                             "nominal: on a CPU run the 'device' is host memory already; 2 cores "
-                            "and 16 GiB as the book's build machine, not a datasheet"), context_bytes=0),
+                            "and 16 GiB as the book's build machine, not a datasheet"), context_bytes=0,
+                       backend="gloo"),
 }
 """Accelerator presets by short name. Memory in bytes, peaks in FLOP/s (dense)."""
 

@@ -21,13 +21,14 @@ chapter 2 shows each against a memory tracker's breakdown.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from handbook_lib.core.checks import check_int, check_world, lookup
 from handbook_lib.core.config import checkpointing_mode, dtype_bytes, get_precision
 from handbook_lib.core.strategies import Strategy, get_strategy
 from handbook_lib.models.allocator import reserved_bytes
 from handbook_lib.models.layout import ModelLayout, ModelLike, model_layout
+from handbook_lib.models.offload import estimate_offload_gather_bytes
 from handbook_lib.models.model_state import (
     RankState,
     estimate_accumulation_bytes,
@@ -68,7 +69,11 @@ PHASE_WORDS: dict[str, tuple[str, str]] = {
                       "the output head's backward: the logits' gradient, the head's weight gradients "
                       "and the hidden states' gradient alive together"),
     "optimizer_step": ("in the optimizer step",
-                       "the optimizer step: Adam's temporaries of the largest tensor"),
+                       "the optimizer step: Adam's temporaries (CPU: two of the largest tensor; "
+                       "GPU: foreach Adam's one of every local parameter)"),
+    "offload_gather": ("as offloaded shards are copied in",
+                       "CPU offload on a GPU: a unit's shards copied to the device for its "
+                       "all-gather, beside its output"),
 }
 """Each phase of :func:`estimate_memory` in plain words: ``(when, what)`` — when it happens, to
 end a sentence ("peak 34.0 GB per GPU in a layer's backward"), and what is alive then, for a
@@ -224,8 +229,13 @@ def estimate_memory(
             :func:`~handbook_lib.models.layout.wrap_units` for the other wrapping policies). Only
             for a layout with exact tensors.
         flat_params: FSDP1's flat parameters: each unit padded once (chapter 5).
-        backend: The process group's backend, ``nccl`` or ``gloo``: gloo's reduce-scatter
-            flattens its input into a temporary copy (one more reduce-dtype copy of the unit).
+        backend: The process group's backend, ``nccl`` or ``gloo``; in this project ``nccl``
+            means CUDA ranks and ``gloo`` CPU ranks (``runtime.distributed.pick_device``), so it
+            also says which device the rank computes on. gloo's reduce-scatter flattens its input
+            into a temporary copy (one more reduce-dtype copy of the unit); on ``nccl`` Adam runs
+            foreach (one fp32 temporary of every local parameter in the optimizer step) and CPU
+            offload copies each unit's shards to the device before its all-gather (the
+            ``optimizer_step`` and ``offload_gather`` phases).
         grad_accum_steps: Micro-steps per optimizer step, gradients reduced in the last one
             only: a strategy that shards gradients then keeps every unsharded gradient until
             that last micro-step
@@ -264,6 +274,8 @@ def estimate_memory(
     shape = _step_shape(layout, row, state, dtype_bytes(compute), dtype_bytes(reduce_dtype or reduce),
                         world_size, group, units, flat_params, backend, accumulated, optimizer,
                         micro_batch, seq_len, compute, activation_checkpointing)
+    if backend == "nccl":
+        shape = _on_gpu(shape, layout, units, rank % group, optimizer, cpu_offload)
     phases = {fn.__name__: parts for fn in PHASES if (parts := fn(shape)) is not None}
     totals = {name: sum(parts.values()) for name, parts in phases.items()}
     peak_phase = max(totals, key=totals.get)
@@ -305,6 +317,23 @@ def _step_shape(layout: ModelLayout, row: Strategy, state: dict[str, int], c: in
         biggest=biggest, largest=largest, optimizer_states=optimizer_states(optimizer), accumulated=accumulated,
         gloo=backend == "gloo" and group > 1, flat=flat, checkpointing=checkpointing_mode(checkpointing) != "none",
     )
+
+
+def _on_gpu(s: StepShape, layout: ModelLayout, units: Sequence[Unit] | None, rank: int, optimizer: str,
+            cpu_offload: bool) -> StepShape:
+    """``s`` with the terms CUDA ranks add (:mod:`handbook_lib.models.phases`): foreach Adam's
+    temporary, one fp32 moment on the device (not with CPU offload: the step runs on the host),
+    and with CPU offload each unit's all-gather with its shards copied in
+    (:func:`~handbook_lib.models.offload.estimate_offload_gather_bytes`; FSDP2 only; a layout
+    without tensors counts each unit as one tensor, an upper bound on one rank)."""
+    held = layout.state_shard_elements(s.group, rank) if s.row.shards_optimizer else layout.num_params
+    foreach = 4 * held if s.optimizer_states == 2 and not cpu_offload else 0
+    gathers: tuple[int, ...] = ()
+    if cpu_offload and s.row.shards_params and s.known and not s.flat:
+        gathers = tuple(estimate_offload_gather_bytes(
+            tuple(-(-shape[0] // s.group) * _numel(shape[1:]) for shape in u.shapes), s.c, s.group)
+            for u in (list(units) if units is not None else layout.units()))
+    return replace(s, foreach=foreach, gathers=gathers)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

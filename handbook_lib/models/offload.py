@@ -14,7 +14,9 @@ sharded fp32 parameters, their gradients and the optimizer state live in (pinned
   last reduce-scatter and the next forward.
 
 The copies run on the same streams as the collectives that need them, so they join the step's
-communication (which compute may hide); the CPU step is added to the step. The CPU speed is
+communication (which compute may hide); the CPU step is added to the step. On the device, a
+unit's shards copied in before its all-gather hold memory for a moment
+(:func:`estimate_offload_gather_bytes`, the memory model's ``offload_gather`` phase). The CPU speed is
 :data:`CPU_ADAM_PARAMS_PER_S_PER_CORE`, measured on this book's machine, times the cores a rank
 gets: the host's cores shared by its GPUs.
 """
@@ -28,7 +30,8 @@ from handbook_lib.core.config import dtype_bytes
 from handbook_lib.models.hardware import LINKS, Host
 from handbook_lib.models.traffic import StepTraffic
 
-__all__ = ["OffloadCost", "CPU_ADAM_PARAMS_PER_S_PER_CORE", "CPU_ADAM_SOURCE", "estimate_offload"]
+__all__ = ["OffloadCost", "CPU_ADAM_PARAMS_PER_S_PER_CORE", "CPU_ADAM_SOURCE", "estimate_offload",
+           "estimate_offload_gather_bytes"]
 
 CPU_ADAM_PARAMS_PER_S_PER_CORE = 1.5e8
 """fp32 parameters per second one CPU core steps through ``torch.optim.AdamW`` (its default
@@ -95,3 +98,49 @@ def estimate_offload(traffic: StepTraffic, num_params: int, host: Host, gpus_per
     cores = host.cores / gpus_per_node
     return OffloadCost(up, down, (up + down) / link.achievable_bytes_per_s, mine,
                        mine / (cores * params_per_s_per_core), link.name)
+
+
+def estimate_offload_gather_bytes(shards: tuple[int, ...], compute_bytes: int, group: int) -> int:
+    """Device bytes one unit's all-gather holds at its worst moment when its shards live in host
+    memory (FSDP2's CPU offload on a GPU), its output included.
+
+    FSDP2 (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py:
+    FSDPParam.all_gather_inputs``) copies each parameter's padded fp32 shard to the device
+    (``sharded_param_data.to(self.device, non_blocking=True)``) and casts it to the compute
+    dtype when that differs (the fp32 copy is dropped as the cast returns). Then, with c the
+    compute dtype's bytes and U = N·Σ shard:
+
+    - N > 1 (``_fsdp_collectives.py: foreach_all_gather``): every input is kept while the
+      all-gather output is allocated and filled, ``c·U + c·U/N``; in mixed precision, while the
+      inputs are made, one fp32 copy beside the casts so far, ``c·Σ_{q≤p} shard_q + 4·shard_p``;
+    - N = 1 (``_fsdp_param_group.py: FSDPParamGroup.wait_for_unshard``): tensor by tensor into
+      its own output, the previous input still bound to the loop variable,
+      ``c·Σ_{q<p} s_q + c·s_{p-1} + [4·s_p] + c·s_p``, then ``c·Σ_{q≤p} s_q + c·s_p``.
+
+    A CPU run has none of the copies (``.to(cpu)`` returns the host shard itself). Read from
+    torch's source, not yet measured on a GPU (unverified); the caching allocator's 512-B
+    rounding is left out.
+
+    Args:
+        shards: Each parameter's padded shard, elements, in the unit's order (the whole tensor
+            when ``group`` is 1).
+        compute_bytes: c, bytes per element of the compute dtype (4 for fp32: no cast).
+        group: N, the ranks sharding the unit.
+
+    Raises:
+        ValueError: for a size, dtype width or group that is not a positive integer (a shard
+            may be 0).
+    """
+    check_int("compute_bytes", compute_bytes, 1)
+    check_int("group", group, 1)
+    for shard in shards:
+        check_int("shards", shard, 0)
+    cast = 4 if compute_bytes != 4 else 0  # mixed precision: the fp32 copy beside its cast
+    c, worst, done, prev = compute_bytes, 0, 0, 0
+    for shard in shards:
+        if group > 1:
+            worst = max(worst, c * (done + shard) + cast * shard)
+        else:
+            worst = max(worst, c * (done + prev + shard) + cast * shard, c * (done + 2 * shard))
+        done, prev = done + shard, shard
+    return max(worst, c * done * (group + 1)) if group > 1 else worst

@@ -23,9 +23,12 @@ is ``S`` plus, at the worst moment, the root and two layers gathered (the one co
 next, prefetched: FSDP2 issues its backward prefetch on every backend, so it is counted), one
 layer's gradient buffers, and the activations and logits still alive. Two terms exist for
 exactness on the CPU: gloo's flattened copy of a reduce-scatter's input (``gloo``; NCCL has
-none) and the gradient FSDP2's post-backward loop variable still holds (``lasts``). Not
-modelled: the forward all-gathers a GPU issues ahead on their own stream, which can hold one
-more gathered unit in forward.
+none) and the gradient FSDP2's post-backward loop variable still holds (``lasts``). Two
+exist for a GPU only (``backend="nccl"``, which in this project means CUDA ranks):
+foreach Adam's temporary in :func:`optimizer_step` (``foreach``) and, with CPU offload, the
+device copies of a unit's shards in :func:`offload_gather` (``gathers``). Not modelled: the
+forward all-gathers a GPU issues ahead on their own stream, which can hold one more gathered
+unit in forward.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from handbook_lib.models.activations import ActivationBytes
 
 __all__ = ["StepShape", "Moment", "backward_walk", "forward_start", "layer_forward", "loss_backward",
            "backward_start", "head_backward", "layer_backward", "layer_reduce", "root_reduce",
-           "layer_recompute", "optimizer_step", "PHASES", "late_free_bound"]
+           "layer_recompute", "optimizer_step", "offload_gather", "PHASES", "late_free_bound"]
 
 Components = dict[str, int]
 
@@ -100,6 +103,14 @@ class StepShape:
     """FSDP1's flat parameters."""
     checkpointing: bool
     """Activation checkpointing."""
+    foreach: int = 0
+    """Bytes of foreach Adam's temporary on a GPU: one fp32 tensor of every local parameter,
+    ``4·(local elements)``, the size of one Adam moment on the device (0 on gloo, with CPU
+    offload, or for an optimizer without two moments: see :func:`optimizer_step`)."""
+    gathers: tuple[int, ...] = ()
+    """With CPU offload on a GPU: the bytes each unit's all-gather holds at its worst moment,
+    root first, its output and the shards copied to the device included
+    (:func:`~handbook_lib.models.offload.estimate_offload_gather_bytes`); empty otherwise."""
 
     def alive(self, unsharded: int = 0, grad_buffers: int = 0, activations: int = 0, loss: int = 0,
               accumulating: bool = True) -> Components:
@@ -311,17 +322,79 @@ def layer_recompute(s: StepShape) -> Components | None:
 
 
 def optimizer_step(s: StepShape) -> Components | None:
-    """The replicating strategies' optimizer step with Adam: two fp32 temporaries of the largest
-    tensor (PyTorch's per-tensor Adam, the CPU default; CUDA's foreach Adam holds one of every
-    tensor, not modelled): ``S + buckets + 8·max(tensor)``."""
+    """The optimizer step with Adam (two moments), as PyTorch runs it on the rank's device.
+
+    On a GPU (``foreach`` > 0): ``torch.optim.Adam``/``AdamW`` default to the foreach
+    implementation for CUDA tensors (``torch/optim/optimizer.py: _default_to_fused_or_foreach``:
+    ``cuda`` is a foreach device; ``torch/distributed/tensor/__init__.py`` adds ``DTensor`` to
+    the foreach types, so FSDP2's sharded parameters qualify). Its
+    ``torch/optim/adam.py: _multi_tensor_adam`` builds ``exp_avg_sq_sqrt =
+    torch._foreach_sqrt(exp_avg_sqs)``, one fp32 tensor of every local parameter alive at once;
+    every other update is in place (AdamW's decay, the lerp, addcmul, the final addcdiv), and
+    the copy of the gradients made for Adam's coupled weight decay (non-zero only when asked
+    for; the default is 0) is deleted before that square root. So the step holds one moment's
+    bytes more: ``S + buckets + 4·(local elements)``, for every strategy (a sharding one holds
+    nothing else then: its buckets and accumulated gradients are gone).
+
+    On the CPU (``foreach`` = 0): the replicating strategies' per-tensor Adam
+    (``_single_tensor_adam``, CPU tensors' default), two fp32 temporaries of the largest tensor:
+    ``S + buckets + 8·max(tensor)``; not evaluated for the sharding strategies, whose shards
+    make it small. With CPU offload the step runs on the host (no phase on the device).
+    """
+    if s.foreach:
+        return s.alive(0, s.buckets + s.foreach, 0, 0, accumulating=not s.row.shards_params)
     if s.row.shards_params or s.optimizer_states != 2:
         return None
     return s.alive(0, s.buckets + 2 * 4 * s.largest, 0, 0)
 
 
+def offload_gather(s: StepShape) -> Components | None:
+    """CPU offload on a GPU: a unit's shards copied to the device for its all-gather, ``G_i``
+    bytes with its output (:func:`~handbook_lib.models.offload.estimate_offload_gather_bytes`),
+    the largest over the moments a unit is gathered:
+
+    - forward, the root before the embedding: ``S + G_R``; a layer: the root (SHARD_GRAD_OP:
+      every unit so far) gathered, the previous unit's all-gather buffer kept (N > 1), the
+      activations so far: ``S + c·R + c·U_{i-1} + G_i + c·T·d + mask + i·a``;
+    - backward (units resharded after forward): the root gathered again with the logits'
+      gradient alive, ``S + G_R + A - L + c·T·V``, then the last layer's all-gather
+      prefetched (N > 1), ``S + c·R + G_last + A - L + c·T·V``; in a layer's backward, before
+      its gradients, the next unit's prefetched all-gather, ``S + c·R + c·U_i + G_next + held
+      + left`` (N = 1: the layer's own copy, ``S + c·R + G_i + held + left``).
+
+    The reduce-scatter's output stays on the device until its copy to the host: that is the
+    ``1/N`` output :func:`layer_reduce` already counts, as on the CPU. With N > 1 this phase
+    stays under :func:`layer_forward` and :func:`layer_backward` for equal layers
+    (``G ≤ 2c·U``); on one rank the root's copy can lead. ``None`` without CPU offload on a GPU.
+    """
+    if not s.gathers or not s.row.shards_params:
+        return None
+    reshard, one = s.row.reshard_after_forward, s.group == 1
+    root, layers = s.gathers[0], s.gathers[1:]
+    moments = [s.alive(root, 0, 0, 0)]
+    if s.acts:
+        for i, gather in enumerate(layers):
+            prev = 0 if one else s.c * (s.layers[i - 1] if i else s.root)
+            gathered = s.c * s.root + (0 if reshard else s.c * sum(s.layers[:i]))
+            moments.append(s.alive(gathered + prev + gather, 0, s.c * s.hidden + s.mask + i * s.saved, 0))
+    if reshard:
+        loss, left = s.c * s.logits, s.act_total - s.log_softmax
+        moments.append(s.alive(root, 0, left, loss))
+        walk = backward_walk(s)
+        if layers and not one:
+            moments.append(s.alive(s.c * s.root + layers[-1], 0, left, loss))
+        for j, m in enumerate(walk):
+            if one:
+                moments.append(s.alive(s.c * s.root + layers[m.index], m.held - m.done, m.left, 0))
+            elif j + 1 < len(walk):
+                nxt = walk[j + 1].index
+                moments.append(s.alive(s.c * s.root + s.c * m.unit + layers[nxt], m.held - m.done, m.left, 0))
+    return _largest(moments)
+
+
 PHASES: tuple[Callable[[StepShape], Components | None], ...] = (
     forward_start, layer_forward, loss_backward, backward_start, head_backward, layer_backward,
-    layer_reduce, root_reduce, layer_recompute, optimizer_step,
+    layer_reduce, root_reduce, layer_recompute, optimizer_step, offload_gather,
 )
 """Every phase, in the order they are evaluated (a tie goes to the first)."""
 

@@ -317,7 +317,7 @@ def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str)
     group = job.node.gpus_per_node if row.hybrid else None
     mem = estimate_memory(job.layout, n, strategy, job.precision, job.optimizer, micro_batch=job.micro_batch,
                           seq_len=job.seq_len, shard_group_size=group, activation_checkpointing=ac,
-                          cpu_offload=offload)
+                          cpu_offload=offload, backend=job.node.accelerator.backend)
     param_dtype, reduce_dtype = get_precision(job.precision)
     traffic = estimate_step_traffic(job.layout.units(), n, strategy, param_dtype=param_dtype,
                                     reduce_dtype=reduce_dtype, shard_group_size=group)
@@ -363,9 +363,13 @@ def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, bud
         if o and not o.fits:
             what = ("activations decide" if o.activation_bytes > o.model_state_bytes
                     else "model state decides")
+            parts = f"{_gb(o.activation_bytes)} activations, {_gb(o.model_state_bytes)} model state"
+            if o.peak_phase == "optimizer_step":  # no activations then: Adam's temporary on the state
+                what, parts = "the optimizer step decides", (
+                    f"{_gb(o.model_state_bytes)} model state, "
+                    f"{_gb(o.peak_bytes - o.model_state_bytes)} of Adam's temporaries and buckets")
             reasons.append(f"{name} does not fit: {_gb(o.peak_reserved_bytes)} reserved per GPU against "
-                           f"{_gb(budget)} usable on {acc.name}; {what} ({_gb(o.activation_bytes)} "
-                           f"activations, {_gb(o.model_state_bytes)} model state).")
+                           f"{_gb(budget)} usable on {acc.name}; {what} ({parts}).")
     for o in options:
         if o.cpu_offload and not o.fits and o.margin_bytes >= 0 and acc.host is not None:
             reasons.append(f"{o.name} fits the GPU ({_gb(o.peak_reserved_bytes)} reserved) but not the host: "
