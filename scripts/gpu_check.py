@@ -10,11 +10,14 @@ On every visible GPU (world size = the GPU count), through ``handbook_lib.launch
     of (c)): the tracker's and the allocator's peaks beside the memory model's, and the excess
     beside the gathered unit FSDP2's prefetch keeps alive on a GPU;
 (b) step time — the FSDP/DDP step-time ratio (the step_time run; on one GPU, which step_time
-    refuses, two fsdp_train jobs, DDP and FULL_SHARD, timed one after the other);
+    refuses, two fsdp_train jobs, DDP and FULL_SHARD, timed one after the other: on one rank
+    neither exchanges anything, so that ratio is the wrappers' overhead only, and says so);
 (c) MFU — FSDP2 bf16 on a ~1.04e9-parameter config: 6·P·tokens / (step · world · peak bf16),
     the peak from the hardware preset matching the GPU's name ("unknown GPU": no MFU);
 (d) the largest micro-batch — doubling until a run fails with CUDA out-of-memory, beside the
-    memory model's largest for the device's memory;
+    memory model's largest for the memory a rank found usable (``mem_get_info`` inside the MFU
+    or memory run's ranks, after NCCL's set-up: the CUDA context and NCCL's buffers are in no
+    peak), and for ``total_memory``, with the gap between the two;
 (e) chapter 9's runs (with 2 or more GPUs): tensor_parallel with and without sequence
     parallelism, sequence_parallel with Ulysses and the ring, every check of each on NCCL.
 
@@ -62,7 +65,7 @@ from handbook_lib.launch import (
     sweep_micro_batch,
     write_result_set,
 )
-from handbook_lib.launch.gpu_check import gpu_present, no_gpu_message  # noqa: E402
+from handbook_lib.launch.gpu_check import device_capacity, gpu_present, no_gpu_message  # noqa: E402
 from handbook_lib.models import ACCELERATORS  # noqa: E402
 
 RUN_TIMEOUT_S = 240.0
@@ -160,6 +163,8 @@ class GpuCheck:
             "config": base,
             "step_time_s": times,
             "fsdp_over_ddp": times["FULL_SHARD"] / times["DDP"],
+            "measures": "wrapper overhead only: on one rank DDP and FULL_SHARD exchange nothing, so "
+                        "this is not the price of sharding (that needs >= 2 GPUs)",
         }
 
     # (c) -------------------------------------------------------------------------------------
@@ -203,18 +208,31 @@ class GpuCheck:
         sweep = sweep_micro_batch(try_size, start=2 * known if known else 1, known_fit=known,
                                   time_left_s=lambda: self.time_left_s() - 10)
         preset = match_accelerator(self.data["gpu_name"])
+        capacity = device_capacity(self._measured_rows(), self.device_memory)
+        usable = capacity["capacity_bytes"]
         return {
             "config": {k: v for k, v in SWEEP_CONFIG.items() if k != "batch_size"},
             "sweep": sweep.to_dict(),
             "measured_largest_fit": sweep.largest_fit,
             "measured_first_oom": sweep.first_oom,
             "device_memory_bytes": self.device_memory,
-            "predicted_largest_fit": predict_max_micro_batch(predicted_peak, self.device_memory),
+            **capacity,
+            "predicted_largest_fit": predict_max_micro_batch(predicted_peak, usable),
             "predicted_largest_fit_with_prefetch": predict_max_micro_batch(
-                lambda m: predicted_peak(m) + prefetch, self.device_memory),
+                lambda m: predicted_peak(m) + prefetch, usable),
+            "predicted_largest_fit_total_memory": predict_max_micro_batch(predicted_peak, self.device_memory),
             "predicted_peak_bytes_at_measured_fit": predicted_peak(sweep.largest_fit) if sweep.largest_fit else None,
             "preset_memory_bytes": ACCELERATORS[preset].memory_bytes if preset else None,
         }
+
+    def _measured_rows(self) -> list[dict[str, Any]]:
+        """The memory rows of the runs so far that read the GPU inside a rank: the MFU run's (the
+        sweep's model), else the memory runs'."""
+        mfu = self.data.get("mfu", {}).get("memory", {}).get("ranks", [])
+        if any("device_free_bytes" in r for r in mfu):
+            return mfu
+        return [r for part in self.data.get("memory", {}).values() if isinstance(part, dict)
+                for r in part.get("ranks", [])]
 
 
     # (e) -------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from handbook_lib.launch import (
     sweep_micro_batch,
     write_result_set,
 )
+from handbook_lib.launch.gpu_check import device_capacity
 from handbook_lib.models import ACCELERATORS, estimate_memory, wrap_units
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -276,6 +277,32 @@ def test_memory_figures_subtracts_and_divides():
     assert "missing" in rows[2] and "excess_bytes" not in rows[2]
 
 
+def test_memory_figures_name_what_the_allocator_holds_beyond_the_tracker():
+    """The allocator's peak less the tracker's is the workspaces and rounding the tracker cannot
+    see, as the step began and over it (their sum), reported apart from the excess that is set
+    against a prefetched unit."""
+    ranks = [{"rank": 0, "peak_bytes": 1_300, "predicted_peak_bytes": 1_000, "allocator_peak_bytes": 1_900,
+              "untracked_at_enter_bytes": 450, "untracked_step_bytes": 150, "untracked_what": "cuBLAS ...",
+              "device_free_bytes": 10, "device_reserved_bytes": 20, "device_total_bytes": 40}]
+    row = memory_figures(ranks, {"largest_layer": ("layers.0", 300)})[0]
+    assert (row["untracked_bytes"], row["untracked_at_enter_bytes"], row["untracked_step_bytes"]) == (600, 450, 150)
+    assert row["excess_over_largest_layer"] == 1.0 and row["allocator_excess_bytes"] == 900
+    assert (row["device_free_bytes"], row["device_reserved_bytes"], row["device_total_bytes"]) == (10, 20, 40)
+
+
+def test_device_capacity_by_hand():
+    rows = [{"rank": 0, "device_free_bytes": 100, "device_reserved_bytes": 30, "device_total_bytes": 200,
+             "untracked_at_enter_bytes": 5},
+            {"rank": 1, "device_free_bytes": 90, "device_reserved_bytes": 30, "device_total_bytes": 200},
+            {"rank": 2}]
+    assert device_capacity(rows, 200) == {"capacity_bytes": 120, "capacity_source": "mem_get_info in rank 1",
+                                          "outside_allocator_bytes": 80, "gap_bytes": 80}
+    assert device_capacity([{"rank": 0}], 200) == {"capacity_bytes": 200, "capacity_source": "total_memory",
+                                                   "outside_allocator_bytes": None, "gap_bytes": 0}
+    with pytest.raises(ValueError, match="total_bytes must be an int >= 1"):
+        device_capacity(rows, 0)
+
+
 def test_steady_step_time_takes_the_slowest_rank_after_warm_up():
     assert steady_step_time_s([[1.0, 0.2, 0.3, 0.25], [0.9, 0.22, 0.28, 0.3]]) == 0.3
     assert steady_step_time_s([[5.0, 0.1, 0.2]], skip=0) == 0.2
@@ -349,10 +376,22 @@ class FakeLaunch:
     """Stands for ``launch.torchrun``: checks each config as the real one does before starting
     anything (the run's CONFIG and ``validate``), then answers like the run would."""
 
-    def __init__(self, oom_above=32, fail=()):
+    def __init__(self, oom_above=32, fail=(), free=None):
         self.calls = []
         self.oom_above = oom_above
         self.fail = fail
+        self.free = free
+
+    def readings(self, rank):
+        """What the tracker's ``allocator_metrics`` adds on CUDA: the allocator and the GPU as
+        the tracked step began (``free``: the driver's free bytes; None: an older run without)."""
+        if self.free is None:
+            return {}
+        # the allocator rose 1,200,000 - 850,000 = 350,000 B, the tracker 1,100,000 + rank - 800,000
+        return {"allocator_at_enter_bytes": 850_000, "tracked_at_enter_bytes": 800_000,
+                "untracked_at_enter_bytes": 50_000, "untracked_step_bytes": 50_000 - rank,
+                "untracked_what": "cuBLAS/cuBLASLt workspaces ...", "device_free_bytes": self.free - rank * 10**9,
+                "device_reserved_bytes": 2 * 2**30, "device_total_bytes": 143_771_287_552}
 
     def __call__(self, run, nproc, config, *, timeout_s, stream, allow_failed_checks):
         assert allow_failed_checks and not stream and 0 < timeout_s <= 240
@@ -373,7 +412,7 @@ class FakeLaunch:
         step = {"DDP": 0.1, "FULL_SHARD": 0.15}.get(cfg.strategy, 0.15) * (2 if cfg.precision == "bf16-mixed" else 1)
         times = [3.0] + [step] * (cfg.steps - 2)   # the last step is tracked, not timed
         ranks = [{"rank": r, "step_time_s": times, "peak_bytes": 1_100_000 + r, "predicted_peak_bytes": 1_000_000,
-                  "allocator_peak_bytes": 1_200_000} for r in range(nproc)]
+                  "allocator_peak_bytes": 1_200_000, **self.readings(r)} for r in range(nproc)]
         checks = [Check("peak_bytes", r, 1_000_000, 1_100_000 + r, "bytes", 0.05) for r in range(nproc)]
         checks.append(Check("param_shard_bytes", 0, 8, 8, "bytes"))
         return RunResult("handbook.result/1", run, cfg.to_dict(), nproc, "nccl", "cuda", "x", ranks, checks)
@@ -411,6 +450,7 @@ def test_gpu_path_on_one_fake_gpu(fake_gpus, tmp_path):
     assert data["memory"]["fp32"]["failed_checks"] == ["peak_bytes"]
     # (b) one GPU: two fsdp_train jobs, DDP then FULL_SHARD
     assert data["step_time"]["fsdp_over_ddp"] == pytest.approx(1.5)
+    assert data["step_time"]["measures"].startswith("wrapper overhead only")  # gpu-path S3-3
     assert [c[2].get("strategy") for c in launch.calls if c[0] == "fsdp_train"][2:4] == ["DDP", "FULL_SHARD"]
     # (c) MFU from the definition, with the H200 preset's peak
     mfu = data["mfu"]
@@ -425,6 +465,40 @@ def test_gpu_path_on_one_fake_gpu(fake_gpus, tmp_path):
     # the fake device's own total; the preset's is the H200's nvidia-smi total, 143,771 MiB
     assert sweep["device_memory_bytes"] == 143_771_287_552 and sweep["preset_memory_bytes"] == 143_771 * 2**20
     assert all(nproc == 1 for _, nproc, _ in launch.calls)
+    # no rank read the GPU's free memory (an older fsdp_train): total_memory, and said so
+    assert (sweep["capacity_source"], sweep["capacity_bytes"], sweep["gap_bytes"]) == \
+        ("total_memory", 143_771_287_552, 0)
+    assert sweep["predicted_largest_fit"] == sweep["predicted_largest_fit_total_memory"]
+
+
+def test_gpu_check_sizes_the_sweep_by_what_a_rank_found_free(fake_gpus, tmp_path):
+    """The MFU run's ranks report ``mem_get_info`` as their tracked step began: the model's
+    largest micro-batch is sized by free + reserved less the workspaces already allocated, not
+    by ``total_memory``, and the gap (context, NCCL) is recorded; the allocator's excess over
+    the tracker is named apart from the prefetch comparison."""
+    fake_gpus(2)
+    free = 120 * 10**9
+    launch = FakeLaunch(oom_above=32, free=free)
+    data = _run_parts(tmp_path, "memory,mfu,max_micro_batch", launch)
+    sweep = data["max_micro_batch"]
+    # rank 1 found 1 GB less free: the smaller is the capacity
+    capacity = free - 10**9 + 2 * 2**30 - 50_000
+    assert (sweep["capacity_source"], sweep["capacity_bytes"]) == ("mem_get_info in rank 1", capacity)
+    assert sweep["outside_allocator_bytes"] == 143_771_287_552 - (free - 10**9) - 2 * 2**30
+    assert sweep["gap_bytes"] == 143_771_287_552 - capacity
+    units = wrap_units(BILLION_MODEL, "layer")
+
+    def peak(m):
+        return estimate_memory(BILLION_MODEL, 2, "FULL_SHARD", "bf16-mixed", "adamw", micro_batch=m,
+                               seq_len=1024, units=units, backend="nccl").peak
+    best = sweep["predicted_largest_fit"]
+    assert peak(best) <= capacity < peak(best + 1)
+    assert sweep["predicted_largest_fit_total_memory"] > best  # total_memory is optimistic
+    row = data["memory"]["fp32"]["ranks"][1]
+    assert (row["untracked_bytes"], row["untracked_at_enter_bytes"], row["untracked_step_bytes"]) == \
+        (100_000 - 1, 50_000, 50_000 - 1)
+    assert row["untracked_bytes"] == row["untracked_at_enter_bytes"] + row["untracked_step_bytes"]
+    assert row["untracked_what"].startswith("cuBLAS") and row["excess_bytes"] == 100_001
 
 
 def test_gpu_path_on_two_fake_gpus_of_an_unknown_model(fake_gpus, tmp_path):
@@ -454,6 +528,7 @@ def test_step_time_on_two_gpus(fake_gpus, tmp_path):
     data = _run_parts(tmp_path, "step_time", launch)
     assert [c[0] for c in launch.calls] == ["step_time"]
     assert data["step_time"]["fsdp_over_ddp"] == pytest.approx(1.25)   # median of 1.2 and 1.3
+    assert "measures" not in data["step_time"]  # on 2 GPUs it is the price of sharding
     assert "memory" not in data
 
 

@@ -3,6 +3,7 @@ the runs' own tests against the models)."""
 
 import pytest
 import torch
+from torch import nn
 
 from handbook_lib.models import estimate_collective
 from handbook_lib.runtime import CollectiveCall, collective_totals, tensors_in
@@ -132,3 +133,80 @@ def test_activations_after_forward_can_wait_for_a_late_release(monkeypatch):
     monkeypatch.setattr(tracker, "_current_activations", lambda: 147_528)
     tracker.after_forward()
     assert tracker._activations == 147_528
+
+
+class _FakeAllocator:
+    """``torch.cuda``'s allocator readings for a tracker run on the CPU: fixed counts, so that
+    what the tracker derives from them is known by hand."""
+
+    def __init__(self, at_enter: int, peak: int, reserved: int, free: int, total: int) -> None:
+        self.at_enter, self.peak, self.reserved, self.free, self.total = at_enter, peak, reserved, free, total
+        self.calls: list[str] = []
+
+    def install(self, monkeypatch) -> None:
+        def log(name, value):
+            def read(*args, **kwargs):
+                self.calls.append(name)
+                return value
+            return read
+        for name, value in (("synchronize", None), ("reset_peak_memory_stats", None),
+                            ("memory_allocated", self.at_enter), ("max_memory_allocated", self.peak),
+                            ("max_memory_reserved", 2 * self.reserved), ("memory_reserved", self.reserved),
+                            ("mem_get_info", (self.free, self.total))):
+            monkeypatch.setattr(torch.cuda, name, log(name, value))
+
+
+def test_cuda_tracker_reports_the_allocator_rise_beside_its_own(monkeypatch):
+    """On CUDA the tracker records ``memory_allocated`` and ``mem_get_info`` as the step begins
+    (after resetting the peak), and reports the allocator's rise (``max_memory_allocated`` -
+    start) beside its own (its peak - what it saw at the start); the difference is named as
+    workspaces and rounding. The tracker's side is a real step of a real model on the CPU."""
+    from handbook_lib.runtime.measure import UNTRACKED_WORDS, StepMemoryTracker
+
+    model = nn.Linear(64, 32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 64)
+    model(x).sum().backward()
+    optimizer.step()  # the moments exist: the state at rest is params, grads and moments
+    fake = _FakeAllocator(at_enter=5_000_000, peak=6_234_567, reserved=8 * 2**20, free=2**30, total=2**31)
+    fake.install(monkeypatch)
+    tracker = StepMemoryTracker(model, optimizer, torch.device("cpu"))
+    tracker._cuda = True  # the device the readings are faked for; the tensors stay on the CPU
+    with tracker:
+        loss = model(x).sum()
+        tracker.after_forward()
+        loss.backward()
+        optimizer.step()
+    mem = tracker.result
+    n = 64 * 32 + 32
+    state = 4 * n * 4 + 2 * 4  # params, grads, Adam's two moments and its two step counters
+    assert mem.tracked_at_enter_bytes == state
+    assert fake.calls[:4] == ["synchronize", "reset_peak_memory_stats", "memory_allocated", "mem_get_info"]
+    assert (mem.allocator_peak_bytes, mem.allocator_at_enter_bytes) == (6_234_567, 5_000_000)
+    assert mem.allocator_step_bytes == 1_234_567
+    assert mem.tracker_step_bytes == mem.peak_bytes - state > 0
+    metrics = mem.allocator_metrics()
+    assert metrics["untracked_at_enter_bytes"] == 5_000_000 - state
+    assert metrics["untracked_step_bytes"] == 1_234_567 - mem.tracker_step_bytes
+    assert metrics["untracked_what"] == UNTRACKED_WORDS and "not a prefetched unit" in UNTRACKED_WORDS
+    assert (metrics["device_free_bytes"], metrics["device_reserved_bytes"], metrics["device_total_bytes"]) == \
+        (2**30, 8 * 2**20, 2**31)
+    assert metrics["allocator_reserved_bytes"] == 16 * 2**20
+    assert mem.device_memory.usable_bytes == 2**30 + 8 * 2**20
+    assert mem.device_memory.outside_allocator_bytes == 2**31 - 2**30 - 8 * 2**20
+
+
+def test_cpu_tracker_reads_no_allocator(monkeypatch):
+    from handbook_lib.runtime.measure import StepMemoryTracker, measure_device_memory
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: pytest.fail("read on a CPU rank"))
+    model = nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with StepMemoryTracker(model, optimizer, torch.device("cpu")) as tracker:
+        model(torch.randn(2, 8)).sum().backward()
+        optimizer.step()
+    mem = tracker.result
+    assert mem.allocator_peak_bytes is None and mem.allocator_step_bytes is None and mem.device_memory is None
+    assert mem.allocator_metrics() == {}
+    assert mem.tracked_at_enter_bytes == 4 * (64 + 8) and mem.tracker_step_bytes == mem.peak_bytes - 288
+    assert measure_device_memory(torch.device("cpu")) is None

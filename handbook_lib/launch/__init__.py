@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         killed_lines,
     )
     from handbook_lib.launch.gpu_check import (
+        device_capacity,
         CUDA_WHEELS,
         gpu_present,
         no_gpu_message,
@@ -176,6 +177,7 @@ _HOMES = {
     "smoke_summary": "gpu_smoke",
     "SHM_MIN_BYTES": "preflight",
     "shm_warning": "preflight",
+    "device_capacity": "gpu_check",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -196,6 +198,7 @@ __all__ = [
     "CUDA_WHEELS", "gpu_present", "no_gpu_message",
     "SMOKE_SCHEMA", "SMOKE_WRITER", "SMOKE_MFU_BATCH", "SmokeRun", "smoke_plan", "smoke_path", "check_failures", "mfu_failure", "smoke_failures", "smoke_summary",
     "SHM_MIN_BYTES", "shm_warning",
+    "device_capacity",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

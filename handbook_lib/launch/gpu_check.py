@@ -9,7 +9,9 @@ GPU, so that it is tested on the CPU:
 - the experiments' configs (:data:`MEMORY_CONFIGS`, :data:`STEP_TIME_CONFIG`,
   :data:`BILLION_MODEL` for MFU and the micro-batch sweep);
 - the memory figures: measured peak minus predicted, beside the gathered unit that FSDP2's
-  prefetch keeps alive on a GPU (:func:`estimate_prefetch_extra_bytes`, :func:`memory_figures`);
+  prefetch keeps alive on a GPU (:func:`estimate_prefetch_extra_bytes`, :func:`memory_figures`),
+  the allocator's excess over the tracker named apart (workspaces and rounding), and the
+  device memory a rank found free after NCCL's set-up (:func:`device_capacity`);
 - model FLOPs utilization (:func:`estimate_mfu`) and the GPU-name → preset map
   (:func:`match_accelerator`);
 - recognising a CUDA out-of-memory failure (:func:`is_cuda_oom`), the doubling sweep
@@ -40,7 +42,7 @@ __all__ = [
     "RESULT_SET_SCHEMA", "WRITER", "BILLION_MODEL", "MEMORY_CONFIGS", "STEP_TIME_CONFIG", "MFU_CONFIG",
     "SWEEP_CONFIG", "NO_GPU_MESSAGE", "CUDA_WHEELS", "gpu_present", "no_gpu_message", "match_accelerator", "estimate_mfu",
     "estimate_prefetch_extra_bytes",
-    "memory_figures", "steady_step_time_s", "is_cuda_oom", "SweepTry", "Sweep", "sweep_micro_batch",
+    "memory_figures", "device_capacity", "steady_step_time_s", "is_cuda_oom", "SweepTry", "Sweep", "sweep_micro_batch",
     "predict_max_micro_batch", "gpu_slug", "write_result_set", "AXES_MODEL", "axes_configs",
 ]
 
@@ -218,6 +220,9 @@ def estimate_prefetch_extra_bytes(config: Mapping[str, Any], world_size: int, *,
     return largest.name, compute * largest.padded_numel(world_size)
 
 
+_DEVICE_KEYS = ("device_free_bytes", "device_reserved_bytes", "device_total_bytes")
+
+
 def memory_figures(ranks: Sequence[Mapping[str, Any]], extras: Mapping[str, tuple[str, int]]) -> list[dict[str, Any]]:
     """Per rank: the measured peaks beside the memory model's, and the excess beside the prefetch.
 
@@ -225,17 +230,22 @@ def memory_figures(ranks: Sequence[Mapping[str, Any]], extras: Mapping[str, tupl
         ranks: A fsdp_train result's ``ranks`` (each with ``rank``, ``peak_bytes`` — the memory
             tracker's —, ``allocator_peak_bytes`` — ``torch.cuda.max_memory_allocated`` —,
             ``predicted_peak_bytes`` and, on CUDA, ``allocator_reserved_bytes`` —
-            ``torch.cuda.max_memory_reserved`` — beside ``predicted_peak_reserved_bytes``).
+            ``torch.cuda.max_memory_reserved`` — beside ``predicted_peak_reserved_bytes``, and
+            the tracker's :meth:`~handbook_lib.runtime.measure.StepMemory.allocator_metrics`).
         extras: Candidate prefetch extras by label, each ``(unit name, bytes)`` from
             :func:`estimate_prefetch_extra_bytes`, e.g. ``{"largest_unit": ..., "largest_layer": ...}``.
 
     Returns:
         One dict per rank: the three peaks, ``excess_bytes`` (tracker − predicted),
         ``allocator_excess_bytes`` (allocator − predicted) and, per extra, ``<label>_unit``,
-        ``<label>_bytes`` and ``excess_over_<label>`` (excess ÷ extra: about 1 when the excess
-        is that one unit gathered early); on CUDA also the reserved peaks and
+        ``<label>_bytes`` and ``excess_over_<label>`` (the tracker's excess ÷ extra: about 1
+        when the excess is that one unit gathered early); on CUDA also the reserved peaks and
         ``reserved_over_predicted`` (measured ÷ the allocator model's, 1.0 when the 10 % reserve
-        is right).
+        is right), and where the rank reported them the allocator's bytes the tracker cannot
+        see (``untracked_bytes`` = allocator − tracker peak, split into
+        ``untracked_at_enter_bytes`` and ``untracked_step_bytes``, with ``untracked_what``:
+        cuBLAS workspaces and block rounding, not a prefetched unit) and the device's memory
+        as the step began (``device_*_bytes``).
     """
     rows = []
     for r in sorted(ranks, key=lambda r: r["rank"]):
@@ -250,6 +260,10 @@ def memory_figures(ranks: Sequence[Mapping[str, Any]], extras: Mapping[str, tupl
                        reserved_over_predicted=reserved / predicted_reserved)
         for label, (unit, extra) in extras.items():
             row[f"{label}_unit"], row[f"{label}_bytes"] = unit, extra
+        if allocator is not None and measured is not None and r.get("untracked_step_bytes") is not None:
+            row.update(untracked_bytes=allocator - measured, untracked_at_enter_bytes=r["untracked_at_enter_bytes"],
+                       untracked_step_bytes=r["untracked_step_bytes"], untracked_what=r.get("untracked_what"))
+        row.update({k: r[k] for k in _DEVICE_KEYS if r.get(k) is not None})
         if predicted is None or measured is None:
             row["missing"] = "the run reported no peak (memory tracking needs steps >= 2)"
         else:
@@ -260,6 +274,39 @@ def memory_figures(ranks: Sequence[Mapping[str, Any]], extras: Mapping[str, tupl
                 row[f"excess_over_{label}"] = (measured - predicted) / extra if extra else None
         rows.append(row)
     return rows
+
+
+def device_capacity(rows: Sequence[Mapping[str, Any]], total_bytes: int) -> dict[str, Any]:
+    """The device memory a memory model's peak may fill, from what ranks measured, bytes.
+
+    Each rank that reported its GPU's memory as its tracked step began (after NCCL's set-up and
+    the earlier steps' collectives: :func:`memory_figures`'s ``device_*_bytes``) gives
+    ``free + reserved`` (what its tensors can grow into) less ``untracked_at_enter_bytes``
+    (workspaces already allocated that the model does not count); the smallest over the ranks
+    is the capacity. The gap to ``total_bytes`` (``total_memory``) is the CUDA context, NCCL's
+    buffers, library handles and any other process.
+
+    Returns:
+        ``capacity_bytes``, ``capacity_source`` (``"mem_get_info in rank N"``, or
+        ``"total_memory"`` when no rank reported it: then the capacity is ``total_bytes`` and
+        optimistic), ``outside_allocator_bytes`` (``total - free - reserved`` on that rank) and
+        ``gap_bytes`` (``total_bytes - capacity_bytes``).
+    """
+    check_int("total_bytes", total_bytes, 1)
+    best: tuple[int, int, int] | None = None
+    for r in rows:
+        if r.get("device_free_bytes") is None or r.get("device_reserved_bytes") is None:
+            continue
+        usable = r["device_free_bytes"] + r["device_reserved_bytes"]
+        outside = r.get("device_total_bytes", total_bytes) - usable
+        capacity = usable - (r.get("untracked_at_enter_bytes") or 0)
+        if best is None or capacity < best[0]:
+            best = (capacity, r["rank"], outside)
+    if best is None:
+        return {"capacity_bytes": total_bytes, "capacity_source": "total_memory",
+                "outside_allocator_bytes": None, "gap_bytes": 0}
+    return {"capacity_bytes": best[0], "capacity_source": f"mem_get_info in rank {best[1]}",
+            "outside_allocator_bytes": best[2], "gap_bytes": total_bytes - best[0]}
 
 
 def steady_step_time_s(per_rank: Sequence[Sequence[float]], skip: int = 1) -> float:

@@ -276,9 +276,9 @@ def _memory_checks(config: RunConfig, ctx: RankContext, layout: ModelLayout, uni
     metrics.update(predicted_peak_bytes=peak, peak_bytes=mem.peak_bytes, activation_bytes=mem.activation_bytes,
                    peak_breakdown=mem.peak_breakdown, allocator_peak_bytes=mem.allocator_peak_bytes,
                    held_between_micro_steps=mem.held_between_micro_steps)
+    metrics.update(mem.allocator_metrics())  # CUDA: the allocator's readings (none on the CPU)
     if mem.allocator_reserved_bytes is not None:  # CUDA: the allocator's segments beside the model's
-        metrics.update(allocator_reserved_bytes=mem.allocator_reserved_bytes,
-                       predicted_peak_reserved_bytes=reserved_bytes(peak))
+        metrics.update(predicted_peak_reserved_bytes=reserved_bytes(peak))
     return checks
 
 

@@ -80,6 +80,9 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         is_fsdp1,
     )
     from handbook_lib.runtime.measure import (
+        DeviceMemory,
+        measure_device_memory,
+        UNTRACKED_WORDS,
         ParamBytes,
         StepMemory,
         StepMemoryTracker,
@@ -291,6 +294,9 @@ _HOMES = {
     "repeated_block": "diagnosis",
     "reproduces_probe": "checkpoint_inspect",
     "resolve_device": "distributed",
+    "DeviceMemory": "measure",
+    "measure_device_memory": "measure",
+    "UNTRACKED_WORDS": "measure",
 }
 """Each exported name and the module of this package it is defined in."""
 
@@ -329,6 +335,7 @@ __all__ = [
     "Finding", "diagnose_wrapping", "diagnose_tied_weights", "diagnose_grad_norm", "diagnose_accumulation", "repeated_block",
     "reproduces_probe",
     "resolve_device",
+    "DeviceMemory", "measure_device_memory", "UNTRACKED_WORDS",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -27,6 +27,9 @@ __all__ = [
     "measure_grad_bytes",
     "measure_optimizer_bytes",
     "measure_fsdp_units",
+    "DeviceMemory",
+    "measure_device_memory",
+    "UNTRACKED_WORDS",
     "StepMemory",
     "StepMemoryTracker",
     "measure_cpu_adam",
@@ -142,6 +145,45 @@ def _smallest_soon(read: Callable[[], int], readings: int = 11, pause_s: float =
 
 
 @dataclass(frozen=True)
+class DeviceMemory:
+    """A rank's GPU memory at one moment, as the CUDA driver and PyTorch's caching allocator
+    report it, bytes."""
+
+    free_bytes: int
+    """``torch.cuda.mem_get_info()[0]``: memory no process holds (the driver's count)."""
+    total_bytes: int
+    """``torch.cuda.mem_get_info()[1]``: the device's memory, as ``total_memory`` says."""
+    reserved_bytes: int
+    """``torch.cuda.memory_reserved()``: the caching allocator's segments, in use or cached."""
+
+    @property
+    def usable_bytes(self) -> int:
+        """What this process's tensors can still grow into: ``free + reserved``."""
+        return self.free_bytes + self.reserved_bytes
+
+    @property
+    def outside_allocator_bytes(self) -> int:
+        """``total - free - reserved``: the CUDA context, NCCL's buffers and communicators,
+        library handles and any other process on the GPU (no tensor of PyTorch's)."""
+        return self.total_bytes - self.usable_bytes
+
+
+def measure_device_memory(device: torch.device) -> DeviceMemory | None:
+    """:class:`DeviceMemory` of ``device`` now (``None`` for a CPU device)."""
+    return _device_memory_now(device) if device.type == "cuda" else None
+
+
+def _device_memory_now(device: torch.device) -> DeviceMemory:
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(int(free), int(total), int(torch.cuda.memory_reserved(device)))
+
+
+UNTRACKED_WORDS = ("cuBLAS/cuBLASLt workspaces and the caching allocator's 512-B block rounding: "
+                   "allocated through the allocator, unseen by the memory tracker (not a prefetched unit)")
+"""What ``torch.cuda.max_memory_allocated`` holds beyond the memory tracker's peak, in words."""
+
+
+@dataclass(frozen=True)
 class StepMemory:
     """Memory measured over one training step on one rank."""
 
@@ -160,6 +202,49 @@ class StepMemory:
     """With gradient accumulation: bytes alive after the first micro-step's backward beyond
     those alive when the step began (the unsharded gradients kept until the last micro-step
     reduces them); ``None`` without accumulation."""
+    tracked_at_enter_bytes: int | None = None
+    """Bytes the tracker saw alive as the step began (the state at rest)."""
+    allocator_at_enter_bytes: int | None = None
+    """On CUDA: ``torch.cuda.memory_allocated`` as the step began (``None`` on CPU)."""
+    device_memory: DeviceMemory | None = None
+    """On CUDA: the GPU's memory as the step began, after the run's earlier steps and their
+    collectives (:func:`measure_device_memory`; ``None`` on CPU)."""
+
+    @property
+    def tracker_step_bytes(self) -> int | None:
+        """The step's rise as the tracker sees it: ``peak - tracked at the start``."""
+        return None if self.tracked_at_enter_bytes is None else self.peak_bytes - self.tracked_at_enter_bytes
+
+    @property
+    def allocator_step_bytes(self) -> int | None:
+        """The step's rise as the allocator sees it: ``max_memory_allocated - memory_allocated``
+        at the start (CUDA; ``None`` on CPU)."""
+        if self.allocator_peak_bytes is None or self.allocator_at_enter_bytes is None:
+            return None
+        return self.allocator_peak_bytes - self.allocator_at_enter_bytes
+
+    def allocator_metrics(self) -> dict[str, object]:
+        """The CUDA readings as a rank's result keys (empty on CPU): the allocator's peaks, its
+        and the tracker's counts as the step began and their rises over it, and the GPU's
+        free, reserved and total bytes then. ``untracked_*`` is the allocator's excess over the
+        tracker (:data:`UNTRACKED_WORDS`), as the step began and over the step."""
+        if self.allocator_peak_bytes is None:
+            return {}
+        out: dict[str, object] = {"allocator_peak_bytes": self.allocator_peak_bytes,
+                                  "allocator_reserved_bytes": self.allocator_reserved_bytes,
+                                  "allocator_at_enter_bytes": self.allocator_at_enter_bytes,
+                                  "tracked_at_enter_bytes": self.tracked_at_enter_bytes,
+                                  "allocator_step_bytes": self.allocator_step_bytes,
+                                  "tracker_step_bytes": self.tracker_step_bytes}
+        if self.allocator_at_enter_bytes is not None and self.tracked_at_enter_bytes is not None:
+            out["untracked_at_enter_bytes"] = self.allocator_at_enter_bytes - self.tracked_at_enter_bytes
+            out["untracked_step_bytes"] = self.allocator_step_bytes - self.tracker_step_bytes
+            out["untracked_what"] = UNTRACKED_WORDS
+        if self.device_memory is not None:
+            out.update(device_free_bytes=self.device_memory.free_bytes,
+                       device_reserved_bytes=self.device_memory.reserved_bytes,
+                       device_total_bytes=self.device_memory.total_bytes)
+        return out
 
 
 class StepMemoryTracker:
@@ -169,7 +254,11 @@ class StepMemoryTracker:
     and files it under a category (sharded or unsharded parameter, gradient, activation,
     all-gather or reduce-scatter buffer, optimizer state, temporary); for a DDP (or plain) model
     its parent ``MemTracker`` does the same with fewer categories. It works on CPU and GPU
-    alike; on CUDA the caching allocator's own peak is reported too, as a cross-check.
+    alike; on CUDA the caching allocator's own peak is reported too, as a cross-check, with
+    ``memory_allocated`` and the GPU's free memory (``mem_get_info``) as the step begins, so
+    that the allocator's rise over the step (``max_memory_allocated - memory_allocated`` at
+    the start) stands beside the tracker's (``peak - tracked at the start``); their difference
+    is what the tracker cannot see (:data:`UNTRACKED_WORDS`).
 
     Usage (the training loop calls :meth:`after_forward` once the loss is computed)::
 
@@ -193,6 +282,7 @@ class StepMemoryTracker:
             buckets = list(getattr(model, "ddp_bucket_buffers", {}).values())
             self._tracker.track_external(model, optimizer, *buckets)
         self._device = device
+        self._cuda = device.type == "cuda"
         self._activations = 0
         self._start: int | None = None
         self._between: int | None = None
@@ -225,10 +315,14 @@ class StepMemoryTracker:
         self._tracker.reset_mod_stats()
 
     def __enter__(self) -> StepMemoryTracker:
-        if self._device.type == "cuda":
+        self._allocated_at_enter = self._memory = None
+        if self._cuda:
             torch.cuda.synchronize(self._device)
             torch.cuda.reset_peak_memory_stats(self._device)
+            self._allocated_at_enter = int(torch.cuda.memory_allocated(self._device))
+            self._memory = _device_memory_now(self._device)
         self._tracker.__enter__()
+        self._tracked_at_enter = self._current_total()
         return self
 
     def _current_activations(self) -> int:
@@ -249,7 +343,7 @@ class StepMemoryTracker:
         peak = self._tracker.get_tracker_snapshot("peak").get(self._device, {})
         breakdown = {str(getattr(k, "value", k)): int(v) for k, v in peak.items() if v}
         allocator = reserved = None
-        if self._device.type == "cuda":
+        if self._cuda:
             torch.cuda.synchronize(self._device)
             allocator = int(torch.cuda.max_memory_allocated(self._device))
             reserved = int(torch.cuda.max_memory_reserved(self._device))
@@ -261,6 +355,9 @@ class StepMemoryTracker:
             allocator_reserved_bytes=reserved,
             held_between_micro_steps=(self._between - self._start
                                       if self._start is not None and self._between is not None else None),
+            tracked_at_enter_bytes=self._tracked_at_enter,
+            allocator_at_enter_bytes=self._allocated_at_enter,
+            device_memory=self._memory,
         )
 
 
