@@ -194,31 +194,32 @@ def test_the_launcher_refuses_more_ranks_than_gpus_unless_they_run_on_the_cpu(fa
 
 @pytest.fixture(scope="module")
 def planned_runs():
-    """A chapter on a machine reporting 2 GPUs: its 4-rank run shrinks to 2 GPU ranks, its 2x2
-    lesson (minimum 4) runs its 4 ranks on the CPU. Two real jobs, one per placement."""
+    """A chapter on a machine reporting 1 GPU: its 2-rank run shrinks to 1 GPU rank, its pair
+    lesson (minimum 2) runs its 2 ranks on the CPU. Two real jobs, one per placement (the
+    chapters' 4 ranks on 2 GPUs place the same way; the smallest case costs the fewest processes)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv(DEVICE_ENV, raising=False)
         mp.setattr(torch.cuda, "is_available", lambda: True)
-        mp.setattr(torch.cuda, "device_count", lambda: 2)
-        plan = ranks_for(4, lesson="the chapter", minimum=2)
-        mesh = ranks_for(4, lesson="its 2x2 lesson", minimum=4, needs="a 2x2 mesh")
-        none = {"mode": "none"}
-        results = torchrun_planned("fault", {"mesh": (4, none), "shrunk": (4, none)}, plan,
+        mp.setattr(torch.cuda, "device_count", lambda: 1)
+        plan = ranks_for(2, lesson="the chapter", minimum=1)
+        mesh = ranks_for(2, lesson="its pair lesson", minimum=2, needs="a pair of ranks")
+        none = {"mode": "none", "fail_rank": 0}  # rank 0 exists on 1 rank and on 2
+        results = torchrun_planned("fault", {"mesh": (2, none), "shrunk": (2, none)}, plan,
                                    needs={"mesh": mesh}, stream=False)
     return plan, mesh, results
 
 
 def test_each_run_goes_where_its_plan_says(planned_runs):
     plan, mesh, results = planned_runs
-    assert (plan.device, plan.nproc, plan.env) == ("cuda", 2, {})
-    assert plan.note == "the chapter asks for 4 ranks; 2 GPUs are visible, so it runs on 2 (the byte checks scale with N)"
-    assert (mesh.device, mesh.nproc, mesh.env) == ("cpu", 4, HIDE)
-    assert mesh.note == ("its 2x2 lesson needs 4 GPUs (a 2x2 mesh); 2 are visible, so its 4 ranks run on the "
+    assert (plan.device, plan.nproc, plan.env) == ("cuda", 1, {})
+    assert plan.note == "the chapter asks for 2 ranks; 1 GPU is visible, so it runs on 1 (the byte checks scale with N)"
+    assert (mesh.device, mesh.nproc, mesh.env) == ("cpu", 2, HIDE)
+    assert mesh.note == ("its pair lesson needs 2 GPUs (a pair of ranks); 1 is visible, so its 2 ranks run on the "
                          "CPU with gloo (HANDBOOK_DEVICE=gpu refuses instead)")
     assert list(results) == ["mesh", "shrunk"]  # the order asked, whatever the order run
-    assert (results["shrunk"].world_size, results["mesh"].world_size) == (2, 4)
+    assert (results["shrunk"].world_size, results["mesh"].world_size) == (1, 2)
     assert results["mesh"].backend == "gloo" and results["mesh"].device == "cpu"
-    assert sorted(r["rank"] for r in results["mesh"].ranks) == [0, 1, 2, 3]
+    assert sorted(r["rank"] for r in results["mesh"].ranks) == [0, 1]
 
 
 def test_torchrun_planned_refuses_what_it_cannot_place():

@@ -1,6 +1,6 @@
 """runtime.ring_attention: the book's ring against full causal attention, on 4 gloo processes.
 
-One spawn of 4 ranks runs two rings: all 4 ranks as one sp group (2 heads), and two sp groups
+One start of 4 ranks runs two rings: all 4 ranks as one sp group (2 heads), and two sp groups
 of 2 ranks ([0, 1] and [2, 3]). Each rank computes full causal attention
 (``parallel_model.causal_attention``, SDPA) on the whole sequence and compares its chunk of the
 output and of the q, k, v gradients with the ring's (largest difference relative to the
@@ -10,6 +10,7 @@ reference's largest magnitude, 1e-6 in fp32: measured 1e-7), and counts its send
 from __future__ import annotations
 
 import json
+import multiprocessing.forkserver
 
 import pytest
 import torch
@@ -68,8 +69,19 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
+    """The 4 ranks, forked from one fork server that imported torch and this module once (each of
+    4 spawned processes would import torch itself: most of this file's time on 2 cores); a fresh
+    process, not this one (which may have run torch's thread pool), is what they are forked from.
+    The server is stopped afterwards, so nothing is left running."""
     tmp = tmp_path_factory.mktemp("ring")
-    mp.spawn(_worker, args=(str(tmp / "store"), str(tmp)), nprocs=WORLD, join=True)
+    server = multiprocessing.forkserver._forkserver  # the module's own, as set_forkserver_preload uses
+    server.set_forkserver_preload([__name__])
+    try:
+        mp.start_processes(_worker, args=(str(tmp / "store"), str(tmp)), nprocs=WORLD, join=True,
+                           start_method="forkserver")
+    finally:
+        server._stop()  # closes its "alive" pipe and waits for it to exit
+        server.set_forkserver_preload(["__main__"])  # the default, for whoever starts one next
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

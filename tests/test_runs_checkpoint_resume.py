@@ -3,8 +3,8 @@ by SIGUSR1 and SIGTERM, resumed.
 
 Every job trains with a cosine schedule after 2 warm-up steps, from a data loader whose dataset
 holds 2 batches (so 6 steps are 3 epochs, each in its own order): a resumed job continues the
-schedule and the loader where the saved one stopped. Eight torchrun jobs on a tiny model, shared
-by the tests through module-scoped fixtures:
+schedule and the loader where the saved one stopped. Nine runs on a tiny model, in seven torchrun
+jobs, shared by the tests through module-scoped fixtures:
 
 1. ``reference``: 2 ranks, 6 steps uninterrupted, saving every 2 steps, exporting at the end;
 2. ``killed``: the same, but rank 1 SIGKILLs itself in the save of step 4, its shard written;
@@ -17,7 +17,10 @@ by the tests through module-scoped fixtures:
 8. ``cli_preempted``: the same through the CLI, which gets SIGTERM after step 1, then resumed
    with the command the CLI prints.
 
-The configs differ from chapter 6's runs, so CI does not run the same experiment twice.
+Runs that end cleanly on 2 ranks share a job (:func:`torchrun_batch`: one torchrun, the configs
+one after another, each with the result a separate run writes): the two references (1 and 6),
+and the two resumes (3 and 5). The configs differ from chapter 6's runs, so CI does not run the
+same experiment twice.
 """
 
 import shutil
@@ -26,7 +29,7 @@ import pytest
 import torch
 
 from handbook_lib.core import RunConfig, max_relative_difference
-from handbook_lib.launch import RunFailed, torchrun
+from handbook_lib.launch import RunFailed, torchrun, torchrun_batch
 from handbook_lib.models import LATEST, MANIFEST, estimate_checkpoint_count
 from handbook_lib.runs.checkpoint_resume import EXPORT_FILE, PROBE_FILE
 from handbook_lib.runtime import (
@@ -52,6 +55,12 @@ def _run(nproc, config, out, **extra):
     return torchrun("checkpoint_resume", nproc, {**TINY, **config}, out=out, timeout_s=180, stream=False, **extra)
 
 
+def _batch(configs, out):
+    """Several 2-rank runs (label -> config) in one job, in the order given."""
+    return torchrun_batch("checkpoint_resume", 2, {k: {**TINY, **c} for k, c in configs.items()}, out=out,
+                          timeout_s=240, stream=False)
+
+
 def _max_relative(a: list[float], b: list[float]) -> float:
     assert a, "no losses to compare"
     return max_relative_difference(a, b)  # raises if the lengths differ
@@ -62,14 +71,30 @@ def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+FP16 = {"precision": "fp16-mixed", "steps": 8}
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def uninterrupted(tmp_path_factory):
+    """The fp32 reference and the fp16 one, in one job (each in its own checkpoint folder)."""
     root = tmp_path_factory.mktemp("reference")
     # resume_if_present on a folder with no checkpoint yet: starts from step 0 (the first launch
     # of a job relaunched with one command)
-    result = _run(2, {"ckpt_dir": str(root / "ckpt"), "save_every": 2, "export": True, "resume": True,
-                      "resume_if_present": True}, root / "out")
-    return root / "ckpt", result
+    results = _batch({"reference": {"ckpt_dir": str(root / "ckpt"), "save_every": 2, "export": True,
+                                    "resume": True, "resume_if_present": True},
+                      "fp16_reference": {**FP16, "ckpt_dir": str(root / "fp16")}}, root / "out")
+    return root, results
+
+
+@pytest.fixture(scope="module")
+def reference(uninterrupted):
+    root, results = uninterrupted
+    return root / "ckpt", results["reference"]
+
+
+@pytest.fixture(scope="module")
+def fp16_reference(uninterrupted):
+    return uninterrupted[1]["fp16_reference"]
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +110,16 @@ def killed(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def resumed(killed):
-    root = killed[0]
-    return _run(2, {"ckpt_dir": str(root / "ckpt"), "save_every": 2, "resume": True}, root / "resumed")
+def resumes(killed, grown, tmp_path_factory):
+    """The killed job resumed at its own world size, and the 4-rank one resumed on 2: one job."""
+    return _batch({"resumed": {"ckpt_dir": str(killed[0] / "ckpt"), "save_every": 2, "resume": True},
+                   "shrunk": {"ckpt_dir": str(grown[0]), "resume": True}},  # shrunk saves nothing
+                  tmp_path_factory.mktemp("resumes") / "out")
+
+
+@pytest.fixture(scope="module")
+def resumed(resumes):
+    return resumes["resumed"]
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +133,8 @@ def grown(reference, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def shrunk(grown, tmp_path_factory):
-    root = tmp_path_factory.mktemp("shrunk")
-    return _run(2, {"ckpt_dir": str(grown[0]), "resume": True}, root / "out")  # saves nothing
+def shrunk(resumes):
+    return resumes["shrunk"]
 
 
 def test_reference_saves_every_second_step_and_counts_exactly(reference):
@@ -219,15 +250,6 @@ def test_resumed_jobs_continue_the_schedule_and_the_loader(resumed, shrunk, refe
     assert resumed.extra["loaded"]["epoch"] == 0 and shrunk.extra["loaded"]["epoch"] == 1
 
 
-FP16 = {"precision": "fp16-mixed", "steps": 8}
-
-
-@pytest.fixture(scope="module")
-def fp16_reference(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fp16")
-    return _run(2, {**FP16, "ckpt_dir": str(root / "ckpt")}, root / "out")
-
-
 @pytest.fixture(scope="module")
 def preempted_by_rank(tmp_path_factory):
     from handbook_lib.launch import RunPreempted
@@ -266,10 +288,14 @@ def test_a_signal_to_one_rank_stops_every_rank_saved(preempted_by_rank):
 @pytest.fixture(scope="module")
 def cli_preempted(tmp_path_factory):
     """The CLI, sent SIGTERM once step 1 is done (as Slurm would); then the command it prints."""
+    import contextlib
+    import io
     import shlex
     import signal
     import subprocess
     import sys
+
+    from handbook_lib.face import main
 
     root = tmp_path_factory.mktemp("cli")
     sets = [f"{k}={v}" for k, v in {**TINY, **FP16, "ckpt_dir": root / "ckpt"}.items()]
@@ -284,8 +310,12 @@ def cli_preempted(tmp_path_factory):
     printed = err.split("resume with:\n", 1)[1].replace("\\\n", " ")
     again = shlex.split(printed)
     assert again[:3] == ["python", "-m", "handbook_lib"]
-    resumed = subprocess.run([sys.executable, *again[1:]], capture_output=True, text=True, timeout=180)
-    return root, cli.returncode, err, again, resumed
+    # the rest of it, given to what `python -m handbook_lib` runs (the CLI's main), in this process:
+    # the SIGTERM above needed a CLI process of its own; a second one would only import torch again
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        code = main(again[3:])
+    return root, cli.returncode, err, again, (code, said.getvalue())
 
 
 def test_sigterm_to_the_cli_saves_and_exits_75_with_the_command_to_resume(cli_preempted):
@@ -302,8 +332,8 @@ def test_sigterm_to_the_cli_saves_and_exits_75_with_the_command_to_resume(cli_pr
 
 
 def test_the_printed_command_completes_bit_identically(cli_preempted, fp16_reference):
-    root, _, err, _, resumed = cli_preempted
-    assert resumed.returncode == 0, resumed.stderr
+    root, _, err, _, (code, said) = cli_preempted
+    assert code == 0, said
     from handbook_lib.core import load_result
 
     done = load_result(root / "out" / "result.json")

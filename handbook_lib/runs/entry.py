@@ -176,6 +176,7 @@ def main(module: ModuleType, argv: list[str] | None = None) -> None:
     try:
         configs = _configs(module, args)
         ctx = init_distributed()
+        gc.freeze()  # torch's modules and the process group: the collections below skip them
         for index, (stage, config) in enumerate(configs):
             reports = _collect(_run_one(module, config, ctx), ctx)
             if reports is not None:
