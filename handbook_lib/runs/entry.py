@@ -42,7 +42,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -95,7 +95,7 @@ def _die_with_parent() -> None:
 def _arm_stack_dumps(stacks_path: Path):
     """Dump all threads' stacks on SIGTERM, and shortly before the launcher's deadline."""
     handle = open(stacks_path, "w")  # noqa: SIM115 - must outlive this function
-    faulthandler.register(signal.SIGTERM, file=handle, all_threads=True, chain=True)
+    _dump_on_sigterm(handle)
     faulthandler.enable(file=handle, all_threads=True)  # SIGABRT (NCCL's watchdog), SIGSEGV: stacks
     deadline = os.environ.get(DEADLINE_ENV)
     if deadline:
@@ -103,6 +103,14 @@ def _arm_stack_dumps(stacks_path: Path):
         if seconds > 0:
             faulthandler.dump_traceback_later(seconds, exit=False, file=handle)
     return handle
+
+
+def _dump_on_sigterm(handle: TextIO) -> None:
+    """On SIGTERM, dump every thread's stack to ``handle``, then take the signal's previous action.
+    Armed again after each run's code: a run that watched for SIGTERM itself (a preemption
+    watch) can only put back Python's default, not faulthandler's C handler."""
+    faulthandler.unregister(signal.SIGTERM)  # registering again alone would not reinstall it
+    faulthandler.register(signal.SIGTERM, file=handle, all_threads=True, chain=True)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -121,10 +129,24 @@ def placement() -> dict[str, Any]:
             "local_rank": int(os.environ.get("LOCAL_RANK", "0"))}
 
 
-def _write_status(out_dir: Path, rank: int, status: str, **error: Any) -> None:
-    """This rank's :class:`~handbook_lib.core.protocol.RankStatus`, where the launcher reads it."""
+def _write_status(out_dir: Path, rank: int, status: str, stacks: TextIO, **error: Any) -> None:
+    """This rank's :class:`~handbook_lib.core.protocol.RankStatus`, where the launcher reads it.
+
+    A SIGTERM waits until it is written: torchrun stops a failed job's other ranks with SIGTERM,
+    which must not kill a rank between writing its status and renaming it into place (the
+    launcher would find no status, and blame that rank as one that died silently). The signal
+    is taken afterwards, with the stacks dumped to ``stacks`` as at any other time.
+    """
     state = RankStatus(rank=rank, status=status, time=time.time(), **placement(), **error)
-    write_json_atomic(rank_status_path(out_dir, rank), state.to_dict())
+    came: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, _: came.append(signum))  # any thread's
+    try:
+        write_json_atomic(rank_status_path(out_dir, rank), state.to_dict())
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        _dump_on_sigterm(stacks)  # faulthandler's (C) handler, which Python's table does not know
+        if came:
+            signal.raise_signal(signal.SIGTERM)
 
 
 def _collect(report: RankReport, ctx: RankContext) -> list[RankReport] | None:
@@ -178,23 +200,27 @@ def main(module: ModuleType, argv: list[str] | None = None) -> None:
         ctx = init_distributed()
         gc.freeze()  # torch's modules and the process group: the collections below skip them
         for index, (stage, config) in enumerate(configs):
-            reports = _collect(_run_one(module, config, ctx), ctx)
+            try:
+                report = _run_one(module, config, ctx)
+            finally:
+                _dump_on_sigterm(stacks)
+            reports = _collect(report, ctx)
             if reports is not None:
                 path = batch_result_path(args.out, index) if stage else args.out / RESULT_FILE
                 path.parent.mkdir(exist_ok=True)
                 write_json_atomic(path, _result(module, config, ctx, reports).to_dict())
             gc.collect()  # the config's model and buffers, before the next one's measurements
-        _write_status(args.out, rank, "ok")
+        _write_status(args.out, rank, "ok", stacks)
     except Preempted as exc:  # every rank saved at the same step: a stop, to be resumed
         code = PREEMPTED_EXIT
         print(f"rank {rank}: {exc}", flush=True)
-        _write_status(args.out, rank, "preempted", error_type=type(exc).__name__, message=str(exc),
+        _write_status(args.out, rank, "preempted", stacks, error_type=type(exc).__name__, message=str(exc),
                       stage=stage, step=exc.step)
         shutdown_distributed()
     except BaseException as exc:  # noqa: BLE001 - every failure must be reported, then exit
         code = 1
         traceback.print_exc()
-        _write_status(args.out, rank, "error", error_type=type(exc).__name__, message=str(exc),
+        _write_status(args.out, rank, "error", stacks, error_type=type(exc).__name__, message=str(exc),
                       traceback=traceback.format_exc(), distributed_error=isinstance(exc, dist.DistError),
                       stage=stage)
     finally:
