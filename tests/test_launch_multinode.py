@@ -12,7 +12,6 @@ import pytest
 
 from handbook_lib.core import RunConfig, max_relative_difference
 from handbook_lib.launch import RunFailed, torchrun
-from handbook_lib.launch.recipe import NodeRun, run_recipe
 from handbook_lib.runtime import train_one_process
 from tests.conftest import processes_mentioning
 
@@ -95,48 +94,4 @@ def test_on_a_faked_gpu_machine_each_local_node_gets_its_own_gpus(monkeypatch):
     assert one.local_agents == 1 and one.agent_env(0, 8) == {}
     with pytest.raises(ValueError, match=r"nnodes x nproc = 2 x 4 ranks on this machine but 4 GPU"):
         torchrun("fault", 4, {"mode": "none"}, nnodes=2)
-
-
-def _recipe(tmp_path, shared: bool) -> list[NodeRun]:
-    """The README's multi-node recipe, run as two machines would (launch.recipe.run_recipe): one
-    CLI command per node, both on 127.0.0.1, with one shared --out folder or one folder per node."""
-    out = tmp_path / "shared" if shared else [tmp_path / f"node{k}" for k in (0, 1)]
-    nodes = run_recipe("fault", 2, 1, {"mode": "none"}, out=out, timeout_s=120)
-    assert [n.node for n in nodes] == [0, 1]
-    assert [n.command[n.command.index("--node-rank") + 1] for n in nodes] == ["0", "1"]
-    return nodes
-
-
-def test_the_recipe_with_one_shared_folder_succeeds_on_every_node(tmp_path):
-    """Issue 26: the second node used to be refused ('in use by another run'), and the first
-    to wait at the rendezvous for its whole timeout. Now each node claims its own marker."""
-    nodes = _recipe(tmp_path, shared=True)
-    (rc0, out0), (rc1, out1) = [(n.exit_code, n.output) for n in nodes]
-    assert (rc0, rc1) == (0, 0), out0 + out1
-    shared = tmp_path / "shared"
-    assert f"result: {shared}/result.json" in out0 + out1
-    assert f"result: {shared}/result.json" in [n.said for n in nodes]
-    assert all(n.has_result and n.out == shared for n in nodes)
-    assert (shared / "result.json").is_file() and (shared / ".handbook-run.node1").is_file()
-    assert sorted(p.name for p in (shared / "logs").iterdir()) == ["node0", "node1"]
-    assert (shared / "config.node1.json").read_text() == (shared / "config.json").read_text()
-    assert processes_mentioning(str(shared)) == []
-
-
-def test_the_recipe_with_a_folder_per_node_exits_0_and_says_where_the_result_is(tmp_path):
-    nodes = _recipe(tmp_path, shared=False)
-    (rc0, out0), (rc1, out1) = [(n.exit_code, n.output) for n in nodes]
-    assert (rc0, rc1) == (0, 0), out0 + out1
-    # torchrun's c10d rendezvous numbers the nodes itself: rank 0 runs under either command
-    with_result = [k for k in (0, 1) if (tmp_path / f"node{k}" / "result.json").is_file()]
-    assert len(with_result) == 1, (out0, out1)
-    assert [n.has_result for n in nodes] == [k in with_result for k in (0, 1)]
-    assert nodes[with_result[0]].said == f"result: {tmp_path / f'node{with_result[0]}'}/result.json"
-    other, outs = 1 - with_result[0], (out0, out1)
-    assert f"result: {tmp_path / f'node{with_result[0]}'}/result.json" in outs[with_result[0]]
-    elsewhere = (f"node {other}: its ranks finished; rank 0 ran on another node (torchrun's rendezvous "
-                 "numbers the nodes), whose --out folder holds result.json")
-    assert elsewhere in " ".join(outs[other].split())
-    assert nodes[other].said == elsewhere  # the node's last line, its wrapped continuation joined
-    assert processes_mentioning(str(tmp_path)) == []
 

@@ -1,6 +1,7 @@
 """handbook_lib.launch.recipe without a job: the command lines each node types (read back by the
 CLI's own parser), the refusals before anything starts, how a node's outcome is shown, and which
-GPUs each node gets. The real 2-node jobs, one each way, run once in test_launch_multinode.py.
+GPUs each node gets. The real 2-node jobs, one each way, run once in chapter 8 (section "The
+recipe, node by node"), whose outputs and assertions the notebook suite replays.
 """
 
 from __future__ import annotations
