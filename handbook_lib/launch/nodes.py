@@ -21,6 +21,26 @@ from handbook_lib.core.protocol import LOGS_DIR, RankStatus, rank_status_path
 __all__ = []  # the launcher's own part: Nodes, check_nodes, free_port
 
 
+
+AGENT = ("import os, sys, traceback\n"
+         "from torch.distributed.run import main\n"
+         "code = 0\n"
+         "try:\n"
+         "    main(sys.argv[1:])\n"
+         "except SystemExit as done:\n"
+         "    code = done.code if isinstance(done.code, int) else int(done.code is not None)\n"
+         "except BaseException:\n"
+         "    traceback.print_exc()\n"
+         "    code = 1\n"
+         "sys.stdout.flush()\n"
+         "sys.stderr.flush()\n"
+         "os._exit(code)  # torch.distributed.run, then no interpreter teardown\n")
+"""The torchrun agent's program (``python -c AGENT ARGS``): ``torch.distributed.run``'s ``main``
+with the same arguments and exit status as ``python -m torch.distributed.run ARGS`` (an error's
+traceback printed, status 1), ending with ``os._exit`` once its workers are done and its
+output flushed: the interpreter's teardown of torch's modules cost 0.3-0.6 s per job, paid by
+every run a chapter or a test starts."""
+
 @dataclass(frozen=True)
 class Nodes:
     """The nodes of a job and how their torchrun agents meet (see :func:`~handbook_lib.launch.torchrun`)."""
@@ -42,7 +62,7 @@ class Nodes:
         the node torchrun gave it (``GROUP_RANK``), which is what :meth:`where` reports."""
         def agent(node: int | None, conf: list[str], logs: Path) -> list[str]:
             rank = [] if node is None else ["--node-rank", str(node)]
-            return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.count),
+            return [sys.executable, "-c", AGENT, "--nnodes", str(self.count),
                     *rank, "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.rdzv_id(out_dir), *conf,
                     "--max-restarts", "0", "--tee", "3", "--log-dir", str(logs), *tail]

@@ -139,9 +139,11 @@ class Agents:
 
     def poll(self) -> int | None:
         codes = [p.poll() for p in self.procs]
-        for code in codes:
-            if code not in (None, 0) and self.failed_code is None:
-                self.failed_code, self._failed_at = code, time.monotonic()
+        failed = [code for code in codes if code not in (None, 0)]
+        if failed and self.failed_code is None:
+            # several ended since the last poll: one a signal killed (a lost node) went first, the
+            # others failed after losing it
+            self.failed_code, self._failed_at = min(failed, key=lambda c: c >= 0), time.monotonic()
         if None not in codes:
             return self.returncode
         if self._failed_at is not None and time.monotonic() - self._failed_at > self.grace_s:
