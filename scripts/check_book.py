@@ -378,8 +378,13 @@ def _hover_terms(driver, definitions: dict[str, dict[str, str]]) -> list[tuple[s
     return failures
 
 
-def _wait_until_loaded(driver, url: str, timeout: float = 30.0) -> None:
-    """Wait for the page's load event: chromedriver's get() sometimes returns before it."""
+def wait_until_loaded(driver, url: str, timeout: float = 30.0) -> None:
+    """Wait for the page's load event: chromedriver's get() sometimes returns before it, and a
+    DOM read then sees the blank tab or half the page (check_hub.py waits with it too).
+
+    Raises:
+        TimeoutError: the browser is not on ``url`` with the page loaded within ``timeout`` s.
+    """
     deadline = time.monotonic() + timeout
     while driver.execute_script("return [location.href, document.readyState]") != [url, "complete"]:
         if time.monotonic() > deadline:
@@ -401,7 +406,7 @@ def check_page(driver, base: str, page: str, html_dir: Path,
     driver.get_log("performance")
     url = base + quote(page)
     driver.get(url)
-    _wait_until_loaded(driver, _redirected(url, html_dir / page))
+    wait_until_loaded(driver, _redirected(url, html_dir / page))
     found: list[tuple[str, str]] = []
     mathjax = driver.execute_async_script(_WAIT_FOR_MATHJAX)
     if mathjax.startswith("error"):

@@ -56,7 +56,7 @@ from urllib.request import Request, urlopen
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "hub")]
 import build_book as book  # noqa: E402 - hub/build_book.py
-from check_book import chrome, missing_requirements, serve  # noqa: E402 - a sibling script
+from check_book import chrome, missing_requirements, serve, wait_until_loaded  # noqa: E402 - a sibling script
 
 HOST = "127.0.0.1"
 VENV_BIN = Path(sys.executable).parent
@@ -452,8 +452,10 @@ def open_page(driver, url: str, timeout_s: float = 30.0) -> None:
         CheckFailed: the browser is not on ``url`` with the page loaded within ``timeout_s`` s.
     """
     driver.get(url)
-    _wait_for(f"{url} loaded", lambda: driver.execute_script(
-        "return [location.href, document.readyState]") == [url, "complete"], timeout_s)
+    try:
+        wait_until_loaded(driver, url, timeout_s)
+    except TimeoutError:
+        raise CheckFailed(f"{url} loaded: not within {timeout_s:g} s") from None
 
 
 def launch_links(driver, page: str, timeout_s: float = 30.0) -> list[str]:
