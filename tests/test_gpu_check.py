@@ -25,6 +25,7 @@ from handbook_lib.launch import (
     WRITER,
     RunFailed,
     RunTimeout,
+    device_capacity,
     estimate_mfu,
     estimate_prefetch_extra_bytes,
     gpu_slug,
@@ -36,7 +37,6 @@ from handbook_lib.launch import (
     sweep_micro_batch,
     write_result_set,
 )
-from handbook_lib.launch.gpu_check import device_capacity
 from handbook_lib.models import ACCELERATORS, estimate_memory, wrap_units
 
 ROOT = Path(__file__).resolve().parent.parent

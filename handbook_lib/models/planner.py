@@ -361,13 +361,14 @@ def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, bud
     for name in ("DDP", "SHARD_GRAD_OP", "FULL_SHARD"):
         o = by_name.get(name)
         if o and not o.fits:
-            what = ("activations decide" if o.activation_bytes > o.model_state_bytes
-                    else "model state decides")
-            parts = f"{_gb(o.activation_bytes)} activations, {_gb(o.model_state_bytes)} model state"
             if o.peak_phase == "optimizer_step":  # no activations then: Adam's temporary on the state
                 what, parts = "the optimizer step decides", (
                     f"{_gb(o.model_state_bytes)} model state, "
                     f"{_gb(o.peak_bytes - o.model_state_bytes)} of Adam's temporaries and buckets")
+            else:
+                what = ("activations decide" if o.activation_bytes > o.model_state_bytes
+                        else "model state decides")
+                parts = f"{_gb(o.activation_bytes)} activations, {_gb(o.model_state_bytes)} model state"
             reasons.append(f"{name} does not fit: {_gb(o.peak_reserved_bytes)} reserved per GPU against "
                            f"{_gb(budget)} usable on {acc.name}; {what} ({parts}).")
     for o in options:
