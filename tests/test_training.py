@@ -260,7 +260,7 @@ def test_on_a_gpu_the_inspection_waits_for_the_backward_before_its_timer(monkeyp
 def test_the_one_process_reference_trains_where_it_is_told(monkeypatch):
     """gpu-path.md S2-2: a GPU job is compared with a reference on its own kind of device."""
     from handbook_lib.runtime import train_one_process
-    from handbook_lib.runtime import resolve_device as _reference_device
+    from handbook_lib.runtime import resolve_device
 
     config = RunConfig(vocab_size=50, d_model=32, nhead=2, dim_feedforward=64, num_layers=1,
                        batch_size=4, seq_len=8, steps=2)
@@ -273,10 +273,10 @@ def test_the_one_process_reference_trains_where_it_is_told(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a faked 2-GPU machine
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    assert _reference_device("cuda") == torch.device("cuda", 1)
-    assert _reference_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+    assert resolve_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
     with pytest.raises(ValueError, match=r"^device='cuda:2': 2 CUDA device\(s\) are visible"):
-        _reference_device("cuda:2")
+        resolve_device("cuda:2")
 
 
 def test_a_run_checks_its_losses_against_a_reference_on_its_own_device(monkeypatch):
