@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import subprocess
 import sys
 
@@ -34,9 +35,6 @@ pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-import accelerate.utils.dataclasses as accelerate_dataclasses  # noqa: E402
-import accelerate.utils.launch as accelerate_launch  # noqa: E402
-import deepspeed.runtime.config as ds_config_module  # noqa: E402
 from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file  # noqa: E402
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser  # noqa: E402
 from accelerate.utils import (  # noqa: E402
@@ -81,26 +79,46 @@ def clean_env(monkeypatch):
     return monkeypatch
 
 
+def fake_cuda(patch, available: bool) -> None:
+    """A machine with one CUDA device (or none), faked at torch's level: the accelerator torch
+    reports and CUDA's availability, device count and current device. What Accelerate and the
+    Trainer decide from it is their own code, whichever release is installed."""
+    patch.setattr(torch.accelerator, "current_accelerator",
+                  lambda check_available=False: torch.device("cuda") if available else None)
+    patch.setattr(torch.accelerator, "is_available", lambda: available)
+    patch.setattr(torch.cuda, "is_available", lambda: available)
+    patch.setattr(torch.cuda, "device_count", lambda: int(available))
+    patch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
 @pytest.fixture
 def one_cuda_device(monkeypatch):
     """The plugin as on a GPU node: with ``sync_module_states`` (FSDP1 with the efficient loading)
     it asks for the current device and refuses a machine with none."""
-    monkeypatch.setattr(accelerate_dataclasses, "is_cuda_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    fake_cuda(monkeypatch, True)
+
+
+
+
+def unused_port() -> int:
+    """A TCP port nothing on this machine listens on now: ``accelerate launch`` checks the
+    rendezvous port of machine 0 and, when it is taken, launches differently (one machine: a
+    standalone rendezvous; several: an error), which says nothing about the file."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def launch(tmp_path, env_patch, file: dict):
-    """What ``accelerate launch --config_file <file> train.py`` hands the training processes:
-    the loaded file, the parsed launch arguments and the plugin ``Accelerator`` builds from the
-    environment (``FullyShardedDataParallelPlugin()``), with the mixed precision applied as
-    ``AcceleratorState`` applies it (``fsdp_plugin.set_mixed_precision``)."""
+    """What ``accelerate launch --main_process_port <free> --config_file <file> train.py`` hands
+    the training processes: the loaded file, the parsed launch arguments and the plugin
+    ``Accelerator`` builds from the environment (``FullyShardedDataParallelPlugin()``), with the
+    mixed precision applied as ``AcceleratorState`` applies it (``fsdp_plugin.set_mixed_precision``)."""
     path = tmp_path / "accelerate.yaml"
     path.write_text(yaml.safe_dump(file))
-    # whether a port of this machine is taken says nothing about the file (with several machines
-    # a taken port is an error)
-    env_patch.setattr(accelerate_launch, "is_port_in_use", lambda port=None: False)
     loaded = load_config_from_file(str(path))
-    args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+    args = launch_command_parser().parse_args(["--main_process_port", str(unused_port()),
+                                               "--config_file", str(path), "train.py"])
     args, _, _ = _validate_launch_command(args)
     env = prepare_multi_gpu_env(args)
     for key, value in env.items():
@@ -182,11 +200,12 @@ def test_accelerate_launch_reads_the_file_as_the_run(keys, tmp_path, clean_env, 
 
 
 def test_accelerate_processes_and_machines(tmp_path, clean_env):
+    port = unused_port()
     file = accelerate_config(RunConfig(), num_processes=8, num_machines=2, main_process_ip="10.0.0.1",
-                             main_process_port=29511)
-    _, args, _ = launch(tmp_path, clean_env, file)
+                             main_process_port=port)
+    args, _ = launch_env_of(tmp_path, clean_env, file)
     assert (args.nproc_per_node, args.nnodes, args.node_rank) == ("4", "2", 0)
-    assert (args.rdzv_backend, args.rdzv_endpoint) == ("static", "10.0.0.1:29511")
+    assert (args.rdzv_backend, args.rdzv_endpoint) == ("static", f"10.0.0.1:{port}")
 
 
 def launch_env_of(tmp_path, env_patch, file: dict, *flags: str) -> tuple:
@@ -194,7 +213,6 @@ def launch_env_of(tmp_path, env_patch, file: dict, *flags: str) -> tuple:
     --config_file <file> train.py`` on one node (``prepare_multi_gpu_env``, as launch does)."""
     path = tmp_path / "accelerate.yaml"
     path.write_text(yaml.safe_dump(file))
-    env_patch.setattr(accelerate_launch, "is_port_in_use", lambda port=None: False)
     args = launch_command_parser().parse_args([*flags, "--config_file", str(path), "train.py"])
     args, _, _ = _validate_launch_command(args)
     return args, prepare_multi_gpu_env(args)
@@ -205,12 +223,13 @@ def test_accelerate_one_file_for_every_node(node, tmp_path, clean_env):
     """Three nodes of 8 GPUs, one file: each node's ``--machine_rank`` (the documented
     ``$SLURM_NODEID``) wins over the file's 0, and every node meets at machine 0's address."""
     from handbook_lib.integrations import MACHINE_RANK_FLAG
+    port = unused_port()  # node 0 checks that it can listen on it
     file = accelerate_config(RunConfig(), num_processes=24, num_machines=3, main_process_ip="node-a",
-                             main_process_port=29600)
+                             main_process_port=port)
     assert file["machine_rank"] == 0 and MACHINE_RANK_FLAG.split()[0] == "--machine_rank"
     args, env = launch_env_of(tmp_path, clean_env, file, "--machine_rank", str(node))
     assert (args.nproc_per_node, args.nnodes, args.node_rank) == ("8", "3", node)
-    assert (args.rdzv_backend, args.rdzv_endpoint) == ("static", "node-a:29600")
+    assert (args.rdzv_backend, args.rdzv_endpoint) == ("static", f"node-a:{port}")
     assert env["ACCELERATE_USE_FSDP"] == "true"
 
 
@@ -252,10 +271,11 @@ def test_accelerate_fsdp1_strategy_needs_the_sharding_strategy_key(tmp_path, cle
 
 def test_accelerate_fsdp1_meta_init_on_a_cpu_only_machine(tmp_path, clean_env):
     """The file is for GPU nodes: FSDP1 with the efficient loading syncs module states, and the
-    plugin asks for the current accelerator (the tests above pretend one CUDA device)."""
-    clean_env.setattr(accelerate_dataclasses, "is_cuda_available", lambda: False)  # also on a GPU machine
+    plugin asks for the current accelerator (the tests above pretend one CUDA device). The
+    refusal's words are Accelerate's: 1.16 names the CPU, earlier releases found no device."""
+    fake_cuda(clean_env, False)  # also on a GPU machine
     file = accelerate_config(RunConfig(api="fsdp1", init="meta"), num_processes=2)
-    with pytest.raises(RuntimeError, match="no available devices"):
+    with pytest.raises(RuntimeError, match="not supported on cpu|no available devices"):
         launch(tmp_path, clean_env, file)
 
 
@@ -325,13 +345,30 @@ def test_trainer_builds_the_books_optimizer(optimizer, tmp_path, clean_env):
 # ---- DeepSpeed ------------------------------------------------------------------------------
 
 @pytest.fixture
-def ds_world(monkeypatch):
-    """Set the world size DeepSpeedConfig sees. With ``mpu=None`` and no mesh it asks
-    ``deepspeed.comm.get_world_size()`` (and falls back to 1 when no process group exists)."""
+def ds_world():
+    """Give DeepSpeedConfig a world of ``size`` processes to read. With ``mpu=None`` and no mesh
+    it asks ``deepspeed.comm.get_world_size()``, and counts 1 when no process group exists. For
+    ``size`` > 1: a process group of that size in this process, on torch's ``fake`` backend (rank
+    0; its collectives do nothing), which ``deepspeed.comm.init_distributed`` takes as a group the
+    user made. Size 1: no group. Torn down after the test."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from handbook_lib.integrations.zero_engine import import_deepspeed
+
+    deepspeed = import_deepspeed()  # its CPU accelerator here, and no compiled shared-memory op
+
     def set_world(size: int) -> None:
-        monkeypatch.setattr(ds_config_module.dist, "get_world_size", lambda group=None: size)
-        monkeypatch.setattr(ds_config_module.dist, "get_rank", lambda group=None: 0)
-    return set_world
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if size > 1:
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+            deepspeed.comm.init_distributed(dist_backend="gloo", verbose=False)
+            assert deepspeed.comm.get_world_size() == size
+
+    yield set_world
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 DS_CASES = list(itertools.product(
@@ -390,7 +427,9 @@ def test_deepspeed_no_clipping_is_written_as_zero(ds_world):
 def test_deepspeed_adam_is_not_adamw(ds_world):
     """DeepSpeed runs its "Adam" as AdamW unless ``adam_w_mode`` is false (ADAM_W_MODE_DEFAULT)."""
     ds_world(2)
-    assert ds_config_module.ADAM_W_MODE_DEFAULT is True
+    from deepspeed.runtime.config import ADAM_W_MODE_DEFAULT
+
+    assert ADAM_W_MODE_DEFAULT is True
     adam = DeepSpeedConfig(deepspeed_config(RunConfig(strategy="ZERO1", optimizer="adam"), 2), mpu=None)
     assert adam.optimizer_name == "adam"
     assert adam.optimizer_params["adam_w_mode"] is False
@@ -624,7 +663,9 @@ def test_parse_deepspeed_config_sees_the_world_size_it_is_given():
     assert parse_deepspeed_config(config, 8).train_micro_batch_size_per_gpu == 4
     with pytest.raises(Exception, match="train_batch_size"):  # 32 != 4 x 1 x 2: DeepSpeed's check
         parse_deepspeed_config(config, 2)
-    assert ds_config_module.dist.get_world_size.__name__ != "<lambda>"  # restored
+    import deepspeed.comm
+
+    assert deepspeed.comm.get_world_size.__name__ == "get_world_size"  # restored
 
 
 def test_training_arguments_leave_the_environment_as_they_found_it(tmp_path, clean_env):
