@@ -1,5 +1,6 @@
 """The CUDA side of the exact byte checks, without a GPU: the caching allocator's 512-B rounding
-(issue 29, S1-1 and S1-5), computed by hand for a tiny model."""
+(issue 29, S1-1 and S1-5), computed by hand for a tiny model, and measured for FSDP2 and DDP on a
+fake process group with tests/storage_tracker.py, each host storage rounded as on CUDA."""
 
 import pytest
 
@@ -109,23 +110,21 @@ def test_ddp_buckets_are_grouped_as_torch_groups_them():
 
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("init", ["meta", "full"])
-def test_init_peak_as_fsdp2_makes_it(monkeypatch, rank, init):
+def test_init_peak_as_fsdp2_makes_it(rank, init):
     """The GPU-side peak, measured: FSDP2 on a fake 2-rank process group in this process, under
-    a MemTracker that rounds every storage as it does on CUDA. ``meta``: ``to_empty`` (rank 1
-    holds 500 of the tables' 501 rows, so FSDP2 re-pads its root tensors: the transient of
-    S1-1). ``full``: ``fully_shard`` of a model already there (on CUDA it was built on the host
-    and moved)."""
+    a ``StorageTracker`` (tests/storage_tracker.py) that counts every live storage the ops make,
+    rounded as on CUDA, and takes the largest total on the host after any op. ``meta``:
+    ``to_empty`` (rank 1 holds 500 of the tables' 501 rows, so FSDP2 re-pads its root tensors:
+    the transient of S1-1). ``full``: ``fully_shard`` of a model already there (on CUDA it was
+    built on the host and moved)."""
     import torch
     import torch.distributed as dist
-    from torch.distributed._tools import mem_tracker
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from handbook_lib.runtime.build import apply_fsdp2
     from handbook_lib.runtime.model import SimpleTransformer, TransformerLayer
-
-    def rounded(self):
-        return device_storage_bytes(self.size * self.element_size, "cuda")
+    from tests.storage_tracker import StorageTracker
 
     dist.init_process_group("fake", rank=rank, world_size=2, store=FakeStore())
     try:
@@ -135,67 +134,59 @@ def test_init_peak_as_fsdp2_makes_it(monkeypatch, rank, init):
         units = [m for m in model.modules() if isinstance(m, TransformerLayer)]
         if init == "meta":
             apply_fsdp2(model, mesh, units=units)
-        monkeypatch.setattr(mem_tracker._WeakRefInfo, "_calculate_mem_consumed", rounded)
-        tracker = mem_tracker.MemTracker()
+        tracker = StorageTracker(lambda n: device_storage_bytes(n, "cuda"))
         with tracker:
             if init == "meta":
                 model.to_empty(device="cpu")
             else:
                 apply_fsdp2(model, mesh, units=units)
-        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-        total = next(int(v) for k, v in peak.items() if str(getattr(k, "value", k)) == "Total")
+        total = tracker.peak("cpu")
     finally:
         dist.destroy_process_group()
     assert total == estimate_init_bytes(TINY, 2, "FULL_SHARD", init, rank=rank, device="cuda")
 
 
-def test_ddp_init_peak_as_ddp_makes_it(monkeypatch):
-    """DDP's replica and its buckets, measured as above on a fake 2-rank group."""
+def test_ddp_init_peak_as_ddp_makes_it():
+    """DDP's replica and its buckets, measured as above on a fake 2-rank group (the model is
+    built on the meta device inside the tracker; only the host's storages are read)."""
     import torch
     import torch.distributed as dist
-    from torch.distributed._tools import mem_tracker
     from torch.nn.parallel import DistributedDataParallel
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from handbook_lib.runtime.model import SimpleTransformer
+    from tests.storage_tracker import StorageTracker
 
-    monkeypatch.setattr(mem_tracker._WeakRefInfo, "_calculate_mem_consumed",
-                        lambda self: device_storage_bytes(self.size * self.element_size, "cuda"))
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:
-        tracker = mem_tracker.MemTracker()
+        tracker = StorageTracker(lambda n: device_storage_bytes(n, "cuda"))
         with tracker:
             with torch.device("meta"):
                 model = SimpleTransformer(TINY)
             model.to_empty(device="cpu")
             DistributedDataParallel(model, init_sync=False)
-        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-        total = next(int(v) for k, v in peak.items() if str(getattr(k, "value", k)) == "Total")
+        total = tracker.peak("cpu")
     finally:
         dist.destroy_process_group()
     assert total == estimate_init_bytes(TINY, 2, "DDP", "meta", device="cuda") == MODEL + 1468 * 512
 
 
-def test_accumulated_gradients_as_fsdp2_keeps_them(monkeypatch):
+def test_accumulated_gradients_as_fsdp2_keeps_them():
     """S1-5 measured: with gradient sync off, FSDP2 on a fake 2-rank group keeps one unsharded
-    gradient storage per parameter after backward; rounded as on CUDA, they are the prediction."""
+    gradient storage per parameter after backward; rounded as on CUDA, they are the prediction.
+    Measured with a ``StorageTracker`` (tests/storage_tracker.py) given the sharded parameters
+    and buffers first: the rounded bytes of the live host storages after one forward and
+    backward, less those before (the all-gather buffers FSDP2 has resized to 0 count 0)."""
     import warnings
 
     import torch
     import torch.distributed as dist
-    from torch.distributed._tools import mem_tracker
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from handbook_lib.runtime.build import apply_fsdp2
     from handbook_lib.runtime.model import SimpleTransformer, TransformerLayer
-
-    monkeypatch.setattr(mem_tracker._WeakRefInfo, "_calculate_mem_consumed",
-                        lambda self: device_storage_bytes(self.size * self.element_size, "cuda"))
-
-    def alive(tracker):
-        snap = tracker.get_tracker_snapshot("current").get(torch.device("cpu"), {})
-        return int(sum(v for k, v in snap.items() if str(getattr(k, "value", k)) != "Total"))
+    from tests.storage_tracker import StorageTracker
 
     dist.init_process_group("fake", rank=1, world_size=2, store=FakeStore())
     try:
@@ -207,13 +198,13 @@ def test_accumulated_gradients_as_fsdp2_keeps_them(monkeypatch):
         for param in model.parameters():
             torch.nn.init.normal_(param.to_local(), std=0.02)
         model.set_requires_gradient_sync(False)
-        tracker = mem_tracker.MemTracker()
-        tracker.track_external(model)
+        tracker = StorageTracker(lambda n: device_storage_bytes(n, "cuda"))
+        tracker.track(*model.parameters(), *model.buffers())
         with tracker, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # FSDP2's note on the head's view output
-            start = alive(tracker)
+            start = tracker.current("cpu")
             model(torch.randint(0, 1001, (2, 16))).pow(2).mean().backward()
-            held = alive(tracker) - start
+            held = tracker.current("cpu") - start
     finally:
         dist.destroy_process_group()
     assert held == estimate_accumulation_bytes(TINY, "FULL_SHARD", "fp32", device="cuda") == MODEL
