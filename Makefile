@@ -2,6 +2,11 @@
 #   make book            set up, then build the HTML book (offline) into _build/html
 #   make test            set up, then run the whole test suite (unit, distributed, notebooks, book),
 #                        on CPU kernels other than those the notebooks' outputs were stored with
+#   make lock            resolve pyproject.toml's ranges again (the newest releases within them) into
+#                        requirements.lock, which every set-up installs from (scripts/lock.py)
+#   make check-latest    the newest releases within the ranges in a separate environment (.venv-latest):
+#                        which package moved beyond the lock, and which framework test or notebook broke
+#                        (scripts/check_latest.py)
 #   make check-portable  only the notebooks, re-executed on those other kernels and compared
 #   make check-book      build the book, then open every page in headless Chromium and check what
 #                        a reader sees (scripts/check_book.py): no console error, no request off
@@ -29,7 +34,7 @@ OTHER_CPU = kernels="$$($(PY) scripts/cpu_variant.py --other)"; \
 	echo "CPU kernels for this run: $$(echo $$kernels) (notebooks stored with $$($(PY) scripts/cpu_variant.py --stored))"; \
 	env $$kernels
 
-.PHONY: book test check-portable check-book check-hub book-hub gpu-smoke gpu-check notebooks lab setup clean
+.PHONY: book test lock check-latest check-portable check-book check-hub book-hub gpu-smoke gpu-check notebooks lab setup clean
 
 setup:
 	scripts/setup.sh book,test,lab,frameworks
@@ -47,6 +52,13 @@ book:
 test:
 	scripts/setup.sh book,test,frameworks
 	$(OTHER_CPU) CUDA_VISIBLE_DEVICES= $(PY) -m pytest -n 2 --dist loadfile tests notebooks $(NBVAL)
+
+# TORCH=VERSION moves torch's pin (default: the lock's). Without network: one line, the lock kept.
+lock:
+	python3 scripts/lock.py write $(if $(TORCH),--torch $(TORCH))
+
+check-latest:
+	python3 scripts/check_latest.py
 
 check-portable: setup
 	$(OTHER_CPU) $(PY) -m pytest notebooks $(NBVAL)

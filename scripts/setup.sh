@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Create (or update) the project's virtual environment in .venv and install everything.
+# Create (or update) the project's virtual environment in .venv and install everything, at the
+# versions requirements.lock pins (scripts/lock.py; `make lock` makes it).
 #
 #   scripts/setup.sh [EXTRAS]     # default extras: book,test,lab,frameworks
 #
-# On a machine without an NVIDIA GPU (no /dev/nvidia0, no nvidia-smi), the CPU build of torch is installed first (on the course's
-# machines `pip install torch==2.13.0` finds a CPU wheel on disk), so the range in pyproject.toml
-# is already satisfied and the installer does not fetch a multi-GB CUDA build. With a GPU, uv
-# resolves torch from that range and gets the CUDA build; setup then checks that torch can use
-# the GPU, and says in one line what to do when it cannot (a CPU build kept, a driver too old).
+# The lock is a constraints file: the extras named are installed, each package at its locked
+# version. Before anything is installed, a lock that no longer matches pyproject.toml (a range
+# changed, `make lock` not run) is refused in one line.
+#
+# On a machine without an NVIDIA GPU (no /dev/nvidia0, no nvidia-smi), the CPU build of the
+# locked torch is installed first (on the course's machines `pip install torch==VERSION` finds a
+# CPU wheel on disk), so the lock's torch==VERSION is already satisfied (its local label, +cpu,
+# matches) and the installer does not fetch a multi-GB CUDA build. With a GPU, uv takes the CUDA
+# build of the same version from PyPI; setup then checks that torch can use the GPU, and says in
+# one line what to do when it cannot (a CPU build kept, a driver too old).
 
 # A GPU is here, whatever torch says: the device node (containers often lack nvidia-smi), or
 # nvidia-smi lists one.
@@ -34,24 +40,36 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-book,test,lab,frameworks}"
 venv="${VENV:-.venv}"
-stamp="$venv/.installed-$extras"
 
-if [[ -f "$stamp" && "$stamp" -nt pyproject.toml ]]; then
-  check_gpu_torch "$venv/bin/python"
-  exit 0  # already set up for these extras and this pyproject.toml
-fi
-python3 -m venv "$venv"
+# The lock must be the one pyproject.toml's requirements give, before anything is installed
+# (Python 3.10 has no tomllib: there the check runs in the new venv, whose pip carries tomli).
+checker=python3
+python3 -c "import tomllib" 2>/dev/null || { python3 -m venv "$venv"; checker="$venv/bin/python"; }
+"$checker" scripts/lock.py check || exit 2
+torch_pin="$("$checker" scripts/lock.py pin torch)"  # torch==VERSION
+uv_pin="$("$checker" scripts/lock.py pin uv)"
+
+# Is NAME==VERSION ($1) installed in the venv (a local label such as +cpu aside)?
+installed() {
+  "$venv/bin/python" - "$1" 2>/dev/null <<'PY'
+import importlib.metadata as metadata, sys
+name, version = sys.argv[1].split("==")
+sys.exit(metadata.version(name).split("+")[0] != version)
+PY
+}
+
+[[ -x "$venv/bin/python" ]] || python3 -m venv "$venv"
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
-# uv installs the project and its extras: it resolves the same versions as pip (the same
-# `pip freeze`) in about 35 s where pip takes about 110 s on 2 cores. It compiles the bytecode
-# as pip does (--compile-bytecode): without it, where PYTHONDONTWRITEBYTECODE is set, every
-# process would compile Transformers and DeepSpeed again (3 s more per import measured).
-# torch comes first, from pip, because only pip finds the CPU wheel on the course's disks.
-if ! has_gpu; then
-  "${pip[@]}" "torch==2.13.0" "uv>=0.5,<1"
-else
-  "${pip[@]}" "uv>=0.5,<1"
+# torch comes first, from pip, because only pip finds the CPU wheel on the course's disks; then
+# uv installs the project and its extras within the lock (about 35 s from nothing, where pip
+# takes about 110 s on 2 cores; 2 s when all is in place already, so it runs every time and a
+# package changed by hand goes back to its locked version). It compiles the bytecode as pip does
+# (--compile-bytecode): without it, where PYTHONDONTWRITEBYTECODE is set, every process would
+# compile Transformers and DeepSpeed again (3 s more per import measured).
+if ! has_gpu && ! installed "$torch_pin"; then
+  "${pip[@]}" "$torch_pin"
 fi
-"$venv/bin/uv" pip install --quiet --compile-bytecode --python "$venv/bin/python" -e ".[$extras]"
-touch "$stamp"
+installed "$uv_pin" || "${pip[@]}" "$uv_pin"
+"$venv/bin/uv" pip install --quiet --compile-bytecode --python "$venv/bin/python" \
+  --constraint requirements.lock -e ".[$extras]"
 check_gpu_torch "$venv/bin/python"

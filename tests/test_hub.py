@@ -157,7 +157,7 @@ def test_the_image_is_the_dockerfiles(values):
     assert f"-t {image['name']}:{image['tag']} ." in dockerfile
     base = re.search(r"^FROM (\S+)$", dockerfile, re.M).group(1)
     assert ":" in base and not base.endswith(":latest")
-    assert "--file environment.yml" in dockerfile and '".[hub]"' in dockerfile
+    assert "--file environment.yml" in dockerfile and '-c requirements.lock -e ".[hub]"' in dockerfile
     assert (ROOT / "environment.yml").is_file()
     extras = __import__("tomllib").loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert {r.split(">")[0] for r in extras["hub"]} == {"jupyterhub", "nbgitpuller"}
