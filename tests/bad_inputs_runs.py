@@ -54,6 +54,21 @@ def _validate_file_as_checkpoint():
     return validate_checkpoint("/dev/null")
 
 
+def _ckpt_dir_of_another_job(folder: Path):
+    """A d_model=128 job launched, resuming if present, into the ``ckpt_dir`` that a d_model=64
+    job's first save recorded as its own."""
+    from handbook_lib.launch import torchrun
+    from handbook_lib.runtime.checkpoint_job import claim_job, job_identity
+
+    shape = {"vocab_size": 101, "nhead": 2, "dim_feedforward": 24, "num_layers": 1}
+    ckpt = folder.parent / "ck"  # beside the row's folder, which must stay empty
+    ckpt.mkdir()
+    claim_job(ckpt, job_identity("checkpoint_resume", ModelConfig(d_model=64, **shape), "adamw"))
+    return torchrun("checkpoint_resume", 2, {**shape, "d_model": 128, "seq_len": 8, "ckpt_dir": str(ckpt),
+                                             "save_every": 2, "resume": True, "resume_if_present": True},
+                    out=folder / "out")
+
+
 ROWS: list[BadInputRow] = [
     # --- issue 12, Bad 1: --out never wipes or shares a folder --------------------------------
     cli("run-out-not-empty-no-marker", ["run", "fault", "--quiet", "--out", f"{TMP}/.."], "--out"),
@@ -146,5 +161,7 @@ ROWS: list[BadInputRow] = [
         "strategy must be one of"),
     api("api-init-bytes-unknown-init", later("handbook_lib.models", "estimate_init_bytes", ModelConfig(), 2,
                                              "FULL_SHARD", "lazy"), "init must be one of meta, full"),
+    # --- checkpoints: a ckpt_dir holds one job's saves (resumed or not, another shape is refused)
+    api("api-ckpt-dir-of-another-job", _ckpt_dir_of_another_job, "d_model=128 here, 64 in its job.json"),
 ]
 """Part A's rows: the launcher, ``run``, run configs, checkpoints and resume."""

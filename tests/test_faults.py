@@ -18,6 +18,7 @@ from handbook_lib.launch import RunFailed, torchrun
 from handbook_lib.models import LATEST
 from handbook_lib.models.faults import NODE_FAULTS
 from handbook_lib.runtime import CheckpointError, SimpleTransformer, load_checkpoint, validate_checkpoint
+from handbook_lib.runtime.checkpoint_job import JOB_FILE
 from tests.conftest import processes_mentioning
 
 TINY = {"vocab_size": 1001, "d_model": 64, "nhead": 2, "dim_feedforward": 96, "num_layers": 2,
@@ -53,7 +54,7 @@ def _names_the_lost_node(failure: RunFailed) -> None:
 def test_a_node_lost_mid_step_leaves_the_last_checkpoint(lost_mid_step):
     failure, ckpt = lost_mid_step
     _names_the_lost_node(failure)
-    assert sorted(p.name for p in ckpt.iterdir()) == [LATEST, "step_000002"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [JOB_FILE, LATEST, "step_000002"]
     plain = SimpleTransformer(MODEL.model_config())
     assert load_checkpoint(ckpt, plain).step == 2  # every checksum verified, in this process
 
@@ -61,7 +62,7 @@ def test_a_node_lost_mid_step_leaves_the_last_checkpoint(lost_mid_step):
 def test_a_node_lost_mid_save_leaves_the_previous_checkpoint(lost_mid_save):
     failure, ckpt = lost_mid_save
     _names_the_lost_node(failure)
-    assert sorted(p.name for p in ckpt.iterdir()) == [LATEST, "step_000002", "step_000004.tmp"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [JOB_FILE, LATEST, "step_000002", "step_000004.tmp"]
     assert (ckpt / LATEST).read_text() == "step_000002\n"
     with pytest.raises(CheckpointError, match="incomplete checkpoint"):
         validate_checkpoint(ckpt / "step_000004.tmp")
@@ -86,7 +87,7 @@ def test_a_full_disk_refuses_the_save_and_keeps_the_previous(lost_mid_step, tmp_
     assert done.returncode == 1
     lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "file-size limit" in lines[0] and "step_000004" in lines[0], done.stderr
-    assert sorted(p.name for p in ckpt.iterdir()) == [LATEST, "step_000002"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [JOB_FILE, LATEST, "step_000002"]
     assert validate_checkpoint(ckpt)["step"] == 2
     assert processes_mentioning(str(tmp_path / "out")) == []
 

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from handbook_lib.core import RunConfig, max_relative_difference
+from handbook_lib.face import main
 from handbook_lib.launch import RunFailed, torchrun, torchrun_batch
 from handbook_lib.models import LATEST, MANIFEST, estimate_checkpoint_count
 from handbook_lib.runs.checkpoint_resume import EXPORT_FILE, PROBE_FILE
@@ -40,6 +41,7 @@ from handbook_lib.runtime import (
     load_exported,
     validate_checkpoint,
 )
+from handbook_lib.runtime.checkpoint_job import JOB_FILE, job_identity, read_job
 from tests.conftest import processes_mentioning
 
 TINY = {"vocab_size": 1001, "d_model": 64, "nhead": 2, "dim_feedforward": 96, "num_layers": 2,
@@ -165,7 +167,7 @@ def test_kill_in_save_leaves_the_previous_checkpoint(killed):
     assert failure.rank == 1 and "died without a Python traceback" in str(failure)
     assert processes_mentioning(str(root / "out")) == []
     # the killed save: every rank's shard written, but no DCP index and no manifest
-    assert snapshot == {LATEST: "step_000002\n",
+    assert snapshot == {LATEST: "step_000002\n", JOB_FILE: (root / "ckpt" / JOB_FILE).read_text(),
                         "step_000002": [".metadata", "__0_0.distcp", "__1_0.distcp", MANIFEST],
                         "step_000004.tmp": ["__0_0.distcp", "__1_0.distcp"]}
 
@@ -191,7 +193,7 @@ def test_resume_at_the_same_world_size_is_bit_identical(resumed, reference, kill
     assert all(c.exact for c in resumed.checks)
     # the resumed job redid the save that was killed; nothing half-written is left
     assert sorted(p.name for p in (root / "ckpt").iterdir()) == [
-        LATEST, "step_000002", "step_000004", "step_000006"]
+        JOB_FILE, LATEST, "step_000002", "step_000004", "step_000006"]
     assert (root / "ckpt" / LATEST).read_text() == "step_000006\n"
 
 
@@ -351,3 +353,25 @@ def test_an_asynchronous_save_blocks_less_and_commits_a_verified_checkpoint(grow
     assert 0 < save["blocked_s"] < save["save_s"]  # the loop waited for the copy, not the write
     assert validate_checkpoint(ckpt)["step"] == 4  # complete, every checksum verified
     assert shrunk.extra["loaded"]["name"] == "step_000004"  # and it loads, resharded to 2 ranks
+
+
+def test_another_model_into_a_ckpt_dir_is_refused_in_one_line_before_anything_starts(reference, tmp_path,
+                                                                                       capsys):
+    """A d_model=128 job into the d_model=64 reference's ckpt_dir, fresh or resumed: one line naming
+    the key and the folder, and every byte of the folder as it was (``latest`` still step 6)."""
+    ckpt = reference[0]
+    assert read_job(ckpt) == job_identity("checkpoint_resume", MODEL, "adamw")  # its first save wrote it
+    before = {str(p.relative_to(ckpt)): p.read_bytes() for p in sorted(ckpt.rglob("*")) if p.is_file()}
+    sets = [w for k, v in {**TINY, "d_model": 128, "ckpt_dir": ckpt, "save_every": 2}.items()
+            for w in ("--set", f"{k}={v}")]
+    for resume in ([], ["--set", "resume=true"], ["--set", "resume=true", "--set", "resume_if_present=true"]):
+        out = tmp_path / f"out{len(resume)}"
+        assert main(["run", "checkpoint_resume", "--nproc", "2", "--quiet", "--out", str(out), *sets, *resume]) == 2
+        err = capsys.readouterr().err
+        assert err.count("error:") == 1 and not err.startswith(" ")
+        assert " ".join(line.strip() for line in err.splitlines()) == (
+            f"error: ckpt_dir {str(ckpt)!r} holds another job's checkpoints: d_model=128 here, 64 in its "
+            f"{JOB_FILE}; use another ckpt_dir")
+        assert not out.exists() and processes_mentioning(str(out)) == []  # nothing started
+    after = {str(p.relative_to(ckpt)): p.read_bytes() for p in sorted(ckpt.rglob("*")) if p.is_file()}
+    assert after == before and (ckpt / LATEST).read_text() == "step_000006\n"

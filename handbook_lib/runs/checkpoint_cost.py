@@ -52,6 +52,7 @@ from handbook_lib.models.layout import model_layout
 from handbook_lib.runs.entry import RankReport, main
 from handbook_lib.runtime.build import parallelize
 from handbook_lib.runtime.checkpoint import load_checkpoint, save_checkpoint
+from handbook_lib.runtime.checkpoint_job import job_identity, job_refusal
 from handbook_lib.runtime.checkpoint_verify import METADATA, CheckpointError, read_metadata, validate_checkpoint
 from handbook_lib.runtime.data import local_batch
 from handbook_lib.runtime.distributed import RankContext
@@ -96,6 +97,22 @@ def validate(config: CheckpointCostConfig, world_size: int) -> None:
     config.check_batch(world_size)
     if config.ckpt_dir:
         check_writable_dir("ckpt_dir", config.ckpt_dir)
+        for folder in FOLDERS:  # each records the job of its first save: another one is refused
+            try:
+                refusal = job_refusal(Path(config.ckpt_dir) / folder, _job(config))
+            except CheckpointError as err:
+                refusal = str(err)
+            if refusal is not None:
+                raise ValueError(refusal)
+
+
+FOLDERS = ("verified", "plain", "async")
+"""The checkpoint roots under ``ckpt_dir``: saves with checksums, without, and asynchronous."""
+
+
+def _job(config: CheckpointCostConfig) -> dict[str, Any]:
+    """The identity of this run's checkpoints (the widened model's shape)."""
+    return job_identity("checkpoint_cost", scale_model_width(config.model_config(), config.scale), config.optimizer)
 
 
 def _root(config: CheckpointCostConfig, ctx: RankContext) -> Path:
@@ -128,13 +145,14 @@ def _differing(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
     return abs(len(a) - len(b)) + sum(not torch.equal(x, y) for x, y in zip(a, b))
 
 
-def _round(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+def _round(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+           job: Mapping[str, Any]) -> tuple[dict, dict]:
     """Every save and load once, on the same state: their seconds, and the last records. With
     and without checksums alternate in order from round to round (``step`` odd: with first)."""
 
     def save(checksums: bool):
         return save_checkpoint(root / ("verified" if checksums else "plain"), step, model, optimizer,
-                               keep_last=1, checksums=checksums)
+                               keep_last=1, checksums=checksums, job=job)
 
     def load(checksums: bool):
         return load_checkpoint(root / ("verified" if checksums else "plain"), model, optimizer,
@@ -144,7 +162,8 @@ def _round(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim
     saves = {checksums: save(checksums) for checksums in order}
     loads = {checksums: load(checksums) for checksums in order}
     saved, plain, loaded, load_plain = saves[True], saves[False], loads[True], loads[False]
-    waited = save_checkpoint(root / "async", step, model, optimizer, keep_last=1, asynchronous=True).wait()
+    waited = save_checkpoint(root / "async", step, model, optimizer, keep_last=1, asynchronous=True,
+                             job=job).wait()
     times = {"save_s": saved.seconds, "hash_s": saved.checksum_s, "save_plain_s": plain.seconds,
              "load_s": loaded.seconds, "verify_s": loaded.verify_s, "load_plain_s": load_plain.seconds,
              "async_blocked_s": waited.blocked_s, "async_wait_s": waited.wait_s, "async_total_s": waited.seconds}
@@ -276,7 +295,7 @@ def run(config: CheckpointCostConfig, ctx: RankContext) -> RankReport:
     root = _root(config, ctx)
     times: dict[str, list[float]] = {key: [] for key in TIMES}
     for repeat in range(config.repeats + 1):
-        measured, records = _round(root, repeat + 1, model, optimizer)
+        measured, records = _round(root, repeat + 1, model, optimizer, _job(config))
         if repeat:  # the first round warms up DCP's planning and the async save's process group
             for key in TIMES:
                 times[key].append(measured[key])

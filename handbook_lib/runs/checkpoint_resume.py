@@ -18,6 +18,12 @@ job that is simply relaunched until it finishes). A checkpoint of another model 
 resumed into a 2-layer config) is refused before anything is loaded, naming the tensors that
 differ (read from DCP's ``.metadata``); every file's checksum is verified at load.
 
+A ``ckpt_dir`` holds one job's checkpoints: the first save records the job (the run, the model's
+shape, the optimizer) in ``ckpt_dir/job.json``, and a run of another shape into it, resumed or
+not, is refused before any process starts, naming the key that differs (the world size is free:
+a checkpoint reshards). ``keep_last`` deletes only the saves it wrote; a folder of yours named
+``step_*`` is left (:mod:`handbook_lib.runtime.checkpoint_job`).
+
 A checkpoint holds the job's whole state, through DCP's ``Stateful`` protocol: the model, the
 optimizer, the LR scheduler (``lr_schedule``, ``warmup_steps``), the gradient scaler (fp16), the
 data loader (a dataset of ``dataset_size`` sequences shuffled each epoch by torchdata's
@@ -82,6 +88,7 @@ from handbook_lib.runtime.checkpoint import (
     validate_checkpoint,
 )
 from handbook_lib.runtime.checkpoint_inspect import count_checkpoint
+from handbook_lib.runtime.checkpoint_job import job_identity, job_refusal
 from handbook_lib.runtime.data import make_batch
 from handbook_lib.runtime.data_loader import LoaderBatches
 from handbook_lib.runtime.distributed import RankContext
@@ -172,6 +179,7 @@ def validate(config: CheckpointRunConfig, world_size: int) -> None:
         raise ValueError("resume_step must be -1, or >= 0 together with resume=true")
     if config.resume_if_present and not config.resume:
         raise ValueError("resume_if_present=true needs resume=true")
+    _check_job(config)
     if config.resume:
         _check_resumable(config)
     if config.kill_at_step != -1:
@@ -204,6 +212,21 @@ def _resume_path(config: CheckpointRunConfig, root: Path) -> Path | None:
         path = root / checkpoint_name(config.resume_step)
         return path if path.is_dir() else None
     return root if (root / LATEST).exists() else None
+
+
+def _job(config: CheckpointRunConfig) -> dict[str, Any]:
+    """This job's identity, recorded in ``ckpt_dir`` by its first save."""
+    return job_identity("checkpoint_resume", config.model_config(), config.optimizer)
+
+
+def _check_job(config: CheckpointRunConfig) -> None:
+    """Refuse a ``ckpt_dir`` that holds another job's checkpoints (resumed or not)."""
+    try:
+        refusal = job_refusal(config.ckpt_dir, _job(config), dict(param_shapes(config.model_config())))
+    except CheckpointError as err:
+        refusal = str(err)
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def _check_resumable(config: CheckpointRunConfig) -> None:
@@ -269,7 +292,7 @@ class _Saves:
         self.commit()
         saved = save_checkpoint(self.root, end.step, end.model, end.optimizer, keep_last=self.config.keep_last,
                                 after_shard_written=hook, stateful=self.parts, device=self.ctx.device,
-                                asynchronous=self.config.async_checkpoint)
+                                asynchronous=self.config.async_checkpoint, job=_job(self.config))
         if isinstance(saved, PendingCheckpoint):
             self.pending = saved
         else:

@@ -5,6 +5,7 @@ state-dict helpers of ``torch.distributed.checkpoint.state_dict``; there is no f
 On disk, under a root directory::
 
     root/latest              "step_000004": the name of the newest complete checkpoint
+    root/job.json            the job whose checkpoints these are (run, model shape, optimizer)
     root/step_000004/        one complete checkpoint
         __0_0.distcp ...     one file per rank: that rank's shards (DCP)
         .metadata            DCP's index: every tensor's global shape and where its pieces are
@@ -61,6 +62,7 @@ from handbook_lib.models.checkpoint import (
     MANIFEST,
     checkpoint_name,
 )
+from handbook_lib.runtime.checkpoint_job import agree_job, claim_job, mention_once, remove_save, saves_to_prune
 from handbook_lib.runtime.checkpoint_room import check_room
 from handbook_lib.runtime.checkpoint_verify import (
     METADATA,
@@ -241,6 +243,7 @@ def save_checkpoint(
     device: torch.device | None = None,
     checksums: bool = True,
     asynchronous: bool = False,
+    job: Mapping[str, Any] | None = None,
 ) -> SavedCheckpoint | PendingCheckpoint:
     """Save model, optimizer, every rank's random generators and the caller's other state as
     ``root/step_K``; point ``latest`` at it.
@@ -255,9 +258,9 @@ def save_checkpoint(
         root: Directory holding the checkpoints.
         step: Optimizer steps done; names the checkpoint.
         extra: JSON-ready state to resume with (e.g. ``{"data_position": step}``).
-        keep_last: Keep only this many complete checkpoints: this one and the
-            newest others (0: keep all). Old ones are deleted only after ``latest``
-            points to this one.
+        keep_last: Keep only this many complete checkpoints: this one and the newest others
+            (0: keep all). Old ones are deleted only after ``latest`` points to this one, and
+            only saves (a folder of yours named ``step_*`` is left, and said so once).
         after_shard_written: Called on this rank once its shard file is on disk,
             before the save is committed. Chapter 6 kills the rank there to show an
             interrupted save.
@@ -273,15 +276,19 @@ def save_checkpoint(
         asynchronous: Copy the state to CPU memory, write it in a background thread (DCP's
             ``async_save``) and return a :class:`PendingCheckpoint` at once; its ``wait()``
             commits. A pending save of this process is committed first.
+        job: The job's identity (:func:`~handbook_lib.runtime.checkpoint_job.job_identity`),
+            recorded in ``root/job.json`` by the first save; a root that records another job is
+            refused. ``None``: neither checked nor recorded.
 
     Returns:
         The :class:`SavedCheckpoint`, or with ``asynchronous`` a :class:`PendingCheckpoint`.
 
     Raises:
         ValueError: if a ``stateful`` name is one of :data:`RESERVED_KEYS`.
-        CheckpointError: before anything is written, on every rank, if the save would not fit:
-            the folder's free space, or a rank's file over the file-size limit
-            (:func:`~handbook_lib.runtime.checkpoint_room.check_room`).
+        CheckpointError: before anything is written, on every rank, if ``root`` holds another
+            job's checkpoints, or a folder named as this save that is not one
+            (:func:`~handbook_lib.runtime.checkpoint_job.agree_job`), or if the save would not
+            fit (:func:`~handbook_lib.runtime.checkpoint_room.check_room`).
     """
     for pending in list(_PENDING):
         pending.wait()
@@ -294,9 +301,12 @@ def save_checkpoint(
     model_sd, optim_sd = get_state_dict(model, optimizer)
     rng = {_rng_key(rank): rng_state(device)}
     state = {"model": model_sd, "optim": optim_sd, "rng": rng, **parts}
+    agree_job(root, job, {k: tuple(v.shape) for k, v in model_sd.items()}, step, device)  # another job's?
     check_room(root, name, state, device)  # disk full, a file-size limit: refused, none written
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
+        if job is not None:
+            claim_job(root, job)  # the first save records whose checkpoints the root holds
         shutil.rmtree(tmp, ignore_errors=True)  # a save of an earlier job that died
     _barrier()
     writer = ShardWriter(tmp, after_shard_written, checksums)
@@ -373,11 +383,12 @@ def _stateful_parts(stateful: Mapping[str, Stateful] | None) -> dict[str, Statef
 
 
 def _prune(root: Path, keep_last: int, current: str) -> None:
-    """Delete complete checkpoints but ``current`` (the new ``latest``) and the newest others."""
-    others = sorted(p for p in root.glob("step_*")
-                    if p.is_dir() and not p.name.endswith((".tmp", ".old")) and p.name != current)
-    for old in others[:max(0, len(others) - (keep_last - 1))]:
-        shutil.rmtree(old)
+    """Delete the saves but ``current`` and the newest others; never a folder no save wrote."""
+    old, left = saves_to_prune(root, keep_last, current)
+    for path in old:
+        remove_save(path)
+    if line := mention_once(root, keep_last, left):
+        print(line, flush=True)
 
 
 def load_checkpoint(
