@@ -4,15 +4,23 @@ Chapter 1 relies on it (a stopped cell leaves no orphan rank). torchrun starts e
 session of its own, so a run is stopped by walking the agent's process tree (the agent frozen
 first, so it starts nothing more), signalling every rank, and sweeping any process that still
 names the run's module and folder.
+
+A launcher that is killed outright (SIGKILL, the out-of-memory killer, a closed terminal's
+kernel) runs none of that: on Linux each agent is started with the parent-death signal set to
+SIGTERM, so it stops its ranks (they are SIGTERMed, and SIGKILLed with it should it die) and
+exits within seconds of its launcher.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import selectors
 import signal
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -158,18 +166,50 @@ class Agents:
             return None
         return self.failed_code if self.failed_code is not None else 0
 
+_PR_SET_PDEATHSIG = 1
+"""``prctl`` option of Linux: the signal a process gets when the thread that started it ends."""
+
+
+def parent_death_signal(signum: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for ``subprocess.Popen``: the child gets ``signum`` when the thread that
+    starts it ends, however it ends (SIGKILL included); ``None`` off Linux.
+
+    The thread is the launcher's, which waits for torchrun to end: it ends before torchrun only
+    when its process dies. Should the launcher die before the child arms the signal, the child
+    sends it to itself.
+    """
+    if not sys.platform.startswith("linux"):  # pragma: no cover - the launcher runs on Linux
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # pragma: no cover - a libc without prctl
+        return None
+    parent, number = os.getpid(), int(signum)
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, number)
+        if os.getppid() != parent:  # the launcher died in between
+            os.kill(os.getpid(), number)
+
+    return arm
+
+
 def start_agents(commands: list[list[str]], envs: list[dict[str, str]]) -> subprocess.Popen | Agents:
     """Start one agent (a plain ``Popen``) or several sharing one output pipe (:class:`Agents`),
-    the ``k``-th command with the ``k``-th environment."""
+    the ``k``-th command with the ``k``-th environment; each stops with its ranks when this
+    process dies (:func:`parent_death_signal`)."""
+    arm = parent_death_signal()
     if len(commands) == 1:
         return subprocess.Popen(commands[0], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, env=envs[0], start_new_session=True)
+                                stderr=subprocess.STDOUT, env=envs[0], start_new_session=True,
+                                preexec_fn=arm)
     read, write = os.pipe()
     procs: list[subprocess.Popen] = []
     try:
         for cmd, env in zip(commands, envs):
             procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=write,
-                                          stderr=subprocess.STDOUT, env=env, start_new_session=True))
+                                          stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                          preexec_fn=arm))
     except BaseException:
         for p in procs:
             kill_tree(p)
