@@ -25,6 +25,7 @@ from handbook_lib.launch import (
     RunTimeout,
     torchrun,
 )
+from handbook_lib.launch.outdir import prepare_out_dir
 from tests.conftest import processes_mentioning
 
 
@@ -38,13 +39,20 @@ def test_successful_run_returns_parsed_result_and_streams_prefixed_output(no_lef
     assert sorted(p.name for p in (no_leftovers / "ranks").glob("*.json")) == ["rank0.json", "rank1.json"]
 
 
-def test_raising_rank_is_named_with_its_traceback(no_leftovers):
+def test_raising_rank_is_named_with_its_traceback(no_leftovers, capsys):
     (no_leftovers / RUN_MARKER).write_text('{"run": "fault"}')  # an earlier run's folder...
     (no_leftovers / "result.json").write_text("{}")  # ...whose stale result must not survive
-    (no_leftovers / "notes.txt").write_text("mine")  # a file no run wrote is never removed
+    (no_leftovers / "notes.txt").write_text("mine")  # a file no run wrote is never removed:
+    with pytest.raises(ValueError, match=r"holds 1 path no run wrote \(notes\.txt\); nothing was removed"):
+        torchrun("fault", 2, {"mode": "raise", "fail_rank": 1}, out=no_leftovers, stream=False, timeout_s=120,
+                 overwrite=True)  # overwrite refuses such a folder
+    assert (no_leftovers / "notes.txt").read_text() == "mine" and (no_leftovers / "result.json").exists()
+    (no_leftovers / "notes.txt").rename(no_leftovers.parent / f"{no_leftovers.name}-notes.txt")
     with pytest.raises(RunFailed) as info:
         torchrun("fault", 2, {"mode": "raise", "fail_rank": 1}, out=no_leftovers, stream=False, timeout_s=120,
                  overwrite=True)
+    assert capsys.readouterr().err.splitlines()[0] == (f"out (--out) {str(no_leftovers)!r}: removed the 1 file of "
+                                                       "the earlier run (--overwrite); nothing else")
     err = info.value
     assert err.rank == 1 and not isinstance(err, RunTimeout)
     first = str(err).splitlines()[0]
@@ -56,7 +64,7 @@ def test_raising_rank_is_named_with_its_traceback(no_leftovers):
     assert "then rank 0" in str(err) or "rank 0 was still running, at:" in str(err)
     assert str(err).index("traceback of rank 1") < str(err).index("rank 0")
     assert not (no_leftovers / "result.json").exists()
-    assert (no_leftovers / "notes.txt").read_text() == "mine"
+    assert (no_leftovers.parent / f"{no_leftovers.name}-notes.txt").read_text() == "mine"
 
 
 def test_a_failed_check_fails_the_run_and_keeps_its_result(no_leftovers):
@@ -276,3 +284,78 @@ def test_sigterm_to_the_cli_stops_torchrun_and_every_rank(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM
     assert err.strip().splitlines() == ["error: run 'fault' stopped by SIGTERM; torchrun and its ranks were stopped"]
     assert processes_mentioning(str(out)) == []
+
+
+def _cli_run_with_ranks_up(out: Path) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """``python -m handbook_lib run fault`` (2 sleeping ranks) into ``out``, once both ranks'
+    harnesses are armed; with every process it started (torchrun and the ranks)."""
+    cli = subprocess.Popen([sys.executable, "-m", "handbook_lib", "run", "fault", "--nproc", "2", "--out", str(out),
+                            "--quiet", "--set", "mode=sleep", "--set", "sleep_s=120"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        while not all((out / "ranks" / f"rank{r}.stacks.txt").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline and cli.poll() is None, "the ranks never started"
+            time.sleep(0.2)
+        family = psutil.Process(cli.pid).children(recursive=True)
+        ranks = [p for p in family if p.parent().pid != cli.pid and "handbook_lib.runs.fault" in p.cmdline()]
+        assert len(ranks) == 2 and len(family) == 3, [p.cmdline() for p in family]  # torchrun and its 2 ranks
+    except BaseException:
+        cli.terminate()  # its Ctrl-C path stops torchrun and the ranks
+        cli.wait(60)
+        raise
+    return cli, family
+
+
+def test_sigkill_to_the_cli_leaves_no_process_of_the_run(tmp_path):
+    """SIGKILL to the CLI (the out-of-memory killer, a closed terminal) cannot be caught: torchrun
+    gets the parent-death signal and stops its ranks; 10 s later none of the three is left. The
+    folder's lock then names only dead processes: the next run takes it over and removes the
+    killed run's files (read by their shape: it wrote no manifest)."""
+    out = tmp_path / "run"
+    cli, family = _cli_run_with_ranks_up(out)
+    cli.kill()
+    cli.wait()
+    _, alive = psutil.wait_procs(family, timeout=10)
+    _kill(alive)
+    assert alive == [] and processes_mentioning(str(out)) == []
+    written = [p for p in out.rglob("*") if p.is_file() and p.name != RUN_MARKER]
+    claimed = prepare_out_dir("fault", out, overwrite=True)
+    claimed.release()
+    assert claimed.removed == len(written) >= 5  # config, 2 stack files, torchrun's logs
+
+
+def test_overwrite_is_refused_while_a_killed_clis_torchrun_lives(tmp_path, capsys):
+    """The CLI is gone with its flock, but its torchrun still runs (held here with SIGSTOP, as a
+    busy agent stopping its ranks would): ``run ... --overwrite`` into the folder is refused,
+    naming torchrun's process, and leaves the folder as it was; once torchrun resumes, it acts
+    on the parent-death signal and it and its ranks end within 10 s."""
+    from handbook_lib.face import main
+
+    out = tmp_path / "run"
+    cli, family = _cli_run_with_ranks_up(out)
+    agent = next(p for p in family if p.parent().pid == cli.pid)
+    agent.suspend()
+    try:
+        cli.kill()
+        cli.wait()
+        before = sorted(str(p) for p in out.rglob("*"))
+        capsys.readouterr()
+        assert main(["run", "fault", "--quiet", "--out", str(out), "--overwrite"]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"is in use by another run (run 'fault': its torchrun pid {agent.pid} still runs)" in err
+        assert sorted(str(p) for p in out.rglob("*")) == before
+    finally:
+        agent.resume()
+    _, alive = psutil.wait_procs(family, timeout=10)
+    _kill(alive)
+    assert alive == [] and processes_mentioning(str(out)) == []
+
+
+def _kill(procs: list[psutil.Process]) -> None:
+    """SIGKILL what a failing test would leave behind (its assertion still fails)."""
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass

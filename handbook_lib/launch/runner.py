@@ -20,8 +20,11 @@ What it guarantees:
   :class:`RunInterrupted` (a ``KeyboardInterrupt``) with a one-line message;
 - without ``out``, the run's folder is a temporary one, removed when the run ends (however it
   ends); ``out`` is the caller's and is kept. ``out`` is never shared or silently reused: a run
-  claims its folder with a marker file and a lock, refuses a folder holding anything else, and
-  replaces an earlier run's files only with ``overwrite=True``;
+  claims its folder with a marker file and a lock, records what it wrote in a manifest, refuses
+  a folder holding anything else, and replaces an earlier run's files only with
+  ``overwrite=True``;
+- torchrun and its ranks stop within seconds of this process, even when it is killed outright
+  (SIGKILL): the folder stays locked until they have;
 - a run whose ``checks`` include one outside its own tolerance raises :class:`ChecksFailed`
   (the parsed result is attached): a model that disagrees with its measurement is a failure.
 """
@@ -70,7 +73,7 @@ from handbook_lib.launch.errors import (
 )
 from handbook_lib.launch.gpus import gpus_hidden, rank_env
 from handbook_lib.launch.nodes import Nodes, check_nodes
-from handbook_lib.launch.outdir import prepare_out_dir
+from handbook_lib.launch.outdir import OutDir, prepare_out_dir
 from handbook_lib.launch.preflight import shm_warning
 from handbook_lib.launch.preempt import TORCHRUN_SIGNALS, forward_signals, raise_if_preempted
 from handbook_lib.launch.processes import Agents, drain, exit_words, pump, start_agents, stop, sweep
@@ -140,8 +143,9 @@ def torchrun(
             result's ``path`` is then ``None``): pass ``out`` to keep files for later. It must
             not exist yet, be empty, or be an earlier run's folder (it holds the
             :data:`~handbook_lib.core.protocol.RUN_MARKER` file) — the last only with ``overwrite``. A folder holding
-            other files is refused, and no file a run did not write is ever removed. The folder
-            is locked for the whole run: a second run given it at the same time is refused.
+            anything that run did not write is refused, naming it, and no file a run did not
+            write is ever removed. The folder is locked while any process of the run lives: a
+            second run given it meanwhile is refused, naming the process.
         timeout_s: Seconds the whole run may take before all its processes are killed (finite).
         stream: Show the run: in a terminal, the ranks' output live (prefixed ``[rankR]``) and a
             closing line; in a notebook, one line with the ranks' output folded under it.
@@ -149,8 +153,9 @@ def torchrun(
         env: Extra environment variables for the ranks.
         allow_failed_checks: Return the result even if a check is outside its tolerance (for
             code that studies a failing model); by default that raises :class:`ChecksFailed`.
-        overwrite: Reuse an earlier run's ``out`` folder: its ``result.json``, ``config.json``,
-            ``ranks/`` and ``logs/`` are removed first (nothing else is).
+        overwrite: Reuse an earlier run's ``out`` folder: the files its manifest lists (its
+            ``result.json``, ``config.json``, rank states and torchrun's logs) are removed first,
+            and the folders they leave empty; nothing else is. One line on stderr says how many.
         nnodes: Nodes in the job (each runs ``nproc`` ranks): the world size is
             ``nnodes * nproc``.
         node_rank: This machine's node in a real multi-node job (``0 .. nnodes-1``), naming its
@@ -283,9 +288,12 @@ def _job(run: str, nproc: int, configs: dict[str, dict[str, Any] | None], *, out
     show = Show(run, nproc, shown, defaults, stream, kept=out is not None, nnodes=nnodes,
                 batch=0 if single else len(cfgs))
     claimed = prepare_out_dir(run, out, overwrite, node=nodes.node_rank)
+    if claimed.removed:
+        print(f"out (--out) {str(claimed.path)!r}: removed the {claimed.removed} file{'s' * (claimed.removed != 1)} "
+              f"of the earlier run (--overwrite); nothing else", file=sys.stderr)
     temporary = out is None
     try:
-        results = _launch(run, nproc, cfgs, claimed.path, timeout_s, show, env, allow_failed_checks, nodes,
+        results = _launch(run, nproc, cfgs, claimed, timeout_s, show, env, allow_failed_checks, nodes,
                           getattr(module, "PREEMPTIBLE", False))
         if results is None:
             return None
@@ -317,12 +325,13 @@ def _checked(module: Any, label: str, config: dict[str, Any] | None, world_size:
     return cfg
 
 
-def _launch(run: str, nproc: int, cfgs: dict[str, FlatConfig], out_dir: Path, timeout_s: float, show: Show,
+def _launch(run: str, nproc: int, cfgs: dict[str, FlatConfig], claimed: OutDir, timeout_s: float, show: Show,
             env: dict[str, str] | None, allow_failed_checks: bool, nodes: Nodes,
             preemptible: bool) -> dict[str, RunResult] | None:
-    """:func:`torchrun` once its arguments are checked and ``out_dir`` is claimed."""
+    """:func:`torchrun` once its arguments are checked and its folder is claimed."""
+    out_dir = claimed.path
     try:
-        results = _launch_and_wait(run, nproc, cfgs, out_dir, timeout_s, show, env, allow_failed_checks, nodes,
+        results = _launch_and_wait(run, nproc, cfgs, claimed, timeout_s, show, env, allow_failed_checks, nodes,
                                    preemptible)
     except RunFailed as err:
         failed = getattr(err, "results", None)
@@ -339,10 +348,11 @@ def _launch(run: str, nproc: int, cfgs: dict[str, FlatConfig], out_dir: Path, ti
     return results
 
 
-def _launch_and_wait(run: str, nproc: int, cfgs: dict[str, FlatConfig], out_dir: Path, timeout_s: float,
+def _launch_and_wait(run: str, nproc: int, cfgs: dict[str, FlatConfig], claimed: OutDir, timeout_s: float,
                      show: Show, env: dict[str, str] | None, allow_failed_checks: bool,
                      nodes: Nodes, preemptible: bool) -> dict[str, RunResult] | None:
     """Start torchrun, stream its output through ``show``, and read the results or the failure."""
+    out_dir = claimed.path
     config_path = out_dir / node_config_file(nodes.node_rank)
     written = (cfgs[""].to_dict() if list(cfgs) == [""] else
                {BATCH_KEY: [{"label": label, "config": cfg.to_dict()} for label, cfg in cfgs.items()]})
@@ -370,6 +380,8 @@ def _launch_and_wait(run: str, nproc: int, cfgs: dict[str, FlatConfig], out_dir:
     # (in a folder shared by the nodes of a real multi-node job, the folder would name theirs too)
     mentions = (f"handbook_lib.runs.{run}", str(config_path))
     try:
+        # the folder stays locked while an agent lives, even once this process is killed
+        claimed.record_writers([p.pid for p in (proc.procs if isinstance(proc, Agents) else [proc])], "torchrun")
         with forward_signals(proc, preemptible):  # a preemption notice: the ranks save and stop
             timed_out = not pump(proc, streamer, deadline)
     except KeyboardInterrupt:  # Ctrl-C in a notebook or a terminal: leave nothing behind
