@@ -114,3 +114,53 @@ def test_causal_flag_must_be_bool(causal):
     with pytest.raises(ValueError, match="causal must be True or False"):
         SimpleTransformer(ModelConfig(vocab_size=5, d_model=4, nhead=1, dim_feedforward=4, num_layers=1),
                           causal=causal)
+
+
+# --- every model form of the package, or a one-line refusal -----------------------------------
+
+def test_param_count_of_a_decoder_shape_is_its_own_count():
+    """A DecoderShape is not read as the handbook's model: Llama-2 7B is 6,738,415,616 (its
+    paper's count), where the handbook's formula over the same fields gives 5,296,872,704."""
+    from handbook_lib.models import get_shape, model_layout
+
+    shape = get_shape("llama2-7b")
+    assert param_count(shape) == shape.published_params == 6_738_415_616
+    assert param_count(model_layout("llama2-7b")) == 6_738_415_616
+    assert param_count_breakdown(shape) == shape.param_breakdown()
+    assert sum(param_count_breakdown(shape).values()) == 6_738_415_616
+    as_toy = ModelConfig(vocab_size=32_000, d_model=4096, nhead=32, dim_feedforward=11_008, num_layers=32)
+    assert param_count(as_toy) == 5_296_872_704  # the wrong answer, for the record
+    assert param_count(7_000_000_000) == 7_000_000_000
+
+
+@pytest.mark.parametrize("model, fragment", [
+    ("llama2-7b", "not the name 'llama2-7b': read a preset with handbook_lib.models.get_shape(name) first"),
+    ({"model_type": "llama"}, "not a Transformers config: read it with handbook_lib.models.decoder_shape_from_hf"),
+    (3.5, "not a float"),
+    (True, "not a bool"),
+    (-1, "param_count's model (a count) must be an int >= 0"),
+])
+def test_param_count_refuses_other_forms_in_one_line(model, fragment):
+    with pytest.raises(ValueError) as err:
+        param_count(model)
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_param_shapes_needs_the_handbooks_model():
+    from handbook_lib.models import get_shape
+
+    with pytest.raises(ValueError, match="^param_shapes takes a ModelConfig, not a DecoderShape$"):
+        param_shapes(get_shape("7b"))
+
+
+def test_layers_are_bounded():
+    from handbook_lib.core.architecture import MAX_LAYERS
+    from handbook_lib.models import DecoderShape
+
+    assert ModelConfig(num_layers=MAX_LAYERS).num_layers == MAX_LAYERS == 256
+    with pytest.raises(ValueError, match=r"^ModelConfig.num_layers must be an int in \[1, 257\), got 10{12}$"):
+        ModelConfig(num_layers=10**12)
+    with pytest.raises(ValueError, match=r"^DecoderShape.num_layers must be an int in \[1, 257\)"):
+        DecoderShape("deep", 10**12, 4096, 32)
+    with pytest.raises(ValueError, match=r"^DecoderShape.tied_embeddings must be True or False, got 'false'$"):
+        DecoderShape("x", 2, 64, 4, tied_embeddings="false")

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from handbook_lib.core.checks import check_int
+from handbook_lib.core.checks import check_int, is_int
 
-__all__ = ["ModelConfig", "MODEL_KEYS", "param_shapes", "param_count", "param_count_breakdown"]
+__all__ = ["ModelConfig", "MODEL_KEYS", "MAX_LAYERS", "param_shapes", "param_count", "param_count_breakdown"]
+
+MAX_LAYERS = 256
+"""The most layers a model may have here (the deepest published dense decoders have about 130):
+every estimate walks the layers, and at this bound the slowest command (``plan``) still answers
+in well under a second."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for field in fields(self):
             check_int(f"ModelConfig.{field.name}", getattr(self, field.name), 1)
+        check_int("ModelConfig.num_layers", self.num_layers, 1, below=MAX_LAYERS + 1)
         if self.d_model % self.nhead:
             raise ValueError(
                 f"ModelConfig.nhead={self.nhead} must divide d_model={self.d_model}"
@@ -58,7 +64,12 @@ def param_shapes(config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     This is the analytic twin of ``SimpleTransformer(config).named_parameters()``; the tests
     check that the two agree for many configs. FSDP shards each of these tensors along its
     first dimension, so the memory model (chapter 2) starts from this list.
+
+    Raises:
+        ValueError: in one line, for anything but a :class:`ModelConfig` (a decoder's shape is
+            known by its sizes only: its layout has no tensor names).
     """
+    _require_config("param_shapes", config)  # a DecoderShape is known by its sizes only
     v, d, f = config.vocab_size, config.d_model, config.dim_feedforward
     layer = [
         ("self_attn.in_proj_weight", (3 * d, d)),
@@ -82,7 +93,8 @@ def param_shapes(config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def param_count_breakdown(config: ModelConfig) -> dict[str, int]:
-    """Parameter count by component, from the closed-form formulas of chapter 1.
+    """Parameter count by component, from the closed-form formulas of chapter 1 (a
+    :class:`~handbook_lib.models.presets.DecoderShape` gives its own ``param_breakdown()``).
 
     With V = vocab_size, d = d_model, f = dim_feedforward, L = num_layers:
 
@@ -96,6 +108,9 @@ def param_count_breakdown(config: ModelConfig) -> dict[str, int]:
         Counts (elements) keyed ``embedding``, ``attention``, ``feed_forward``, ``norms`` (the
         three per-layer items summed over all L layers) and ``output``.
     """
+    if not isinstance(config, ModelConfig) and hasattr(config, "param_breakdown"):
+        return dict(config.param_breakdown())  # a decoder's shape: its own components
+    _require_config("param_count_breakdown", config, "a DecoderShape, ")
     v, d, f, n = config.vocab_size, config.d_model, config.dim_feedforward, config.num_layers
     return {
         "embedding": v * d,
@@ -106,10 +121,45 @@ def param_count_breakdown(config: ModelConfig) -> dict[str, int]:
     }
 
 
-def param_count(config: ModelConfig) -> int:
-    """Total number of parameters of ``SimpleTransformer(config)``, computed without building it.
+def param_count(model: object) -> int:
+    """Total number of parameters of ``model``, computed without building it.
 
-    Equals ``sum(param_count_breakdown(config).values())`` and the product-sum of
-    :func:`param_shapes`; the default config gives 9,868,560.
+    ``model`` is any model form of the package that has a count:
+
+    - :class:`ModelConfig` (the handbook's ``SimpleTransformer``): ``sum(param_count_breakdown(config).values())``,
+      the product-sum of :func:`param_shapes`; the default config gives 9,868,560;
+    - a :class:`~handbook_lib.models.presets.DecoderShape` (``get_shape("llama2-7b")``, a
+      Transformers config read by ``read_hf_config``) or a
+      :class:`~handbook_lib.models.layout.ModelLayout`: its ``num_params`` (Llama-2 7B: 6,738,415,616);
+    - an int: a count, returned as it is.
+
+    A preset's name or a Transformers config (dict or path) is refused in one line saying how
+    to read it first: this layer knows no presets and reads no file
+    (``handbook_lib.models.model_layout(name).num_params`` takes a name).
+
+    Raises:
+        ValueError: in one line, for anything else.
     """
-    return sum(param_count_breakdown(config).values())
+    if isinstance(model, ModelConfig):
+        return sum(param_count_breakdown(model).values())
+    count = getattr(model, "num_params", None)
+    if is_int(count) and not isinstance(model, type):
+        return count  # a DecoderShape or a ModelLayout: the count it derives from its shape
+    if is_int(model):
+        return check_int("param_count's model (a count)", model, 0)
+    _require_config("param_count", model, "a DecoderShape, a ModelLayout, an int count, ")
+    raise AssertionError("unreachable")  # _require_config raised
+
+
+def _require_config(function: str, model: object, also: str = "") -> None:
+    """Refuse, in one line naming ``function`` and what it takes, anything but a :class:`ModelConfig`."""
+    if isinstance(model, ModelConfig):
+        return
+    if isinstance(model, str):
+        got = f"the name {model[:40]!r}: read a preset with handbook_lib.models.get_shape(name) first"
+    elif isinstance(model, dict) or type(model).__name__.endswith("Path"):
+        got = ("a Transformers config: read it with handbook_lib.models.decoder_shape_from_hf(dict) or "
+               "read_hf_config(path) first")
+    else:
+        got = f"a {type(model).__name__}"
+    raise ValueError(f"{function} takes {also + 'or ' if also else ''}a ModelConfig, not {got}")

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from handbook_lib.core.architecture import MAX_LAYERS, ModelConfig
 from handbook_lib.core.checks import check_int, lookup
 
-__all__ = ["DecoderShape", "DECODER_SHAPES", "get_shape"]
+__all__ = ["DecoderShape", "DECODER_SHAPES", "get_shape", "describe_shape"]
+
+_FLAGS = ("gated_mlp", "tied_embeddings", "bias", "qkv_bias", "out_bias", "mlp_bias")
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,12 @@ class DecoderShape:
     def __post_init__(self) -> None:
         for key in ("num_layers", "d_model", "nhead", "vocab_size"):
             check_int(f"DecoderShape.{key}", getattr(self, key), 1)
-        check_int("DecoderShape.head_dim", self.head_dim, 0)
+        check_int("DecoderShape.num_layers", self.num_layers, 1, below=MAX_LAYERS + 1)
+        for key in ("head_dim", "dim_feedforward", "num_kv_heads", "max_positions", "published_params"):
+            check_int(f"DecoderShape.{key}", getattr(self, key), 0)
+        for key in _FLAGS:
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"DecoderShape.{key} must be True or False, got {getattr(self, key)!r}")
         if (not self.head_dim and self.d_model % self.nhead) or self.nhead % self.kv_heads:
             raise ValueError("nhead must divide d_model (unless head_dim is given), and num_kv_heads must "
                              "divide nhead")
@@ -141,3 +149,26 @@ DECODER_SHAPES.update({"7b": DECODER_SHAPES["llama2-7b"], "13b": DECODER_SHAPES[
 def get_shape(name: str) -> DecoderShape:
     """The preset called ``name``. Raises ValueError listing the presets for an unknown name."""
     return lookup(DECODER_SHAPES, name, "model")
+
+
+def describe_shape(model: DecoderShape | ModelConfig) -> str:
+    """The shape in one line, as every planning command echoes what it read: layers, hidden
+    width, heads and key/value heads (and their width), feed-forward width, vocabulary, biases,
+    and whether the output head is tied to the embedding. Counts, no units.
+
+    For Llama-2 70B: ``shape: 80 layers, hidden 8,192, 64 heads and 8 KV heads of 128, FFN 28,672
+    (gated), vocabulary 32,000, no biases, head untied``.
+    """
+    if isinstance(model, ModelConfig):  # the handbook's model: PyTorch's layer, all biases, its own head
+        return (f"shape: {model.num_layers} layers, hidden {model.d_model:,}, {model.nhead} heads of "
+                f"{model.d_model // model.nhead}, FFN {model.dim_feedforward:,}, vocabulary "
+                f"{model.vocab_size:,}, biases everywhere, head untied")
+    ffn = f"FFN {model.ffn:,}{' (gated)' if model.gated_mlp else ''}"
+    biased = [part for part, on in (("Q/K/V", model.qkv_bias), ("output", model.out_bias),
+                                    ("FFN", model.mlp_bias)) if on or model.bias]
+    biases = ("biases everywhere" if model.bias else f"biases on {', '.join(biased)}" if biased
+              else "no biases")
+    positions = f", {model.max_positions:,} learned positions" if model.max_positions else ""
+    return (f"shape: {model.num_layers} layers, hidden {model.d_model:,}, {model.nhead} heads and "
+            f"{model.kv_heads} KV heads of {model.head_width}, {ffn}, vocabulary {model.vocab_size:,}"
+            f"{positions}, {biases}, head {'tied' if model.tied_embeddings else 'untied'}")
