@@ -223,6 +223,34 @@ ROWS: list[BadInputRow] = [
     api("api-torchrun-nproc-0", _torchrun("fault", 0), "nproc"),
     api("api-torchrun-timeout-0", _torchrun("fault", 2, timeout_s=0), "timeout_s"),
     api("api-torchrun-unknown-key", _torchrun("fault", 2, {"bogus": 1}), "bogus"),
+    # --- strict model input: a config.json read as Transformers types it; every model form ------
+    cli("params-hf-config-tie-string", ["params", "--hf-config", str(HF / "bad-tie-string.json")],
+        "tie_word_embeddings"),
+    cli("memory-hf-config-mlp-bias-string", ["memory", "--hf-config", str(HF / "bad-mlp-bias-string.json")],
+        "mlp_bias"),
+    cli("params-hf-config-misspelt-key", ["params", "--hf-config", str(HF / "bad-misspelt-layers.json")],
+        "did you mean num_hidden_layers?"),
+    cli("plan-hf-config-layers-huge", [*PLAN[:1], "--hf-config", str(HF / "bad-layers-huge.json"), *PLAN[3:],
+                                       "--gpus", "8"], "num_hidden_layers"),
+    cli("params-hf-config-dev-zero", ["params", "--hf-config", "/dev/zero"], "not a regular file"),
+    cli("params-hf-config-folder", ["params", "--hf-config", str(HF)], "not a regular file"),
+    cli("params-hf-config-not-utf8", ["params", "--hf-config", str(HF / "bad-not-utf8.json")], "not UTF-8"),
+    cli("plan-hf-config-moe-architecture", [*PLAN[:1], "--hf-config", str(HF / "bad-moe-architecture.json"),
+                                            *PLAN[3:], "--gpus", "8"], "architectures"),
+    cli("comm-hf-config-gemma", ["comm", "--hf-config", str(HF / "bad-gemma.json")], "model_type 'gemma2'"),
+    api("api-param-count-preset-name", later("handbook_lib.core", "param_count", "llama2-7b"), "get_shape"),
+    api("api-param-count-hf-dict", later("handbook_lib.core", "param_count", {"model_type": "llama"}),
+        "decoder_shape_from_hf"),
+    api("api-param-shapes-decoder", lambda: __import__("handbook_lib.core").core.param_shapes(
+        __import__("handbook_lib.models").models.get_shape("7b")), "param_shapes takes a ModelConfig"),
+    api("api-hf-dict-tie-string", later("handbook_lib.models", "decoder_shape_from_hf",
+                                        {"model_type": "qwen2", "tie_word_embeddings": "false"}),
+        "tie_word_embeddings"),
+    api("api-decoder-shape-layers", later("handbook_lib.models", "DecoderShape", "deep", 10**12, 4096, 32),
+        "DecoderShape.num_layers"),
+    api("api-model-config-layers", later("handbook_lib.core", "ModelConfig", num_layers=10**12),
+        "ModelConfig.num_layers"),
+    # --- end of strict model input ----------------------------------------------------------------
 ]
 """The planning-command, CLI and API rows (part B of issue 12)."""
 

@@ -348,3 +348,43 @@ def test_rank_state_puts_fsdp_and_zero_rows_in_the_same_parts():
     assert (ddp.params, ddp.grads, ddp.optimizer, ddp.master) == (total, total, 2 * total, 0)
     with pytest.raises(ValueError, match="cpu_offload needs an FSDP or ZeRO strategy"):
         estimate_rank_state(shape, 2, "DDP", cpu_offload=True)
+
+
+def test_estimate_memory_and_the_memory_command_say_which_precision_they_use(capsys):
+    """estimate_memory defaults to fp32 (the runs' precision), the memory command to bf16-mixed;
+    the command prints its precision in its assumptions and says the function's default."""
+    import inspect
+
+    from handbook_lib.face.cli import main
+
+    assert inspect.signature(estimate_memory).parameters["precision"].default == "fp32"
+    assert "The default is ``fp32``" in estimate_memory.__doc__ and "defaults to ``bf16-mixed``" in estimate_memory.__doc__
+    assert main(["memory", "--model", "7b", "--world-size", "8"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "FULL_SHARD on 8 ranks, bf16-mixed, optimizer adamw" in out
+    assert "add --precision fp32 to compare with estimate_memory(), whose default it is too" in out
+    bf16 = estimate_memory("llama2-7b", 8, precision="bf16-mixed").peak
+    assert f"{bf16:,}" in out and estimate_memory("llama2-7b", 8).peak != bf16
+    assert main(["memory", "--model", "7b", "--world-size", "8", "--precision", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert f"{estimate_memory('llama2-7b', 8).peak:,}" in out and "whose default" not in out
+
+
+def test_the_estimators_take_every_model_form():
+    """A preset's name, its DecoderShape, its layout and the Transformers config of the same
+    model give the same figures; the handbook's ModelConfig too, against its own count."""
+    from pathlib import Path
+
+    from handbook_lib.core import param_count as count
+    from handbook_lib.models import get_shape, model_layout, read_hf_config
+
+    config = Path(__file__).parent / "data" / "hf_configs" / "llama2-7b.json"
+    forms = ["llama2-7b", get_shape("llama2-7b"), model_layout("llama2-7b"), read_hf_config(config)]
+    states = {estimate_model_state_bytes(m).total for m in forms}
+    peaks = {estimate_memory(m, 8, micro_batch=1, seq_len=512).peak for m in forms}
+    assert states == {16 * 6_738_415_616} and len(peaks) == 1
+    assert {count(m) for m in forms[1:]} == {6_738_415_616}
+    assert estimate_model_state_bytes(ModelConfig()).total == 16 * count(ModelConfig())
+    with pytest.raises(ValueError) as err:
+        estimate_memory({"model_type": "llama"}, 8)
+    assert "\n" not in str(err.value) and str(err.value).startswith("model must be a ModelConfig")

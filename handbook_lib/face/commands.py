@@ -41,11 +41,11 @@ from handbook_lib.models.axes import (
 )
 from handbook_lib.models.axes_table import AxisOption, axes_reason, compare_axes
 from handbook_lib.models.hardware import get_accelerator, get_link, node_preset
-from handbook_lib.models.hf_config import read_hf_config
+from handbook_lib.models.hf_config import read_hf_config, read_hf_config_keys
 from handbook_lib.models.layout import ModelLayout, model_layout
 from handbook_lib.models.memory import PHASE_WORDS, MemoryEstimate, estimate_memory
 from handbook_lib.models.planner import Plan, check_whole_nodes, plan
-from handbook_lib.models.presets import DecoderShape, get_shape
+from handbook_lib.models.presets import DecoderShape, describe_shape, get_shape
 from handbook_lib.models.sensitivity import (
     FlipPoints,
     Sensitivity,
@@ -79,29 +79,45 @@ def _model_overrides(items: list[str]) -> ModelConfig:
             raise ValueError(f"--set {key}: not a model key; accepted here: {', '.join(MODEL_KEYS)}")
     return RunConfig.from_mapping(overrides).model_config()
 
-def _chosen_model(args: argparse.Namespace) -> tuple[ModelLayout, str]:
+def _chosen_model(args: argparse.Namespace) -> tuple[ModelLayout, str, list[str]]:
     """The layout of the model named on the command line (``--params N``, ``--model NAME``,
-    ``--hf-config PATH``, or the handbook's model with ``--set`` keys) and a line naming it."""
+    ``--hf-config PATH``, or the handbook's model with ``--set`` keys), a line naming it, and the
+    lines that echo what was read: its shape (:func:`~handbook_lib.models.presets.describe_shape`)
+    and a config file's keys that the shape does not read."""
     params, overrides = getattr(args, "params", None), getattr(args, "overrides", [])
     hf_config = getattr(args, "hf_config", None)
     if (params is not None or args.model is not None or hf_config is not None) and overrides:
         flag = "--params" if params is not None else "--model" if args.model is not None else "--hf-config"
         raise ValueError(f"--set changes the handbook's model; do not combine it with {flag}")
     if params is not None:
-        return model_layout(params), f"model: {params:,} parameters (--params: a count only, so model state only)"
+        return (model_layout(params), f"model: {params:,} parameters (--params: a count only, so model state only)",
+                [])
     if args.model is not None:
-        layout = model_layout(args.model)
-        return layout, f"model: {layout.name}, {layout.num_params:,} parameters (--model {args.model})"
+        shape = get_shape(args.model)
+        layout = model_layout(shape)
+        return (layout, f"model: {layout.name}, {layout.num_params:,} parameters (--model {args.model})",
+                [describe_shape(shape)])
     if hf_config is not None:
         try:
-            layout = model_layout(read_hf_config(hf_config))
+            shape, unused = read_hf_config_keys(hf_config)
         except ValueError as err:
             raise ValueError(f"--hf-config {err}") from None
-        return layout, f"model: {layout.name}, {layout.num_params:,} parameters (--hf-config {hf_config})"
-    layout = model_layout(_model_overrides(overrides))
+        layout = model_layout(shape)
+        echo = [describe_shape(shape)]
+        if unused:
+            echo.append(f"not read (no effect on the count): {', '.join(unused)}")
+        return layout, f"model: {layout.name}, {layout.num_params:,} parameters (--hf-config {hf_config})", echo
+    config = _model_overrides(overrides)
+    layout = model_layout(config)
     changed = f"; changed: {' '.join(overrides)}" if overrides else ""
     return layout, (f"model: the handbook's model, {layout.num_params:,} parameters{changed} "
-                    "(other models: --model, --hf-config, --params)")
+                    "(other models: --model, --hf-config, --params)"), [describe_shape(config)]
+
+
+def _print_model(named: str, echo: list[str]) -> None:
+    """The model's line, then what was read of it (its shape, the keys left unread)."""
+    for line in (named, *echo):
+        print(wrap_line(line, "  "))
 
 def _check_sharding(args: argparse.Namespace) -> None:
     """Refuse flags that the chosen strategy would ignore or cannot honour."""
@@ -133,7 +149,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     if args.activation_checkpointing != "none" and not args.micro_batch:
         raise ValueError("--activation-checkpointing changes activations only: give --micro-batch "
                          "and --seq-len too")
-    model, named = _chosen_model(args)
+    model, named, echo = _chosen_model(args)
     axes = _axes_memory(args, model)
     est = axes[0] if axes else estimate_memory(
         model, args.world_size, args.strategy, args.precision, args.optimizer, micro_batch=args.micro_batch,
@@ -152,10 +168,12 @@ def _cmd_memory(args: argparse.Namespace) -> int:
                                       "source": RESERVE_SOURCE},
                           "notes": list(est.notes)}, indent=2))
         return 0
-    print(wrap_line(named, "  "))
+    _print_model(named, echo)
     print(wrap_line(assumes, "  "))
-    if args.precision != "fp32" and model.runnable:
-        print("(runs default to fp32: add --precision fp32 to compare with a run's measurements)")
+    if args.precision != "fp32":  # this command's default is bf16-mixed; the library's and the runs' fp32
+        print(wrap_line(f"(runs default to fp32: add --precision fp32 to compare with "
+                        f"{'a run' + chr(39) + 's measurements or ' if model.runnable else ''}estimate_memory(), "
+                        "whose default it is too)", "  "))
     rows = [[name, b, format_bytes(b)] for name, b in est.components.items()]
     rows.append([f"peak ({est.peak_phase})", est.peak, format_bytes(est.peak)])
     rows.append(["peak reserved (CUDA)", est.peak_reserved, format_bytes(est.peak_reserved)])
@@ -217,7 +235,7 @@ def _cmd_comm(args: argparse.Namespace) -> int:
     _check_sharding(args)
     if bool(args.gpu) != bool(args.tokens):
         raise ValueError("compute time needs both --gpu and --tokens (> 0): give both, or neither")
-    model, named = _chosen_model(args)
+    model, named, echo = _chosen_model(args)
     param_dtype, reduce_dtype = PRECISIONS[args.precision]
     traffic = estimate_step_traffic(model.units(), args.world_size, args.strategy, param_dtype=param_dtype,
                                     reduce_dtype=reduce_dtype, shard_group_size=args.shard_group_size)
@@ -242,7 +260,7 @@ def _cmd_comm(args: argparse.Namespace) -> int:
             sent = sum(r.sent_bytes for r in traffic.records if r.kind == kind)
             rows.append([kind, count, sent, format_bytes(sent)])
     rows.append(["total", sum(traffic.counts.values()), traffic.sent_bytes, format_bytes(traffic.sent_bytes)])
-    print(wrap_line(named, "  "))
+    _print_model(named, echo)
     print(wrap_line(assumes, "  "))
     print("per rank and step:")
     print(Table(["collective", "calls", "bytes sent", "human"], rows))
@@ -258,7 +276,7 @@ def _cmd_comm(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     per_node = args.gpus_per_node or node_preset(args.gpu).gpus_per_node
     check_whole_nodes(args.gpus, per_node, names=("--gpus {}", "--gpus-per-node {}"))
-    model, named = _chosen_model(args)
+    model, named, echo = _chosen_model(args)
     kwargs = {"micro_batch": args.micro_batch, "seq_len": args.seq_len, "gpus_per_node": per_node,
               "inter_link": args.inter_link, "nics_per_node": args.nics_per_node, "precision": args.precision,
               "headroom": args.headroom}
@@ -278,7 +296,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                             "verdict": dataclasses.asdict(axes[1])}
         print(json.dumps(data, indent=2))
         return 0
-    print(wrap_line(named, "  "))
+    _print_model(named, echo)
     print(wrap_line(f"assumes: {result.gpus} x {result.gpu} ({per_node} per node, "
                 f"{result.nics_per_node} x {args.inter_link} between nodes), {args.precision}, optimizer adamw, micro-batch "
                 f"{args.micro_batch} x {args.seq_len} tokens, utilization {100 * result.utilization:.0f} %, "
@@ -442,12 +460,12 @@ def _cmd_slurm(args: argparse.Namespace) -> int:
     return 0
 
 def _cmd_params(args: argparse.Namespace) -> int:
-    model, named = _chosen_model(args)
+    model, named, echo = _chosen_model(args)
     parts, total = dict(model.breakdown), model.num_params
     if args.json:
         print(json.dumps({"total": total, "model": named.removeprefix("model: "), "components": parts}, indent=2))
         return 0
-    print(wrap_line(named, "  "))
+    _print_model(named, echo)
     rows = [[name, count, format_bytes(4 * count)] for name, count in parts.items()]
     rows.append(["total", total, format_bytes(4 * total)])
     print(Table(["component", "parameters", "fp32 bytes"], rows))

@@ -42,7 +42,8 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         usable_memory_bytes,
     )
     from handbook_lib.models.hf_config import (
-        HF_DEFAULTS, HF_FAMILIES, decoder_shape_from_hf, read_hf_config,
+        HF_BOUNDS, HF_DEFAULTS, HF_FAMILIES, MAX_CONFIG_BYTES, decoder_shape_from_hf, read_hf_config,
+        read_hf_config_keys, unused_hf_keys,
     )
     from handbook_lib.models.init_bytes import estimate_init_bytes, model_part_numels
     from handbook_lib.models.layout import (
@@ -70,7 +71,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         STEP_TIE, Option, Plan, check_whole_nodes, global_batch_tokens, max_data_parallel, plan,
         preference, recommend,
     )
-    from handbook_lib.models.presets import DECODER_SHAPES, DecoderShape, get_shape
+    from handbook_lib.models.presets import DECODER_SHAPES, DecoderShape, describe_shape, get_shape
     from handbook_lib.models.published import (
         PUBLISHED_BUS_BANDWIDTH, PUBLISHED_MEMORY_CHANGE, PUBLISHED_SOURCES, PUBLISHED_THROUGHPUT,
         BandwidthRow, MemoryChangeRow, PublishedBandwidth, PublishedMemoryChange,
@@ -207,6 +208,10 @@ _HOMES = {
     "HF_DEFAULTS": "hf_config",
     "decoder_shape_from_hf": "hf_config",
     "read_hf_config": "hf_config",
+    "read_hf_config_keys": "hf_config",
+    "unused_hf_keys": "hf_config",
+    "HF_BOUNDS": "hf_config",
+    "MAX_CONFIG_BYTES": "hf_config",
     "model_part_numels": "init_bytes",
     "estimate_init_bytes": "init_bytes",
     "ModelLayout": "layout",
@@ -263,6 +268,7 @@ _HOMES = {
     "DecoderShape": "presets",
     "DECODER_SHAPES": "presets",
     "get_shape": "presets",
+    "describe_shape": "presets",
     "PublishedBandwidth": "published",
     "PUBLISHED_BUS_BANDWIDTH": "published",
     "BandwidthRow": "published",
@@ -397,7 +403,8 @@ __all__ = [
     "fit_alpha_beta", "Link", "Host", "Accelerator", "Node", "LINKS", "ACCELERATORS", "get_link",
     "get_accelerator", "default_intra_link", "node_preset", "usable_memory_bytes",
     "datasheet_bytes", "CUDA_CONTEXT_BYTES", "GIB", "HF_FAMILIES", "HF_DEFAULTS",
-    "decoder_shape_from_hf", "read_hf_config", "model_part_numels", "estimate_init_bytes",
+    "decoder_shape_from_hf", "read_hf_config", "read_hf_config_keys", "unused_hf_keys", "HF_BOUNDS",
+    "MAX_CONFIG_BYTES", "describe_shape", "model_part_numels", "estimate_init_bytes",
     "ModelLayout", "ModelLike", "model_layout", "wrap_units", "estimate_shard_bytes", "COMPONENTS",
     "PHASE_WORDS", "MemoryEstimate", "estimate_state_at_rest", "estimate_memory", "min_gpus_to_fit",
     "estimate_rank_state", "OptimizerRule", "OPTIMIZER_RULES", "OPTIMIZER_STATES",

@@ -214,6 +214,11 @@ def estimate_memory(
         world_size: Ranks in the job.
         strategy: One of :data:`handbook_lib.core.strategies.STRATEGIES`.
         precision: ``fp32``, ``bf16-mixed`` or ``fp16-mixed`` (see :data:`handbook_lib.core.config.PRECISIONS`).
+            The default is ``fp32``, what the runs train in, so a prediction compares with a run
+            as it is. The ``memory`` command defaults to ``bf16-mixed`` (a large model's usual
+            training): it prints the precision in its assumptions, then a line saying that this
+            function's default is ``fp32`` (``plan``, command and function, defaults to
+            ``bf16-mixed`` too).
         optimizer: One of :data:`~handbook_lib.models.model_state.OPTIMIZER_STATES`.
         micro_batch: Sequences per rank per step (0: leave activations out).
         seq_len: Tokens per sequence.
