@@ -1,5 +1,8 @@
 """handbook_lib.models.planner: the planner, against the seed's rule and the memory model."""
 
+import json
+import re
+
 import pytest
 
 from handbook_lib.models import (
@@ -7,7 +10,9 @@ from handbook_lib.models import (
     DECODER_SHAPES,
     SEED_SCENARIOS,
     STEP_TIE,
+    DecoderShape,
     Option,
+    decoder_shape_from_hf,
     estimate_memory,
     estimate_seed_model_state,
     get_shape,
@@ -263,3 +268,64 @@ def test_global_batch_grows_with_the_gpus_of_pure_fsdp():
     assert max_data_parallel(4096, 2, 4096) == 0
     with pytest.raises(ValueError, match="multiple"):
         global_batch_tokens(12, 1, 4096, model_parallel=8)
+
+
+# --- more GPUs: the counts searched are priced as the options are -----------------------------
+
+QWEN25_14B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 5120,
+              "intermediate_size": 13824, "num_hidden_layers": 48, "num_attention_heads": 40,
+              "num_key_value_heads": 8, "vocab_size": 152064, "max_position_embeddings": 32768,
+              "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "hidden_act": "silu"}
+"""Qwen/Qwen2.5-14B's published config.json (its shape keys and a few it does not need)."""
+
+
+def test_qwen25_14b_on_8_cpu_ranks_gets_the_fewest_counts_that_fit():
+    """CPU ranks (gloo) are priced on gloo when the planner looks for more GPUs too: FULL_SHARD
+    with checkpointing fits 128 of them, not 64 (the count an nccl-priced search gave, which then
+    did not fit and left the plan saying that nothing fits)."""
+    shape = decoder_shape_from_hf(QWEN25_14B)
+    result = plan(shape, "cpu", 8)
+    assert result.recommended is not None and result.recommended.gpus == 128
+    assert result.recommended.name == "FULL_SHARD + AC on 128 GPUs" and result.recommended.fits
+    at_128 = {o.name: o for o in plan(shape, "cpu", 128).options}["FULL_SHARD + AC"]
+    assert at_128.fits and at_128.peak_reserved_bytes == result.recommended.peak_reserved_bytes
+    for fewer in (8, 16, 32, 64):  # each count below, planned for itself: FULL_SHARD + AC does not fit
+        assert not {o.name: o for o in plan(shape, "cpu", fewer).options}["FULL_SHARD + AC"].fits
+    assert "Nothing fits on 8 GPUs; 128 are the fewest on which FULL_SHARD + AC fits" in " ".join(result.reasons)
+    assert not any("exceed a GPU" in r for r in result.reasons)
+    # and what CPU offload would do, as the plan on that many GPUs prices it
+    assert "With CPU offload, FULL_SHARD + AC would fit 32 GPUs" in result.reasons[-1]
+    assert {o.name: o for o in plan(shape, "cpu", 32).options}["FULL_SHARD + AC + offload"].fits
+    assert not {o.name: o for o in plan(shape, "cpu", 16).options}["FULL_SHARD + AC + offload"].fits
+
+
+def test_the_plan_command_agrees(tmp_path, capsys):
+    from handbook_lib.face.cli import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN25_14B))
+    assert main(["plan", "--hf-config", str(path), "--gpu", "cpu", "--gpus", "8"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Recommended: FULL_SHARD + AC on 128 GPUs — peak" in out and "No option fits" not in out
+
+
+@pytest.mark.parametrize("model, gpu, seq_len", [
+    ("llama2-70b", "cpu", 2**16), ("llama2-7b", "a100-40gb", 2**20),
+    (DecoderShape("wide", 4, 65536, 64, 32000, gated_mlp=True, tied_embeddings=False), "cpu", 2048),
+], ids=["70b-cpu", "7b-a100", "wide-cpu"])
+def test_nothing_fits_says_what_would_and_it_does(model, gpu, seq_len):
+    result = plan(model, gpu, 8, seq_len=seq_len)
+    assert result.recommended is None
+    last = result.reasons[-1]
+    assert last.startswith("No option fits: even FULL_SHARD + AC on 4,096 GPUs reserves ")
+    widest = plan(model, gpu, 4096, seq_len=seq_len)
+    reserved = {o.name: o for o in widest.options}["FULL_SHARD + AC"].peak_reserved_bytes
+    assert f"reserves {reserved / 1e9:.1f} GB per GPU" in last  # the option priced on 4,096 GPUs
+    found = re.search(r"There it fits with a micro-batch of (\d+) x ([\d,]+) tokens", last)
+    if found:  # the suggestion, planned, fits; twice as many tokens would not
+        tokens = int(found[2].replace(",", ""))
+        fits = {o.name: o for o in plan(model, gpu, 4096, seq_len=tokens).options}["FULL_SHARD + AC"]
+        assert fits.fits and tokens < seq_len
+        assert not {o.name: o for o in plan(model, gpu, 4096, seq_len=2 * tokens).options}["FULL_SHARD + AC"].fits
+    else:
+        assert "Not even one token fits" in last

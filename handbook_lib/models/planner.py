@@ -29,7 +29,7 @@ from handbook_lib.models.hardware import (
     usable_memory_bytes,
 )
 from handbook_lib.models.layout import ModelLayout, ModelLike, model_layout
-from handbook_lib.models.memory import PHASE_WORDS, estimate_memory, min_gpus_to_fit
+from handbook_lib.models.memory import PHASE_WORDS, MemoryEstimate, estimate_memory
 from handbook_lib.models.offload import (
     CPU_ADAM_PARAMS_PER_S_PER_CORE,
     OffloadCost,
@@ -271,18 +271,24 @@ def plan(
             options.append(price(strategy, gpus, ac, False, strategy + (" + AC" if ac else "")))
     if acc.host is not None:
         options.append(price("FULL_SHARD", gpus, True, True, "FULL_SHARD + AC + offload"))
-    more = min_gpus_to_fit(layout, budget, strategy="FULL_SHARD", reserve_fraction=reserve_fraction,
-                           precision=precision, optimizer=optimizer, micro_batch=micro_batch,
-                           seq_len=seq_len, activation_checkpointing=True)
-    if more is not None and more > gpus:
-        options.append(price("FULL_SHARD", more, True, False, f"FULL_SHARD + AC on {more} GPUs"))
-
     here = [o for o in options if o.fits and o.gpus == gpus]
+    widest, fewer = next(o for o in options if o.name == "FULL_SHARD + AC"), 0
+    if not widest.fits:  # more GPUs, their memory priced as every option's: the fewest that fit
+        counts = _more_gpus(gpus)
+        more = next((n for n in counts if _fits(job, "FULL_SHARD", n, True)), counts[-1])
+        widest = price("FULL_SHARD", more, True, False, f"FULL_SHARD + AC on {more} GPUs")
+        options += [widest] if widest.fits else []
+        fewer = next((n for n in counts if n < more and acc.host and _fits(job, "FULL_SHARD", n, True, True)), 0)
     recommended = recommend(here)
     if recommended is None:
         bigger = [o for o in options if o.fits]
         recommended = bigger[0] if bigger else None
     reasons = _reasons(options, recommended, acc, job.budget, gpus, gpus_per_node)
+    if recommended is None:
+        reasons.append(_what_would_fit(job, widest))
+    if fewer:
+        reasons.append(f"With CPU offload, FULL_SHARD + AC would fit {fewer} GPUs (GPU and host memory priced as "
+                       "above), its optimizer step on the CPU.")
     return Plan(layout.name, layout.num_params, acc.name, gpus, options, recommended, reasons,
                 seed_recommendation(layout.num_params, datasheet_bytes(acc), gpus), gpus_per_node,
                 node.nics_per_node, headroom, utilization, acc.context_bytes)
@@ -308,16 +314,30 @@ class _Job:
     """The allocator's reserve over the allocated peak, a fraction."""
 
 
+def _memory(job: _Job, strategy: str, n: int, ac: bool, offload: bool = False) -> MemoryEstimate:
+    """One option's memory on ``n`` GPUs: chapter 2's model, on the accelerator's own backend."""
+    group = job.node.gpus_per_node if get_strategy(strategy).hybrid else None  # hybrid: a node's GPUs
+    return estimate_memory(job.layout, n, strategy, job.precision, job.optimizer, micro_batch=job.micro_batch,
+                           seq_len=job.seq_len, shard_group_size=group, activation_checkpointing=ac,
+                           cpu_offload=offload, backend=job.node.accelerator.backend)
+
+
+def _fits(job: _Job, strategy: str, n: int, ac: bool, offload: bool = False) -> bool:
+    """Whether the option fits, as :func:`_price` judges it: the reserved peak within the
+    budget, and (offloading) a machine's host bytes within its RAM."""
+    mem = _memory(job, strategy, n, ac, offload)
+    host = job.node.accelerator.host
+    return (reserved_bytes(mem.peak, fraction=job.reserve) <= job.budget
+            and (not offload or host is not None and mem.host * job.node.gpus_per_node <= host.memory_bytes))
+
+
 def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str) -> Option:
     """One option on ``n`` GPUs: its peak memory (chapter 2's model, as the allocator reserves
     it), its step's collectives on the links they cross and its compute (chapter 3's),
     overlapped; offload adds its copies to the communication and the CPU optimizer step to the
     step (:func:`~handbook_lib.models.offload.estimate_offload`)."""
-    row = get_strategy(strategy)
-    group = job.node.gpus_per_node if row.hybrid else None
-    mem = estimate_memory(job.layout, n, strategy, job.precision, job.optimizer, micro_batch=job.micro_batch,
-                          seq_len=job.seq_len, shard_group_size=group, activation_checkpointing=ac,
-                          cpu_offload=offload, backend=job.node.accelerator.backend)
+    group = job.node.gpus_per_node if get_strategy(strategy).hybrid else None
+    mem = _memory(job, strategy, n, ac, offload)
     param_dtype, reduce_dtype = get_precision(job.precision)
     traffic = estimate_step_traffic(job.layout.units(), n, strategy, param_dtype=param_dtype,
                                     reduce_dtype=reduce_dtype, shard_group_size=group)
@@ -354,6 +374,36 @@ def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str)
                   cost, tuple(f"{', '.join(kinds)}: {d}" for d, kinds in routes.items()))
 
 
+MAX_GPUS = 4096
+"""The most GPUs :func:`plan` tries when none of its options fits the GPUs it was given."""
+
+
+def _more_gpus(gpus: int) -> list[int]:
+    """The GPU counts :func:`plan` tries beyond ``gpus`` when nothing fits: the powers of two
+    above it, up to :data:`MAX_GPUS` (or the first above ``gpus``, if larger)."""
+    counts = [1 << k for k in range(max(MAX_GPUS, 2 * gpus).bit_length()) if gpus < 1 << k <= max(MAX_GPUS, gpus)]
+    return counts or [1 << gpus.bit_length()]
+
+
+def _what_would_fit(job: _Job, widest: Option) -> str:
+    """Why no option fits, and what would: ``widest`` is FULL_SHARD with activation
+    checkpointing on the most GPUs tried; the micro-batch, then the sequence, halved until
+    it fits there."""
+    what = (f"No option fits: even {widest.name.removesuffix(f' on {widest.gpus} GPUs')} on {widest.gpus:,} GPUs "
+            f"reserves {_gb(widest.peak_reserved_bytes)} per GPU against {_gb(job.budget)} usable "
+            f"({_gb(widest.activation_bytes)} of it activations, {_gb(widest.model_state_bytes)} model state, "
+            f"{_gb(widest.peak_bytes - widest.activation_bytes - widest.model_state_bytes)} gathered units, "
+            "their gradients and buffers, the logits).")
+    micro_batch, seq_len = job.micro_batch, job.seq_len
+    while micro_batch > 1 or seq_len > 1:
+        micro_batch, seq_len = (micro_batch // 2, seq_len) if micro_batch > 1 else (1, seq_len // 2)
+        if _fits(dataclasses.replace(job, micro_batch=micro_batch, seq_len=seq_len), "FULL_SHARD", widest.gpus, True):
+            return (f"{what} There it fits with a micro-batch of {micro_batch} x {seq_len:,} tokens; or add "
+                    "tensor or sequence parallelism (chapter 9), which divide a sequence's activations.")
+    return (f"{what} Not even one token fits: a gathered unit and its buffers alone exceed the GPU; a larger "
+            "GPU, or tensor parallelism (chapter 9), which splits each layer's weights, is needed.")
+
+
 def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, budget: float,
              gpus: int, gpus_per_node: int) -> list[str]:
     reasons = []
@@ -377,13 +427,11 @@ def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, bud
                            f"{_gb(o.host_node_bytes)} of host RAM per node against {_gb(acc.host.memory_bytes)} "
                            f"in a {acc.host.name} host.")
     if chosen is None:
-        reasons.append("No option fits, even with activation checkpointing on more GPUs: the "
-                       "activations of one sequence exceed a GPU; shorten the sequence or add "
-                       "tensor/sequence parallelism (not covered by FSDP).")
-        return reasons
+        return reasons  # plan() says what would fit
     faster = [o for o in options if o.gpus == gpus and o.fits and o is not chosen]
-    reasons.append(f"Recommended: {chosen.name} on {chosen.gpus} GPUs — peak {_gb(chosen.peak_reserved_bytes)} "
-                   f"reserved per GPU {PHASE_WORDS.get(chosen.peak_phase, (chosen.peak_phase,))[0]}, "
+    when = PHASE_WORDS.get(chosen.peak_phase, (chosen.peak_phase,))[0]
+    reasons.append(f"Recommended: {chosen.name.removesuffix(f' on {chosen.gpus} GPUs')} on {chosen.gpus} GPUs — "
+                   f"peak {_gb(chosen.peak_reserved_bytes)} reserved per GPU {when}, "
                    f"margin {_gb(chosen.margin_bytes)} ({100 * chosen.margin:.1f} % of {_gb(budget)} usable), "
                    f"step {chosen.step_s:.3f} s, {chosen.bound}-bound.")
     if chosen.cpu_offload:
@@ -398,7 +446,8 @@ def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, bud
         reasons.append(f"CPU offload not priced: the {acc.name} preset names no host machine "
                        "(its CPU cores, RAM and PCIe).")
     if chosen.gpus > gpus:
-        reasons.append(f"Nothing fits on {gpus} GPUs; {chosen.gpus} are the fewest that do.")
+        reasons.append(f"Nothing fits on {gpus} GPUs; {chosen.gpus} are the fewest on which FULL_SHARD + AC fits "
+                       f"(of the powers of two above {gpus}, each priced as every option is).")
     plain = by_name.get(chosen.strategy)
     if chosen.activation_checkpointing and chosen.gpus == gpus and plain is not None and not plain.fits:
         reasons.append("Activation checkpointing is needed: it trades one more forward pass "
