@@ -32,6 +32,24 @@ def _torchrun_out_parent(folder: Path):
     return torchrun("fault", 2, {"mode": "none"}, out=folder.parent, overwrite=True)
 
 
+def _overwrite_a_runs_folder_holding_a_users_files():
+    """An earlier run's folder (its manifest lists config.json) into which the user put
+    ``logs/MY_NOTES.txt``: overwrite refuses it, naming the file (the folder is removed after)."""
+    import tempfile
+
+    from handbook_lib.launch import torchrun
+    from handbook_lib.launch.outdir import prepare_out_dir
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out"
+        claimed = prepare_out_dir("fault", out)
+        (out / "config.json").write_text("{}")
+        claimed.release()
+        (out / "logs").mkdir()
+        (out / "logs" / "MY_NOTES.txt").write_text("mine")
+        return torchrun("fsdp_train", 2, {"steps": 3}, out=out, overwrite=True)
+
+
 def _config(**values):
     return later("handbook_lib.core", "RunConfig.from_mapping", values)
 
@@ -80,6 +98,9 @@ ROWS: list[BadInputRow] = [
     api("api-out-impossible", _torchrun("fault", 2, {"mode": "none"}, out="/proc/1/handbook"), "out (--out)"),
     api("api-out-not-a-path", _torchrun("fault", 2, {"mode": "none"}, out=3), "out (--out)"),
     api("api-overwrite-not-bool", _torchrun("fault", 2, {"mode": "none"}, overwrite="yes"), "overwrite"),
+    # --- --out: overwrite removes only what a run wrote (its manifest) and refuses anything else
+    api("api-out-overwrite-a-users-files", _overwrite_a_runs_folder_holding_a_users_files,
+        "no run wrote (logs/MY_NOTES.txt)"),
     # --- issue 12, Poor: the launcher API -----------------------------------------------------
     api("api-timeout-none", _torchrun("fault", 2, {"mode": "none"}, timeout_s=None), "timeout_s"),
     api("api-timeout-nan", _torchrun("fault", 2, {"mode": "none"}, timeout_s=math.nan), "timeout_s"),

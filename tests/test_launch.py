@@ -43,7 +43,7 @@ def test_raising_rank_is_named_with_its_traceback(no_leftovers, capsys):
     (no_leftovers / RUN_MARKER).write_text('{"run": "fault"}')  # an earlier run's folder...
     (no_leftovers / "result.json").write_text("{}")  # ...whose stale result must not survive
     (no_leftovers / "notes.txt").write_text("mine")  # a file no run wrote is never removed:
-    with pytest.raises(ValueError, match=r"holds 1 path no run wrote \(notes\.txt\); nothing was removed"):
+    with pytest.raises(ValueError, match=r"holds 1 path no run wrote \(notes\.txt\); nothing removed"):
         torchrun("fault", 2, {"mode": "raise", "fail_rank": 1}, out=no_leftovers, stream=False, timeout_s=120,
                  overwrite=True)  # overwrite refuses such a folder
     assert (no_leftovers / "notes.txt").read_text() == "mine" and (no_leftovers / "result.json").exists()

@@ -83,8 +83,8 @@ def test_an_earlier_runs_folder_needs_overwrite_which_removes_only_what_it_wrote
     with pytest.raises(ValueError) as info:
         prepare_out_dir("fsdp_train", tmp_path, overwrite=True)
     assert str(info.value) == (f"out (--out) {str(tmp_path)!r} holds 5 paths no run wrote (logs/MY_NOTES.txt, "
-                               "notes.txt, ranks/a/b.txt and 2 more); nothing was removed; accepted: a new or empty "
-                               "folder, or a run's holding only its own files (overwrite=True, --overwrite)")
+                               "notes.txt, ranks/a/b.txt and 2 more); nothing removed; accepted: a new or empty "
+                               "folder, or only a run's files (overwrite=True, --overwrite)")
     assert _tree(tmp_path) == before  # refused: nothing removed, nothing written
     for rel in ("notes.txt", "logs/MY_NOTES.txt", "results/my_plot.csv", "ranks/a/b.txt"):
         (tmp_path / rel).unlink()
@@ -106,7 +106,7 @@ def test_a_folder_without_a_manifest_is_read_by_what_a_run_writes(tmp_path):
     _write(tmp_path, ["logs/MY_NOTES.txt", "results/my_plot.csv"], "mine")
     before = _tree(tmp_path)
     with pytest.raises(ValueError, match=r"holds 2 paths no run wrote \(logs/MY_NOTES\.txt, results/my_plot\.csv\); "
-                                         r"nothing was removed"):
+                                         r"nothing removed"):
         prepare_out_dir("fault", tmp_path, overwrite=True)
     assert _tree(tmp_path) == before
     (tmp_path / "logs" / "MY_NOTES.txt").unlink()

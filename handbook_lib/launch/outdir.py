@@ -253,8 +253,8 @@ def _remove(folder: Path, files: set[str], folders: set[str]) -> int:
 def _refuse_foreign(out_dir: Path, foreign: list[str]) -> ValueError:
     shown = ", ".join(foreign[:_SHOWN]) + (f" and {len(foreign) - _SHOWN} more" if len(foreign) > _SHOWN else "")
     return ValueError(f"out (--out) {str(out_dir)!r} holds {len(foreign)} path{'s' * (len(foreign) != 1)} no run "
-                      f"wrote ({shown}); nothing was removed; accepted: a new or empty folder, or a run's holding "
-                      f"only its own files (overwrite=True, --overwrite)")
+                      f"wrote ({shown}); nothing removed; accepted: a new or empty folder, or only a run's files "
+                      f"(overwrite=True, --overwrite)")
 
 
 def _lock(out_dir: Path, marker: Path, create: bool) -> int:
