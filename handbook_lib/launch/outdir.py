@@ -27,6 +27,7 @@ import re
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -43,7 +44,7 @@ _MARKER_RE = re.compile(re.escape(RUN_MARKER) + r"(\.node(\d+))?(\.files\.json)?
 """A marker or a manifest, of node None/0 (no suffix) or node K."""
 _RUN_FILE_RE = re.compile(
     r"result\.json|config(\.node\d+)?\.json|results/\d+\.json|ranks/rank\d+\.(json|stacks\.txt)"
-    r"|logs(/node\d+)?/[^/]+/attempt_\d+/\d+/(stdout\.log|stderr\.log|error\.json)")
+    r"|logs(/node\d+)?/[^/]+/attempt_\d+/\d+/[^/]+")
 """Every file a run writes: the launcher's config, rank 0's result(s), each rank's state and
 stack dump, and torchrun's per-rank logs (``--log-dir``)."""
 _RUN_FOLDER_RE = re.compile(r"results|ranks|logs(/node\d+)?(/[^/]+(/attempt_\d+(/\d+)?)?)?")
@@ -163,7 +164,7 @@ def _entries(folder: Path) -> tuple[set[str], set[str]]:
     return files, folders
 
 
-def _under(roots: tuple[str, ...]):
+def _under(roots: tuple[str, ...]) -> Callable[[str], bool]:
     """A test: is a relative path one of ``roots`` or inside one?"""
     return lambda path: any(path == r or path.startswith(r + "/") for r in roots)
 
