@@ -187,3 +187,78 @@ def test_fsdp2_knobs_accepted_and_flag_the_probe():
         assert config.tunes_fsdp2
         assert all(getattr(config, k) == (v if not isinstance(v, str) else False) for k, v in change.items())
 
+
+
+# --- numbers typed as text: one parser per type, the accepted range in the one-line message -------
+
+@pytest.mark.parametrize("text, message", [
+    ("3.0", "--set steps=3.0: steps takes a whole number >= 1"),
+    ("1e1", "--set steps=1e1: steps takes a whole number >= 1"),
+    ("", "--set steps=: steps takes a whole number >= 1"),
+    ("1e-3x", "--set steps=1e-3x: steps takes a whole number >= 1"),
+    ("0", "--set steps=0: steps takes a whole number >= 1"),
+    ("three", "--set steps=three: steps takes a whole number >= 1"),
+])
+def test_an_int_key_typed_as_text_names_its_range(text, message):
+    with pytest.raises(ValueError) as refused:
+        RunConfig.from_mapping(parse_overrides([f"steps={text}"]))
+    assert str(refused.value) == message
+
+
+@pytest.mark.parametrize("item, message", [
+    ("lr=1e-3x", "--set lr=1e-3x: lr takes a finite number > 0"),
+    ("lr=", "--set lr=: lr takes a finite number > 0"),
+    ("lr=nan", "--set lr=nan: lr takes a finite number > 0"),
+    ("lr=0", "--set lr=0: lr takes a finite number > 0"),
+    ("lr=1e400", "--set lr=1e400: lr takes a finite number > 0"),
+    ("max_grad_norm=-1", "--set max_grad_norm=-1: max_grad_norm takes a finite number >= 0"),
+    ("cpu_offload=maybe", "--set cpu_offload=maybe: cpu_offload takes a boolean, true or false (also 1/0, yes/no, on/off)"),
+    ("cpu_offload=", "--set cpu_offload=: cpu_offload takes a boolean, true or false (also 1/0, yes/no, on/off)"),
+    ("vocab_size=0", "--set vocab_size=0: vocab_size takes a whole number >= 1"),
+    ("num_layers=2.5", "--set num_layers=2.5: num_layers takes a whole number >= 1"),
+    ("seed=-1", "--set seed=-1: seed takes a whole number >= 0"),
+])
+def test_every_type_typed_as_text_names_its_range(item, message):
+    with pytest.raises(ValueError) as refused:
+        RunConfig.from_mapping(parse_overrides([item]))
+    assert str(refused.value) == message
+
+
+def test_text_that_is_a_value_of_its_type_is_read():
+    config = RunConfig.from_mapping(parse_overrides(
+        ["steps=7", "lr=2e-3", "cpu_offload=on", "max_grad_norm=0", "seed= 3 ", "batch_size=1_6"]))
+    assert (config.steps, config.lr, config.cpu_offload, config.max_grad_norm, config.seed, config.batch_size) == \
+        (7, 0.002, True, 0.0, 3, 16)
+    from handbook_lib.runs.fault import FaultConfig  # a run's own config: a float key with no bound
+    with pytest.raises(ValueError, match=r"^--set sleep_s=x: sleep_s takes a finite number$"):
+        FaultConfig.from_mapping({"sleep_s": "x"})
+
+
+def test_a_key_given_twice_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"^--set steps given twice \(steps=3, steps=4\): give each key once$"):
+        parse_overrides(["steps=3", "steps=4"])
+    with pytest.raises(ValueError, match=r"^--set lr given twice"):
+        parse_overrides(["lr=0.1", "steps=2", " lr =0.2"])
+    assert parse_overrides(["steps=3", "seed=3"]) == {"steps": "3", "seed": "3"}
+
+
+def test_the_parsers_refuse_what_python_would_coerce():
+    from handbook_lib.core.checks import BadText, parse_bool, parse_count, parse_float, parse_int
+
+    assert parse_int(" 12 ", 1) == 12 and parse_int("-3") == -3 and parse_int("1_000", 0, 1001) == 1000
+    for text in ("3.0", "1e1", "", " ", "1e-3x", "0x10", "١٢", "+"):
+        with pytest.raises(BadText, match=r"^must be a whole number >= 1, got "):
+            parse_int(text, 1)
+    with pytest.raises(BadText, match=r"^must be a whole number in \[1, 65536\), got 70000$"):
+        parse_int("70000", 1, 65536)
+    assert parse_float("1e-3", above=0) == 0.001
+    for text in ("nan", "inf", "-inf", "1e400", "", "0.1.2"):
+        with pytest.raises(BadText, match=r"^must be a finite number > 0, got "):
+            parse_float(text, above=0)
+    with pytest.raises(BadText, match=r"^must be a number in \[0, 1\), got '1'$"):
+        parse_float("1", 0, below=1)
+    assert [parse_bool(t) for t in ("TRUE", "0", " yes ", "Off")] == [True, False, True, False]
+    assert parse_count("7e9", 1, 10**15) == 7 * 10**9 and parse_count("1.5e3") == 1500
+    for text in ("7.5", "1e30", "0", "inf", "nan", "", "7e9x"):
+        with pytest.raises(BadText, match=r"^must be a whole number from 1 to 1e15 \(e.g. 7e9\), got "):
+            parse_count(text, 1, 10**15)

@@ -270,7 +270,7 @@ def test_bad_job_refused_with_one_line(kwargs, fragment):
 def test_build_job_checks_the_config_with_the_run():
     with pytest.raises(ValueError, match=r"^--set: unknown config key\(s\) 'stepz' \(did you mean 'steps'\?\)"):
         build_job("fsdp_train", 2, 4, {"stepz": "3"})
-    with pytest.raises(ValueError, match="config key 'steps'"):
+    with pytest.raises(ValueError, match=r"^--set steps=many: steps takes a whole number >= 1$"):
         build_job("fsdp_train", 2, 4, {"steps": "many"})
     with pytest.raises(ValueError, match=r"^--nodes 3 x --gpus-per-node 1 = 3 ranks: batch_size=8 must be divisible"):
         build_job("fsdp_train", 3, 1)
@@ -429,3 +429,15 @@ def test_a_run_that_cannot_resume_gets_no_signal_or_requeue():
     script = render_sbatch(build_job("fault", 2, 1, {"mode": "none"}))
     assert "--signal=USR1" not in script.replace("# latest; --signal=USR1@120", "")
     assert "#SBATCH --requeue" not in script and "scontrol requeue" not in script
+
+
+def test_an_output_that_cannot_be_written_is_one_line(capsys):
+    """A folder nobody may create files in (``/proc``): one line naming --output, no traceback."""
+    with pytest.raises(ValueError, match=r"^--output /proc/handbook\.sbatch: cannot be written \(No such file or "
+                                         r"directory\); choose a path in a folder you can write to$"):
+        write_script("/proc/handbook.sbatch", "#!/bin/bash\n")
+    from handbook_lib.face import main
+
+    assert main(["slurm", "fsdp_train", "--nodes", "1", "--gpus-per-node", "1", "--output", "/proc/x.sbatch"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --output /proc/x.sbatch: cannot be written") and "Traceback" not in err

@@ -26,7 +26,14 @@ from typing import (
 )
 
 from handbook_lib.core.architecture import MODEL_KEYS, ModelConfig
-from handbook_lib.core.checks import check_int, lookup
+from handbook_lib.core.checks import (
+    BadText,
+    check_int,
+    lookup,
+    parse_bool,
+    parse_float,
+    parse_int,
+)
 from handbook_lib.core.strategies import StrategyName
 
 __all__ = [
@@ -136,15 +143,6 @@ if tuple(PRECISIONS) != get_args(PrecisionName):  # pragma: no cover - caught at
 _C = TypeVar("_C", bound="FlatConfig")
 
 
-def _parse_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected a boolean (true/false), got {text!r}")
-
-
 CheckpointingMode = Literal["none", "selective", "full"]
 """What activation checkpointing recomputes: nothing, the cheap operations of each layer
 (``selective``: the outputs of its matrix products and of its attention are kept), or the whole
@@ -173,14 +171,19 @@ def parse_overrides(items: Iterable[str]) -> dict[str, str]:
     """Split ``["key=value", ...]`` (the CLI's ``--set`` arguments) into a dict of strings.
 
     Raises:
-        ValueError: if an item has no ``=`` or an empty key.
+        ValueError: if an item has no ``=`` or an empty key, or a key is given twice (``"--set
+            steps given twice (steps=3, steps=4): give each key once"``).
     """
     out: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"--set expects key=value, got {item!r}")
-        out[key.strip()] = value.strip()
+        key = key.strip()
+        if key in out:
+            raise ValueError(f"--set {key} given twice ({key}={out[key]}, {key}={value.strip()}): "
+                             "give each key once")
+        out[key] = value.strip()
     return out
 
 
@@ -196,6 +199,9 @@ class FlatConfig:
 
     MINIMUMS: ClassVar[Mapping[str, int]] = {}
     """The smallest value of each ``int`` key that has one (a subclass extends its base's)."""
+    FLOAT_BOUNDS: ClassVar[Mapping[str, tuple[float, bool]]] = {}
+    """The lower bound of each ``float`` key that has one, and whether the bound itself is
+    refused (``(0.0, True)``: ``> 0``); what ``--set`` says the key accepts."""
 
     def __post_init__(self) -> None:
         hints = get_type_hints(type(self))
@@ -254,13 +260,30 @@ class FlatConfig:
         hints = get_type_hints(cls)
         values = {}
         for key, value in mapping.items():
-            if isinstance(value, str) and hints[key] is not str and get_origin(hints[key]) is not Literal:
-                try:
-                    value = _parse_bool(value) if hints[key] is bool else hints[key](value)
-                except ValueError as err:
-                    raise ValueError(f"config key {key!r}: {err}") from None
+            if isinstance(value, str) and hints[key] in (int, float, bool):
+                value = cls._parse_text(key, hints[key], value)
             values[key] = value
         return cls(**values)
+
+    @classmethod
+    def _parse_text(cls, key: str, kind: type, text: str) -> int | float | bool:
+        """The value of ``key`` typed as ``text`` (a ``--set``), read by the one parser of its
+        type with the key's accepted range.
+
+        Raises:
+            ValueError: ``"--set steps=3.0: steps takes a whole number >= 1"``.
+        """
+        try:
+            if kind is bool:
+                return parse_bool(text)
+            if kind is float:
+                bound, strict = cls.FLOAT_BOUNDS.get(key, (None, False))
+                return parse_float(text, None if strict else bound, above=bound if strict else None)
+            # a model key's least value is ModelConfig's (1); its upper bounds are its own to say
+            minimum = 1 if key in MODEL_KEYS else cls.MINIMUMS.get(key)
+            return parse_int(text, minimum)
+        except BadText as err:
+            raise ValueError(f"--set {key}={text}: {key} takes {err.accepted}") from None
 
     def replace(self: _C, **changes: Any) -> _C:
         """A copy with some keys changed (validated like :meth:`from_mapping`)."""
@@ -367,6 +390,9 @@ class RunConfig(FlatConfig):
     gathered, and check it and the collectives' order of issue against FSDP2's schedule (hooks
     on every unit). On by itself whenever one of the four knobs above is set."""
 
+    FLOAT_BOUNDS: ClassVar[Mapping[str, tuple[float, bool]]] = {
+        "lr": (0.0, True), "grad_scale_init": (0.0, True), "max_grad_norm": (0.0, False),
+    }
     MINIMUMS: ClassVar[Mapping[str, int]] = {
         "batch_size": 1, "seq_len": 1, "steps": 1, "seed": 0, "shard_group_size": 0, "wrap_min_params": 1,
         "grad_accum_steps": 1, "explicit_prefetch": 0, "reshard_after_forward_size": 0,

@@ -189,7 +189,8 @@ def build_job(run: str, nodes: int, gpus_per_node: int, overrides: Mapping[str, 
     try:
         config = module.CONFIG.from_mapping(overrides)
     except ValueError as err:  # one message (the CLI wraps it): the key, then the accepted keys
-        raise ValueError("--set: " + "; ".join(str(err).splitlines())) from None
+        text = "; ".join(str(err).splitlines())
+        raise ValueError(text if text.startswith("--set ") else "--set: " + text) from None
     if hasattr(module, "validate"):
         try:
             module.validate(config, job.world_size)
@@ -445,19 +446,23 @@ def write_script(path: str | Path, text: str, overwrite: bool = False) -> Path:
         ValueError: naming ``--output`` and why the file was not written.
     """
     path = Path(path)
-    if path.is_symlink() or (path.exists() and not path.is_file()):
-        raise ValueError(f"--output {path}: exists and is not a plain file; choose another path")
-    if not path.parent.is_dir():
-        raise ValueError(f"--output {path}: folder {path.parent} does not exist")
-    if path.exists():
-        if not is_own_script(path):
-            raise ValueError(f"--output {path}: exists and was not written by this tool; not replaced "
-                             "(choose another path)")
-        if not overwrite:
-            raise ValueError(f"--output {path}: exists (an earlier script of this tool); add --overwrite "
-                             "to replace it")
-        path.write_text(text)
-        return path
-    with open(path, "x") as handle:  # "x": never clobber a file that appeared meanwhile
-        handle.write(text)
+    try:
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            raise ValueError(f"--output {path}: exists and is not a plain file; choose another path")
+        if not path.parent.is_dir():
+            raise ValueError(f"--output {path}: folder {path.parent} does not exist")
+        if path.exists():
+            if not is_own_script(path):
+                raise ValueError(f"--output {path}: exists and was not written by this tool; not replaced "
+                                 "(choose another path)")
+            if not overwrite:
+                raise ValueError(f"--output {path}: exists (an earlier script of this tool); add --overwrite "
+                                 "to replace it")
+            path.write_text(text)
+            return path
+        with open(path, "x") as handle:  # "x": never clobber a file that appeared meanwhile
+            handle.write(text)
+    except OSError as err:  # a read-only folder or disk, a full disk, no permission
+        raise ValueError(f"--output {path}: cannot be written ({err.strerror or err}); choose a path in a "
+                         "folder you can write to") from None
     return path
