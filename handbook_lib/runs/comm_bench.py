@@ -71,6 +71,15 @@ def validate(config: BenchConfig, world_size: int) -> None:
         raise ValueError("comm_bench needs at least 2 ranks (nproc >= 2)")
 
 
+def host_bytes(config: BenchConfig, world_size: int) -> int:
+    """Bytes one rank holds at the largest size: the full buffer, its 1/N shard, and room for one
+    more full buffer, the most a backend copies it into (gloo's all-gather and reduce-scatter
+    stage the full buffer through a temporary). Checked against the host's memory before the
+    benchmark starts (:func:`handbook_lib.launch.preflight.check_resources`)."""
+    largest = buffer_sizes(config, world_size)[-1]
+    return 2 * largest + largest // world_size
+
+
 def buffer_sizes(config: BenchConfig, world_size: int) -> list[int]:
     """Geometric sizes, each rounded to a whole number of fp32 elements per rank."""
     quantum = 4 * world_size
