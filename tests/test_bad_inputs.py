@@ -251,6 +251,48 @@ ROWS: list[BadInputRow] = [
     api("api-model-config-layers", later("handbook_lib.core", "ModelConfig", num_layers=10**12),
         "ModelConfig.num_layers"),
     # --- end of strict model input ----------------------------------------------------------------
+    # --- numbers, resources and the poor list ---------------------------------------------------
+    # every number typed as text is read by one parser per type, which names the accepted range
+    cli("set-int-with-a-point", [*RUN, "--set", "steps=3.0"], "--set steps=3.0: steps takes a whole number >= 1"),
+    cli("set-int-in-exponent-form", [*RUN, "--set", "steps=1e1"], "steps takes a whole number >= 1"),
+    cli("set-int-empty", [*RUN, "--set", "steps="], "--set steps=: steps takes a whole number >= 1"),
+    cli("set-int-garbled", [*RUN, "--set", "steps=1e-3x"], "steps takes a whole number >= 1"),
+    cli("set-float-garbled", [*RUN, "--set", "lr=1e-3x"], "--set lr=1e-3x: lr takes a finite number > 0"),
+    cli("set-float-empty", [*RUN, "--set", "lr="], "lr takes a finite number > 0"),
+    cli("set-bool-text", [*RUN, "--set", "cpu_offload=maybe"], "cpu_offload takes a boolean, true or false"),
+    cli("set-model-key-with-a-point", ["params", "--set", "num_layers=2.5"], "--set num_layers=2.5: num_layers takes"),
+    cli("set-key-twice", [*RUN, "--set", "steps=3", "--set", "steps=4"], "--set steps given twice"),
+    cli("params-set-key-twice", ["params", "--set", "num_layers=2", "--set", "num_layers=3"],
+        "--set num_layers given twice"),
+    cli("run-nproc-with-a-point", [*RUN, "--nproc", "3.0"], "--nproc: must be a whole number >= 1, got '3.0'"),
+    cli("memory-world-size-exponent", ["memory", "--world-size", "1e1"], "--world-size: must be a whole number"),
+    cli("memory-params-empty", ["memory", "--params", ""], "--params: must be a whole number of parameters"),
+    cli("run-timeout-garbled", [*RUN, "--timeout", "1e-3x"], "--timeout: must be a finite number > 0"),
+    cli("plan-headroom-empty", [*PLAN, "--gpus", "8", "--headroom", ""], "--headroom: must be a number in [0, 1)"),
+    cli("slurm-port-out-of-range", ["slurm", "fsdp_train", "--nodes", "1", "--gpus-per-node", "1", "--port", "70000"],
+        "--port: must be a whole number in [1, 65536)"),
+    # the poor list: each refused in one line before anything starts
+    cli("run-rdzv-port-out-of-range", [*RUN, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint",
+                                       "127.0.0.1:99999"], "--rdzv-endpoint: must be HOST:PORT with a TCP port"),
+    api("api-rdzv-port-out-of-range", _torchrun("fault", 1, {"mode": "none"}, nnodes=2, node_rank=0,
+                                                rdzv_endpoint="127.0.0.1:99999"), "(port 1-65535)"),
+    cli("slurm-output-read-only", ["slurm", "fsdp_train", "--nodes", "1", "--gpus-per-node", "1", "--output",
+                                   "/sys/handbook-fsdp_train.sbatch"], "--output /sys/handbook-fsdp_train.sbatch: cannot be written"),
+    api("api-device-gpu-without-a-gpu", _torchrun("fault", 2, {"mode": "none"},
+                                                  env={"HANDBOOK_DEVICE": "gpu", "CUDA_VISIBLE_DEVICES": ""}),
+        "HANDBOOK_DEVICE=gpu runs on GPUs only"),
+    cli("plan-sp-method-without-sp-size", [*PLAN, "--gpus", "8", "--sp-method", "ring"], "--sp-size"),
+    cli("memory-gpu-is-not-a-memory-flag", ["memory", "--gpu", "h100-80gb"], "python -m handbook_lib memory --help"),
+    cli("run-name-with-escapes", ["run", "fsdp\n\x1b[31mtrain"], "'fsdp\\n\\x1b[31mtrain'"),
+    cli("hf-config-path-with-an-escape", ["params", "--hf-config", "no\x1b[2J.json"], "no\\x1b[2J.json"),
+    # resources: checked against this machine before anything starts (--force-resources goes ahead)
+    # one rank more than launch.preflight.RANKS_PER_CORE (8) per core of this machine
+    cli("run-more-ranks-than-cores-hold", ["run", "fault", "--quiet", "--nproc", str(8 * len(os.sched_getaffinity(0)) + 1)],
+        "per core"),
+    cli("run-model-larger-than-memory", [*RUN, "--set", "d_model=65536", "--set", "nhead=4"],
+        "of host memory by its own prediction"),
+    cli("comm-bench-buffers-larger-than-memory", ["run", "comm_bench", "--quiet", "--set", "max_bytes=1000000000000"],
+        "of host memory by its own prediction"),
 ]
 """The planning-command, CLI and API rows (part B of issue 12)."""
 

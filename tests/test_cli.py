@@ -337,3 +337,78 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
     proc.stdout.close()  # before the command has printed anything: every print meets a closed pipe
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 141 and "Traceback" not in err and err == ""
+
+
+# --- numbers, resources and the poor list ---------------------------------------------------------
+
+def test_a_flag_of_another_command_points_at_this_commands_help(capsys):
+    assert main(["memory", "--gpu", "h100-80gb"]) == 2
+    assert capsys.readouterr().err == ("error: unrecognized arguments: --gpu h100-80gb\n"
+                                       "(see: python -m handbook_lib memory --help)\n")
+
+
+def test_sp_method_without_the_split_is_refused(capsys):
+    plan = ["plan", "--model", "llama2-7b", "--gpu", "h100-80gb", "--gpus", "8"]
+    assert main([*plan, "--sp-method", "ring"]) == 2
+    assert capsys.readouterr().err == ("error: --sp-method ring applies to the sequence split: give --sp-size N "
+                                       "(N >= 2) too, or leave\n  --sp-method out\n")
+    assert main([*plan, "--sp-method", "ring", "--sp-size", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["axes"]["options"]
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["run", "fault", "--nproc", "3.0"], "error: argument --nproc: must be a whole number >= 1, got '3.0'"),
+    (["run", "fault", "--timeout", "1e-3x"], "error: argument --timeout: must be a finite number > 0, got '1e-3x' "
+                                             "(seconds)"),
+    (["run", "fault", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:99999"],
+     "error: argument --rdzv-endpoint: must be HOST:PORT with a TCP port from 1 to 65535, got '127.0.0.1:99999'"),
+    (["memory", "--world-size", ""], "error: argument --world-size: must be a whole number >= 1, got ''"),
+    (["plan", "--model", "7b", "--gpu", "h100-80gb", "--gpus", "8", "--headroom", "x"],
+     "error: argument --headroom: must be a number in [0, 1), got 'x' (a fraction, e.g. 0.1)"),
+    (["run", "fault", "--set", "sleep_s=1e-3x"], "error: --set sleep_s=1e-3x: sleep_s takes a finite number"),
+    (["run", "fault", "--set", "mode=none", "--set", "mode=raise"],
+     "error: --set mode given twice (mode=none, mode=raise): give each key once"),
+])
+def test_every_number_is_refused_with_its_range_in_one_line(argv, line, capsys):
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines()[0] == line
+
+
+def test_a_run_larger_than_the_machine_is_refused_unless_forced(monkeypatch, capsys):
+    import os
+
+    import handbook_lib.face.commands as commands
+
+    started = []
+    monkeypatch.setattr(commands, "torchrun", lambda run, nproc, config, **kwargs: started.append(nproc))
+    too_many = 8 * len(os.sched_getaffinity(0)) + 1
+    assert main(["run", "fault", "--quiet", "--nproc", str(too_many)]) == 2
+    assert f"{too_many} ranks on this machine's" in capsys.readouterr().err and started == []
+    assert main(["run", "comm_bench", "--quiet", "--set", "max_bytes=1000000000000000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the run needs ") and "--force-resources" in err and started == []
+    assert main(["run", "fault", "--quiet", "--nproc", str(too_many), "--force-resources"]) == 0
+    assert started == [too_many]
+
+
+def test_an_escape_in_a_name_is_shown_not_obeyed(capsys):
+    assert main(["run", "fsdp\n\x1b[2Jtrain"]) == 2
+    assert main(["params", "--hf-config", "my\x1b[31mmodel\r.json"]) == 2
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\r" not in err
+    assert "'fsdp\\n\\x1b[2Jtrain'" in err and "my\\x1b[31mmodel\\r.json" in err
+
+
+PURE = "import sys; sys.modules['psutil'] = None; sys.modules['torch'] = None; from handbook_lib.face import main; "
+
+
+@pytest.mark.xfail(strict=True, reason="face/commands.py imports the launcher (and psutil) at import; "
+                   "its run command must import it on first use")
+@pytest.mark.parametrize("argv", [["params", "--model", "llama2-7b"], ["runs"],
+                                  ["plan", "--model", "llama2-7b", "--gpu", "h100-80gb", "--gpus", "8"],
+                                  ["memory", "--model", "7b"], ["comm", "--model", "7b"]])
+def test_the_pure_commands_need_neither_psutil_nor_torch(argv):
+    done = subprocess.run([sys.executable, "-c", PURE + f"raise SystemExit(main({argv!r}))"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-500:]
+    assert "Traceback" not in done.stderr

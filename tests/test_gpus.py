@@ -244,3 +244,23 @@ def test_pick_device_one_gpu_per_local_rank_else_the_cpu(fake_cuda):
         pick_device(2)
     fake_cuda(0)  # what CUDA_VISIBLE_DEVICES="" makes torch report
     assert pick_device(3) == (torch.device("cpu"), "gloo")
+
+
+def test_gpu_only_refuses_a_machine_without_a_gpu_in_one_line(fake_cuda, monkeypatch):
+    """``HANDBOOK_DEVICE=gpu`` means GPUs only: the launcher refuses where none is visible (or the
+    caller hides them), where it used to train on the CPU and succeed."""
+    fake_cuda(0)
+    monkeypatch.setenv(DEVICE_ENV, "gpu")
+    message = (r"^HANDBOOK_DEVICE=gpu runs on GPUs only, and no GPU is visible here: run on a machine with a "
+               r"GPU, or set HANDBOOK_DEVICE=auto \(or cpu\) to run on the CPU$")
+    with pytest.raises(ValueError, match=message):
+        rank_env()
+    with pytest.raises(ValueError, match=message):
+        torchrun("fault", 2, {"mode": "none"}, stream=False)
+    monkeypatch.delenv(DEVICE_ENV)
+    with pytest.raises(ValueError, match=message):
+        rank_env({DEVICE_ENV: "gpu"})
+    fake_cuda(1)
+    assert rank_env({DEVICE_ENV: "gpu"}) == {DEVICE_ENV: "gpu"}
+    with pytest.raises(ValueError, match=message):  # GPUs there, but hidden from the ranks
+        rank_env({DEVICE_ENV: "gpu", **HIDE})

@@ -42,9 +42,11 @@ import shlex
 import signal
 import sys
 import threading
+import unicodedata
 from collections.abc import Callable, Iterator
 
 from handbook_lib.core.architecture import MODEL_KEYS
+from handbook_lib.core.checks import BadText, parse_count, parse_float, parse_int
 from handbook_lib.core.config import (
     CHECKPOINTING_MODES,
     OPTIMIZERS,
@@ -56,6 +58,7 @@ from handbook_lib.core.strategies import STRATEGIES, strategies_where
 from handbook_lib.core.text import TERMINAL_WIDTH
 from handbook_lib.face.commands import COMMANDS, wrap_line
 from handbook_lib.launch.errors import RunFailed, RunPreempted
+from handbook_lib.launch.preflight import RANKS_PER_CORE
 from handbook_lib.models.hardware import ACCELERATORS, LINKS
 from handbook_lib.models.hf_config import HF_FAMILIES
 from handbook_lib.models.presets import DECODER_SHAPES
@@ -65,7 +68,10 @@ __all__ = ["MAX_PARAMS", "build_parser", "main"]
 
 MAX_PARAMS = 10**15
 """Largest ``--params`` accepted: a quadrillion parameters, beyond any model trained so far."""
+MAX_PORT = 65535
+"""The largest TCP port (``--rdzv-endpoint``, ``slurm --port``)."""
 _HYBRID = strategies_where(hybrid=True)
+_SP_METHODS = ("ulysses", "ring")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -75,40 +81,51 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}\n(see: {self.prog} --help)\n")
 
 
-def _whole(minimum: int) -> Callable[[str], int]:
-    """An argparse type: a whole number >= ``minimum``."""
+def _whole(minimum: int, below: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number in ``[minimum, below)``, written as digits."""
     def parse(text: str) -> int:
         try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum}, got {value}")
-        return value
+            return parse_int(text, minimum, below)
+        except BadText as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
     return parse
 
 
 def _param_count(text: str) -> int:
     """An argparse type for ``--params``: a whole number of parameters in [1, MAX_PARAMS]."""
-    accepted = f"a whole number of parameters from 1 to 1e{round(math.log10(MAX_PARAMS))} (e.g. 7e9)"
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}") from None
-    if not (math.isfinite(value) and 1 <= value <= MAX_PARAMS and value == int(value)):
-        raise argparse.ArgumentTypeError(f"must be {accepted}, got {text!r}")
-    return int(value)
+        return parse_count(text, 1, MAX_PARAMS, noun="a whole number of parameters")
+    except BadText as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _fraction(text: str) -> float:
     """An argparse type: a number in [0, 1)."""
     try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1), e.g. 0.1, got {text!r}")
-    return value
+        return parse_float(text, 0.0, below=1.0)
+    except BadText as err:
+        raise argparse.ArgumentTypeError(f"{err} (a fraction, e.g. 0.1)") from None
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        return parse_float(text, above=0.0)
+    except BadText as err:
+        raise argparse.ArgumentTypeError(f"{err} (seconds)") from None
+
+
+def _endpoint(text: str) -> str:
+    """An argparse type for ``--rdzv-endpoint``: ``HOST:PORT`` with a TCP port in [1, 65535]."""
+    host, sep, port = text.rpartition(":")
+    try:
+        if not sep or not host:
+            raise BadText(text, "HOST:PORT")
+        parse_int(port, 1, MAX_PORT + 1)
+    except BadText:
+        raise argparse.ArgumentTypeError(f"must be HOST:PORT with a TCP port from 1 to {MAX_PORT}, "
+                                         f"got {text!r}") from None
+    return text
 
 
 def _add_model_choice(cmd: argparse.ArgumentParser, params_help: str | None, set_help: str) -> None:
@@ -163,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="nodes in the job (default 1); without --node-rank, all of them on this machine")
     run.add_argument("--node-rank", type=_whole(0), default=None, metavar="K",
                      help="this machine's node in a real multi-node job (0 .. nnodes-1); needs --rdzv-endpoint")
-    run.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+    run.add_argument("--rdzv-endpoint", type=_endpoint, default=None, metavar="HOST:PORT",
                      help="c10d rendezvous every node reaches (with --node-rank)")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="set a config key (repeatable), e.g. --set steps=3; keys listed below")
@@ -171,7 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
                      "new, empty, or an earlier run's (with --overwrite)")
     run.add_argument("--overwrite", action="store_true",
                      help="reuse an earlier run's --out folder: replace only the files a run writes")
-    run.add_argument("--timeout", type=float, default=600.0, help="seconds before the run is killed")
+    run.add_argument("--timeout", type=_seconds, default=600.0, help="seconds before the run is killed")
+    run.add_argument("--force-resources", action="store_true",
+                     help="start the run even if it needs more than this machine has (more than "
+                     f"{RANKS_PER_CORE} ranks per CPU core, or more host memory than is available by "
+                     "the run's own prediction)")
     run.add_argument("--quiet", action="store_true", help="do not stream the ranks' output")
 
     params = sub.add_parser("params", help="parameter count of a model, by component")
@@ -234,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="plan again with each assumption changed (headroom, capacity, allocator reserve, "
                     "utilization, network, CPU optimizer) and show where the verdict flips")
     _add_axes(pl)
-    pl.add_argument("--sp-method", default="ulysses", choices=("ulysses", "ring"), metavar="M",
+    pl.add_argument("--sp-method", default=None, choices=_SP_METHODS, metavar="M",
                     help="how the split attends across ranks: ulysses (all-to-alls; heads must divide) or "
                     "ring (point-to-point sends), default ulysses")
     pl.add_argument("--batch-tokens", type=_whole(1), default=None, metavar="N",
@@ -271,7 +292,7 @@ def _add_slurm(sub: argparse._SubParsersAction) -> None:
                     help="the job's log, sbatch --output (default %%x-%%j.out: job name, job id)")
     sl.add_argument("--cpus-per-task", type=_whole(1), default=None, metavar="C",
                     help="CPU cores per node (default: 4 per GPU)")
-    sl.add_argument("--port", type=_whole(1), default=None,
+    sl.add_argument("--port", type=_whole(1, MAX_PORT + 1), default=None,
                     help="rendezvous TCP port (default: 29500 + the job id mod 1000)")
     sl.add_argument("--output", default=None, metavar="FILE", help="write the script here (default: stdout)")
     sl.add_argument("--overwrite", action="store_true",
@@ -372,20 +393,55 @@ def _resume_command(argv: list[str] | None) -> str:
     return "\n".join([*lines, line])
 
 
+def printable(text: str) -> str:
+    """``text`` with every control character but the newline escaped (``\\x1b``, ``\\r``): a
+    name typed with a terminal escape or a carriage return is shown, never obeyed."""
+    return "".join(c if c == "\n" or unicodedata.category(c) not in ("Cc", "Cf") else
+                   repr(c)[1:-1] for c in text)
+
+
+def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The parser of ``command`` (a subcommand of ``parser``)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[command]
+    raise AssertionError("the parser has no commands")  # pragma: no cover
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Flags that parse but cannot be honoured, refused in one line before anything runs: a
+    flag that another flag must come with, and a run this machine cannot hold
+    (:func:`~handbook_lib.launch.preflight.check_run_resources`, unless ``--force-resources``)."""
+    if args.command == "plan":
+        if args.sp_method is not None and args.sp_size == 1:
+            raise ValueError(f"--sp-method {args.sp_method} applies to the sequence split: give --sp-size N "
+                             "(N >= 2) too, or leave --sp-method out")
+        args.sp_method = args.sp_method or _SP_METHODS[0]
+    if args.command == "run":
+        from handbook_lib.core.config import parse_overrides
+        from handbook_lib.launch.preflight import check_run_resources
+
+        check_run_resources(args.name, args.nproc, parse_overrides(args.overrides), nnodes=args.nnodes,
+                            node_rank=args.node_rank, force=args.force_resources)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; return its exit status (0 ok, 1 a run failed, 2 a bad argument, 75
     (:data:`~handbook_lib.core.protocol.PREEMPTED_EXIT`) a run preempted after saving, 130 or
     128 + the signal's number when stopped by Ctrl-C, SIGTERM or SIGHUP)."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # the command's own parser says so, pointing at the command's own help
+            _command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as stop:  # --help (0) or a bad argument (2), already printed
         return stop.code if isinstance(stop.code, int) else 2
     try:
+        _check_flags(args)
         with _stop_on_terminate(args.command == "run"):
             return COMMANDS[args.command](args)
     except ValueError as err:  # one line naming the flag or key; long lists wrapped to TERMINAL_WIDTH
-        text = f"error: {err}"
+        text = printable(f"error: {err}")
         print(wrap_line(text, "  ") if "\n" not in text else text, file=sys.stderr)
         return 2
     except RunPreempted as err:  # every rank saved: the same command with resume=true continues

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from handbook_lib.core.protocol import RankStatus, rank_stacks_path, rank_status_path
+from handbook_lib.core.protocol import LOGS_DIR, RankStatus, rank_stacks_path, rank_status_path
 
 __all__ = ["RankFailure", "diagnose_failure"]
 
@@ -50,6 +50,20 @@ def _raised_in_a_collective(traceback: str) -> bool:
     return bool(frames) and "torch/distributed/" in frames[-1].replace("\\", "/")
 
 
+NEVER_STARTED = ("was never started: torchrun did not get past its rendezvous, which waits for every "
+                 "node of the job (a node that never joined, or a rendezvous endpoint it could not "
+                 "reach); torchrun's own output is under logs/")
+"""What a rank whose process torchrun never started is said to have done."""
+
+
+def workers_started(out_dir: Path) -> bool:
+    """Whether torchrun started rank processes for the run in ``out_dir``: it makes each start's
+    log folder (``logs/.../attempt_N``) only once the rendezvous is complete, as it starts them.
+    No such folder: no rank ran here, whatever the ranks' files say."""
+    logs = Path(out_dir) / LOGS_DIR
+    return any(logs.glob("**/attempt_*")) if logs.is_dir() else True
+
+
 def read_rank(out_dir: Path, rank: int) -> RankFailure:
     """How rank ``rank`` of the run in ``out_dir`` ended, from its state and stack files."""
     status_file = rank_status_path(out_dir, rank)
@@ -63,6 +77,8 @@ def read_rank(out_dir: Path, rank: int) -> RankFailure:
                          or _raised_in_a_collective(info.traceback))
         return RankFailure(rank, "error", summary, info.traceback, consequential, info.stage)
     if not stacks_file.exists():  # the harness creates it first thing: this rank never got there
+        if not workers_started(out_dir):
+            return RankFailure(rank, "starting", NEVER_STARTED)
         return RankFailure(
             rank, "starting",
             "ended before reaching the run's code (while Python started or imported torch and the "
@@ -137,7 +153,11 @@ def where_ranks_were(states: list[RankFailure]) -> list[str]:
             lines.append(f"--- rank {s.rank}:\n{first_stack(s.traceback)}")
         else:
             summary = s.summary
-            if s.status == "starting":
+            if s.status == "starting" and s.summary == NEVER_STARTED:
+                summary = ("never started: torchrun's rendezvous was still waiting for every node of the "
+                           "job (a node that never joined, or an endpoint it could not reach) when the run "
+                           "was stopped")
+            elif s.status == "starting":
                 summary = ("still starting (Python start-up or importing torch): it had not reached "
                            "the run's code when the run was stopped")
             elif s.status == "silent":

@@ -131,14 +131,19 @@ def rank_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     (:func:`handbook_lib.runtime.distributed.pick_device`), whatever the machine has.
 
     Raises:
-        ValueError: for a ``HANDBOOK_DEVICE`` not in :data:`DEVICE_CHOICES`.
+        ValueError: for a ``HANDBOOK_DEVICE`` not in :data:`DEVICE_CHOICES`, or ``gpu`` where
+            no GPU is visible (``gpu`` never falls back to the CPU).
     """
     out = dict(env or {})
     setting = out.get(DEVICE_ENV)
     if setting is not None and setting not in DEVICE_CHOICES:
         raise ValueError(f"{DEVICE_ENV} must be one of {', '.join(DEVICE_CHOICES)}, got {setting!r}")
-    if (setting or device_setting()) == "cpu":
+    setting = setting or device_setting()
+    if setting == "cpu":
         out.update(_HIDE_GPUS)
+    if setting == "gpu" and (gpus_hidden(out) or visible_gpus() == 0):
+        raise ValueError(f"{DEVICE_ENV}=gpu runs on GPUs only, and no GPU is visible here: run on a machine "
+                         f"with a GPU, or set {DEVICE_ENV}=auto (or cpu) to run on the CPU")
     return out
 
 

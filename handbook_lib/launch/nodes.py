@@ -124,8 +124,9 @@ def check_nodes(nnodes: int, node_rank: int | None, rdzv_endpoint: str | None) -
             return Nodes()
         return Nodes(nnodes, None, f"127.0.0.1:{free_port()}")
     check_int("node_rank", node_rank, 0, below=nnodes, context=f"for nnodes={nnodes}")
-    if not isinstance(rdzv_endpoint, str) or not re.fullmatch(r"[A-Za-z0-9._\-\[\]:]+:\d{1,5}", rdzv_endpoint):
-        raise ValueError(f"rdzv_endpoint must be 'host:port' (the rendezvous every node reaches), "
+    if not isinstance(rdzv_endpoint, str) or not re.fullmatch(r"[A-Za-z0-9._\-\[\]:]+:\d{1,5}", rdzv_endpoint) \
+            or not 1 <= int(rdzv_endpoint.rpartition(":")[2]) <= 65535:
+        raise ValueError(f"rdzv_endpoint must be 'host:port' (port 1-65535) every node reaches, "
                          f"got {rdzv_endpoint!r}")
     return Nodes(nnodes, node_rank, rdzv_endpoint)
 
