@@ -81,6 +81,13 @@ def test_a_save_with_a_file_added_or_a_copied_manifest_is_not_pruned(tmp_path, c
     assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step_000001", "step_000003", "step_000042"]
     assert (_snapshot(tmp_path / "step_000001"), _snapshot(tmp_path / "step_000042")) == kept
     assert "left step_000001, step_000042" in capsys.readouterr().out
+    # a manifest that lists a file outside its folder: the save is pruned, the file is not
+    (tmp_path / "outside.txt").write_text("mine\n")
+    manifest = json.loads((tmp_path / "step_000003" / MANIFEST).read_text())
+    manifest["files"]["../outside.txt"] = 5
+    (tmp_path / "step_000003" / MANIFEST).write_text(json.dumps(manifest))
+    save_checkpoint(tmp_path, 4, model, opt, keep_last=1)
+    assert not (tmp_path / "step_000003").exists() and (tmp_path / "outside.txt").read_text() == "mine\n"
 
 
 def test_saves_to_prune_keeps_the_newest_saves_and_names_the_rest(tmp_path):

@@ -62,7 +62,7 @@ from handbook_lib.models.checkpoint import (
     MANIFEST,
     checkpoint_name,
 )
-from handbook_lib.runtime.checkpoint_job import agree_job, claim_job, mention_once, remove_save, saves_to_prune
+from handbook_lib.runtime.checkpoint_job import agree_job, claim_job, prune
 from handbook_lib.runtime.checkpoint_room import check_room
 from handbook_lib.runtime.checkpoint_verify import (
     METADATA,
@@ -258,9 +258,10 @@ def save_checkpoint(
         root: Directory holding the checkpoints.
         step: Optimizer steps done; names the checkpoint.
         extra: JSON-ready state to resume with (e.g. ``{"data_position": step}``).
-        keep_last: Keep only this many complete checkpoints: this one and the newest others
-            (0: keep all). Old ones are deleted only after ``latest`` points to this one, and
-            only saves (a folder of yours named ``step_*`` is left, and said so once).
+        keep_last: Keep only this many complete checkpoints: this one and the
+            newest others (0: keep all). Old ones are deleted only after ``latest``
+            points to this one, and only saves: a folder of yours named ``step_*``
+            is left (and said so, once).
         after_shard_written: Called on this rank once its shard file is on disk,
             before the save is committed. Chapter 6 kills the rank there to show an
             interrupted save.
@@ -276,19 +277,21 @@ def save_checkpoint(
         asynchronous: Copy the state to CPU memory, write it in a background thread (DCP's
             ``async_save``) and return a :class:`PendingCheckpoint` at once; its ``wait()``
             commits. A pending save of this process is committed first.
-        job: The job's identity (:func:`~handbook_lib.runtime.checkpoint_job.job_identity`),
-            recorded in ``root/job.json`` by the first save; a root that records another job is
-            refused. ``None``: neither checked nor recorded.
+        job: The job's identity (run, model shape, optimizer: see
+            :func:`~handbook_lib.runtime.checkpoint_job.job_identity`), recorded in
+            ``root/job.json`` by the first save; a root that records another job
+            is refused. ``None``: neither checked nor recorded.
 
     Returns:
         The :class:`SavedCheckpoint`, or with ``asynchronous`` a :class:`PendingCheckpoint`.
 
     Raises:
         ValueError: if a ``stateful`` name is one of :data:`RESERVED_KEYS`.
-        CheckpointError: before anything is written, on every rank, if ``root`` holds another
-            job's checkpoints, or a folder named as this save that is not one
-            (:func:`~handbook_lib.runtime.checkpoint_job.agree_job`), or if the save would not
-            fit (:func:`~handbook_lib.runtime.checkpoint_room.check_room`).
+        CheckpointError: before anything is written, on every rank, if ``root``
+            holds another job's checkpoints or a folder named as this save that is
+            not one (:func:`~handbook_lib.runtime.checkpoint_job.agree_job`), or if
+            the save would not fit
+            (:func:`~handbook_lib.runtime.checkpoint_room.check_room`).
     """
     for pending in list(_PENDING):
         pending.wait()
@@ -301,12 +304,13 @@ def save_checkpoint(
     model_sd, optim_sd = get_state_dict(model, optimizer)
     rng = {_rng_key(rank): rng_state(device)}
     state = {"model": model_sd, "optim": optim_sd, "rng": rng, **parts}
-    agree_job(root, job, {k: tuple(v.shape) for k, v in model_sd.items()}, step, device)  # another job's?
+    shapes = {key: tuple(value.shape) for key, value in model_sd.items()}
+    agree_job(root, job, shapes, step, device)  # another job's: refused, none written
     check_room(root, name, state, device)  # disk full, a file-size limit: refused, none written
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         if job is not None:
-            claim_job(root, job)  # the first save records whose checkpoints the root holds
+            claim_job(root, job)  # the first save records the root's job
         shutil.rmtree(tmp, ignore_errors=True)  # a save of an earlier job that died
     _barrier()
     writer = ShardWriter(tmp, after_shard_written, checksums)
@@ -368,7 +372,7 @@ def _commit(root: Path, name: str, step: int, world: int, extra: Mapping[str, An
         fsync_dir(root)
         shutil.rmtree(aside, ignore_errors=True)
         if keep_last > 0:
-            _prune(root, keep_last, name)
+            prune(root, keep_last, name)
     _barrier()
     return files, hashed, hash_s
 
@@ -380,15 +384,6 @@ def _stateful_parts(stateful: Mapping[str, Stateful] | None) -> dict[str, Statef
     if taken:
         raise ValueError(f"stateful names {taken} are reserved; use names other than {list(RESERVED_KEYS)}")
     return parts
-
-
-def _prune(root: Path, keep_last: int, current: str) -> None:
-    """Delete the saves but ``current`` and the newest others; never a folder no save wrote."""
-    old, left = saves_to_prune(root, keep_last, current)
-    for path in old:
-        remove_save(path)
-    if line := mention_once(root, keep_last, left):
-        print(line, flush=True)
 
 
 def load_checkpoint(

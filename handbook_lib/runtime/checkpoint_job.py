@@ -34,7 +34,7 @@ from handbook_lib.models.checkpoint import CHECKPOINT_SCHEMA, LATEST, MANIFEST, 
 from handbook_lib.runtime.checkpoint_verify import CheckpointError, check_model_shapes
 
 __all__ = ["JOB_FILE", "JOB_SCHEMA", "job_identity", "read_job", "job_refusal", "agree_job", "claim_job",
-           "is_save", "saves_to_prune", "remove_save", "mention_once"]
+           "is_save", "saves_to_prune", "remove_save", "mention_once", "prune"]
 
 JOB_FILE = "job.json"
 """The file, under a checkpoint root, that names the job its checkpoints belong to."""
@@ -146,24 +146,32 @@ def _manifest(folder: Path) -> dict[str, Any] | None:
     return manifest if isinstance(manifest, dict) else None
 
 
-def is_save(folder: Path) -> bool:
-    """True if ``folder`` is a save of :func:`~handbook_lib.runtime.checkpoint.save_checkpoint`:
-    named ``step_K`` exactly as it names one, holding a manifest of this code's schema for step
-    ``K`` and no entry but the files that manifest lists (some may be missing: a prune that was
-    interrupted) and the manifest itself."""
+def _save_entries(folder: Path) -> list[str] | None:
+    """The names in ``folder`` if it is a save (:func:`is_save`), else ``None``."""
     match = _SAVE_NAME.fullmatch(folder.name)
     if match is None or checkpoint_name(int(match.group(1))) != folder.name or folder.is_symlink():
-        return False
+        return None
     manifest = _manifest(folder)
     schema = CHECKPOINT_SCHEMA.rsplit("/", 1)[0] + "/"
     if (manifest is None or not str(manifest.get("schema", "")).startswith(schema)
             or manifest.get("step") != int(match.group(1)) or not isinstance(manifest.get("files"), dict)):
-        return False
+        return None
     listed = {*manifest["files"], MANIFEST}
     try:
-        return all(entry.name in listed and entry.is_file(follow_symlinks=False) for entry in os.scandir(folder))
+        entries = list(os.scandir(folder))
     except OSError:
-        return False
+        return None
+    if all(entry.name in listed and entry.is_file(follow_symlinks=False) for entry in entries):
+        return [entry.name for entry in entries]
+    return None
+
+
+def is_save(folder: Path) -> bool:
+    """True if ``folder`` is a save of :func:`~handbook_lib.runtime.checkpoint.save_checkpoint`:
+    named ``step_K`` exactly as it names one, holding a manifest of this code's schema for step
+    ``K`` and no entry but plain files that manifest lists (some may be missing: a prune that
+    was interrupted) and the manifest itself."""
+    return _save_entries(folder) is not None
 
 
 def saves_to_prune(root: Path, keep_last: int, current: str) -> tuple[list[Path], list[Path]]:
@@ -180,14 +188,14 @@ def saves_to_prune(root: Path, keep_last: int, current: str) -> tuple[list[Path]
 
 
 def remove_save(folder: Path) -> bool:
-    """Delete a save: the files its manifest lists, the manifest last, then the folder if it is
-    empty. Returns False (and deletes nothing) if ``folder`` is not a save (:func:`is_save`)."""
-    manifest = _manifest(folder)
-    if manifest is None or not is_save(folder):
+    """Delete a save: the files found in it (each one its manifest lists), the manifest last,
+    then the folder if it is empty. Returns False (and deletes nothing) if ``folder`` is not a
+    save (:func:`is_save`); a name the manifest lists outside the folder is never touched."""
+    names = _save_entries(folder)
+    if names is None:
         return False
-    for name in manifest["files"]:
+    for name in sorted(names, key=lambda n: n == MANIFEST):  # the manifest last
         (folder / name).unlink(missing_ok=True)
-    (folder / MANIFEST).unlink()
     try:
         folder.rmdir()
     except OSError:  # something appeared meanwhile: left, with it
@@ -203,3 +211,13 @@ def mention_once(root: Path, keep_last: int, left: list[Path]) -> str | None:
     _MENTIONED.add(str(root))
     return (f"keep_last={keep_last} left {', '.join(p.name for p in left)} in {root}: not saves "
             f"(no {MANIFEST} of theirs lists all they hold), so never deleted")
+
+
+def prune(root: Path, keep_last: int, current: str) -> None:
+    """Delete the saves in ``root`` but ``current`` (the new ``latest``) and the newest
+    ``keep_last - 1`` others (:func:`saves_to_prune`); print once the folders left."""
+    old, left = saves_to_prune(root, keep_last, current)
+    for path in old:
+        remove_save(path)
+    if line := mention_once(root, keep_last, left):
+        print(line, flush=True)
