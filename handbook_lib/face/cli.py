@@ -4,10 +4,13 @@ Chapter 1 introduces it. Commands:
 
 - ``runs`` — list the experiments that can be launched;
 - ``run NAME --nproc N [--nnodes M [--node-rank K --rdzv-endpoint HOST:PORT]] [--set key=value ...]
-  [--out DIR [--overwrite]] [--timeout S]`` — launch
+  [--out DIR [--overwrite]] [--timeout S] [--force-resources]`` — launch
   one with torchrun, stream its ranks' output, leave ``DIR/result.json`` (without ``--out``, a
   temporary folder, removed at the end) and print its checks
-  (with each one's tolerance and whether it passed), then a one-line verdict;
+  (with each one's tolerance and whether it passed), then a one-line verdict; a run this machine
+  cannot hold (more than 8 ranks per CPU core, or more host memory than is available by the
+  run's own prediction: :func:`~handbook_lib.launch.preflight.check_run_resources`) is refused
+  first, unless ``--force-resources``;
 - ``params [--model 7b | --hf-config config.json | --set key=value ...] [--json]`` — a model's
   parameter count, by component (``--json``: ``{"total": N, ...}``);
 - ``memory (--params N | --model 7b | --hf-config PATH | --set key=value ...) --world-size N
@@ -25,7 +28,10 @@ Chapter 1 introduces it. Commands:
 A Transformers ``config.json`` (``--hf-config``) is read as the model's shape
 (:func:`~handbook_lib.models.hf_config.read_hf_config`). Every planning command prints the model it
 prices and its assumptions (strategy, ranks, precision, optimizer) first; everything it prints fits
-in 100 columns. A bad argument gets one short line naming the flag and what it accepts.
+in 100 columns. A bad argument gets one short line naming the flag and what it accepts: every
+number, of a flag or of a ``--set``, is read by the one parser of its type
+(:func:`~handbook_lib.core.checks.parse_int` and its siblings), whose message gives the range; a
+``--set`` key given twice is refused; control characters in what it echoes are escaped.
 
 Exit status: 0 on success, 1 if a run failed or a check was off, 2 for a bad argument.
 """
