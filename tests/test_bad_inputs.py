@@ -293,6 +293,12 @@ ROWS: list[BadInputRow] = [
         "of host memory by its own prediction"),
     cli("comm-bench-buffers-larger-than-memory", ["run", "comm_bench", "--quiet", "--set", "max_bytes=1000000000000"],
         "of host memory by its own prediction"),
+    api("api-torchrun-more-ranks-than-cores-hold", _torchrun("fault", 8 * len(os.sched_getaffinity(0)) + 1,
+                                                             {"mode": "none"}), "per core"),
+    api("api-torchrun-benchmark-larger-than-memory", _torchrun("comm_bench", 2, {"max_bytes": 10**12}),
+        "of host memory by its own prediction"),
+    api("api-torchrun-force-resources-not-bool", _torchrun("fault", 2, {"mode": "none"}, force_resources="yes"),
+        "force_resources"),
 ]
 """The planning-command, CLI and API rows (part B of issue 12)."""
 

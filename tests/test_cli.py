@@ -402,8 +402,6 @@ def test_an_escape_in_a_name_is_shown_not_obeyed(capsys):
 PURE = "import sys; sys.modules['psutil'] = None; sys.modules['torch'] = None; from handbook_lib.face import main; "
 
 
-@pytest.mark.xfail(strict=True, reason="face/commands.py imports the launcher (and psutil) at import; "
-                   "its run command must import it on first use")
 @pytest.mark.parametrize("argv", [["params", "--model", "llama2-7b"], ["runs"],
                                   ["plan", "--model", "llama2-7b", "--gpu", "h100-80gb", "--gpus", "8"],
                                   ["memory", "--model", "7b"], ["comm", "--model", "7b"]])

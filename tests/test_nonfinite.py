@@ -5,6 +5,7 @@ divergence on 2 ranks and checks the CLI's exit code 1.
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -26,7 +27,11 @@ from handbook_lib.runtime import (
     ("grad_scale_init", "nan"), ("grad_scale_init", math.inf),
 ])
 def test_non_finite_config_values_are_refused_naming_the_key(key, value):
-    with pytest.raises(ValueError, match=rf"^config key '{key}' must be a finite number, got (-?inf|nan)$"):
+    """Typed as text (a ``--set``), the message echoes the text and the key's range; as a float,
+    the key and the value."""
+    expected = (rf"^--set {key}={re.escape(value)}: {key} takes a finite number > 0$" if isinstance(value, str)
+                else rf"^config key '{key}' must be a finite number, got (-?inf|nan)$")
+    with pytest.raises(ValueError, match=expected):
         RunConfig.from_mapping({key: value})
 
 

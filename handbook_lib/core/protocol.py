@@ -70,8 +70,9 @@ RANKS_DIR = "ranks"
 LOGS_DIR = "logs"
 """torchrun's log folder: every rank's own output."""
 RUN_FILES = (RESULT_FILE, RESULTS_DIR, CONFIG_FILE, RANKS_DIR, LOGS_DIR)
-"""What a run writes into its ``out`` folder (besides :data:`RUN_MARKER`); only these are removed
-when a run overwrites an earlier run's folder."""
+"""What a run may write into its ``out`` folder (besides :data:`RUN_MARKER`). An overwrite removes
+only the files under these that the earlier run listed in its manifest
+(``.handbook-run.files.json``), and never while a process that run started is alive."""
 
 
 def node_marker(node: int | None) -> str:

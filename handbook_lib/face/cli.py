@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", default=None, help="directory for result.json, kept (default: a temp dir, removed); "
                      "new, empty, or an earlier run's (with --overwrite)")
     run.add_argument("--overwrite", action="store_true",
-                     help="reuse an earlier run's --out folder: replace only the files a run writes")
+                     help="reuse an earlier run's --out folder: remove only the files its manifest lists")
     run.add_argument("--timeout", type=_seconds, default=600.0, help="seconds before the run is killed")
     run.add_argument("--force-resources", action="store_true",
                      help="start the run even if it needs more than this machine has (more than "

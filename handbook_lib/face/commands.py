@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from handbook_lib.core.architecture import MODEL_KEYS, ModelConfig
 from handbook_lib.core.config import PRECISIONS, RunConfig, parse_overrides
+from handbook_lib.core.results import RunResult
 from handbook_lib.core.strategies import get_strategy, strategies_where
 from handbook_lib.core.text import TERMINAL_WIDTH, wrap
 from handbook_lib.face.display import (
@@ -27,7 +28,6 @@ from handbook_lib.face.display import (
 )
 from handbook_lib.face.views import axes_table, fit_table, step_time_summary, step_time_table
 from handbook_lib.launch.errors import describe_failed_checks
-from handbook_lib.launch.runner import torchrun
 from handbook_lib.models.allocator import (
     RESERVE_FRACTION,
     RESERVE_MODEL,
@@ -61,6 +61,14 @@ from handbook_lib.models.traffic import estimate_step_traffic
 from handbook_lib.runs import describe_runs
 
 __all__ = ["COMMANDS", "wrap_line"]
+
+
+def torchrun(*args: object, **kwargs: object) -> RunResult | None:
+    """:func:`handbook_lib.launch.torchrun`, imported on first use: the launcher needs torch and
+    psutil, the planning commands neither."""
+    from handbook_lib.launch.runner import torchrun as launch
+
+    return launch(*args, **kwargs)
 
 _HYBRID = strategies_where(hybrid=True)
 
@@ -412,7 +420,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     result = torchrun(args.name, args.nproc, parse_overrides(args.overrides), out=args.out,
                       timeout_s=args.timeout, stream=not args.quiet, allow_failed_checks=True,
                       overwrite=args.overwrite, nnodes=args.nnodes, node_rank=args.node_rank,
-                      rdzv_endpoint=args.rdzv_endpoint)
+                      rdzv_endpoint=args.rdzv_endpoint, force_resources=args.force_resources)
     if result is None:  # one node of a real multi-node job, not rank 0's
         print(wrap_line(f"node {args.node_rank}: its ranks finished; rank 0 ran on another node "
                         "(torchrun's rendezvous numbers the nodes), whose --out folder holds "

@@ -21,7 +21,7 @@ from handbook_lib.core.protocol import RESULT_FILE
 from handbook_lib.core.text import BOOK_WIDTH, wrap
 from handbook_lib.launch.errors import RunTimeout
 from handbook_lib.launch.nodes import Nodes, free_port
-from handbook_lib.launch.processes import kill_tree
+from handbook_lib.launch.processes import kill_tree, parent_death_signal
 from handbook_lib.runs import check_run_name
 
 __all__ = ["NodeRun", "recipe_commands", "run_recipe"]
@@ -140,7 +140,8 @@ def run_recipe(run: str, nnodes: int, nproc: int, overrides: Mapping[str, object
     try:
         for cmd, log, gpus in zip(commands, logs, _node_gpus(nnodes, nproc)):
             procs.append(subprocess.Popen([sys.executable, *cmd[1:]], stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT, env={**env, **gpus}, start_new_session=True))
+                                          stderr=subprocess.STDOUT, env={**env, **gpus}, start_new_session=True,
+                                          preexec_fn=parent_death_signal()))
         while len(ended) < nnodes:
             ended.update({k: time.monotonic() - start for k, p in enumerate(procs)
                           if k not in ended and p.poll() is not None})

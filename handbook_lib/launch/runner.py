@@ -74,7 +74,7 @@ from handbook_lib.launch.errors import (
 from handbook_lib.launch.gpus import gpus_hidden, rank_env
 from handbook_lib.launch.nodes import Nodes, check_nodes
 from handbook_lib.launch.outdir import OutDir, prepare_out_dir
-from handbook_lib.launch.preflight import shm_warning
+from handbook_lib.launch.preflight import check_job_resources, shm_warning
 from handbook_lib.launch.preempt import TORCHRUN_SIGNALS, forward_signals, raise_if_preempted
 from handbook_lib.launch.processes import Agents, drain, exit_words, pump, start_agents, stop, sweep
 from handbook_lib.launch.show import Show, Streamer, config_defaults
@@ -119,6 +119,7 @@ def torchrun(
     nnodes: int = 1,
     node_rank: int | None = None,
     rdzv_endpoint: str | None = None,
+    force_resources: bool = False,
 ) -> RunResult | None:
     """Run ``handbook_lib.runs.<run>`` on ``nproc`` processes and return its parsed result.
 
@@ -161,6 +162,10 @@ def torchrun(
         node_rank: This machine's node in a real multi-node job (``0 .. nnodes-1``), naming its
             files in ``out``; ``None`` runs every node here.
         rdzv_endpoint: ``host:port`` of the c10d rendezvous, required with ``node_rank``.
+        force_resources: Start the run even if this machine cannot hold it: by default more than
+            :data:`~handbook_lib.launch.preflight.RANKS_PER_CORE` ranks per CPU core, or more host
+            memory than is available by the run's own prediction, is refused before anything
+            starts (:func:`~handbook_lib.launch.preflight.check_job_resources`).
 
     Returns:
         The run's ``result.json``, parsed; ``None`` on a node of a real multi-node job that did
@@ -180,7 +185,7 @@ def torchrun(
     """
     results = _job(run, nproc, {"": config}, out=out, timeout_s=timeout_s, stream=stream, env=env,
                    allow_failed_checks=allow_failed_checks, overwrite=overwrite, nnodes=nnodes,
-                   node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+                   node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, force_resources=force_resources)
     return None if results is None else results[""]
 
 
@@ -198,6 +203,7 @@ def torchrun_batch(
     nnodes: int = 1,
     node_rank: int | None = None,
     rdzv_endpoint: str | None = None,
+    force_resources: bool = False,
 ) -> dict[str, RunResult] | None:
     """Run several configs of ``handbook_lib.runs.<run>`` in one job: one torchrun, one process
     group, the configs one after another on the same ranks, each with its own result.
@@ -228,7 +234,7 @@ def torchrun_batch(
         raise ValueError(f"configs' labels must be non-empty strings, got {bad[0]!r}")
     return _job(run, nproc, dict(configs), out=out, timeout_s=timeout_s, stream=stream, env=env,
                 allow_failed_checks=allow_failed_checks, overwrite=overwrite, nnodes=nnodes,
-                node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+                node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, force_resources=force_resources)
 
 
 def torchrun_batches(run: str, runs: Mapping[str, tuple[int, dict[str, Any] | None]], *, timeout_s: float = 600.0,
@@ -265,7 +271,8 @@ def torchrun_batches(run: str, runs: Mapping[str, tuple[int, dict[str, Any] | No
 
 def _job(run: str, nproc: int, configs: dict[str, dict[str, Any] | None], *, out: str | os.PathLike[str] | None,
          timeout_s: float, stream: bool, env: dict[str, str] | None, allow_failed_checks: bool, overwrite: bool,
-         nnodes: int, node_rank: int | None, rdzv_endpoint: str | None) -> dict[str, RunResult] | None:
+         nnodes: int, node_rank: int | None, rdzv_endpoint: str | None,
+         force_resources: bool = False) -> dict[str, RunResult] | None:
     """:func:`torchrun` and :func:`torchrun_batch`: one job of one or several configs (a single
     run's label is ``""``)."""
     check_run_name(run)
@@ -281,6 +288,10 @@ def _job(run: str, nproc: int, configs: dict[str, dict[str, Any] | None], *, out
     else:
         _check_gpus(nproc, env=env)
     _warn_small_shm(nproc, env)
+    if not isinstance(force_resources, bool):
+        raise ValueError(f"force_resources must be True or False, got {force_resources!r}")
+    check_job_resources(module, list(cfgs.values()), nproc, world_size=nnodes * nproc,
+                        local_ranks=nproc * nodes.local_agents, env=env, force=force_resources)
 
     defaults = config_defaults(run)
     single = list(cfgs) == [""]

@@ -79,7 +79,9 @@ def measure_param_bytes(module: nn.Module) -> ParamBytes:
             storage += nbytes(local)
             continue
         shard += nbytes(local)
-        storage += local.untyped_storage().nbytes() if local.numel() else 0
+        # an empty shard still has its padded buffer: FSDP2 gives every rank one as large as
+        # rank 0's (a first dimension of 1 row on 2 ranks: rank 1 holds none and pads one)
+        storage += local.untyped_storage().nbytes()
     return ParamBytes(shard_bytes=shard, storage_bytes=storage)
 
 
