@@ -154,7 +154,13 @@ def check_job_resources(module: object, configs: list[object], nproc: int, *, wo
     ranks run on the CPU). The launcher calls it before it claims a folder or starts anything.
 
     Costs one ``psutil`` call and one memory estimate per config (milliseconds).
+
+    Raises:
+        ValueError: ``force`` is not a bool (named as ``torchrun``'s ``force_resources``), or
+            the job does not fit (:func:`check_resources`).
     """
+    if not isinstance(force, bool):
+        raise ValueError(f"force_resources must be True or False, got {force!r}")
     if force:
         return
     check_resources(local_ranks, None)  # the cores first: no estimate needed

@@ -106,19 +106,10 @@ def _check_call(config: Any, timeout_s: Any, env: Any, overwrite: Any) -> None:
 
 
 def torchrun(
-    run: str,
-    nproc: int = 2,
-    config: dict[str, Any] | None = None,
-    *,
-    out: str | os.PathLike[str] | None = None,
-    timeout_s: float = 600.0,
-    stream: bool = True,
-    env: dict[str, str] | None = None,
-    allow_failed_checks: bool = False,
-    overwrite: bool = False,
-    nnodes: int = 1,
-    node_rank: int | None = None,
-    rdzv_endpoint: str | None = None,
+    run: str, nproc: int = 2, config: dict[str, Any] | None = None, *,
+    out: str | os.PathLike[str] | None = None, timeout_s: float = 600.0, stream: bool = True,
+    env: dict[str, str] | None = None, allow_failed_checks: bool = False, overwrite: bool = False,
+    nnodes: int = 1, node_rank: int | None = None, rdzv_endpoint: str | None = None,
     force_resources: bool = False,
 ) -> RunResult | None:
     """Run ``handbook_lib.runs.<run>`` on ``nproc`` processes and return its parsed result.
@@ -162,10 +153,8 @@ def torchrun(
         node_rank: This machine's node in a real multi-node job (``0 .. nnodes-1``), naming its
             files in ``out``; ``None`` runs every node here.
         rdzv_endpoint: ``host:port`` of the c10d rendezvous, required with ``node_rank``.
-        force_resources: Start the run even if this machine cannot hold it: by default more than
-            :data:`~handbook_lib.launch.preflight.RANKS_PER_CORE` ranks per CPU core, or more host
-            memory than is available by the run's own prediction, is refused before anything
-            starts (:func:`~handbook_lib.launch.preflight.check_job_resources`).
+        force_resources: Start even a job this machine cannot hold, which is otherwise refused
+            before anything starts (:func:`~handbook_lib.launch.preflight.check_job_resources`).
 
     Returns:
         The run's ``result.json``, parsed; ``None`` on a node of a real multi-node job that did
@@ -271,8 +260,8 @@ def torchrun_batches(run: str, runs: Mapping[str, tuple[int, dict[str, Any] | No
 
 def _job(run: str, nproc: int, configs: dict[str, dict[str, Any] | None], *, out: str | os.PathLike[str] | None,
          timeout_s: float, stream: bool, env: dict[str, str] | None, allow_failed_checks: bool, overwrite: bool,
-         nnodes: int, node_rank: int | None, rdzv_endpoint: str | None,
-         force_resources: bool = False) -> dict[str, RunResult] | None:
+         nnodes: int, node_rank: int | None, rdzv_endpoint: str | None, force_resources: bool = False
+         ) -> dict[str, RunResult] | None:
     """:func:`torchrun` and :func:`torchrun_batch`: one job of one or several configs (a single
     run's label is ``""``)."""
     check_run_name(run)
@@ -288,8 +277,6 @@ def _job(run: str, nproc: int, configs: dict[str, dict[str, Any] | None], *, out
     else:
         _check_gpus(nproc, env=env)
     _warn_small_shm(nproc, env)
-    if not isinstance(force_resources, bool):
-        raise ValueError(f"force_resources must be True or False, got {force_resources!r}")
     check_job_resources(module, list(cfgs.values()), nproc, world_size=nnodes * nproc,
                         local_ranks=nproc * nodes.local_agents, env=env, force=force_resources)
 
