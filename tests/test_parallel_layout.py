@@ -98,7 +98,8 @@ def test_strategies_map_onto_the_data_parallel_degrees():
     ({"sp": 4, "nhead": 2, "kv_heads": 4, "seq_len": 8},
      "sp_size=4 with sp_method=ulysses must divide nhead=2 (its all-to-all splits the heads); "
      "sp_method=ring needs neither"),
-    ({"tp": 2, "seq_len": 9, "sequence_parallel": True}, "tp_size=2 with sequence_parallel=True must divide seq_len=9"),
+    ({"tp": 2, "seq_len": 9, "sequence_parallel": True},
+     "tp_size=2 with sequence_parallel=True must divide seq_len=9"),
     ({"tp": 2, "names": {"tp": "--tp-size {}", "world": "--gpus ({})"}, "vocab": 7}, "--tp-size 2 must divide vocab_size=7"),
 ])
 def test_a_refusal_is_one_line_naming_the_degree_and_what_it_must_divide(kwargs, message):
