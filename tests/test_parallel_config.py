@@ -13,13 +13,13 @@ def test_parallel_config_splits_the_world_into_data_parallel_ranks():
 
 
 @pytest.mark.parametrize("keys, match", [
-    ({"tp_size": 3}, "config key 'nhead'=4 must be divisible by tp_size=3"),
+    ({"tp_size": 3}, "config key 'tp_size'=3 must divide 'nhead'=4, 'dim_feedforward'=1024 and 'vocab_size'=10000$"),
     ({"tp_size": 2, "nhead": 2, "d_model": 256, "dim_feedforward": 1023}, "'dim_feedforward'=1023"),
-    ({"tp_size": 2, "vocab_size": 10_001}, "'vocab_size'=10001 must be divisible by tp_size=2"),
-    ({"tp_size": 2, "sequence_parallel": True, "seq_len": 63}, "'seq_len'=63 must be divisible by tp_size=2"),
+    ({"tp_size": 2, "vocab_size": 10_001}, "config key 'tp_size'=2 must divide 'vocab_size'=10001$"),
+    ({"tp_size": 2, "sequence_parallel": True, "seq_len": 63}, "config key 'tp_size'=2 with 'sequence_parallel'=True must divide 'seq_len'=63$"),
     ({"sequence_parallel": True}, "'sequence_parallel'=True .* needs tp_size >= 2"),
-    ({"sp_size": 3}, "'seq_len'=64 must be divisible by sp_size=3"),
-    ({"sp_size": 8}, "'nhead'=4 must be divisible by sp_size=8 for sp_method=ulysses"),
+    ({"sp_size": 3}, "config key 'sp_size'=3 must divide 'seq_len'=64$"),
+    ({"sp_size": 8}, "config key 'sp_size'=8 with 'sp_method'=ulysses must divide 'nhead'=4 .*'sp_method'=ring needs neither"),
     ({"tp_size": 2, "sp_size": 2}, "set the other to 1"),
     ({"tp_size": 0}, "tp_size"),
     ({"sp_method": "rings"}, "accepted values: ulysses, ring"),

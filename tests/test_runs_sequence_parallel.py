@@ -72,8 +72,8 @@ def test_ranks_hold_their_rows_and_positions(results):
 @pytest.mark.parametrize("changes, world, match", [
     ({"sp_size": 1}, 4, "'sp_size'=1"),
     ({"sp_size": 3, "seq_len": 9, "sp_method": "ring"}, 4, "'sp_size'=3 must divide the number of ranks 4"),
-    ({"sp_size": 4, "sp_method": "ulysses"}, 4, "'nhead'=2 must be divisible by sp_size=4"),
-    ({"sp_size": 2, "seq_len": 9}, 4, "'seq_len'=9 must be divisible by sp_size=2"),
+    ({"sp_size": 4, "sp_method": "ulysses"}, 4, "config key 'sp_size'=4 with 'sp_method'=ulysses must divide 'nhead'=2 "),
+    ({"sp_size": 2, "seq_len": 9}, 4, "config key 'sp_size'=2 must divide 'seq_len'=9$"),
     ({"sp_size": 2, "strategy": "SHARD_GRAD_OP"}, 4, "strategy='FULL_SHARD'"),
     ({"sp_size": 2, "api": "fsdp1"}, 4, "api='fsdp2'"),
     ({"sp_size": 2, "precision": "bf16-mixed"}, 4, "'precision'='bf16-mixed' is not supported"),

@@ -72,9 +72,9 @@ def test_bad_configs_are_refused_in_one_line(changes, world, match):
 
 
 @pytest.mark.parametrize("changes, match", [
-    ({"nhead": 3, "d_model": 30}, "'nhead'=3 must be divisible by tp_size=2"),
-    ({"vocab_size": 51}, "'vocab_size'=51 must be divisible by tp_size=2"),
-    ({"seq_len": 7, "sequence_parallel": True}, "'seq_len'=7 must be divisible by tp_size=2"),
+    ({"nhead": 3, "d_model": 30}, "config key 'tp_size'=2 must divide 'nhead'=3$"),
+    ({"vocab_size": 51}, "config key 'tp_size'=2 must divide 'vocab_size'=51$"),
+    ({"seq_len": 7, "sequence_parallel": True}, "config key 'tp_size'=2 with 'sequence_parallel'=True must divide 'seq_len'=7$"),
 ])
 def test_shapes_tp_cannot_split_are_refused_by_the_config(changes, match):
     with pytest.raises(ValueError, match=match):

@@ -105,11 +105,11 @@ def test_step_traffic_is_fsdp_over_the_world_beside_sp():
 
 
 def test_refusals():
-    with pytest.raises(ValueError, match="seq_len=15 must be divisible by sp_size=2"):
+    with pytest.raises(ValueError, match="sp_size=2 must divide seq_len=15$"):
         estimate_sp_activation_bytes(CFG, 1, 15, 2)
     with pytest.raises(ValueError, match="sp_method must be one of ulysses, ring"):
         estimate_sp_collectives(CFG, 1, 16, 2, "allgather")
-    with pytest.raises(ValueError, match="nhead=4 must be divisible by sp_size=8"):
+    with pytest.raises(ValueError, match="sp_size=8 with sp_method=ulysses must divide nhead=4 "):
         estimate_sp_collectives(CFG, 1, 16, 8, "ulysses")
 
 

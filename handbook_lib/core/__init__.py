@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         parse_overrides,
     )
     from handbook_lib.core.parallel_config import PLAIN_KEYS, SP_METHODS, ParallelConfig
+    from handbook_lib.core.parallel_layout import MESH_DIMS, ParallelLayout
     from handbook_lib.core.files import fsync_dir, write_json_atomic, write_text_atomic
     from handbook_lib.core.protocol import (
         PREEMPT_SIGNALS,
@@ -106,6 +107,8 @@ _HOMES = {
     "RunConfig": "config",
     "ParallelConfig": "parallel_config",
     "SP_METHODS": "parallel_config",
+    "ParallelLayout": "parallel_layout",
+    "MESH_DIMS": "parallel_layout",
     "CheckpointingMode": "config",
     "CHECKPOINTING_MODES": "config",
     "checkpointing_mode": "config",
@@ -170,7 +173,8 @@ _HOMES = {
 
 __all__ = [
     "ModelConfig", "MODEL_KEYS", "param_shapes", "param_count", "param_count_breakdown", "is_int",
-    "check_int", "lookup", "check_world", "FlatConfig", "RunConfig", "ParallelConfig", "SP_METHODS", "CheckpointingMode",
+    "check_int", "lookup", "check_world", "FlatConfig", "RunConfig", "ParallelConfig", "SP_METHODS",
+    "ParallelLayout", "MESH_DIMS", "CheckpointingMode",
     "CHECKPOINTING_MODES", "checkpointing_mode", "APIS", "Dtype", "DTYPES", "dtype_bytes",
     "Precision", "PRECISIONS", "get_precision", "OPTIMIZERS", "WRAPS", "INITS", "parse_overrides",
     "write_text_atomic", "write_json_atomic", "fsync_dir", "DEADLINE_ENV", "COLLECTIVE_TIMEOUT_ENV",

@@ -9,20 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar, Literal, get_args
+from typing import ClassVar
 
 from handbook_lib.core.config import RunConfig
+from handbook_lib.core.parallel_layout import SP_METHODS, ParallelLayout, SpMethod
 from handbook_lib.core.strategies import get_strategy
 
-__all__ = ["SP_METHODS", "PLAIN_KEYS", "ParallelConfig"]
+__all__ = ["SP_METHODS", "PLAIN_KEYS", "CONFIG_NAMES", "ParallelConfig"]
 
 
-SpMethod = Literal["ulysses", "ring"]
-SP_METHODS: tuple[str, ...] = get_args(SpMethod)
-"""How a sequence split over ``sp_size`` ranks is attended: ``ulysses`` (DeepSpeed's
-``DistributedAttention``: all-to-alls trade the sequence split for a split of the heads) or
-``ring`` (the book's ring attention: key and value blocks passed around the group by
-point-to-point sends)."""
+CONFIG_NAMES: dict[str, str] = {
+    "tp": "config key 'tp_size'={}", "sp": "config key 'sp_size'={}", "world": "the number of ranks {}",
+    "nhead": "'nhead'={}", "ffn": "'dim_feedforward'={}", "vocab": "'vocab_size'={}", "seq_len": "'seq_len'={}",
+    "sp_method": "'sp_method'={}", "sequence_parallel": "'sequence_parallel'={}"}
+"""How a :class:`ParallelConfig`'s refusals name the layout's quantities (its keys)."""
 
 
 PLAIN_KEYS: tuple[str, ...] = (
@@ -77,20 +77,20 @@ class ParallelConfig(RunConfig):
         if self.sequence_parallel and tp == 1:
             raise ValueError("config key 'sequence_parallel'=True splits the tensor-parallel group's "
                              "activations by sequence: it needs tp_size >= 2, got 1")
-        for key in ("nhead", "dim_feedforward", "vocab_size"):
-            if getattr(self, key) % tp:
-                raise ValueError(f"config key {key!r}={getattr(self, key)} must be divisible by "
-                                 f"tp_size={tp} (each tensor-parallel rank holds 1/{tp}; uneven "
-                                 "splits are refused)")
-        if self.sequence_parallel and self.seq_len % tp:
-            raise ValueError(f"config key 'seq_len'={self.seq_len} must be divisible by tp_size={tp} "
-                             "with sequence_parallel=True")
-        if self.seq_len % sp:
-            raise ValueError(f"config key 'seq_len'={self.seq_len} must be divisible by sp_size={sp}")
-        if sp > 1 and self.sp_method == "ulysses" and self.nhead % sp:
-            raise ValueError(f"config key 'nhead'={self.nhead} must be divisible by sp_size={sp} "
-                             "for sp_method=ulysses (its all-to-all splits the heads); use "
-                             "sp_method=ring")
+        self.layout().check_shape(nhead=self.nhead, ffn=self.dim_feedforward, vocab=self.vocab_size,
+                                  seq_len=self.seq_len, sequence_parallel=self.sequence_parallel, names=CONFIG_NAMES)
+
+    def layout(self, world_size: int | None = None) -> ParallelLayout:
+        """The parallel layout of this config on ``world_size`` ranks: FSDP2 (FULL_SHARD) over the
+        data-parallel ranks, ``tp_size`` and ``sp_size`` inner (``None``: the model-parallel
+        degrees alone, one data-parallel rank).
+
+        Raises:
+            ValueError: if ``tp_size * sp_size`` does not divide ``world_size``
+                (:meth:`ParallelLayout.for_world <handbook_lib.core.parallel_layout.ParallelLayout.for_world>`).
+        """
+        return ParallelLayout.for_world(self.inner_size if world_size is None else world_size, tp=self.tp_size,
+                                        sp=self.sp_size, sp_method=self.sp_method, names=CONFIG_NAMES)
 
     def check_runnable(self, run: str, world_size: int, *, shards_over: str,
                        also_default: tuple[str, ...] = ()) -> int:
@@ -133,10 +133,7 @@ class ParallelConfig(RunConfig):
                 batch does not divide over the data-parallel ranks (and ``grad_accum_steps``).
         """
         key = "tp_size" if self.tp_size > 1 else "sp_size"
-        if world_size % self.inner_size:
-            raise ValueError(f"config key {key!r}={self.inner_size} must divide the number of "
-                             f"ranks {world_size}")
-        dp = world_size // self.inner_size
+        dp = self.layout(world_size).dp
         if self.batch_size % (dp * self.grad_accum_steps):
             raise ValueError(f"batch_size={self.batch_size} must be divisible by the {dp} "
                              f"data-parallel rank(s) (world size {world_size} / {key} "

@@ -19,10 +19,12 @@ Adding a strategy is one row here plus, if it needs a new wrapper, one apply fun
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from handbook_lib.core.checks import check_int, is_int
+from handbook_lib.core.checks import check_int
+from handbook_lib.core.parallel_layout import ParallelLayout
 
 __all__ = [
     "StrategyName",
@@ -145,7 +147,8 @@ class Strategy:
         return self
 
     def shard_group(self, world_size: int, shard_group_size: int | None = None) -> int:
-        """Ranks that shard one copy of the model.
+        """Ranks that shard one copy of the model (:attr:`ParallelLayout.dp_shard
+        <handbook_lib.core.parallel_layout.ParallelLayout.dp_shard>` of :meth:`layout`).
 
         The whole world for a sharded strategy; 1 for a replicating one (DDP, NO_SHARD, NONE);
         ``shard_group_size`` for a hybrid one, where ``None`` or 0 means the whole world (the
@@ -155,17 +158,27 @@ class Strategy:
             ValueError: if the world size is not an int >= 1, or the group is not >= 1 and a
                 divisor of it, or ``shard_group_size`` is given to a strategy that is not hybrid.
         """
+        return self.layout(world_size, shard_group_size).dp_shard
+
+    def layout(self, world_size: int, shard_group_size: int | None = None, *, tp: int = 1, sp: int = 1,
+               sp_method: str = "ulysses", names: Mapping[str, str] | None = None) -> ParallelLayout:
+        """The data-parallel degrees this strategy gives ``world_size`` ranks (beside ``tp`` and
+        ``sp``): a sharded strategy shards over every data-parallel rank, a hybrid one over groups
+        of ``shard_group_size`` (``None`` or 0: all of them) replicated across the groups, a
+        replicating one (DDP, NO_SHARD, NONE) keeps a replica on each.
+
+        Raises:
+            ValueError: ``shard_group_size`` given to a strategy that is not hybrid, or what
+                :meth:`ParallelLayout.for_world <handbook_lib.core.parallel_layout.ParallelLayout.for_world>`
+                refuses, named as ``names`` spells it.
+        """
         check_int("world_size", world_size, 1)
-        if not self.hybrid:
-            if shard_group_size:
-                raise ValueError(f"shard_group_size applies only to the hybrid strategies "
-                                 f"({', '.join(strategies_where(hybrid=True))}), not {self.name}")
-            return world_size if self.sharded else 1
-        group = shard_group_size or world_size
-        if not is_int(group) or group < 1 or world_size % group:
-            raise ValueError(f"shard_group_size={group} must divide world_size={world_size} "
-                             f"(an int >= 1)")
-        return group
+        if not self.hybrid and shard_group_size:
+            raise ValueError(f"shard_group_size applies only to the hybrid strategies "
+                             f"({', '.join(strategies_where(hybrid=True))}), not {self.name}")
+        group = (shard_group_size or None) if self.hybrid else None
+        return ParallelLayout.for_world(world_size, tp=tp, sp=sp, sp_method=sp_method, shard_group=group,
+                                        replicate=not self.sharded, names=names)
 
     def check_cpu_offload(self, cpu_offload: bool, flag: str = "cpu_offload") -> None:
         """Refuse CPU offload for a strategy without FSDP's or ZeRO's offload (NONE, DDP).

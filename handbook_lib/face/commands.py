@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from handbook_lib.core.architecture import MODEL_KEYS, ModelConfig
 from handbook_lib.core.config import PRECISIONS, RunConfig, parse_overrides
+from handbook_lib.core.parallel_layout import ParallelLayout
 from handbook_lib.core.results import RunResult
 from handbook_lib.core.strategies import get_strategy, strategies_where
 from handbook_lib.core.text import TERMINAL_WIDTH, wrap
@@ -127,6 +128,12 @@ def _print_model(named: str, echo: list[str]) -> None:
     for line in (named, *echo):
         print(wrap_line(line, "  "))
 
+_FLAGS = {"world": "--world-size {}", "dp_shard": "--shard-group-size {}", "tp": "--tp-size {}",
+          "sp": "--sp-size {}", "sp_method": "--sp-method {}", "gpus_per_node": "the GPUs per node ({})",
+          "nhead": "the heads ({})", "kv_heads": "the KV heads ({})", "seq_len": "--seq-len ({})"}
+"""How the commands' refusals name the layout's quantities: by their flags, or in words."""
+
+
 def _check_sharding(args: argparse.Namespace) -> None:
     """Refuse flags that the chosen strategy would ignore or cannot honour."""
     row = get_strategy(args.strategy)
@@ -134,9 +141,7 @@ def _check_sharding(args: argparse.Namespace) -> None:
         if not row.hybrid:
             raise ValueError(f"--shard-group-size applies to the HYBRID strategies ({', '.join(_HYBRID)}), "
                              f"not --strategy {args.strategy}")
-        if args.world_size % args.shard_group_size:
-            raise ValueError(f"--shard-group-size {args.shard_group_size} must divide "
-                             f"--world-size {args.world_size}")
+        ParallelLayout.for_world(args.world_size, shard_group=args.shard_group_size, names=_FLAGS)
     if not row.distributed and args.world_size != 1:
         raise ValueError(f"--strategy NONE is one plain process: use --world-size 1, not {args.world_size}")
 
@@ -208,10 +213,8 @@ def _check_axes(args: argparse.Namespace, layout: ModelLayout, world: int) -> No
     if tp > 1 and sp > 1:
         raise ValueError("--tp-size and --sp-size: give one of them (each is priced beside FSDP, not "
                          "the two together)")
-    if tp > 1 and (world % tp or layout.nhead % tp):
-        raise ValueError(f"--tp-size {tp} must divide the GPUs ({world}) and the heads ({layout.nhead})")
-    if sp > 1 and (world % sp or args.seq_len % sp):
-        raise ValueError(f"--sp-size {sp} must divide the GPUs ({world}) and --seq-len ({args.seq_len})")
+    ParallelLayout.for_world(world, tp=tp, sp=sp, nhead=layout.nhead, seq_len=args.seq_len,
+                             names=_FLAGS | {"world": "the GPUs ({})"})
 
 
 def _axes_memory(args: argparse.Namespace, layout: ModelLayout) -> tuple[MemoryEstimate, str] | None:
@@ -354,14 +357,10 @@ def _plan_axes(args: argparse.Namespace, per_node: int) -> tuple[list[AxisOption
         return None
     shape = _chosen_shape(args)  # plan takes --model or --hf-config: a decoder's shape
     tp, sp = args.tp_size, args.sp_size
-    if tp > 1 and (per_node % tp or shape.nhead % tp or shape.kv_heads % tp):
-        raise ValueError(f"--tp-size {tp} must divide the GPUs per node ({per_node}), the heads ({shape.nhead}) "
-                         f"and the KV heads ({shape.kv_heads})")
-    if sp > 1 and (args.gpus % sp or args.seq_len % sp):
-        raise ValueError(f"--sp-size {sp} must divide --gpus ({args.gpus}) and --seq-len ({args.seq_len})")
-    if sp > 1 and args.sp_method == "ulysses" and (shape.nhead % sp or shape.kv_heads % sp):
-        raise ValueError(f"--sp-size {sp} with --sp-method ulysses must divide the heads ({shape.nhead}) and "
-                         f"the KV heads ({shape.kv_heads}); --sp-method ring needs neither")
+    for one in ({"tp": tp}, {"sp": sp}):  # each axis priced beside FSDP, alone
+        ParallelLayout.for_world(args.gpus, **one, sp_method=args.sp_method, gpus_per_node=per_node,
+                                 nhead=shape.nhead, kv_heads=shape.kv_heads, seq_len=args.seq_len,
+                                 names=_FLAGS | {"world": "--gpus ({})"})
     common = {"micro_batch": args.micro_batch, "gpus_per_node": per_node, "inter_link": args.inter_link,
               "precision": args.precision, "headroom": args.headroom}
     verdict = estimate_axes(shape, args.gpu, args.gpus, seq_len=args.seq_len, batch_tokens=args.batch_tokens,

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from handbook_lib.core.checks import check_int
+from handbook_lib.core.parallel_layout import ParallelLayout
 from handbook_lib.models.hardware import (
     Accelerator,
     Link,
@@ -128,6 +129,10 @@ class AxesVerdict:
         return " x ".join([*parts, f"FSDP {self.dp_size}"])
 
 
+_GPUS = {"world": "the GPUs ({})"}
+"""How this module's refusals name the world: its GPUs."""
+
+
 def estimate_sp_memory(model: ModelLike, world_size: int, seq_len: int, sp_size: int, *, micro_batch: int = 1,
                        precision: str = "bf16-mixed", optimizer: str = "adamw",
                        activation_checkpointing: bool | str = "full") -> MemoryEstimate:
@@ -146,12 +151,8 @@ def estimate_sp_memory(model: ModelLike, world_size: int, seq_len: int, sp_size:
         ValueError: for a ``seq_len`` that ``sp_size`` does not divide, ``sp_size`` not dividing
             ``world_size``, or what :func:`~handbook_lib.models.memory.estimate_memory` refuses.
     """
-    check_int("sp_size", sp_size, 1)
     check_int("seq_len", seq_len, 1)
-    if seq_len % sp_size:
-        raise ValueError(f"seq_len={seq_len} must be divisible by sp_size={sp_size}")
-    if world_size % sp_size:
-        raise ValueError(f"sp_size={sp_size} must divide the GPUs ({world_size})")
+    ParallelLayout.for_world(world_size, sp=sp_size, seq_len=seq_len, names=_GPUS)
     return estimate_memory(model, world_size, "FULL_SHARD", precision, optimizer, micro_batch=micro_batch,
                            seq_len=seq_len // sp_size, activation_checkpointing=activation_checkpointing)
 
@@ -178,10 +179,8 @@ def estimate_tp_fsdp_memory(shape: DecoderShape | str, world_size: int, tp_size:
             feed-forward width; for what ``estimate_memory`` refuses.
     """
     shape = get_shape(shape) if isinstance(shape, str) else shape
-    check_int("tp_size", tp_size, 1)
-    check_int("world_size", world_size, 1)
-    if world_size % tp_size:
-        raise ValueError(f"tp_size={tp_size} must divide the GPUs ({world_size})")
+    ParallelLayout.for_world(world_size, tp=tp_size, nhead=shape.nhead, kv_heads=shape.kv_heads, ffn=shape.ffn,
+                             names=_GPUS)
     check_int("micro_batch", micro_batch, 1)
     tp_state = estimate_decoder_tp_memory(shape, tp_size, world_size // tp_size, micro_batch, seq_len,
                                           optimizer=optimizer)
@@ -208,14 +207,10 @@ def sp_candidates(model: ModelLike, gpus: int, seq_len: int, method: str) -> lis
     heads = layout.nhead
     q = layout.q_width or layout.d_model
     kv = heads * (layout.kv_width or q) // q if heads else 0
-    out = []
-    for sp in range(2, gpus + 1):
-        if gpus % sp or seq_len % sp:
-            continue
-        if method == "ulysses" and (not heads or heads % sp or kv % sp):
-            continue
-        out.append(sp)
-    return out
+    if method == "ulysses" and not heads:
+        return []
+    return [sp for sp in range(2, gpus + 1)
+            if ParallelLayout.allows(gpus, sp=sp, sp_method=method, seq_len=seq_len, nhead=heads, kv_heads=kv)]
 
 
 @dataclass(frozen=True)
@@ -384,8 +379,9 @@ def _batch_axis(job: _Job, batch_tokens: int | None, reasons: list[str]) -> tupl
         reasons.append(f"{words}; {job.gpus:,} are used.")
         return 1, max_dp
     shape = _shape(job.model)
-    sizes = (job.gpus_per_node, shape.nhead, shape.kv_heads, shape.ffn, job.gpus)
-    fits = [tp for tp in range(2, job.gpus_per_node + 1) if all(n % tp == 0 for n in sizes)]
+    fits = [tp for tp in range(2, job.gpus_per_node + 1)
+            if ParallelLayout.allows(job.gpus, tp=tp, gpus_per_node=job.gpus_per_node, nhead=shape.nhead,
+                                     kv_heads=shape.kv_heads, ffn=shape.ffn)]
     for tp in fits:
         if job.gpus // tp <= max_dp:
             reasons.append(f"{words}, not {job.gpus:,}: TP {tp} inside a node makes {job.gpus // tp:,} "

@@ -33,6 +33,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from handbook_lib.core.config import get_precision
+from handbook_lib.core.parallel_layout import ParallelLayout
 from handbook_lib.models.axes import estimate_sp_memory, estimate_tp_fsdp_memory
 from handbook_lib.models.collectives import estimate_collective_time
 from handbook_lib.models.hardware import (
@@ -182,6 +183,10 @@ def _price_sp(job: _Job, sp: int, method: str, ac: bool) -> AxisOption:
                       job.gpus // sp * job.micro_batch * job.seq_len)
 
 
+_NAMES = {"world": "the GPUs ({})", "gpus_per_node": "the GPUs per node ({})", "nhead": "the heads ({})"}
+"""How :func:`compare_axes` names the layout's quantities in a refusal."""
+
+
 def compare_axes(model: DecoderShape | str, gpu: Accelerator | str, gpus: int, *, seq_len: int,
                  tp_size: int | None = None, sp_size: int = 1, sp_method: str = "ulysses", micro_batch: int = 1,
                  gpus_per_node: int | None = None, inter_link: str = "ib-ndr400", precision: str = "bf16-mixed",
@@ -216,9 +221,7 @@ def compare_axes(model: DecoderShape | str, gpu: Accelerator | str, gpus: int, *
     node = node_preset(acc, inter_link=inter_link, gpus_per_node=min(result.gpus_per_node, gpus))
     job = _Job(shape, node, gpus, micro_batch, seq_len, precision, utilization, result.options[0].budget_bytes)
     tp = node.gpus_per_node if tp_size is None else tp_size
-    if tp > 1 and (node.gpus_per_node % tp or shape.nhead % tp):
-        raise ValueError(f"tp_size={tp} must divide the GPUs per node ({node.gpus_per_node}) and the heads "
-                         f"({shape.nhead})")
+    ParallelLayout.for_world(gpus, tp=tp, gpus_per_node=node.gpus_per_node, nhead=shape.nhead, names=_NAMES)
     rows = [_from_plan(o, job) for o in result.options if o.name in _FROM_PLAN and o.gpus == gpus]
     for ac in (False, True):
         if tp > 1:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from handbook_lib.core.checks import check_int
 from handbook_lib.core.config import get_precision
+from handbook_lib.core.parallel_layout import ParallelLayout
 from handbook_lib.models.hardware import Node, usable_memory_bytes
 from handbook_lib.models.layout import wrap_units
 from handbook_lib.models.memory import estimate_memory
@@ -106,9 +107,7 @@ def compare_cluster_layouts(
     rows = []
     for group in shard_group_sizes:
         if group is not None:
-            check_int("shard_group_size", group, 1)
-            if gpus % group:
-                raise ValueError(f"shard_group_size {group} must divide gpus={gpus}")
+            ParallelLayout.for_world(gpus, shard_group=group, names=_NAMES | {"world": "gpus={}"})
         strategy = "FULL_SHARD" if group is None else "HYBRID_SHARD"
         traffic = estimate_step_traffic(units, gpus, strategy, param_dtype=compute,
                                         reduce_dtype=reduce, shard_group_size=group)
@@ -130,6 +129,10 @@ def compare_cluster_layouts(
     return rows
 
 
+_NAMES = {"dp_shard": "shard_group_size {}"}
+"""How this module's refusals name the shard group."""
+
+
 def hsdp_groups(world_size: int, shard_group_size: int) -> tuple[tuple[tuple[int, ...], ...],
                                                                  tuple[tuple[int, ...], ...]]:
     """HSDP's two kinds of process group over ``world_size`` ranks: ``(shard groups, replica
@@ -142,11 +145,8 @@ def hsdp_groups(world_size: int, shard_group_size: int) -> tuple[tuple[tuple[int
     Raises:
         ValueError: unless ``shard_group_size`` is >= 1 and divides ``world_size``.
     """
-    check_int("world_size", world_size, 1)
-    check_int("shard_group_size", shard_group_size, 1)
-    if world_size % shard_group_size:
-        raise ValueError(f"shard_group_size {shard_group_size} must divide world_size={world_size}")
-    rows = world_size // shard_group_size
+    layout = ParallelLayout.for_world(world_size, shard_group=shard_group_size, names=_NAMES)
+    rows, shard_group_size = layout.dp_replicate, layout.dp_shard
     shard = tuple(tuple(range(r * shard_group_size, (r + 1) * shard_group_size)) for r in range(rows))
     replica = tuple(tuple(range(c, world_size, shard_group_size)) for c in range(shard_group_size))
     return shard, replica

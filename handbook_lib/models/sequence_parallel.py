@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 from handbook_lib.core.architecture import ModelConfig
 from handbook_lib.core.checks import check_int
 from handbook_lib.core.config import dtype_bytes
+from handbook_lib.core.parallel_layout import SP_METHODS, ParallelLayout
 from handbook_lib.models.activations import ActivationBytes
 from handbook_lib.models.collectives import estimate_collective
 from handbook_lib.models.hardware import Accelerator, Link, get_accelerator, get_link
@@ -73,19 +74,17 @@ __all__ = [
     "ulysses_layer_bytes",
 ]
 
-SP_METHODS = ("ulysses", "ring")
-"""The attention cores that let a token see the tokens of the other ranks (config ``sp_method``)."""
-
 _INDEX_BYTES = 8  # int64 token ids and targets
 
 
-def _check(sp_size: int, seq_len: int, method: str | None = None) -> None:
+def _check(sp_size: int, seq_len: int, method: str | None = None, nhead: int | None = None) -> None:
+    """The layout's rules for a sequence split (:meth:`ParallelLayout.check_shape`), with
+    ``nhead`` (Ulysses' heads) when given."""
     check_int("sp_size", sp_size, 1)
     check_int("seq_len", seq_len, 1)
-    if seq_len % sp_size:
-        raise ValueError(f"seq_len={seq_len} must be divisible by sp_size={sp_size}")
     if method is not None and method not in SP_METHODS:
         raise ValueError(f"sp_method must be one of {', '.join(SP_METHODS)}, got {method!r}")
+    ParallelLayout(sp=sp_size, sp_method=method or "ring").check_shape(seq_len=seq_len, nhead=nhead)
 
 
 def parallel_layout(config: ModelConfig) -> ModelLayout:
@@ -205,12 +204,10 @@ def estimate_sp_collectives(config: ModelConfig, micro_batch: int, seq_len: int,
         ValueError: for a ``seq_len`` that ``sp_size`` does not divide, an unknown method, or
             (``ulysses``) ``nhead`` not divisible by ``sp_size``.
     """
-    _check(sp_size, seq_len, method)
+    _check(sp_size, seq_len, method, config.nhead)
     p = sp_size
     if p == 1:
         return ()
-    if method == "ulysses" and config.nhead % p:
-        raise ValueError(f"nhead={config.nhead} must be divisible by sp_size={p} for sp_method=ulysses")
     b = local_tokens(micro_batch, seq_len, p) * config.d_model * dtype_bytes(compute_dtype)
     n = config.num_layers
     if method == "ulysses":
@@ -355,7 +352,9 @@ def megatron_sp_layer_bytes(model: ModelLike, seq_len: int, tp_size: int, *, mic
     all-gather of the full ``M = b·s·d·c`` before attention and before the MLP, a reduce-scatter
     after each (``4·M·(P-1)/P``), the same in backward. Jacobs et al. (2023) contrast it with
     Ulysses: it grows with M whatever P."""
-    _check(tp_size, seq_len)
+    check_int("tp_size", tp_size, 1)
+    check_int("seq_len", seq_len, 1)
+    ParallelLayout(tp=tp_size).check_shape(seq_len=seq_len, sequence_parallel=True)
     d, _, _ = _widths(model)
     m = micro_batch * seq_len * d * dtype_bytes(dtype)
     if tp_size == 1:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from handbook_lib.core.architecture import ModelConfig, param_shapes
 from handbook_lib.core.checks import check_int
 from handbook_lib.core.config import dtype_bytes
+from handbook_lib.core.parallel_layout import ParallelLayout
 from handbook_lib.models.activations import ActivationBytes, ModelSizes
 from handbook_lib.models.collectives import CollectiveCost, estimate_collective
 from handbook_lib.models.model_state import OPTIMIZER_RULES, optimizer_states
@@ -413,9 +414,7 @@ def estimate_decoder_tp_memory(shape: DecoderShape, tp_size: int, dp_size: int, 
     """
     check_int("tp_size", tp_size, 1)
     check_int("dp_size", dp_size, 1)
-    for key, value in (("nhead", shape.nhead), ("num_kv_heads", shape.kv_heads), ("dim_feedforward", shape.ffn)):
-        if value % tp_size:
-            raise ValueError(f"tp_size={tp_size} must divide {key}={value} of {shape.name}")
+    ParallelLayout(tp=tp_size).check_shape(nhead=shape.nhead, kv_heads=shape.kv_heads, ffn=shape.ffn)
     layer = _tp_layer_elements(shape, tp_size)
     d = shape.d_model
     vocab = shape.vocab_size * d * (1 if shape.tied_embeddings else 2)

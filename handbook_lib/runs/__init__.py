@@ -109,6 +109,9 @@ def run_config_fields(name: str) -> RunConfigInfo:
         if "ClassVar" in ast.unparse(node.annotation):
             continue
         annotation = node.annotation
+        if isinstance(annotation, ast.Name) and annotation.id not in aliases:  # an alias imported from core
+            aliases.update({t.id: n.value for n in _imported_module(tree, annotation.id).body
+                            if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)})
         if isinstance(annotation, ast.Name) and annotation.id in aliases:
             annotation = aliases[annotation.id]
         if (isinstance(annotation, ast.Subscript) and isinstance(annotation.value, ast.Name)

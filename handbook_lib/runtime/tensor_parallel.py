@@ -42,7 +42,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn import functional as F
 
-from handbook_lib.core.parallel_config import ParallelConfig
+from handbook_lib.core.parallel_config import CONFIG_NAMES, ParallelConfig
+from handbook_lib.core.parallel_layout import ParallelLayout
 from handbook_lib.runtime.collectives import CollectiveCall, CollectiveCounter
 from handbook_lib.runtime.data import local_slice, make_batch
 from handbook_lib.runtime.distributed import RankContext
@@ -71,9 +72,8 @@ def build_tp_mesh(ctx: RankContext, tp_size: int) -> DeviceMesh:
     Raises:
         ValueError: if ``tp_size`` does not divide the world size.
     """
-    if tp_size < 1 or ctx.world_size % tp_size:
-        raise ValueError(f"config key 'tp_size'={tp_size} must divide the number of ranks {ctx.world_size}")
-    return init_device_mesh(ctx.device.type, (ctx.world_size // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    layout = ParallelLayout.for_world(ctx.world_size, tp=tp_size, names=CONFIG_NAMES)
+    return init_device_mesh(ctx.device.type, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
 
 
 def apply_tensor_parallel(model: ParallelTransformer, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
