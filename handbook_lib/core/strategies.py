@@ -19,6 +19,7 @@ Adding a strategy is one row here plus, if it needs a new wrapper, one apply fun
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -33,6 +34,8 @@ __all__ = [
     "Strategy",
     "STRATEGY_TABLE",
     "STRATEGIES",
+    "runnable_strategy",
+    "run_shard_group",
     "FSDP2_SPELLING",
     "get_strategy",
     "strategies_where",
@@ -264,3 +267,34 @@ def strategies_where(**flags: object) -> tuple[str, ...]:
     ``strategies_where(hybrid=True)`` → ``("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")``."""
     return tuple(s.name for s in STRATEGY_TABLE.values()
                  if all(getattr(s, k) == v for k, v in flags.items()))
+
+
+def runnable_strategy(name: str, api: str, world_size: int) -> Strategy:
+    """The row of strategy ``name``, if the runtime can apply it with ``api`` on ``world_size``
+    ranks (what :func:`handbook_lib.runtime.build.check_runnable` asks, before any process starts).
+
+    Raises:
+        ValueError: naming the strategy and what is accepted (``NONE`` on several ranks, an
+            FSDP strategy the chosen API lacks).
+    """
+    row = get_strategy(name)
+    if not row.distributed and world_size != 1:
+        raise ValueError(f"strategy {row.name!r} is one plain process; got {world_size} ranks")
+    if not row.runs_with(api):
+        accepted = [s.name for s in STRATEGY_TABLE.values() if s.wrapper == "fsdp" and s.runs_with(api)]
+        raise ValueError(f"strategy {row.name!r} is not available with api={api!r}; "
+                         f"accepted: {', '.join(accepted)}")
+    return row
+
+
+def run_shard_group(name: str, world_size: int, shard_group_size: int = 0) -> int:
+    """Ranks that shard one copy of the model for a run of strategy ``name`` (:meth:`Strategy.shard_group`):
+    for the hybrid strategies ``shard_group_size``, where 0 means the ranks of one node (torchrun's
+    ``LOCAL_WORLD_SIZE`` on a rank; the whole world in the launcher, before any rank exists).
+
+    Raises:
+        ValueError: if the group does not divide the world size.
+    """
+    row = get_strategy(name)
+    size = shard_group_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return row.shard_group(world_size, size if row.hybrid else None)

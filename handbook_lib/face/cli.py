@@ -9,7 +9,7 @@ Chapter 1 introduces it. Commands:
   temporary folder, removed at the end) and print its checks
   (with each one's tolerance and whether it passed), then a one-line verdict; a run this machine
   cannot hold (more than 8 ranks per CPU core, or more host memory than is available by the
-  run's own prediction: :func:`~handbook_lib.launch.preflight.check_run_resources`) is refused
+  run's own prediction: :func:`~handbook_lib.launch.preflight.check_job_resources`) is refused
   first, unless ``--force-resources``;
 - ``params [--model 7b | --hf-config config.json | --set key=value ...] [--json]`` — a model's
   parameter count, by component (``--json``: ``{"total": N, ...}``);
@@ -416,19 +416,13 @@ def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.A
 
 def _check_flags(args: argparse.Namespace) -> None:
     """Flags that parse but cannot be honoured, refused in one line before anything runs: a
-    flag that another flag must come with, and a run this machine cannot hold
-    (:func:`~handbook_lib.launch.preflight.check_run_resources`, unless ``--force-resources``)."""
+    flag that another flag must come with. (``run``'s config, and whether this machine can hold
+    the job, are checked once, by :func:`~handbook_lib.launch.torchrun` before it starts anything.)"""
     if args.command == "plan":
         if args.sp_method is not None and args.sp_size == 1:
             raise ValueError(f"--sp-method {args.sp_method} applies to the sequence split: give --sp-size N "
                              "(N >= 2) too, or leave --sp-method out")
         args.sp_method = args.sp_method or _SP_METHODS[0]
-    if args.command == "run":
-        from handbook_lib.core.config import parse_overrides
-        from handbook_lib.launch.preflight import check_run_resources
-
-        check_run_resources(args.name, args.nproc, parse_overrides(args.overrides), nnodes=args.nnodes,
-                            node_rank=args.node_rank, force=args.force_resources)
 
 
 def main(argv: list[str] | None = None) -> int:

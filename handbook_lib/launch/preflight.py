@@ -16,10 +16,11 @@ in the refusal, and ``--force-resources`` (``force_resources=True``) goes ahead 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 __all__ = ["SHM_MIN_BYTES", "shm_warning", "RANKS_PER_CORE", "check_resources", "check_job_resources",
-           "check_run_resources",
+           "check_run_resources", "check_run_config", "check_run_devices",
            "predicted_rank_bytes", "host_cores", "available_memory"]
 
 SHM_MIN_BYTES = 256 * 1024 * 1024
@@ -78,7 +79,8 @@ def predicted_rank_bytes(module: object, config: object, world_size: int, local_
     """Host bytes one rank of ``module``'s run will hold by the book's own models, or ``None``
     when the run has no prediction.
 
-    A run module may define ``host_bytes(config, world_size) -> int`` (the benchmark's buffers);
+    ``module``: the run's :class:`~handbook_lib.core.run_spec.RunSpec` (or its module). A run may
+    define ``host_bytes(config, world_size) -> int`` (the benchmark's buffers);
     a run of the handbook's model (a :class:`~handbook_lib.core.config.RunConfig`) is priced by
     :func:`~handbook_lib.models.memory.estimate_memory` for its own config: the step's peak
     (device memory, which on the CPU is host memory) plus what CPU offload keeps on the host. On
@@ -174,29 +176,80 @@ def check_job_resources(module: object, configs: list[object], nproc: int, *, wo
     check_resources(local_ranks, max(known) if known else None)
 
 
+def check_run_config(run: str, config: Mapping[str, Any] | None, world_size: int, *, label: str = "") -> Any:
+    """The launcher's one check of a config, before anything starts, without importing torch:
+    ``run`` is a run, ``config`` its config class accepts (every key and value), and the run's
+    ``validate`` accepts it on ``world_size`` ranks (the run's spec,
+    :func:`handbook_lib.runs.run_spec`). The CLI's ``run``, :func:`~handbook_lib.launch.torchrun`
+    and its batches all come through here, once per config.
+
+    Args:
+        label: A batch's label for this config, prefixed to its error (``""``: none).
+
+    Returns:
+        The config, as the run's config dataclass.
+
+    Raises:
+        ValueError: one line naming the run, key or value and what is accepted (``config
+            'label': ...`` in a batch).
+    """
+    from handbook_lib.runs import run_spec
+
+    spec = run_spec(run)
+    try:
+        return spec.check(config, world_size)
+    except ValueError as err:
+        if not label:
+            raise
+        raise ValueError(f"config {label!r}: {err}") from None
+
+
+def check_run_devices(run: str, configs: Mapping[str, Any], world_size: int, env: Mapping[str, str] | None) -> None:
+    """The one check of a run that depends on whether its ranks see GPUs (its spec's
+    ``check_devices``; trainer_deepspeed's only), once the launcher knows where they run. Ranks
+    whose ``env`` hides the GPUs see none; otherwise this counts them (imports torch), and only
+    for a run with such a check.
+
+    Raises:
+        ValueError: what the run refuses on those devices (``config 'label': ...`` in a batch).
+    """
+    from handbook_lib.launch.gpus import gpus_hidden, visible_gpus
+    from handbook_lib.runs import run_spec
+
+    check = run_spec(run).check_devices
+    if check is None:
+        return
+    cuda = not gpus_hidden(env) and visible_gpus() > 0
+    for label, cfg in configs.items():
+        try:
+            check(cfg, world_size, cuda)
+        except ValueError as err:
+            if not label:
+                raise
+            raise ValueError(f"config {label!r}: {err}") from None
+
+
 def check_run_resources(run: str, nproc: int, config: dict | None = None, *, nnodes: int = 1,
                         node_rank: int | None = None, env: dict[str, str] | None = None,
                         force: bool = False) -> None:
     """:func:`check_job_resources` for ``torchrun(run, nproc, config, ...)`` on this machine,
-    before anything else: the run's name and its config are checked first (their own messages).
+    before anything else: the run's name and its config are checked first (their own messages,
+    :func:`check_run_config`, no torch). :func:`~handbook_lib.launch.torchrun` makes these checks
+    itself; this is for a caller who wants them without launching.
 
     Raises:
         ValueError: for an unknown run, a config the run refuses, ``HANDBOOK_DEVICE=gpu`` without
             a GPU, or a job this machine cannot hold (:func:`check_resources`).
     """
-    import importlib
-
     from handbook_lib.launch.gpus import rank_env
-    from handbook_lib.runs import check_run_name
+    from handbook_lib.runs import check_run_name, run_spec
 
     check_run_name(run)
     env = rank_env(env)
     if force:
         return
     local = nproc * (nnodes if node_rank is None else 1)
-    check_resources(local, None)  # the cores first: no import needed
-    module = importlib.import_module(f"handbook_lib.runs.{run}")
-    cfg = module.CONFIG.from_mapping(config)
-    if hasattr(module, "validate"):
-        module.validate(cfg, nnodes * nproc)
-    check_job_resources(module, [cfg], nproc, world_size=nnodes * nproc, local_ranks=local, env=env)
+    check_resources(local, None)  # the cores first: no estimate needed
+    cfg = check_run_config(run, config, nnodes * nproc)
+    check_run_devices(run, {"": cfg}, nnodes * nproc, env)
+    check_job_resources(run_spec(run), [cfg], nproc, world_size=nnodes * nproc, local_ranks=local, env=env)

@@ -32,7 +32,6 @@ What it guarantees:
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
 import os
@@ -74,11 +73,11 @@ from handbook_lib.launch.errors import (
 from handbook_lib.launch.gpus import gpus_hidden, rank_env
 from handbook_lib.launch.nodes import Nodes, check_nodes
 from handbook_lib.launch.outdir import OutDir, prepare_out_dir
-from handbook_lib.launch.preflight import check_job_resources, shm_warning
+from handbook_lib.launch.preflight import check_job_resources, check_run_config, check_run_devices, shm_warning
 from handbook_lib.launch.preempt import TORCHRUN_SIGNALS, forward_signals, raise_if_preempted
 from handbook_lib.launch.processes import Agents, drain, exit_words, pump, start_agents, stop, sweep
 from handbook_lib.launch.show import Show, Streamer, config_defaults
-from handbook_lib.runs import available_runs, check_run_name
+from handbook_lib.runs import available_runs, check_run_name, run_spec
 
 __all__ = ["torchrun", "torchrun_batch", "torchrun_batches"]
 
@@ -216,14 +215,19 @@ def torchrun_batch(
         ChecksFailed: if a check of any config is outside its tolerance (unless
             ``allow_failed_checks``); :attr:`ChecksFailed.results` holds every config's result.
     """
+    _check_labels(configs)
+    return _job(run, nproc, dict(configs), out=out, timeout_s=timeout_s, stream=stream, env=env,
+                allow_failed_checks=allow_failed_checks, overwrite=overwrite, nnodes=nnodes,
+                node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, force_resources=force_resources)
+
+
+def _check_labels(configs: Any) -> None:
+    """A batch's configs: a non-empty mapping whose labels are non-empty strings."""
     if not isinstance(configs, Mapping) or not configs:
         raise ValueError(f"configs must be a non-empty mapping of label -> config, got {configs!r}")
     bad = [label for label in configs if not isinstance(label, str) or not label.strip()]
     if bad:
         raise ValueError(f"configs' labels must be non-empty strings, got {bad[0]!r}")
-    return _job(run, nproc, dict(configs), out=out, timeout_s=timeout_s, stream=stream, env=env,
-                allow_failed_checks=allow_failed_checks, overwrite=overwrite, nnodes=nnodes,
-                node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, force_resources=force_resources)
 
 
 def torchrun_batches(run: str, runs: Mapping[str, tuple[int, dict[str, Any] | None]], *, timeout_s: float = 600.0,
@@ -246,38 +250,44 @@ def torchrun_batches(run: str, runs: Mapping[str, tuple[int, dict[str, Any] | No
         if not (isinstance(entry, tuple) and len(entry) == 2):
             raise ValueError(f"runs[{label!r}] must be (nproc, config), got {entry!r}")
         groups.setdefault(check_int(f"runs[{label!r}] nproc", entry[0], 1), {})[label] = entry[1]
-    module = importlib.import_module(f"handbook_lib.runs.{run}") if run in available_runs() else None
-    for nproc, batch in groups.items():  # every config checked before the first batch starts
-        for label, config in batch.items():
-            if module is not None:
-                _checked(module, label, config, nproc)
+    checked: dict[int, dict[str, FlatConfig]] = {}
+    if run in available_runs():  # every config checked once, before the first batch starts
+        for nproc, batch in groups.items():
+            checked[nproc] = {label: check_run_config(run, config, nproc, label=label)
+                              for label, config in batch.items()}
     results: dict[str, RunResult] = {}
-    for nproc, batch in groups.items():
-        results.update(torchrun_batch(run, nproc, batch, timeout_s=timeout_s, stream=stream, env=env,
-                                      allow_failed_checks=allow_failed_checks) or {})
+    for nproc, batch in groups.items():  # torchrun_batch's job, its configs already checked
+        _check_labels(batch)
+        results.update(_job(run, nproc, batch, out=None, timeout_s=timeout_s, stream=stream, env=env,
+                            allow_failed_checks=allow_failed_checks, overwrite=False, nnodes=1, node_rank=None,
+                            rdzv_endpoint=None, checked=checked.get(nproc)) or {})
     return {label: results[label] for label in runs}
 
 
 def _job(run: str, nproc: int, configs: dict[str, dict[str, Any] | None], *, out: str | os.PathLike[str] | None,
          timeout_s: float, stream: bool, env: dict[str, str] | None, allow_failed_checks: bool, overwrite: bool,
-         nnodes: int, node_rank: int | None, rdzv_endpoint: str | None, force_resources: bool = False
-         ) -> dict[str, RunResult] | None:
+         nnodes: int, node_rank: int | None, rdzv_endpoint: str | None, force_resources: bool = False,
+         checked: dict[str, FlatConfig] | None = None) -> dict[str, RunResult] | None:
     """:func:`torchrun` and :func:`torchrun_batch`: one job of one or several configs (a single
-    run's label is ``""``)."""
+    run's label is ``""``). Each config is validated once, here, without importing torch
+    (:func:`~handbook_lib.launch.preflight.check_run_config`), unless ``checked`` holds it already
+    validated (:func:`torchrun_batches` checks every batch before the first starts)."""
     check_run_name(run)
     check_int("nproc", nproc, 1)
     for config in configs.values():
         _check_call(config, timeout_s, env, overwrite)
     nodes = check_nodes(nnodes, node_rank, rdzv_endpoint)
-    module = importlib.import_module(f"handbook_lib.runs.{run}")
-    cfgs = {label: _checked(module, label, config, nnodes * nproc) for label, config in configs.items()}
+    spec = run_spec(run)
+    cfgs = checked if checked is not None and list(checked) == list(configs) else {
+        label: check_run_config(run, config, nnodes * nproc, label=label) for label, config in configs.items()}
     env = rank_env(env)  # HANDBOOK_DEVICE=cpu: the ranks see no GPU and run on the CPU with gloo
     if nodes.local_agents > 1:
         _check_gpus(nnodes * nproc, f"nnodes x nproc = {nnodes} x {nproc} ranks on this machine", env)
     else:
         _check_gpus(nproc, env=env)
+    check_run_devices(run, cfgs, nnodes * nproc, env)
     _warn_small_shm(nproc, env)
-    check_job_resources(module, list(cfgs.values()), nproc, world_size=nnodes * nproc,
+    check_job_resources(spec, list(cfgs.values()), nproc, world_size=nnodes * nproc,
                         local_ranks=nproc * nodes.local_agents, env=env, force=force_resources)
 
     defaults = config_defaults(run)
@@ -292,7 +302,7 @@ def _job(run: str, nproc: int, configs: dict[str, dict[str, Any] | None], *, out
     temporary = out is None
     try:
         results = _launch(run, nproc, cfgs, claimed, timeout_s, show, env, allow_failed_checks, nodes,
-                          getattr(module, "PREEMPTIBLE", False))
+                          spec.preemptible)
         if results is None:
             return None
         return {k: dataclasses.replace(r, path=None) for k, r in results.items()} if temporary else results
@@ -307,20 +317,6 @@ def _job(run: str, nproc: int, configs: dict[str, dict[str, Any] | None], *, out
         claimed.release()
         if temporary:  # the folder mkdtemp made for this run, and nothing else
             shutil.rmtree(claimed.path, ignore_errors=True)
-
-
-def _checked(module: Any, label: str, config: dict[str, Any] | None, world_size: int) -> FlatConfig:
-    """``config`` as the run's ``CONFIG``, validated for ``world_size`` ranks; a batch's errors
-    name the config's label."""
-    try:
-        cfg = module.CONFIG.from_mapping(config)
-        if hasattr(module, "validate"):
-            module.validate(cfg, world_size)
-    except ValueError as err:
-        if not label:
-            raise
-        raise ValueError(f"config {label!r}: {err}") from None
-    return cfg
 
 
 def _launch(run: str, nproc: int, cfgs: dict[str, FlatConfig], claimed: OutDir, timeout_s: float, show: Show,

@@ -10,7 +10,6 @@ whole output folded under it in HTML (:class:`RunReport`).
 from __future__ import annotations
 
 import html
-import importlib
 import re
 import sys
 import time
@@ -112,9 +111,11 @@ def describe_run(run: str, nproc: int, config: Mapping[str, Any], defaults: Mapp
 
 
 def config_defaults(run: str) -> dict[str, Any]:
-    """The default config of ``handbook_lib.runs.<run>`` (its ``CONFIG`` with no keys set): what
-    :func:`describe_run` compares a run's config with."""
-    return importlib.import_module(f"handbook_lib.runs.{run}").CONFIG.from_mapping({}).to_dict()
+    """The default config of ``handbook_lib.runs.<run>`` (its spec's config class with no keys
+    set, no torch): what :func:`describe_run` compares a run's config with."""
+    from handbook_lib.runs import run_spec
+
+    return run_spec(run).config.from_mapping({}).to_dict()
 
 
 def show_result(result: RunResult, display: Any = None) -> RunResult:

@@ -25,7 +25,6 @@ and how a preempted job resumes from its latest checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import re
 import shlex
@@ -37,7 +36,7 @@ from typing import Any
 
 from handbook_lib.core.checks import check_int, is_int
 from handbook_lib.core.protocol import COLLECTIVE_TIMEOUT_ENV, PREEMPTED_EXIT
-from handbook_lib.runs import check_run_name
+from handbook_lib.runs import check_run_name, run_spec
 
 __all__ = [
     "BASE_PORT",
@@ -171,9 +170,9 @@ def build_job(run: str, nodes: int, gpus_per_node: int, overrides: Mapping[str, 
               **options: Any) -> SlurmJob:
     """A :class:`SlurmJob` whose config the run accepts for ``nodes * gpus_per_node`` ranks.
 
-    The options (``time``, ``partition``, ...) are checked first; then the run module is imported
-    (torch with it, about 2 s) and ``overrides`` go through its ``CONFIG.from_mapping``, then its
-    ``validate(config, world_size)`` when it has one, as :func:`handbook_lib.launch.torchrun` does.
+    The options (``time``, ``partition``, ...) are checked first; then ``overrides`` go through the
+    run's config class and its ``validate(config, world_size)``, as :func:`handbook_lib.launch.torchrun`
+    checks them (the run's spec, :func:`handbook_lib.runs.run_spec`: no torch).
     The job keeps the whole resolved config, so later changes to a run's defaults do not change
     what a written script runs.
 
@@ -181,19 +180,19 @@ def build_job(run: str, nodes: int, gpus_per_node: int, overrides: Mapping[str, 
         ValueError: naming the flag (or config key) and what is accepted.
     """
     job = SlurmJob(run, nodes, gpus_per_node, **options)
-    module = importlib.import_module(f"handbook_lib.runs.{run}")
-    preemptible = getattr(module, "PREEMPTIBLE", False)
+    spec = run_spec(run)
+    preemptible = spec.preemptible
     overrides = dict(overrides or {})
     if preemptible:  # the first start begins at step 0; a requeued one resumes from the latest save
         overrides = {**overrides, "resume": True, "resume_if_present": True}
     try:
-        config = module.CONFIG.from_mapping(overrides)
+        config = spec.config.from_mapping(overrides)
     except ValueError as err:  # one message (the CLI wraps it): the key, then the accepted keys
         text = "; ".join(str(err).splitlines())
         raise ValueError(text if text.startswith("--set ") else "--set: " + text) from None
-    if hasattr(module, "validate"):
+    if spec.validate is not None:
         try:
-            module.validate(config, job.world_size)
+            spec.validate(config, job.world_size)
         except ValueError as err:
             raise ValueError(f"--nodes {nodes} x --gpus-per-node {gpus_per_node} = {job.world_size} "
                              f"ranks: {err}") from None

@@ -26,40 +26,18 @@ import sys
 
 from handbook_lib.core.config import RunConfig
 from handbook_lib.core.results import Check
-from handbook_lib.core.strategies import get_strategy
-from handbook_lib.integrations.frameworks import fsdp_strategies
 from handbook_lib.models.layout import estimate_shard_bytes
 from handbook_lib.runs.entry import RankReport, main
+from handbook_lib.runs.specs.accelerate_fsdp import CONFIG as CONFIG, validate  # the spec: one home
 from handbook_lib.runtime.build import parallelize
 from handbook_lib.runtime.distributed import RankContext
 from handbook_lib.runtime.model import build_model
 from handbook_lib.runtime.optimization import build_optimizer
 from handbook_lib.runtime.training import train
 
-CONFIG = RunConfig
 
 LOSS_TOLERANCE = 1e-6
 """Relative tolerance of Accelerate's losses against the book's FSDP2 run (fp32)."""
-
-
-def validate(config: RunConfig, world_size: int) -> None:
-    """Reject, before any process starts, what this run cannot do.
-
-    Raises:
-        ValueError: naming the key and what is accepted.
-    """
-    row = get_strategy(config.strategy)
-    accepted = fsdp_strategies("fsdp2")  # what the Accelerate writer takes, with FSDP2
-    if config.strategy not in accepted or config.api != "fsdp2":
-        raise ValueError(f"accelerate_fsdp runs api='fsdp2' with strategy {', '.join(accepted)}; "
-                         f"got api={config.api!r}, strategy={row.name!r}")
-    if world_size < 2:
-        raise ValueError(f"accelerate_fsdp needs >= 2 ranks, got {world_size}")
-    if config.precision != "fp32" or config.cpu_offload or config.activation_checkpointing != "none":
-        raise ValueError("accelerate_fsdp runs precision='fp32' without cpu_offload or activation_checkpointing")
-    if config.steps < 2 or config.grad_accum_steps != 1 or config.max_grad_norm:
-        raise ValueError("accelerate_fsdp needs steps >= 2, grad_accum_steps=1 and max_grad_norm=0")
-    config.check_batch(world_size)
 
 
 def run(config: RunConfig, ctx: RankContext) -> RankReport:

@@ -33,26 +33,22 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from handbook_lib.core.config import RunConfig
-from handbook_lib.core.files import check_writable_dir
 from handbook_lib.core.results import Check
-from handbook_lib.core.strategies import STRATEGIES, get_strategy
 from handbook_lib.models.checkpoint import CHECKSUM, MANIFEST, cost_fraction, scale_model_width
 from handbook_lib.models.layout import model_layout
 from handbook_lib.runs.entry import RankReport, main
+from handbook_lib.runs.specs.checkpoint_cost import CONFIG as CONFIG, CheckpointCostConfig, job_of, validate
 from handbook_lib.runtime.build import parallelize
 from handbook_lib.runtime.checkpoint import load_checkpoint, save_checkpoint
-from handbook_lib.runtime.checkpoint_job import job_identity, job_refusal
 from handbook_lib.runtime.checkpoint_verify import METADATA, CheckpointError, read_metadata, validate_checkpoint
 from handbook_lib.runtime.data import local_batch
 from handbook_lib.runtime.distributed import RankContext
@@ -62,57 +58,6 @@ from handbook_lib.runtime.training import build_optimizer, train_step
 TIMES = ("save_s", "hash_s", "save_plain_s", "load_s", "verify_s", "load_plain_s", "async_blocked_s",
          "async_wait_s", "async_total_s")
 """The seconds each rank records per repeat (metrics, one list each)."""
-
-
-@dataclass(frozen=True)
-class CheckpointCostConfig(RunConfig):
-    """The model to checkpoint, how much wider, and how many times to time each save and load."""
-
-    MINIMUMS: ClassVar[Mapping[str, int]] = {**RunConfig.MINIMUMS, "scale": 1, "repeats": 1}
-
-    ckpt_dir: str = ""
-    """Where to write the checkpoints, kept after the run ("": a temporary directory, removed)."""
-    scale: int = 1
-    """Parameters (and checkpoint bytes) as a multiple of the config's model, by width."""
-    repeats: int = 5
-    """Timed rounds of every save and load (after one untimed round)."""
-
-
-CONFIG = CheckpointCostConfig
-
-
-def validate(config: CheckpointCostConfig, world_size: int) -> None:
-    """Reject, before any process starts, a config this run cannot execute.
-
-    Raises:
-        ValueError: naming the key and the values this run accepts.
-    """
-    row = get_strategy(config.strategy)
-    if config.api != "fsdp2" or not row.fsdp2 or row.hybrid:
-        accepted = [s for s in STRATEGIES if get_strategy(s).fsdp2 and not get_strategy(s).hybrid]
-        raise ValueError(f"checkpoint_cost supports api='fsdp2' with strategy {' or '.join(accepted)}; "
-                         f"got api={config.api!r}, strategy={config.strategy!r}")
-    if config.precision not in ("fp32", "bf16-mixed") or config.cpu_offload:
-        raise ValueError("checkpoint_cost supports precision fp32 or bf16-mixed, without cpu_offload")
-    config.check_batch(world_size)
-    if config.ckpt_dir:
-        check_writable_dir("ckpt_dir", config.ckpt_dir)
-        for folder in FOLDERS:  # each records the job of its first save: another one is refused
-            try:
-                refusal = job_refusal(Path(config.ckpt_dir) / folder, _job(config))
-            except CheckpointError as err:
-                refusal = str(err)
-            if refusal is not None:
-                raise ValueError(refusal)
-
-
-FOLDERS = ("verified", "plain", "async")
-"""The checkpoint roots under ``ckpt_dir``: saves with checksums, without, and asynchronous."""
-
-
-def _job(config: CheckpointCostConfig) -> dict[str, Any]:
-    """The identity of this run's checkpoints (the widened model's shape)."""
-    return job_identity("checkpoint_cost", scale_model_width(config.model_config(), config.scale), config.optimizer)
 
 
 def _root(config: CheckpointCostConfig, ctx: RankContext) -> Path:
@@ -295,7 +240,7 @@ def run(config: CheckpointCostConfig, ctx: RankContext) -> RankReport:
     root = _root(config, ctx)
     times: dict[str, list[float]] = {key: [] for key in TIMES}
     for repeat in range(config.repeats + 1):
-        measured, records = _round(root, repeat + 1, model, optimizer, _job(config))
+        measured, records = _round(root, repeat + 1, model, optimizer, job_of(config))
         if repeat:  # the first round warms up DCP's planning and the async save's process group
             for key in TIMES:
                 times[key].append(measured[key])

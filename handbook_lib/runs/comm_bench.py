@@ -17,16 +17,19 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
-from handbook_lib.core.config import FlatConfig
 from handbook_lib.models.collectives import fit_alpha_beta
 from handbook_lib.runs.entry import RankReport, main
+from handbook_lib.runs.specs.comm_bench import (
+    CONFIG as CONFIG,
+    BenchConfig,
+    buffer_sizes,
+    host_bytes as host_bytes,
+    validate,
+)
 from handbook_lib.runtime.distributed import RankContext
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -37,55 +40,6 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 # the old ones on older torch: the collective is the same.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-@dataclass(frozen=True)
-class BenchConfig(FlatConfig):
-    """Message sizes and repetitions of the benchmark."""
-
-    MINIMUMS: ClassVar[Mapping[str, int]] = {"points": 2, "repeats": 2, "warmup": 0}
-
-    min_bytes: int = 4096
-    """Smallest full buffer (all-gather output, reduce-scatter input), bytes."""
-    max_bytes: int = 8 * 2**20
-    """Largest full buffer, bytes."""
-    points: int = 7
-    """Buffer sizes, spaced geometrically between the two."""
-    repeats: int = 5
-    """Timed calls per size (the median is kept)."""
-    warmup: int = 2
-    """Untimed calls per size before the timed ones."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0 < self.min_bytes < self.max_bytes:
-            raise ValueError(f"need 0 < min_bytes < max_bytes, got {self.min_bytes}, {self.max_bytes}")
-
-
-CONFIG = BenchConfig
-
-
-def validate(config: BenchConfig, world_size: int) -> None:
-    """Raises ValueError for a single rank: a collective over one rank moves nothing."""
-    if world_size < 2:
-        raise ValueError("comm_bench needs at least 2 ranks (nproc >= 2)")
-
-
-def host_bytes(config: BenchConfig, world_size: int) -> int:
-    """Bytes one rank holds at the largest size: the full buffer, its 1/N shard, and room for one
-    more full buffer, the most a backend copies it into (gloo's all-gather and reduce-scatter
-    stage the full buffer through a temporary). Checked against the host's memory before the
-    benchmark starts (:func:`handbook_lib.launch.preflight.check_resources`)."""
-    largest = buffer_sizes(config, world_size)[-1]
-    return 2 * largest + largest // world_size
-
-
-def buffer_sizes(config: BenchConfig, world_size: int) -> list[int]:
-    """Geometric sizes, each rounded to a whole number of fp32 elements per rank."""
-    quantum = 4 * world_size
-    ratio = (config.max_bytes / config.min_bytes) ** (1 / (config.points - 1))
-    sizes = {max(quantum, round(config.min_bytes * ratio**i / quantum) * quantum) for i in range(config.points)}
-    return sorted(sizes)
 
 
 def _time_call(fn, ctx: RankContext) -> float:

@@ -25,37 +25,14 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from handbook_lib.core.config import FlatConfig
 from handbook_lib.core.results import Check
 from handbook_lib.runs.entry import RankReport, main
+from handbook_lib.runs.specs.fault import CONFIG as CONFIG, FaultConfig, validate
 from handbook_lib.runtime.distributed import RankContext
-
-
-@dataclass(frozen=True)
-class FaultConfig(FlatConfig):
-    """Which rank fails, and how."""
-
-    fail_rank: int = 1
-    """The rank that misbehaves."""
-    mode: Literal["raise", "exit", "hang", "sleep", "bad_check", "kill_agent", "none"] = "raise"
-    """How it misbehaves (see the module docstring)."""
-    sleep_s: float = 3600.0
-    """Seconds a ``hang`` or ``sleep`` rank sleeps."""
-
-
-CONFIG = FaultConfig
-
-
-def validate(config: FaultConfig, world_size: int) -> None:
-    """Raises ValueError if ``fail_rank`` is not a rank of a ``world_size``-process run."""
-    if not 0 <= config.fail_rank < world_size:
-        raise ValueError(f"fail_rank must be in [0, {world_size}), got {config.fail_rank}")
 
 
 def run(config: FaultConfig, ctx: RankContext) -> RankReport:

@@ -1,4 +1,4 @@
-"""Split each sequence over ``sp_size`` ranks (DeepSpeed Ulysses or the book's ring attention), with FSDP2 over every rank.
+"""Split each sequence over ``sp_size`` ranks (DeepSpeed Ulysses or the book's ring attention), FSDP2 over every rank.
 
 Chapter 9 launches it. The ranks form a (dp, sp) mesh, the sp ranks contiguous: rank r holds
 rows ``r // sp`` of the global batch and positions ``r % sp`` of each sequence
@@ -37,6 +37,7 @@ from handbook_lib.models.sequence_parallel import (
     parallel_layout,
 )
 from handbook_lib.runs.entry import RankReport, main, one_process_loss_checks
+from handbook_lib.runs.specs.sequence_parallel import CONFIG as CONFIG, validate
 from handbook_lib.runtime.collectives import CollectiveCall, collective_totals
 from handbook_lib.runtime.distributed import RankContext
 from handbook_lib.runtime.measure import (
@@ -54,28 +55,12 @@ from handbook_lib.runtime.sequence_parallel import (
 )
 from handbook_lib.runtime.training import next_token_loss, train
 
-CONFIG = ParallelConfig
 
 LOSS_TOLERANCE = 1e-5
 """Relative tolerance of each fp32 loss against one process's on the same global batch."""
 ATTENTION_TOLERANCE = 1e-6
 """The distributed attention's largest difference from full causal attention, relative to the
 reference's largest magnitude (fp32; measured about 1e-7)."""
-
-
-def validate(config: ParallelConfig, world_size: int) -> None:
-    """Reject, before any process starts, a config this run cannot execute.
-
-    Raises:
-        ValueError: naming the key and the values this run accepts.
-    """
-    if config.tp_size != 1:
-        raise ValueError(f"config key 'tp_size'={config.tp_size}: sequence_parallel splits sequences; "
-                         "run tensor_parallel for tensor parallelism")
-    if config.sp_size == 1:
-        raise ValueError("config key 'sp_size'=1 splits no sequence: sequence_parallel needs sp_size >= 2 "
-                         "(plain FSDP is fsdp_train)")
-    config.check_runnable("sequence_parallel", world_size, shards_over="over every rank")
 
 
 def run(config: ParallelConfig, ctx: RankContext) -> RankReport:

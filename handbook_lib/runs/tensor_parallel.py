@@ -1,4 +1,4 @@
-"""Tensor parallelism inside each group of ``tp_size`` ranks, FSDP2 across the groups, on a 2-D mesh; every byte checked.
+"""Tensor parallelism inside each group of ``tp_size`` ranks, FSDP2 over the groups, on a 2-D mesh; every byte checked.
 
 Chapter 9 launches it. The ranks form a (``dp``, ``tp``) mesh, ``tp`` the inner axis (contiguous
 ranks, one node's): :mod:`handbook_lib.runtime.tensor_parallel` splits the book's model
@@ -41,6 +41,7 @@ from handbook_lib.models.tensor_parallel import (
     estimate_tp_step_collectives,
 )
 from handbook_lib.runs.entry import RankReport, main, one_process_loss_checks
+from handbook_lib.runs.specs.tensor_parallel import CONFIG as CONFIG, validate
 from handbook_lib.runtime.collectives import CollectiveCall, collective_totals
 from handbook_lib.runtime.distributed import RankContext
 from handbook_lib.runtime.measure import (
@@ -50,25 +51,12 @@ from handbook_lib.runtime.measure import (
 )
 from handbook_lib.runtime.tensor_parallel import train_tensor_parallel
 
-CONFIG = ParallelConfig
 
 LOSS_TOLERANCE = 1e-5
 """Relative tolerance of each fp32 loss against one process's on the same global batch."""
 GPU_ACTIVATION_TOLERANCE = 0.05
 """Relative tolerance of the activation check on CUDA, whose attention kernels save other
 tensors than the CPU's (on CPU the check is exact)."""
-
-
-def validate(config: ParallelConfig, world_size: int) -> None:
-    """Reject, before any process starts, a config this run cannot execute.
-
-    Raises:
-        ValueError: naming the key and the values this run accepts.
-    """
-    if config.tp_size == 1:
-        raise ValueError("config key 'tp_size'=1 splits no tensor: tensor_parallel needs tp_size >= 2 "
-                         "(plain FSDP is fsdp_train)")
-    config.check_runnable("tensor_parallel", world_size, shards_over="over dp", also_default=("sp_size",))
 
 
 def run(config: ParallelConfig, ctx: RankContext) -> RankReport:

@@ -19,7 +19,6 @@ full model. :func:`measure_init_bytes` measures the difference.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 
@@ -40,7 +39,7 @@ from handbook_lib.core.config import (
     checkpointing_mode,
     get_precision,
 )
-from handbook_lib.core.strategies import STRATEGY_TABLE, Strategy, get_strategy
+from handbook_lib.core.strategies import Strategy, get_strategy, run_shard_group, runnable_strategy
 from handbook_lib.models.activations import SELECTIVE_SAVE
 from handbook_lib.models.layout import wrap_units
 from handbook_lib.runtime.distributed import RankContext
@@ -80,9 +79,7 @@ def shard_group(config: RunConfig, world_size: int) -> int:
     Raises:
         ValueError: if the group does not divide the world size.
     """
-    row = get_strategy(config.strategy)
-    size = config.shard_group_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    return row.shard_group(world_size, size if row.hybrid else None)
+    return run_shard_group(config.strategy, world_size, config.shard_group_size)
 
 
 def build_mesh(config: RunConfig, ctx: RankContext) -> DeviceMesh:
@@ -188,14 +185,7 @@ def check_runnable(config: RunConfig, world_size: int) -> Strategy:
         ValueError: naming the strategy and what is accepted (``NONE`` on several ranks, an
             FSDP strategy the chosen API lacks).
     """
-    row = get_strategy(config.strategy)
-    if not row.distributed and world_size != 1:
-        raise ValueError(f"strategy {row.name!r} is one plain process; got {world_size} ranks")
-    if not row.runs_with(config.api):
-        accepted = [s.name for s in STRATEGY_TABLE.values() if s.wrapper == "fsdp" and s.runs_with(config.api)]
-        raise ValueError(f"strategy {row.name!r} is not available with api={config.api!r}; "
-                         f"accepted: {', '.join(accepted)}")
-    return row
+    return runnable_strategy(config.strategy, config.api, world_size)
 
 
 def _unit_modules(model: SimpleTransformer, config: RunConfig) -> list[nn.Module]:

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from handbook_lib.core.architecture import ModelConfig
+from handbook_lib.core import checkpoint_job as _record
+from handbook_lib.core.checkpoint_job import JOB_FILE, JOB_SCHEMA, job_identity, recorded_job_refusal
 from handbook_lib.core.files import write_json_atomic
 from handbook_lib.models.checkpoint import CHECKPOINT_SCHEMA, LATEST, MANIFEST, checkpoint_name
 from handbook_lib.runtime.checkpoint_verify import CheckpointError, check_model_shapes
@@ -36,43 +37,23 @@ from handbook_lib.runtime.checkpoint_verify import CheckpointError, check_model_
 __all__ = ["JOB_FILE", "JOB_SCHEMA", "job_identity", "read_job", "job_refusal", "agree_job", "claim_job",
            "is_save", "saves_to_prune", "remove_save", "mention_once", "prune"]
 
-JOB_FILE = "job.json"
-"""The file, under a checkpoint root, that names the job its checkpoints belong to."""
-JOB_SCHEMA = "handbook.checkpoint-job/1"
-"""Version tag of :data:`JOB_FILE`."""
-_JOB_BYTES = 64 * 1024
-"""Largest ``job.json`` read, bytes: the file holds a dozen keys (about 300 B)."""
 _SAVE_NAME = re.compile(r"step_(\d{6,})")
 """The names :func:`~handbook_lib.models.checkpoint.checkpoint_name` gives (6 digits or more)."""
 _MENTIONED: set[str] = set()
 """Roots whose look-alike folders this process has already mentioned (once each)."""
 
 
-def job_identity(run: str, model: ModelConfig, optimizer: str) -> dict[str, Any]:
-    """What makes two jobs' checkpoints interchangeable: the run's name, every key of the model's
-    shape, and the optimizer (its state is in the checkpoint). The world size, the strategy and
-    the layout are not part of it: DCP reshards a checkpoint to any of them."""
-    return {"run": run, **model.to_dict(), "optimizer": optimizer}
-
-
 def read_job(root: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The identity recorded in ``root/job.json``, or ``None`` when there is none.
+    """The identity recorded in ``root/job.json``, or ``None`` when there is none
+    (:func:`handbook_lib.core.checkpoint_job.read_job`, which reads it without torch).
 
     Raises:
         CheckpointError: if the file is over 64 KiB, unreadable, or not a job record.
     """
-    path = Path(root) / JOB_FILE
-    if not path.is_file():
-        return None
     try:
-        if path.stat().st_size > _JOB_BYTES:
-            raise ValueError(f"over {_JOB_BYTES:,} B")
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path} is unreadable ({err}); it names the job ckpt_dir belongs to") from None
-    if not isinstance(record, dict) or record.get("schema") != JOB_SCHEMA or not isinstance(record.get("job"), dict):
-        raise CheckpointError(f"{path} is not a {JOB_SCHEMA!r} record; it names the job ckpt_dir belongs to")
-    return record["job"]
+        return _record.read_job(root)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
 
 
 def job_refusal(root: str | os.PathLike[str], job: Mapping[str, Any],
@@ -82,22 +63,15 @@ def job_refusal(root: str | os.PathLike[str], job: Mapping[str, Any],
     (name → shape), the tensors of the checkpoint ``latest`` names (DCP's index only)."""
     root = Path(root)
     recorded = read_job(root)
-    if recorded is None:
-        if shapes is None or not (root / LATEST).is_file():
-            return None
-        try:
-            check_model_shapes(root, shapes)
-        except CheckpointError as err:
-            return f"ckpt_dir {str(root)!r} holds another job's checkpoints: {err}; use another ckpt_dir"
+    if recorded is not None:  # plain JSON (core.checkpoint_job): what a run's spec checks without torch
+        return recorded_job_refusal(root, job, recorded)
+    if shapes is None or not (root / LATEST).is_file():
         return None
-    wanted = json.loads(json.dumps(dict(job)))  # as it would be recorded
-    differ = [key for key in [*wanted, *(k for k in recorded if k not in wanted)]
-              if wanted.get(key) != recorded.get(key)]
-    if not differ:
-        return None
-    key, more = differ[0], f" (and {', '.join(differ[1:])})" if differ[1:] else ""
-    return (f"ckpt_dir {str(root)!r} holds another job's checkpoints: {key}={wanted.get(key)!r} here, "
-            f"{recorded.get(key)!r} in its {JOB_FILE}{more}; use another ckpt_dir")
+    try:
+        check_model_shapes(root, shapes)
+    except CheckpointError as err:
+        return f"ckpt_dir {str(root)!r} holds another job's checkpoints: {err}; use another ckpt_dir"
+    return None
 
 
 def agree_job(root: Path, job: Mapping[str, Any] | None, shapes: Mapping[str, tuple[int, ...]], step: int,

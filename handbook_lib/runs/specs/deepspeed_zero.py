@@ -1,0 +1,75 @@
+"""Train the handbook's model with DeepSpeed ZeRO and with FSDP2 side by side; check DeepSpeed's bytes and collectives.
+
+The torch-free half of :mod:`handbook_lib.runs.deepspeed_zero`: its config, the losses' tolerance
+(whose keys are the precisions it runs) and the checks the launcher makes before any process
+starts (:class:`~handbook_lib.core.run_spec.RunSpec`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+from handbook_lib.core.config import InitName, RunConfig
+from handbook_lib.core.run_spec import RunSpec
+from handbook_lib.core.strategies import StrategyName, get_strategy, strategies_where
+
+@dataclass(frozen=True)
+class ZeroRunConfig(RunConfig):
+    """A ZeRO run: the book's run config, a ZeRO strategy, and ZeRO-3's persistence threshold."""
+
+    MINIMUMS: ClassVar[Mapping[str, int]] = {**RunConfig.MINIMUMS, "persistence_threshold": 0}
+
+    strategy: StrategyName = "ZERO3"
+    """``ZERO1``, ``ZERO2`` or ``ZERO3`` (DeepSpeed's stage)."""
+    init: InitName = "full"
+    """DeepSpeed partitions the whole seeded model in ``deepspeed.initialize``: ``full`` only."""
+    persistence_threshold: int = 0
+    """ZeRO-3 keeps tensors of at most this many elements whole on every rank
+    (``stage3_param_persistence_threshold``; 0 shards every tensor; DeepSpeed's default is
+    100000)."""
+
+
+CONFIG = ZeroRunConfig
+
+
+LOSS_TOLERANCE = {"fp32": 1e-6, "bf16-mixed": 1e-3}
+"""Relative tolerance of DeepSpeed's losses against FSDP2's. fp32: the same arithmetic in
+another order (1e-6 of a loss near 7 is 7e-6 nats). bf16: both compute in bf16 from the same
+fp32 weights, but round in different places; 1e-3 is a quarter of bf16's 2**-8 spacing."""
+
+
+def validate(config: ZeroRunConfig, world_size: int) -> None:
+    """Reject, before any process starts, what this run cannot do.
+
+    Raises:
+        ValueError: naming the key and what is accepted.
+    """
+    row = get_strategy(config.strategy)
+    if row.wrapper != "deepspeed":
+        raise ValueError(f"deepspeed_zero runs strategy {', '.join(strategies_where(wrapper='deepspeed'))}; "
+                         f"got {config.strategy!r} (run FSDP and DDP with fsdp_train)")
+    if world_size < 2:
+        raise ValueError(f"deepspeed_zero needs >= 2 ranks to shard anything, got {world_size}")
+    if config.precision not in LOSS_TOLERANCE:
+        raise ValueError(f"deepspeed_zero runs precision {', '.join(LOSS_TOLERANCE)}; got {config.precision!r}")
+    if config.init != "full":
+        raise ValueError(f"deepspeed_zero accepts init='full' only (DeepSpeed partitions a whole model); "
+                         f"got {config.init!r}")
+    if config.grad_accum_steps != 1 or config.activation_checkpointing != "none":
+        raise ValueError("deepspeed_zero runs grad_accum_steps=1 and activation_checkpointing=none only")
+    config.check_constant_lr("deepspeed_zero")
+    if config.steps < 2:
+        raise ValueError(f"deepspeed_zero needs steps >= 2 (the optimizer state exists after the first), "
+                         f"got {config.steps}")
+    if row.zero_stage == 3 and config.steps < 3:
+        raise ValueError(
+            f"deepspeed_zero needs steps >= 3 with ZeRO-3 (got {config.steps}): DeepSpeed records the "
+            "order of the modules in the first steps and compares it across ranks with broadcasts, so "
+            "the measured (last) step must be the third or later"
+        )
+    config.check_batch(world_size)
+
+
+SPEC = RunSpec("deepspeed_zero", __doc__, CONFIG, validate)

@@ -1,0 +1,31 @@
+"""Split each sequence over ``sp_size`` ranks (DeepSpeed Ulysses or the book's ring attention), FSDP2 over every rank.
+
+The torch-free half of :mod:`handbook_lib.runs.sequence_parallel`: its config (the vocabulary's
+:class:`~handbook_lib.core.parallel_config.ParallelConfig`) and the checks the launcher makes
+before any process starts (:class:`~handbook_lib.core.run_spec.RunSpec`).
+"""
+
+from __future__ import annotations
+
+from handbook_lib.core.parallel_config import ParallelConfig
+from handbook_lib.core.run_spec import RunSpec
+
+CONFIG = ParallelConfig
+
+
+def validate(config: ParallelConfig, world_size: int) -> None:
+    """Reject, before any process starts, a config this run cannot execute.
+
+    Raises:
+        ValueError: naming the key and the values this run accepts.
+    """
+    if config.tp_size != 1:
+        raise ValueError(f"config key 'tp_size'={config.tp_size}: sequence_parallel splits sequences; "
+                         "run tensor_parallel for tensor parallelism")
+    if config.sp_size == 1:
+        raise ValueError("config key 'sp_size'=1 splits no sequence: sequence_parallel needs sp_size >= 2 "
+                         "(plain FSDP is fsdp_train)")
+    config.check_runnable("sequence_parallel", world_size, shards_over="over every rank")
+
+
+SPEC = RunSpec("sequence_parallel", __doc__, CONFIG, validate)

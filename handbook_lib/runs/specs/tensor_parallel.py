@@ -1,0 +1,28 @@
+"""Tensor parallelism inside each group of ``tp_size`` ranks, FSDP2 over the groups, on a 2-D mesh; every byte checked.
+
+The torch-free half of :mod:`handbook_lib.runs.tensor_parallel`: its config (the vocabulary's
+:class:`~handbook_lib.core.parallel_config.ParallelConfig`) and the checks the launcher makes
+before any process starts (:class:`~handbook_lib.core.run_spec.RunSpec`).
+"""
+
+from __future__ import annotations
+
+from handbook_lib.core.parallel_config import ParallelConfig
+from handbook_lib.core.run_spec import RunSpec
+
+CONFIG = ParallelConfig
+
+
+def validate(config: ParallelConfig, world_size: int) -> None:
+    """Reject, before any process starts, a config this run cannot execute.
+
+    Raises:
+        ValueError: naming the key and the values this run accepts.
+    """
+    if config.tp_size == 1:
+        raise ValueError("config key 'tp_size'=1 splits no tensor: tensor_parallel needs tp_size >= 2 "
+                         "(plain FSDP is fsdp_train)")
+    config.check_runnable("tensor_parallel", world_size, shards_over="over dp", also_default=("sp_size",))
+
+
+SPEC = RunSpec("tensor_parallel", __doc__, CONFIG, validate)

@@ -1,0 +1,77 @@
+"""Train a Transformers model with the Trainer and DeepSpeed ZeRO, save it whole, load it back, and resume.
+
+The torch-free half of :mod:`handbook_lib.runs.trainer_deepspeed`: its config and the checks the
+launcher makes before any process starts (:class:`~handbook_lib.core.run_spec.RunSpec`). The one
+check that depends on the ranks' devices, :func:`check_devices`, is made by the launcher once it
+knows whether the ranks see GPUs, and again by each rank on its own device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from handbook_lib.core.config import InitName, RunConfig
+from handbook_lib.core.files import check_writable_dir
+from handbook_lib.core.run_spec import RunSpec
+from handbook_lib.core.strategies import StrategyName, get_strategy, strategies_where
+
+@dataclass(frozen=True)
+class TrainerRunConfig(RunConfig):
+    """A Trainer + DeepSpeed job: the run config, where the Trainer writes, and when it saves."""
+
+    strategy: StrategyName = "ZERO3"
+    """``ZERO1``, ``ZERO2`` or ``ZERO3``."""
+    init: InitName = "full"
+    """The Trainer gets a whole model (DeepSpeed partitions it): ``full`` only."""
+    trainer_dir: str = ""
+    """The Trainer's ``output_dir`` (required; must not exist yet or be empty): checkpoints and
+    the saved model go there."""
+    save_every: int = 2
+    """``save_steps``: a checkpoint every this many steps; the resume starts from the first."""
+
+
+CONFIG = TrainerRunConfig
+
+
+def validate(config: TrainerRunConfig, world_size: int) -> None:
+    """Reject, before any process starts, what this run cannot do (on the ranks' devices:
+    :func:`check_devices`).
+
+    Raises:
+        ValueError: naming the key and what is accepted.
+    """
+    row = get_strategy(config.strategy)
+    if row.wrapper != "deepspeed":
+        raise ValueError(f"trainer_deepspeed runs strategy {', '.join(strategies_where(wrapper='deepspeed'))}; "
+                         f"got {config.strategy!r}")
+    if not config.trainer_dir:
+        raise ValueError("trainer_deepspeed needs trainer_dir (the Trainer's output_dir)")
+    folder = check_writable_dir("trainer_dir", config.trainer_dir)
+    if folder.exists() and any(folder.iterdir()):
+        raise ValueError(f"config key 'trainer_dir': {folder} exists and is not an empty folder; the Trainer "
+                         "would write its checkpoints among files this run did not write")
+    if not 1 <= config.save_every < config.steps:
+        raise ValueError(f"config key 'save_every' must be in 1..steps-1 (a checkpoint to resume from before "
+                         f"the end), got {config.save_every} with steps={config.steps}")
+    if config.precision != "fp32":
+        raise ValueError(f"trainer_deepspeed runs precision 'fp32' (its logits are compared bit for bit with "
+                         f"the saved model's); got {config.precision!r}")
+    if config.init != "full":
+        raise ValueError(f"trainer_deepspeed accepts init='full' only; got {config.init!r}")
+    config.check_batch(world_size)
+
+
+def check_devices(config: TrainerRunConfig, world_size: int, cuda: bool) -> None:
+    """Refuse several processes on ranks without GPUs (``cuda``: the ranks see GPUs).
+
+    Raises:
+        ValueError: one line saying why, and to launch it with ``--nproc 1`` here.
+    """
+    if world_size > 1 and not cuda:
+        raise ValueError(
+            f"trainer_deepspeed needs a GPU per process for {world_size} processes: on a CPU, Accelerate "
+            "finds no distributed backend, the Trainer counts 1 process while DeepSpeed counts "
+            f"{world_size}, and DeepSpeed's batch check stops the job; launch it with --nproc 1 here")
+
+
+SPEC = RunSpec("trainer_deepspeed", __doc__, CONFIG, validate, check_devices=check_devices)
