@@ -64,12 +64,18 @@ def test_validate_refuses(tmp_path, changes, world, match):
 
 
 def test_several_processes_need_gpus(tmp_path):
-    import torch
+    """The one check that depends on the ranks' devices (the spec's check_devices): the launcher
+    makes it once it knows where the ranks run; ranks whose env hides the GPUs see none."""
+    from handbook_lib.launch.preflight import check_run_devices
+    from handbook_lib.runs.trainer_deepspeed import check_devices
 
-    if torch.cuda.is_available():
-        pytest.skip("with GPUs the Trainer forms a multi-process job")
+    config = TrainerRunConfig.from_mapping({**TINY, "trainer_dir": str(tmp_path / "t")})
+    validate(config, 2)  # device-free checks pass
     with pytest.raises(ValueError, match="needs a GPU per process for 2 processes: on a CPU, Accelerate"):
-        validate(TrainerRunConfig.from_mapping({**TINY, "trainer_dir": str(tmp_path / "t")}), 2)
+        check_devices(config, 2, cuda=False)
+    check_devices(config, 2, cuda=True)
+    with pytest.raises(ValueError, match="needs a GPU per process for 2 processes: on a CPU, Accelerate"):
+        check_run_devices("trainer_deepspeed", {"": config}, 2, {"CUDA_VISIBLE_DEVICES": ""})
 
 
 def test_the_trained_model_is_probed_on_the_cpu_like_its_saved_copy():
