@@ -45,4 +45,4 @@ if TYPE_CHECKING:  # the first names of each layer a learner meets (chapters 1-4
     )
 
 __getattr__, __dir__, _FIRST = lazy_exports(__name__)
-__all__ = ["__version__", *_FIRST]
+__all__ = ["__version__", *_FIRST]  # noqa: PLE0604 - names read from the block above

@@ -96,7 +96,7 @@ def parallel_layout(config: ModelConfig) -> ModelLayout:
     dim 0, so shards and padding are those of these tensors."""
     base = model_layout(config)
     d = config.d_model
-    tensors = []
+    tensors: list[tuple[str, tuple[int, ...]]] = []
     for name, shape in base.tensors:
         if name.endswith("self_attn.in_proj_weight"):
             prefix = name[: -len("in_proj_weight")]

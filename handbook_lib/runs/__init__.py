@@ -124,7 +124,7 @@ def _imported_module(tree: ast.Module, name: str) -> ast.Module:
     """The parsed source of the ``handbook_lib`` module a run imports ``name`` from (a config
     class of :mod:`handbook_lib.core`), or an empty module if it imports it from elsewhere."""
     for node in tree.body:
-        if (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("handbook_lib.")
+        if (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("handbook_lib.")
                 and any(alias.name == name for alias in node.names)):
             path = _HERE.parent.joinpath(*node.module.split(".")[1:]).with_suffix(".py")
             return ast.parse(path.read_text(encoding="utf-8"))

@@ -1,4 +1,4 @@
-"""Train the handbook's model with DeepSpeed ZeRO and with FSDP2, side by side, and check DeepSpeed's bytes and collectives.
+"""Train the handbook's model with DeepSpeed ZeRO and with FSDP2 side by side; check DeepSpeed's bytes and collectives.
 
 Chapter 7 launches it. Each rank first trains the FSDP2 twin of the config (the FSDP strategy
 with ZeRO's sharding at rest: SHARD_GRAD_OP for ZeRO-2, FULL_SHARD for ZeRO-3 and ZeRO-1, which
@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from handbook_lib.core.architecture import param_count
 from handbook_lib.core.config import InitName, RunConfig
@@ -106,7 +106,8 @@ def validate(config: ZeroRunConfig, world_size: int) -> None:
 def fsdp_twin(strategy: str) -> str:
     """The FSDP strategy the run compares a ZeRO row with: the same sharding at rest where FSDP
     has one (ZeRO-2 → SHARD_GRAD_OP, ZeRO-3 → FULL_SHARD), else FULL_SHARD."""
-    return ZERO_STAGES.get(get_strategy(strategy).zero_stage) or "FULL_SHARD"
+    stage = get_strategy(strategy).zero_stage
+    return (ZERO_STAGES.get(stage) if stage is not None else None) or "FULL_SHARD"
 
 
 def _train_fsdp2(config: ZeroRunConfig, ctx: RankContext) -> dict:
@@ -116,6 +117,7 @@ def _train_fsdp2(config: ZeroRunConfig, ctx: RankContext) -> dict:
     model = parallelize(twin, ctx)
     optimizer = build_optimizer(model.parameters(), twin.optimizer, twin.lr)
     log = train(model, optimizer, twin, ctx, count_collectives=True, progress=False)
+    assert log.collectives is not None  # counted on the last step
     params = measure_param_bytes(model)
     sharded, other = measure_optimizer_bytes(optimizer)
     return {"strategy": twin.strategy, "losses": log.losses,
@@ -134,9 +136,10 @@ def run(config: ZeroRunConfig, ctx: RankContext) -> RankReport:
     fsdp = _train_fsdp2(config, ctx)
     engine, optimizer, ds_config = build_engine(config, ctx, persistence_threshold=config.persistence_threshold)
     log = train(engine, optimizer, config, ctx, count_collectives=True)
+    assert log.collectives is not None  # counted on the last step
     held = measure_zero_bytes(engine, optimizer.grad_bytes)
     model = config.model_config()
-    kwargs = {"persistence_threshold": config.persistence_threshold, "cpu_offload": config.cpu_offload}
+    kwargs: dict[str, Any] = {"persistence_threshold": config.persistence_threshold, "cpu_offload": config.cpu_offload}
     parts = ("params", "master", "grads", "optimizer", "optimizer_step")
     predicted = estimate_rank_state(model, ctx.world_size, config.strategy, config.precision, config.optimizer,
                                     rank=ctx.rank, **kwargs)
