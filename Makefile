@@ -1,6 +1,6 @@
 # The FSDP Handbook: the two commands of the README, and a few helpers.
 #   make book            set up, then build the HTML book (offline) into _build/html
-#   make test            set up, then run the whole test suite (unit, distributed, notebooks, book),
+#   make test            set up, then run the whole test suite (ruff, mypy, unit, distributed, notebooks, book),
 #                        on CPU kernels other than those the notebooks' outputs were stored with
 #   make lock            resolve pyproject.toml's ranges again (the newest releases within them) into
 #                        requirements.lock, which every set-up installs from (scripts/lock.py)
@@ -119,4 +119,4 @@ lab: setup
 	$(VENV)/bin/jupyter lab --ip 127.0.0.1 $(if $(filter 0,$(shell id -u)),--allow-root) notebooks
 
 clean:
-	rm -rf _build .pytest_cache
+	rm -rf _build .pytest_cache .mypy_cache .ruff_cache

@@ -24,19 +24,25 @@ Each module's docstring names the chapter that teaches it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from handbook_lib.core.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-_FIRST = {
-    "ModelConfig": "core", "RunConfig": "core", "param_count": "core", "load_result": "core",
-    "get_shape": "models", "model_layout": "models", "estimate_model_state_bytes": "models",
-    "estimate_shard_bytes": "models", "estimate_memory": "models", "estimate_step_traffic": "models",
-    "estimate_step_time": "models", "plan": "models", "torchrun": "launch", "ranks_for": "launch",
-}
-"""The first names of each layer a learner meets (chapters 1-4), and the layer that exports each."""
+if TYPE_CHECKING:  # the first names of each layer a learner meets (chapters 1-4), and that layer
+    from handbook_lib.core import ModelConfig, RunConfig, load_result, param_count
+    from handbook_lib.launch import ranks_for, torchrun
+    from handbook_lib.models import (
+        estimate_memory,
+        estimate_model_state_bytes,
+        estimate_shard_bytes,
+        estimate_step_time,
+        estimate_step_traffic,
+        get_shape,
+        model_layout,
+        plan,
+    )
 
-__all__ = ["__version__", *_FIRST]
-
-
-__getattr__, __dir__ = lazy_exports(__name__, _FIRST)
+__getattr__, __dir__, _FIRST = lazy_exports(__name__)
+__all__ = ["__version__", *_FIRST]  # noqa: PLE0604 - names read from the block above

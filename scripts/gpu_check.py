@@ -47,8 +47,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from handbook_lib.core import RunConfig, param_count
-from handbook_lib.launch import (
+from handbook_lib.core import RunConfig, param_count  # noqa: E402 - once the repository is on sys.path
+from handbook_lib.launch import (  # noqa: E402
     BILLION_MODEL,
     MEMORY_CONFIGS,
     MFU_CONFIG,

@@ -589,7 +589,7 @@ def test_axes_configs_split_what_the_gpus_allow():
     assert set(axes_configs(3)) == set()  # TP needs an even count, and 3 does not divide 16 tokens
     four = axes_configs(4)
     assert four["ring"][1]["sp_size"] == 4 and four["tp"][1]["batch_size"] == 4  # 2 per dp rank
-    for run, config in four.values():  # each is a config its run takes on 4 ranks
+    for _run, config in four.values():  # each is a config its run takes on 4 ranks
         assert ParallelConfig.from_mapping(config).data_parallel_size(4) in (1, 2)
 
 

@@ -77,8 +77,8 @@ def test_bad_input_raises_value_error(call, match):
 
 # --- estimate_memory and the ZeRO accounting (chapter 2) -------------------------------------
 
-from handbook_lib.core import FSDP2_SPELLING, STRATEGIES
-from handbook_lib.models import (
+from handbook_lib.core import FSDP2_SPELLING, STRATEGIES  # noqa: E402 - each section imports what it tests
+from handbook_lib.models import (  # noqa: E402
     COMPONENTS,
     DECODER_SHAPES,
     ZERO_STAGES,
@@ -193,7 +193,7 @@ def test_zero_rejects_bad_input():
 
 # --- issue 13: the table's rows in one model; init, accumulation, the corrected phases ----------
 
-from handbook_lib.models import (
+from handbook_lib.models import (  # noqa: E402
     estimate_accumulation_bytes,
     estimate_init_bytes,
     estimate_seed_model_state,

@@ -47,10 +47,10 @@ def test_breakdown_components_sum_to_total_and_match_submodules():
     parts = param_count_breakdown(config)
     assert parts["embedding"] == count_parameters(model.embedding)[0]
     assert parts["output"] == count_parameters(model.output)[0]
-    assert parts["attention"] == sum(count_parameters(l.self_attn)[0] for l in model.layers)
-    ff = sum(count_parameters(l.linear1)[0] + count_parameters(l.linear2)[0] for l in model.layers)
+    assert parts["attention"] == sum(count_parameters(layer.self_attn)[0] for layer in model.layers)
+    ff = sum(count_parameters(layer.linear1)[0] + count_parameters(layer.linear2)[0] for layer in model.layers)
     assert parts["feed_forward"] == ff
-    norms = sum(count_parameters(l.norm1)[0] + count_parameters(l.norm2)[0] for l in model.layers)
+    norms = sum(count_parameters(layer.norm1)[0] + count_parameters(layer.norm2)[0] for layer in model.layers)
     assert parts["norms"] == norms
 
 

@@ -128,7 +128,7 @@ ELSEWHERE = {
                                                   "rule, checked again where a tensor is cut)",
     ("models/tensor_parallel.py", "estimate_tp_layer_traffic"): "a (T, d) buffer's reduce-scatter under SP",
     ("models/traffic.py", "estimate_step_traffic"): "FSDP2's reshard_after_forward=int subgroup (not a mesh axis)",
-    ("runs/fsdp_train.py", "_validate_knobs"): "FSDP2's reshard_after_forward=int subgroup (not a mesh axis)",
+    ("runs/specs/fsdp_train.py", "_validate_knobs"): "FSDP2's reshard_after_forward=int subgroup (not a mesh axis)",
 }
 """Statements of a divisibility that are not the layout's rules, with why."""
 

@@ -74,7 +74,9 @@ def test_state_padding_on_an_odd_dim() -> None:
 
 
 def test_tp_collectives_counts_without_and_with_sp() -> None:
-    kinds = lambda calls, phase: sorted(c.kind for c in calls if c.phase == phase)
+    def kinds(calls, phase):
+        return sorted(c.kind for c in calls if c.phase == phase)
+
     plain = estimate_tp_collectives(CHAPTER, 2, 32)
     assert kinds(plain, "forward") == ["all_reduce"] * 5 and kinds(plain, "backward") == ["all_reduce"] * 5
     assert {c.buffer_bytes for c in plain} == {32 * 64 * 4}
@@ -82,7 +84,9 @@ def test_tp_collectives_counts_without_and_with_sp() -> None:
     assert kinds(sp, "forward") == ["all_gather"] * 5 + ["reduce_scatter"] * 5
     assert kinds(sp, "backward") == ["all_gather"] * 5 + ["all_reduce"] * 8 + ["reduce_scatter"] * 5
     # same bytes on the wire for the activations: AG + RS = AR
-    big = lambda calls: sum(c.sent_bytes for c in calls if c.buffer_bytes == 8192)
+    def big(calls):
+        return sum(c.sent_bytes for c in calls if c.buffer_bytes == 8192)
+
     assert big(plain) == big(sp)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from typing import TypeVar
+from typing import TypeGuard, TypeVar
 
 __all__ = ["is_int", "check_int", "lookup", "check_world", "BadText", "int_range", "float_range", "parse_int",
            "parse_float", "parse_bool", "parse_count"]
@@ -35,7 +35,7 @@ __all__ = ["is_int", "check_int", "lookup", "check_world", "BadText", "int_range
 _T = TypeVar("_T")
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """True for an ``int`` that is not a ``bool`` (``True`` is an int to Python, not to a config)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -57,11 +57,10 @@ def check_int(name: str, value: object, minimum: int = 0, *, below: int | None =
     Raises:
         ValueError: ``"<name> must be an int >= <minimum>, got <value>"`` (or ``in [a, b)``).
     """
-    ok = is_int(value) and value >= minimum and (below is None or value < below)
-    if not ok:
+    if not (is_int(value) and value >= minimum and (below is None or value < below)):
         accepted = f"{noun} >= {minimum}" if below is None else f"{noun} in [{minimum}, {below})"
         raise ValueError(f"{name} must be {accepted}{f' {context}' if context else ''}, got {value!r}")
-    return value  # type: ignore[return-value]
+    return value
 
 
 def lookup(table: Mapping[str, _T], name: object, what: str) -> _T:
@@ -70,10 +69,9 @@ def lookup(table: Mapping[str, _T], name: object, what: str) -> _T:
     Raises:
         ValueError: ``"<what> must be one of <names>, got <name>"`` for an unknown name.
     """
-    try:
-        return table[name]  # type: ignore[index]
-    except (KeyError, TypeError):
-        raise ValueError(f"{what} must be one of {', '.join(table)}, got {name!r}") from None
+    if isinstance(name, str) and name in table:
+        return table[name]
+    raise ValueError(f"{what} must be one of {', '.join(table)}, got {name!r}")
 
 
 def check_world(world_size: object, rank: object = None) -> None:
@@ -82,9 +80,9 @@ def check_world(world_size: object, rank: object = None) -> None:
     Raises:
         ValueError: ``"world_size must be an int >= 1, got 0"`` or ``"rank must be in [0, 4), got 4"``.
     """
-    check_int("world_size", world_size, 1)
-    if rank is not None and not (is_int(rank) and 0 <= rank < world_size):  # type: ignore[operator]
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
+    world = check_int("world_size", world_size, 1)
+    if rank is not None and not (is_int(rank) and 0 <= rank < world):
+        raise ValueError(f"rank must be in [0, {world}), got {rank!r}")
 
 
 class BadText(ValueError):

@@ -257,11 +257,11 @@ class FlatConfig:
                 f"unknown config key(s) {', '.join(hints)} for {cls.__name__}\n"
                 f"accepted keys: {', '.join(cls.keys())}"
             )
-        hints = get_type_hints(cls)
+        types = get_type_hints(cls)
         values = {}
         for key, value in mapping.items():
-            if isinstance(value, str) and hints[key] in (int, float, bool):
-                value = cls._parse_text(key, hints[key], value)
+            if isinstance(value, str) and types[key] in (int, float, bool):
+                value = cls._parse_text(key, types[key], value)
             values[key] = value
         return cls(**values)
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from handbook_lib.core.checks import check_int
 
@@ -181,7 +181,7 @@ class ParallelLayout:
     @classmethod
     def for_world(cls, world_size: int, *, tp: int = 1, sp: int = 1, sp_method: str = "ulysses", pp: int = 1,
                   shard_group: int | None = None, replicate: bool = False, gpus_per_node: int | None = None,
-                  names: Mapping[str, str] | None = None, **shape: int | bool | None) -> ParallelLayout:
+                  names: Mapping[str, str] | None = None, **shape: Any) -> ParallelLayout:
         """The layout of ``world_size`` ranks with these model-parallel degrees; the data-parallel
         ranks are the rest: sharded over groups of ``shard_group`` (``None``: all of them) and
         replicated across the groups, or all replicas (``replicate``: DDP, NO_SHARD). With
@@ -205,7 +205,7 @@ class ParallelLayout:
     @classmethod
     def refusal(cls, world_size: int, *, tp: int = 1, sp: int = 1, sp_method: str = "ulysses", pp: int = 1,
                 shard_group: int | None = None, gpus_per_node: int | None = None,
-                names: Mapping[str, str] | None = None, **shape: int | bool | None) -> str | None:
+                names: Mapping[str, str] | None = None, **shape: Any) -> str | None:
         """Why :meth:`for_world` refuses these degrees on ``world_size`` ranks (and
         :meth:`check_shape` a model of sizes ``shape``), in one line, or ``None``."""
         spelt = {**LAYOUT_NAMES, **(names or {})}
@@ -226,7 +226,7 @@ class ParallelLayout:
         dp = world_size // (tp * sp)
         return _must_divide(spelt, "dp_shard", shard_group, [("world" if tp * sp == 1 else "dp", dp)])
 
-    def shape_refusal(self, *, names: Mapping[str, str] | None = None, **shape: int | bool | None) -> str | None:
+    def shape_refusal(self, *, names: Mapping[str, str] | None = None, **shape: Any) -> str | None:
         """Why this layout cannot split a model of sizes ``shape`` (``nhead``, ``kv_heads``,
         ``ffn``, ``vocab``, ``seq_len``, ``sequence_parallel``), in one line, or ``None``. A size
         left out is not checked (a model that pads its vocabulary gives none).
@@ -239,13 +239,13 @@ class ParallelLayout:
         """
         return _refusal({**LAYOUT_NAMES, **(names or {})}, self.tp, self.sp, self.sp_method, None, None, **shape)
 
-    def check_shape(self, *, names: Mapping[str, str] | None = None, **shape: int | bool | None) -> ParallelLayout:
+    def check_shape(self, *, names: Mapping[str, str] | None = None, **shape: Any) -> ParallelLayout:
         """This layout, if it splits a model of these sizes (:meth:`shape_refusal`).
 
         Raises:
             ValueError: the refusal's one line.
         """
-        problem = self.shape_refusal(names=names, **shape)  # type: ignore[arg-type]
+        problem = self.shape_refusal(names=names, **shape)
         if problem:
             raise ValueError(problem)
         return self

@@ -42,7 +42,6 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import math
 import os
 import shlex
 import signal
@@ -50,6 +49,7 @@ import sys
 import threading
 import unicodedata
 from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 from handbook_lib.core.architecture import MODEL_KEYS
 from handbook_lib.core.checks import BadText, parse_count, parse_float, parse_int
@@ -83,7 +83,7 @@ _SP_METHODS = ("ulysses", "ring")
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line naming the flag, then where to read more."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {message}\n(see: {self.prog} --help)\n")
 
 

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from handbook_lib.core.architecture import MODEL_KEYS, ModelConfig
 from handbook_lib.core.config import PRECISIONS, RunConfig, parse_overrides
@@ -64,7 +65,7 @@ from handbook_lib.runs import describe_runs
 __all__ = ["COMMANDS", "wrap_line"]
 
 
-def torchrun(*args: object, **kwargs: object) -> RunResult | None:
+def torchrun(*args: Any, **kwargs: Any) -> RunResult | None:
     """:func:`handbook_lib.launch.torchrun`, imported on first use: the launcher needs torch and
     psutil, the planning commands neither."""
     from handbook_lib.launch.runner import torchrun as launch
@@ -309,7 +310,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 0
     _print_model(named, echo)
     print(wrap_line(f"assumes: {result.gpus} x {result.gpu} ({per_node} per node, "
-                f"{result.nics_per_node} x {args.inter_link} between nodes), {args.precision}, optimizer adamw, micro-batch "
+                f"{result.nics_per_node} x {args.inter_link} between nodes), {args.precision}, optimizer adamw, "
+                f"micro-batch "
                 f"{args.micro_batch} x {args.seq_len} tokens, utilization {100 * result.utilization:.0f} %, "
                 f"{100 * args.headroom:.0f} % headroom; every strategy priced", "  "))
     rows = [[o.name, o.gpus, format_bytes(o.peak_reserved_bytes),
@@ -397,6 +399,7 @@ def _print_sensitivity(result: Plan, changes: list[Sensitivity], flips: FlipPoin
     if flips is None:
         return
     o = result.recommended
+    assert o is not None  # flips are those of the recommended option
     words = [f"fits up to {100 * flips.headroom:.1f} % headroom",
              f"on cards of at least {format_bytes(flips.memory_bytes)}"]
     if flips.utilization is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
@@ -23,7 +24,8 @@ from handbook_lib.models.checkpoint import CommitStep
 from handbook_lib.models.collectives import ring_schedule
 from handbook_lib.models.memory import MemoryEstimate
 
-__all__ = ["plot_ring_schedule", "plot_collective_timeline", "plot_commit_protocol", "fsdp_step_slots", "plot_fsdp_step", "plot_step_phases"]
+__all__ = ["plot_ring_schedule", "plot_collective_timeline", "plot_commit_protocol", "fsdp_step_slots",
+           "plot_fsdp_step", "plot_step_phases"]
 
 
 def _ring_states(kind: str, n: int) -> list[list[dict[int, int]]]:
@@ -85,7 +87,7 @@ _KIND_COLOURS = {"all_gather": "tab:blue", "reduce_scatter": "tab:orange", "all_
                  "broadcast": "tab:purple"}
 
 def plot_collective_timeline(
-    calls: Sequence[Mapping[str, object]], *, title: str = "One step's collectives, per FSDP unit"
+    calls: Sequence[Mapping[str, Any]], *, title: str = "One step's collectives, per FSDP unit"
 ) -> Figure:
     """Each collective of one measured step on a time line, one row per FSDP unit.
 
@@ -169,7 +171,7 @@ _STEP_WORDS = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "
                "compute": "compute (forward or backward)", "optimizer": "optimizer step on the shard"}
 
 
-def fsdp_step_slots(calls: Sequence[Mapping[str, object]]) -> list[tuple[str, str, str]]:
+def fsdp_step_slots(calls: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, str]]:
     """One FSDP step as a sequence of slots ``(action, unit, phase)``, in the order rank 0 issued
     its collectives, with each unit's computation placed between them.
 
@@ -231,7 +233,7 @@ def _gathered_spans(slots: Sequence[tuple[str, str, str]]) -> list[tuple[str, in
 
 
 def plot_fsdp_step(
-    calls: Sequence[Mapping[str, object]], *, title: str = "One FSDP step, unit by unit"
+    calls: Sequence[Mapping[str, Any]], *, title: str = "One FSDP step, unit by unit"
 ) -> Figure:
     """A schematic of one FSDP step: one row per unit, one slot per collective or computation,
     in the order :func:`fsdp_step_slots` gives (issue order, not time).

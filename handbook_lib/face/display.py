@@ -87,6 +87,7 @@ def format_bound(value: float, *, below: float | None = None, above: float | Non
         if not value < below:
             raise ValueError(f"{value!r} is not below {below:.0e}")
         return f"< {below:.0e}"
+    assert above is not None  # exactly one of the two, checked above
     if not value > above:
         raise ValueError(f"{value!r} is not above {above:.0e}")
     return f"> {above:.0e}"

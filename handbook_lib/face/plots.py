@@ -4,14 +4,16 @@ Chapter 1 introduces :func:`plot_rank_bytes`; chapter 2 adds :func:`plot_memory_
 :func:`plot_memory_vs_seq_len` and :func:`plot_predicted_vs_measured`; chapter 3 the
 communication plots (:func:`plot_min_tokens_by_link`, the roofline); chapter 4
 :func:`plot_fit_map`; chapter 5 :func:`plot_loss_curves` and :func:`plot_peak_by_run`. The
-diagrams (a ring's steps, one step's collectives on a time axis, the commit protocol) are in :mod:`handbook_lib.face.diagrams`. Figures are built with the
-object-oriented API (no ``pyplot`` state), so a notebook cell shows a returned figure exactly once. Every figure is at most
+diagrams (a ring's steps, one step's collectives on a time axis, the commit protocol) are in
+:mod:`handbook_lib.face.diagrams`. Figures are built with the object-oriented API (no ``pyplot``
+state), so a notebook cell shows a returned figure exactly once. Every figure is at most
 :data:`BOOK_WIDTH_IN` wide, so the book shows it unscaled, and no text is below 8 pt.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
@@ -231,7 +233,7 @@ def _place_labels(fig: Figure, ax, labels: list) -> None:
     renderer = _renderer(fig)
     box = ax.get_window_extent(renderer)
     markers = _marker_discs(ax)
-    placed = []
+    placed: list[Any] = []
     for text in labels:
         for dx, dy in _OFFSETS:
             text.set_position((dx, dy))

@@ -36,8 +36,8 @@ def summarize_runs(results: Mapping[str, RunResult]) -> Table:
     rows = []
     for label, result in results.items():
         exact = [c for c in result.checks if c.tolerance == 0]
-        def worst(quantity: str) -> Check:
-            return max((c for c in result.checks if c.quantity == quantity),
+        def worst(quantity: str, checks: list[Check] = result.checks) -> Check:
+            return max((c for c in checks if c.quantity == quantity),
                        key=lambda c: abs(c.relative_error))
         act = worst("activation_bytes")
         row = [label, result.world_size, f"{sum(c.exact for c in exact)}/{len(exact)}",

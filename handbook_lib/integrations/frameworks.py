@@ -46,8 +46,9 @@ from handbook_lib.core.checks import check_int
 from handbook_lib.core.config import PRECISIONS, RunConfig
 from handbook_lib.core.strategies import STRATEGY_TABLE, Strategy, get_strategy
 
-__all__ = ["LAYER_CLASS", "MACHINE_RANK_FLAG", "accelerate_config", "trainer_fsdp_args", "deepspeed_config", "trainer_deepspeed_args",
-           "fsdp_strategies", "DEEPSPEED_STAGE3_DEFAULTS", "MEASUREMENT_OVERRIDES", "production_configs"]
+__all__ = ["LAYER_CLASS", "MACHINE_RANK_FLAG", "accelerate_config", "trainer_fsdp_args", "deepspeed_config",
+           "trainer_deepspeed_args", "fsdp_strategies", "DEEPSPEED_STAGE3_DEFAULTS", "MEASUREMENT_OVERRIDES",
+           "production_configs"]
 
 LAYER_CLASS = "TransformerLayer"
 """The class FSDP wraps as a unit (:class:`handbook_lib.runtime.model.TransformerLayer`)."""
@@ -267,17 +268,16 @@ def trainer_fsdp_args(config: RunConfig, *, reduce_in_compute_dtype: bool = Fals
     """``TrainingArguments`` keywords for an FSDP run: ``fsdp``, ``fsdp_config``, the precision,
     accumulation, clipping, optimizer and learning-rate keys.
 
-    ``fsdp_config`` says what :func:`accelerate_config` says, in the Trainer's spelling (no
-    ``fsdp_`` prefix; ``transformer_layer_cls_to_wrap`` a list); for FSDP1 also
-    ``sync_module_states`` (the Trainer's default is on), ``use_orig_params: false`` (its default
-    is on) and ``backward_prefetch: BACKWARD_PRE`` (its default is none). ``bf16``/``fp16`` from the
-    precision; ``gradient_accumulation_steps``; ``max_grad_norm`` always written (the Trainer
-    clips at 1.0 by default; 0 turns clipping off); ``learning_rate`` held constant
-    (``lr_scheduler_type`` and ``warmup_steps`` from :func:`_trainer_schedule`: the Trainer
-    decays linearly by default, the book's runs keep ``lr_schedule="constant"`` unless told); ``optim``/``weight_decay``/``optim_args`` for the book's optimizer (PyTorch's AdamW,
-    not the fused one the Trainer picks by default). One difference remains with ``adamw``: the
-    Trainer exempts biases and norm weights from weight decay, PyTorch's ``AdamW(params)`` decays
-    every parameter.
+    ``fsdp_config`` says what :func:`accelerate_config` says, in the Trainer's spelling (no ``fsdp_`` prefix;
+    ``transformer_layer_cls_to_wrap`` a list); for FSDP1 also ``sync_module_states`` (the Trainer's default is
+    on), ``use_orig_params: false`` (its default is on) and ``backward_prefetch: BACKWARD_PRE`` (its default
+    is none). ``bf16``/``fp16`` from the precision; ``gradient_accumulation_steps``; ``max_grad_norm`` always
+    written (the Trainer clips at 1.0 by default; 0 turns clipping off); ``learning_rate`` held constant
+    (``lr_scheduler_type`` and ``warmup_steps`` from :func:`_trainer_schedule`: the Trainer decays linearly by
+    default, the book's runs keep ``lr_schedule="constant"`` unless told);
+    ``optim``/``weight_decay``/``optim_args`` for the book's optimizer (PyTorch's AdamW, not the fused one the
+    Trainer picks by default). One difference remains with ``adamw``: the Trainer exempts biases and norm
+    weights from weight decay, PyTorch's ``AdamW(params)`` decays every parameter.
 
     Not written: the batch (``per_device_train_batch_size`` is ``batch_size / (world size x
     grad_accum_steps)``, and the world size is the launcher's), ``steps``, ``seed``. With

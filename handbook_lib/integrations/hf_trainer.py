@@ -17,13 +17,13 @@ import torch
 # In a notebook without ipywidgets, tqdm.auto (imported by Transformers) warns that its widget
 # bars fall back to text: true, harmless, and not the reader's to act on.
 warnings.filterwarnings("ignore", message="IProgress not found")
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402 - after the filter
 
-from handbook_lib.core.config import RunConfig
-from handbook_lib.runtime.data import make_batch
+from handbook_lib.core.config import RunConfig  # noqa: E402
+from handbook_lib.runtime.data import make_batch  # noqa: E402
 
-__all__ = ["probe_logits_on_cpu", "gpt2_config", "build_gpt2", "SyntheticLM", "RecordingTrainer", "probe_batch", "probe_logits",
-           "training_arguments"]
+__all__ = ["probe_logits_on_cpu", "gpt2_config", "build_gpt2", "SyntheticLM", "RecordingTrainer", "probe_batch",
+           "probe_logits", "training_arguments"]
 
 
 def gpt2_config(config: RunConfig) -> GPT2Config:
@@ -63,7 +63,7 @@ class RecordingTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.losses: list[float] = []
 
-    def training_step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def training_step(self, *args, **kwargs):
         loss = super().training_step(*args, **kwargs)
         self.losses.append(float(loss))
         return loss

@@ -75,7 +75,7 @@ def import_deepspeed() -> Any:
     # DeepSpeed calls torch.distributed's old names; the FutureWarning is not the reader's to act on
     warnings.filterwarnings("ignore", category=FutureWarning,
                             message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`")
-    comm = sys.modules["deepspeed.comm.torch"]
+    comm: Any = sys.modules["deepspeed.comm.torch"]
     comm.build_shm_op = lambda: None  # gloo's all-reduce, visible to the collective counter
     return deepspeed
 

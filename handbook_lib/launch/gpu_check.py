@@ -40,7 +40,8 @@ from handbook_lib.models.layout import wrap_units
 
 __all__ = [
     "RESULT_SET_SCHEMA", "WRITER", "BILLION_MODEL", "MEMORY_CONFIGS", "STEP_TIME_CONFIG", "MFU_CONFIG",
-    "SWEEP_CONFIG", "NO_GPU_MESSAGE", "CUDA_WHEELS", "gpu_present", "no_gpu_message", "match_accelerator", "estimate_mfu",
+    "SWEEP_CONFIG", "NO_GPU_MESSAGE", "CUDA_WHEELS", "gpu_present", "no_gpu_message", "match_accelerator",
+    "estimate_mfu",
     "estimate_prefetch_extra_bytes",
     "memory_figures", "device_capacity", "steady_step_time_s", "is_cuda_oom", "SweepTry", "Sweep", "sweep_micro_batch",
     "predict_max_micro_batch", "gpu_slug", "write_result_set", "AXES_MODEL", "axes_configs",
@@ -183,9 +184,9 @@ def estimate_mfu(num_params: int, tokens_per_step: int, step_time_s: float, worl
     for name, value in (("num_params", num_params), ("tokens_per_step", tokens_per_step),
                         ("world_size", world_size)):
         check_int(name, value, 1)
-    for name, value in (("step_time_s", step_time_s), ("peak_flops", peak_flops)):
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    for name, number in (("step_time_s", step_time_s), ("peak_flops", peak_flops)):
+        if not (isinstance(number, (int, float)) and math.isfinite(number) and number > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {number!r}")
     return 6 * num_params * tokens_per_step / (step_time_s * world_size * peak_flops)
 
 

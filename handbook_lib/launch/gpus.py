@@ -46,7 +46,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from handbook_lib.core.checks import check_int
 

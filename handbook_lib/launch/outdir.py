@@ -306,8 +306,7 @@ def prepare_out_dir(run: str, out: str | os.PathLike[str] | None, overwrite: boo
     """
     if out is None:
         out_dir = Path(tempfile.mkdtemp(prefix=f"handbook-{run}-"))
-        fd = _lock(out_dir, out_dir / node_marker(node), create=True)
-        return OutDir(out_dir, fd, run, node, set(), 0)
+        return OutDir(out_dir, _lock(out_dir, out_dir / node_marker(node), create=True), run, node, set(), 0)
     if not isinstance(out, (str, os.PathLike)) or not str(out).strip():
         raise ValueError(f"out (--out) must be a folder path, got {out!r}")
     out_dir = Path(out)

@@ -44,8 +44,9 @@ def kill_tree(proc: subprocess.Popen, grace_s: float = 5.0, *, mentions: tuple[s
     and output folder), should one have escaped the tree.
     """
     try:
-        agent: psutil.Process | None = psutil.Process(proc.pid)
-        agent.suspend()
+        frozen = psutil.Process(proc.pid)
+        frozen.suspend()
+        agent: psutil.Process | None = frozen
     except psutil.NoSuchProcess:
         agent = None
     seen: dict[int, psutil.Process] = {}

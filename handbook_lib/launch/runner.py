@@ -396,7 +396,7 @@ def _launch_and_wait(run: str, nproc: int, cfgs: dict[str, FlatConfig], claimed:
         streamer.close()
         if proc.stdout:
             proc.stdout.close()
-    common = dict(run=run, out_dir=out_dir, returncode=proc.returncode, log_tail=list(streamer.tail))
+    common: dict[str, Any] = dict(run=run, out_dir=out_dir, returncode=proc.returncode, log_tail=list(streamer.tail))
     raise_if_preempted(run, out_dir, nodes.count * nproc, common)
     if timed_out:
         _, states = diagnose_failure(out_dir, nodes.count * nproc)

@@ -132,7 +132,7 @@ class SlurmJob:
         if self.port is not None and (not is_int(self.port) or not 1024 <= self.port <= 65535):
             raise ValueError(f"--port must be a whole number from 1024 to 65535, got {self.port!r}")
         parse_time(self.time)
-        for flag, value, pattern, accepted in (
+        for flag, text, pattern, accepted in (
             ("--partition", self.partition, re.compile(r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*"),
              "letters, digits, '_', '.', '-' (several partitions: comma-separated)"),
             ("--account", self.account, _NAME, "letters, digits, '_', '.', '-'"),
@@ -140,8 +140,8 @@ class SlurmJob:
             ("--log", self.log, _LOG, "letters, digits and _ . % / + , : = @ - (sbatch expands no "
              "$VARIABLES or ~ there: use %x for the job name, %j for the job id)"),
         ):
-            if value is not None and not pattern.fullmatch(value):
-                raise ValueError(f"{flag} {value!r}: accepted characters are {accepted}")
+            if text is not None and not pattern.fullmatch(text):
+                raise ValueError(f"{flag} {text!r}: accepted characters are {accepted}")
         if self.out_dir is not None and (not self.out_dir.strip() or any(c in self.out_dir for c in "\n\r\0")):
             raise ValueError(f"--out must be a folder path on one line, got {self.out_dir!r}")
 
@@ -368,7 +368,7 @@ def _requeue_lines() -> list[str]:
     return [
         "status=$?",
         "set -e",
-        f"# Each rank that saved and stopped on the signal wrote the state preempted (and exited",
+        "# Each rank that saved and stopped on the signal wrote the state preempted (and exited",
         f"# {PREEMPTED_EXIT}): then the job queues itself again and resumes from that checkpoint.",
         "if grep -qs '\"status\": \"preempted\"' \"$OUT_DIR\"/ranks/rank*.json; then",
         '  echo "preempted: every rank saved; requeueing job $SLURM_JOB_ID"',

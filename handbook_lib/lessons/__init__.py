@@ -31,29 +31,5 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         measure_loss_scaling,
     )
 
-_HOMES = {
-    "CAUSALITY_SETUP": "causality",
-    "MASK_VARIANTS": "causality",
-    "random_batch": "causality",
-    "measure_future_gradient_share": "causality",
-    "estimate_position_blind_loss": "causality",
-    "CausalityRun": "causality",
-    "CausalityResult": "causality",
-    "measure_causality": "causality",
-    "UNDERFLOW_SETUP": "loss_scaling",
-    "GLOBAL_BATCH_TOKENS": "loss_scaling",
-    "PRECISION_VARIANTS": "loss_scaling",
-    "PrecisionRun": "loss_scaling",
-    "LossScalingResult": "loss_scaling",
-    "measure_loss_scaling": "loss_scaling",
-}
-"""Each exported name and the module of this package it is defined in."""
 
-__all__ = [
-    "CAUSALITY_SETUP", "MASK_VARIANTS", "random_batch", "measure_future_gradient_share",
-    "estimate_position_blind_loss", "CausalityRun", "CausalityResult", "measure_causality",
-    "UNDERFLOW_SETUP", "GLOBAL_BATCH_TOKENS", "PRECISION_VARIANTS", "PrecisionRun",
-    "LossScalingResult", "measure_loss_scaling",
-]
-
-__getattr__, __dir__ = lazy_exports(__name__, _HOMES)
+__getattr__, __dir__, __all__ = lazy_exports(__name__)

@@ -43,11 +43,16 @@ class ModelSizes(Protocol):
     :class:`~handbook_lib.models.presets.DecoderShape` or a
     :class:`~handbook_lib.models.layout.ModelLayout` (counts, not bytes)."""
 
-    num_layers: int
-    d_model: int
-    nhead: int
-    vocab_size: int
-    dim_feedforward: int
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def d_model(self) -> int: ...
+    @property
+    def nhead(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def dim_feedforward(self) -> int: ...
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ def lr_factor(step: int, schedule: str, warmup_steps: int, total_steps: int) -> 
     ``schedule`` over the remaining ``total_steps - warmup_steps`` steps.
 
     Raises:
-        ValueError: if ``schedule`` is not one of :data:`~handbook_lib.core.config.LR_SCHEDULES`, or a count is negative.
+        ValueError: if ``schedule`` is not one of :data:`~handbook_lib.core.config.LR_SCHEDULES`, or a
+            count is negative.
     """
     if schedule not in LR_SCHEDULES:
         raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}; got {schedule!r}")

@@ -283,7 +283,7 @@ def estimate_memory(
         shape = _on_gpu(shape, layout, units, rank % group, optimizer, cpu_offload)
     phases = {fn.__name__: parts for fn in PHASES if (parts := fn(shape)) is not None}
     totals = {name: sum(parts.values()) for name, parts in phases.items()}
-    peak_phase = max(totals, key=totals.get)
+    peak_phase = max(totals, key=totals.__getitem__)
     late_free = late_free_bound(shape, totals[peak_phase], totals.get("backward_start", 0))
     notes = _notes(shape, row, totals[peak_phase], late_free)
     return MemoryEstimate(components=phases[peak_phase], phases=totals, peak_phase=peak_phase,

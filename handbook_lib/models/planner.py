@@ -5,8 +5,8 @@ HYBRID_SHARD across nodes, activation checkpointing, CPU offload, more GPUs — 
 memory model (peak per GPU, mixed precision, activations, FSDP's buffers) and the chapter-3
 communication model (link speeds, overlap), then recommends the option that fits with headroom
 and comes first under :func:`recommend` (fastest, steps within 1 % tied; a tie to fewer levers,
-then less communication, then less memory), and says why in words. :func:`seed_recommendation` keeps the simplified rule this
-course started from, to compare. Pure arithmetic.
+then less communication, then less memory), and says why in words. :func:`seed_recommendation`
+keeps the simplified rule this course started from, to compare. Pure arithmetic.
 """
 
 from __future__ import annotations

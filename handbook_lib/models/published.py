@@ -29,7 +29,6 @@ from handbook_lib.models.axes import estimate_sp_memory, estimate_tp_fsdp_memory
 from handbook_lib.models.collectives import estimate_collective
 from handbook_lib.models.hardware import get_accelerator, node_preset
 from handbook_lib.models.hf_config import decoder_shape_from_hf
-from handbook_lib.models.layout import ModelLike
 from handbook_lib.models.memory import estimate_memory
 from handbook_lib.models.presets import DecoderShape, get_shape
 from handbook_lib.models.timing import DEFAULT_UTILIZATION, estimate_compute_time
@@ -180,7 +179,8 @@ def _params(model: str | int) -> int:
     return m if isinstance(m, int) else m.num_params
 
 
-_IBM = ("PyTorch and IBM, 'Maximizing training throughput using PyTorch FSDP', pytorch.org/blog/maximizing-training (2024): "
+_IBM = ("PyTorch and IBM, 'Maximizing training throughput using PyTorch FSDP', "
+        "pytorch.org/blog/maximizing-training (2024): "
         "Llama 2 architecture, 4,096-token sequences, 2 per GPU, bf16, FSDP; 128 A100 80GB or 96 H100")
 _TITAN_A100 = ("pytorch/torchtitan docs/performance.md (2024): FSDP2 on 64 A100 80GB, tokens/s per GPU "
                "(WPS) and MFU")
@@ -211,7 +211,8 @@ class PublishedThroughput:
 PUBLISHED_THROUGHPUT: tuple[PublishedThroughput, ...] = (
     PublishedThroughput("Llama 3 405B, 16,384 H100", 405_000_000_000, "h100-80gb", 16384, 8192, 16, False,
                         400e12 / (6 * 405e9), 0.41,
-                        "Grattafiori et al. 2024, The Llama 3 Herd of Models (arXiv:2407.21783), Table 4: 400 TFLOP/s per GPU, "
+                        "Grattafiori et al. 2024, The Llama 3 Herd of Models (arXiv:2407.21783), Table 4: "
+                        "400 TFLOP/s per GPU, "
                         "BF16 MFU 41 % (TP 8, PP 16, FSDP 128); tokens/s per GPU are 400 TFLOP/s over 6P "
                         "(the paper states FLOP/s, not tokens)", calibration=True),
     PublishedThroughput("Llama 2 7B, 128 A100", "llama2-7b", "a100-80gb", 128, 4096, 2, False, 3700, 0.57, _IBM),
@@ -327,7 +328,7 @@ class MemoryChangeRow:
 def _reserved_peak(row: PublishedMemoryChange, gpus: int, mode: str) -> int:
     """The model's reserved peak per GPU for ``row``'s run on ``gpus`` GPUs (bf16 mixed
     precision, FULL_SHARD, AdamW, activation checkpointing ``mode``), bytes."""
-    model: ModelLike = _model(row.model)  # type: ignore[assignment]
+    model = _model(row.model)
     return estimate_memory(model, gpus, "FULL_SHARD", "bf16-mixed", micro_batch=row.micro_batch,
                            seq_len=row.seq_len, activation_checkpointing=mode).peak_reserved
 
@@ -424,9 +425,10 @@ def axis_memory_rows(rows: tuple[PublishedAxisMemory, ...] = PUBLISHED_AXIS_MEMO
     the rest (:func:`~handbook_lib.models.axes.estimate_tp_fsdp_memory`)."""
     out = []
     for row in rows:
-        model: ModelLike = _model(row.model)  # type: ignore[assignment]
+        model = _model(row.model)
         if row.tp_size > 1:
-            est = estimate_tp_fsdp_memory(model, row.gpus, row.tp_size, micro_batch=row.micro_batch,  # type: ignore[arg-type]
+            assert isinstance(model, DecoderShape)  # tensor parallelism splits a shape's heads
+            est = estimate_tp_fsdp_memory(model, row.gpus, row.tp_size, micro_batch=row.micro_batch,
                                           seq_len=row.seq_len)
         else:
             est = estimate_sp_memory(model, row.gpus, row.seq_len, row.cp_size, micro_batch=row.micro_batch)

@@ -41,11 +41,12 @@ Two kinds of function here:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import cast
 
 from handbook_lib.core.architecture import ModelConfig
 from handbook_lib.core.checks import check_int
 from handbook_lib.core.config import dtype_bytes
-from handbook_lib.core.parallel_layout import SP_METHODS, ParallelLayout
+from handbook_lib.core.parallel_layout import SP_METHODS, ParallelLayout, SpMethod
 from handbook_lib.models.activations import ActivationBytes
 from handbook_lib.models.collectives import estimate_collective
 from handbook_lib.models.hardware import Accelerator, Link, get_accelerator, get_link
@@ -84,7 +85,8 @@ def _check(sp_size: int, seq_len: int, method: str | None = None, nhead: int | N
     check_int("seq_len", seq_len, 1)
     if method is not None and method not in SP_METHODS:
         raise ValueError(f"sp_method must be one of {', '.join(SP_METHODS)}, got {method!r}")
-    ParallelLayout(sp=sp_size, sp_method=method or "ring").check_shape(seq_len=seq_len, nhead=nhead)
+    ParallelLayout(sp=sp_size, sp_method=cast(SpMethod, method or "ring")).check_shape(seq_len=seq_len,
+                                                                             nhead=nhead)
 
 
 def parallel_layout(config: ModelConfig) -> ModelLayout:
@@ -95,7 +97,7 @@ def parallel_layout(config: ModelConfig) -> ModelLayout:
     dim 0, so shards and padding are those of these tensors."""
     base = model_layout(config)
     d = config.d_model
-    tensors = []
+    tensors: list[tuple[str, tuple[int, ...]]] = []
     for name, shape in base.tensors:
         if name.endswith("self_attn.in_proj_weight"):
             prefix = name[: -len("in_proj_weight")]

@@ -96,7 +96,7 @@ def zero_stage(strategy: str) -> int:
         ValueError: for a strategy of another wrapper, naming the ones accepted.
     """
     row = get_strategy(strategy)
-    if row.wrapper != "deepspeed":
+    if row.wrapper != "deepspeed" or row.zero_stage is None:
         raise ValueError(f"strategy must be a DeepSpeed ZeRO row (ZERO1, ZERO2, ZERO3), got {row.name!r}")
     return row.zero_stage
 
@@ -238,15 +238,15 @@ def estimate_zero_step_traffic(
         return StepTraffic(strategy, n, 1, tuple(records))
     units = [(name, [x for x in sizes if x > persistence_threshold]) for name, sizes in gather_units(model)]
     units = [(name, sizes) for name, sizes in units if sizes]
-    padded = lambda sizes: sum(-(-x // n) * n for x in sizes)  # noqa: E731
+    padded_numel = lambda sizes: sum(-(-x // n) * n for x in sizes)  # noqa: E731
     for name, sizes in units:
-        record("all_gather", c * padded(sizes), name, "forward", compute)
+        record("all_gather", c * padded_numel(sizes), name, "forward", compute)
     for name, sizes in reversed(units):
-        record("all_gather", c * padded(sizes), name, "backward", compute)
-    record("reduce_scatter", r * padded(numels), "gradients", "backward", reduce)
+        record("all_gather", c * padded_numel(sizes), name, "backward", compute)
+    record("reduce_scatter", r * padded_numel(numels), "gradients", "backward", reduce)
     for size in bookkeeping_reductions(strategy, precision, cpu_offload=cpu_offload):
         record("all_reduce", size, "bookkeeping", "step", "fp64" if size == 8 else "fp32")
     for x in numels:
         if x <= persistence_threshold:
-            record("all_gather", c * padded([x]), "persistent tensor", "step", compute)
+            record("all_gather", c * padded_numel([x]), "persistent tensor", "step", compute)
     return StepTraffic(strategy, n, 1, tuple(records))

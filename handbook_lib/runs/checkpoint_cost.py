@@ -32,7 +32,7 @@ import random
 import shutil
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -48,7 +48,7 @@ from handbook_lib.models.layout import model_layout
 from handbook_lib.runs.entry import RankReport, main
 from handbook_lib.runs.specs.checkpoint_cost import CONFIG as CONFIG, CheckpointCostConfig, job_of, validate
 from handbook_lib.runtime.build import parallelize
-from handbook_lib.runtime.checkpoint import load_checkpoint, save_checkpoint
+from handbook_lib.runtime.checkpoint import PendingCheckpoint, load_checkpoint, save_checkpoint
 from handbook_lib.runtime.checkpoint_verify import METADATA, CheckpointError, read_metadata, validate_checkpoint
 from handbook_lib.runtime.data import local_batch
 from handbook_lib.runtime.distributed import RankContext
@@ -67,6 +67,7 @@ def _root(config: CheckpointCostConfig, ctx: RankContext) -> Path:
     name = [tempfile.mkdtemp(prefix="handbook-ckcost-") if ctx.is_main else None]
     if ctx.world_size > 1:
         dist.broadcast_object_list(name, src=0)
+    assert name[0] is not None  # rank 0's, broadcast
     return Path(name[0])
 
 
@@ -107,8 +108,9 @@ def _round(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim
     saves = {checksums: save(checksums) for checksums in order}
     loads = {checksums: load(checksums) for checksums in order}
     saved, plain, loaded, load_plain = saves[True], saves[False], loads[True], loads[False]
-    waited = save_checkpoint(root / "async", step, model, optimizer, keep_last=1, asynchronous=True,
-                             job=job).wait()
+    pending = save_checkpoint(root / "async", step, model, optimizer, keep_last=1, asynchronous=True, job=job)
+    assert isinstance(pending, PendingCheckpoint)  # asynchronous=True
+    waited = pending.wait()
     times = {"save_s": saved.seconds, "hash_s": saved.checksum_s, "save_plain_s": plain.seconds,
              "load_s": loaded.seconds, "verify_s": loaded.verify_s, "load_plain_s": load_plain.seconds,
              "async_blocked_s": waited.blocked_s, "async_wait_s": waited.wait_s, "async_total_s": waited.seconds}
@@ -143,7 +145,8 @@ def _refusal_checks(path: Path, ctx: RankContext, model, optimizer) -> tuple[lis
         dist.barrier()
     try:
         load_checkpoint(path, model, optimizer)
-        refused, message = (), ""
+        refused: tuple[int, ...] = ()
+        message = ""
     except CheckpointError as err:
         refused, message = err.refused_by, str(err)
     checks = []
@@ -212,7 +215,7 @@ def _metrics(times: dict[str, list[float]], records: dict) -> dict[str, Any]:
     }
 
 
-def job_times(ranks: list[Mapping[str, list[float]]]) -> dict[str, float]:
+def job_times(ranks: Sequence[Mapping[str, list[float]]]) -> dict[str, float]:
     """The job's seconds from every rank's: per repeat the slowest rank's (a collective save or
     load lasts as long as its slowest rank), then the median over the repeats, for each key of
     :data:`TIMES`; with the fractions of the hashing in a save, of the verification in a load
@@ -249,7 +252,7 @@ def run(config: CheckpointCostConfig, ctx: RankContext) -> RankReport:
     checks = _checks(ctx, records, trained, _tensors(model, optimizer), loaded_sync)
     refusal, found = _refusal_checks(records["saved"].path, ctx, model, optimizer)
     files = dict(records["saved"].files)
-    every = [times]
+    every: list[Any] = [times]
     if ctx.world_size > 1:
         every = [None] * ctx.world_size
         dist.all_gather_object(every, times)

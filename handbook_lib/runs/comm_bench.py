@@ -17,6 +17,8 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,14 +58,14 @@ def _time_call(fn, ctx: RankContext) -> float:
 def run(config: BenchConfig, ctx: RankContext) -> RankReport:
     validate(config, ctx.world_size)
     n = ctx.world_size
-    measurements = []
+    measurements: list[dict[str, Any]] = []
     for size in buffer_sizes(config, n):
         full = torch.ones(size // 4, device=ctx.device)
         shard = torch.ones(size // 4 // n, device=ctx.device)
         calls = {
-            "all_gather": lambda: _all_gather(full, shard),
-            "reduce_scatter": lambda: _reduce_scatter(shard, full),
-            "all_reduce": lambda: dist.all_reduce(full),
+            "all_gather": partial(_all_gather, full, shard),
+            "reduce_scatter": partial(_reduce_scatter, shard, full),
+            "all_reduce": partial(dist.all_reduce, full),
         }
         for kind in KINDS:
             for _ in range(config.warmup):

@@ -20,6 +20,7 @@ Launch::
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from handbook_lib.core.architecture import param_count
 from handbook_lib.core.config import RunConfig
@@ -48,7 +49,8 @@ from handbook_lib.runtime.training import train
 def fsdp_twin(strategy: str) -> str:
     """The FSDP strategy the run compares a ZeRO row with: the same sharding at rest where FSDP
     has one (ZeRO-2 → SHARD_GRAD_OP, ZeRO-3 → FULL_SHARD), else FULL_SHARD."""
-    return ZERO_STAGES.get(get_strategy(strategy).zero_stage) or "FULL_SHARD"
+    stage = get_strategy(strategy).zero_stage
+    return (ZERO_STAGES.get(stage) if stage is not None else None) or "FULL_SHARD"
 
 
 def _train_fsdp2(config: ZeroRunConfig, ctx: RankContext) -> dict:
@@ -58,6 +60,7 @@ def _train_fsdp2(config: ZeroRunConfig, ctx: RankContext) -> dict:
     model = parallelize(twin, ctx)
     optimizer = build_optimizer(model.parameters(), twin.optimizer, twin.lr)
     log = train(model, optimizer, twin, ctx, count_collectives=True, progress=False)
+    assert log.collectives is not None  # counted on the last step
     params = measure_param_bytes(model)
     sharded, other = measure_optimizer_bytes(optimizer)
     return {"strategy": twin.strategy, "losses": log.losses,
@@ -76,9 +79,10 @@ def run(config: ZeroRunConfig, ctx: RankContext) -> RankReport:
     fsdp = _train_fsdp2(config, ctx)
     engine, optimizer, ds_config = build_engine(config, ctx, persistence_threshold=config.persistence_threshold)
     log = train(engine, optimizer, config, ctx, count_collectives=True)
+    assert log.collectives is not None  # counted on the last step
     held = measure_zero_bytes(engine, optimizer.grad_bytes)
     model = config.model_config()
-    kwargs = {"persistence_threshold": config.persistence_threshold, "cpu_offload": config.cpu_offload}
+    kwargs: dict[str, Any] = {"persistence_threshold": config.persistence_threshold, "cpu_offload": config.cpu_offload}
     parts = ("params", "master", "grads", "optimizer", "optimizer_step")
     predicted = estimate_rank_state(model, ctx.world_size, config.strategy, config.precision, config.optimizer,
                                     rank=ctx.rank, **kwargs)

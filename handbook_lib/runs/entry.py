@@ -42,7 +42,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
 
 import torch
 import torch.distributed as dist
@@ -129,7 +129,8 @@ def placement() -> dict[str, Any]:
             "local_rank": int(os.environ.get("LOCAL_RANK", "0"))}
 
 
-def _write_status(out_dir: Path, rank: int, status: str, stacks: TextIO, **error: Any) -> None:
+def _write_status(out_dir: Path, rank: int, status: Literal["ok", "error", "preempted"], stacks: TextIO,
+                  **error: Any) -> None:
     """This rank's :class:`~handbook_lib.core.protocol.RankStatus`, where the launcher reads it.
 
     A SIGTERM waits until it is written: torchrun stops a failed job's other ranks with SIGTERM,
@@ -179,7 +180,8 @@ def _run_one(module: ModuleType, config: Any, ctx: RankContext) -> RankReport:
 def _result(module: ModuleType, config: Any, ctx: RankContext, reports: list[RankReport]) -> RunResult:
     """The result of one config from every rank's report (rank 0 holds them all)."""
     return RunResult(
-        schema=SCHEMA, run=module.__spec__.name.rsplit(".", 1)[-1], config=config.to_dict(),
+        schema=SCHEMA, run=(module.__spec__.name if module.__spec__ else module.__name__).rsplit(".", 1)[-1],
+        config=config.to_dict(),
         world_size=ctx.world_size, backend=ctx.backend, device=ctx.device.type, torch_version=torch.__version__,
         ranks=[{"rank": r, **rep.metrics} for r, rep in enumerate(reports)],
         checks=[c for rep in reports for c in rep.checks], extra=reports[0].extra,

@@ -203,6 +203,7 @@ def _memory_checks(config: RunConfig, ctx: RankContext, layout: ModelLayout, uni
         else:
             held = estimate_accumulation_bytes(layout, config.strategy, config.precision,
                                                device="cuda" if ctx.device.type == "cuda" else "cpu")
+        assert mem.held_between_micro_steps is not None  # marked between micro-steps
         checks.append(_bytes(ctx, "held_between_micro_steps", held, mem.held_between_micro_steps))
     metrics.update(predicted_peak_bytes=peak, peak_bytes=mem.peak_bytes, activation_bytes=mem.activation_bytes,
                    peak_breakdown=mem.peak_breakdown, allocator_peak_bytes=mem.allocator_peak_bytes,

@@ -78,6 +78,8 @@ def run(config: ParallelConfig, ctx: RankContext) -> RankReport:
     optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
     log = train(model, optimizer, config, ctx, batches=sequence_batches(mesh), loss_fn=own_targets,
                 track_memory=True, count_collectives=True)
+    memory, collectives = log.memory, log.collectives
+    assert memory is not None and collectives is not None  # tracked on the last step
     micro = config.batch_size // mesh.dp_size
     checks = [
         Check("attention_output", ctx.rank, error.out_scale, error.out_scale + error.out_diff, "max |value|",
@@ -87,19 +89,20 @@ def run(config: ParallelConfig, ctx: RankContext) -> RankReport:
         *_state_checks(config, ctx, model, optimizer),
     ]
     acts = tracked_activation_bytes(config, micro)
-    checks.append(Check("activation_bytes", ctx.rank, acts, log.memory.activation_bytes, "bytes"))
-    checks += _collective_checks(config, ctx, micro, log.collectives)
+    checks.append(Check("activation_bytes", ctx.rank, acts, memory.activation_bytes, "bytes"))
+    checks += _collective_checks(config, ctx, micro, collectives)
     metrics = {"losses": log.losses, "step_time_s": log.step_time_s, "dp_size": mesh.dp_size,
                "sp_size": mesh.sp_size, "dp_rank": mesh.dp_rank, "sp_rank": mesh.sp_rank,
-               "activation_bytes": log.memory.activation_bytes, "predicted_activation_bytes": acts,
-               "peak_bytes": log.memory.peak_bytes, "attention_error": vars(error),
-               "collectives": [vars(c) for c in log.collectives],
-               "sent_bytes": sum(k["sent_bytes"] for k in collective_totals(log.collectives).values())}
+               "activation_bytes": memory.activation_bytes, "predicted_activation_bytes": acts,
+               "peak_bytes": memory.peak_bytes, "attention_error": vars(error),
+               "collectives": [vars(c) for c in collectives],
+               "sent_bytes": sum(k["sent_bytes"] for k in collective_totals(collectives).values())}
     if ctx.is_main:
         metrics["reference_losses"], loss_checks = one_process_loss_checks(
             config, log.losses, LOSS_TOLERANCE, str(ctx.device))  # the reference on the rank's device
         checks += loss_checks
-    return RankReport(metrics=metrics, checks=checks, extra={"num_params": parallel_layout(config.model_config()).num_params})
+    return RankReport(metrics=metrics, checks=checks,
+                      extra={"num_params": parallel_layout(config.model_config()).num_params})
 
 
 def own_targets(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,14 +149,15 @@ def _collective_checks(config: ParallelConfig, ctx: RankContext, micro: int,
     the backward's last reduce-scatters."""
     traffic = estimate_sp_step_traffic(config.model_config(), ctx.world_size, micro, config.seq_len,
                                        config.sp_size, config.sp_method)
-    measured: dict[tuple[str, str, int], tuple[int, int]] = {}
+    measured: dict[tuple[str, str | None, int], tuple[int, int]] = {}
     for c in calls:
         key = (c.kind, "backward" if c.phase == "optimizer" else c.phase, c.group_size)
         n, b = measured.get(key, (0, 0))
         measured[key] = (n + 1, b + c.buffer_bytes)
     checks = []
-    for key in sorted(set(traffic.counts()) | set(measured)):
-        want, got = traffic.counts().get(key, (0, 0)), measured.get(key, (0, 0))
+    expected: dict[tuple[str, str | None, int], tuple[int, int]] = {k: v for k, v in traffic.counts().items()}
+    for key in sorted(set(expected) | set(measured)):
+        want, got = expected.get(key, (0, 0)), measured.get(key, (0, 0))
         name = f"{key[0]}_{'fwd' if key[1] == 'forward' else 'bwd'}_{key[2]}ranks"
         checks += [Check(f"{name}_count", ctx.rank, want[0], got[0], "collectives"),
                    Check(f"{name}_buffer_bytes", ctx.rank, want[1], got[1], "bytes")]

@@ -65,6 +65,8 @@ def run(config: ParallelConfig, ctx: RankContext) -> RankReport:
     dp = config.data_parallel_size(ctx.world_size)
     dp_rank = ctx.rank // config.tp_size
     model, optimizer, log = train_tensor_parallel(config, ctx)
+    memory, collectives = log.memory, log.collectives
+    assert memory is not None and collectives is not None  # tracked on the last step
     micro = config.batch_size // dp
     cfg = config.model_config()
     state = estimate_tp_state_bytes(cfg, config.tp_size, dp, dp_rank, config.optimizer)
@@ -76,16 +78,16 @@ def run(config: ParallelConfig, ctx: RankContext) -> RankReport:
               Check("optimizer_state_bytes", ctx.rank, state.optimizer_state_bytes, sharded, "bytes"),
               Check("optimizer_step_bytes", ctx.rank, state.optimizer_step_bytes, other, "bytes")]
     acts = estimate_tp_activation_bytes(cfg, micro, config.seq_len, config.tp_size, config.sequence_parallel)
-    checks.append(Check("activation_bytes", ctx.rank, acts.total, log.memory.activation_bytes, "bytes",
+    checks.append(Check("activation_bytes", ctx.rank, acts.total, memory.activation_bytes, "bytes",
                         0.0 if ctx.device.type == "cpu" else GPU_ACTIVATION_TOLERANCE))
-    checks += _collective_checks(config, ctx, dp, micro, log.collectives)
+    checks += _collective_checks(config, ctx, dp, micro, collectives)
     metrics = {"losses": log.losses, "dp_size": dp, "tp_size": config.tp_size, "dp_rank": dp_rank,
                "tp_rank": ctx.rank % config.tp_size, "sequence_parallel": config.sequence_parallel,
                "param_shard_bytes": params.shard_bytes, "param_padding_bytes": params.padding_bytes,
-               "activation_bytes": log.memory.activation_bytes, "predicted_activation_bytes": acts.total,
-               "activation_per_layer": acts.per_layer, "peak_bytes": log.memory.peak_bytes,
-               "collectives": [vars(c) for c in log.collectives],
-               "sent_bytes": sum(k["sent_bytes"] for k in collective_totals(log.collectives).values())}
+               "activation_bytes": memory.activation_bytes, "predicted_activation_bytes": acts.total,
+               "activation_per_layer": acts.per_layer, "peak_bytes": memory.peak_bytes,
+               "collectives": [vars(c) for c in collectives],
+               "sent_bytes": sum(k["sent_bytes"] for k in collective_totals(collectives).values())}
     if ctx.is_main:
         metrics["reference_losses"], loss_checks = one_process_loss_checks(
             config, log.losses, LOSS_TOLERANCE, str(ctx.device))  # the reference on the rank's device
@@ -102,9 +104,10 @@ def _collective_checks(config: ParallelConfig, ctx: RankContext, dp: int, micro:
     backward's last reduce-scatters, so it is read as ``backward``."""
     predicted = estimate_tp_step_collectives(config.model_config(), config.tp_size, dp, micro, config.seq_len,
                                              config.sequence_parallel)
-    want = Counter((c.kind, c.phase, c.buffer_bytes, c.group_size) for c in predicted)
-    got = Counter((c.kind, "backward" if c.phase == "optimizer" else c.phase, c.buffer_bytes, c.group_size)
-                  for c in calls)
+    want: Counter[tuple[str, str | None, int, int]] = Counter(
+        (c.kind, c.phase, c.buffer_bytes, c.group_size) for c in predicted)
+    got: Counter[tuple[str, str | None, int, int]] = Counter(
+        (c.kind, "backward" if c.phase == "optimizer" else c.phase, c.buffer_bytes, c.group_size) for c in calls)
     checks = []
     for kind, phase in sorted({k[:2] for k in want} | {k[:2] for k in got}):
         name = f"{kind}_{'fwd' if phase == 'forward' else 'bwd'}"

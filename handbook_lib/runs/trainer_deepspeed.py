@@ -79,8 +79,9 @@ def run(config: TrainerRunConfig, ctx: RankContext) -> RankReport:
     if ctx.is_main:  # a plain process loads the saved model, as any user would
         logits_file = folder / "probe_logits.pt"
         torch.save(trained, logits_file)
-        plain = subprocess.run([sys.executable, "-m", "handbook_lib.integrations.hf_trainer", str(final), str(logits_file),
-                                json.dumps(config.to_dict())], capture_output=True, text=True, check=True)
+        plain = subprocess.run([sys.executable, "-m", "handbook_lib.integrations.hf_trainer", str(final),
+                                str(logits_file), json.dumps(config.to_dict())],
+                               capture_output=True, text=True, check=True)
         diff = json.loads(plain.stdout.strip().splitlines()[-1])["max_abs_diff"]
         checks.append(Check("from_pretrained_logits_max_abs_diff", ctx.rank, 0.0, diff, "logit"))
         metrics["saved_files"] = sorted(p.name for p in final.iterdir())

@@ -199,7 +199,8 @@ class PendingCheckpoint:
 
     def __init__(self, future: Future, commit: Callable[[float], SavedCheckpoint], step: int, path: Path,
                  blocked_s: float) -> None:
-        self._future, self._commit, self._saved = future, commit, None
+        self._future, self._commit = future, commit
+        self._saved: SavedCheckpoint | None = None
         self.step, self.path, self.blocked_s = step, path, blocked_s
 
     def done(self) -> bool:
@@ -348,12 +349,12 @@ def _commit(root: Path, name: str, step: int, world: int, extra: Mapping[str, An
     checkpoint's files (rank 0; else empty), the files this rank hashed and its seconds hashing."""
     tmp, final = root / f"{name}.tmp", root / name
     report = (writer.written, writer.digests)
-    reports = [report]
+    reports: list[Any] | None = [report]
     if world > 1:
         reports = [None] * world if dist.get_rank() == 0 else None
         dist.gather_object(report, reports, dst=0)
     hashed = dict(writer.written) if checksums else {}
-    hash_s, files = writer.hash_s, {}
+    hash_s, files = writer.hash_s, dict[str, int]()
     if reports is not None:  # rank 0
         files, sums, meta_s = manifest_files(tmp, reports, checksums)
         if checksums:

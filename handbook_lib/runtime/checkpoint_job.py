@@ -153,7 +153,8 @@ def saves_to_prune(root: Path, keep_last: int, current: str) -> tuple[list[Path]
     than ``current``, all but the newest ``keep_last - 1``; and the other folders whose names
     start with ``step_`` but that no save wrote (a save in progress, ``.tmp``, and one moved
     aside, ``.old``, are neither)."""
-    saves, others = [], []
+    saves: list[Path] = []
+    others: list[Path] = []
     for path in sorted(root.glob("step_*")):
         if path.name == current or path.name.endswith((".tmp", ".old")) or not path.is_dir():
             continue

@@ -83,6 +83,7 @@ def _folder(setup: CaseSetup) -> Path:
     """A temporary folder made by rank 0 and named to every rank (one machine: ``/tmp``)."""
     name = [tempfile.mkdtemp(prefix="handbook-clinic-") if setup.rank == 0 else None]
     dist.broadcast_object_list(name, src=0, group=setup.group)
+    assert name[0] is not None  # rank 0's, broadcast
     return Path(name[0])
 
 

@@ -17,7 +17,6 @@ from contextlib import contextmanager
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from handbook_lib.core.architecture import ModelConfig
@@ -73,7 +72,7 @@ def tied_weights_split(setup: CaseSetup) -> tuple[Half, Half]:
         half.check("parameter_tensors", len(tensors) - (0 if broken else 1), params, "tensors")
         half.flag("diagnosed", broken, finding is not None)
         optimizer = torch.optim.AdamW(model.parameters(), lr=setup.config.lr)
-        err = raised(lambda: [step_loss(model, setup.batch(s), optimizer) for s in range(2)])
+        err = raised(lambda: [step_loss(model, setup.batch(s), optimizer) for s in range(2)])  # noqa: B023 - called here
         half.flag("raised", broken, err is not None)
         if not broken:
             half.flag("tie_kept", True, model.output.weight is model.embedding.weight)
@@ -355,7 +354,7 @@ def mixed_dtype(setup: CaseSetup) -> tuple[Half, Half]:
         dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
         shard_model(model, setup.mesh(), mp_policy=policy)
         with counted() as calls:
-            err = raised(lambda: step_loss(model, setup.batch(0)))
+            err = raised(lambda: step_loss(model, setup.batch(0)))  # noqa: B023 - called here
         half.flag("raised", broken, err is not None)
         if not broken:
             traffic = estimate_step_traffic(setup.layout.units("layer"), setup.world, "FULL_SHARD",

@@ -22,7 +22,7 @@ from handbook_lib.models.init_bytes import estimate_init_bytes
 from handbook_lib.models.model_state import optimizer_states
 from handbook_lib.models.sharding import estimate_tensor_shards, policy_units
 from handbook_lib.models.traffic import estimate_held_between_micro_steps, estimate_step_traffic
-from handbook_lib.runtime.build import measure_init_bytes
+from handbook_lib.runtime.build import InitMode, measure_init_bytes
 from handbook_lib.runtime.clinic_common import (
     CaseFn,
     CaseSetup,
@@ -101,7 +101,8 @@ def init_full_copy(setup: CaseSetup) -> tuple[Half, Half]:
     :func:`~handbook_lib.models.init_bytes.estimate_init_bytes`, exact."""
     halves = []
     full = 4 * setup.layout.num_params
-    for broken, init in ((True, "full"), (False, "meta")):
+    modes: tuple[InitMode, ...] = ("full", "meta")  # broken, then fixed
+    for init in modes:
         half = setup.half()
         config = setup.config.replace(init=init)
         _, measured = measure_init_bytes(config, setup.ctx, init)
@@ -223,7 +224,9 @@ def accumulation_unsharded_grads(setup: CaseSetup) -> tuple[Half, Half]:
             model.set_requires_gradient_sync(True)
             _micro_step(model, *pieces[1], 2)
         optimizer.step()
-        held = tracker.result.held_between_micro_steps
+        result = tracker.result
+        assert result is not None and result.held_between_micro_steps is not None  # marked between micro-steps
+        held = result.held_between_micro_steps
         predicted = estimate_held_between_micro_steps(units, setup.world, "FULL_SHARD",
                                                       sync_every_micro_step=not broken)
         half.check("held_after_micro1_bytes", predicted, held, "bytes")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
+from types import FrameType
 from dataclasses import dataclass, replace
 
 import torch
@@ -103,7 +104,7 @@ def _fsdp2_unit() -> str | None:
     except ImportError:
         return None
 
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
         if isinstance(owner, FSDPParamGroup):
@@ -131,12 +132,12 @@ class CollectiveCounter(TorchDispatchMode):
     ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_to_all_single``); this mode
     reads their tensor arguments. The functional ones are recorded only with
     ``functional=True`` (chapter 9's runs): FSDP2's gradient clipping also issues them (one
-    8-byte all-reduce per gradient's norm), which the FSDP traffic model of chapter 3 leaves out. It does not see collectives a
-    DTensor issues inside its own dispatch (e.g. FSDP2's gradient scaler reducing its inf flag):
-    a dispatch mode is switched off while it handles an operator. What it records is the logical
-    collective; how many bytes each rank then puts on the wire depends on the algorithm (the ring
-    model of chapter 3 says ``(N-1)/N`` of the buffer), and gloo on CPU even runs FSDP's
-    reduce-scatter as an all-reduce.
+    8-byte all-reduce per gradient's norm), which the FSDP traffic model of chapter 3 leaves out.
+    It does not see collectives a DTensor issues inside its own dispatch (e.g. FSDP2's gradient
+    scaler reducing its inf flag): a dispatch mode is switched off while it handles an operator.
+    What it records is the logical collective; how many bytes each rank then puts on the wire
+    depends on the algorithm (the ring model of chapter 3 says ``(N-1)/N`` of the buffer), and
+    gloo on CPU even runs FSDP's reduce-scatter as an all-reduce.
     """
 
     # c10d op name -> (kind, index of the argument holding the full buffer)
@@ -195,7 +196,7 @@ class CollectiveCounter(TorchDispatchMode):
         """The collectives recorded, in the order they were issued, with their end times."""
         return [replace(c, end_s=self._ends.get(i)) for i, c in enumerate(self._calls)]
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         functional = (self.functional and func.namespace in self._FUNCTIONAL_NAMESPACES
                       and func._opname in self._FUNCTIONAL_OPS)
         if not (functional or (func.namespace == "c10d" and func._opname in self._OPS)):

@@ -61,7 +61,7 @@ def repeated_block(model: nn.Module) -> tuple[str, int] | None:
                     counts[name] = counts.get(name, 0) + 1
     if not counts:
         return None
-    name = max(counts, key=counts.get)
+    name = max(counts, key=counts.__getitem__)
     return (name, counts[name]) if counts[name] >= 2 else None
 
 

@@ -238,7 +238,8 @@ class StepMemory:
                                   "tracked_at_enter_bytes": self.tracked_at_enter_bytes,
                                   "allocator_step_bytes": self.allocator_step_bytes,
                                   "tracker_step_bytes": self.tracker_step_bytes}
-        if self.allocator_at_enter_bytes is not None and self.tracked_at_enter_bytes is not None:
+        if (self.allocator_at_enter_bytes is not None and self.tracked_at_enter_bytes is not None
+                and self.allocator_step_bytes is not None and self.tracker_step_bytes is not None):
             out["untracked_at_enter_bytes"] = self.allocator_at_enter_bytes - self.tracked_at_enter_bytes
             out["untracked_step_bytes"] = self.allocator_step_bytes - self.tracker_step_bytes
             out["untracked_what"] = UNTRACKED_WORDS

@@ -9,7 +9,7 @@ process, and none ever holds the whole model.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ def _plain_name(name: str) -> str:
     """A parameter's or module's name as in the unwrapped model (wrappers' prefixes removed)."""
     return ".".join(p for p in name.split(".") if p not in _WRAPPER_PREFIXES)
 
-def seeded_parts(config: RunConfig) -> Iterator[tuple[str, nn.Module]]:
+def seeded_parts(config: RunConfig) -> Generator[tuple[str, nn.Module], None, None]:
     """Build the model's top-level parts one by one on the CPU, in construction order, each
     with the weights ``build_model(config.model_config(), seed=config.seed)`` gives it.
 

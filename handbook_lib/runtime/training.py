@@ -292,7 +292,7 @@ def train_step(
     _optimizer_step(model, optimizer, scaler, max_grad_norm, grad_norms, full_norms)
     if k > 1:
         total = torch.tensor(total, device=inputs.device)
-    check_loss_finite(total.item(), step)
+    check_loss_finite(float(total), step)
     return total
 
 
@@ -415,7 +415,7 @@ def train(
     model.train()
     bar = tqdm(total=config.steps - start_step, desc="train", unit="step", file=_ProgressLines(),
                disable=not (progress and ctx.is_main), mininterval=0, dynamic_ncols=False, ncols=80)
-    step_args = {"scaler": scaler, "grad_accum_steps": config.grad_accum_steps, "forward": forward,
+    step_args: dict[str, Any] = {"scaler": scaler, "grad_accum_steps": config.grad_accum_steps, "forward": forward,
                  "loss_fn": loss_fn, "max_grad_norm": config.max_grad_norm, "grad_norms": record.norms,
                  "sync_every_micro_step": config.sync_every_micro_step, "unshard_first": config.explicit_prefetch > 0,
                  "reshard_after_backward": config.reshard_after_backward}
