@@ -40,7 +40,6 @@ from handbook_lib.launch.preflight import (  # noqa: E402
     RANKS_PER_CORE,
     check_job_resources,
     check_resources,
-    check_run_resources,
     predicted_rank_bytes,
 )
 
@@ -106,12 +105,15 @@ def test_every_default_run_passes_on_a_small_machine(run, tmp_path, monkeypatch)
 
 
 def test_the_launch_check_reads_this_machine(monkeypatch):
-    check_run_resources("fault", 2, {"mode": "none"})  # a tiny run here: nothing to say
-    import handbook_lib.runs.fault as fault
+    from handbook_lib.runs import run_spec
 
-    check_job_resources(fault, [fault.CONFIG()], 2, world_size=2, local_ranks=2, env={"CUDA_VISIBLE_DEVICES": ""})
+    fault, bench = run_spec("fault"), run_spec("comm_bench")
+    hidden = {"CUDA_VISIBLE_DEVICES": ""}
+    check_job_resources(fault, [fault.config()], 2, world_size=2, local_ranks=2, env=hidden)  # nothing to say
+    too_many = RANKS_PER_CORE * len(os.sched_getaffinity(0)) + 1
     with pytest.raises(ValueError, match="per core"):
-        check_run_resources("fault", RANKS_PER_CORE * len(os.sched_getaffinity(0)) + 1, {"mode": "none"})
-    check_run_resources("fault", 10**4, {"mode": "none"}, force=True)
+        check_job_resources(fault, [fault.config()], too_many, world_size=too_many, local_ranks=too_many, env=hidden)
+    check_job_resources(fault, [fault.config()], 10**4, world_size=10**4, local_ranks=10**4, env=hidden, force=True)
     with pytest.raises(ValueError, match="of host memory by its own prediction"):
-        check_run_resources("comm_bench", 2, {"max_bytes": 10**15})
+        check_job_resources(bench, [bench.config.from_mapping({"max_bytes": 10**15})], 2, world_size=2,
+                            local_ranks=2, env=hidden)

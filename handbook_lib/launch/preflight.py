@@ -6,7 +6,7 @@ dies at its first collective with "unhandled system error". :func:`shm_warning` 
 the job starts.
 
 A job this machine cannot hold is refused before it starts instead of climbing toward the
-out-of-memory killer (:func:`check_resources`, :func:`check_run_resources`): more ranks than
+out-of-memory killer (:func:`check_resources`, :func:`check_job_resources`): more ranks than
 :data:`RANKS_PER_CORE` per CPU core, or more host memory than is available by the book's own
 memory model of the run's config (chapter 2's :func:`~handbook_lib.models.memory.estimate_memory`,
 per rank, times the ranks on this machine; a benchmark prices its own buffers). Both figures are
@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = ["SHM_MIN_BYTES", "shm_warning", "RANKS_PER_CORE", "check_resources", "check_job_resources",
-           "check_run_resources", "check_run_config", "check_run_devices",
+           "check_run_config", "check_run_devices",
            "predicted_rank_bytes", "host_cores", "available_memory"]
 
 SHM_MIN_BYTES = 256 * 1024 * 1024
@@ -227,29 +227,3 @@ def check_run_devices(run: str, configs: Mapping[str, Any], world_size: int, env
             if not label:
                 raise
             raise ValueError(f"config {label!r}: {err}") from None
-
-
-def check_run_resources(run: str, nproc: int, config: dict | None = None, *, nnodes: int = 1,
-                        node_rank: int | None = None, env: dict[str, str] | None = None,
-                        force: bool = False) -> None:
-    """:func:`check_job_resources` for ``torchrun(run, nproc, config, ...)`` on this machine,
-    before anything else: the run's name and its config are checked first (their own messages,
-    :func:`check_run_config`, no torch). :func:`~handbook_lib.launch.torchrun` makes these checks
-    itself; this is for a caller who wants them without launching.
-
-    Raises:
-        ValueError: for an unknown run, a config the run refuses, ``HANDBOOK_DEVICE=gpu`` without
-            a GPU, or a job this machine cannot hold (:func:`check_resources`).
-    """
-    from handbook_lib.launch.gpus import rank_env
-    from handbook_lib.runs import check_run_name, run_spec
-
-    check_run_name(run)
-    env = rank_env(env)
-    if force:
-        return
-    local = nproc * (nnodes if node_rank is None else 1)
-    check_resources(local, None)  # the cores first: no estimate needed
-    cfg = check_run_config(run, config, nnodes * nproc)
-    check_run_devices(run, {"": cfg}, nnodes * nproc, env)
-    check_job_resources(run_spec(run), [cfg], nproc, world_size=nnodes * nproc, local_ranks=local, env=env)
