@@ -48,10 +48,12 @@ book:
 # together): the torchrun jobs wait on their ranks' startup as much as they compute.
 # JupyterLab (the lab extra) is for reading, not testing: the suite installs without it.
 # The suite is calibrated on CPU ranks: on a GPU machine it still runs them on the CPU (no GPU
-# visible); the GPU checks are make gpu-smoke and make gpu-check.
+# visible); the GPU checks are make gpu-smoke and make gpu-check. Two workers, their notebook
+# kernels and their ranks share 2 cores: OMP_WAIT_POLICY=PASSIVE makes a waiting OpenMP thread
+# sleep instead of spinning on a core another process needs (same threads, same results).
 test:
 	scripts/setup.sh book,test,frameworks
-	$(OTHER_CPU) CUDA_VISIBLE_DEVICES= $(PY) -m pytest -n 2 --dist loadfile tests notebooks $(NBVAL)
+	$(OTHER_CPU) CUDA_VISIBLE_DEVICES= OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -n 2 --dist loadfile tests notebooks $(NBVAL)
 
 # TORCH=VERSION moves torch's pin (default: the lock's). Without network: one line, the lock kept.
 lock:
