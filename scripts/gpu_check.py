@@ -24,7 +24,8 @@ On every visible GPU (world size = the GPU count), through ``handbook_lib.launch
 The result set goes to ``results/gpu/<gpu-name-slug>.json`` (written again after each part, so
 a stopped check keeps what it measured); a file there that gpu-check did not write is never
 replaced. The whole check keeps to ``--budget-s`` (default 540 s): each run's timeout is the
-time left, and the sweep stops when the next size would not fit in it.
+time left, and the sweep (doubling, then bisection to the exact largest fit) stops when the next
+size would not fit in it.
 
 Without a GPU it exits with status 2 and one line. Pure parts: :mod:`handbook_lib.launch.gpu_check`.
 """
@@ -74,12 +75,17 @@ MEMORY_BATCH, STEP_TIME_BATCH, MFU_BATCH = 4, 4, 8
 """Sequences per rank of (a), (b) and (c); ``batch_size`` is this times the world size."""
 
 
+def _first_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"[:500]
+
+
 class GpuCheck:
     """One gpu-check: the world size, the time budget, the result set being filled."""
 
     def __init__(self, out: Path, world: int, budget_s: float, launch: Callable[..., Any],
-                 environment: dict[str, Any], device_memory: int) -> None:
+                 environment: dict[str, Any], device_memory: int, mfu_batches: tuple[int, ...] = (MFU_BATCH,)) -> None:
         self.out, self.world, self.launch = out, world, launch
+        self.mfu_batches = mfu_batches
         self.deadline = time.monotonic() + budget_s
         self.device_memory = device_memory
         self.data: dict[str, Any] = {**environment, "budget_s": budget_s}
@@ -168,25 +174,55 @@ class GpuCheck:
         }
 
     # (c) -------------------------------------------------------------------------------------
-    def mfu(self) -> dict[str, Any]:
-        name = self.data["gpu_name"]
-        preset = match_accelerator(name)
-        config = {**MFU_CONFIG, "batch_size": MFU_BATCH * self.world}
+    def mfu_at(self, micro: int) -> dict[str, Any]:
+        """One MFU run at ``micro`` sequences per rank: the step time and the memory figures."""
+        config = {**MFU_CONFIG, "batch_size": micro * self.world}
         figures = self.memory_run(config)
         result = figures.pop("_result")
         step = steady_step_time_s([r["step_time_s"] for r in result.ranks])
-        params = param_count(BILLION_MODEL)
         tokens = config["batch_size"] * config["seq_len"]
-        out = {"config": config, "num_params": params, "tokens_per_step": tokens, "step_time_s": step,
-               "step_times_s_by_rank": [r["step_time_s"] for r in result.ranks],
-               "tokens_per_s": tokens / step, "preset": preset, "memory": figures}
+        return {"config": config, "micro_batch": micro, "tokens_per_step": tokens, "step_time_s": step,
+                "step_times_s_by_rank": [r["step_time_s"] for r in result.ranks],
+                "tokens_per_s": tokens / step, "memory": figures}
+
+    def mfu(self) -> dict[str, Any]:
+        name = self.data["gpu_name"]
+        preset = match_accelerator(name)
+        params = param_count(BILLION_MODEL)
+        peak = ACCELERATORS[preset].peak_flops_bf16 if preset else None
+
+        def with_mfu(row: dict[str, Any]) -> dict[str, Any]:
+            if peak is not None:
+                row["mfu"] = estimate_mfu(params, row["tokens_per_step"], row["step_time_s"], self.world, peak)
+            return row
+
+        out = {"num_params": params, "preset": preset, **with_mfu(self.mfu_at(self.mfu_batches[0]))}
+        out.pop("micro_batch")
+        if len(self.mfu_batches) > 1:  # the same run at more sequences per rank: MFU against batch
+            rows = []
+            for micro in self.mfu_batches[1:]:
+                try:
+                    row = with_mfu(self.mfu_at(micro))
+                except Exception as err:  # noqa: BLE001 - recorded; the sweep still runs
+                    rows.append({"micro_batch": micro, "error": _first_line(err)})
+                    continue
+                row["memory"] = {k: row["memory"][k] for k in ("ranks", "failed_checks")}
+                rows.append(row)
+            out["by_micro_batch"] = rows
         if preset is None:
             out["mfu"] = None
             out["mfu_skipped"] = f"unknown GPU {name!r}: no preset in hardware.ACCELERATORS matches it"
         else:
-            peak = ACCELERATORS[preset].peak_flops_bf16
-            out.update(peak_flops_bf16=peak, mfu=estimate_mfu(params, tokens, step, self.world, peak))
+            out["peak_flops_bf16"] = peak
         return out
+
+    def largest_mfu_fit(self) -> int:
+        """The largest micro-batch an MFU run ran at without error (0: none), where the sweep starts."""
+        mfu = self.data.get("mfu", {})
+        if "error" in mfu:
+            return 0
+        fits = [self.mfu_batches[0]] + [r["micro_batch"] for r in mfu.get("by_micro_batch", []) if "error" not in r]
+        return max(fits)
 
     # (d) -------------------------------------------------------------------------------------
     def max_micro_batch(self) -> dict[str, Any]:
@@ -200,7 +236,7 @@ class GpuCheck:
                                    "adamw", micro_batch=micro, seq_len=seq_len, units=units, backend="nccl").peak
 
         prefetch = estimate_prefetch_extra_bytes(SWEEP_CONFIG, self.world, layers_only=True)[1]
-        known = MFU_BATCH if "error" not in self.data.get("mfu", {"error": ""}) else 0
+        known = self.largest_mfu_fit() if "mfu" in self.data else 0
 
         def try_size(micro: int) -> None:
             self.run("fsdp_train", {**SWEEP_CONFIG, "batch_size": micro * self.world})
@@ -296,12 +332,22 @@ def main(argv: list[str] | None = None, *, launch: Callable[..., Any] | None = N
     parser.add_argument("--budget-s", type=float, default=540.0, help="seconds the whole check may take")
     parser.add_argument("--parts", default="memory,step_time,mfu,max_micro_batch,axes",
                         help="comma-separated parts to run (default: all five)")
+    parser.add_argument("--mfu-micro-batches", default=str(MFU_BATCH),
+                        help=f"sequences per rank of the MFU runs, comma-separated, ascending; the first is "
+                             f"the headline (default {MFU_BATCH}); the sweep starts above the largest that ran")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     known = ("memory", "step_time", "mfu", "max_micro_batch", "axes")
     if not parts or any(p not in known for p in parts):
         parser.error(f"--parts takes some of {', '.join(known)}, got {args.parts!r}")
+    try:
+        mfu_batches = tuple(int(m) for m in args.mfu_micro_batches.split(","))
+    except ValueError:
+        mfu_batches = ()
+    if not mfu_batches or min(mfu_batches) < 1 or list(mfu_batches) != sorted(set(mfu_batches)):
+        parser.error(f"--mfu-micro-batches takes ascending whole numbers >= 1 separated by commas, "
+                     f"got {args.mfu_micro_batches!r}")
 
     import torch
 
@@ -319,7 +365,7 @@ def main(argv: list[str] | None = None, *, launch: Callable[..., Any] | None = N
     out = args.out or ROOT / "results" / "gpu" / f"{gpu_slug(env['gpu_name'])}.json"
     if launch is None:
         from handbook_lib.launch import torchrun as launch
-    check = GpuCheck(out, count, args.budget_s, launch, env, memory)
+    check = GpuCheck(out, count, args.budget_s, launch, env, memory, mfu_batches)
     write_result_set(out, check.data)  # refuses a file it did not write before anything runs
     for name in parts:
         check.part(name, getattr(check, name))

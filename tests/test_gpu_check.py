@@ -172,20 +172,44 @@ def _runner(limit, clock=None, seconds=10.0, error=None):
 
 def test_sweep_doubles_until_out_of_memory():
     try_size, tried = _runner(40)
-    sweep = sweep_micro_batch(try_size)
+    sweep = sweep_micro_batch(try_size, bisect=False)
     assert tried == [1, 2, 4, 8, 16, 32, 64]
-    assert (sweep.largest_fit, sweep.first_oom, sweep.stopped) == (32, 64, "oom")
+    assert (sweep.largest_fit, sweep.first_oom, sweep.stopped, sweep.exact) == (32, 64, "oom", False)
     assert [t.outcome for t in sweep.tries] == ["fits"] * 6 + ["oom"]
     assert "CUDA out of memory" in sweep.tries[-1].detail and "\n" not in sweep.tries[-1].detail
 
 
+@pytest.mark.parametrize("limit", [1, 2, 5, 40, 63, 64, 65, 82, 127])
+def test_sweep_bisects_to_the_exact_largest_fit(limit):
+    try_size, tried = _runner(limit)
+    sweep = sweep_micro_batch(try_size)
+    assert (sweep.largest_fit, sweep.first_oom, sweep.stopped, sweep.exact) == (limit, limit + 1, "oom", True)
+    doubling = [1 << k for k in range(limit.bit_length() + 1)]
+    assert tried[:len(doubling)] == doubling  # then one try per halving of the bracket
+    assert len(tried) == len(doubling) + limit.bit_length() - 1  # the bracket (2^k, 2^(k+1)) halved k times
+    assert [t.micro_batch for t in sweep.tries if t.outcome == "fits"][-1] == limit
+    assert sweep.to_dict()["exact"] is True
+
+
+def test_sweep_bisection_keeps_to_its_time_budget():
+    clock = FakeClock()
+    try_size, tried = _runner(40, clock=clock, seconds=10.0)
+    sweep = sweep_micro_batch(try_size, start=16, known_fit=8, time_left_s=lambda: 55.0 - clock.now, clock=clock)
+    # 16 fits, 32 fits, 64 OOM (25 s left > 15: try 48; 15 s left: stop): the bracket [32, 48)
+    assert tried == [16, 32, 64, 48]
+    assert (sweep.largest_fit, sweep.first_oom, sweep.stopped, sweep.exact) == (32, 48, "oom", False)
+
+
 def test_sweep_starts_above_a_size_known_to_fit():
     try_size, tried = _runner(40)
-    sweep = sweep_micro_batch(try_size, start=16, known_fit=8)
+    sweep = sweep_micro_batch(try_size, start=16, known_fit=8, bisect=False)
     assert tried == [16, 32, 64]
     assert (sweep.largest_fit, sweep.first_oom) == (32, 64)
     try_size, tried = _runner(10)
-    assert sweep_micro_batch(try_size, start=16, known_fit=8).largest_fit == 8
+    assert sweep_micro_batch(try_size, start=16, known_fit=8, bisect=False).largest_fit == 8
+    try_size, tried = _runner(10)
+    assert sweep_micro_batch(try_size, start=16, known_fit=8).largest_fit == 10
+    assert tried == [16, 12, 10, 11]  # bisection starts from the size known to fit
     with pytest.raises(ValueError, match="known_fit"):
         sweep_micro_batch(try_size, start=16, known_fit=16)
     with pytest.raises(ValueError, match="start"):
@@ -457,10 +481,11 @@ def test_gpu_path_on_one_fake_gpu(fake_gpus, tmp_path):
     tokens = 8 * 1024
     assert (mfu["preset"], mfu["tokens_per_step"], mfu["step_time_s"]) == ("h200-141gb", tokens, 0.3)
     assert mfu["mfu"] == pytest.approx(6 * 1_037_552_896 * tokens / (0.3 * 1 * 989e12))
-    # (d) the sweep starts above the MFU run's 8 sequences and stops at the first OOM
+    # (d) the sweep starts above the MFU run's 8 sequences, doubles to the first OOM, then
+    # bisects (32, 64) down to (32, 33): the fake runs out of memory above 32
     sweep = data["max_micro_batch"]
-    assert [t["micro_batch"] for t in sweep["sweep"]["tries"]] == [16, 32, 64]
-    assert (sweep["measured_largest_fit"], sweep["measured_first_oom"]) == (32, 64)
+    assert [t["micro_batch"] for t in sweep["sweep"]["tries"]] == [16, 32, 64, 48, 40, 36, 34, 33]
+    assert (sweep["measured_largest_fit"], sweep["measured_first_oom"], sweep["sweep"]["exact"]) == (32, 33, True)
     assert sweep["predicted_largest_fit"] >= sweep["predicted_largest_fit_with_prefetch"] >= 1
     # the fake device's own total; the preset's is the H200's nvidia-smi total, 143,771 MiB
     assert sweep["device_memory_bytes"] == 143_771_287_552 and sweep["preset_memory_bytes"] == 143_771 * 2**20
@@ -511,7 +536,7 @@ def test_gpu_path_on_two_fake_gpus_of_an_unknown_model(fake_gpus, tmp_path):
     assert data["step_time"]["error"].startswith("RunFailed: run 'step_time' failed")   # recorded, not fatal
     assert data["mfu"]["mfu"] is None and "unknown GPU 'NVIDIA GeForce RTX 4090'" in data["mfu"]["mfu_skipped"]
     assert data["mfu"]["config"]["batch_size"] == 16
-    assert (data["max_micro_batch"]["measured_largest_fit"], data["max_micro_batch"]["measured_first_oom"]) == (8, 16)
+    assert (data["max_micro_batch"]["measured_largest_fit"], data["max_micro_batch"]["measured_first_oom"]) == (8, 9)  # 16 OOM, then 12, 10, 9
     assert data["max_micro_batch"]["preset_memory_bytes"] is None
 
 
@@ -602,3 +627,32 @@ def test_axes_part_runs_chapter_9_on_two_gpus_and_skips_on_one(fake_gpus, tmp_pa
     fake_gpus(1)
     one = _run_parts(tmp_path, "axes", FakeLaunch(), name="one.json")
     assert "need 2 or more GPUs; 1 visible" in one["axes"]["skipped"]
+
+
+def test_mfu_at_several_micro_batches_and_the_sweep_starts_above_them(fake_gpus, tmp_path):
+    fake_gpus(1)
+    launch = FakeLaunch(oom_above=32)
+    out = tmp_path / "r.json"
+    args = ["--out", str(out), "--parts", "mfu,max_micro_batch", "--mfu-micro-batches", "8,16,64"]
+    assert _load_script().main(args, launch=launch) == 0
+    data = json.loads(out.read_text())
+    mfu = data["mfu"]
+    assert mfu["config"]["batch_size"] == 8 and "micro_batch" not in mfu   # the headline is the first size
+    row16, row64 = mfu["by_micro_batch"]
+    # the fake's bf16 step is 0.3 s at any size: MFU grows with the tokens of a step
+    assert (row16["micro_batch"], row16["tokens_per_step"], row16["step_time_s"]) == (16, 16 * 1024, 0.3)
+    assert row16["mfu"] == pytest.approx(6 * 1_037_552_896 * 16 * 1024 / (0.3 * 989e12))
+    assert row16["mfu"] == pytest.approx(2 * mfu["mfu"])
+    assert row64["micro_batch"] == 64 and "out of memory" in row64["error"]   # recorded, not fatal
+    # the sweep starts above 16, the largest MFU run that ran
+    tries = [t["micro_batch"] for t in data["max_micro_batch"]["sweep"]["tries"]]
+    assert tries == [32, 64, 48, 40, 36, 34, 33]
+    assert data["max_micro_batch"]["measured_largest_fit"] == 32
+
+
+@pytest.mark.parametrize("value", ["", "0,8", "16,8", "8,8", "eight"])
+def test_gpu_check_refuses_bad_mfu_micro_batches(value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _load_script().main(["--mfu-micro-batches", value])
+    assert exc.value.code == 2
+    assert "--mfu-micro-batches takes ascending whole numbers >= 1" in capsys.readouterr().err

@@ -359,25 +359,30 @@ class SweepTry:
 
 @dataclass(frozen=True)
 class Sweep:
-    """The result of a doubling sweep."""
+    """The result of a sweep: doubling, then bisection between the last fit and the first OOM."""
 
     largest_fit: int
     """The largest micro-batch that ran (0: none did)."""
     first_oom: int | None
-    """The first that ran out of memory (``None``: none did, the sweep stopped before)."""
+    """The smallest that ran out of memory (``None``: none did, the sweep stopped before)."""
     stopped: str
-    """Why it stopped: ``oom``, ``budget`` (out of time), ``limit`` (reached ``max_micro_batch``)
-    or ``error`` (a failure that is not out-of-memory)."""
+    """Why it stopped: ``oom`` (bracketed by out-of-memory), ``budget`` (out of time), ``limit``
+    (reached ``max_micro_batch``) or ``error`` (a failure that is not out-of-memory)."""
     tries: list[SweepTry] = field(default_factory=list)
 
+    @property
+    def exact(self) -> bool:
+        """True when ``first_oom`` is ``largest_fit + 1``: the largest fit is known, not bracketed."""
+        return self.first_oom is not None and self.first_oom == self.largest_fit + 1
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "exact": self.exact}
 
 
 def sweep_micro_batch(try_size: Callable[[int], None], *, start: int = 1, known_fit: int = 0,
                       max_micro_batch: int = 4096, time_left_s: Callable[[], float] | None = None,
-                      clock: Callable[[], float] = time.monotonic) -> Sweep:
-    """Double the micro-batch from ``start`` until a run runs out of GPU memory.
+                      clock: Callable[[], float] = time.monotonic, bisect: bool = True) -> Sweep:
+    """Double the micro-batch from ``start`` until a run runs out of GPU memory, then bisect.
 
     Args:
         try_size: Runs the experiment at one micro-batch (sequences per rank); returns if it
@@ -386,34 +391,58 @@ def sweep_micro_batch(try_size: Callable[[int], None], *, start: int = 1, known_
         known_fit: A size already known to fit (an earlier run), below ``start``; 0 for none.
         max_micro_batch: The largest size tried.
         time_left_s: Seconds left of the caller's budget; before each try the sweep stops
-            (``budget``) unless the time left exceeds the longest try so far times 1.5.
+            (``budget`` while doubling; the bracket so far while bisecting) unless the time left
+            exceeds the longest try so far times 1.5.
         clock: Seconds, for timing the tries (tests pass a fake).
+        bisect: After the first out-of-memory, halve the bracket ``(largest_fit, first_oom)``
+            until it is one wide (:attr:`Sweep.exact`) or the time is spent.
 
     Returns:
-        A :class:`Sweep`: the largest size that fit lies in ``[largest_fit, first_oom)``.
+        A :class:`Sweep`: the largest size that fits lies in ``[largest_fit, first_oom)``.
     """
     check_int("start", start, 1)
     check_int("known_fit", known_fit, 0, below=start, context=f"(below start={start})")
     tries: list[SweepTry] = []
-    size, largest = start, known_fit
-    while True:
-        if size > max_micro_batch:
-            return Sweep(largest, None, "limit", tries)
+
+    def attempt(size: int) -> str | None:
+        """``fits``, ``oom``, ``error``, or None when the time left would not cover a try."""
         longest = max((t.seconds for t in tries), default=0.0)
         if time_left_s is not None and time_left_s() <= 1.5 * longest:
-            return Sweep(largest, None, "budget", tries)
+            return None
         begin = clock()
         try:
             try_size(size)
         except Exception as err:  # noqa: BLE001 - classified, recorded and reported
             detail = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
-            if is_cuda_oom(err):
-                tries.append(SweepTry(size, "oom", clock() - begin, detail))
-                return Sweep(largest, size, "oom", tries)
-            tries.append(SweepTry(size, "error", clock() - begin, detail))
-            return Sweep(largest, None, "error", tries)
+            outcome = "oom" if is_cuda_oom(err) else "error"
+            tries.append(SweepTry(size, outcome, clock() - begin, detail))
+            return outcome
         tries.append(SweepTry(size, "fits", clock() - begin))
+        return "fits"
+
+    size, largest = start, known_fit
+    while True:
+        if size > max_micro_batch:
+            return Sweep(largest, None, "limit", tries)
+        outcome = attempt(size)
+        if outcome is None:
+            return Sweep(largest, None, "budget", tries)
+        if outcome == "error":
+            return Sweep(largest, None, "error", tries)
+        if outcome == "oom":
+            break
         largest, size = size, size * 2
+    first_oom = size
+    while bisect and first_oom - largest > 1:
+        mid = (largest + first_oom) // 2
+        outcome = attempt(mid)
+        if outcome is None or outcome == "error":
+            break
+        if outcome == "fits":
+            largest = mid
+        else:
+            first_oom = mid
+    return Sweep(largest, first_oom, "oom", tries)
 
 
 def predict_max_micro_batch(peak_bytes: Callable[[int], int], capacity_bytes: int, limit: int = 1 << 20) -> int:
