@@ -64,6 +64,7 @@ from handbook_lib.launch import (  # noqa: E402
     predict_max_micro_batch,
     steady_step_time_s,
     sweep_micro_batch,
+    sweep_peak_bytes,
     write_result_set,
 )
 from handbook_lib.launch.gpu_check import device_capacity, gpu_present, no_gpu_message  # noqa: E402
@@ -226,14 +227,8 @@ class GpuCheck:
 
     # (d) -------------------------------------------------------------------------------------
     def max_micro_batch(self) -> dict[str, Any]:
-        from handbook_lib.models import estimate_memory, wrap_units
-
-        units = wrap_units(BILLION_MODEL, "layer")
-        seq_len = SWEEP_CONFIG["seq_len"]
-
         def predicted_peak(micro: int) -> int:
-            return estimate_memory(BILLION_MODEL, self.world, SWEEP_CONFIG["strategy"], SWEEP_CONFIG["precision"],
-                                   "adamw", micro_batch=micro, seq_len=seq_len, units=units, backend="nccl").peak
+            return sweep_peak_bytes(SWEEP_CONFIG, self.world, micro)
 
         prefetch = estimate_prefetch_extra_bytes(SWEEP_CONFIG, self.world, layers_only=True)[1]
         known = self.largest_mfu_fit() if "mfu" in self.data else 0
@@ -257,6 +252,8 @@ class GpuCheck:
             "predicted_largest_fit_with_prefetch": predict_max_micro_batch(
                 lambda m: predicted_peak(m) + prefetch, usable),
             "predicted_largest_fit_total_memory": predict_max_micro_batch(predicted_peak, self.device_memory),
+            "predicted_largest_fit_reserved": predict_max_micro_batch(
+                lambda m: sweep_peak_bytes(SWEEP_CONFIG, self.world, m, reserved=True), usable),
             "predicted_peak_bytes_at_measured_fit": predicted_peak(sweep.largest_fit) if sweep.largest_fit else None,
             "preset_memory_bytes": ACCELERATORS[preset].memory_bytes if preset else None,
         }

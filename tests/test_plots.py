@@ -615,3 +615,24 @@ def test_fit_map_outlines_the_edges(figs: list[Figure]) -> None:
     (box,) = ax.patches
     assert box.get_xy() == pytest.approx((-0.47, 0.55)) and "within 5 %" in ax.get_xlabel()
     assert "within" not in _ax(plots.plot_fit_map(answers, title="Plan")).get_xlabel()
+
+
+def test_micro_batch_fit_draws_the_model_the_runs_and_the_limits_in_gb(figs: list[Figure]) -> None:
+    xs = [1, 2, 3, 4]
+    peak = [10 * 10**9, 20 * 10**9, 30 * 10**9, 40 * 10**9]
+    reserved = [11 * 10**9, 22 * 10**9, 33 * 10**9, 44 * 10**9]
+    runs = [(1, 9 * 10**9, 12 * 10**9), (3, 29 * 10**9, 31 * 10**9)]
+    figs.append(fig := plots.plot_micro_batch_fit(xs, peak, reserved, runs, 35 * 10**9, 3, 4, title="Fit"))
+    ax = _ax(fig)
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert list(lines["model: allocated peak"].get_ydata()) == [10.0, 20.0, 30.0, 40.0]
+    assert list(lines["model: reserved (plan)"].get_ydata()) == [11.0, 22.0, 33.0, 44.0]
+    assert list(lines["usable memory"].get_ydata()) == [35.0, 35.0]
+    assert list(lines["largest that ran (3)"].get_xdata()) == [3, 3]
+    assert list(lines["first OOM (4)"].get_xdata()) == [4, 4]
+    peaks, reserves = ax.collections
+    assert _points(peaks) == [1.0, 9.0, 3.0, 29.0] and _points(reserves) == [1.0, 12.0, 3.0, 31.0]
+    assert ax.get_ylabel() == "bytes per rank (GB, 10^9)"
+    figs.append(none := plots.plot_micro_batch_fit(xs, peak, reserved, runs, 35 * 10**9, 4, None))
+    assert not any(line.get_label().startswith("first OOM") for line in _ax(none).get_lines())
+    _assert_readable(fig)

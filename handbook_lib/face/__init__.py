@@ -41,6 +41,16 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         show_exception,
         show_source,
     )
+    from handbook_lib.face.gpu_results import (
+        gpu_fit_curve,
+        gpu_fit_table,
+        gpu_memory_rows,
+        gpu_memory_table,
+        gpu_mfu_table,
+        gpu_sets_table,
+        gpu_smoke_table,
+        read_gpu_results,
+    )
     from handbook_lib.face.plots import (
         BOOK_WIDTH_IN,
         MIN_FONT_PT,
@@ -49,6 +59,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         plot_loss_curves,
         plot_memory_breakdown,
         plot_memory_vs_seq_len,
+        plot_micro_batch_fit,
         plot_min_tokens_by_link,
         plot_peak_by_run,
         plot_predicted_vs_measured,

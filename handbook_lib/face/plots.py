@@ -26,7 +26,7 @@ __all__ = [
     "plot_rank_bytes", "plot_memory_breakdown", "plot_predicted_vs_measured",
     "plot_collective_bench", "plot_volume_vs_memory", "plot_step_time_by_link", "plot_fit_map",
     "plot_loss_curves", "plot_peak_by_run", "plot_memory_vs_seq_len", "BOOK_WIDTH_IN", "MIN_FONT_PT",
-    "plot_min_tokens_by_link", "plot_prediction_scatter",
+    "plot_min_tokens_by_link", "plot_prediction_scatter", "plot_micro_batch_fit",
 ]
 
 BOOK_WIDTH_IN = 7.2
@@ -452,4 +452,48 @@ def plot_prediction_scatter(
     ax.set_ylabel("measured (MB, 10^6)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+    return fig
+
+
+def plot_micro_batch_fit(
+    micro_batches: Sequence[int],
+    model_peak: Sequence[int],
+    model_reserved: Sequence[int],
+    measured: Sequence[tuple[int, int, int]],
+    capacity: int,
+    largest_fit: int,
+    first_oom: int | None,
+    *,
+    title: str = "What fits on one GPU: the memory model against the runs",
+) -> Figure:
+    """Peak bytes per rank against the micro-batch (GB, 10^9): the memory model's allocated and
+    reserved peaks (lines), the runs' (points), the usable memory, the largest micro-batch that
+    ran and the first that ran out of memory (straight lines).
+
+    Args:
+        micro_batches: Sequences per rank at which the model's lines are drawn.
+        model_peak: The memory model's allocated peak at each of ``micro_batches``, bytes.
+        model_reserved: Its peak with the allocator's reserve, bytes.
+        measured: ``(micro-batch, tracker peak, max_memory_reserved)`` of each run, bytes.
+        capacity: The memory a rank found usable, bytes.
+        largest_fit: The largest micro-batch that ran.
+        first_oom: The smallest that ran out of memory (None: none did).
+        title: Figure title."""
+    fig = Figure(figsize=(BOOK_WIDTH_IN, 3.9), layout="constrained")
+    ax = fig.add_subplot()
+    ax.plot(micro_batches, [b / 1e9 for b in model_peak], color="tab:blue", label="model: allocated peak")
+    ax.plot(micro_batches, [b / 1e9 for b in model_reserved], color="tab:blue", linestyle="--",
+            label="model: reserved (plan)")
+    ax.scatter([m for m, _, _ in measured], [b / 1e9 for _, b, _ in measured], color="tab:orange", zorder=3,
+               s=22, label="run: tracker peak")
+    ax.scatter([m for m, _, _ in measured], [b / 1e9 for _, _, b in measured], color="tab:red", marker="^",
+               zorder=3, s=22, label="run: reserved")
+    ax.axhline(capacity / 1e9, color="black", linewidth=1, label="usable memory")
+    ax.axvline(largest_fit, color="tab:green", linewidth=1, linestyle=":", label=f"largest that ran ({largest_fit})")
+    if first_oom is not None:
+        ax.axvline(first_oom, color="tab:red", linewidth=1, linestyle=":", label=f"first OOM ({first_oom})")
+    ax.set_xlabel("micro-batch (sequences per rank)")
+    ax.set_ylabel("bytes per rank (GB, 10^9)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
     return fig

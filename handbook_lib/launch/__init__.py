@@ -36,18 +36,21 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         STEP_TIME_CONFIG,
         SWEEP_CONFIG,
         WRITER,
-        Sweep,
-        SweepTry,
         estimate_mfu,
         estimate_prefetch_extra_bytes,
         gpu_slug,
-        is_cuda_oom,
         match_accelerator,
         memory_figures,
-        predict_max_micro_batch,
         steady_step_time_s,
-        sweep_micro_batch,
         write_result_set,
+    )
+    from handbook_lib.launch.gpu_sweep import (
+        Sweep,
+        SweepTry,
+        is_cuda_oom,
+        predict_max_micro_batch,
+        sweep_micro_batch,
+        sweep_peak_bytes,
     )
     from handbook_lib.launch.gpus import RankPlan, ranks_for, visible_gpus
     from handbook_lib.launch.runner import torchrun, torchrun_batch, torchrun_batches

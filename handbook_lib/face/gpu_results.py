@@ -1,0 +1,220 @@
+"""What GPUs measured: the result sets of ``make gpu-check`` and ``make gpu-smoke`` as tables.
+
+The result sets under ``results/gpu/`` are JSON files that ``scripts/gpu_check.py`` and
+``scripts/gpu_smoke.py`` wrote (their ``schema`` and ``written_by`` say so). This module reads
+them and lays their numbers beside the models' predictions, as chapter 8 shows them:
+
+- :func:`gpu_memory_table`: each fsdp_train run's peak, predicted by the memory model on the
+  rank and measured by the memory tracker, with what the caching allocator held beyond it;
+- :func:`gpu_mfu_table`: step time and model FLOPs utilization against the micro-batch;
+- :func:`gpu_fit_table`: the largest micro-batch the GPU ran, against the memory model's;
+- :func:`gpu_smoke_table`: each CUDA-only path and how many of its checks held.
+
+Bytes are bytes (10^9 in GB), times are seconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from handbook_lib.core.results import Check
+from handbook_lib.face.display import Table, format_bytes
+from handbook_lib.launch.gpu_check import RESULT_SET_SCHEMA, WRITER
+from handbook_lib.launch.gpu_smoke import SMOKE_SCHEMA, SMOKE_WRITER
+from handbook_lib.launch.gpu_sweep import predict_max_micro_batch, sweep_peak_bytes
+from handbook_lib.models.allocator import RESERVE_MODEL
+
+__all__ = ["read_gpu_results", "gpu_memory_rows", "gpu_memory_table", "gpu_mfu_table", "gpu_fit_table",
+           "gpu_fit_curve", "gpu_smoke_table", "gpu_sets_table"]
+
+ResultSets = Mapping[str, Mapping[str, Any]]
+"""Result sets by file name (without ``.json``), as :func:`read_gpu_results` returns them."""
+
+
+def read_gpu_results(folder: str | Path) -> dict[str, dict[str, Any]]:
+    """Every result set in ``folder`` that gpu-check or gpu-smoke wrote, by file stem, sorted.
+
+    A JSON file there that neither wrote (another ``schema`` or ``written_by``) is skipped; a
+    missing folder gives ``{}``.
+
+    Raises:
+        ValueError: if a ``*.json`` file there is not valid JSON (naming the file).
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for path in sorted(Path(folder).glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not a GPU result set ({err.msg} at line {err.lineno})") from None
+        stamp = (data.get("schema"), data.get("written_by")) if isinstance(data, dict) else None
+        if stamp in ((RESULT_SET_SCHEMA, WRITER), (SMOKE_SCHEMA, SMOKE_WRITER)):
+            out[path.stem] = data
+    return out
+
+
+def gpu_sets_table(sets: ResultSets) -> Table:
+    """One row per result set: what wrote it, on which GPU and software, when, and in how long."""
+    rows = [[name, "gpu-check" if d.get("schema") == RESULT_SET_SCHEMA else "gpu-smoke", d.get("gpu_name", "-"),
+             d.get("gpu_count", "-"), d.get("torch_version", "-"), d.get("nccl_version", "-"),
+             str(d.get("date", "-"))[:10], f"{d['total_wall_s']:.0f}" if "total_wall_s" in d else "-"]
+            for name, d in sets.items()]
+    return Table(["result set", "script", "GPU", "GPUs", "torch", "NCCL", "date", "s"], rows,
+                 "s: the script's wall time, seconds")
+
+
+def _checks(sets: ResultSets) -> list[tuple[str, Mapping[str, Any]]]:
+    return [(name, data) for name, data in sets.items() if data.get("schema") == RESULT_SET_SCHEMA]
+
+
+def _model_label(config: Mapping[str, Any]) -> str:
+    if "num_layers" in config:
+        return f"{config['num_layers']}x{config['d_model']}"
+    return "book's"
+
+
+def gpu_memory_rows(sets: ResultSets) -> list[dict[str, Any]]:
+    """Every fsdp_train run of the gpu-check result sets with its memory figures, one dict each.
+
+    Keys: ``set`` (file stem), ``model`` (``book's`` or layers x width), ``precision``,
+    ``micro_batch`` (sequences per rank), ``predicted`` and ``measured`` (the memory model's
+    peak and the memory tracker's, rank 0, bytes), ``allocator`` (``max_memory_allocated``),
+    ``reserved`` (``max_memory_reserved``, the caching allocator's segments at their peak) and
+    ``free`` (the driver's free bytes as the tracked step began, or None). A run that another
+    result set repeated with the same bytes (the first of the set it is listed under) appears once.
+    """
+    rows = []
+    for name, data in _checks(sets):
+        runs = [part for part in data.get("memory", {}).values() if isinstance(part, dict) and "ranks" in part]
+        mfu = data.get("mfu", {})
+        if "memory" in mfu:
+            runs.append(mfu["memory"])
+        runs += [row["memory"] | {"config": row["config"]} for row in mfu.get("by_micro_batch", [])
+                 if "memory" in row]
+        for run in runs:
+            config, rank = run["config"], run["ranks"][0]
+            rows.append({"set": name, "model": _model_label(config), "precision": config["precision"],
+                         "micro_batch": config["batch_size"] // data["world_size"],
+                         "predicted": rank["predicted_peak_bytes"], "measured": rank["peak_bytes"],
+                         "allocator": rank["allocator_peak_bytes"], "reserved": rank["allocator_reserved_bytes"],
+                         "free": rank.get("device_free_bytes")})
+    rows.sort(key=lambda r: (r["model"] != "book's", r["micro_batch"], r["set"]))
+    figures = ("model", "precision", "micro_batch", "predicted", "measured", "allocator", "reserved")
+    seen: set[tuple[Any, ...]] = set()
+    unique = []
+    for row in rows:  # a run repeated in another result set with the same bytes is shown once
+        key = tuple(row[k] for k in figures)
+        if key not in seen:
+            seen.add(key)
+            unique.append(row)
+    return unique
+
+
+def gpu_memory_table(sets: ResultSets) -> Table:
+    """:func:`gpu_memory_rows` as a table: the model against the tracker, then the allocator."""
+    def run(r: Mapping[str, Any]) -> str:
+        return f"{r['model']} {'bf16' if r['precision'] == 'bf16-mixed' else r['precision']}"
+
+    rows = [[run(r), r["micro_batch"], format_bytes(r["predicted"]), format_bytes(r["measured"]),
+             f"{r['measured'] - r['predicted']:+,}", format_bytes(r["allocator"]), format_bytes(r["reserved"]),
+             f"{r['reserved'] / r['allocator']:.3f}"] for r in gpu_memory_rows(sets)]
+    return Table(["model", "micro-\nbatch", "model's\npeak", "tracker\npeak", "tracker -\nmodel (B)",
+                  "allocator\npeak", "reserved", "reserved\n/ alloc."], rows,
+                 "rank 0 of each run; model: the book's or layers x width, in fp32 or bf16-mixed; model's "
+                 "peak: the memory model, computed on the rank; tracker: torch's MemTracker over one step; "
+                 "allocator: max_memory_allocated (adds cuBLAS's workspaces); reserved: "
+                 "max_memory_reserved, the caching allocator's segments at their peak")
+
+
+def gpu_mfu_table(sets: ResultSets) -> Table:
+    """Step time and MFU (``6·P·tokens / (step · world · peak bf16)``) of every MFU run, by micro-batch."""
+    rows = []
+    for name, data in _checks(sets):
+        mfu = data.get("mfu", {})
+        if "step_time_s" not in mfu:
+            continue
+        head = {**mfu, "micro_batch": mfu["config"]["batch_size"] // data["world_size"]}
+        for row in [head, *[r for r in mfu.get("by_micro_batch", []) if "step_time_s" in r]]:
+            rows.append((row["micro_batch"], name, row["tokens_per_step"], row["step_time_s"],
+                         row["tokens_per_s"], row.get("mfu")))
+    rows.sort()
+    return Table(["micro-\nbatch", "result set", "tokens\nper step", "step\n(ms)", "tokens/s", "MFU"],
+                 [[m, name, tokens, f"{1e3 * step:.1f}", f"{rate:,.0f}", "-" if mfu is None else f"{100 * mfu:.1f}%"]
+                  for m, name, tokens, step, rate, mfu in rows],
+                 "step: the median of steps 2-5 (the first warms up; the sixth is tracked, not timed); "
+                 "MFU against the GPU's dense bf16 peak from its hardware preset")
+
+
+def gpu_fit_table(sets: ResultSets) -> Table:
+    """Per result set with a micro-batch sweep: the largest micro-batch that ran, and the memory
+    model's within the memory a rank found usable, from its allocated peak and from its peak
+    reserved (:func:`~handbook_lib.models.allocator.reserved_bytes`, what a plan budgets)."""
+    rows = []
+    for name, data in _checks(sets):
+        sweep = data.get("max_micro_batch", {})
+        if "measured_largest_fit" not in sweep:
+            continue
+        config, world, usable = sweep["config"], data["world_size"], sweep["capacity_bytes"]
+        bracket = (f"{sweep['measured_largest_fit']}" if sweep["sweep"].get("exact")
+                   else f"[{sweep['measured_largest_fit']}, {sweep['measured_first_oom']})")
+        reserved = predict_max_micro_batch(functools.partial(_reserved_peak, config, world), usable)
+        rows.append([name, bracket, sweep["predicted_largest_fit"], reserved, format_bytes(usable),
+                     format_bytes(sweep["device_memory_bytes"]), len(sweep["sweep"]["tries"])])
+    return Table(["result set", "largest\nthat ran", "model:\nallocated", "model:\nreserved", "usable\nmemory",
+                  "all\nmemory", "runs"], rows,
+                 "largest that ran: exact when the sweep bisected down to the first OOM, else a bracket "
+                 "[fit, OOM); model: the largest micro-batch whose predicted peak, allocated or reserved "
+                 f"({RESERVE_MODEL}), fits in the usable memory, what a rank found free once CUDA and NCCL "
+                 "were set up; all memory: the device's total_memory")
+
+
+def gpu_fit_curve(sets: ResultSets, *, step: int = 1) -> dict[str, Any] | None:
+    """The arguments of :func:`~handbook_lib.face.plots.plot_micro_batch_fit` for the first
+    result set whose sweep found the exact largest micro-batch (None: no set did): the model's
+    lines from 1 to the first OOM + 10 % every ``step`` sequences, and every run of the same
+    model, precision and world size at its micro-batch."""
+    for _name, data in _checks(sets):
+        sweep = data.get("max_micro_batch", {})
+        if not sweep.get("sweep", {}).get("exact"):
+            continue
+        config, world = sweep["config"], data["world_size"]
+        top = int(sweep["measured_first_oom"] * 1.1) + 1
+        xs = list(range(1, top + 1, step))
+        runs = [r for r in gpu_memory_rows({k: v for k, v in sets.items() if v.get("world_size") == world})
+                if r["model"] == _model_label(config) and r["precision"] == config["precision"]]
+        return {"micro_batches": xs, "model_peak": [sweep_peak_bytes(config, world, m) for m in xs],
+                "model_reserved": [_reserved_peak(config, world, m) for m in xs],
+                "measured": [(r["micro_batch"], r["measured"], r["reserved"]) for r in runs],
+                "capacity": sweep["capacity_bytes"], "largest_fit": sweep["measured_largest_fit"],
+                "first_oom": sweep["measured_first_oom"],
+                "title": f"What fits on one {data.get('gpu_name', 'GPU')}: {_model_label(config)} in "
+                         f"{config['precision']}, {config['seq_len']:,}-token sequences"}
+    return None
+
+
+def _reserved_peak(config: Mapping[str, Any], world: int, micro: int) -> int:
+    return sweep_peak_bytes(config, world, micro, reserved=True)
+
+
+def gpu_smoke_table(sets: ResultSets) -> Table:
+    """Each run of each gpu-smoke result set: what it exercises and how many of its checks held."""
+    rows = []
+    for name, data in sets.items():
+        if data.get("schema") != SMOKE_SCHEMA:
+            continue
+        for label, run in data.get("runs", {}).items():
+            checks = [Check(**c) for c in run.get("checks", [])]
+            exact = [c for c in checks if c.tolerance == 0]
+            rows.append([name, label, run.get("run", "-"), f"{sum(c.ok for c in checks)}/{len(checks)}",
+                         f"{sum(c.exact for c in exact)}/{len(exact)}",
+                         _first(run["error"]) if "error" in run else "ran"])
+    return Table(["result set", "path", "run", "checks\nheld", "exact\nchecks", "outcome"], rows,
+                 "checks held: within each check's tolerance; exact: the byte-exact checks that hold, "
+                 "of all of them")
+
+
+def _first(text: str, width: int = 40) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
