@@ -54,3 +54,34 @@ def test_the_check_finds_a_long_line(tmp_path):
     path = tmp_path / "n.ipynb"
     path.write_text(json.dumps({"cells": [cell]}))
     assert [line.split(":")[0] for line in _too_long(path)] == ["cell 0 code", "cell 0 output"]
+
+
+def _shown_source_lines(notebook: Path) -> list[tuple[int, str]]:
+    """``(cell, line)`` of the library code a chapter shows (``show_source``: Pygments' HTML),
+    as the reader sees it in the book, where nothing folds it."""
+    import html
+    import re
+
+    lines = []
+    for i, cell in enumerate(json.loads(notebook.read_text())["cells"]):
+        for output in cell.get("outputs", []):
+            page = "".join(output.get("data", {}).get("text/html", ""))
+            if 'class="highlight"' not in page:
+                continue
+            text = html.unescape(re.sub(r"<[^>]+>", "", page))
+            lines += [(i, line) for line in text.splitlines()]
+    return lines
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_library_code_a_chapter_shows_fits_the_column(notebook):
+    long = [f"cell {i}: {len(line)} characters: {line[:40]!r}"
+            for i, line in _shown_source_lines(notebook) if len(line) > BOOK_WIDTH]
+    assert not long, "\n".join(long)
+
+
+def test_shown_source_is_found_in_the_html():
+    from handbook_lib.face.display import show_source
+
+    page = show_source(test_book_width_is_86)._repr_html_()
+    assert 'class="highlight"' in page

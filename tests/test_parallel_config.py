@@ -13,9 +13,8 @@ def test_parallel_config_splits_the_world_into_data_parallel_ranks():
 
 
 @pytest.mark.parametrize("keys, match", [
-    ({"tp_size": 3}, "config key 'tp_size'=3 must divide 'nhead'=4, 'dim_feedforward'=1024 and 'vocab_size'=10000$"),
+    ({"tp_size": 3}, "config key 'tp_size'=3 must divide 'nhead'=4 and 'dim_feedforward'=1024$"),
     ({"tp_size": 2, "nhead": 2, "d_model": 256, "dim_feedforward": 1023}, "'dim_feedforward'=1023"),
-    ({"tp_size": 2, "vocab_size": 10_001}, "config key 'tp_size'=2 must divide 'vocab_size'=10001$"),
     ({"tp_size": 2, "sequence_parallel": True, "seq_len": 63}, "config key 'tp_size'=2 with 'sequence_parallel'=True must divide 'seq_len'=63$"),
     ({"sequence_parallel": True}, "'sequence_parallel'=True .* needs tp_size >= 2"),
     ({"sp_size": 3}, "config key 'sp_size'=3 must divide 'seq_len'=64$"),
@@ -57,3 +56,12 @@ def test_check_runnable_returns_the_data_parallel_size_and_checks_the_extra_keys
     with pytest.raises(ValueError, match="config key 'sp_size'=2 is not supported by tensor_parallel"):
         ParallelConfig(sp_size=2).check_runnable("tensor_parallel", 4, shards_over="over dp",
                                                  also_default=("sp_size",))
+
+
+@pytest.mark.parametrize("tp, vocab, padded", [(1, 10_001, 10_001), (2, 10_000, 10_000), (2, 10_001, 10_002),
+                                               (2, 50_257, 50_258), (4, 50_257, 50_260), (8, 32_000, 32_000)])
+def test_a_vocabulary_tp_does_not_divide_is_padded_not_refused(tp, vocab, padded):
+    heads = {"nhead": 8, "d_model": 256, "dim_feedforward": 1024}
+    config = ParallelConfig(tp_size=tp, vocab_size=vocab, **heads)
+    assert config.padded_vocab_size == padded
+    assert padded % tp == 0 and 0 <= padded - vocab < tp   # the smallest multiple of tp at or above vocab

@@ -54,3 +54,27 @@ def test_refusals():
     with pytest.raises(ValueError, match="causal"):
         from_simple(build_model(ModelConfig(vocab_size=9, d_model=12, nhead=3, dim_feedforward=8,
                                             num_layers=1), causal=False))
+
+
+def test_a_padded_vocabulary_adds_rows_the_loss_never_sees():
+    from handbook_lib.runtime.parallel_model import PAD_LOGIT_BIAS
+
+    config = ModelConfig(vocab_size=51, d_model=16, nhead=2, dim_feedforward=24, num_layers=1)
+    torch.manual_seed(2)
+    tokens, targets = torch.randint(0, 51, (2, 6)), torch.randint(0, 51, (2, 6))
+    simple = build_model(config, seed=0, causal=True)
+    padded = from_simple(simple, vocab_size=54)
+    assert padded.embedding.weight.shape == (54, 16) and padded.output.weight.shape == (54, 16)
+    assert not padded.embedding.weight[51:].any() and not padded.output.weight[51:].any()
+    logits = padded(tokens)
+    torch.testing.assert_close(logits[..., :51], simple(tokens), rtol=1e-5, atol=1e-6)
+    assert (logits[..., 51:] == PAD_LOGIT_BIAS).all()
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    want = torch.nn.functional.cross_entropy(simple(tokens).flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=0.0)
+    loss.backward()
+    # the padded rows' softmax is exactly 0 in fp32: their gradients are 0, they stay as built
+    assert not padded.output.weight.grad[51:].any() and not padded.output.bias.grad[51:].any()
+    assert not padded.embedding.weight.grad[51:].any()
+    with pytest.raises(ValueError, match="vocab_size=50 is below the model's vocabulary"):
+        from_simple(simple, vocab_size=50)

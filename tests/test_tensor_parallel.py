@@ -138,3 +138,18 @@ def test_decoder_tp_memory_shrinks_with_tp_and_refuses_bad_tp() -> None:
     assert eight.params_per_gpu * 64 == pytest.approx(shape.num_params, rel=0.01)
     with pytest.raises(ValueError, match="tp_size=3 must divide"):
         estimate_decoder_tp_memory(shape, 3, 1, 1, 4096)
+
+
+def test_a_vocabulary_tp_does_not_divide_is_priced_padded() -> None:
+    from dataclasses import replace
+
+    from handbook_lib.models.tensor_parallel import tp_padded
+
+    odd, even = replace(CHAPTER, vocab_size=97), replace(CHAPTER, vocab_size=98)
+    assert tp_padded(odd, 2) == even and tp_padded(even, 2) is even and tp_padded(odd, 1) is odd
+    local = dict(tp_local_shapes(odd, 2))
+    assert local["embedding.weight"] == (49, 64) and local["output.bias"] == (49,)   # 98 rows / 2
+    assert estimate_tp_state_bytes(odd, 2, 2, 1) == estimate_tp_state_bytes(even, 2, 2, 1)
+    # the logits are the padded width: (98 / 2) · 4 B per token on top of 96's (96 / 2)
+    acts = [estimate_tp_activation_bytes(c, 2, 8, 2).total for c in (CHAPTER, odd, even)]
+    assert acts[1] == acts[2] == acts[0] + 2 * 8 * (49 - 48) * 4

@@ -52,8 +52,9 @@ class ParallelConfig(RunConfig):
     tp_size: int = 1
     """Ranks of one tensor-parallel group (the inner mesh axis): each holds 1/tp_size of every
     layer's Q, K, V and output projections (its heads) and of its feed-forward width, and of the
-    embedding's and the head's vocabulary rows. Must divide ``nhead``, ``dim_feedforward`` and
-    ``vocab_size`` (an uneven split is refused, not padded)."""
+    embedding's and the head's vocabulary rows. Must divide ``nhead`` and ``dim_feedforward``;
+    a ``vocab_size`` it does not divide is padded to a multiple of it, as Megatron does
+    (:attr:`padded_vocab_size`; the padded rows' logits are held out of the loss)."""
     sequence_parallel: bool = False
     """With ``tp_size`` > 1: keep the activations between the tensor-parallel blocks (the norms
     and residuals) split by sequence over the group (Megatron's sequence parallelism): each
@@ -77,8 +78,14 @@ class ParallelConfig(RunConfig):
         if self.sequence_parallel and tp == 1:
             raise ValueError("config key 'sequence_parallel'=True splits the tensor-parallel group's "
                              "activations by sequence: it needs tp_size >= 2, got 1")
-        self.layout().check_shape(nhead=self.nhead, ffn=self.dim_feedforward, vocab=self.vocab_size,
-                                  seq_len=self.seq_len, sequence_parallel=self.sequence_parallel, names=CONFIG_NAMES)
+        self.layout().check_shape(nhead=self.nhead, ffn=self.dim_feedforward, seq_len=self.seq_len,
+                                  sequence_parallel=self.sequence_parallel, names=CONFIG_NAMES)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """The vocabulary rows the tensor-parallel model holds: ``vocab_size`` rounded up to a
+        multiple of ``tp_size`` (:meth:`ParallelLayout.padded_vocab`)."""
+        return self.layout().padded_vocab(self.vocab_size)
 
     def layout(self, world_size: int | None = None) -> ParallelLayout:
         """The parallel layout of this config on ``world_size`` ranks: FSDP2 (FULL_SHARD) over the

@@ -250,6 +250,18 @@ class ParallelLayout:
             raise ValueError(problem)
         return self
 
+    def padded_vocab(self, vocab: int) -> int:
+        """The vocabulary a tensor-parallel model holds: ``vocab`` rounded up to a multiple of
+        ``tp`` (Megatron pads the same way, to a multiple of ``make_vocab_size_divisible_by``
+        times the degree), so that each rank holds ``padded / tp`` rows of the embedding and
+        the head. The padded rows are never a token id; ``vocab`` itself when ``tp`` divides it.
+
+        Raises:
+            ValueError: for a vocabulary below 1.
+        """
+        check_int("vocab", vocab, 1)
+        return -(-vocab // self.tp) * self.tp
+
     @classmethod
     def allows(cls, world_size: int, **degrees_and_shape: int | bool | str | None) -> bool:
         """Whether :meth:`refusal` accepts these degrees and sizes (for a search over layouts)."""

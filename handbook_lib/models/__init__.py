@@ -110,7 +110,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         DecoderTPMemory, TPCollective, TPLayerTraffic, TPParam, TPStateBytes, decoder_tp_units,
         estimate_decoder_tp_activation_bytes, estimate_decoder_tp_memory,
         estimate_tp_activation_bytes, estimate_tp_collectives, estimate_tp_layer_traffic,
-        estimate_tp_state_bytes, estimate_tp_step_collectives, tp_local_shapes, tp_param_placements,
+        estimate_tp_state_bytes, estimate_tp_step_collectives, tp_local_shapes, tp_padded, tp_param_placements,
         tp_units,
     )
     from handbook_lib.models.sequence_parallel import (

@@ -26,7 +26,7 @@ Two levels, as elsewhere in the book:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from handbook_lib.core.architecture import ModelConfig, param_shapes
 from handbook_lib.core.checks import check_int
@@ -54,6 +54,7 @@ __all__ = [
     "estimate_tp_state_bytes",
     "estimate_tp_step_collectives",
     "tp_local_shapes",
+    "tp_padded",
     "tp_param_placements",
     "tp_units",
 ]
@@ -127,9 +128,18 @@ def tp_param_placements(config: ModelConfig) -> list[TPParam]:
     return out
 
 
+def tp_padded(config: ModelConfig, tp_size: int) -> ModelConfig:
+    """``config`` with its vocabulary padded for ``tp_size`` tensor-parallel ranks
+    (:meth:`ParallelLayout.padded_vocab <handbook_lib.core.parallel_layout.ParallelLayout.padded_vocab>`):
+    the model a TP run builds, whose embedding and head hold the padded rows."""
+    padded = ParallelLayout(tp=tp_size).padded_vocab(config.vocab_size)
+    return config if padded == config.vocab_size else replace(config, vocab_size=padded)
+
+
 def tp_local_shapes(config: ModelConfig, tp_size: int) -> list[tuple[str, tuple[int, ...]]]:
-    """``(name, shape)`` of what one TP rank holds of every parameter, before FSDP shards it."""
-    return [(p.name, p.local_shape(tp_size)) for p in tp_param_placements(config)]
+    """``(name, shape)`` of what one TP rank holds of every parameter, before FSDP shards it:
+    the vocabulary padded first (:func:`tp_padded`), so the embedding and head rows split evenly."""
+    return [(p.name, p.local_shape(tp_size)) for p in tp_param_placements(tp_padded(config, tp_size))]
 
 
 def tp_units(config: ModelConfig, tp_size: int) -> list[Unit]:
@@ -278,7 +288,8 @@ def estimate_tp_activation_bytes(config: ModelSizes, micro_batch: int, seq_len: 
     and targets (int64, ``16·T``; :func:`~handbook_lib.runtime.tensor_parallel.dp_batch` gives
     each its own contiguous copy — a non-contiguous view of the global batch would keep that
     whole batch alive and make the embedding save a contiguous copy of the ids), the head's
-    input ``T·d·c``, the vocabulary-parallel log-softmax ``T·(V/t)·4`` and two fp32 scalars
+    input ``T·d·c``, the vocabulary-parallel log-softmax ``T·(V/t)·4`` (``V`` padded to a multiple
+    of ``t``, :func:`tp_padded`) and two fp32 scalars
     (8 bytes). Batch, sequence, vocabulary, width and depth were varied one at a time to fit
     the terms outside the layers; the run checks the total exactly.
     """
@@ -286,7 +297,8 @@ def estimate_tp_activation_bytes(config: ModelSizes, micro_batch: int, seq_len: 
     check_int("micro_batch", micro_batch, 1)
     check_int("seq_len", seq_len, 1)
     c, t = dtype_bytes(compute_dtype), tp_size
-    d, f, h, v = config.d_model, config.dim_feedforward, config.nhead, config.vocab_size
+    d, f, h = config.d_model, config.dim_feedforward, config.nhead
+    v = ParallelLayout(tp=t).padded_vocab(config.vocab_size)
     tokens = micro_batch * seq_len
     norms = 2 * tokens * d * c + 16 * tokens
     per_layer = tokens * (2 * d + 4 * d // t + 2 * f // t) * c + tokens * (h // t) * 4

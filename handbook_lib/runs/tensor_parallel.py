@@ -8,14 +8,16 @@ ranks, one node's): :mod:`handbook_lib.runtime.tensor_parallel` splits the book'
 over ``dp``; each dp group trains on its rows of the global batch. The last step runs under a
 memory tracker and a collective counter that reads TP's functional collectives.
 
-Checks, beside :mod:`handbook_lib.models.tensor_parallel`: parameter shards and FSDP2's padding,
+Checks, beside :mod:`handbook_lib.models.tensor_parallel`: the vocabulary's padding rows (a
+vocabulary the group does not divide is padded to a multiple of it, as Megatron does, and
+the padded logits are held out of the loss), parameter shards and FSDP2's padding,
 gradients and optimizer state per rank (exact); activations alive after the forward pass
 (exact on CPU in fp32); every collective of the last step, TP's and FSDP2's, by kind, phase,
 buffer bytes and group (each call matched, exact); the fp32 losses against one process training
 the book's model on the whole batch (1e-5). ``loss_parallel``'s own reductions are issued inside
 DTensor's dispatch, where the counter cannot see them: neither counted nor predicted.
 
-Keys: ``tp_size`` (>= 2, dividing the world, ``nhead``, ``dim_feedforward`` and ``vocab_size``)
+Keys: ``tp_size`` (>= 2, dividing the world, ``nhead`` and ``dim_feedforward``; ``vocab_size`` is padded)
 and ``sequence_parallel`` (``seq_len`` divisible by ``tp_size``); any ``optimizer``. FSDP2's
 FULL_SHARD over dp in fp32 only: the other strategies, FSDP1, mixed precision, offload,
 accumulation, clipping, checkpointing and FSDP2's tuning knobs are refused in one line naming
@@ -39,6 +41,7 @@ from handbook_lib.models.tensor_parallel import (
     estimate_tp_activation_bytes,
     estimate_tp_state_bytes,
     estimate_tp_step_collectives,
+    tp_padded,
 )
 from handbook_lib.runs.entry import RankReport, main, one_process_loss_checks
 from handbook_lib.runs.specs.tensor_parallel import CONFIG as CONFIG, validate
@@ -72,7 +75,10 @@ def run(config: ParallelConfig, ctx: RankContext) -> RankReport:
     state = estimate_tp_state_bytes(cfg, config.tp_size, dp, dp_rank, config.optimizer)
     params = measure_param_bytes(model)
     sharded, other = measure_optimizer_bytes(optimizer)
-    checks = [Check("param_shard_bytes", ctx.rank, state.param_shard_bytes, params.shard_bytes, "bytes"),
+    padding = tp_padded(cfg, config.tp_size).vocab_size - cfg.vocab_size
+    rows = int(model.embedding.weight.shape[0])  # the global rows of the (TP x FSDP) DTensor
+    checks = [Check("vocab_padding_rows", ctx.rank, padding, rows - cfg.vocab_size, "rows"),
+              Check("param_shard_bytes", ctx.rank, state.param_shard_bytes, params.shard_bytes, "bytes"),
               Check("param_padding_bytes", ctx.rank, state.param_padding_bytes, params.padding_bytes, "bytes"),
               Check("grad_shard_bytes", ctx.rank, state.grad_bytes, measure_grad_bytes(model), "bytes"),
               Check("optimizer_state_bytes", ctx.rank, state.optimizer_state_bytes, sharded, "bytes"),
@@ -82,6 +88,7 @@ def run(config: ParallelConfig, ctx: RankContext) -> RankReport:
                         0.0 if ctx.device.type == "cpu" else GPU_ACTIVATION_TOLERANCE))
     checks += _collective_checks(config, ctx, dp, micro, collectives)
     metrics = {"losses": log.losses, "dp_size": dp, "tp_size": config.tp_size, "dp_rank": dp_rank,
+               "vocab_size": cfg.vocab_size, "padded_vocab_size": rows,
                "tp_rank": ctx.rank % config.tp_size, "sequence_parallel": config.sequence_parallel,
                "param_shard_bytes": params.shard_bytes, "param_padding_bytes": params.padding_bytes,
                "activation_bytes": memory.activation_bytes, "predicted_activation_bytes": acts.total,

@@ -122,6 +122,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         train_step,
     )
     from handbook_lib.runtime.parallel_model import (
+        PAD_LOGIT_BIAS,
         AttentionCore,
         causal_attention,
         SplitAttention,

@@ -246,14 +246,15 @@ def save_checkpoint(
     asynchronous: bool = False,
     job: Mapping[str, Any] | None = None,
 ) -> SavedCheckpoint | PendingCheckpoint:
-    """Save model, optimizer, every rank's random generators and the caller's other state as
-    ``root/step_K``; point ``latest`` at it.
+    """Save model, optimizer, every rank's random generators and the caller's other
+    state as ``root/step_K``; point ``latest`` at it.
 
-    Collective: every rank calls it. Each rank writes its own shards (DCP) and hashes them,
-    item by item, all ranks at once; rank 0 gathers the sizes and checksums, writes the
-    manifest (``step``, the world size, ``extra``, every file with its size and checksums),
-    renames the directory from ``.tmp`` and replaces the ``latest`` pointer: the steps of
-    :data:`~handbook_lib.models.checkpoint.COMMIT_STEPS`, in that order.
+    Collective: every rank calls it. Each rank writes its own shards (DCP) and hashes
+    them, item by item, all ranks at once; rank 0 gathers the sizes and checksums,
+    writes the manifest (``step``, the world size, ``extra``, every file with its size
+    and checksums), renames the directory from ``.tmp`` and replaces the ``latest``
+    pointer: the steps of :data:`~handbook_lib.models.checkpoint.COMMIT_STEPS`, in
+    that order. Chapter 6 shows this function: its lines fit the book's 86 columns.
 
     Args:
         root: Directory holding the checkpoints.
@@ -266,25 +267,27 @@ def save_checkpoint(
         after_shard_written: Called on this rank once its shard file is on disk,
             before the save is committed. Chapter 6 kills the rank there to show an
             interrupted save.
-        stateful: More of the job's state, by name: objects with ``state_dict()`` and
-            ``load_state_dict()`` (DCP's ``Stateful`` protocol), e.g. the LR scheduler, the
-            gradient scaler, the data loader. Their state must be the same on every rank (DCP
-            keeps one copy of a key every rank saves). Names other than
-            :data:`RESERVED_KEYS`.
+        stateful: More of the job's state, by name: objects with ``state_dict()``
+            and ``load_state_dict()`` (DCP's ``Stateful`` protocol), e.g. the LR
+            scheduler, the gradient scaler, the data loader. Their state must be the
+            same on every rank (DCP keeps one copy of a key every rank saves). Names
+            other than :data:`RESERVED_KEYS`.
         device: This rank's device: its CUDA generator is saved with the others
             (:func:`rng_state`).
-        checksums: Hash the files (False: sizes only; such a checkpoint loads only with
-            ``verify_checksums=False``; chapter 6 measures what the hashing costs with it).
-        asynchronous: Copy the state to CPU memory, write it in a background thread (DCP's
-            ``async_save``) and return a :class:`PendingCheckpoint` at once; its ``wait()``
-            commits. A pending save of this process is committed first.
+        checksums: Hash the files (False: sizes only; such a checkpoint loads only
+            with ``verify_checksums=False``; chapter 6 measures what the hashing
+            costs with it).
+        asynchronous: Copy the state to CPU memory, write it in a background thread
+            (DCP's ``async_save``) and return a :class:`PendingCheckpoint` at once;
+            its ``wait()`` commits. A pending save of this process is committed first.
         job: The job's identity (run, model shape, optimizer: see
             :func:`~handbook_lib.runtime.checkpoint_job.job_identity`), recorded in
             ``root/job.json`` by the first save; a root that records another job
             is refused. ``None``: neither checked nor recorded.
 
     Returns:
-        The :class:`SavedCheckpoint`, or with ``asynchronous`` a :class:`PendingCheckpoint`.
+        The :class:`SavedCheckpoint`, or with ``asynchronous`` a
+        :class:`PendingCheckpoint`.
 
     Raises:
         ValueError: if a ``stateful`` name is one of :data:`RESERVED_KEYS`.
@@ -307,7 +310,7 @@ def save_checkpoint(
     state = {"model": model_sd, "optim": optim_sd, "rng": rng, **parts}
     shapes = {key: tuple(value.shape) for key, value in model_sd.items()}
     agree_job(root, job, shapes, step, device)  # another job's: refused, none written
-    check_room(root, name, state, device)  # disk full, a file-size limit: refused, none written
+    check_room(root, name, state, device)  # no room: refused, none written
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         if job is not None:
@@ -317,26 +320,28 @@ def save_checkpoint(
     writer = ShardWriter(tmp, after_shard_written, checksums)
 
     def commit(wait_begin: float) -> SavedCheckpoint:
-        files, hashed, hash_s = _commit(root, name, step, world, extra, keep_last, writer,
-                                        checksums)
+        files, hashed, hash_s = _commit(root, name, step, world, extra, keep_last,
+                                        writer, checksums)
         end = time.perf_counter()
         return SavedCheckpoint(final, step, end - start, files, hash_s, hashed,
                                blocked_s if asynchronous else end - start,
-                               end - wait_begin if asynchronous else 0.0, asynchronous)
+                               end - wait_begin if asynchronous else 0.0,
+                               asynchronous)
 
-    with _single_process_quiet():  # returns once .metadata is written (async: once staged)
+    with _single_process_quiet():  # returns once .metadata is written (async: staged)
         if not asynchronous:
             try:
                 dcp.save(state, storage_writer=writer, no_dist=_single())
-            except dcp.CheckpointException as err:  # one line per rank, not DCP's tracebacks
+            except dcp.CheckpointException as err:  # one line per rank, no tracebacks
                 where = f"{tmp}: {summary(err)}"
-                raise CheckpointError(f"cannot write checkpoint {where}; it is never loaded, "
-                                      f"and {LATEST!r} still names the previous one") from None
+                raise CheckpointError(f"cannot write checkpoint {where}; it is never "
+                                      f"loaded, and {LATEST!r} still names the "
+                                      "previous one") from None
             return commit(start)
-        future = dcp.async_save(state, storage_writer=writer, process_group=_async_group(),
-                                no_dist=_single())
+        future = dcp.async_save(state, storage_writer=writer,
+                                process_group=_async_group(), no_dist=_single())
         while _single() and not (writer.started.wait(0.001) or future.done()):
-            pass  # DCP's thread warns first that it saves in one process: still silenced here
+            pass  # DCP's thread warns that it saves in one process: still silenced
     blocked_s = time.perf_counter() - start
     _PENDING.append(PendingCheckpoint(future, commit, step, tmp, blocked_s))
     return _PENDING[-1]

@@ -24,6 +24,7 @@ Per layer (post-norm, as the book's model)::
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -32,8 +33,8 @@ from torch.nn import functional as F
 from handbook_lib.core.architecture import ModelConfig
 from handbook_lib.runtime.model import SimpleTransformer, TransformerLayer
 
-__all__ = ["AttentionCore", "causal_attention", "SplitAttention", "ParallelLayer", "ParallelTransformer",
-           "from_simple"]
+__all__ = ["PAD_LOGIT_BIAS", "AttentionCore", "causal_attention", "SplitAttention", "ParallelLayer",
+           "ParallelTransformer", "from_simple"]
 
 AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``core(q, k, v) -> out``: causal attention on tensors of shape (batch, seq, heads, head_dim),
@@ -136,19 +137,40 @@ def _copy_layer(src: TransformerLayer, dst: ParallelLayer) -> None:
         getattr(dst, part).load_state_dict(getattr(src, part).state_dict())
 
 
+PAD_LOGIT_BIAS = -1e4
+"""The head's bias on padded vocabulary rows: their logits sit 10,000 below the others, so
+``exp`` underflows to 0 in fp32 and bf16 and the softmax, the loss and every gradient are those
+of the unpadded model (the rows' own gradients are 0, so they stay as built)."""
+
+
 @torch.no_grad()
-def from_simple(model: SimpleTransformer) -> ParallelTransformer:
+def from_simple(model: SimpleTransformer, vocab_size: int | None = None) -> ParallelTransformer:
     """A :class:`ParallelTransformer` holding ``model``'s weights: the same function of the
     tokens (causal), its attention projections split.
 
+    Args:
+        model: The book's causal model.
+        vocab_size: The rows of the embedding and the head, at least ``model``'s vocabulary
+            (``None``: the same): a tensor-parallel group pads its vocabulary to a multiple of its
+            size. The padded rows hold zeros, and the head's bias there is :data:`PAD_LOGIT_BIAS`.
+
     Raises:
-        ValueError: if ``model`` is not causal (chapter 9's runs train the causal model only).
+        ValueError: if ``model`` is not causal (chapter 9's runs train the causal model only),
+            or ``vocab_size`` is below its vocabulary.
     """
     if not model.causal:
         raise ValueError("from_simple takes the causal model (build_model(..., causal=True))")
-    out = ParallelTransformer(model.config)
-    out.embedding.load_state_dict(model.embedding.state_dict())
-    out.output.load_state_dict(model.output.state_dict())
+    vocab = model.config.vocab_size
+    padded = vocab if vocab_size is None else vocab_size
+    if padded < vocab:
+        raise ValueError(f"vocab_size={padded} is below the model's vocabulary ({vocab}): padding only adds rows")
+    out = ParallelTransformer(replace(model.config, vocab_size=padded))
+    for name in ("embedding", "output"):
+        for key, value in getattr(model, name).state_dict().items():
+            target = getattr(getattr(out, name), key)
+            target.zero_()
+            target[:vocab].copy_(value)
+    out.output.bias[vocab:] = PAD_LOGIT_BIAS
     for src, dst in zip(model.layers, out.layers):
         _copy_layer(src, dst)
     return out

@@ -76,28 +76,35 @@ def build_tp_mesh(ctx: RankContext, tp_size: int) -> DeviceMesh:
     return init_device_mesh(ctx.device.type, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
 
 
-def apply_tensor_parallel(model: ParallelTransformer, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
-    """Split ``model`` in place over the tensor-parallel mesh (the plan of the module docstring).
+def apply_tensor_parallel(model: ParallelTransformer, tp_mesh: DeviceMesh,
+                          sequence_parallel: bool = False) -> None:
+    """Split ``model`` in place over the tensor-parallel mesh (the module's plan).
 
-    Placements on the ``tp`` axis (one rank holds 1/tp of each split tensor): the embedding,
-    Q/K/V, ``linear1`` and the head split by rows (dim 0, biases too); ``out_proj`` and ``linear2``
-    by columns (dim 1), their biases replicated; the norms replicated. The head's output stays a
-    DTensor split by vocabulary (``Shard(-1)``) for :func:`tp_loss`.
+    Placements on the ``tp`` axis (one rank holds 1/tp of each split tensor): the
+    embedding, Q/K/V, ``linear1`` and the head split by rows (dim 0, biases too);
+    ``out_proj`` and ``linear2`` by columns (dim 1), their biases replicated; the
+    norms replicated. The head's output stays a DTensor split by vocabulary
+    (``Shard(-1)``) for :func:`tp_loss`. Chapter 9 shows this function: lines fit
+    its column (86 characters).
     """
-    seq = Shard(1) if sequence_parallel else Replicate()
+    seq = Shard(1) if sequence_parallel else Replicate()  # between the blocks
     parallelize_module(model, tp_mesh, {
         "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
+                                  use_local_output=False),  # logits: by vocabulary
     })
     for layer in model.layers:
         plan = {
-            "self_attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn": PrepareModuleInput(input_layouts=(seq,),
+                                            desired_input_layouts=(Replicate(),)),
+            "self_attn.q_proj": ColwiseParallel(),  # each rank: its heads
+            "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.out_proj": RowwiseParallel(output_layouts=seq),
-            "linear1": ColwiseParallel(input_layouts=seq), "linear2": RowwiseParallel(output_layouts=seq),
+            "self_attn.out_proj": RowwiseParallel(output_layouts=seq),  # partial sums
+            "linear1": ColwiseParallel(input_layouts=seq),  # its slice of the width
+            "linear2": RowwiseParallel(output_layouts=seq),
         }
-        if sequence_parallel:  # local outputs: the residual adds mix them with the block's local output
+        if sequence_parallel:  # local outputs, for the residual adds
             plan.update({"norm1": SequenceParallel(use_local_output=True),
                          "norm2": SequenceParallel(use_local_output=True)})
         parallelize_module(layer, tp_mesh, plan)
@@ -117,10 +124,12 @@ def apply_fsdp_over_dp(model: ParallelTransformer, dp_mesh: DeviceMesh) -> None:
 
 
 def build_tp_model(config: ParallelConfig, ctx: RankContext) -> tuple[ParallelTransformer, DeviceMesh]:
-    """The book's seeded model as a :class:`ParallelTransformer` on the rank's device, split
-    over ``tp`` and sharded over ``dp``. Returns ``(model, mesh)``."""
+    """The book's seeded model as a :class:`ParallelTransformer` on the rank's device, its
+    vocabulary padded to a multiple of ``tp_size`` (:attr:`ParallelConfig.padded_vocab_size`),
+    split over ``tp`` and sharded over ``dp``. Returns ``(model, mesh)``."""
     mesh = build_tp_mesh(ctx, config.tp_size)
-    model = from_simple(build_model(config.model_config(), seed=config.seed, causal=True)).to(ctx.device)
+    model = from_simple(build_model(config.model_config(), seed=config.seed, causal=True),
+                        vocab_size=config.padded_vocab_size).to(ctx.device)
     apply_tensor_parallel(model, mesh["tp"], config.sequence_parallel)
     apply_fsdp_over_dp(model, mesh["dp"])
     return model, mesh
