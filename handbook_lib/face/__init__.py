@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         show_source,
     )
     from handbook_lib.face.gpu_results import (
+        gpu_budget_table,
         gpu_fit_curve,
         gpu_fit_table,
         gpu_memory_rows,

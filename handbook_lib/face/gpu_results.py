@@ -29,7 +29,7 @@ from handbook_lib.launch.gpu_sweep import predict_max_micro_batch, sweep_peak_by
 from handbook_lib.models.allocator import RESERVE_MODEL
 
 __all__ = ["read_gpu_results", "gpu_memory_rows", "gpu_memory_table", "gpu_mfu_table", "gpu_fit_table",
-           "gpu_fit_curve", "gpu_smoke_table", "gpu_sets_table"]
+           "gpu_fit_curve", "gpu_smoke_table", "gpu_sets_table", "gpu_budget_table"]
 
 ResultSets = Mapping[str, Mapping[str, Any]]
 """Result sets by file name (without ``.json``), as :func:`read_gpu_results` returns them."""
@@ -193,6 +193,36 @@ def gpu_fit_curve(sets: ResultSets, *, step: int = 1) -> dict[str, Any] | None:
                 "title": f"What fits on one {data.get('gpu_name', 'GPU')}: {_model_label(config)} in "
                          f"{config['precision']}, {config['seq_len']:,}-token sequences"}
     return None
+
+
+def gpu_budget_table(sets: ResultSets) -> Table:
+    """The memory a rank can use, as the planner counts it and as a training process found it,
+    for each result set whose sweep read the GPU inside a rank and whose GPU has a preset.
+
+    Rows: the preset's total (nvidia-smi's), CUDA's total (``total_memory``), the planner's
+    usable memory (:func:`~handbook_lib.models.hardware.usable_memory_bytes`: the preset's total
+    less the bare CUDA context), and the usable memory measured (free plus the allocator's
+    reserve, read once CUDA, cuBLAS and NCCL were set up), each with its difference from the
+    measured one, bytes."""
+    from handbook_lib.launch.gpu_check import match_accelerator
+    from handbook_lib.models.hardware import ACCELERATORS, CUDA_CONTEXT_BYTES, usable_memory_bytes
+
+    rows: list[list[Any]] = []
+    for _name, data in _checks(sets):
+        gpu = data.get("gpu_name", "")
+        sweep, preset = data.get("max_micro_batch", {}), match_accelerator(gpu)
+        if "capacity_bytes" not in sweep or preset is None or gpu in {r[0] for r in rows}:
+            continue  # one block per GPU model: its first result set with a sweep
+        measured = sweep["capacity_bytes"]
+        terms = [("preset's total (nvidia-smi)", ACCELERATORS[preset].memory_bytes),
+                 ("CUDA's total (total_memory)", sweep["device_memory_bytes"]),
+                 (f"planner's usable (- {format_bytes(CUDA_CONTEXT_BYTES)} context)",
+                  usable_memory_bytes(preset)),
+                 ("measured usable (free + reserve)", measured)]
+        rows += [[gpu, term, format_bytes(b), f"{b - measured:+,}"] for term, b in terms]
+    return Table(["GPU", "memory a rank can use", "bytes", "- measured (B)"], rows,
+                 "measured usable: what mem_get_info found free plus what the caching allocator held, "
+                 "inside a rank once CUDA, cuBLAS and NCCL were set up")
 
 
 def _reserved_peak(config: Mapping[str, Any], world: int, micro: int) -> int:
