@@ -21,6 +21,7 @@
 #                        results/gpu/smoke-<gpu-name-slug>.json (scripts/gpu_smoke.py; < 10 min; exits 2 without a GPU)
 #   make gpu-check       on a CUDA machine, run the experiments on every visible GPU (NCCL) and write
 #                        results/gpu/<gpu-name-slug>.json (scripts/gpu_check.py; < 10 min; exits 2 without a GPU)
+#                        (both: GPU_PY=python3 uses that Python's CUDA torch, without set-up)
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 VENV ?= .venv
@@ -105,14 +106,19 @@ book-hub:
 
 # Memory peaks against the model, the FSDP/DDP step-time ratio, MFU of a ~1B model in bf16 and the
 # largest micro-batch, on CUDA + NCCL; the script keeps to a 540 s budget (--budget-s).
+# GPU_PY=python3: on a GPU machine whose own Python already has a CUDA build of torch and no
+# package index to set up from (a cluster image), run the scripts with it instead; the result
+# set records its torch version.
+GPU_PY ?=
 gpu-check:
-	scripts/setup.sh test
-	$(PY) scripts/gpu_check.py
+	$(if $(GPU_PY),,scripts/setup.sh test)
+	$(or $(GPU_PY),$(PY)) scripts/gpu_check.py
 
 # The CUDA-only paths, once each, on one GPU (trainer_deepspeed needs the frameworks extra).
+# (With GPU_PY, DeepSpeed and pydantic must already be importable for trainer_deepspeed.)
 gpu-smoke:
-	scripts/setup.sh test,frameworks
-	$(PY) scripts/gpu_smoke.py
+	$(if $(GPU_PY),,scripts/setup.sh test,frameworks)
+	$(or $(GPU_PY),$(PY)) scripts/gpu_smoke.py
 
 notebooks: setup  ## re-execute every notebook (native CPU kernels) and store its outputs
 	$(PY) scripts/execute_notebooks.py
