@@ -217,12 +217,13 @@ def test_plan_sensitivity_shows_what_flips(capsys):
             if line.strip().startswith(("headroom", "capacity"))}
     assert "FLIPS" in rows["headroom 10"] and "FULL_SHARD + AC + offload" in rows["headroom 10"]
     assert "FLIPS" in rows["capacity 80"]
-    assert "where FULL_SHARD + AC flips: it fits up to 5.0 % headroom" in out
+    # 83.6 GB usable (79.25 GiB CUDA reports, less a training context): 2.7 % left
+    assert "where FULL_SHARD + AC flips: it fits up to 2.7 % headroom" in out
     assert main([*args, "--sensitivity", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert {r["assumption"] for r in data["sensitivity"]} >= {"headroom", "capacity", "allocator reserve",
                                                                "utilization", "network ports"}
-    assert 0.04 < data["flip_points"]["headroom"] < 0.06
+    assert 0.02 < data["flip_points"]["headroom"] < 0.04
 
 
 def test_memory_json_gives_the_reserved_peak(capsys):

@@ -199,14 +199,15 @@ def test_sets_table_says_what_wrote_each_set_where():
 
 def test_budget_table_sets_the_planners_usable_memory_beside_the_measured():
     from handbook_lib.face.gpu_results import gpu_budget_table
-    from handbook_lib.models.hardware import ACCELERATORS, CUDA_CONTEXT_BYTES
+    from handbook_lib.models.hardware import ACCELERATORS, TRAINING_CONTEXT_BYTES
 
     data = _check_set(world=1) | {"gpu_name": "NVIDIA H200"}
     rows = gpu_budget_table({"a": data, "b": data}).rows   # one block per GPU model
     assert [r[0] for r in rows] == ["NVIDIA H200"] * 4
     smi = ACCELERATORS["h200-141gb"].memory_bytes
     measured = 80 * 10**9
+    planner = ACCELERATORS["h200-141gb"].runtime_memory_bytes - TRAINING_CONTEXT_BYTES
     assert [r[3] for r in rows] == [f"{smi - measured:+,}", f"{81 * 10**9 - measured:+,}",
-                                    f"{smi - CUDA_CONTEXT_BYTES - measured:+,}", "+0"]
+                                    f"{planner - measured:+,}", "+0"]
     unknown = _check_set(world=1) | {"gpu_name": "Some Other GPU"}
     assert gpu_budget_table({"x": unknown}).rows == []

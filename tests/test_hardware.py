@@ -6,6 +6,7 @@ import pytest
 from handbook_lib.models import (
     ACCELERATORS,
     CUDA_CONTEXT_BYTES,
+    TRAINING_CONTEXT_BYTES,
     LINKS,
     Accelerator,
     Host,
@@ -77,11 +78,39 @@ def test_accelerator_datasheet_figures(name, memory, printed_gb, bf16, fp32):
     assert "datasheet" in acc.source
 
 
-def test_usable_memory_takes_off_the_cuda_context():
+def test_usable_memory_is_what_cuda_reports_less_a_training_process_context():
     h100 = get_accelerator("h100-80gb")
-    assert CUDA_CONTEXT_BYTES == 287_047_680  # pytorch/pytorch#86509, lazy module loading
-    assert usable_memory_bytes(h100) == 81_559 * MIB - 287_047_680
+    assert CUDA_CONTEXT_BYTES == 287_047_680  # pytorch/pytorch#86509, lazy module loading (bare)
+    assert TRAINING_CONTEXT_BYTES == 1_457_521_152  # measured on one H200 by make gpu-check
+    # vllm-project/vllm#27508: "a total capacity of 79.11 GiB"; the context measured on the H200
+    assert h100.runtime_memory_bytes == round(79.11 * 2**30)
+    assert usable_memory_bytes(h100) == round(79.11 * 2**30) - 1_457_521_152
+    # no runtime total published for the L4: its preset's total, less the same context
+    assert usable_memory_bytes("l4-24gb") == 24 * 2**30 - 1_457_521_152
     assert usable_memory_bytes("cpu") == get_accelerator("cpu").memory_bytes  # no CUDA context
+
+
+def test_the_h200_budget_is_the_usable_memory_gpu_check_measured():
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "results" / "gpu" / "nvidia-h200.json"
+    sweep = json.loads(path.read_text())["max_micro_batch"]
+    h200 = get_accelerator("h200-141gb")
+    assert h200.runtime_memory_bytes == sweep["device_memory_bytes"]
+    assert usable_memory_bytes(h200) == sweep["capacity_bytes"]   # free + reserve - workspaces
+    # the driver's share: nvidia-smi lists 616 MiB "Reserved" (results/gpu/nvidia-h200-machine.txt)
+    assert abs(h200.memory_bytes - h200.runtime_memory_bytes - 616 * MIB) < MIB
+
+
+def test_every_runtime_total_is_sourced_and_below_the_cards_total():
+    from handbook_lib.models.hardware import ACCELERATORS, RUNTIME_MEMORY_SOURCES
+
+    with_total = {k for k, a in ACCELERATORS.items() if a.runtime_memory_bytes is not None}
+    assert with_total == set(RUNTIME_MEMORY_SOURCES) == {"a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb"}
+    for key in with_total:
+        acc = ACCELERATORS[key]
+        assert 0.98 * acc.memory_bytes < acc.runtime_memory_bytes < acc.memory_bytes, key
 
 
 @pytest.mark.parametrize("name, cpu, cores, link", [
@@ -106,10 +135,14 @@ def test_host_and_context_are_checked():
         Host("x", 0, 10**9, "pcie4", "s")
     with pytest.raises(ValueError, match="host link of 'x' must be one of"):
         Host("x", 8, 10**9, "usb", "s")
-    with pytest.raises(ValueError, match="context_bytes of 'x' must be less than memory_bytes"):
+    with pytest.raises(ValueError, match="context_bytes of 'x' must be less than the memory CUDA reports"):
         Accelerator("x", 1000, 1.0, 1.0, "s", context_bytes=1000)
+    with pytest.raises(ValueError, match="context_bytes of 'x' must be less than the memory CUDA reports"):
+        Accelerator("x", 1000, 1.0, 1.0, "s", context_bytes=900, runtime_memory_bytes=900)
+    with pytest.raises(ValueError, match=r"runtime_memory_bytes of 'x' must be an int in \(0, memory_bytes\]"):
+        Accelerator("x", 1000, 1.0, 1.0, "s", context_bytes=0, runtime_memory_bytes=1001)
     with pytest.raises(ValueError, match="datasheet_gb"):
-        Accelerator("x", 10**9, 1.0, 1.0, "s", datasheet_gb=0)
+        Accelerator("x", 10**10, 1.0, 1.0, "s", datasheet_gb=0)
 
 
 def test_h200_has_h100_compute_and_more_memory():
@@ -241,14 +274,14 @@ def test_accelerator_without_a_link_is_refused_not_given_pcie():
 
 def test_accelerator_rejects_unknown_link_or_node_size():
     with pytest.raises(ValueError, match="intra_link") as info:
-        Accelerator("x", 10**9, 1e12, 1e12, "test", "nvlink9", 8)
+        Accelerator("x", 10**10, 1e12, 1e12, "test", "nvlink9", 8)
     assert "'nvlink9'" in str(info.value)
     for accepted in LINKS:
         assert accepted in str(info.value)
     for bad in (0, -8, True, 8.0):
         with pytest.raises(ValueError, match="gpus_per_node"):
-            Accelerator("x", 10**9, 1e12, 1e12, "test", "nvlink4", bad)
-    assert Accelerator("x", 10**9, 1e12, 1e12, "test", "nvlink4", 8).gpus_per_node == 8
+            Accelerator("x", 10**10, 1e12, 1e12, "test", "nvlink4", bad)
+    assert Accelerator("x", 10**10, 1e12, 1e12, "test", "nvlink4", 8).gpus_per_node == 8
 
 
 @pytest.mark.parametrize("key", [k for k, a in ACCELERATORS.items() if a.memory_bandwidth_bytes_per_s])
@@ -269,4 +302,4 @@ def test_hbm_is_several_times_faster_than_nvlink_one_way():
 
 def test_memory_bandwidth_must_be_positive():
     with pytest.raises(ValueError, match="memory_bandwidth_bytes_per_s must be > 0 or None"):
-        Accelerator("x", 10**9, 1.0, 1.0, "s", memory_bandwidth_bytes_per_s=0.0)
+        Accelerator("x", 10**10, 1.0, 1.0, "s", memory_bandwidth_bytes_per_s=0.0)

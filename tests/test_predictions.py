@@ -18,6 +18,11 @@ nccl memory entries and 5 plans changed (598 peaks: the optimizer step or the of
 became the peak, e.g. 7B-count FULL_SHARD on 8: 16P/8 -> 20P/8), no gloo entry; and the
 planner's ``cpu`` preset prices gloo ranks (its peaks lose the GPU's temporary: 1 plan) while a
 reason whose peak is the optimizer step says so (4 plans' DDP reasons), no other figure.
+And once more when a GPU's usable memory became the memory CUDA reports (published per card,
+measured on an H200) less a training process's context as ``make gpu-check`` measured it
+(1,457,521,152 B, not the bare context's 287,047,680): 4 plans' budgets, margins and reasons
+changed (e.g. GPT-3 175B on 64 A100 80GB: 85.61 -> 83.64 GB usable, FULL_SHARD + AC's margin
+5.0 -> 2.7 %), no fit verdict and no recommendation, no other figure.
 ``tests/prediction_grid.py`` says what the grid covers and how to regenerate the file after a
 deliberate change.
 """
@@ -30,7 +35,7 @@ import json
 
 from tests.prediction_grid import GOLDEN, canonical, predictions
 
-GOLDEN_SHA256 = "077f89c88ac15524805eda303b35a8b6563abe8c4c881ae0b4459d0b80c510dc"
+GOLDEN_SHA256 = "746a0084958068c0625fda18f4bdef944fad1fec24d72216e37831393b013ee7"
 """SHA-256 of the golden file's canonical text (a change to it must be deliberate)."""
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from handbook_lib.models import CUDA_CONTEXT_BYTES, flip_points, plan, plan_sensitivity
+from handbook_lib.models import TRAINING_CONTEXT_BYTES, flip_points, plan, plan_sensitivity
 
 ARGS = ("gpt3-175b", "a100-80gb", 64)
 
@@ -23,9 +23,10 @@ def test_the_175b_verdict_rests_on_a_five_percent_margin():
 def test_flip_points_are_where_the_verdict_turns():
     base = plan(*ARGS, seq_len=4096)
     o, flips = base.recommended, flip_points(base)
-    usable = 81_920 * 2**20 - CUDA_CONTEXT_BYTES
+    usable = round(79.25 * 2**30) - TRAINING_CONTEXT_BYTES  # CUDA's total less a training context
     assert flips.headroom == pytest.approx(1 - o.peak_reserved_bytes / usable)
-    assert flips.memory_bytes == int(o.peak_reserved_bytes + CUDA_CONTEXT_BYTES)
+    # the capacity (memory_bytes=, the memory CUDA would report) at which it no longer fits
+    assert flips.memory_bytes == int(o.peak_reserved_bytes + TRAINING_CONTEXT_BYTES)
     below = plan(*ARGS, seq_len=4096, headroom=flips.headroom - 0.002).recommended
     above = plan(*ARGS, seq_len=4096, headroom=flips.headroom + 0.002).recommended
     assert below.name == o.name and above.name != o.name

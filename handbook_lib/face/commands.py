@@ -196,7 +196,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     print(Table(["component", "bytes", "human"], rows))
     what = PHASE_WORDS.get(est.peak_phase, ("", ""))[1]
     print(wrap_line(f"peak reserved = the peak as CUDA's caching allocator holds it (nvidia-smi, less "
-                    f"the CUDA context): {RESERVE_MODEL}", "  "))
+                    f"the process's context): {RESERVE_MODEL}", "  "))
     print(wrap_line(f"peak = the step's largest phase; {est.peak_phase} = {what}",
                 "  "))
     for note in est.notes:
@@ -322,7 +322,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 rows))
     budget = result.options[0].budget_bytes
     print(wrap_line(f"reserved = peak per GPU as the allocator holds it; margin = what is left of "
-                    f"{format_bytes(budget)} usable (capacity less the CUDA context and headroom), "
+                    f"{format_bytes(budget)} usable (what CUDA reports less a training context and headroom), "
                     "negative: does not fit (host RAM: the node's host memory is too small); AC = "
                     "activation checkpointing; offload = model state in host RAM (host/GPU), its optimizer "
                     "step on the CPU; comp = compute; bound = what sets the step: compute, or comm "

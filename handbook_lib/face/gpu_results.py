@@ -200,12 +200,12 @@ def gpu_budget_table(sets: ResultSets) -> Table:
     for each result set whose sweep read the GPU inside a rank and whose GPU has a preset.
 
     Rows: the preset's total (nvidia-smi's), CUDA's total (``total_memory``), the planner's
-    usable memory (:func:`~handbook_lib.models.hardware.usable_memory_bytes`: the preset's total
-    less the bare CUDA context), and the usable memory measured (free plus the allocator's
+    usable memory (:func:`~handbook_lib.models.hardware.usable_memory_bytes`: CUDA's total less
+    a training process's context), and the usable memory measured (free plus the allocator's
     reserve, read once CUDA, cuBLAS and NCCL were set up), each with its difference from the
     measured one, bytes."""
     from handbook_lib.launch.gpu_check import match_accelerator
-    from handbook_lib.models.hardware import ACCELERATORS, CUDA_CONTEXT_BYTES, usable_memory_bytes
+    from handbook_lib.models.hardware import ACCELERATORS, usable_memory_bytes
 
     rows: list[list[Any]] = []
     for _name, data in _checks(sets):
@@ -216,7 +216,7 @@ def gpu_budget_table(sets: ResultSets) -> Table:
         measured = sweep["capacity_bytes"]
         terms = [("preset's total (nvidia-smi)", ACCELERATORS[preset].memory_bytes),
                  ("CUDA's total (total_memory)", sweep["device_memory_bytes"]),
-                 (f"planner's usable (- {format_bytes(CUDA_CONTEXT_BYTES)} context)",
+                 (f"planner's usable (- {format_bytes(ACCELERATORS[preset].context_bytes)} context)",
                   usable_memory_bytes(preset)),
                  ("measured usable (free + reserve)", measured)]
         rows += [[gpu, term, format_bytes(b), f"{b - measured:+,}"] for term, b in terms]

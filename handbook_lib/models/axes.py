@@ -90,7 +90,7 @@ class AxesVerdict:
     seq_len: int
     micro_batch: int
     budget_bytes: int
-    """Bytes of a GPU an option may reserve (capacity less the CUDA context and headroom)."""
+    """Bytes of a GPU an option may reserve (the usable memory less the headroom)."""
     fsdp_peak_reserved_bytes: int
     """FULL_SHARD over every GPU with full activation checkpointing, reserved peak per GPU."""
     sequence_bytes: int

@@ -28,9 +28,11 @@ Conventions, so that every figure reads the same way:
   H100 80GB, 81,920 MiB on an A100 80GB), where that is published, else the datasheet's "GB"
   read as GiB, as the HBM stacks hold it (an MI300X carries 8 stacks of 24 GiB): either way
   about 7 % more than the datasheet's figure read as decimal GB (:func:`datasheet_bytes`, the
-  convention this book used before). What a program can allocate is less:
-  :func:`usable_memory_bytes` takes off the CUDA context (:data:`CUDA_CONTEXT_BYTES`), and the
-  caching allocator's own reserve is the memory model's (:mod:`handbook_lib.models.allocator`).
+  convention this book used before). What a program can allocate is less: CUDA reports the total
+  less the driver's share (``runtime_memory_bytes``, where measured or published), and
+  :func:`usable_memory_bytes` takes off what a training process holds outside its tensors
+  (:data:`TRAINING_CONTEXT_BYTES`, measured on an H200); the caching allocator's own reserve is
+  the memory model's (:mod:`handbook_lib.models.allocator`).
 - A machine's host (:class:`Host`): its CPU cores, RAM and the link a GPU reaches it over
   (PCIe), from the server's datasheet: what CPU offload leans on.
 - Peak FLOP/s are dense (no 2:4 sparsity), from the vendor's datasheet.
@@ -56,6 +58,7 @@ __all__ = [
     "usable_memory_bytes",
     "datasheet_bytes",
     "CUDA_CONTEXT_BYTES",
+    "TRAINING_CONTEXT_BYTES",
     "GIB",
 ]
 
@@ -97,12 +100,21 @@ class Link:
 
 
 CUDA_CONTEXT_BYTES = 287_047_680
-"""Device bytes a training process holds before its first tensor: the CUDA context (the driver's
+"""Device bytes a bare CUDA process holds before its first tensor: the CUDA context (the driver's
 state and the kernels loaded so far). PyTorch measured 287,047,680 bytes with CUDA's lazy module
 loading (the default since CUDA 12.2 on Linux) against 666,632,192 without
 (pytorch/pytorch#86509, which made ``CUDA_MODULE_LOADING=LAZY`` torch's default); NVIDIA's
-PyTorch engineer puts it at "~300MB" (pytorch/pytorch#107667). NCCL's channel buffers come on
-top and are not priced."""
+PyTorch engineer puts it at "~300MB" (pytorch/pytorch#107667). A training process holds more:
+:data:`TRAINING_CONTEXT_BYTES`."""
+
+TRAINING_CONTEXT_BYTES = 1_457_521_152
+"""Device bytes a training process holds that no tensor of the memory model can use, once it
+has trained a step: the CUDA context with the kernels a step loads, cuBLAS's and cuDNN's
+handles and workspaces, and NCCL's communicator. Measured by ``make gpu-check`` on one H200
+(torch 2.11.0+cu130, NCCL 2.28.9, ``results/gpu/nvidia-h200.json``): CUDA's total less what
+the rank found free plus what its caching allocator held, less the workspaces already
+allocated. That run had one rank: NCCL's buffers for peers (per channel and protocol) come on
+top with more ranks and are not priced. Five times :data:`CUDA_CONTEXT_BYTES`."""
 
 
 @dataclass(frozen=True)
@@ -159,9 +171,14 @@ class Accelerator:
     """The memory as the datasheet prints it, in its "GB" (80 for "80 GB"); ``None``: the
     capacity in decimal GB. Read as 10**9 bytes it is the convention this book used before, and
     what chapter 4's sensitivity compares against."""
-    context_bytes: int = CUDA_CONTEXT_BYTES
-    """Device bytes no tensor can use: the CUDA context and NCCL's buffers (0 for the ``cpu``
-    preset, whose "device" is host memory)."""
+    runtime_memory_bytes: int | None = None
+    """Device memory as CUDA reports it (``cudaMemGetInfo``'s total, torch's
+    ``total_memory``): the total less what the driver keeps back, bytes; ``None`` where no
+    measurement or source gives it (then :func:`usable_memory_bytes` starts from
+    ``memory_bytes``, optimistic by the driver's share: 616 MiB on the H200)."""
+    context_bytes: int = TRAINING_CONTEXT_BYTES
+    """Device bytes no tensor can use in a training process (:data:`TRAINING_CONTEXT_BYTES`;
+    0 for the ``cpu`` preset, whose "device" is host memory)."""
     backend: str = "nccl"
     """The process group's backend of its ranks: ``nccl`` for a GPU, ``gloo`` for the ``cpu``
     preset. :func:`~handbook_lib.models.memory.estimate_memory` takes it as ``backend``, which
@@ -174,8 +191,12 @@ class Accelerator:
         check_int("context_bytes", self.context_bytes, 0)
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f"backend of {self.name!r} must be 'nccl' or 'gloo', got {self.backend!r}")
-        if self.context_bytes >= self.memory_bytes:
-            raise ValueError(f"context_bytes of {self.name!r} must be less than memory_bytes")
+        runtime = self.runtime_memory_bytes
+        if runtime is not None and not (is_int(runtime) and 0 < runtime <= self.memory_bytes):
+            raise ValueError(f"runtime_memory_bytes of {self.name!r} must be an int in (0, memory_bytes] "
+                             f"or None, got {runtime!r}")
+        if self.context_bytes >= (runtime or self.memory_bytes):
+            raise ValueError(f"context_bytes of {self.name!r} must be less than the memory CUDA reports")
         if self.datasheet_gb is not None and not self.datasheet_gb > 0:
             raise ValueError(f"datasheet_gb of {self.name!r} must be > 0 or None, got {self.datasheet_gb!r}")
         bw = self.memory_bandwidth_bytes_per_s
@@ -287,6 +308,26 @@ def _smi(mib: int) -> str:
             "and public nvidia-smi logs)")
 
 
+def _cuda_gib(gib: float) -> int:
+    """Bytes of a total that PyTorch's out-of-memory message prints in GiB to two decimals
+    ("GPU 0 has a total capacity of 79.11 GiB"): exact to about 5 MiB."""
+    return round(gib * 2**30)
+
+
+RUNTIME_MEMORY_SOURCES = {
+    "a100-40gb": "39.50 GiB in a PyTorch out-of-memory message, TianheWu/CoSeR#10 (2025); older "
+                 "drivers report 39.39 to 39.59 (raoyongming/DenseCLIP#52, bigscience-workshop/t-zero#12)",
+    "a100-80gb": "79.25 GiB in PyTorch out-of-memory messages, levihsu/OOTDiffusion#235 (2025) and "
+                 "wbfwonderful/Vad-R1#11 (2026); older drivers report 79.35",
+    "h100-80gb": "79.11 GiB in a PyTorch out-of-memory message on an H100 80GB HBM3, "
+                 "vllm-project/vllm#27508 (2025)",
+    "h200-141gb": "150,109,880,320 B, torch's total_memory measured by make gpu-check "
+                  "(results/gpu/nvidia-h200.json): nvidia-smi's 143,771 MiB less the 616 MiB it "
+                  "lists as reserved",
+}
+"""Where each preset's ``runtime_memory_bytes`` comes from (the others have none published)."""
+
+
 def _dgx_a100_host(memory_tb: int) -> Host:
     return Host("2 x AMD EPYC 7742", 128, memory_tb * 2**40, "pcie4",
                 f"NVIDIA DGX A100 datasheet (2020): dual AMD Rome 7742, 128 cores in all, {memory_tb} TB "
@@ -301,17 +342,18 @@ _DGX_H_HOST = Host("2 x Intel Xeon Platinum 8480C", 112, 2 * 2**40, "pcie5",
 ACCELERATORS: dict[str, Accelerator] = {
     "a100-40gb": Accelerator("NVIDIA A100 40GB", 40_960 * _MIB, 312e12, 19.5e12,
                              f"{_A100}, 40 GB HBM2{_smi(40_960)} at 1,555 GB/s", "nvlink3", 8, _DGX_A100, 1.555e12,
-                             _dgx_a100_host(1), datasheet_gb=40),
+                             _dgx_a100_host(1), datasheet_gb=40, runtime_memory_bytes=_cuda_gib(39.50)),
     "a100-80gb": Accelerator("NVIDIA A100 80GB", 81_920 * _MIB, 312e12, 19.5e12,
                              f"{_A100}, 80 GB HBM2e{_smi(81_920)} at 2,039 GB/s", "nvlink3", 8, _DGX_A100, 2.039e12,
-                             _dgx_a100_host(2), datasheet_gb=80),
+                             _dgx_a100_host(2), datasheet_gb=80, runtime_memory_bytes=_cuda_gib(79.25)),
     "h100-80gb": Accelerator("NVIDIA H100 SXM 80GB", 81_559 * _MIB, 989e12, 67e12,
                              f"{_H100}, 80 GB HBM3{_smi(81_559)} at 3.35 TB/s", "nvlink4", 8, _DGX_H, 3.35e12,
-                             _DGX_H_HOST, datasheet_gb=80),
+                             _DGX_H_HOST, datasheet_gb=80, runtime_memory_bytes=_cuda_gib(79.11)),
     "h200-141gb": Accelerator("NVIDIA H200 SXM 141GB", 143_771 * _MIB, 989e12, 67e12,
                               f"NVIDIA H200 Tensor Core GPU datasheet (2024): 141 GB HBM3e{_smi(143_771)} at 4.8 TB/s, "
                               "compute as the H100 SXM (989 TFLOP/s bf16 dense, 67 TFLOP/s fp32)",
-                              "nvlink4", 8, _DGX_H, 4.8e12, _DGX_H_HOST, datasheet_gb=141),
+                              "nvlink4", 8, _DGX_H, 4.8e12, _DGX_H_HOST, datasheet_gb=141,
+                              runtime_memory_bytes=150_109_880_320),
     "l4-24gb": Accelerator("NVIDIA L4 24GB", 24 * GIB, 121e12, 30.3e12,
                            f"NVIDIA L4 Tensor Core GPU datasheet (2023): 24 GB GDDR6{_GIB}, 121 TFLOP/s "
                            "bf16 dense (242 with sparsity), 30.3 TFLOP/s fp32",
@@ -365,11 +407,13 @@ def datasheet_bytes(accelerator: Accelerator | str) -> int:
 
 
 def usable_memory_bytes(accelerator: Accelerator | str) -> int:
-    """Bytes of ``accelerator``'s memory a training process can allocate: its capacity less its
-    ``context_bytes`` (:data:`CUDA_CONTEXT_BYTES` on a GPU). The caching allocator's own reserve
-    is not taken off here: the memory model prices it (``MemoryEstimate.peak_reserved``)."""
+    """Bytes of ``accelerator``'s memory a training process's tensors can fill: the memory CUDA
+    reports (``runtime_memory_bytes``, else the driver's total ``memory_bytes``) less
+    ``context_bytes`` (:data:`TRAINING_CONTEXT_BYTES` on a GPU). The caching allocator's own
+    reserve is not taken off here: the memory model prices it (``MemoryEstimate.peak_reserved``).
+    On the H200 this is the usable memory ``make gpu-check`` measured inside a rank."""
     acc = _accelerator(accelerator)
-    return acc.memory_bytes - acc.context_bytes
+    return (acc.runtime_memory_bytes or acc.memory_bytes) - acc.context_bytes
 
 
 def get_link(name: str) -> Link:

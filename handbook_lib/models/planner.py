@@ -63,10 +63,10 @@ class Option:
     """Predicted peak device memory per GPU, bytes: what the tensors hold (``allocated``)."""
     peak_reserved_bytes: int = 0
     """The same peak as the caching allocator reserves it, bytes (what ``nvidia-smi`` shows,
-    less the CUDA context): what must fit."""
+    less the process's context): what must fit."""
     budget_bytes: int = 0
-    """Bytes of a GPU the plan lets an option reserve: capacity less the CUDA context, less the
-    headroom."""
+    """Bytes of a GPU the plan lets an option reserve: the usable memory
+    (:func:`~handbook_lib.models.hardware.usable_memory_bytes`), less the headroom."""
     fits: bool = False
     """The reserved peak within the budget, and (offloading) the node's host bytes within its
     RAM."""
@@ -130,7 +130,7 @@ class Plan:
     utilization: float = DEFAULT_UTILIZATION
     """Model FLOPs utilization the plan assumed."""
     context_bytes: int = 0
-    """Device bytes the plan took off each GPU's capacity for the CUDA context."""
+    """Device bytes the plan took off each GPU for a training process's context."""
 
 
 def check_whole_nodes(gpus: int, gpus_per_node: int, *,
@@ -227,8 +227,8 @@ def plan(
             option's margin is shown as it is.
         utilization: Fraction of the bf16 peak that compute achieves
             (:data:`~handbook_lib.models.timing.DEFAULT_UTILIZATION`, a published measurement).
-        memory_bytes: Overrides the accelerator's capacity, bytes (e.g. 80e9 to see a verdict
-            with the datasheet's GB read as decimal).
+        memory_bytes: Overrides the memory CUDA reports, bytes, before the training context is
+            taken off (e.g. 80e9 to see a verdict with the datasheet's GB read as decimal).
         cpu_params_per_s_per_core: CPU optimizer speed for the offload option
             (:data:`~handbook_lib.models.offload.CPU_ADAM_PARAMS_PER_S_PER_CORE`).
         reserve_fraction: The caching allocator's reserve over the allocated peak
@@ -253,7 +253,7 @@ def plan(
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
     if memory_bytes is not None:
         check_int("memory_bytes", memory_bytes, acc.context_bytes + 1)
-        acc = dataclasses.replace(acc, memory_bytes=memory_bytes)
+        acc = dataclasses.replace(acc, memory_bytes=memory_bytes, runtime_memory_bytes=None)
     node = node_preset(acc, inter_link=inter_link, intra_link=intra_link, gpus_per_node=min(gpus_per_node, gpus),
                        nics_per_node=nics_per_node)
     budget = int(usable_memory_bytes(acc) * (1 - headroom))

@@ -108,7 +108,8 @@ def plan_sensitivity(model: ModelLike, gpu: str, gpus: int, **kwargs: Any) -> tu
     decimal = datasheet_bytes(acc)
     changes: list[tuple[str, str, str, dict[str, Any]]] = [
         ("headroom", _pct(h), _pct(h + 0.10), {"headroom": h + 0.10}),
-        ("capacity", f"{acc.memory_bytes / 2**30:.2f} GiB", f"{decimal / 1e9:.0f} GB (1e9)",
+        ("capacity", f"{(acc.runtime_memory_bytes or acc.memory_bytes) / 2**30:.2f} GiB",
+         f"{decimal / 1e9:.0f} GB (1e9)",
          {"memory_bytes": decimal}),
         ("allocator reserve", _pct(reserve), "none", {"reserve_fraction": 0.0}),
         ("allocator reserve", _pct(reserve), _pct(0.30), {"reserve_fraction": 0.30}),
