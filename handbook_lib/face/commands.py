@@ -42,6 +42,7 @@ from handbook_lib.models.axes import (
     estimate_tp_fsdp_memory,
 )
 from handbook_lib.models.axes_table import AxisOption, axes_reason, compare_axes
+from handbook_lib.models.budget import memory_budget
 from handbook_lib.models.hardware import get_accelerator, get_link, node_preset
 from handbook_lib.models.hf_config import read_hf_config, read_hf_config_keys
 from handbook_lib.models.layout import ModelLayout, model_layout
@@ -298,8 +299,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         result, changes = plan(model, args.gpu, args.gpus, **kwargs), []
     flips = flip_points(result) if args.sensitivity else None
     axes = _plan_axes(args, per_node)
+    budget = memory_budget(args.gpu, args.headroom)
     if args.json:
-        data = dataclasses.asdict(result)
+        data = dataclasses.asdict(result) | {"budget": dataclasses.asdict(budget)}
         if args.sensitivity:
             data["sensitivity"] = [dataclasses.asdict(c) for c in changes]
             data["flip_points"] = dataclasses.asdict(flips) if flips else None
@@ -320,9 +322,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
              round(o.step_s, 3), "comm" if o.bound == "communication" else "comp"] for o in result.options]
     print(Table(["option", "GPUs", "reserved", "margin", "host/GPU", "comm s", "comp s", "step s", "bound"],
                 rows))
-    budget = result.options[0].budget_bytes
+    print(wrap_line(f"budget per GPU: {budget.text()}", "  "))
     print(wrap_line(f"reserved = peak per GPU as the allocator holds it; margin = what is left of "
-                    f"{format_bytes(budget)} usable (what CUDA reports less a training context and headroom), "
+                    f"{format_bytes(budget.budget_bytes)} (the budget), "
                     "negative: does not fit (host RAM: the node's host memory is too small); AC = "
                     "activation checkpointing; offload = model state in host RAM (host/GPU), its optimizer "
                     "step on the CPU; comp = compute; bound = what sets the step: compute, or comm "

@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         COLLECTIVES, RING_KINDS, TRANSFER_KINDS, AlphaBeta, CollectiveCost, RingTransfer,
         estimate_collective, estimate_collective_time, fit_alpha_beta, ring_schedule,
     )
+    from handbook_lib.models.budget import MemoryBudget, memory_budget
     from handbook_lib.models.hardware import (
         ACCELERATORS, CUDA_CONTEXT_BYTES, GIB, TRAINING_CONTEXT_BYTES, LINKS, Accelerator, Host, Link, Node,
         datasheet_bytes, default_intra_link, get_accelerator, get_link, node_preset,

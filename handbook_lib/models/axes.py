@@ -36,8 +36,8 @@ from handbook_lib.models.hardware import (
     Link,
     get_accelerator,
     node_preset,
-    usable_memory_bytes,
 )
+from handbook_lib.models.budget import memory_budget
 from handbook_lib.models.layout import ModelLike, model_layout
 from handbook_lib.models.memory import MemoryEstimate, estimate_memory
 from handbook_lib.models.model_state import optimizer_states
@@ -307,7 +307,7 @@ def estimate_axes(model: ModelLike, gpu: Accelerator | str, gpus: int, *, seq_le
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
     node = node_preset(acc, inter_link=inter_link, gpus_per_node=per_node)
     job = _Job(model, acc, gpus, per_node, seq_len, micro_batch, precision,
-               int(usable_memory_bytes(acc) * (1 - headroom)), node.inter_link, node.intra_link)
+               memory_budget(acc, headroom).budget_bytes, node.inter_link, node.intra_link)
     layout = model_layout(model)
     fsdp_peak = _peak(job, 1)
     seq_bytes = sequence_activation_bytes(model, seq_len, micro_batch=micro_batch, recompute="full")

@@ -26,8 +26,8 @@ from handbook_lib.models.hardware import (
     datasheet_bytes,
     get_accelerator,
     node_preset,
-    usable_memory_bytes,
 )
+from handbook_lib.models.budget import memory_budget
 from handbook_lib.models.layout import ModelLayout, ModelLike, model_layout
 from handbook_lib.models.memory import PHASE_WORDS, MemoryEstimate, estimate_memory
 from handbook_lib.models.offload import (
@@ -256,7 +256,7 @@ def plan(
         acc = dataclasses.replace(acc, memory_bytes=memory_bytes, runtime_memory_bytes=None)
     node = node_preset(acc, inter_link=inter_link, intra_link=intra_link, gpus_per_node=min(gpus_per_node, gpus),
                        nics_per_node=nics_per_node)
-    budget = int(usable_memory_bytes(acc) * (1 - headroom))
+    budget = memory_budget(acc, headroom).budget_bytes
     reserved_bytes(0, fraction=reserve_fraction)  # refuses a fraction outside [0, 1)
     if not cpu_params_per_s_per_core > 0:  # also refuses NaN
         raise ValueError(f"cpu_params_per_s_per_core must be > 0, got {cpu_params_per_s_per_core!r}")
