@@ -57,6 +57,7 @@ from handbook_lib.launch import (  # noqa: E402
     SWEEP_CONFIG,
     axes_configs,
     estimate_mfu,
+    error_line,
     estimate_prefetch_extra_bytes,
     gpu_slug,
     match_accelerator,
@@ -74,10 +75,6 @@ RUN_TIMEOUT_S = 240.0
 """The longest any one run may take (less when less of the budget is left)."""
 MEMORY_BATCH, STEP_TIME_BATCH, MFU_BATCH = 4, 4, 8
 """Sequences per rank of (a), (b) and (c); ``batch_size`` is this times the world size."""
-
-
-def _first_line(err: BaseException) -> str:
-    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"[:500]
 
 
 class GpuCheck:
@@ -110,8 +107,7 @@ class GpuCheck:
         try:
             self.data[key] = fn()
         except Exception as err:  # noqa: BLE001 - one part failing must not lose the others
-            first = (str(err).strip().splitlines() or [""])[0]
-            self.data[key] = {"error": f"{type(err).__name__}: {first}"[:500],
+            self.data[key] = {"error": error_line(err),
                               "traceback": traceback.format_exc()[-4000:]}
         self.data[key]["wall_s"] = round(time.monotonic() - begin, 1)
         self.data["total_wall_s"] = round(self.data["budget_s"] - self.time_left_s(), 1)
@@ -137,7 +133,7 @@ class GpuCheck:
             try:
                 figures = self.memory_run({**cfg, "batch_size": MEMORY_BATCH * self.world})
             except Exception as err:  # noqa: BLE001 - recorded; the next config still runs
-                out[label] = {"error": f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"[:500]}
+                out[label] = {"error": error_line(err)}
                 continue
             figures.pop("_result")
             out[label] = figures
@@ -205,7 +201,7 @@ class GpuCheck:
                 try:
                     row = with_mfu(self.mfu_at(micro))
                 except Exception as err:  # noqa: BLE001 - recorded; the sweep still runs
-                    rows.append({"micro_batch": micro, "error": _first_line(err)})
+                    rows.append({"micro_batch": micro, "error": error_line(err)})
                     continue
                 row["memory"] = {k: row["memory"][k] for k in ("ranks", "failed_checks")}
                 rows.append(row)
@@ -280,7 +276,7 @@ class GpuCheck:
                 result = self.run(run, config)
             except Exception as err:  # noqa: BLE001 - recorded; the next run still goes
                 out[label] = {"run": run, "config": config,
-                              "error": f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"[:500]}
+                              "error": error_line(err)}
                 continue
             out[label] = {"run": run, "config": config, "checks": [c.to_dict() for c in result.checks],
                           "failed_checks": sorted({c.quantity for c in result.failed_checks()}),

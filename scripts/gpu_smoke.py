@@ -29,6 +29,7 @@ if str(ROOT) not in sys.path:
 from handbook_lib.core import param_count  # noqa: E402
 from handbook_lib.launch.gpu_check import (  # noqa: E402
     BILLION_MODEL,
+    error_line,
     estimate_mfu,
     gpu_present,
     match_accelerator,
@@ -51,10 +52,6 @@ RUN_TIMEOUT_S = 180.0
 MEMORY_METRICS = ("peak_bytes", "predicted_peak_bytes", "allocator_peak_bytes", "init_bytes",
                   "held_between_micro_steps", "step_time_s")
 """Rank metrics kept in the result set beside the checks (the allocator's peak against the model's)."""
-
-
-def _first_line(err: BaseException) -> str:
-    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"[:500]
 
 
 def record(spec: SmokeRun, result: Any, accelerators: dict[str, Any], gpu_name: str) -> dict[str, Any]:
@@ -91,7 +88,7 @@ def run_smoke(out: Path, budget_s: float, launch: Callable[..., Any], env: dict[
                                 allow_failed_checks=True)
                 entry = record(spec, result, accelerators, env.get("gpu_name", ""))
             except Exception as err:  # noqa: BLE001 - one run failing must not stop the others
-                entry = {"run": spec.run, "config": spec.config, "error": _first_line(err)}
+                entry = {"run": spec.run, "config": spec.config, "error": error_line(err)}
         entry["wall_s"] = round(time.monotonic() - begin, 1)
         data["runs"][spec.label] = entry
         data["failures"] = smoke_failures(data["runs"])

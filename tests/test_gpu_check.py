@@ -656,3 +656,12 @@ def test_gpu_check_refuses_bad_mfu_micro_batches(value, capsys):
         _load_script().main(["--mfu-micro-batches", value])
     assert exc.value.code == 2
     assert "--mfu-micro-batches takes ascending whole numbers >= 1" in capsys.readouterr().err
+
+
+def test_error_line_is_the_type_and_the_first_line_at_most_500_characters():
+    from handbook_lib.launch import error_line
+
+    assert error_line(ValueError("bad key\nsecond line")) == "ValueError: bad key"
+    assert error_line(RuntimeError("")) == "RuntimeError: "
+    long = error_line(RuntimeError("x" * 600))
+    assert len(long) == 500 and long.startswith("RuntimeError: xxx")

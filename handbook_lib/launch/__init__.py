@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         SWEEP_CONFIG,
         WRITER,
         estimate_mfu,
+        error_line,
         estimate_prefetch_extra_bytes,
         gpu_slug,
         match_accelerator,

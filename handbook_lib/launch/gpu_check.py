@@ -40,7 +40,8 @@ __all__ = [
     "SWEEP_CONFIG", "NO_GPU_MESSAGE", "CUDA_WHEELS", "gpu_present", "no_gpu_message", "match_accelerator",
     "estimate_mfu",
     "estimate_prefetch_extra_bytes",
-    "memory_figures", "device_capacity", "steady_step_time_s", "gpu_slug", "write_result_set", "AXES_MODEL",
+    "memory_figures", "device_capacity", "steady_step_time_s", "error_line", "gpu_slug", "write_result_set",
+    "AXES_MODEL",
     "axes_configs",
 ]
 
@@ -319,6 +320,12 @@ def steady_step_time_s(per_rank: Sequence[Sequence[float]], skip: int = 1) -> fl
     if steps <= skip:
         raise ValueError(f"need more than {skip} timed step(s) per rank, got {steps}")
     return statistics.median(max(t[i] for t in per_rank) for i in range(skip, steps))
+
+
+def error_line(err: BaseException) -> str:
+    """How a result set records a failure: ``Type: first line of the message``, at most 500
+    characters (the scripts keep one part's or one run's failure and go on)."""
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"[:500]
 
 
 def gpu_slug(device_name: str) -> str:
