@@ -23,10 +23,11 @@ from typing import Any
 
 from handbook_lib.core.results import Check
 from handbook_lib.face.display import Table, format_bytes
-from handbook_lib.launch.gpu_check import RESULT_SET_SCHEMA, WRITER
+from handbook_lib.launch.gpu_check import RESULT_SET_SCHEMA, WRITER, match_accelerator
 from handbook_lib.launch.gpu_smoke import SMOKE_SCHEMA, SMOKE_WRITER
 from handbook_lib.launch.gpu_sweep import predict_max_micro_batch, sweep_peak_bytes
 from handbook_lib.models.allocator import RESERVE_MODEL
+from handbook_lib.models.hardware import ACCELERATORS, usable_memory_bytes
 
 __all__ = ["read_gpu_results", "gpu_memory_rows", "gpu_memory_table", "gpu_mfu_table", "gpu_fit_table",
            "gpu_fit_curve", "gpu_smoke_table", "gpu_sets_table", "gpu_budget_table"]
@@ -204,9 +205,6 @@ def gpu_budget_table(sets: ResultSets) -> Table:
     a training process's context), and the usable memory measured (free plus the allocator's
     reserve, read once CUDA, cuBLAS and NCCL were set up), each with its difference from the
     measured one, bytes."""
-    from handbook_lib.launch.gpu_check import match_accelerator
-    from handbook_lib.models.hardware import ACCELERATORS, usable_memory_bytes
-
     rows: list[list[Any]] = []
     for _name, data in _checks(sets):
         gpu = data.get("gpu_name", "")
