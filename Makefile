@@ -52,9 +52,11 @@ book:
 # visible); the GPU checks are make gpu-smoke and make gpu-check. Two workers, their notebook
 # kernels and their ranks share 2 cores: OMP_WAIT_POLICY=PASSIVE makes a waiting OpenMP thread
 # sleep instead of spinning on a core another process needs (same threads, same results).
+# Notebooks first: the longest files (chapters 5 and 6) start early and short test files fill
+# the end, instead of one worker running a long chapter alone at the end.
 test:
 	scripts/setup.sh book,test,frameworks
-	$(OTHER_CPU) CUDA_VISIBLE_DEVICES= OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -n 2 --dist loadfile tests notebooks $(NBVAL)
+	$(OTHER_CPU) CUDA_VISIBLE_DEVICES= OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -n 2 --dist loadfile notebooks tests $(NBVAL)
 
 # TORCH=VERSION moves torch's pin (default: the lock's). Without network: one line, the lock kept.
 lock:
