@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from handbook_lib.core import RunConfig, param_count  # noqa: E402 - once the repository is on sys.path
+from handbook_lib.core import ModelConfig, RunConfig, param_count  # noqa: E402 - once the repository is on sys.path
 from handbook_lib.launch import (  # noqa: E402
     BILLION_MODEL,
     MEMORY_CONFIGS,
@@ -57,6 +57,8 @@ from handbook_lib.launch import (  # noqa: E402
     SWEEP_CONFIG,
     axes_configs,
     estimate_mfu,
+    seq_len_configs,
+    width_configs,
     error_line,
     estimate_prefetch_extra_bytes,
     gpu_slug,
@@ -69,7 +71,7 @@ from handbook_lib.launch import (  # noqa: E402
     write_result_set,
 )
 from handbook_lib.launch.gpu_check import device_capacity, gpu_present, no_gpu_message  # noqa: E402
-from handbook_lib.models import ACCELERATORS  # noqa: E402
+from handbook_lib.models import ACCELERATORS, ATTENTION_FLOPS_SOURCE, estimate_step_flops  # noqa: E402
 
 RUN_TIMEOUT_S = 240.0
 """The longest any one run may take (less when less of the budget is left)."""
@@ -283,6 +285,48 @@ class GpuCheck:
                           "losses": result.ranks[0].get("losses")}
         return out
 
+    # (f) -------------------------------------------------------------------------------------
+    def utilization_row(self, config: dict[str, Any], peak: float | None) -> dict[str, Any]:
+        """One fsdp_train run's step time, FLOPs (:func:`estimate_step_flops`: 6PT, attention,
+        recomputation), its 6PT, MFU and HFU utilizations and memory checks; an error recorded."""
+        seq, ac = config["seq_len"], config.get("activation_checkpointing", "none")
+        row: dict[str, Any] = {"d_model": config["d_model"], "seq_len": seq,
+                               "micro_batch": config["batch_size"] // self.world, "activation_checkpointing": ac}
+        try:
+            figures = self.memory_run(config)
+        except Exception as err:  # noqa: BLE001 - recorded; the next run still goes
+            return {**row, "error": error_line(err)}
+        result = figures.pop("_result")
+        step = steady_step_time_s([r["step_time_s"] for r in result.ranks])
+        model = ModelConfig(**{k: config[k] for k in ModelConfig().to_dict()})
+        params, tokens = param_count(model), row["micro_batch"] * seq
+        flops = estimate_step_flops(params, tokens, seq_len=seq, num_layers=model.num_layers,
+                                    attention_width=model.d_model, activation_checkpointing=ac == "full")
+        row |= {"num_params": params, "tokens_per_rank": tokens, "step_time_s": step,
+                "step_times_s_by_rank": [r["step_time_s"] for r in result.ranks],
+                "tokens_per_s_per_rank": tokens / step,
+                "flops": {"dense": flops.dense, "attention": flops.attention, "recompute": flops.recompute},
+                "memory": {k: figures[k] for k in ("ranks", "checks", "failed_checks")}}
+        if peak is not None:
+            row |= {"mfu_6pt": flops.dense / (step * peak), "mfu": flops.model / (step * peak),
+                    "hfu": flops.hardware / (step * peak)}
+        return row
+
+    def utilization(self, configs: list[dict[str, Any]]) -> dict[str, Any]:
+        preset = match_accelerator(self.data["gpu_name"])
+        peak = ACCELERATORS[preset].peak_flops_bf16 if preset else None
+        return {"preset": preset, "peak_flops_bf16": peak, "attention_flops": ATTENTION_FLOPS_SOURCE,
+                "rows": [self.utilization_row(c, peak) for c in configs]}
+
+    def seq_len(self) -> dict[str, Any]:
+        """The MFU run at longer sequences and the same tokens per rank (:func:`seq_len_configs`):
+        dense work fixed, attention's growing; then with activation checkpointing."""
+        return {"model": BILLION_MODEL.to_dict(), **self.utilization(seq_len_configs(self.world))}
+
+    def width(self) -> dict[str, Any]:
+        """The MFU run at other widths, the same tokens per rank (:func:`width_configs`)."""
+        return self.utilization(width_configs(self.world))
+
 
 PROBE_IN_CHILD = True
 """Ask a child process about the GPUs: a CUDA context in this process would hold some hundreds of
@@ -323,15 +367,15 @@ def main(argv: list[str] | None = None, *, launch: Callable[..., Any] | None = N
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="result set file (default results/gpu/<gpu-name-slug>.json)")
     parser.add_argument("--budget-s", type=float, default=540.0, help="seconds the whole check may take")
-    parser.add_argument("--parts", default="memory,step_time,mfu,max_micro_batch,axes",
-                        help="comma-separated parts to run (default: all five)")
+    parser.add_argument("--parts", default="memory,step_time,mfu,max_micro_batch,axes,seq_len,width",
+                        help="comma-separated parts to run (default: all seven)")
     parser.add_argument("--mfu-micro-batches", default=str(MFU_BATCH),
                         help=f"sequences per rank of the MFU runs, comma-separated, ascending; the first is "
                              f"the headline (default {MFU_BATCH}); the sweep starts above the largest that ran")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    known = ("memory", "step_time", "mfu", "max_micro_batch", "axes")
+    known = ("memory", "step_time", "mfu", "max_micro_batch", "axes", "seq_len", "width")
     if not parts or any(p not in known for p in parts):
         parser.error(f"--parts takes some of {', '.join(known)}, got {args.parts!r}")
     try:

@@ -20,6 +20,10 @@ from handbook_lib.core import Check, RunResult, param_count
 from handbook_lib.launch import (
     BILLION_MODEL,
     MFU_CONFIG,
+    SEQ_CHECKPOINTING,
+    SEQ_LENS,
+    SEQ_TOKENS,
+    WIDTH_MODELS,
     NO_GPU_MESSAGE,
     RESULT_SET_SCHEMA,
     WRITER,
@@ -665,3 +669,49 @@ def test_error_line_is_the_type_and_the_first_line_at_most_500_characters():
     assert error_line(RuntimeError("")) == "RuntimeError: "
     long = error_line(RuntimeError("x" * 600))
     assert len(long) == 500 and long.startswith("RuntimeError: xxx")
+
+
+def test_seq_len_part_holds_tokens_and_prices_attention(fake_gpus, tmp_path):
+    """Every run of the sequence-length part has SEQ_TOKENS tokens per rank; its MFU counts
+    attention's 12·L·w·s per token, its HFU the recomputed forward, by hand."""
+    fake_gpus(1)
+    launch = FakeLaunch(oom_above=10**6)
+    part = _run_parts(tmp_path, "seq_len", launch)["seq_len"]
+    rows = part["rows"]
+    assert [(r["seq_len"], r["activation_checkpointing"]) for r in rows] == \
+        [(s, "none") for s in SEQ_LENS] + [(s, ac) for ac, s in SEQ_CHECKPOINTING]
+    assert [c[2]["batch_size"] * c[2]["seq_len"] for c in launch.calls] == [SEQ_TOKENS] * len(rows)
+    p, d, layers = 1_037_552_896, 2048, 18
+    for r in rows:
+        s, step = r["seq_len"], r["step_time_s"]
+        assert step == pytest.approx(0.3)    # the fake's bf16 step
+        dense, attention = 6 * p * SEQ_TOKENS, 12 * layers * d * s * SEQ_TOKENS
+        recompute = (2 * p * SEQ_TOKENS + 4 * layers * d * s * SEQ_TOKENS) if r["activation_checkpointing"] == "full" else 0
+        assert r["flops"] == {"dense": dense, "attention": attention, "recompute": recompute}
+        assert r["mfu_6pt"] == pytest.approx(dense / (step * 989e12))
+        assert r["mfu"] == pytest.approx((dense + attention) / (step * 989e12))
+        assert r["hfu"] == pytest.approx((dense + attention + recompute) / (step * 989e12))
+        assert r["memory"]["failed_checks"] == ["peak_bytes"]
+    assert rows[0]["mfu"] / rows[0]["mfu_6pt"] == pytest.approx(1 + 2 * layers * d * 1024 / p)
+
+
+def test_seq_len_part_records_a_failed_length_and_goes_on(fake_gpus, tmp_path):
+    fake_gpus(1)
+    launch = FakeLaunch(oom_above=8)   # 32 sequences of 1,024 and 16 of 2,048 run out of memory
+    rows = _run_parts(tmp_path, "seq_len", launch)["seq_len"]["rows"]
+    assert [r["micro_batch"] > 8 for r in rows] == [True, True, False, False, False, False, True, False, False]
+    assert [("error" in r) for r in rows] == [r["micro_batch"] > 8 for r in rows]
+    assert rows[0]["error"].startswith("RunFailed")
+
+
+def test_width_part_runs_each_width_at_the_same_tokens(fake_gpus, tmp_path):
+    fake_gpus(1)
+    launch = FakeLaunch(oom_above=10**6)
+    rows = _run_parts(tmp_path, "width", launch)["width"]["rows"]
+    assert [r["d_model"] for r in rows] == [m.d_model for m in WIDTH_MODELS] == [1024, 4096, 8192]
+    for r, m in zip(rows, WIDTH_MODELS):
+        p = param_count(m)
+        assert (r["num_params"], r["tokens_per_rank"], r["seq_len"]) == (p, SEQ_TOKENS, 1024)
+        attention = 12 * m.num_layers * m.d_model * 1024 * SEQ_TOKENS
+        assert r["mfu"] == pytest.approx((6 * p * SEQ_TOKENS + attention) / (0.3 * 989e12))
+    assert 0.3e9 < param_count(WIDTH_MODELS[0]) < param_count(WIDTH_MODELS[2]) < 2.2e9

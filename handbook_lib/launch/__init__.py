@@ -75,6 +75,12 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     from handbook_lib.launch.gpu_check import (
         AXES_MODEL,
         axes_configs,
+        SEQ_CHECKPOINTING,
+        SEQ_LENS,
+        SEQ_TOKENS,
+        seq_len_configs,
+        WIDTH_MODELS,
+        width_configs,
     )
     from handbook_lib.launch.recipe import (
         NodeRun,

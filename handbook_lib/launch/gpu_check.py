@@ -43,6 +43,7 @@ __all__ = [
     "memory_figures", "device_capacity", "steady_step_time_s", "error_line", "gpu_slug", "write_result_set",
     "AXES_MODEL",
     "axes_configs",
+    "SEQ_TOKENS", "SEQ_LENS", "SEQ_CHECKPOINTING", "seq_len_configs", "WIDTH_MODELS", "width_configs",
 ]
 
 RESULT_SET_SCHEMA = "handbook.gpu-check/1"
@@ -106,6 +107,42 @@ Its ``step_time_s`` holds steps 1..5 (the sixth is measured for memory and not t
 
 SWEEP_CONFIG: dict[str, Any] = {**MFU_CONFIG, "steps": 2}
 """The micro-batch sweep: :data:`MFU_CONFIG` for 2 steps (the second under the memory tracker)."""
+
+
+SEQ_TOKENS = 32_768
+"""Tokens per rank in each run of the sequence-length part: the micro-batch is this over the
+sequence length, so every run does the same dense (6PT) work and only attention's grows."""
+SEQ_LENS: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384, 32768)
+"""Sequence lengths of that part, without activation checkpointing."""
+SEQ_CHECKPOINTING: tuple[tuple[str, int], ...] = (("full", 1024), ("full", 4096), ("selective", 4096))
+"""``(activation_checkpointing, seq_len)`` runs added to it: full recomputation's extra
+forward (hardware FLOPs against model FLOPs) and the op-level selective policy's."""
+
+
+def seq_len_configs(world_size: int) -> list[dict[str, Any]]:
+    """The sequence-length part's fsdp_train configs: :data:`MFU_CONFIG` at each of
+    :data:`SEQ_LENS`, then :data:`SEQ_CHECKPOINTING`, :data:`SEQ_TOKENS` tokens per rank."""
+    check_int("world_size", world_size, 1)
+    runs = [("none", s) for s in SEQ_LENS] + list(SEQ_CHECKPOINTING)
+    return [{**MFU_CONFIG, "seq_len": s, "batch_size": SEQ_TOKENS // s * world_size, "activation_checkpointing": ac}
+            for ac, s in runs]
+
+
+WIDTH_MODELS: tuple[ModelConfig, ...] = (
+    ModelConfig(vocab_size=32_000, d_model=1024, nhead=8, dim_feedforward=4096, num_layers=24),
+    ModelConfig(vocab_size=32_000, d_model=4096, nhead=32, dim_feedforward=16384, num_layers=8),
+    ModelConfig(vocab_size=32_000, d_model=8192, nhead=64, dim_feedforward=32768, num_layers=2),
+)
+"""Other widths for the width part, beside :data:`BILLION_MODEL`'s 2048: the matrix products'
+size, the shape dependence of utilization (0.4 to 2.1 B parameters)."""
+
+
+def width_configs(world_size: int) -> list[dict[str, Any]]:
+    """The width part's fsdp_train configs: :data:`MFU_CONFIG` with each of :data:`WIDTH_MODELS`,
+    1,024-token sequences, :data:`SEQ_TOKENS` tokens per rank."""
+    check_int("world_size", world_size, 1)
+    return [{**MFU_CONFIG, **m.to_dict(), "seq_len": 1024, "batch_size": SEQ_TOKENS // 1024 * world_size}
+            for m in WIDTH_MODELS]
 
 
 AXES_MODEL: dict[str, Any] = {"vocab_size": 96, "d_model": 64, "nhead": 4, "dim_feedforward": 128,

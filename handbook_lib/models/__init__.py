@@ -91,8 +91,8 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         shard_rows,
     )
     from handbook_lib.models.timing import (
-        DEFAULT_UTILIZATION, UTILIZATION_SOURCE, StepTime, bytes_by_link, estimate_compute_time,
-        estimate_step_time,
+        ATTENTION_FLOPS_SOURCE, DEFAULT_UTILIZATION, UTILIZATION_SOURCE, StepFlops, StepTime,
+        bytes_by_link, estimate_compute_time, estimate_step_flops, estimate_step_time,
     )
     from handbook_lib.models.cluster import ClusterLayout, compare_cluster_layouts, hsdp_groups
     from handbook_lib.models.topology import (

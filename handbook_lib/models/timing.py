@@ -19,8 +19,8 @@ from handbook_lib.models.hardware import Link
 from handbook_lib.models.topology import Route
 from handbook_lib.models.traffic import CollectiveRecord, StepTraffic
 
-__all__ = ["StepTime", "bytes_by_link", "estimate_step_time", "estimate_compute_time",
-           "DEFAULT_UTILIZATION", "UTILIZATION_SOURCE"]
+__all__ = ["StepTime", "StepFlops", "bytes_by_link", "estimate_step_time", "estimate_compute_time",
+           "estimate_step_flops", "DEFAULT_UTILIZATION", "UTILIZATION_SOURCE", "ATTENTION_FLOPS_SOURCE"]
 
 DEFAULT_UTILIZATION = 0.41
 """Model FLOPs utilization assumed where none is given: see :data:`UTILIZATION_SOURCE`."""
@@ -32,6 +32,12 @@ UTILIZATION_SOURCE = (
     "measures 32 to 37 % on H100 and 47 to 57 % on A100 (PyTorch/IBM, 'Maximizing training "
     "throughput using PyTorch FSDP', 2024, Llama 2 7B to 70B)")
 """Where :data:`DEFAULT_UTILIZATION` comes from."""
+
+ATTENTION_FLOPS_SOURCE = (
+    "Chowdhery et al. 2022, PaLM (arXiv:2204.02311), appendix B: 6N + 12·L·H·Q·T FLOPs per token "
+    "(L layers, H heads of width Q, sequence length T), the count torchtitan and Megatron-LM use for "
+    "MFU; the causal mask is not discounted")
+"""Where :func:`estimate_step_flops`' attention term comes from."""
 
 LinkOrRoute = Link | Route
 """What prices a collective: one link (chapter 3), or its route on a cluster (chapter 4)."""
@@ -106,29 +112,82 @@ def estimate_step_time(
     bound = "communication" if comm > compute_s else "compute"
     return StepTime(comm, compute_s, exposed, total, bound)
 
+@dataclass(frozen=True)
+class StepFlops:
+    """FLOPs of one rank's forward and backward in one step (its own tokens)."""
+
+    dense: int
+    """6·P·T: 2 FLOPs per parameter per token forward, 4 backward (the matrix products)."""
+    attention: int
+    """12·L·w·s·T: the score and value products, ``Q·K^T`` and ``softmax·V`` (2·s·w FLOPs each
+    per token and layer forward, twice that backward), for ``w`` the queries' width; grows with
+    the sequence length ``s``. Counted whole, as PaLM counts it (:data:`ATTENTION_FLOPS_SOURCE`):
+    a kernel that skips the masked half of a causal product does half of it."""
+    recompute: int
+    """The forward run again under full activation checkpointing: 2·P·T + 4·L·w·s·T."""
+
+    @property
+    def model(self) -> int:
+        """The FLOPs model FLOPs utilization (MFU) counts: dense + attention."""
+        return self.dense + self.attention
+
+    @property
+    def hardware(self) -> int:
+        """The FLOPs the GPU executes, hardware FLOPs utilization's (HFU) count: model + recompute."""
+        return self.model + self.recompute
+
+
+def estimate_step_flops(num_params: int, tokens: int, *, seq_len: int = 0, num_layers: int = 0,
+                        attention_width: int = 0, activation_checkpointing: bool = False) -> StepFlops:
+    """One rank's FLOPs for ``tokens`` tokens in sequences of ``seq_len``: :class:`StepFlops`.
+
+    Args:
+        num_params: P, parameters (every rank runs the whole model, gathered under FSDP).
+        tokens: T, tokens the rank processes in the step.
+        seq_len: s, tokens per sequence; 0 leaves attention's term out (the 6PT rule).
+        num_layers: L, transformer layers (0: no attention term).
+        attention_width: w, the queries' width, heads × head width (``d_model`` for most
+            models; grouped-query attention shares keys and values, not queries).
+        activation_checkpointing: full recomputation: the forward runs twice.
+    """
+    for name, value in (("num_params", num_params), ("tokens", tokens), ("seq_len", seq_len),
+                        ("num_layers", num_layers), ("attention_width", attention_width)):
+        check_int(name, value, 0)
+    attention_forward = 4 * num_layers * attention_width * seq_len * tokens
+    recompute = 2 * num_params * tokens + attention_forward if activation_checkpointing else 0
+    return StepFlops(6 * num_params * tokens, 3 * attention_forward, recompute)
+
+
 def estimate_compute_time(num_params: int, tokens: int, peak_flops: float,
                           utilization: float = DEFAULT_UTILIZATION, *,
-                          activation_checkpointing: bool = False) -> float:
-    """Seconds of one rank's forward + backward: the 6PT rule, ``6·P·T / (peak · utilization)``;
-    with ``activation_checkpointing`` (full recomputation) the forward runs twice, 8PT: a third
-    more.
+                          activation_checkpointing: bool = False, seq_len: int = 0, num_layers: int = 0,
+                          attention_width: int = 0) -> float:
+    """Seconds of one rank's forward + backward: the hardware FLOPs of
+    :func:`estimate_step_flops` over ``peak · utilization``. Without the shape (``seq_len``,
+    ``num_layers``, ``attention_width`` left 0) that is the 6PT rule, ``6·P·T / (peak ·
+    utilization)``; with ``activation_checkpointing`` (full recomputation) the forward runs
+    twice, 8PT: a third more.
 
     Forward costs 2 FLOPs (a multiply and an add) per parameter per token, backward twice that
     (gradients of activations and of weights); every rank runs the whole model (gathered, under
-    FSDP) on its own tokens. The rule ignores attention's sequence-length
-    term and counts embedding lookups as matrix products.
+    FSDP) on its own tokens. Attention's score and value products add 12·L·w·s per token, the
+    sequence-length term that dominates long contexts. Embedding lookups are counted as matrix
+    products.
 
     Args:
         num_params: P, parameters.
         tokens: T, tokens one rank processes in the step (its share of the global batch).
         peak_flops: Peak FLOP/s of one accelerator, e.g. ``Accelerator.peak_flops_bf16``.
-        utilization: Fraction of the peak achieved (model FLOPs utilization), in (0, 1].
+        utilization: Fraction of the peak the executed FLOPs achieve, in (0, 1]: hardware FLOPs
+            utilization, which equals MFU without recomputation.
+        seq_len, num_layers, attention_width: The shape that prices attention (see
+            :func:`estimate_step_flops`).
     """
-    check_int("num_params", num_params, 0)
-    check_int("tokens", tokens, 0)
     if not peak_flops > 0:
         raise ValueError(f"peak_flops must be > 0 FLOP/s, got {peak_flops!r}")
     if not 0 < utilization <= 1:
         raise ValueError(f"utilization must be in (0, 1], got {utilization!r}")
-    seconds = 6 * num_params * tokens / (peak_flops * utilization)
-    return seconds * (4 / 3) if activation_checkpointing else seconds
+    flops = estimate_step_flops(num_params, tokens, seq_len=seq_len, num_layers=num_layers,
+                                attention_width=attention_width,
+                                activation_checkpointing=activation_checkpointing)
+    return flops.hardware / (peak_flops * utilization)
