@@ -50,7 +50,7 @@ def test_checkpointing_keeps_layer_inputs_and_recomputes_one_layer():
     full = estimate_activation_bytes(config, 2, 8)
     ac = estimate_activation_bytes(config, 2, 8, activation_checkpointing=True)
     tokens = 2 * 8
-    assert ac.layers == 4 * tokens * 32 * 4 and ac.head == full.head
+    assert ac.layers == 4 * tokens * 32 * 4 and ac.head == full.head + 8 * 8  # and the s² bool mask
     assert ac.recompute == full.per_layer and full.recompute == 0
     assert ac.total < full.total
 
@@ -62,7 +62,7 @@ def test_selective_keeps_the_matrix_products_and_attention_outputs():
     sel = estimate_activation_bytes(config, 2, 8, activation_checkpointing="selective")
     t, d, f, h = 16, 32, 64, 2
     kept = t * (3 * d + d + d + f + d) * 4 + 4 * h * t  # QKV, attention out + lse, out proj, linear1, linear2
-    assert sel.layers == full.layers + 4 * kept and sel.head == full.head == none.head
+    assert sel.layers == full.layers + 4 * kept and sel.head == full.head == none.head + 8 * 8
     assert sel.recompute == none.per_layer - kept  # the recomputed layer holds the rest
     assert full.total < sel.total < none.total
     assert none == estimate_activation_bytes(config, 2, 8)  # False, "none": the same

@@ -57,7 +57,7 @@ def test_ulysses_splits_need_the_heads_and_the_kv_heads():
 def test_at_8k_fsdp_is_the_answer():
     v = estimate_axes(LLAMA3_70B, "h100-80gb", 64, seq_len=8192)
     assert v.fsdp_enough and v.axes == "FSDP 64" and v.sp == ()
-    assert v.reasons[-1] == "FSDP is the answer: FSDP 64."
+    assert v.reasons[-1] == "FSDP is enough to fit: FSDP 64."
 
 
 def test_a_batch_past_what_the_job_can_use_calls_for_tp_inside_a_node():
@@ -124,7 +124,11 @@ def test_the_table_at_8k_keeps_fsdp_and_at_128k_needs_another_axis():
     short = _rows(8192)
     assert set(short) == {"FULL_SHARD", "FULL_SHARD + AC", "HYBRID_SHARD", "HYBRID_SHARD + AC",
                           "TP 8 x FSDP 8", "TP 8 x FSDP 8 + AC"}
-    assert recommend_axes(list(short.values())).name == "FULL_SHARD + AC"
+    # FSDP fits only with full recomputation (a third more compute); TP 8 fits without it, and
+    # its collectives, exposed, cost less than that third: it is the faster of the two by 11 %
+    assert recommend_axes(list(short.values())).name == "TP 8 x FSDP 8"
+    ratio = short["TP 8 x FSDP 8"].tokens_per_s_per_gpu / short["FULL_SHARD + AC"].tokens_per_s_per_gpu
+    assert 1.05 < ratio < 1.15 and short["FULL_SHARD + AC"].fits and not short["FULL_SHARD"].fits
     assert not short["HYBRID_SHARD + AC"].fits  # 70B x 16 B over a shard group of 8: 141 GB
     tp = short["TP 8 x FSDP 8"]
     assert tp.dp_size == 8 and tp.tokens_per_step == 8 * 8192  # a TP group shares its sequence

@@ -7,6 +7,12 @@ from handbook_lib.core import STRATEGIES, ModelConfig, get_strategy, param_count
 from handbook_lib.core import STRATEGIES as CONFIG_STRATEGIES
 from handbook_lib.models import (
     TRANSFER_KINDS,
+    ATTENTION_FLOPS_SOURCE,
+    UTILIZATION_MAX,
+    estimate_step_flops,
+    expected_utilization,
+    fit_utilization,
+    get_accelerator,
     DEFAULT_UTILIZATION,
     UTILIZATION_SOURCE,
     Link,
@@ -307,6 +313,47 @@ def test_six_p_t_rule_by_hand():
     assert estimate_compute_time(10**9, 10**6, 1e15) == pytest.approx(6e15 / (1e15 * 0.41))
     # full recomputation runs the forward twice: 8PT
     assert estimate_compute_time(10**9, 10**6, 1e15, 0.5, activation_checkpointing=True) == pytest.approx(16.0)
+
+
+def test_attention_and_recomputation_flops_by_hand():
+    """PaLM's count: 12·L·w·s FLOPs per token for the score and value products; full
+    recomputation runs the forward again, 2·P + 4·L·w·s per token."""
+    p, t, s, layers, w = 10**9, 8192, 4096, 24, 2048
+    plain = estimate_step_flops(p, t, seq_len=s, num_layers=layers, attention_width=w)
+    assert (plain.dense, plain.attention, plain.recompute) == (6 * p * t, 12 * layers * w * s * t, 0)
+    assert plain.model == plain.hardware == 6 * p * t + 12 * layers * w * s * t
+    ac = estimate_step_flops(p, t, seq_len=s, num_layers=layers, attention_width=w, activation_checkpointing=True)
+    assert ac.recompute == 2 * p * t + 4 * layers * w * s * t and ac.model == plain.model
+    assert ac.hardware == 8 * p * t + 16 * layers * w * s * t
+    assert "appendix B" in ATTENTION_FLOPS_SOURCE
+    # without the shape, the 6PT rule
+    assert estimate_step_flops(p, t).hardware == 6 * p * t
+    # the time: the hardware FLOPs over peak x utilization
+    assert estimate_compute_time(p, t, 1e15, 0.5, seq_len=s, num_layers=layers, attention_width=w,
+                                 activation_checkpointing=True) == pytest.approx(ac.hardware / 5e14)
+    with pytest.raises(ValueError, match="seq_len"):
+        estimate_step_flops(p, t, seq_len=-1)
+
+
+def test_expected_utilization_grows_with_the_width_toward_the_gpus_own():
+    a100, l4 = get_accelerator("a100-80gb"), get_accelerator("l4-24gb")
+    assert expected_utilization(a100, 4096) == pytest.approx(0.699 * 4096 / (4096 + 1058))
+    assert expected_utilization(a100, 1058) == pytest.approx(0.699 / 2)  # d_0: half of u_max
+    assert expected_utilization(a100, 1024) < expected_utilization(a100, 8192) < UTILIZATION_MAX[a100.name][0]
+    # no published run on an L4, or no width: the default
+    assert expected_utilization(l4, 4096) == expected_utilization(a100, 0) == DEFAULT_UTILIZATION
+    assert all(source for _, source in UTILIZATION_MAX.values())
+    with pytest.raises(ValueError, match="d_model"):
+        expected_utilization(a100, -1)
+
+
+def test_fit_utilization_recovers_the_curve_it_was_made_from():
+    points = [(d, 0.6 * d / (d + 900)) for d in (512, 1024, 2048, 8192)]
+    u_max, d0 = fit_utilization(points)
+    assert d0 == 900 and u_max == pytest.approx(0.6)
+    for bad in ([(1024, 0.5)], [(0, 0.5), (1024, 0.5)], [(1024, 1.5), (2048, 0.5)]):
+        with pytest.raises(ValueError, match="points"):
+            fit_utilization(bad)
 
 
 @pytest.mark.parametrize("args, match", [

@@ -211,3 +211,31 @@ def test_budget_table_sets_the_planners_usable_memory_beside_the_measured():
                                     f"{planner - measured:+,}", "+0"]
     unknown = _check_set(world=1) | {"gpu_name": "Some Other GPU"}
     assert gpu_budget_table({"x": unknown}).rows == []
+
+
+def test_utilization_rows_of_the_stored_h200_sets_fit_the_width_curve_and_the_model(stored):
+    """The stored seq_len and width parts: every run at 32,768 tokens; the width fit of their
+    calibration rows is the models' UTILIZATION_HALF_WIDTH; the compute model is within 7 % of the
+    steps it was not fitted on up to 4,096-token sequences, and too fast beyond (attention's
+    kernel runs below the matrix products' rate): the table says so in its error column."""
+    from handbook_lib.face.gpu_results import (
+        gpu_utilization_fit,
+        gpu_utilization_rows,
+        gpu_utilization_table,
+        plot_utilization,
+    )
+    from handbook_lib.models import UTILIZATION_HALF_WIDTH
+
+    rows = gpu_utilization_rows(stored)
+    if not rows:
+        pytest.skip("no stored seq_len or width part")
+    assert all(r["tokens_per_rank"] == 32_768 for r in rows)
+    assert all(r["mfu"] >= r["mfu_6pt"] and r["hfu"] >= r["mfu"] for r in rows)
+    u_max, d0 = gpu_utilization_fit(rows)
+    assert d0 == UTILIZATION_HALF_WIDTH and round(u_max, 3) == 0.703
+    table = gpu_utilization_table(stored)
+    errors = {(r[0], r[1], r[3]): float(r[9].rstrip("%")) for r in table.rows}
+    assert all(abs(e) <= 3.1 for (w, *_), e in errors.items() if w.endswith("*"))   # the fit, within 3 %
+    assert abs(errors[("2048", "2,048", "none")]) < 7 and abs(errors[("2048", "4,096", "none")]) < 8
+    assert errors[("2048", "32,768", "none")] < -25   # too fast where attention dominates
+    assert plot_utilization(stored).axes[0].get_xlabel() == "sequence length (tokens)"

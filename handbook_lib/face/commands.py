@@ -56,7 +56,7 @@ from handbook_lib.models.sensitivity import (
     plan_sensitivity,
 )
 from handbook_lib.models.timing import (
-    DEFAULT_UTILIZATION,
+    expected_utilization,
     estimate_compute_time,
     estimate_step_time,
 )
@@ -253,9 +253,11 @@ def _cmd_comm(args: argparse.Namespace) -> int:
     traffic = estimate_step_traffic(model.units(), args.world_size, args.strategy, param_dtype=param_dtype,
                                     reduce_dtype=reduce_dtype, shard_group_size=args.shard_group_size)
     link = get_link(args.link)
-    compute_s = 0.0
+    compute_s, u = 0.0, 0.0
     if args.gpu:
-        compute_s = estimate_compute_time(model.num_params, args.tokens, get_accelerator(args.gpu).peak_flops_bf16)
+        acc = get_accelerator(args.gpu)
+        u = expected_utilization(acc, model.d_model)
+        compute_s = estimate_compute_time(model.num_params, args.tokens, acc.peak_flops_bf16, u)
     plain = estimate_step_time(traffic, link, compute_s, overlap=False)
     hidden = estimate_step_time(traffic, link, compute_s, overlap=True)
     assumes = (f"{_assumptions(args, 'any (it adds no traffic)')}; parameters gathered in "
@@ -279,7 +281,8 @@ def _cmd_comm(args: argparse.Namespace) -> int:
     print(Table(["collective", "calls", "bytes sent", "human"], rows))
     print(f"communication: {plain.comm_s * 1e3:.2f} ms on {link.name}")
     if compute_s:
-        print(f"compute (6PT at {DEFAULT_UTILIZATION:.0%} of {args.gpu}'s bf16 peak): {compute_s * 1e3:.2f} ms")
+        print(wrap_line(f"compute (6PT at {u:.0%} of {args.gpu}'s bf16 peak; attention's FLOPs left out: --tokens "
+                        f"gives no sequence length): {compute_s * 1e3:.2f} ms"))
         print(f"step: {plain.total_s * 1e3:.2f} ms without overlap, {hidden.total_s * 1e3:.2f} ms with; "
               f"{hidden.bound}-bound")
         print(wrap_line("bound = what sets the step time with overlap: compute (the links' time hides "
@@ -383,7 +386,7 @@ def _print_axes(rows: list[AxisOption], verdict: AxesVerdict) -> None:
     print(wrap_line("exposed = communication no compute hides (TP's collectives and Ulysses' all-to-alls sit "
                     "between two matrix products); tok/s/GPU compares layouts whose batches differ (a TP "
                     "group shares its sequences); margin batch: fits, but its step takes more tokens than "
-                    "--batch-tokens; compute is 6PT, without attention's s^2 term", "  "))
+                    "--batch-tokens; compute counts attention's FLOPs, 12 L w s per token", "  "))
     print(wrap_line(f"- {axes_reason(rows)}", "  "))
     print(wrap_line(f"is FSDP enough? {verdict.axes}", "  "))
     for reason in verdict.reasons:

@@ -8,7 +8,9 @@ them and lays their numbers beside the models' predictions, as chapter 8 shows t
   rank and measured by the memory tracker, with what the caching allocator held beyond it;
 - :func:`gpu_mfu_table`: step time and model FLOPs utilization against the micro-batch;
 - :func:`gpu_fit_table`: the largest micro-batch the GPU ran, against the memory model's;
-- :func:`gpu_smoke_table`: each CUDA-only path and how many of its checks held.
+- :func:`gpu_smoke_table`: each CUDA-only path and how many of its checks held;
+- :func:`gpu_utilization_table` and :func:`plot_utilization`: the step time against the
+  sequence length and the width, the FLOPs it did, and the compute model's step beside it.
 
 Bytes are bytes (10^9 in GB), times are seconds.
 """
@@ -21,6 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from matplotlib.figure import Figure
+
 from handbook_lib.core.results import Check
 from handbook_lib.face.display import Table, format_bytes
 from handbook_lib.launch.gpu_check import RESULT_SET_SCHEMA, WRITER, match_accelerator
@@ -28,9 +32,11 @@ from handbook_lib.launch.gpu_smoke import SMOKE_SCHEMA, SMOKE_WRITER
 from handbook_lib.launch.gpu_sweep import predict_max_micro_batch, sweep_peak_bytes
 from handbook_lib.models.allocator import RESERVE_MODEL
 from handbook_lib.models.hardware import ACCELERATORS, usable_memory_bytes
+from handbook_lib.models.timing import estimate_compute_time, fit_utilization
 
 __all__ = ["read_gpu_results", "gpu_memory_rows", "gpu_memory_table", "gpu_mfu_table", "gpu_fit_table",
-           "gpu_fit_curve", "gpu_smoke_table", "gpu_sets_table", "gpu_budget_table"]
+           "gpu_fit_curve", "gpu_smoke_table", "gpu_sets_table", "gpu_budget_table", "gpu_utilization_rows",
+           "gpu_utilization_fit", "gpu_utilization_table", "plot_utilization"]
 
 ResultSets = Mapping[str, Mapping[str, Any]]
 """Result sets by file name (without ``.json``), as :func:`read_gpu_results` returns them."""
@@ -246,3 +252,108 @@ def gpu_smoke_table(sets: ResultSets) -> Table:
 
 def _first(text: str, width: int = 40) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def gpu_utilization_rows(sets: ResultSets) -> list[dict[str, Any]]:
+    """Every run of the gpu-check ``seq_len`` and ``width`` parts that ran, one dict each: the
+    part's row (``d_model``, ``seq_len``, ``micro_batch``, ``activation_checkpointing``,
+    ``num_params``, ``tokens_per_rank``, ``step_time_s``, ``flops``, ``mfu_6pt``, ``mfu``,
+    ``hfu`` ...) with ``set``, ``part``, ``num_layers`` and ``peak_flops`` added; sorted by
+    checkpointing, width and sequence length. A run that failed is left out."""
+    rows = []
+    for name, data in _checks(sets):
+        for part in ("seq_len", "width"):
+            block = data.get(part, {})
+            if not block.get("peak_flops_bf16"):
+                continue
+            model = block.get("model", {})  # the seq_len part's one model (its rows name no width)
+            for row in block.get("rows", []):
+                if "step_time_s" in row:
+                    row = {"d_model": model.get("d_model"), "num_params": block.get("num_params"), **row}
+                    rows.append({**row, "set": name, "part": part, "num_layers": _layers(row),
+                                 "peak_flops": block["peak_flops_bf16"]})
+    rows.sort(key=lambda r: (r["activation_checkpointing"] != "none", r["activation_checkpointing"],
+                             r["d_model"], r["seq_len"]))
+    return rows
+
+
+def _layers(row: Mapping[str, Any]) -> int:
+    """A utilization row's layer count, from its FLOPs: attention's are 12·L·w·s per token."""
+    return row["flops"]["attention"] // (12 * row["d_model"] * row["seq_len"] * row["tokens_per_rank"])
+
+
+def gpu_utilization_fit(rows: list[dict[str, Any]]) -> tuple[float, int]:
+    """``(u_max, d_0)`` of :func:`~handbook_lib.models.timing.fit_utilization` on the runs at
+    1,024-token sequences without checkpointing (the width part and the 1,024 row of the
+    sequence part): the calibration rows of :func:`gpu_utilization_table`."""
+    points = sorted({(r["d_model"], r["mfu"]) for r in rows if _calibration(r)})
+    return fit_utilization(points)
+
+
+def _calibration(row: Mapping[str, Any]) -> bool:
+    return row["seq_len"] == 1024 and row["activation_checkpointing"] == "none"
+
+
+def _model_step_s(row: Mapping[str, Any], u_max: float, d0: int) -> float:
+    u = u_max * row["d_model"] / (row["d_model"] + d0)
+    return estimate_compute_time(row["num_params"], row["tokens_per_rank"], row["peak_flops"], u,
+                                 activation_checkpointing=row["activation_checkpointing"] == "full",
+                                 seq_len=row["seq_len"], num_layers=row["num_layers"],
+                                 attention_width=row["d_model"])
+
+
+def gpu_utilization_table(sets: ResultSets) -> Table:
+    """:func:`gpu_utilization_rows` as a table: each run's step, its utilization counted three
+    ways (6PT, MFU with attention, HFU with the recomputed forward), and the compute model's step
+    (:func:`~handbook_lib.models.timing.estimate_compute_time` at ``u_max·d/(d + d_0)`` of
+    :func:`gpu_utilization_fit`) with its error; calibration rows marked ``*``."""
+    rows = gpu_utilization_rows(sets)
+    u_max, d0 = gpu_utilization_fit(rows)
+    out = []
+    for r in rows:
+        model = _model_step_s(r, u_max, d0)
+        out.append([f"{r['d_model']}{'*' if _calibration(r) else ''}", f"{r['seq_len']:,}", r["micro_batch"],
+                    r["activation_checkpointing"], f"{1e3 * r['step_time_s']:.0f}", f"{100 * r['mfu_6pt']:.1f}%",
+                    f"{100 * r['mfu']:.1f}%", f"{100 * r['hfu']:.1f}%", f"{1e3 * model:.0f}",
+                    f"{100 * (model / r['step_time_s'] - 1):+.1f}%"])
+    return Table(["width", "seq.\nlength", "micro-\nbatch", "AC", "step\n(ms)", "6PT\nutil.", "MFU", "HFU",
+                  "model\n(ms)", "model\nerror"], out,
+                 f"one GPU, 32,768 tokens per step; 6PT util.: 6·P·T over step x peak; MFU adds attention's "
+                 f"12·L·w·s·T; HFU adds the recomputed forward; model: the FLOPs at u = {u_max:.3f}·d/(d + "
+                 f"{d0:,}), fitted on the rows marked * (1,024-token sequences, no checkpointing)")
+
+
+def plot_utilization(sets: ResultSets) -> Figure:
+    """Two panels of :func:`gpu_utilization_rows`: against the sequence length (no checkpointing,
+    the width-2,048 model), the utilization counted as 6PT and as MFU with attention, and the
+    compute model's MFU; against the width (1,024-token sequences), the MFU and the fitted
+    ``u_max·d/(d + d_0)``."""
+    rows = gpu_utilization_rows(sets)
+    u_max, d0 = gpu_utilization_fit(rows)
+    plain = [r for r in rows if r["activation_checkpointing"] == "none"]
+    seq = [r for r in plain if r["part"] == "seq_len"]
+    width = sorted({r["d_model"]: r for r in plain if r["seq_len"] == 1024}.values(), key=lambda r: r["d_model"])
+    fig = Figure(figsize=(7.2, 3.4), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    s = [r["seq_len"] for r in seq]
+    left.plot(s, [100 * r["mfu_6pt"] for r in seq], "o-", color="tab:gray", label="6PT only")
+    left.plot(s, [100 * r["mfu"] for r in seq], "o-", color="tab:blue", label="with attention (MFU)")
+    left.plot(s, [100 * r["mfu"] * r["step_time_s"] / _model_step_s(r, u_max, d0) for r in seq], "--",
+              color="tab:orange", label="compute model")
+    left.set_xscale("log", base=2)
+    left.set_xticks(s, [f"{x // 1024}k" for x in s])
+    left.set_xlabel("sequence length (tokens)")
+    left.set_ylabel("utilization of the bf16 peak (%)")
+    left.set_title("same tokens, longer sequences", fontsize=10)
+    left.legend(fontsize=8)
+    d = [r["d_model"] for r in width]
+    right.plot(d, [100 * r["mfu"] for r in width], "o", color="tab:blue", label="measured MFU")
+    grid = list(range(512, 8193, 128))
+    right.plot(grid, [100 * u_max * x / (x + d0) for x in grid], "--", color="tab:orange",
+               label=f"{u_max:.2f}·d/(d + {d0:,})")
+    right.set_xscale("log", base=2)
+    right.set_xticks(d, [str(x) for x in d])
+    right.set_xlabel("hidden width d")
+    right.set_title("1,024-token sequences, wider layers", fontsize=10)
+    right.legend(fontsize=8)
+    return fig

@@ -92,7 +92,8 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     )
     from handbook_lib.models.timing import (
         ATTENTION_FLOPS_SOURCE, DEFAULT_UTILIZATION, UTILIZATION_SOURCE, StepFlops, StepTime,
-        bytes_by_link, estimate_compute_time, estimate_step_flops, estimate_step_time,
+        UTILIZATION_HALF_WIDTH, UTILIZATION_MAX, bytes_by_link, estimate_compute_time, estimate_step_flops,
+        estimate_step_time, expected_utilization, fit_utilization,
     )
     from handbook_lib.models.cluster import ClusterLayout, compare_cluster_layouts, hsdp_groups
     from handbook_lib.models.topology import (

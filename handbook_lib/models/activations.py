@@ -64,7 +64,9 @@ class ActivationBytes:
     layers: int
     """Saved by all layers (``per_layer * num_layers``, or the layer inputs only with AC)."""
     head: int
-    """Saved outside the layers: token ids, the head's input, log-softmax output, targets."""
+    """Saved outside the layers: token ids, the head's input, log-softmax output, targets; with
+    checkpointing, also what every checkpointed layer takes as input besides its hidden state
+    (the handbook model's boolean causal mask)."""
     recompute: int
     """Extra bytes alive while one checkpointed layer is recomputed in backward (0 without AC)."""
 
@@ -106,7 +108,9 @@ def estimate_activation_bytes(
     products and attention, which the book's policy saves (:data:`SELECTIVE_SAVE`): Q/K/V
     (``T·3d·c``), the attention's output and log-sum-exp (``T·d·c + h·T·4``), the output
     projection, linear1 and linear2 (``T·(2d + f)·c``): ``T·(6d + f)·c + 4hT`` more per layer;
-    what the recomputation holds is the rest of the layer's tensors.
+    what the recomputation holds is the rest of the layer's tensors. Either way the boolean
+    causal mask (``s²`` bytes, one per micro-batch) stays alive: every checkpointed layer takes it
+    as an input, and checkpointing keeps a layer's inputs for its recomputation.
 
     The count is exact for fp32 on PyTorch 2.x's CPU kernels (the tests compare it with the
     tensors autograd saves); in bf16 and on GPUs the kernels save slightly different tensors
@@ -120,6 +124,8 @@ def estimate_activation_bytes(
     per_layer = tokens * (8 * d + 2 * f) * c + tokens * (16 + 4 * h) + seq_len**2 * c
     head = 2 * tokens * _INDEX_BYTES + tokens * d * c + tokens * v * 4 + 4
     kept = {"selective": tokens * (6 * d + f) * c + 4 * h * tokens, "full": 0}
+    if checkpointing_mode(activation_checkpointing) != "none":
+        head += seq_len**2  # the bool mask, an input of every checkpointed layer
     return checkpointed(per_layer, tokens * d * c, kept, config.num_layers, head, activation_checkpointing)
 
 

@@ -329,7 +329,7 @@ def estimate_axes(model: ModelLike, gpu: Accelerator | str, gpus: int, *, seq_le
         reasons.append(f"One sequence fits: {where} with full checkpointing reserves {_gb(peak)} per GPU "
                        f"of {_gb(job.budget)}; no sequence split needed.")
     if sp == 1 and tp == 1:
-        reasons.append(f"FSDP is the answer: FSDP {gpus}.")
+        reasons.append(f"FSDP is enough to fit: FSDP {gpus}.")
     return AxesVerdict(layout.name, acc.name, gpus, per_node, seq_len, micro_batch, job.budget, fsdp_peak,
                        seq_bytes, choices, max_dp, tp, sp, method, tuple(reasons), peak)
 

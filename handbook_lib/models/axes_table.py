@@ -56,7 +56,6 @@ from handbook_lib.models.tensor_parallel import (
     estimate_tp_layer_traffic,
 )
 from handbook_lib.models.timing import (
-    DEFAULT_UTILIZATION,
     estimate_compute_time,
     estimate_step_time,
 )
@@ -118,8 +117,10 @@ class _Job:
 
     def compute(self, tokens: int, ac: bool) -> float:
         acc = self.node.accelerator
-        peak = acc.peak_flops_bf16 if self.precision != "fp32" else acc.peak_flops_fp32
-        return estimate_compute_time(self.shape.num_params, tokens, peak, self.utilization, activation_checkpointing=ac)
+        peak = acc.peak_flops(self.precision)
+        return estimate_compute_time(self.shape.num_params, tokens, peak, self.utilization, activation_checkpointing=ac,
+                                     seq_len=self.seq_len, num_layers=self.shape.num_layers,
+                                     attention_width=self.shape.attention_width)
 
     def mode(self, ac: bool) -> str:
         return "full" if ac else "none"
@@ -190,7 +191,7 @@ _NAMES = {"world": "the GPUs ({})", "gpus_per_node": "the GPUs per node ({})", "
 def compare_axes(model: DecoderShape | str, gpu: Accelerator | str, gpus: int, *, seq_len: int,
                  tp_size: int | None = None, sp_size: int = 1, sp_method: str = "ulysses", micro_batch: int = 1,
                  gpus_per_node: int | None = None, inter_link: str = "ib-ndr400", precision: str = "bf16-mixed",
-                 utilization: float = DEFAULT_UTILIZATION, headroom: float = 0.0,
+                 utilization: float | None = None, headroom: float = 0.0,
                  batch_tokens: int | None = None) -> list[AxisOption]:
     """FULL_SHARD and HYBRID_SHARD (the planner's pricing) beside TP over ``tp_size`` GPUs of a
     node x FSDP2 (and, with ``sp_size`` > 1, the sequence split x FSDP2), each with and without
@@ -219,7 +220,7 @@ def compare_axes(model: DecoderShape | str, gpu: Accelerator | str, gpus: int, *
     result = plan(shape, acc, gpus, micro_batch=micro_batch, seq_len=seq_len, gpus_per_node=gpus_per_node,
                   inter_link=inter_link, precision=precision, utilization=utilization, headroom=headroom)
     node = node_preset(acc, inter_link=inter_link, gpus_per_node=min(result.gpus_per_node, gpus))
-    job = _Job(shape, node, gpus, micro_batch, seq_len, precision, utilization, result.options[0].budget_bytes)
+    job = _Job(shape, node, gpus, micro_batch, seq_len, precision, result.utilization, result.options[0].budget_bytes)
     tp = node.gpus_per_node if tp_size is None else tp_size
     ParallelLayout.for_world(gpus, tp=tp, gpus_per_node=node.gpus_per_node, nhead=shape.nhead, names=_NAMES)
     rows = [_from_plan(o, job) for o in result.options if o.name in _FROM_PLAN and o.gpus == gpus]

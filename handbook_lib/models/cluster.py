@@ -7,9 +7,9 @@ several. Every figure comes from the models of chapters 2 and 3 at scale:
 :func:`~handbook_lib.models.traffic.estimate_step_traffic` (the collectives),
 :func:`~handbook_lib.models.topology.route_collective` (their routes and bandwidths, NCCL over
 every rail), :func:`~handbook_lib.models.topology.network_share` (which of a rank's bytes leave
-its machine), :func:`~handbook_lib.models.timing.estimate_compute_time` (the 6PT rule, 8PT with
-activation checkpointing, at the model FLOPs utilization given: by default
-:data:`~handbook_lib.models.timing.DEFAULT_UTILIZATION`) and
+its machine), :func:`~handbook_lib.models.timing.estimate_compute_time` (6PT and attention's
+FLOPs, the forward again with activation checkpointing, at the utilization given: by default
+the GPU's at the model's width, :func:`~handbook_lib.models.timing.expected_utilization`) and
 :func:`~handbook_lib.models.memory.estimate_memory` (the peak as the allocator reserves it,
 against the card's usable memory).
 """
@@ -26,11 +26,7 @@ from handbook_lib.models.hardware import Node, usable_memory_bytes
 from handbook_lib.models.layout import wrap_units
 from handbook_lib.models.memory import estimate_memory
 from handbook_lib.models.presets import DecoderShape
-from handbook_lib.models.timing import (
-    DEFAULT_UTILIZATION,
-    estimate_compute_time,
-    estimate_step_time,
-)
+from handbook_lib.models.timing import estimate_compute_time, estimate_step_time, expected_utilization
 from handbook_lib.models.topology import network_share, route_collective
 from handbook_lib.models.traffic import estimate_step_traffic
 
@@ -80,7 +76,7 @@ def compare_cluster_layouts(
     micro_batch: int = 1,
     precision: str = "bf16-mixed",
     activation_checkpointing: bool | str = True,
-    utilization: float = DEFAULT_UTILIZATION,
+    utilization: float | None = None,
 ) -> list[ClusterLayout]:
     """Each layout of ``shape`` on ``gpus`` GPUs of machines like ``node``, one per entry of
     ``shard_group_sizes``: ``None`` is FULL_SHARD over every GPU, an integer HSDP
@@ -88,8 +84,9 @@ def compare_cluster_layouts(
 
     ``micro_batch`` sequences of ``seq_len`` tokens per GPU; ``precision`` sets the gathered
     parameters' and the reduction's dtypes (``bf16-mixed``: bf16 and fp32); the compute time is
-    ``8PT`` (with full activation checkpointing; ``6PT`` without) over the accelerator's bf16
-    peak times ``utilization``.
+    the hardware FLOPs (6PT and attention's; the forward again with full activation
+    checkpointing) over the accelerator's bf16 peak times ``utilization`` (``None``:
+    :func:`~handbook_lib.models.timing.expected_utilization` at the model's width).
 
     Raises:
         ValueError: for a shard group size that does not divide ``gpus``, or bad counts.
@@ -100,9 +97,11 @@ def compare_cluster_layouts(
     compute, reduce = get_precision(precision)
     units = wrap_units(shape)
     full = activation_checkpointing in (True, "full")
+    u = expected_utilization(node.accelerator, shape.d_model) if utilization is None else utilization
     compute_s = estimate_compute_time(shape.num_params, micro_batch * seq_len,
-                                      node.accelerator.peak_flops_bf16, utilization,
-                                      activation_checkpointing=full)
+                                      node.accelerator.peak_flops_bf16, u,
+                                      activation_checkpointing=full, seq_len=seq_len,
+                                      num_layers=shape.num_layers, attention_width=shape.attention_width)
     usable = usable_memory_bytes(node.accelerator)
     rows = []
     for group in shard_group_sizes:

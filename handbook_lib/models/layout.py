@@ -102,6 +102,12 @@ class ModelLayout:
     breakdown: tuple[tuple[str, int], ...] = ()
     """Parameters by component (``embedding``, ``attention`` ...), summing to :attr:`num_params`."""
 
+    @property
+    def attention_width(self) -> int:
+        """Width of a layer's queries (:attr:`q_width`, else :attr:`d_model`; 0 when unknown):
+        what attention's FLOPs scale with."""
+        return self.q_width or self.d_model
+
     def units(self, wrap: str = "layer", min_params: int = 100_000) -> list[Unit]:
         """The FSDP units of a wrapping policy, root first, in forward order
         (:func:`~handbook_lib.models.sharding.policy_units`; see :data:`~handbook_lib.core.config.WRAPS`).

@@ -37,9 +37,7 @@ from handbook_lib.models.offload import (
 )
 from handbook_lib.models.seed import seed_recommendation
 from handbook_lib.models.timing import (
-    DEFAULT_UTILIZATION,
-    estimate_compute_time,
-    estimate_step_time,
+    DEFAULT_UTILIZATION, estimate_compute_time, estimate_step_time, expected_utilization,
 )
 from handbook_lib.models.topology import Route, route_collective
 from handbook_lib.models.traffic import CollectiveRecord, estimate_step_traffic
@@ -128,7 +126,7 @@ class Plan:
     headroom: float = 0.0
     """Fraction of usable memory the plan kept free."""
     utilization: float = DEFAULT_UTILIZATION
-    """Model FLOPs utilization the plan assumed."""
+    """Utilization the plan assumed: the executed FLOPs' share of the peak."""
     context_bytes: int = 0
     """Device bytes the plan took off each GPU for a training process's context."""
 
@@ -195,7 +193,7 @@ def plan(
     precision: str = "bf16-mixed",
     optimizer: str = "adamw",
     headroom: float = 0.0,
-    utilization: float = DEFAULT_UTILIZATION,
+    utilization: float | None = None,
     memory_bytes: int | None = None,
     cpu_params_per_s_per_core: float = CPU_ADAM_PARAMS_PER_S_PER_CORE,
     reserve_fraction: float = RESERVE_FRACTION,
@@ -225,8 +223,8 @@ def plan(
         headroom: Fraction of the usable memory kept free beyond what the model prices (the CUDA
             context and the allocator's reserve are priced already): 0 by default, so every
             option's margin is shown as it is.
-        utilization: Fraction of the bf16 peak that compute achieves
-            (:data:`~handbook_lib.models.timing.DEFAULT_UTILIZATION`, a published measurement).
+        utilization: Fraction of the peak the executed FLOPs achieve; ``None``: the GPU's at the
+            model's width (:func:`~handbook_lib.models.timing.expected_utilization`).
         memory_bytes: Overrides the memory CUDA reports, bytes, before the training context is
             taken off (e.g. 80e9 to see a verdict with the datasheet's GB read as decimal).
         cpu_params_per_s_per_core: CPU optimizer speed for the offload option
@@ -260,8 +258,9 @@ def plan(
     reserved_bytes(0, fraction=reserve_fraction)  # refuses a fraction outside [0, 1)
     if not cpu_params_per_s_per_core > 0:  # also refuses NaN
         raise ValueError(f"cpu_params_per_s_per_core must be > 0, got {cpu_params_per_s_per_core!r}")
-    job = _Job(layout, node, precision, optimizer, micro_batch, seq_len, utilization, budget,
-               cpu_params_per_s_per_core, reserve_fraction)
+    u = expected_utilization(acc, layout.d_model) if utilization is None else utilization
+    job = _Job(layout, node, precision, optimizer, micro_batch, seq_len, u, budget, cpu_params_per_s_per_core,
+               reserve_fraction)
     price = functools.partial(_price, job)
     options = []
     for strategy in _ORDER:
@@ -291,7 +290,7 @@ def plan(
                        "above), its optimizer step on the CPU.")
     return Plan(layout.name, layout.num_params, acc.name, gpus, options, recommended, reasons,
                 seed_recommendation(layout.num_params, datasheet_bytes(acc), gpus), gpus_per_node,
-                node.nics_per_node, headroom, utilization, acc.context_bytes)
+                node.nics_per_node, headroom, u, acc.context_bytes)
 
 
 @dataclass(frozen=True)
@@ -349,10 +348,10 @@ def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str)
         routes.setdefault(route.description, {})[record.kind] = None
         return route
 
-    acc = job.node.accelerator
-    peak_flops = acc.peak_flops_bf16 if job.precision != "fp32" else acc.peak_flops_fp32
-    compute = estimate_compute_time(job.layout.num_params, job.micro_batch * job.seq_len, peak_flops,
-                                    job.utilization, activation_checkpointing=ac)
+    acc, lay = job.node.accelerator, job.layout
+    compute = estimate_compute_time(lay.num_params, job.micro_batch * job.seq_len, acc.peak_flops(job.precision),
+                                    job.utilization, activation_checkpointing=ac, seq_len=job.seq_len,
+                                    num_layers=lay.num_layers, attention_width=lay.attention_width)
     cost = None
     if offload:
         assert acc.host is not None  # plan() offers offload only with a host

@@ -84,6 +84,11 @@ class DecoderShape:
         return self.head_dim or self.d_model // self.nhead
 
     @property
+    def attention_width(self) -> int:
+        """Width of a layer's queries, ``nhead · head_width``: what attention's FLOPs scale with."""
+        return self.nhead * self.head_width
+
+    @property
     def layer_params(self) -> int:
         """Parameters of one transformer layer (one FSDP unit).
 

@@ -31,7 +31,7 @@ from handbook_lib.models.hardware import get_accelerator, node_preset
 from handbook_lib.models.hf_config import decoder_shape_from_hf
 from handbook_lib.models.memory import estimate_memory
 from handbook_lib.models.presets import DecoderShape, get_shape
-from handbook_lib.models.timing import DEFAULT_UTILIZATION, estimate_compute_time
+from handbook_lib.models.timing import estimate_compute_time, expected_utilization
 from handbook_lib.models.topology import route_collective
 
 __all__ = [
@@ -188,6 +188,10 @@ _FOUNDRY = ("MosaicML, mosaicml/llm-foundry scripts/train/benchmarking/README.md
             "Composer FSDP FULL_SHARD, bf16, tokens/s per GPU and MFU")
 
 
+_MPT_7B, _MPT_13B, _MPT_70B = (32, 4096), (40, 5120), (80, 8192)
+"""``(n_layers, d_model)`` of llm-foundry's MPT configs (``scripts/train/yamls/pretrain/mpt-*.yaml``)."""
+
+
 @dataclass(frozen=True)
 class PublishedThroughput:
     """One published training throughput."""
@@ -206,18 +210,25 @@ class PublishedThroughput:
     """The utilization the source reports for it (its own FLOP count), a fraction."""
     source: str
     calibration: bool = False
+    """A row a constant of the model was fitted on (:data:`~handbook_lib.models.timing.DEFAULT_UTILIZATION`,
+    :data:`~handbook_lib.models.timing.UTILIZATION_MAX`): shown, not counted in the error."""
+    attention: tuple[int, int] = (0, 0)
+    """``(layers, query width)`` where :attr:`model` is a bare count, from the model's published
+    config; a preset knows its own. They price attention's FLOPs."""
 
 
 PUBLISHED_THROUGHPUT: tuple[PublishedThroughput, ...] = (
     PublishedThroughput("Llama 3 405B, 16,384 H100", 405_000_000_000, "h100-80gb", 16384, 8192, 16, False,
-                        400e12 / (6 * 405e9), 0.41,
+                        400e12 / (6 * 405e9 + 12 * 126 * 16384 * 8192), 0.41,
                         "Grattafiori et al. 2024, The Llama 3 Herd of Models (arXiv:2407.21783), Table 4: "
-                        "400 TFLOP/s per GPU, "
-                        "BF16 MFU 41 % (TP 8, PP 16, FSDP 128); tokens/s per GPU are 400 TFLOP/s over 6P "
-                        "(the paper states FLOP/s, not tokens)", calibration=True),
-    PublishedThroughput("Llama 2 7B, 128 A100", "llama2-7b", "a100-80gb", 128, 4096, 2, False, 3700, 0.57, _IBM),
+                        "400 TFLOP/s per GPU, BF16 MFU 41 % (TP 8, PP 16, FSDP 128); tokens/s per GPU are "
+                        "400 TFLOP/s over 6P + 12·L·w·s (the paper states FLOP/s, not tokens)",
+                        calibration=True, attention=(126, 16384)),
+    PublishedThroughput("Llama 2 7B, 128 A100", "llama2-7b", "a100-80gb", 128, 4096, 2, False, 3700, 0.57, _IBM,
+                        calibration=True),
     PublishedThroughput("Llama 2 70B, 128 A100, AC", "llama2-70b", "a100-80gb", 128, 4096, 2, True, 370, 0.50, _IBM),
-    PublishedThroughput("Llama 2 7B, 96 H100", "llama2-7b", "h100-80gb", 96, 4096, 2, False, 7500, 0.37, _IBM),
+    PublishedThroughput("Llama 2 7B, 96 H100", "llama2-7b", "h100-80gb", 96, 4096, 2, False, 7500, 0.37, _IBM,
+                        calibration=True),
     PublishedThroughput("Llama 2 70B, 96 H100, AC", "llama2-70b", "h100-80gb", 96, 4096, 2, True, 800, 0.34, _IBM),
     PublishedThroughput("Llama 2 13B, 64 A100", "llama2-13b", "a100-80gb", 64, 4096, 2, False, 2162, 0.611,
                         _TITAN_A100),
@@ -225,13 +236,16 @@ PUBLISHED_THROUGHPUT: tuple[PublishedThroughput, ...] = (
                         _TITAN_A100),
     PublishedThroughput("Llama 3 70B, 64 A100, AC", "llama3-70b", "a100-80gb", 64, 8192, 1, True, 331, 0.517,
                         _TITAN_A100),
-    PublishedThroughput("MPT 7B, 8 H100", 6_658_859_008, "h100-80gb", 8, 2048, 6, False, 10643, 0.4644, _FOUNDRY),
-    PublishedThroughput("MPT 13B, 8 H100", 12_853_954_560, "h100-80gb", 8, 2048, 2, False, 4792, 0.3979, _FOUNDRY),
+    PublishedThroughput("MPT 7B, 8 H100", 6_658_859_008, "h100-80gb", 8, 2048, 6, False, 10643, 0.4644, _FOUNDRY,
+                        attention=_MPT_7B),
+    PublishedThroughput("MPT 13B, 8 H100", 12_853_954_560, "h100-80gb", 8, 2048, 2, False, 4792, 0.3979, _FOUNDRY,
+                        attention=_MPT_13B),
     PublishedThroughput("MPT 70B, 64 H100, AC", 64_862_437_376, "h100-80gb", 64, 2048, 8, True, 1039, 0.4257,
-                        _FOUNDRY),
-    PublishedThroughput("MPT 7B, 8 A100", 6_658_859_008, "a100-80gb", 8, 2048, 6, False, 4641, 0.6423, _FOUNDRY),
+                        _FOUNDRY, attention=_MPT_70B),
+    PublishedThroughput("MPT 7B, 8 A100", 6_658_859_008, "a100-80gb", 8, 2048, 6, False, 4641, 0.6423, _FOUNDRY,
+                        attention=_MPT_7B),
     PublishedThroughput("MPT 70B, 64 A100, AC", 64_862_437_376, "a100-80gb", 64, 2048, 8, True, 410, 0.5333,
-                        _FOUNDRY),
+                        _FOUNDRY, attention=_MPT_70B),
 )
 """Published training throughputs (FSDP, or FSDP with other parallelism for the calibration row)."""
 
@@ -242,7 +256,9 @@ class ThroughputRow:
 
     published: PublishedThroughput
     model_tokens_per_s: float
-    """Tokens per second per GPU at the default utilization: tokens of a step over its compute."""
+    """Tokens per second per GPU at the model's utilization: tokens of a step over its compute."""
+    utilization: float
+    """The utilization the model assumed for it (the executed FLOPs' share of the peak)."""
 
     @property
     def error(self) -> float:
@@ -251,17 +267,22 @@ class ThroughputRow:
 
 
 def throughput_rows(rows: tuple[PublishedThroughput, ...] = PUBLISHED_THROUGHPUT,
-                    utilization: float = DEFAULT_UTILIZATION) -> list[ThroughputRow]:
+                    utilization: float | None = None) -> list[ThroughputRow]:
     """Each published throughput with the compute model's: ``micro_batch x seq_len`` tokens over
-    6PT (8PT with activation checkpointing) FLOPs at ``utilization`` of the GPU's bf16 peak.
-    Communication is taken as hidden: these jobs run on machines with a network port per GPU,
-    where chapter 4's planner finds FSDP compute-bound."""
+    their hardware FLOPs (:func:`~handbook_lib.models.timing.estimate_step_flops`: 6PT, attention,
+    and the forward again with activation checkpointing) at ``utilization`` of the GPU's bf16
+    peak (``None``: :func:`~handbook_lib.models.timing.expected_utilization` for the GPU and the
+    model's width). Communication is taken as hidden: these jobs run on machines with a network
+    port per GPU, where chapter 4's planner finds FSDP compute-bound."""
     out = []
     for row in rows:
-        tokens = row.micro_batch * row.seq_len
-        seconds = estimate_compute_time(_params(row.model), tokens, get_accelerator(row.gpu).peak_flops_bf16,
-                                        utilization, activation_checkpointing=row.activation_checkpointing)
-        out.append(ThroughputRow(row, tokens / seconds))
+        tokens, model, acc = row.micro_batch * row.seq_len, _model(row.model), get_accelerator(row.gpu)
+        layers, width = row.attention if isinstance(model, int) else (model.num_layers, model.attention_width)
+        u = expected_utilization(acc, width) if utilization is None else utilization
+        seconds = estimate_compute_time(_params(row.model), tokens, acc.peak_flops_bf16, u,
+                                        activation_checkpointing=row.activation_checkpointing,
+                                        seq_len=row.seq_len, num_layers=layers, attention_width=width)
+        out.append(ThroughputRow(row, tokens / seconds, u))
     return out
 
 

@@ -18,7 +18,6 @@ from handbook_lib.models.hardware import datasheet_bytes, get_accelerator
 from handbook_lib.models.layout import ModelLike
 from handbook_lib.models.offload import CPU_ADAM_PARAMS_PER_S_PER_CORE
 from handbook_lib.models.planner import Option, Plan, plan
-from handbook_lib.models.timing import DEFAULT_UTILIZATION
 
 __all__ = ["Sensitivity", "plan_sensitivity", "flip_points", "FlipPoints"]
 
@@ -101,7 +100,7 @@ def plan_sensitivity(model: ModelLike, gpu: str, gpus: int, **kwargs: Any) -> tu
     """
     base = plan(model, gpu, gpus, **kwargs)
     acc = get_accelerator(gpu)
-    u = kwargs.get("utilization", DEFAULT_UTILIZATION)
+    u = base.utilization  # the one the plan assumed (the GPU's at the model's width unless given)
     h = kwargs.get("headroom", 0.0)
     cpu = kwargs.get("cpu_params_per_s_per_core", CPU_ADAM_PARAMS_PER_S_PER_CORE)
     reserve = kwargs.get("reserve_fraction", RESERVE_FRACTION)

@@ -10,17 +10,18 @@ compute follows the 6PT rule; overlap hides what compute can.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from handbook_lib.core.checks import check_int
 from handbook_lib.models.collectives import estimate_collective_time
-from handbook_lib.models.hardware import Link
+from handbook_lib.models.hardware import Accelerator, Link
 from handbook_lib.models.topology import Route
 from handbook_lib.models.traffic import CollectiveRecord, StepTraffic
 
 __all__ = ["StepTime", "StepFlops", "bytes_by_link", "estimate_step_time", "estimate_compute_time",
-           "estimate_step_flops", "DEFAULT_UTILIZATION", "UTILIZATION_SOURCE", "ATTENTION_FLOPS_SOURCE"]
+           "estimate_step_flops", "DEFAULT_UTILIZATION", "UTILIZATION_SOURCE", "ATTENTION_FLOPS_SOURCE",
+           "UTILIZATION_HALF_WIDTH", "UTILIZATION_MAX", "expected_utilization", "fit_utilization"]
 
 DEFAULT_UTILIZATION = 0.41
 """Model FLOPs utilization assumed where none is given: see :data:`UTILIZATION_SOURCE`."""
@@ -32,6 +33,29 @@ UTILIZATION_SOURCE = (
     "measures 32 to 37 % on H100 and 47 to 57 % on A100 (PyTorch/IBM, 'Maximizing training "
     "throughput using PyTorch FSDP', 2024, Llama 2 7B to 70B)")
 """Where :data:`DEFAULT_UTILIZATION` comes from."""
+
+UTILIZATION_HALF_WIDTH = 1058
+"""d_0 of :func:`expected_utilization`, elements: the hidden width at which a GPU reaches half
+its :data:`UTILIZATION_MAX`. A least-squares fit of ``u_max·d/(d + d_0)`` to the utilization
+measured on one H200 at widths 1,024, 2,048, 4,096 and 8,192 (the same 32,768 tokens per step,
+bf16; ``results/gpu/nvidia-h200-width.json`` and ``nvidia-h200-seq.json``), every point within
+3 %. Below a few thousand, the layer's pointwise work (norms, activations, residuals: memory-
+bound, growing as d) weighs against its matrix products (growing as d²)."""
+
+UTILIZATION_MAX: dict[str, tuple[float, str]] = {
+    "NVIDIA A100 40GB": (0.699, "the A100 80GB's (the same chip and peak)"),
+    "NVIDIA A100 80GB": (0.699, "calibrated on one published run, marked as such on the published page: "
+                                "Llama 2 7B on 128 A100 80GB, 3,700 tokens/s per GPU (PyTorch and IBM, "
+                                "'Maximizing training throughput using PyTorch FSDP', 2024)"),
+    "NVIDIA H100 SXM 80GB": (0.447, "calibrated on one published run, marked as such on the published page: "
+                                    "Llama 2 7B on 96 H100, 7,500 tokens/s per GPU (PyTorch and IBM, 2024)"),
+    "NVIDIA H200 SXM 141GB": (0.447, "the H100 SXM's (the same chip and peak; one H200 alone, with no "
+                                     "communication, measured 0.703: an upper bound)"),
+}
+"""``u_max`` of :func:`expected_utilization` per accelerator (by :attr:`Accelerator.name`), and
+where it comes from: per GPU generation, the FSDP run without activation checkpointing on the
+most GPUs among the published page's rows. Accelerators not listed (no such run) take
+:data:`DEFAULT_UTILIZATION` at every width."""
 
 ATTENTION_FLOPS_SOURCE = (
     "Chowdhery et al. 2022, PaLM (arXiv:2204.02311), appendix B: 6N + 12·L·H·Q·T FLOPs per token "
@@ -111,6 +135,36 @@ def estimate_step_time(
         exposed, total = comm, comm + compute_s
     bound = "communication" if comm > compute_s else "compute"
     return StepTime(comm, compute_s, exposed, total, bound)
+
+def expected_utilization(accelerator: Accelerator, d_model: int) -> float:
+    """Fraction of ``accelerator``'s peak that a training step's FLOPs reach (hardware FLOPs
+    utilization, which is MFU without recomputation) for a model of width ``d_model``:
+    ``u_max·d/(d + d_0)``, :data:`UTILIZATION_MAX` and :data:`UTILIZATION_HALF_WIDTH`.
+    :data:`DEFAULT_UTILIZATION` for an accelerator with no published run, or a width of 0
+    (unknown)."""
+    check_int("d_model", d_model, 0)
+    u_max = UTILIZATION_MAX.get(accelerator.name)
+    if u_max is None or d_model == 0:
+        return DEFAULT_UTILIZATION
+    return u_max[0] * d_model / (d_model + UTILIZATION_HALF_WIDTH)
+
+
+def fit_utilization(points: Sequence[tuple[int, float]], widths: range = range(1, 8193)) -> tuple[float, int]:
+    """``(u_max, d_0)`` of ``u = u_max·d/(d + d_0)`` closest to measured ``(d_model, utilization)``
+    ``points`` in least squares, ``d_0`` a whole number of ``widths`` (for each, the best
+    ``u_max`` is a closed form). How :data:`UTILIZATION_HALF_WIDTH` was found."""
+    if len(points) < 2 or any(d < 1 or not 0 < u <= 1 for d, u in points):
+        raise ValueError(f"points must be two or more (d_model >= 1, utilization in (0, 1]), got {points!r}")
+    best: tuple[float, float, int] | None = None
+    for d0 in widths:
+        f = [d / (d + d0) for d, _ in points]
+        u_max = sum(u * x for (_, u), x in zip(points, f)) / sum(x * x for x in f)
+        error = sum((u - u_max * x) ** 2 for (_, u), x in zip(points, f))
+        if best is None or error < best[0]:
+            best = (error, u_max, d0)
+    assert best is not None
+    return best[1], best[2]
+
 
 @dataclass(frozen=True)
 class StepFlops:
