@@ -19,7 +19,11 @@ On every visible GPU (world size = the GPU count), through ``handbook_lib.launch
     or memory run's ranks, after NCCL's set-up: the CUDA context and NCCL's buffers are in no
     peak), and for ``total_memory``, with the gap between the two;
 (e) chapter 9's runs (with 2 or more GPUs): tensor_parallel with and without sequence
-    parallelism, sequence_parallel with Ulysses and the ring, every check of each on NCCL.
+    parallelism, sequence_parallel with Ulysses and the ring, every check of each on NCCL;
+(f) seq_len — the run of (c) at 32,768 tokens per rank in sequences of 1,024 to 32,768 tokens,
+    then with full and selective checkpointing: each step's FLOPs (6PT, attention's 12·L·w·s
+    per token, the recomputed forward) and its 6PT, MFU and HFU utilizations;
+(g) width — the same at 1,024-token sequences through layers 1,024, 4,096 and 8,192 wide.
 
 The result set goes to ``results/gpu/<gpu-name-slug>.json`` (written again after each part, so
 a stopped check keeps what it measured); a file there that gpu-check did not write is never

@@ -124,11 +124,11 @@ def test_the_table_at_8k_keeps_fsdp_and_at_128k_needs_another_axis():
     short = _rows(8192)
     assert set(short) == {"FULL_SHARD", "FULL_SHARD + AC", "HYBRID_SHARD", "HYBRID_SHARD + AC",
                           "TP 8 x FSDP 8", "TP 8 x FSDP 8 + AC"}
-    # FSDP fits only with full recomputation (a third more compute); TP 8 fits without it, and
-    # its collectives, exposed, cost less than that third: it is the faster of the two by 11 %
-    assert recommend_axes(list(short.values())).name == "TP 8 x FSDP 8"
-    ratio = short["TP 8 x FSDP 8"].tokens_per_s_per_gpu / short["FULL_SHARD + AC"].tokens_per_s_per_gpu
-    assert 1.05 < ratio < 1.15 and short["FULL_SHARD + AC"].fits and not short["FULL_SHARD"].fits
+    # FSDP fits only with full recomputation (a third more compute); TP 8 fits without it, its
+    # collectives exposed: about what the recomputation costs, a near tie that FSDP wins by 2 %
+    assert recommend_axes(list(short.values())).name == "FULL_SHARD + AC"
+    ratio = short["FULL_SHARD + AC"].tokens_per_s_per_gpu / short["TP 8 x FSDP 8"].tokens_per_s_per_gpu
+    assert 1.0 < ratio < 1.05 and short["FULL_SHARD + AC"].fits and not short["FULL_SHARD"].fits
     assert not short["HYBRID_SHARD + AC"].fits  # 70B x 16 B over a shard group of 8: 141 GB
     tp = short["TP 8 x FSDP 8"]
     assert tp.dp_size == 8 and tp.tokens_per_step == 8 * 8192  # a TP group shares its sequence

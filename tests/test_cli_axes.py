@@ -88,7 +88,7 @@ def test_plan_prices_tp_beside_full_shard_and_hsdp_and_says_why(capsys):
     for name in ("FULL_SHARD + AC", "HYBRID_SHARD + AC", "TP 8 x FSDP 8", "TP 8 x FSDP 8 + AC"):
         assert name in table
     joined = " ".join(table.split())  # the lines wrapped at 100 columns, joined
-    assert "- Picks TP 8 x FSDP 8:" in joined and "Best other: FULL_SHARD + AC" in joined
+    assert "- Picks FULL_SHARD + AC:" in joined and "Best other: TP 8 x FSDP 8" in joined
     assert "is FSDP enough? FSDP 64" in joined and "FSDP is enough to fit: FSDP 64." in joined
     assert main([*PLAN_128K, "--tp-size", "8"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # the lines wrapped at 100 columns, joined

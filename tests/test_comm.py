@@ -12,6 +12,7 @@ from handbook_lib.models import (
     estimate_step_flops,
     expected_utilization,
     fit_utilization,
+    fit_utilizations,
     get_accelerator,
     DEFAULT_UTILIZATION,
     UTILIZATION_SOURCE,
@@ -337,8 +338,8 @@ def test_attention_and_recomputation_flops_by_hand():
 
 def test_expected_utilization_grows_with_the_width_toward_the_gpus_own():
     a100, l4 = get_accelerator("a100-80gb"), get_accelerator("l4-24gb")
-    assert expected_utilization(a100, 4096) == pytest.approx(0.699 * 4096 / (4096 + 1058))
-    assert expected_utilization(a100, 1058) == pytest.approx(0.699 / 2)  # d_0: half of u_max
+    assert expected_utilization(a100, 4096) == pytest.approx(0.692 * 4096 / (4096 + 386))
+    assert expected_utilization(a100, 386) == pytest.approx(0.692 / 2)  # d_0: half of u_max
     assert expected_utilization(a100, 1024) < expected_utilization(a100, 8192) < UTILIZATION_MAX[a100.name][0]
     # no published run on an L4, or no width: the default
     assert expected_utilization(l4, 4096) == expected_utilization(a100, 0) == DEFAULT_UTILIZATION
@@ -354,6 +355,12 @@ def test_fit_utilization_recovers_the_curve_it_was_made_from():
     for bad in ([(1024, 0.5)], [(0, 0.5), (1024, 0.5)], [(1024, 1.5), (2048, 0.5)]):
         with pytest.raises(ValueError, match="points"):
             fit_utilization(bad)
+    # several GPUs share one d_0, each its own u_max
+    both = {"a": points, "b": [(d, 0.3 * d / (d + 900)) for d in (768, 4096)]}
+    u, d0 = fit_utilizations(both)
+    assert d0 == 900 and u == {"a": pytest.approx(0.6), "b": pytest.approx(0.3)}
+    with pytest.raises(ValueError, match="points"):
+        fit_utilizations({})
 
 
 @pytest.mark.parametrize("args, match", [

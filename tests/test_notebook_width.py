@@ -85,3 +85,30 @@ def test_shown_source_is_found_in_the_html():
 
     page = show_source(test_book_width_is_86)._repr_html_()
     assert 'class="highlight"' in page
+
+
+def _figures_without_image(notebook: Path) -> list[int]:
+    """Code cells whose result is a matplotlib figure shown only as its repr (``<Figure size
+    ...>``): the notebook lacks ``%matplotlib inline``, and the page shows a line of text."""
+    found = []
+    for i, cell in enumerate(json.loads(notebook.read_text())["cells"]):
+        for output in cell.get("outputs", []) if cell["cell_type"] == "code" else []:
+            data = output.get("data", {})
+            if "".join(data.get("text/plain", "")).startswith("<Figure size") and "image/png" not in data:
+                found.append(i)
+    return found
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_figure_is_stored_as_an_image(notebook):
+    assert _figures_without_image(notebook) == []
+
+
+def test_the_check_finds_a_figure_without_its_image(tmp_path):
+    shown = {"output_type": "execute_result", "data": {"text/plain": "<Figure size 720x340 with 2 Axes>",
+                                                       "image/png": "iVBOR"}}
+    bare = {"output_type": "execute_result", "data": {"text/plain": "<Figure size 720x340 with 2 Axes>"}}
+    path = tmp_path / "n.ipynb"
+    path.write_text(json.dumps({"cells": [{"cell_type": "code", "source": "f()", "outputs": [shown]},
+                                          {"cell_type": "code", "source": "f()", "outputs": [bare]}]}))
+    assert _figures_without_image(path) == [1]

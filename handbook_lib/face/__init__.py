@@ -50,7 +50,17 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         gpu_mfu_table,
         gpu_sets_table,
         gpu_smoke_table,
+        gpu_utilization_fit,
+        gpu_utilization_rows,
+        gpu_utilization_table,
+        plot_utilization,
         read_gpu_results,
+    )
+    from handbook_lib.face.published_views import (
+        plot_throughput_errors,
+        source_name,
+        throughput_by_length_table,
+        throughput_summary_table,
     )
     from handbook_lib.face.plots import (
         BOOK_WIDTH_IN,

@@ -12,9 +12,9 @@ Three kinds of rows, each priced by one model:
   ``(N-1)/N · B / t`` for an all-gather, comparable to a link's bandwidth whatever N is; the
   model is :func:`~handbook_lib.models.topology.route_collective`;
 - **training throughput**, tokens per second per GPU, against the compute model
-  (:func:`~handbook_lib.models.timing.estimate_compute_time` at
-  :data:`~handbook_lib.models.timing.DEFAULT_UTILIZATION`, 8PT with activation checkpointing):
-  what the default utilization is worth on other people's jobs;
+  (:func:`~handbook_lib.models.timing.estimate_compute_time`: 6PT, attention's FLOPs and the
+  recomputed forward, at :func:`~handbook_lib.models.timing.expected_utilization`): what the
+  utilization fitted on a few runs is worth on everyone's jobs;
 - **peak memory**, the change of the peak per GPU between two published runs that differ only in
   their GPU count, against :attr:`~handbook_lib.models.memory.MemoryEstimate.peak_reserved`: the
   sharded model state and the allocator's reserve, with the activations (which the two runs
@@ -31,7 +31,8 @@ from handbook_lib.models.hardware import get_accelerator, node_preset
 from handbook_lib.models.hf_config import decoder_shape_from_hf
 from handbook_lib.models.memory import estimate_memory
 from handbook_lib.models.presets import DecoderShape, get_shape
-from handbook_lib.models.timing import estimate_compute_time, expected_utilization
+from handbook_lib.models.foundry_runs import FOUNDRY_RUNS, FOUNDRY_SOURCE, MPT_SHAPES, FoundryRun
+from handbook_lib.models.timing import estimate_compute_time, estimate_step_flops, expected_utilization
 from handbook_lib.models.topology import route_collective
 
 __all__ = [
@@ -184,12 +185,19 @@ _IBM = ("PyTorch and IBM, 'Maximizing training throughput using PyTorch FSDP', "
         "Llama 2 architecture, 4,096-token sequences, 2 per GPU, bf16, FSDP; 128 A100 80GB or 96 H100")
 _TITAN_A100 = ("pytorch/torchtitan docs/performance.md (2024): FSDP2 on 64 A100 80GB, tokens/s per GPU "
                "(WPS) and MFU")
-_FOUNDRY = ("MosaicML, mosaicml/llm-foundry scripts/train/benchmarking/README.md (2023): MPT models, "
-            "Composer FSDP FULL_SHARD, bf16, tokens/s per GPU and MFU")
 
 
-_MPT_7B, _MPT_13B, _MPT_70B = (32, 4096), (40, 5120), (80, 8192)
-"""``(n_layers, d_model)`` of llm-foundry's MPT configs (``scripts/train/yamls/pretrain/mpt-*.yaml``)."""
+def _foundry_label(run: FoundryRun) -> str:
+    size, seq, gpus, gpu, *_ = run
+    extra = (", AC" if run[8] else "") + {"FULL_SHARD": ""}.get(run[11], f", {run[11]}")
+    name = {"a100-40gb": "A100 40GB", "a100-80gb": "A100 80GB", "h100-80gb": "H100"}[gpu]
+    return f"MPT {size.upper()}, {seq:,} tok x {run[6]}, {gpus} {name}{extra}"
+
+
+def _foundry_calibration(run: FoundryRun) -> bool:
+    """The rows :data:`~handbook_lib.models.timing.UTILIZATION_MAX` and its width were fitted on:
+    one node of 8 GPUs, 2,048-token sequences, no activation checkpointing (every size there)."""
+    return run[2] == 8 and run[1] == 2048 and not run[8]
 
 
 @dataclass(frozen=True)
@@ -210,8 +218,10 @@ class PublishedThroughput:
     """The utilization the source reports for it (its own FLOP count), a fraction."""
     source: str
     calibration: bool = False
-    """A row a constant of the model was fitted on (:data:`~handbook_lib.models.timing.DEFAULT_UTILIZATION`,
-    :data:`~handbook_lib.models.timing.UTILIZATION_MAX`): shown, not counted in the error."""
+    """A row the utilization's constants were fitted on (:func:`utilization_points`): shown, not
+    counted in the error. (Llama 3 405B's row set
+    :data:`~handbook_lib.models.timing.DEFAULT_UTILIZATION`, which only GPUs with no published run
+    take, so the H100 model it is compared with was not fitted on it.)"""
     attention: tuple[int, int] = (0, 0)
     """``(layers, query width)`` where :attr:`model` is a bare count, from the model's published
     config; a preset knows its own. They price attention's FLOPs."""
@@ -223,12 +233,10 @@ PUBLISHED_THROUGHPUT: tuple[PublishedThroughput, ...] = (
                         "Grattafiori et al. 2024, The Llama 3 Herd of Models (arXiv:2407.21783), Table 4: "
                         "400 TFLOP/s per GPU, BF16 MFU 41 % (TP 8, PP 16, FSDP 128); tokens/s per GPU are "
                         "400 TFLOP/s over 6P + 12·L·w·s (the paper states FLOP/s, not tokens)",
-                        calibration=True, attention=(126, 16384)),
-    PublishedThroughput("Llama 2 7B, 128 A100", "llama2-7b", "a100-80gb", 128, 4096, 2, False, 3700, 0.57, _IBM,
-                        calibration=True),
+                        attention=(126, 16384)),
+    PublishedThroughput("Llama 2 7B, 128 A100", "llama2-7b", "a100-80gb", 128, 4096, 2, False, 3700, 0.57, _IBM),
     PublishedThroughput("Llama 2 70B, 128 A100, AC", "llama2-70b", "a100-80gb", 128, 4096, 2, True, 370, 0.50, _IBM),
-    PublishedThroughput("Llama 2 7B, 96 H100", "llama2-7b", "h100-80gb", 96, 4096, 2, False, 7500, 0.37, _IBM,
-                        calibration=True),
+    PublishedThroughput("Llama 2 7B, 96 H100", "llama2-7b", "h100-80gb", 96, 4096, 2, False, 7500, 0.37, _IBM),
     PublishedThroughput("Llama 2 70B, 96 H100, AC", "llama2-70b", "h100-80gb", 96, 4096, 2, True, 800, 0.34, _IBM),
     PublishedThroughput("Llama 2 13B, 64 A100", "llama2-13b", "a100-80gb", 64, 4096, 2, False, 2162, 0.611,
                         _TITAN_A100),
@@ -236,18 +244,12 @@ PUBLISHED_THROUGHPUT: tuple[PublishedThroughput, ...] = (
                         _TITAN_A100),
     PublishedThroughput("Llama 3 70B, 64 A100, AC", "llama3-70b", "a100-80gb", 64, 8192, 1, True, 331, 0.517,
                         _TITAN_A100),
-    PublishedThroughput("MPT 7B, 8 H100", 6_658_859_008, "h100-80gb", 8, 2048, 6, False, 10643, 0.4644, _FOUNDRY,
-                        attention=_MPT_7B),
-    PublishedThroughput("MPT 13B, 8 H100", 12_853_954_560, "h100-80gb", 8, 2048, 2, False, 4792, 0.3979, _FOUNDRY,
-                        attention=_MPT_13B),
-    PublishedThroughput("MPT 70B, 64 H100, AC", 64_862_437_376, "h100-80gb", 64, 2048, 8, True, 1039, 0.4257,
-                        _FOUNDRY, attention=_MPT_70B),
-    PublishedThroughput("MPT 7B, 8 A100", 6_658_859_008, "a100-80gb", 8, 2048, 6, False, 4641, 0.6423, _FOUNDRY,
-                        attention=_MPT_7B),
-    PublishedThroughput("MPT 70B, 64 A100, AC", 64_862_437_376, "a100-80gb", 64, 2048, 8, True, 410, 0.5333,
-                        _FOUNDRY, attention=_MPT_70B),
+    *(PublishedThroughput(_foundry_label(run), run[9], run[3], run[2], run[1], run[6], run[8], run[7], run[4] / 100,
+                          FOUNDRY_SOURCE, calibration=_foundry_calibration(run), attention=MPT_SHAPES[run[0]])
+      for run in FOUNDRY_RUNS),
 )
-"""Published training throughputs (FSDP, or FSDP with other parallelism for the calibration row)."""
+"""Published training throughputs: FSDP jobs, and Llama 3 405B's (FSDP with tensor and pipeline
+parallelism); every bf16 row of MosaicML's benchmark tables (:mod:`handbook_lib.models.foundry_runs`)."""
 
 
 @dataclass(frozen=True)
@@ -266,6 +268,32 @@ class ThroughputRow:
         return self.model_tokens_per_s / self.published.tokens_per_s_per_gpu - 1
 
 
+def _shape(row: PublishedThroughput) -> tuple[int, int]:
+    """``(layers, query width)`` of a row's model."""
+    model = _model(row.model)
+    return row.attention if isinstance(model, int) else (model.num_layers, model.attention_width)
+
+
+def utilization_points(rows: tuple[PublishedThroughput, ...] = PUBLISHED_THROUGHPUT,
+                       ) -> dict[str, list[tuple[int, float]]]:
+    """The calibration rows' ``(width, utilization)`` by accelerator name: the share of the GPU's
+    bf16 peak their hardware FLOPs (:func:`~handbook_lib.models.timing.estimate_step_flops`) reached
+    at the published tokens per second. What
+    :func:`~handbook_lib.models.timing.fit_utilizations` turns into
+    :data:`~handbook_lib.models.timing.UTILIZATION_MAX` and
+    :data:`~handbook_lib.models.timing.UTILIZATION_HALF_WIDTH`."""
+    points: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        if row.calibration:
+            layers, width = _shape(row)
+            acc = get_accelerator(row.gpu)
+            flops = estimate_step_flops(_params(row.model), row.seq_len, seq_len=row.seq_len, num_layers=layers,
+                                        attention_width=width, activation_checkpointing=row.activation_checkpointing)
+            u = flops.hardware / row.seq_len * row.tokens_per_s_per_gpu / acc.peak_flops_bf16
+            points.setdefault(acc.name, []).append((width, u))
+    return points
+
+
 def throughput_rows(rows: tuple[PublishedThroughput, ...] = PUBLISHED_THROUGHPUT,
                     utilization: float | None = None) -> list[ThroughputRow]:
     """Each published throughput with the compute model's: ``micro_batch x seq_len`` tokens over
@@ -276,8 +304,8 @@ def throughput_rows(rows: tuple[PublishedThroughput, ...] = PUBLISHED_THROUGHPUT
     port per GPU, where chapter 4's planner finds FSDP compute-bound."""
     out = []
     for row in rows:
-        tokens, model, acc = row.micro_batch * row.seq_len, _model(row.model), get_accelerator(row.gpu)
-        layers, width = row.attention if isinstance(model, int) else (model.num_layers, model.attention_width)
+        tokens, acc = row.micro_batch * row.seq_len, get_accelerator(row.gpu)
+        layers, width = _shape(row)
         u = expected_utilization(acc, width) if utilization is None else utilization
         seconds = estimate_compute_time(_params(row.model), tokens, acc.peak_flops_bf16, u,
                                         activation_checkpointing=row.activation_checkpointing,

@@ -10,7 +10,7 @@ compute follows the 6PT rule; overlap hides what compute can.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from handbook_lib.core.checks import check_int
@@ -21,7 +21,7 @@ from handbook_lib.models.traffic import CollectiveRecord, StepTraffic
 
 __all__ = ["StepTime", "StepFlops", "bytes_by_link", "estimate_step_time", "estimate_compute_time",
            "estimate_step_flops", "DEFAULT_UTILIZATION", "UTILIZATION_SOURCE", "ATTENTION_FLOPS_SOURCE",
-           "UTILIZATION_HALF_WIDTH", "UTILIZATION_MAX", "expected_utilization", "fit_utilization"]
+           "UTILIZATION_HALF_WIDTH", "UTILIZATION_MAX", "expected_utilization", "fit_utilization", "fit_utilizations"]
 
 DEFAULT_UTILIZATION = 0.41
 """Model FLOPs utilization assumed where none is given: see :data:`UTILIZATION_SOURCE`."""
@@ -34,28 +34,31 @@ UTILIZATION_SOURCE = (
     "throughput using PyTorch FSDP', 2024, Llama 2 7B to 70B)")
 """Where :data:`DEFAULT_UTILIZATION` comes from."""
 
-UTILIZATION_HALF_WIDTH = 1058
+UTILIZATION_HALF_WIDTH = 386
 """d_0 of :func:`expected_utilization`, elements: the hidden width at which a GPU reaches half
-its :data:`UTILIZATION_MAX`. A least-squares fit of ``u_max·d/(d + d_0)`` to the utilization
-measured on one H200 at widths 1,024, 2,048, 4,096 and 8,192 (the same 32,768 tokens per step,
-bf16; ``results/gpu/nvidia-h200-width.json`` and ``nvidia-h200-seq.json``), every point within
-3 %. Below a few thousand, the layer's pointwise work (norms, activations, residuals: memory-
-bound, growing as d) weighs against its matrix products (growing as d²)."""
+its :data:`UTILIZATION_MAX`. Fitted with them (:func:`fit_utilizations`, least squares) on the
+17 published runs the published page marks as calibration: MosaicML's MPT models from 125M to
+13B on one node of 8 A100s (40 and 80 GB) or H100s, 2,048-token sequences, no checkpointing.
+Below a few thousand, a layer's pointwise work (norms, activations, residuals: memory-bound,
+growing as d) weighs against its matrix products (growing as d²). An eager, unfused stack
+weighs more: one H200 running this book's model measured d_0 = 1,058 (``make gpu-check``,
+``results/gpu/nvidia-h200-width.json``)."""
+
+_FITTED = ("fitted on 17 published runs marked as calibration on the published page (MosaicML "
+           "llm-foundry's MPT benchmarks, 8 GPUs, 2,048-token sequences, no checkpointing)")
 
 UTILIZATION_MAX: dict[str, tuple[float, str]] = {
-    "NVIDIA A100 40GB": (0.699, "the A100 80GB's (the same chip and peak)"),
-    "NVIDIA A100 80GB": (0.699, "calibrated on one published run, marked as such on the published page: "
-                                "Llama 2 7B on 128 A100 80GB, 3,700 tokens/s per GPU (PyTorch and IBM, "
-                                "'Maximizing training throughput using PyTorch FSDP', 2024)"),
-    "NVIDIA H100 SXM 80GB": (0.447, "calibrated on one published run, marked as such on the published page: "
-                                    "Llama 2 7B on 96 H100, 7,500 tokens/s per GPU (PyTorch and IBM, 2024)"),
-    "NVIDIA H200 SXM 141GB": (0.447, "the H100 SXM's (the same chip and peak; one H200 alone, with no "
-                                     "communication, measured 0.703: an upper bound)"),
+    "NVIDIA A100 40GB": (0.664, _FITTED),
+    "NVIDIA A100 80GB": (0.692, _FITTED),
+    "NVIDIA H100 SXM 80GB": (0.468, _FITTED),
+    "NVIDIA H200 SXM 141GB": (0.468, "the H100 SXM's (the same chip and peak; no published FSDP run on "
+                                     "H200s is in the table); one H200 alone, with no communication, "
+                                     "measured 0.703 with this book's unfused model, an upper bound"),
 }
 """``u_max`` of :func:`expected_utilization` per accelerator (by :attr:`Accelerator.name`), and
-where it comes from: per GPU generation, the FSDP run without activation checkpointing on the
-most GPUs among the published page's rows. Accelerators not listed (no such run) take
-:data:`DEFAULT_UTILIZATION` at every width."""
+where it comes from. Accelerators not listed (no published run) take :data:`DEFAULT_UTILIZATION`
+at every width."""
+
 
 ATTENTION_FLOPS_SOURCE = (
     "Chowdhery et al. 2022, PaLM (arXiv:2204.02311), appendix B: 6N + 12·L·H·Q·T FLOPs per token "
@@ -136,6 +139,7 @@ def estimate_step_time(
     bound = "communication" if comm > compute_s else "compute"
     return StepTime(comm, compute_s, exposed, total, bound)
 
+
 def expected_utilization(accelerator: Accelerator, d_model: int) -> float:
     """Fraction of ``accelerator``'s peak that a training step's FLOPs reach (hardware FLOPs
     utilization, which is MFU without recomputation) for a model of width ``d_model``:
@@ -149,21 +153,32 @@ def expected_utilization(accelerator: Accelerator, d_model: int) -> float:
     return u_max[0] * d_model / (d_model + UTILIZATION_HALF_WIDTH)
 
 
-def fit_utilization(points: Sequence[tuple[int, float]], widths: range = range(1, 8193)) -> tuple[float, int]:
-    """``(u_max, d_0)`` of ``u = u_max·d/(d + d_0)`` closest to measured ``(d_model, utilization)``
-    ``points`` in least squares, ``d_0`` a whole number of ``widths`` (for each, the best
-    ``u_max`` is a closed form). How :data:`UTILIZATION_HALF_WIDTH` was found."""
-    if len(points) < 2 or any(d < 1 or not 0 < u <= 1 for d, u in points):
-        raise ValueError(f"points must be two or more (d_model >= 1, utilization in (0, 1]), got {points!r}")
-    best: tuple[float, float, int] | None = None
+def fit_utilizations(points: Mapping[str, Sequence[tuple[int, float]]],
+                     widths: range = range(1, 8193)) -> tuple[dict[str, float], int]:
+    """``({gpu: u_max}, d_0)`` of ``u = u_max·d/(d + d_0)``, one ``d_0`` for every GPU, closest
+    in least squares to measured ``(d_model, utilization)`` ``points`` per GPU; ``d_0`` a whole
+    number of ``widths`` (for each, every ``u_max`` is a closed form). How
+    :data:`UTILIZATION_MAX` and :data:`UTILIZATION_HALF_WIDTH` were found."""
+    if not points or any(len(p) < 2 or any(d < 1 or not 0 < u <= 1 for d, u in p) for p in points.values()):
+        raise ValueError(f"points must give each GPU two or more (d_model >= 1, utilization in (0, 1]), "
+                         f"got {dict(points)!r}")
+    best: tuple[float, dict[str, float], int] | None = None
     for d0 in widths:
-        f = [d / (d + d0) for d, _ in points]
-        u_max = sum(u * x for (_, u), x in zip(points, f)) / sum(x * x for x in f)
-        error = sum((u - u_max * x) ** 2 for (_, u), x in zip(points, f))
+        error, u_max = 0.0, {}
+        for gpu, pts in points.items():
+            f = [d / (d + d0) for d, _ in pts]
+            u_max[gpu] = sum(u * x for (_, u), x in zip(pts, f)) / sum(x * x for x in f)
+            error += sum((u - u_max[gpu] * x) ** 2 for (_, u), x in zip(pts, f))
         if best is None or error < best[0]:
             best = (error, u_max, d0)
     assert best is not None
     return best[1], best[2]
+
+
+def fit_utilization(points: Sequence[tuple[int, float]], widths: range = range(1, 8193)) -> tuple[float, int]:
+    """``(u_max, d_0)`` of :func:`fit_utilizations` for one GPU's ``points``."""
+    u_max, d0 = fit_utilizations({"gpu": points}, widths)
+    return u_max["gpu"], d0
 
 
 @dataclass(frozen=True)
