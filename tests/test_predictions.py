@@ -24,12 +24,13 @@ measured on an H200) less a training process's context as ``make gpu-check`` mea
 changed (e.g. GPT-3 175B on 64 A100 80GB: 85.61 -> 83.64 GB usable, FULL_SHARD + AC's margin
 5.0 -> 2.7 %), no fit verdict and no recommendation, no other figure.
 And once more when compute began to count attention's FLOPs (12·L·w·s per token) at a
-utilization per GPU and width (``expected_utilization``: A100 0.699·d/(d + 1,058), H100 0.447·...),
-and a checkpointed handbook model began to keep its boolean causal mask (s² bytes, measured on
-CPU and on an H200): 5 plans' ``compute_s`` and ``step_s`` (e.g. GPT-3 175B on 64 A100: DDP's
-compute 33.5 -> 22.6 s; Llama-2 7B on 8 H100: 0.408 -> 0.546 s) and 504 checkpointed memory
-entries of the handbook-model layouts (+s² bytes, e.g. +4,096 B at 64 tokens), no fit verdict
-and no recommendation.
+utilization per GPU and width (``expected_utilization``, fitted on 17 published runs: A100 80GB
+0.692·d/(d + 386), H100 0.468·...), and a checkpointed handbook model began to keep its boolean
+causal mask (s² bytes, measured on CPU and on an H200): 5 plans' ``compute_s``, ``step_s`` and
+the step times their reasons quote (e.g. GPT-3 175B on 64 A100: FULL_SHARD + AC 44.7 -> 28.9 s;
+Llama-2 7B on 8 H100: 0.410 -> 0.455 s) and 504 checkpointed memory entries of the
+handbook-model layouts (+s² bytes, e.g. +4,096 B at 64 tokens), no fit verdict and no
+recommendation.
 ``tests/prediction_grid.py`` says what the grid covers and how to regenerate the file after a
 deliberate change.
 """
@@ -42,7 +43,7 @@ import json
 
 from tests.prediction_grid import GOLDEN, canonical, predictions
 
-GOLDEN_SHA256 = "0e57eac90e41dddc5e9cd241685b9257875805e76866982b9939adf83aa9ab92"
+GOLDEN_SHA256 = "7abfdf3ba1e20784e0261c9d168dbd0856ff487e8e3ffb9f6d93b197e18771d1"
 """SHA-256 of the golden file's canonical text (a change to it must be deliberate)."""
 
 
