@@ -5,7 +5,8 @@ Chapter 3 teaches it; chapter 4's planner and chapter 8's many nodes use it. Eac
 :func:`handbook_lib.models.traffic.estimate_step_traffic` is priced with the alpha-beta model
 (:func:`handbook_lib.models.collectives.estimate_collective_time`) on the link it crosses, or on
 the route it takes over several machines (:func:`handbook_lib.models.topology.route_collective`);
-compute follows the 6PT rule; overlap hides what compute can.
+compute is the FLOPs a step executes (6PT, attention's, the recomputed forward) at the
+utilization published runs reach on the GPU for the model's width; overlap hides what compute can.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ __all__ = ["StepTime", "StepFlops", "bytes_by_link", "estimate_step_time", "esti
            "UTILIZATION_HALF_WIDTH", "UTILIZATION_MAX", "expected_utilization", "fit_utilization", "fit_utilizations"]
 
 DEFAULT_UTILIZATION = 0.41
-"""Model FLOPs utilization assumed where none is given: see :data:`UTILIZATION_SOURCE`."""
+"""Utilization assumed for a GPU with no published run (:func:`expected_utilization`) and by
+:func:`estimate_compute_time` where none is given: see :data:`UTILIZATION_SOURCE`."""
 
 UTILIZATION_SOURCE = (
     "Llama 3 405B pre-training on 16,384 H100 80GB (TP 8, PP 16, FSDP 128, sequences of 8,192): "
