@@ -13,6 +13,7 @@ from handbook_lib.models import (
     expected_utilization,
     fit_utilization,
     fit_utilizations,
+    width_utilization,
     get_accelerator,
     DEFAULT_UTILIZATION,
     UTILIZATION_SOURCE,
@@ -340,6 +341,7 @@ def test_expected_utilization_grows_with_the_width_toward_the_gpus_own():
     a100, l4 = get_accelerator("a100-80gb"), get_accelerator("l4-24gb")
     assert expected_utilization(a100, 4096) == pytest.approx(0.692 * 4096 / (4096 + 386))
     assert expected_utilization(a100, 386) == pytest.approx(0.692 / 2)  # d_0: half of u_max
+    assert width_utilization(0.6, 900, 900) == pytest.approx(0.3) and width_utilization(0.6, 900, 0) == 0
     assert expected_utilization(a100, 1024) < expected_utilization(a100, 8192) < UTILIZATION_MAX[a100.name][0]
     # no published run on an L4, or no width: the default
     assert expected_utilization(l4, 4096) == expected_utilization(a100, 0) == DEFAULT_UTILIZATION

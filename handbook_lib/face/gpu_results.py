@@ -32,7 +32,7 @@ from handbook_lib.launch.gpu_smoke import SMOKE_SCHEMA, SMOKE_WRITER
 from handbook_lib.launch.gpu_sweep import predict_max_micro_batch, sweep_peak_bytes
 from handbook_lib.models.allocator import RESERVE_MODEL
 from handbook_lib.models.hardware import ACCELERATORS, usable_memory_bytes
-from handbook_lib.models.timing import estimate_compute_time, fit_utilization
+from handbook_lib.models.timing import estimate_compute_time, fit_utilization, width_utilization
 
 __all__ = ["read_gpu_results", "gpu_memory_rows", "gpu_memory_table", "gpu_mfu_table", "gpu_fit_table",
            "gpu_fit_curve", "gpu_smoke_table", "gpu_sets_table", "gpu_budget_table", "gpu_utilization_rows",
@@ -295,7 +295,7 @@ def _calibration(row: Mapping[str, Any]) -> bool:
 
 
 def _model_step_s(row: Mapping[str, Any], u_max: float, d0: int) -> float:
-    u = u_max * row["d_model"] / (row["d_model"] + d0)
+    u = width_utilization(u_max, d0, row["d_model"])
     return estimate_compute_time(row["num_params"], row["tokens_per_rank"], row["peak_flops"], u,
                                  activation_checkpointing=row["activation_checkpointing"] == "full",
                                  seq_len=row["seq_len"], num_layers=row["num_layers"],
@@ -349,7 +349,7 @@ def plot_utilization(sets: ResultSets) -> Figure:
     d = [r["d_model"] for r in width]
     right.plot(d, [100 * r["mfu"] for r in width], "o", color="tab:blue", label="measured MFU")
     grid = list(range(512, 8193, 128))
-    right.plot(grid, [100 * u_max * x / (x + d0) for x in grid], "--", color="tab:orange",
+    right.plot(grid, [100 * width_utilization(u_max, d0, x) for x in grid], "--", color="tab:orange",
                label=f"{u_max:.2f}·d/(d + {d0:,})")
     right.set_xscale("log", base=2)
     right.set_xticks(d, [str(x) for x in d])

@@ -93,7 +93,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     from handbook_lib.models.timing import (
         ATTENTION_FLOPS_SOURCE, DEFAULT_UTILIZATION, UTILIZATION_SOURCE, StepFlops, StepTime,
         UTILIZATION_HALF_WIDTH, UTILIZATION_MAX, bytes_by_link, estimate_compute_time, estimate_step_flops,
-        estimate_step_time, expected_utilization, fit_utilization, fit_utilizations,
+        estimate_step_time, expected_utilization, fit_utilization, fit_utilizations, width_utilization,
     )
     from handbook_lib.models.cluster import ClusterLayout, compare_cluster_layouts, hsdp_groups
     from handbook_lib.models.topology import (

@@ -22,7 +22,8 @@ from handbook_lib.models.traffic import CollectiveRecord, StepTraffic
 
 __all__ = ["StepTime", "StepFlops", "bytes_by_link", "estimate_step_time", "estimate_compute_time",
            "estimate_step_flops", "DEFAULT_UTILIZATION", "UTILIZATION_SOURCE", "ATTENTION_FLOPS_SOURCE",
-           "UTILIZATION_HALF_WIDTH", "UTILIZATION_MAX", "expected_utilization", "fit_utilization", "fit_utilizations"]
+           "UTILIZATION_HALF_WIDTH", "UTILIZATION_MAX", "expected_utilization", "width_utilization",
+           "fit_utilization", "fit_utilizations"]
 
 DEFAULT_UTILIZATION = 0.41
 """Utilization assumed for a GPU with no published run (:func:`expected_utilization`) and by
@@ -142,6 +143,12 @@ def estimate_step_time(
     return StepTime(comm, compute_s, exposed, total, bound)
 
 
+def width_utilization(u_max: float, d0: int, d_model: int) -> float:
+    """``u_max·d/(d + d_0)``: the utilization a GPU whose ceiling is ``u_max`` reaches at width
+    ``d_model``, half of it at ``d0`` (the curve :func:`fit_utilizations` fits)."""
+    return u_max * d_model / (d_model + d0)
+
+
 def expected_utilization(accelerator: Accelerator, d_model: int) -> float:
     """Fraction of ``accelerator``'s peak that a training step's FLOPs reach (hardware FLOPs
     utilization, which is MFU without recomputation) for a model of width ``d_model``:
@@ -152,7 +159,7 @@ def expected_utilization(accelerator: Accelerator, d_model: int) -> float:
     u_max = UTILIZATION_MAX.get(accelerator.name)
     if u_max is None or d_model == 0:
         return DEFAULT_UTILIZATION
-    return u_max[0] * d_model / (d_model + UTILIZATION_HALF_WIDTH)
+    return width_utilization(u_max[0], UTILIZATION_HALF_WIDTH, d_model)
 
 
 def fit_utilizations(points: Mapping[str, Sequence[tuple[int, float]]],
@@ -168,7 +175,7 @@ def fit_utilizations(points: Mapping[str, Sequence[tuple[int, float]]],
     for d0 in widths:
         error, u_max = 0.0, {}
         for gpu, pts in points.items():
-            f = [d / (d + d0) for d, _ in pts]
+            f = [width_utilization(1.0, d0, d) for d, _ in pts]
             u_max[gpu] = sum(u * x for (_, u), x in zip(pts, f)) / sum(x * x for x in f)
             error += sum((u - u_max[gpu] * x) ** 2 for (_, u), x in zip(pts, f))
         if best is None or error < best[0]:
