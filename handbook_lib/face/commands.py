@@ -42,6 +42,7 @@ from handbook_lib.models.axes import (
     estimate_tp_fsdp_memory,
 )
 from handbook_lib.models.axes_table import AxisOption, axes_reason, compare_axes
+from handbook_lib.models.bands import StepTimeBand, step_time_band
 from handbook_lib.models.budget import memory_budget
 from handbook_lib.models.hardware import get_accelerator, get_link, node_preset
 from handbook_lib.models.hf_config import read_hf_config, read_hf_config_keys
@@ -302,14 +303,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         result, changes = plan(model, args.gpu, args.gpus, **kwargs), []
     flips = flip_points(result) if args.sensitivity else None
     axes = _plan_axes(args, per_node)
-    budget = memory_budget(args.gpu, args.headroom)
+    budget, band = memory_budget(args.gpu, args.headroom), step_time_band(args.gpu)
     if args.json:
-        data = dataclasses.asdict(result) | {"budget": dataclasses.asdict(budget)}
+        data = dataclasses.asdict(result) | {"budget": dataclasses.asdict(budget),
+                                             "step_time_band": dataclasses.asdict(band) if band else None}
         if args.sensitivity:
             data["sensitivity"] = [dataclasses.asdict(c) for c in changes]
             data["flip_points"] = dataclasses.asdict(flips) if flips else None
         if axes:
-            data["axes"] = {"options": [dataclasses.asdict(r) for r in axes[0]], "why": axes_reason(axes[0]),
+            data["axes"] = {"options": [dataclasses.asdict(r) for r in axes[0]], "why": axes_reason(axes[0], band),
                             "verdict": dataclasses.asdict(axes[1])}
         print(json.dumps(data, indent=2))
         return 0
@@ -339,11 +341,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 print(wrap_line(f"  {o.name} {route}", "    "))
     for reason in result.reasons:
         print(wrap_line(f"- {reason}", "  "))
+    print(wrap_line(f"- Step times: {band.text()}; a lead smaller than that is a tie to time." if band else
+                    f"- Step times: no published run on {args.gpu} tests the model there.", "  "))
     print(f"(the seed's rule, fp32 model state only, would answer: {result.seed_answer})")
     if args.sensitivity:
         _print_sensitivity(result, changes, flips)
     if axes:
-        _print_axes(*axes)
+        _print_axes(*axes, band)
     return 0
 
 
@@ -380,14 +384,14 @@ def _plan_axes(args: argparse.Namespace, per_node: int) -> tuple[list[AxisOption
     return rows, verdict
 
 
-def _print_axes(rows: list[AxisOption], verdict: AxesVerdict) -> None:
+def _print_axes(rows: list[AxisOption], verdict: AxesVerdict, band: StepTimeBand | None) -> None:
     print("beyond FSDP (chapter 9): the same job as TP inside a node x FSDP across, or the sequence split")
     print(axes_table(rows))
     print(wrap_line("exposed = communication no compute hides (TP's collectives and Ulysses' all-to-alls sit "
                     "between two matrix products); tok/s/GPU compares layouts whose batches differ (a TP "
                     "group shares its sequences); margin batch: fits, but its step takes more tokens than "
                     "--batch-tokens; compute counts attention's FLOPs, 12 L w s per token", "  "))
-    print(wrap_line(f"- {axes_reason(rows)}", "  "))
+    print(wrap_line(f"- {axes_reason(rows, band)}", "  "))
     print(wrap_line(f"is FSDP enough? {verdict.axes}", "  "))
     for reason in verdict.reasons:
         print(wrap_line(f"- {reason}", "  "))

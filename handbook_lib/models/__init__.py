@@ -132,6 +132,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         PUBLISHED_AXIS_MEMORY, AxisMemoryRow, PublishedAxisMemory, axis_memory_rows,
     )
     from handbook_lib.models.published import utilization_points
+    from handbook_lib.models.bands import StepTimeBand, step_time_band
     from handbook_lib.models.foundry_runs import FOUNDRY_RUNS, FOUNDRY_SOURCE, MPT_SHAPES
     from handbook_lib.models.lr_schedule import (
         lr_factor,

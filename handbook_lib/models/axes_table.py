@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from handbook_lib.core.config import get_precision
 from handbook_lib.core.parallel_layout import ParallelLayout
 from handbook_lib.models.axes import estimate_sp_memory, estimate_tp_fsdp_memory
+from handbook_lib.models.bands import StepTimeBand
 from handbook_lib.models.collectives import estimate_collective_time
 from handbook_lib.models.hardware import (
     Accelerator,
@@ -246,8 +247,10 @@ def recommend_axes(rows: list[AxisOption]) -> AxisOption | None:
     return min(tied, key=lambda r: (r.tp_size * r.sp_size, r.activation_checkpointing, -r.tokens_per_s_per_gpu))
 
 
-def axes_reason(rows: list[AxisOption]) -> str:
-    """One or two sentences: which layout wins and why, against the best of the others."""
+def axes_reason(rows: list[AxisOption], band: StepTimeBand | None = None) -> str:
+    """One or two sentences: which layout wins and why, against the best of the others; with the
+    GPU's ``band`` (:func:`~handbook_lib.models.bands.step_time_band`), a lead smaller than the
+    model's median error there is called a tie to time."""
     chosen = recommend_axes(rows)
     if chosen is None:
         least = min(rows, key=lambda r: r.peak_reserved_bytes)
@@ -266,6 +269,8 @@ def axes_reason(rows: list[AxisOption]) -> str:
             why = "a tie, won by fewer axes or no recomputation"
         else:
             why = f"{chosen.tokens_per_s_per_gpu / runner.tokens_per_s_per_gpu:.2f}x its tokens/s per GPU"
+            if band is not None and band.tie(chosen.tokens_per_s_per_gpu, runner.tokens_per_s_per_gpu):
+                why += f", less than the model's median error on this GPU ({100 * band.median:.1f} %): time both"
         text += f" Best other: {runner.name} ({runner.tokens_per_s_per_gpu:,.0f}); {why}."
     elif unfit and not past:
         text += (f" Nothing without another axis fits ({unfit[0].name}: "
