@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from handbook_lib.face import main
+from handbook_lib.models import estimate_accumulation_bytes
 from handbook_lib.runs import available_runs
 
 
@@ -232,6 +233,29 @@ def test_memory_json_gives_the_reserved_peak(capsys):
     two_mib = 2 * 2**20
     assert data["peak_reserved"] == -(-round(data["peak"] * 1.1) // two_mib) * two_mib
     assert data["reserve"]["fraction"] == 0.1 and "pytorch/pytorch#89457" in data["reserve"]["source"]
+
+
+def test_memory_with_gradient_accumulation_holds_the_unsharded_gradients(capsys):
+    """``--grad-accum K``: FULL_SHARD holds every parameter's fp32 gradient between micro-steps
+    (4 bytes a parameter, the whole model, whatever the ranks); ``--sync-every-micro-step``
+    reduces them each time, and memory is one micro-step's."""
+    base = ["memory", "--model", "7b", "--world-size", "8", "--json"]
+    runs = {}
+    for extra in ([], ["--grad-accum", "4"], ["--grad-accum", "4", "--sync-every-micro-step"]):
+        assert main([*base, *extra]) == 0
+        runs[" ".join(extra)] = data = json.loads(capsys.readouterr().out)
+        if extra:
+            assert "4 micro-steps a step" in data["assumptions"]
+    plain, held, synced = runs[""], runs["--grad-accum 4"], runs["--grad-accum 4 --sync-every-micro-step"]
+    assert synced["phases"] == plain["phases"]
+    # at the start of backward every parameter's fp32 gradient from the earlier micro-steps is held
+    extra = held["phases"]["backward_start"] - plain["phases"]["backward_start"]
+    assert extra == 4 * 6_738_415_616 == estimate_accumulation_bytes("7b", "FULL_SHARD", "bf16-mixed")
+    assert held["peak"] > plain["peak"] and held["peak_phase"] == "layer_backward"
+    assert main([*base, "--sync-every-micro-step"]) == 2
+    assert capsys.readouterr().err.startswith("error: --sync-every-micro-step needs --grad-accum >= 2, got 1")
+    assert main([*base, "--grad-accum", "0"]) == 2
+    assert "--grad-accum" in capsys.readouterr().err
 
 
 def test_bad_inputs_get_one_line_naming_the_flag(capsys):

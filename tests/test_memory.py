@@ -240,6 +240,10 @@ def test_accumulation_keeps_unsharded_gradients_only_when_they_are_sharded():
     assert estimate_accumulation_bytes(TINY, "DDP") == estimate_accumulation_bytes(TINY, "NO_SHARD") == 0
     one = estimate_memory(TINY, 2, "FULL_SHARD", micro_batch=2, seq_len=16)
     two = estimate_memory(TINY, 2, "FULL_SHARD", micro_batch=2, seq_len=16, grad_accum_steps=2)
+    # reduced in every micro-step, the gradients stay sharded: one micro-step's memory
+    synced = estimate_memory(TINY, 2, "FULL_SHARD", micro_batch=2, seq_len=16, grad_accum_steps=2,
+                             sync_every_micro_step=True)
+    assert synced == one and two.peak > one.peak
     for phase, total in one.phases.items():
         if phase not in ("layer_backward", "layer_reduce"):
             # the end of backward and the optimizer step come after the last reduce-scatter

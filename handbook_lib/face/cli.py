@@ -220,6 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
                      "and attention's outputs) or full (keep each layer's input; the flag alone); needs "
                      "--micro-batch")
     mem.add_argument("--cpu-offload", action="store_true", help="keep the model state in host RAM (FSDP only)")
+    mem.add_argument("--grad-accum", type=_whole(1), default=1, metavar="K",
+                     help="micro-steps per optimizer step (default 1); gradients reduced in the last one, "
+                     "so a sharding strategy holds them unsharded in between")
+    mem.add_argument("--sync-every-micro-step", action="store_true",
+                     help="with --grad-accum >= 2: reduce the gradients in every micro-step (kept sharded)")
     _add_axes(mem)
     mem.add_argument("--json", action="store_true", help="print bytes as JSON")
 

@@ -30,11 +30,7 @@ from handbook_lib.face.display import (
 )
 from handbook_lib.face.views import axes_table, fit_table, step_time_summary, step_time_table
 from handbook_lib.launch.errors import describe_failed_checks
-from handbook_lib.models.allocator import (
-    RESERVE_FRACTION,
-    RESERVE_MODEL,
-    RESERVE_SOURCE,
-)
+from handbook_lib.models.allocator import RESERVE_FRACTION, RESERVE_MODEL, RESERVE_SOURCE
 from handbook_lib.models.axes import (
     AxesVerdict,
     estimate_axes,
@@ -50,17 +46,8 @@ from handbook_lib.models.layout import ModelLayout, model_layout
 from handbook_lib.models.memory import PHASE_WORDS, MemoryEstimate, estimate_memory
 from handbook_lib.models.planner import Plan, check_whole_nodes, plan
 from handbook_lib.models.presets import DecoderShape, describe_shape, get_shape
-from handbook_lib.models.sensitivity import (
-    FlipPoints,
-    Sensitivity,
-    flip_points,
-    plan_sensitivity,
-)
-from handbook_lib.models.timing import (
-    expected_utilization,
-    estimate_compute_time,
-    estimate_step_time,
-)
+from handbook_lib.models.sensitivity import FlipPoints, Sensitivity, flip_points, plan_sensitivity
+from handbook_lib.models.timing import estimate_compute_time, estimate_step_time, expected_utilization
 from handbook_lib.models.traffic import estimate_step_traffic
 from handbook_lib.runs import describe_runs
 
@@ -165,14 +152,19 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     if args.activation_checkpointing != "none" and not args.micro_batch:
         raise ValueError("--activation-checkpointing changes activations only: give --micro-batch "
                          "and --seq-len too")
+    if args.sync_every_micro_step and args.grad_accum < 2:
+        raise ValueError(f"--sync-every-micro-step needs --grad-accum >= 2, got {args.grad_accum}")
     model, named, echo = _chosen_model(args)
     axes = _axes_memory(args, model)
     est = axes[0] if axes else estimate_memory(
         model, args.world_size, args.strategy, args.precision, args.optimizer, micro_batch=args.micro_batch,
         seq_len=args.seq_len, shard_group_size=args.shard_group_size,
-        activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload)
+        activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload,
+        grad_accum_steps=args.grad_accum, sync_every_micro_step=args.sync_every_micro_step)
+    accum = (f"; {args.grad_accum} micro-steps a step, gradients reduced in "
+             f"{'each' if args.sync_every_micro_step else 'the last'}") if args.grad_accum > 1 else ""
     tokens = (f"micro-batch {args.micro_batch} x {args.seq_len} tokens" if args.micro_batch
-              else "no activations")
+              else "no activations") + accum
     assumes = (f"{_assumptions(args, args.optimizer)}; {tokens}; activation checkpointing "
                f"{args.activation_checkpointing}; CPU offload "
                f"{'on' if args.cpu_offload else 'off'}{axes[1] if axes else ''}")
@@ -228,9 +220,10 @@ def _axes_memory(args: argparse.Namespace, layout: ModelLayout) -> tuple[MemoryE
     if not args.micro_batch:
         raise ValueError(f"{flag} divides activations: give --micro-batch and --seq-len too (with --model, "
                          "--hf-config or the handbook's model)")
-    if not get_strategy(args.strategy).fully_sharded or args.cpu_offload or args.shard_group_size:
+    if (not get_strategy(args.strategy).fully_sharded or args.cpu_offload or args.shard_group_size
+            or args.grad_accum > 1):
         raise ValueError(f"{flag} prices FSDP (FULL_SHARD, on the device) over the other ranks: use "
-                         f"--strategy FULL_SHARD without --cpu-offload or --shard-group-size")
+                         f"--strategy FULL_SHARD without --cpu-offload, --shard-group-size or --grad-accum")
     _check_axes(args, layout, args.world_size)
     ac = args.activation_checkpointing
     if args.sp_size > 1:

@@ -103,7 +103,8 @@ def predicted_rank_bytes(module: object, config: object, world_size: int, local_
             micro_batch=per_rank_batch, seq_len=config.seq_len if per_rank_batch else 0,
             shard_group_size=(config.shard_group_size or local_ranks) if row.hybrid else None,
             activation_checkpointing=config.activation_checkpointing, cpu_offload=config.cpu_offload,
-            backend="nccl" if cuda else "gloo", grad_accum_steps=config.grad_accum_steps)
+            backend="nccl" if cuda else "gloo", grad_accum_steps=config.grad_accum_steps,
+            sync_every_micro_step=config.sync_every_micro_step)
     except (ValueError, TypeError, KeyError):  # a combination the models do not price: no figure
         return None
     return est.host + (0 if cuda else est.peak)

@@ -202,6 +202,7 @@ def estimate_memory(
     flat_params: bool = False,
     backend: str = "nccl",
     grad_accum_steps: int = 1,
+    sync_every_micro_step: bool = False,
 ) -> MemoryEstimate:
     """Predict one rank's device memory for a training step, by component and phase.
 
@@ -246,6 +247,8 @@ def estimate_memory(
             that last micro-step
             (:func:`~handbook_lib.models.model_state.estimate_accumulation_bytes`), in every
             phase but the end of backward.
+        sync_every_micro_step: With ``grad_accum_steps`` > 1, reduce(-scatter) the gradients in
+            every micro-step instead: they stay sharded, and memory is one micro-step's.
 
     The peak is the largest of the step's phases (:data:`PHASE_WORDS`), each a function of
     :mod:`handbook_lib.models.phases` whose docstring gives its formula; the state at rest is
@@ -275,7 +278,7 @@ def estimate_memory(
     state, host = estimate_state_at_rest(layout, row, group, rank, optimizer, units=units,
                                          flat_params=flat_params, cpu_offload=cpu_offload)
     accumulated = (estimate_accumulation_bytes(layout, strategy, precision, reduce_dtype=reduce_dtype)
-                   if grad_accum_steps > 1 else 0)
+                   if grad_accum_steps > 1 and not sync_every_micro_step else 0)
     shape = _step_shape(layout, row, state, dtype_bytes(compute), dtype_bytes(reduce_dtype or reduce),
                         world_size, group, units, flat_params, backend, accumulated, optimizer,
                         micro_batch, seq_len, compute, activation_checkpointing)

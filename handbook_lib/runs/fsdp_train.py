@@ -93,8 +93,8 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
         micro_batch=config.batch_size // (ctx.world_size * config.grad_accum_steps), seq_len=config.seq_len,
         shard_group_size=group if row.hybrid else None, rank=ctx.rank, cpu_offload=config.cpu_offload,
         activation_checkpointing=config.activation_checkpointing, units=units, flat_params=flat,
-        # reduced in every micro-step, the gradients stay sharded: memory as one micro-step
-        backend=ctx.backend, grad_accum_steps=1 if config.sync_every_micro_step else config.grad_accum_steps,
+        backend=ctx.backend, grad_accum_steps=config.grad_accum_steps,
+        sync_every_micro_step=config.sync_every_micro_step,
     )
     state, checks = _state(config, ctx, layout, units, group, flat, model, optimizer, init_bytes)
     metrics = {
