@@ -69,6 +69,23 @@ def test_comm_command(capsys):
     assert main(["comm", "--params", "1e6", "--link", "carrier-pigeon"]) == 2
 
 
+def test_comm_counts_attention_with_a_sequence_length(capsys):
+    """``--seq-len``: compute is 6PT plus 12·L·w·s per token, at the GPU's utilization for the
+    model's width (Llama-2 70B: 80 layers, width 8,192; H100: 0.468·d/(d + 386))."""
+    base = ["comm", "--model", "70b", "--world-size", "64", "--gpu", "h100-80gb", "--tokens", "4096", "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)["compute_s"]
+    assert main([*base, "--seq-len", "4096"]) == 0
+    with_attention = json.loads(capsys.readouterr().out)["compute_s"]
+    p, u = 68_976_648_192, 0.468 * 8192 / (8192 + 386)
+    assert plain == pytest.approx(6 * p * 4096 / (989e12 * u))
+    assert with_attention == pytest.approx((6 * p + 12 * 80 * 8192 * 4096) * 4096 / (989e12 * u))
+    assert main(["comm", "--params", "7e9", "--gpu", "h100-80gb", "--tokens", "4096", "--seq-len", "4096"]) == 2
+    assert capsys.readouterr().err.startswith("error: --seq-len needs a model's layers")
+    assert main(["comm", "--model", "70b", "--seq-len", "4096"]) == 2
+    assert "--seq-len needs them too" in capsys.readouterr().err
+
+
 def test_plan_command_is_fast_and_explains(capsys):
     import time
 

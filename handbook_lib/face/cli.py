@@ -240,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_argument("--gpu", default=None, choices=list(ACCELERATORS), metavar="G",
                       help=f"for compute time (with --tokens): one of {', '.join(ACCELERATORS)}")
     comm.add_argument("--tokens", type=_whole(0), default=0, help="tokens per GPU per step, for compute time")
+    comm.add_argument("--seq-len", type=_whole(0), default=0, metavar="T",
+                      help="tokens per sequence: compute counts attention's FLOPs too (needs --tokens and a shape)")
     comm.add_argument("--json", action="store_true", help="print bytes and seconds as JSON")
 
     pl = sub.add_parser("plan", help="price every strategy and recommend one")

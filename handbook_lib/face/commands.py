@@ -240,9 +240,12 @@ def _axes_memory(args: argparse.Namespace, layout: ModelLayout) -> tuple[MemoryE
 
 def _cmd_comm(args: argparse.Namespace) -> int:
     _check_sharding(args)
-    if bool(args.gpu) != bool(args.tokens):
-        raise ValueError("compute time needs both --gpu and --tokens (> 0): give both, or neither")
+    if bool(args.gpu) != bool(args.tokens) or (args.seq_len and not args.tokens):
+        raise ValueError("compute time needs both --gpu and --tokens (> 0; --seq-len needs them too): give both, "
+                         "or neither")
     model, named, echo = _chosen_model(args)
+    if args.seq_len and not model.num_layers:
+        raise ValueError("--seq-len needs a model's layers: use --model or --hf-config, not --params")
     param_dtype, reduce_dtype = PRECISIONS[args.precision]
     traffic = estimate_step_traffic(model.units(), args.world_size, args.strategy, param_dtype=param_dtype,
                                     reduce_dtype=reduce_dtype, shard_group_size=args.shard_group_size)
@@ -251,7 +254,8 @@ def _cmd_comm(args: argparse.Namespace) -> int:
     if args.gpu:
         acc = get_accelerator(args.gpu)
         u = expected_utilization(acc, model.d_model)
-        compute_s = estimate_compute_time(model.num_params, args.tokens, acc.peak_flops_bf16, u)
+        compute_s = estimate_compute_time(model.num_params, args.tokens, acc.peak_flops_bf16, u, seq_len=args.seq_len,
+                                          num_layers=model.num_layers, attention_width=model.attention_width)
     plain = estimate_step_time(traffic, link, compute_s, overlap=False)
     hidden = estimate_step_time(traffic, link, compute_s, overlap=True)
     assumes = (f"{_assumptions(args, 'any (it adds no traffic)')}; parameters gathered in "
@@ -275,8 +279,9 @@ def _cmd_comm(args: argparse.Namespace) -> int:
     print(Table(["collective", "calls", "bytes sent", "human"], rows))
     print(f"communication: {plain.comm_s * 1e3:.2f} ms on {link.name}")
     if compute_s:
-        print(wrap_line(f"compute (6PT at {u:.0%} of {args.gpu}'s bf16 peak; attention's FLOPs left out: --tokens "
-                        f"gives no sequence length): {compute_s * 1e3:.2f} ms"))
+        flops = (f"6PT and attention's at {args.seq_len:,} tokens a sequence" if args.seq_len else
+                 "6PT; attention's FLOPs left out: give --seq-len")
+        print(wrap_line(f"compute ({flops}; {u:.0%} of {args.gpu}'s bf16 peak): {compute_s * 1e3:.2f} ms"))
         print(f"step: {plain.total_s * 1e3:.2f} ms without overlap, {hidden.total_s * 1e3:.2f} ms with; "
               f"{hidden.bound}-bound")
         print(wrap_line("bound = what sets the step time with overlap: compute (the links' time hides "
