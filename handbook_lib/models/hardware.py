@@ -185,8 +185,9 @@ class Accelerator:
     also says where the ranks compute (foreach Adam's temporary is a GPU's)."""
 
     def peak_flops(self, precision: str) -> float:
-        """Dense peak FLOP/s for a run config's ``precision``: fp32's for ``fp32``, else bf16's
-        (``bf16-mixed``, ``bf16``, ``fp16-mixed``: the matrix products run in 16 bits)."""
+        """Dense peak FLOP/s for a run config's ``precision`` or a compute dtype's name: fp32's for
+        ``fp32``, else bf16's (``bf16-mixed``, ``bf16``, ``fp16``: the matrix products run in 16
+        bits)."""
         return self.peak_flops_fp32 if precision == "fp32" else self.peak_flops_bf16
 
     def __post_init__(self) -> None:

@@ -405,7 +405,7 @@ def ring_overlap(model: ModelLike, seq_len: int, sp_size: int, link: Link | str,
     acc = get_accelerator(accelerator) if isinstance(accelerator, str) else accelerator
     _, q, k = _widths(model)
     c = dtype_bytes(dtype)
-    flops = (acc.peak_flops_fp32 if dtype == "fp32" else acc.peak_flops_bf16) * utilization
+    flops = acc.peak_flops(dtype) * utilization
     bandwidth = link.achievable_bytes_per_s
     block = local_tokens(micro_batch, seq_len, sp_size)
     per_seq = seq_len // sp_size
