@@ -47,13 +47,9 @@ from handbook_lib.runtime.measure import (
 )
 from handbook_lib.runtime.optimization import build_optimizer
 from handbook_lib.runtime.ring_attention import ring_core
-from handbook_lib.runtime.sequence_parallel import (
-    build_sequence_mesh,
-    build_sequence_model,
-    measure_attention_error,
-    sequence_batches,
-)
-from handbook_lib.runtime.training import next_token_loss, train
+from handbook_lib.runtime.axes import CoreFactory, axes_step, parallelize_axes
+from handbook_lib.runtime.sequence_parallel import measure_attention_error
+from handbook_lib.runtime.training import train
 
 
 LOSS_TOLERANCE = 1e-5
@@ -66,21 +62,16 @@ reference's largest magnitude (fp32; measured about 1e-7)."""
 def run(config: ParallelConfig, ctx: RankContext) -> RankReport:
     """Train ``config`` with the sequence split over ``sp_size`` ranks; check every byte and loss."""
     validate(config, ctx.world_size)
-    mesh = build_sequence_mesh(config, ctx)
-    if config.sp_method == "ulysses":
-        from handbook_lib.integrations.ulysses import ulysses_core
-
-        core = ulysses_core(mesh.sp_group)
-    else:
-        core = ring_core(mesh.sp_group)
-    error = measure_attention_error(core, config, mesh, ctx.device)
-    model = build_sequence_model(config, ctx, mesh, core)
+    built = parallelize_axes(config, ctx, sp_core=sp_core_factory(config))
+    model, mesh = built.model, built.mesh
+    assert built.core is not None  # sp_size >= 2
+    error = measure_attention_error(built.core, config, mesh, ctx.device)
     optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
-    log = train(model, optimizer, config, ctx, batches=sequence_batches(mesh), loss_fn=own_targets,
-                track_memory=True, count_collectives=True)
+    log = train(model, optimizer, config, ctx, **axes_step(mesh), track_memory=True, count_collectives=True)
     memory, collectives = log.memory, log.collectives
     assert memory is not None and collectives is not None  # tracked on the last step
-    micro = config.batch_size // mesh.dp_size
+    dp = mesh.layout.dp
+    micro = config.batch_size // (dp * config.grad_accum_steps)
     checks = [
         Check("attention_output", ctx.rank, error.out_scale, error.out_scale + error.out_diff, "max |value|",
               ATTENTION_TOLERANCE),
@@ -91,8 +82,8 @@ def run(config: ParallelConfig, ctx: RankContext) -> RankReport:
     acts = tracked_activation_bytes(config, micro)
     checks.append(Check("activation_bytes", ctx.rank, acts, memory.activation_bytes, "bytes"))
     checks += _collective_checks(config, ctx, micro, collectives)
-    metrics = {"losses": log.losses, "step_time_s": log.step_time_s, "dp_size": mesh.dp_size,
-               "sp_size": mesh.sp_size, "dp_rank": mesh.dp_rank, "sp_rank": mesh.sp_rank,
+    metrics = {"losses": log.losses, "step_time_s": log.step_time_s, "dp_size": dp,
+               "sp_size": mesh.layout.sp, "dp_rank": mesh.dp_rank, "sp_rank": mesh.sp_rank,
                "activation_bytes": memory.activation_bytes, "predicted_activation_bytes": acts,
                "peak_bytes": memory.peak_bytes, "attention_error": vars(error),
                "collectives": [vars(c) for c in collectives],
@@ -105,12 +96,14 @@ def run(config: ParallelConfig, ctx: RankContext) -> RankReport:
                       extra={"num_params": parallel_layout(config.model_config()).num_params})
 
 
-def own_targets(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The run's loss: :func:`~handbook_lib.runtime.training.next_token_loss` on this rank's
-    targets as a tensor of their own, as a sequence-parallel data loader hands each rank its
-    chunk (the loop's slice is a view of the arranged global batch, whose whole storage the
-    memory tracker would count)."""
-    return next_token_loss(logits, targets.clone())
+def sp_core_factory(config: ParallelConfig) -> CoreFactory:
+    """The attention of ``config.sp_method``: DeepSpeed's Ulysses (``ulysses``) or the book's
+    ring (``ring``), each over the sequence-parallel group it is given."""
+    if config.sp_method == "ulysses":
+        from handbook_lib.integrations.ulysses import ulysses_core
+
+        return ulysses_core
+    return ring_core
 
 
 def tracked_activation_bytes(config: ParallelConfig, micro_batch: int) -> int:

@@ -52,7 +52,9 @@ from handbook_lib.runtime.measure import (
     measure_optimizer_bytes,
     measure_param_bytes,
 )
-from handbook_lib.runtime.tensor_parallel import train_tensor_parallel
+from handbook_lib.runtime.axes import axes_step, parallelize_axes
+from handbook_lib.runtime.optimization import build_optimizer
+from handbook_lib.runtime.training import train
 
 
 LOSS_TOLERANCE = 1e-5
@@ -66,11 +68,14 @@ def run(config: ParallelConfig, ctx: RankContext) -> RankReport:
     """Train ``config`` with TP over ``tp_size`` ranks and FSDP2 over the rest; check every byte and loss."""
     validate(config, ctx.world_size)
     dp = config.data_parallel_size(ctx.world_size)
-    dp_rank = ctx.rank // config.tp_size
-    model, optimizer, log = train_tensor_parallel(config, ctx)
+    built = parallelize_axes(config, ctx)
+    model, mesh = built.model, built.mesh
+    dp_rank = mesh.dp_rank
+    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
+    log = train(model, optimizer, config, ctx, **axes_step(mesh), track_memory=True, count_collectives=True)
     memory, collectives = log.memory, log.collectives
     assert memory is not None and collectives is not None  # tracked on the last step
-    micro = config.batch_size // dp
+    micro = config.batch_size // (dp * config.grad_accum_steps)
     cfg = config.model_config()
     state = estimate_tp_state_bytes(cfg, config.tp_size, dp, dp_rank, config.optimizer)
     params = measure_param_bytes(model)
@@ -89,7 +94,7 @@ def run(config: ParallelConfig, ctx: RankContext) -> RankReport:
     checks += _collective_checks(config, ctx, dp, micro, collectives)
     metrics = {"losses": log.losses, "dp_size": dp, "tp_size": config.tp_size, "dp_rank": dp_rank,
                "vocab_size": cfg.vocab_size, "padded_vocab_size": rows,
-               "tp_rank": ctx.rank % config.tp_size, "sequence_parallel": config.sequence_parallel,
+               "tp_rank": mesh.tp_rank, "sequence_parallel": config.sequence_parallel,
                "param_shard_bytes": params.shard_bytes, "param_padding_bytes": params.padding_bytes,
                "activation_bytes": memory.activation_bytes, "predicted_activation_bytes": acts.total,
                "activation_per_layer": acts.per_layer, "peak_bytes": memory.peak_bytes,

@@ -110,6 +110,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     )
     from handbook_lib.runtime.training import (
         ForwardFn,
+        LossContext,
         LossFn,
         NonFiniteLoss,
         StepEnd,
@@ -130,23 +131,15 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         ParallelTransformer,
         from_simple,
     )
-    from handbook_lib.runtime.tensor_parallel import (
-        TPTrainLog,
-        apply_fsdp_over_dp,
-        apply_tensor_parallel,
-        build_tp_mesh,
-        build_tp_model,
-        dp_batch,
-        tp_loss,
-        train_tensor_parallel,
-    )
-    from handbook_lib.runtime.sequence_parallel import (
-        AttentionError,
-        SequenceMesh,
-        build_sequence_mesh,
-        build_sequence_model,
-        measure_attention_error,
-        sequence_batches,
+    from handbook_lib.runtime.tensor_parallel import apply_tensor_parallel, tp_loss
+    from handbook_lib.runtime.sequence_parallel import AttentionError, measure_attention_error
+    from handbook_lib.runtime.mesh import MESH_NAMES, LayoutMesh, build_layout_mesh
+    from handbook_lib.runtime.axes import (
+        AxesModel,
+        CoreFactory,
+        axes_step,
+        layout_batches,
+        parallelize_axes,
     )
     from handbook_lib.runtime.ring_attention import (
         RingAttention,

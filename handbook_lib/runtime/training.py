@@ -11,11 +11,8 @@ batches, forward pass and loss (:func:`train`'s hooks), so their step numbers ar
 from __future__ import annotations
 
 import contextlib
-import math
-import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,22 +22,30 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from handbook_lib.core.config import RunConfig
-from handbook_lib.runtime.collectives import CollectiveCall, CollectiveCounter
+from handbook_lib.runtime.collectives import CollectiveCounter
 from handbook_lib.runtime.data import BatchSource, local_batch, make_batch
 from handbook_lib.runtime.distributed import RankContext, resolve_device
 from handbook_lib.runtime.grads import (
     clip_grad_norm,
     full_grad_norm,
-    grad_zero_fraction,
     is_fsdp1,
 )
-from handbook_lib.runtime.measure import StepMemory, StepMemoryTracker
+from handbook_lib.runtime.measure import StepMemoryTracker
 from handbook_lib.runtime.model import build_model
 from handbook_lib.runtime.optimization import build_lr_scheduler, build_optimizer
+from handbook_lib.runtime.train_log import (
+    NonFiniteLoss,
+    StepEnd,
+    TrainLog,
+    _ProgressLines,
+    _Recorder,
+    check_loss_finite,
+)
 
 __all__ = [
     "ForwardFn",
     "LossFn",
+    "LossContext",
     "next_token_loss",
     "TrainLog",
     "StepEnd",
@@ -51,47 +56,6 @@ __all__ = [
     "NonFiniteLoss",
     "check_loss_finite",
 ]
-
-
-class NonFiniteLoss(FloatingPointError):
-    """The loss became NaN or infinite: training diverged. The message names the step and rank."""
-
-
-def check_loss_finite(loss: float, step: int | None = None, rank: int | None = None) -> None:
-    """Raise :class:`NonFiniteLoss` if ``loss`` (nats per token) is NaN or infinite.
-
-    Args:
-        loss: This rank's loss of one step.
-        step: The optimizer step it belongs to (1-based), named in the message if given.
-        rank: This rank (default: the process group's rank, else 0).
-
-    Raises:
-        NonFiniteLoss: e.g. ``loss is nan at step 3 on rank 1: training diverged (lr too large? ...)``.
-    """
-    if math.isfinite(loss):
-        return
-    if rank is None:
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    where = f" at step {step}" if step is not None else ""
-    raise NonFiniteLoss(f"loss is {loss}{where} on rank {rank}: training diverged (lr too large? fp16 "
-                        f"without a gradient scaler?)")
-
-
-class _ProgressLines:
-    """A file for tqdm that writes each redraw as its own line.
-
-    tqdm redraws with carriage returns; torchrun's ``--tee`` reads the ranks' output line by
-    line and would cut such redraws apart. One line per redraw survives the trip, and the
-    launcher draws them in place again.
-    """
-
-    def write(self, text: str) -> None:
-        for part in text.split("\r"):
-            if part.strip():
-                sys.stderr.write(part.rstrip("\n") + "\n")
-
-    def flush(self) -> None:
-        sys.stderr.flush()
 
 
 ForwardFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -105,59 +69,17 @@ scalar tensors; the reported one in nats per token. With gradient accumulation o
 micro-batches the loop divides both by k, so the function returns a micro-batch's loss as if it
 were the whole step's. :func:`next_token_loss` is the default."""
 
+LossContext = Callable[[], contextlib.AbstractContextManager]
+"""``loss_context()``: a context the loss and its backward run inside, for a loss that needs one:
+tensor parallelism's ``loss_parallel`` (cross-entropy on logits split by vocabulary, whose
+reductions are functional collectives)."""
+
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The default :data:`LossFn`: the mean next-token cross-entropy (nats per token), computed
     in fp32 whatever the logits' dtype, backpropagated and reported alike (one tensor, twice)."""
     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
     return loss, loss
-
-
-@dataclass(frozen=True)
-class TrainLog:
-    """What :func:`train` observed, per step."""
-
-    losses: list[float]
-    """The reported loss over the global batch (nats per token), after each step's forward: by
-    default (:func:`next_token_loss`) the mean cross-entropy."""
-    step_time_s: list[float]
-    """Wall time of each untracked step (forward, backward, optimizer), seconds; the zero count
-    and the ``after_backward`` hook are left out."""
-    memory: StepMemory | None = None
-    """Memory of the last step, measured by :class:`StepMemoryTracker` (if asked for)."""
-    collectives: list[CollectiveCall] | None = None
-    """Collectives of the last step, recorded by :class:`CollectiveCounter` (if asked for)."""
-    grad_zero_fraction: list[float] = field(default_factory=list)
-    """Per untracked step, this rank's fraction of gradient elements exactly zero after backward
-    (before unscaling): see :func:`grad_zero_fraction`."""
-    grad_scale: list[float] = field(default_factory=list)
-    """Per step, the gradient scaler's factor used in that step (empty without a scaler)."""
-    skipped_steps: list[int] = field(default_factory=list)
-    """The optimizer steps (1-based, counted from the job's start, like ``steps``) that the
-    scaler skipped because it found inf/NaN gradients: those after which its factor dropped."""
-    grad_norm: list[float] = field(default_factory=list)
-    """Per step, the total L2 norm of the global batch's gradient before clipping (only with
-    ``max_grad_norm`` > 0)."""
-    grad_norm_full: float | None = None
-    """With clipping, on the first step: the same norm computed as one process would, from the
-    whole gradient gathered to this rank (see :func:`full_grad_norm`)."""
-    steps: list[int] = field(default_factory=list)
-    """The optimizer step (1-based, counted from the job's start) of each entry of ``losses``."""
-    lr: list[float] = field(default_factory=list)
-    """The learning rate each step used (the first parameter group's), dimensionless; empty
-    for an optimizer without parameter groups (DeepSpeed's engine)."""
-
-
-@dataclass(frozen=True)
-class StepEnd:
-    """What the per-step hook of :func:`train` is told after each optimizer step."""
-
-    step: int
-    """Optimizer steps done, counted from the job's start (1-based)."""
-    loss: float
-    """The global batch's mean loss of that step (nats per token)."""
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
 
 
 def _gradient_sync(model: nn.Module, sync: bool, reshard: bool = True) -> contextlib.AbstractContextManager:
@@ -178,11 +100,14 @@ def _gradient_sync(model: nn.Module, sync: bool, reshard: bool = True) -> contex
 def _forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, k: int, last: bool,
                       scaler: torch.amp.GradScaler | None, forward: ForwardFn | None, loss_fn: LossFn,
                       tracker: StepMemoryTracker | None, sync_every: bool = False,
-                      reshard_after_backward: bool = True) -> torch.Tensor:
+                      reshard_after_backward: bool = True, loss_context: LossContext | None = None,
+                      ) -> torch.Tensor:
     """One micro-step of :func:`train_step`: forward, loss (divided by ``k``), backward, gradients
     reduced if ``last`` or ``sync_every``, units resharded (FSDP2) if ``last`` or
-    ``reshard_after_backward``. Returns the reported loss, detached."""
-    with _gradient_sync(model, last or sync_every, last or reshard_after_backward):
+    ``reshard_after_backward``; the loss and its backward inside ``loss_context()`` if given.
+    Returns the reported loss, detached."""
+    with _gradient_sync(model, last or sync_every, last or reshard_after_backward), \
+            (loss_context() if loss_context is not None else contextlib.nullcontext()):
         logits = model(x) if forward is None else forward(model, x)
         loss, reported = loss_fn(logits, y)
         if k > 1:  # each micro-batch's share of the step's mean
@@ -190,8 +115,8 @@ def _forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, k: 
             loss = loss / k
             reported = loss if same else reported / k
         del logits  # only what autograd saved stays alive
-        if tracker is not None:
-            tracker.after_forward()
+        if tracker is not None:  # (a loss context's reductions free late on gloo: settle)
+            tracker.after_forward(settle=loss_context is not None)
         (scaler.scale(loss) if scaler is not None else loss).backward()
     return reported.detach()
 
@@ -236,6 +161,7 @@ def train_step(
     sync_every_micro_step: bool = False,
     reshard_after_backward: bool = True,
     unshard_first: bool = False,
+    loss_context: LossContext | None = None,
 ) -> torch.Tensor:
     """One optimizer step: forward, loss, backward, optimizer step. Returns this rank's reported
     loss over ``inputs`` (by default the mean next-token cross-entropy, nats per token).
@@ -256,7 +182,8 @@ def train_step(
     (fp16), the backward pass runs on the scaled loss and the scaler unscales, checks and steps.
     ``after_backward(model)`` is called between the last backward and the optimizer step.
     ``sync_every_micro_step`` reduces in every micro-step; ``reshard_after_backward=False``
-    (FSDP2) keeps units gathered between micro-steps; ``unshard_first``: root ``unshard()`` first.
+    (FSDP2) keeps units gathered between micro-steps; ``unshard_first``: root ``unshard()`` first;
+    ``loss_context`` (:data:`LossContext`) wraps each micro-step's loss and backward.
 
     Raises:
         ValueError: if ``inputs`` has a number of rows that ``grad_accum_steps`` does not divide.
@@ -281,7 +208,7 @@ def train_step(
             model.unshard()
         loss = _forward_backward(model, x, y, k=k, last=micro == k - 1, scaler=scaler, forward=forward,
                                  loss_fn=loss_fn, tracker=tracker, sync_every=sync_every_micro_step,
-                                 reshard_after_backward=reshard_after_backward)
+                                 reshard_after_backward=reshard_after_backward, loss_context=loss_context)
         # a Python float between micro-steps: no tensor of the loop's own stays alive
         total = loss if k == 1 else total + loss.item()
         del loss
@@ -296,65 +223,14 @@ def train_step(
     return total
 
 
-@dataclass
-class _Recorder:
-    """What :func:`train` collects step by step, turned into a :class:`TrainLog` at the end."""
-
-    losses: list[float] = field(default_factory=list)
-    times: list[float] = field(default_factory=list)
-    zeros: list[float] = field(default_factory=list)
-    scales: list[float] = field(default_factory=list)
-    skipped: list[int] = field(default_factory=list)
-    norms: list[float] = field(default_factory=list)
-    full: list[float] = field(default_factory=list)
-    steps: list[int] = field(default_factory=list)
-    lrs: list[float] = field(default_factory=list)
-    memory: StepMemory | None = None
-    collectives: list[CollectiveCall] | None = None
-    hook_s: float = 0.0
-    """Seconds this step spent counting zeros and in the caller's hook, kept out of step_time_s."""
-
-    def after_backward(self, hook: Callable[[nn.Module, int], None] | None, step: int,
-                       count_zeros: bool, device: torch.device | None = None,
-                       ) -> Callable[[nn.Module], None] | None:
-        """:func:`train_step`'s ``after_backward`` for 1-based ``step``: the zero count (if
-        ``count_zeros``), then the caller's ``hook(model, step)``; ``None`` if neither runs.
-
-        On a GPU it first waits for the queued backward (``torch.cuda.synchronize``): the
-        backward returns once its kernels are queued, and the first host read of a gradient
-        would wait for the rest of them inside the time kept out of ``step_time_s``, making
-        steps look 20-40 % shorter than they are (``../shared/reviews/gpu-path.md``, S2-1)."""
-        self.hook_s = 0.0
-        if hook is None and not count_zeros:
-            return None
-
-        def run(model: nn.Module) -> None:
-            if device is not None and device.type == "cuda":
-                torch.cuda.synchronize(device)  # the backward's own time stays in the step's
-            begin = time.perf_counter()
-            if count_zeros:
-                self.zeros.append(grad_zero_fraction(model))
-            if hook is not None:
-                hook(model, step)
-            self.hook_s = time.perf_counter() - begin
-
-        return run
-
-    def log(self) -> TrainLog:
-        return TrainLog(losses=self.losses, step_time_s=self.times, memory=self.memory,
-                        collectives=self.collectives, grad_zero_fraction=self.zeros,
-                        grad_scale=self.scales, skipped_steps=self.skipped, grad_norm=self.norms,
-                        grad_norm_full=self.full[0] if self.full else None, steps=self.steps,
-                        lr=self.lrs)
-
-
 def _tracked_step(record: _Recorder, model: nn.Module, optimizer: torch.optim.Optimizer,
                   batch: tuple[torch.Tensor, torch.Tensor], device: torch.device, track_memory: bool,
                   count_collectives: bool, **step_args: Any) -> torch.Tensor:
     """:func:`train_step` under a :class:`StepMemoryTracker` and/or a :class:`CollectiveCounter`,
     whose findings go to ``record``."""
     tracker = StepMemoryTracker(model, optimizer, device) if track_memory else None
-    counter = CollectiveCounter() if count_collectives else None
+    # a loss context (tensor parallelism's) comes with collectives issued as functional ones
+    counter = CollectiveCounter(functional=step_args["loss_context"] is not None) if count_collectives else None
     with contextlib.ExitStack() as stack:
         for mode in (tracker, counter):
             if mode is not None:
@@ -382,6 +258,7 @@ def train(
     loss_fn: LossFn = next_token_loss,
     after_backward: Callable[[nn.Module, int], None] | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    loss_context: LossContext | None = None,
 ) -> TrainLog:
     """Run optimizer steps ``start_step + 1`` … ``config.steps`` on this rank's share of each
     global batch (the batch of step s is ``batches(config, s - 1)``, :func:`make_batch` by
@@ -404,6 +281,8 @@ def train(
     ``scheduler`` is stepped after every optimizer step; without one, the loop builds
     ``config``'s (:func:`build_lr_scheduler`; none for a constant rate). A caller that saves
     the scheduler's state passes its own, restored where a resumed job needs it.
+    ``loss_context`` (:data:`LossContext`) wraps every loss and its backward; with it the
+    collective counter reads functional collectives too (tensor parallelism issues its own so).
 
     Raises:
         NonFiniteLoss: as soon as a rank's loss is NaN or infinite, naming the step and the rank
@@ -418,7 +297,7 @@ def train(
     step_args: dict[str, Any] = {"scaler": scaler, "grad_accum_steps": config.grad_accum_steps, "forward": forward,
                  "loss_fn": loss_fn, "max_grad_norm": config.max_grad_norm, "grad_norms": record.norms,
                  "sync_every_micro_step": config.sync_every_micro_step, "unshard_first": config.explicit_prefetch > 0,
-                 "reshard_after_backward": config.reshard_after_backward}
+                 "reshard_after_backward": config.reshard_after_backward, "loss_context": loss_context}
     for step in range(start_step, config.steps):
         batch = local_batch(config, step, ctx, batches)
         tracked = (track_memory or count_collectives) and config.steps >= 2 and step == config.steps - 1

@@ -1,0 +1,150 @@
+"""Parallelize the book's model over every axis of its layout, in one place and one order.
+
+Chapter 9 runs it. :func:`parallelize_axes` takes a
+:class:`~handbook_lib.core.parallel_config.ParallelConfig`, builds the job's one mesh from its
+:class:`~handbook_lib.core.parallel_layout.ParallelLayout` (:mod:`handbook_lib.runtime.mesh`)
+and applies the steps in torchtitan's order, each where its axis is on:
+
+1. **Tensor parallelism** over ``tp`` (:func:`~handbook_lib.runtime.tensor_parallel.apply_tensor_parallel`):
+   Megatron's plan, the vocabulary padded to a multiple of the degree;
+2. **The sequence split** over ``sp``: every layer's attention core replaced by one that sees
+   the other ranks' positions (the ring, or DeepSpeed Ulysses' all-to-alls, passed in by the run);
+3. **Activation checkpointing** of each layer
+   (:func:`~handbook_lib.runtime.build.apply_activation_checkpointing`);
+4. **FSDP2** over ``dp_shard × sp`` (replicated over ``dp_replicate`` for HSDP): one unit per layer
+   and the root, with the run's mixed-precision and offload policies
+   (:func:`~handbook_lib.runtime.build.apply_fsdp2`).
+
+The training loop is the book's one (:func:`~handbook_lib.runtime.training.train`);
+:func:`axes_step` gives it what the axes change: each rank's rows and positions of the batch,
+and, with tensor parallelism, the loss on vocabulary-split logits inside ``loss_parallel``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy
+
+from handbook_lib.core.parallel_config import ParallelConfig
+from handbook_lib.runtime.build import apply_activation_checkpointing, apply_fsdp2, build_mp_policy
+from handbook_lib.runtime.data import BatchSource, make_batch
+from handbook_lib.runtime.distributed import RankContext
+from handbook_lib.runtime.mesh import LayoutMesh, build_layout_mesh
+from handbook_lib.runtime.model import build_model
+from handbook_lib.runtime.parallel_model import AttentionCore, ParallelTransformer, from_simple
+from handbook_lib.runtime.ring_attention import ring_core
+from handbook_lib.runtime.training import next_token_loss
+
+__all__ = ["CoreFactory", "AxesModel", "parallelize_axes", "layout_batches", "axes_step"]
+
+CoreFactory = Callable[[dist.ProcessGroup], AttentionCore]
+"""``factory(sp_group) -> core``: the distributed attention of a sequence split over ``sp_group``."""
+
+
+@dataclass(frozen=True)
+class AxesModel:
+    """What :func:`parallelize_axes` built: the model and the mesh it is laid out on."""
+
+    model: ParallelTransformer
+    mesh: LayoutMesh
+    core: AttentionCore | None
+    """The sequence split's attention core (``None`` without one)."""
+
+
+def parallelize_axes(config: ParallelConfig, ctx: RankContext, *,
+                     sp_core: CoreFactory | None = None) -> AxesModel:
+    """The book's seeded model laid out over ``config``'s axes on this job (module docstring).
+
+    Args:
+        config: The run; its layout on ``ctx.world_size`` ranks, precision, checkpointing,
+            offload and strategy (FSDP2's FULL_SHARD, or HYBRID_SHARD over ``shard_group_size``).
+        ctx: This rank.
+        sp_core: The sequence split's attention (default :func:`ring_core`, whatever
+            ``sp_method`` says: a run passes DeepSpeed's Ulysses for ``ulysses``).
+
+    Raises:
+        ValueError: what :meth:`ParallelConfig.layout` refuses.
+    """
+    layout = config.layout(ctx.world_size)
+    mesh = build_layout_mesh(layout, ctx.device.type)
+    model = from_simple(build_model(config.model_config(), seed=config.seed, causal=True),
+                        vocab_size=config.padded_vocab_size).to(ctx.device)
+    if layout.tp_enabled:
+        from handbook_lib.runtime.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh.tp, config.sequence_parallel)
+    core = (sp_core or ring_core)(mesh.sp_group) if layout.sp_enabled else None
+    if core is not None:
+        model.set_core(core)
+    units: list[nn.Module] = list(model.layers)  # before checkpointing wraps them
+    apply_activation_checkpointing(model, config.activation_checkpointing)
+    offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if config.cpu_offload else None
+    apply_fsdp2(model, mesh.fsdp, reshard_after_forward=True, mp_policy=build_mp_policy(config.precision),
+                offload_policy=offload, units=units)
+    return AxesModel(model, mesh, core)
+
+
+def _arrange(batch: torch.Tensor, layout_mesh: LayoutMesh) -> torch.Tensor:
+    """Row block r (of ``world`` equal ones) = rank r's rows (its ``dp`` share) and positions
+    (its ``sp`` share) of ``batch``; the ranks of a tensor-parallel group get the same block."""
+    lay = layout_mesh.layout
+    rows, cols = batch.shape[0] // lay.dp, batch.shape[1] // lay.sp
+    blocks = []
+    for r in range(lay.world_size):
+        dp, sp = r // (lay.tp * lay.sp), (r // lay.tp) % lay.sp
+        blocks.append(batch[dp * rows:(dp + 1) * rows, sp * cols:(sp + 1) * cols])
+    return torch.cat(blocks)
+
+
+def layout_batches(layout_mesh: LayoutMesh, source: BatchSource = make_batch) -> BatchSource:
+    """A :data:`~handbook_lib.runtime.data.BatchSource` for :func:`~handbook_lib.runtime.training.train`
+    whose row block r (the loop's slice for rank r) is rank r's rows and positions of
+    ``source``'s global batch: shape (world · b/dp, s/sp)."""
+
+    def batches(config: Any, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = source(config, step)
+        return _arrange(inputs, layout_mesh), _arrange(targets, layout_mesh)
+
+    return batches
+
+
+def _own_copy(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    """The forward pass on the rank's token ids as a tensor of their own, as a data loader hands
+    them (the loop's slice is a view of the arranged batch, which would stay alive with it)."""
+    return model(inputs.clone())
+
+
+def _own_targets(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`next_token_loss` on the rank's targets as a tensor of their own."""
+    return next_token_loss(logits, targets.clone())
+
+
+def _vocab_parallel_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean next-token cross-entropy of logits split by vocabulary (a ``Shard(-1)`` DTensor),
+    without gathering them (inside ``loss_parallel``, :func:`~handbook_lib.runtime.tensor_parallel.tp_loss`);
+    reported as this rank's local value (the same on every rank of the group)."""
+    from handbook_lib.runtime.tensor_parallel import tp_loss
+
+    loss = tp_loss(logits, targets.clone())
+    return loss, loss.to_local()
+
+
+def axes_step(layout_mesh: LayoutMesh) -> dict[str, Any]:
+    """What :func:`~handbook_lib.runtime.training.train` takes for this layout: ``batches``
+    (:func:`layout_batches`), ``forward``, ``loss_fn`` and, with tensor parallelism,
+    ``loss_context`` (``loss_parallel``, around the loss and its backward)."""
+    steps: dict[str, Any] = {"batches": layout_batches(layout_mesh)}
+    if layout_mesh.layout.tp_enabled:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        steps.update(forward=_own_copy, loss_fn=_vocab_parallel_loss, loss_context=loss_parallel)
+    else:
+        steps.update(loss_fn=_own_targets, loss_context=None)
+    return steps
+
