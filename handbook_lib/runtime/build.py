@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -43,6 +43,7 @@ from handbook_lib.core.strategies import Strategy, get_strategy, run_shard_group
 from handbook_lib.models.activations import SELECTIVE_SAVE
 from handbook_lib.models.layout import wrap_units
 from handbook_lib.runtime.distributed import RankContext
+from handbook_lib.runtime.mesh import build_layout_mesh
 from handbook_lib.runtime.model import SimpleTransformer, TransformerLayer
 from handbook_lib.runtime.seeded_init import SeededInit
 
@@ -83,12 +84,12 @@ def shard_group(config: RunConfig, world_size: int) -> int:
 
 
 def build_mesh(config: RunConfig, ctx: RankContext) -> DeviceMesh:
-    """The device mesh FSDP shards over: 1-D over all ranks, or 2-D (replicate, shard) for HSDP."""
-    if not get_strategy(config.strategy).hybrid:
-        return init_device_mesh(ctx.device.type, (ctx.world_size,))
-    group = shard_group(config, ctx.world_size)
-    return init_device_mesh(ctx.device.type, (ctx.world_size // group, group),
-                            mesh_dim_names=("replicate", "shard"))
+    """The device mesh FSDP shards over, from the strategy's layout on this job
+    (:meth:`~handbook_lib.core.strategies.Strategy.layout`, :func:`~handbook_lib.runtime.mesh.build_layout_mesh`):
+    1-D over all ranks, or 2-D (``dp_replicate``, ``dp_shard``) for HSDP."""
+    row = get_strategy(config.strategy)
+    group = shard_group(config, ctx.world_size) if row.hybrid else None
+    return build_layout_mesh(row.layout(ctx.world_size, group), ctx.device.type).fsdp
 
 
 def build_mp_policy(precision: str) -> MixedPrecisionPolicy | None:
