@@ -13,9 +13,9 @@ from typing import ClassVar
 
 from handbook_lib.core.config import RunConfig
 from handbook_lib.core.parallel_layout import SP_METHODS, ParallelLayout, SpMethod
-from handbook_lib.core.strategies import get_strategy
+from handbook_lib.core.strategies import get_strategy, strategies_where
 
-__all__ = ["SP_METHODS", "PLAIN_KEYS", "CONFIG_NAMES", "ParallelConfig"]
+__all__ = ["SP_METHODS", "AXES_LEVERS_REFUSED", "CONFIG_NAMES", "ParallelConfig"]
 
 
 CONFIG_NAMES: dict[str, str] = {
@@ -25,12 +25,13 @@ CONFIG_NAMES: dict[str, str] = {
 """How a :class:`ParallelConfig`'s refusals name the layout's quantities (its keys)."""
 
 
-PLAIN_KEYS: tuple[str, ...] = (
-    "shard_group_size", "wrap", "precision", "grad_accum_steps", "max_grad_norm", "activation_checkpointing",
-    "cpu_offload", "explicit_prefetch", "reshard_after_forward_size", "sync_every_micro_step",
-    "reshard_after_backward", "count_gathered", "lr_schedule", "warmup_steps")
-"""Keys chapter 9's runs leave at their defaults: fp32, one micro-step, no clipping, no
-recomputation or offload, a constant learning rate, FSDP2's default schedule (:meth:`ParallelConfig.check_runnable`)."""
+AXES_LEVERS_REFUSED: dict[str, str] = {
+    "api": "the tensor and sequence axes compose with FSDP2 (fully_shard on DTensor parameters); "
+           "accepted: api='fsdp2'",
+    "count_gathered": "count_gathered is fsdp_train's probe of FSDP2's gathered units; accepted: False",
+}
+"""The keys :meth:`ParallelConfig.check_runnable` refuses away from their defaults, and why: the
+only ones; every other key of :class:`~handbook_lib.core.config.RunConfig` runs with any layout."""
 
 
 @dataclass(frozen=True)
@@ -71,10 +72,7 @@ class ParallelConfig(RunConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        tp, sp = self.tp_size, self.sp_size
-        if tp > 1 and sp > 1:
-            raise ValueError(f"config keys 'tp_size'={tp} and 'sp_size'={sp}: a run splits one axis "
-                             "beyond FSDP, tensors or sequences; set the other to 1")
+        tp = self.tp_size
         if self.sequence_parallel and tp == 1:
             raise ValueError("config key 'sequence_parallel'=True splits the tensor-parallel group's "
                              "activations by sequence: it needs tp_size >= 2, got 1")
@@ -88,23 +86,32 @@ class ParallelConfig(RunConfig):
         return self.layout().padded_vocab(self.vocab_size)
 
     def layout(self, world_size: int | None = None) -> ParallelLayout:
-        """The parallel layout of this config on ``world_size`` ranks: FSDP2 (FULL_SHARD) over the
-        data-parallel ranks, ``tp_size`` and ``sp_size`` inner (``None``: the model-parallel
-        degrees alone, one data-parallel rank).
+        """The parallel layout of this config on ``world_size`` ranks: ``tp_size`` and ``sp_size``
+        inner, the data-parallel ranks outside them sharded as ``strategy`` says (FULL_SHARD: all
+        of them; a hybrid strategy: groups of ``shard_group_size`` data-parallel ranks, replicated
+        across the groups). ``None``: the model-parallel degrees alone, one data-parallel rank.
 
         Raises:
-            ValueError: if ``tp_size * sp_size`` does not divide ``world_size``
+            ValueError: if ``tp_size * sp_size`` does not divide ``world_size``, or a hybrid
+                strategy's ``shard_group_size`` (0 or not dividing) the data-parallel ranks
                 (:meth:`ParallelLayout.for_world <handbook_lib.core.parallel_layout.ParallelLayout.for_world>`).
         """
-        return ParallelLayout.for_world(self.inner_size if world_size is None else world_size, tp=self.tp_size,
-                                        sp=self.sp_size, sp_method=self.sp_method, names=CONFIG_NAMES)
+        world = self.inner_size if world_size is None else world_size
+        row = get_strategy(self.strategy)
+        group = None
+        if row.hybrid and world_size is not None:
+            if not self.shard_group_size:
+                raise ValueError(f"config key 'shard_group_size'=0: strategy {self.strategy!r} with tp_size "
+                                 "or sp_size needs the data-parallel ranks of one shard group named, >= 1")
+            group = self.shard_group_size
+        return ParallelLayout.for_world(world, tp=self.tp_size, sp=self.sp_size, sp_method=self.sp_method,
+                                        shard_group=group, replicate=not row.sharded, names=CONFIG_NAMES)
 
-    def check_runnable(self, run: str, world_size: int, *, shards_over: str,
-                       also_default: tuple[str, ...] = ()) -> int:
-        """Refuse, for run ``run`` (``tensor_parallel``, ``sequence_parallel``), what chapter 9's
-        runs do not do: a world the axes do not divide (:meth:`data_parallel_size`), another API or
-        strategy than FSDP2's FULL_SHARD (which shards ``shards_over``, in words), any key of
-        :data:`PLAIN_KEYS` or ``also_default`` away from its default, or fewer than 2 steps.
+    def check_runnable(self, run: str, world_size: int) -> int:
+        """Refuse, for run ``run`` (``tensor_parallel``, ``sequence_parallel``), what no layout
+        can run here: a world the axes do not divide (:meth:`data_parallel_size`), a strategy
+        FSDP2 does not apply (``NONE``, ``DDP``, ``NO_SHARD``, DeepSpeed's), a key of
+        :data:`AXES_LEVERS_REFUSED` away from its default, or fewer than 2 steps.
 
         Returns:
             The data-parallel size.
@@ -112,15 +119,15 @@ class ParallelConfig(RunConfig):
         Raises:
             ValueError: one line naming the key and what the run accepts.
         """
-        dp = self.data_parallel_size(world_size)
-        if self.api != "fsdp2" or not get_strategy(self.strategy).fully_sharded:
-            raise ValueError(f"{run} shards {shards_over} with api='fsdp2', strategy='FULL_SHARD' only; "
-                             f"got api={self.api!r}, strategy={self.strategy!r}")
         default = ParallelConfig()
-        for key in (*PLAIN_KEYS, *also_default):
+        for key, why in AXES_LEVERS_REFUSED.items():
             if getattr(self, key) != getattr(default, key):
-                raise ValueError(f"config key {key!r}={getattr(self, key)!r} is not supported by {run} "
-                                 f"(it runs {key}={getattr(default, key)!r})")
+                raise ValueError(f"config key {key!r}={getattr(self, key)!r} with {run}: {why}")
+        row = get_strategy(self.strategy)
+        if not row.runs_with("fsdp2") or row.wrapper != "fsdp":
+            raise ValueError(f"config key 'strategy'={self.strategy!r}: {run} shards with FSDP2; accepted: "
+                             f"{', '.join(strategies_where(wrapper='fsdp', fsdp2=True))}")
+        dp = self.data_parallel_size(world_size)
         if self.steps < 2:
             raise ValueError(f"config key 'steps'={self.steps}: {run} measures its last step with the "
                              "optimizer state in place; it needs steps >= 2")
@@ -128,7 +135,7 @@ class ParallelConfig(RunConfig):
 
     @property
     def inner_size(self) -> int:
-        """Ranks of the inner mesh axis: ``tp_size * sp_size`` (one of them is 1)."""
+        """Ranks of the inner mesh axes: ``tp_size * sp_size``."""
         return self.tp_size * self.sp_size
 
     def data_parallel_size(self, world_size: int) -> int:
@@ -139,7 +146,8 @@ class ParallelConfig(RunConfig):
             ValueError: if ``tp_size * sp_size`` does not divide ``world_size``, or the global
                 batch does not divide over the data-parallel ranks (and ``grad_accum_steps``).
         """
-        key = "tp_size" if self.tp_size > 1 else "sp_size"
+        key = "tp_size x sp_size" if self.tp_size > 1 and self.sp_size > 1 else \
+            "tp_size" if self.tp_size > 1 else "sp_size"
         dp = self.layout(world_size).dp
         if self.batch_size % (dp * self.grad_accum_steps):
             raise ValueError(f"batch_size={self.batch_size} must be divisible by the {dp} "

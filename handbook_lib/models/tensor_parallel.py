@@ -222,7 +222,7 @@ def estimate_tp_collectives(config: ModelConfig, tp_size: int, tokens: int, sequ
       all-gather before the attention, ``linear1`` and the head (2L + 1); backward, each turned
       round (an all-gather per forward reduce-scatter, a reduce-scatter per all-gather), plus an
       all-reduce of each norm's weight and bias gradient (4L, of d·c bytes: their gradients are
-      partial sums over the sequence shards).
+      partial sums over the sequence shards, in the dtype the norms compute in).
 
     ``loss_parallel``'s own reductions (the max, the sum of exponentials and the target logit
     over the vocabulary shards) run inside DTensor's dispatch, where the collective counter
@@ -238,7 +238,7 @@ def estimate_tp_collectives(config: ModelConfig, tp_size: int, tokens: int, sequ
     if not sequence_parallel:
         return ([_tp("all_reduce", big, tp_size, "forward", s) for s in fwd_reduced]
                 + [_tp("all_reduce", big, tp_size, "backward", s) for s in bwd_reduced])
-    norm = config.d_model * dtype_bytes("fp32")
+    norm = config.d_model * dtype_bytes(compute_dtype)  # the norms' gradients, in the compute dtype
     out = [_tp("reduce_scatter", big, tp_size, "forward", s) for s in fwd_reduced]
     out += [_tp("all_gather", big, tp_size, "forward", s) for s in fwd_gathered]
     out += [_tp("all_gather", big, tp_size, "backward", s) for s in fwd_reduced]

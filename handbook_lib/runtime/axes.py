@@ -11,9 +11,9 @@ and applies the steps in torchtitan's order, each where its axis is on:
    the other ranks' positions (the ring, or DeepSpeed Ulysses' all-to-alls, passed in by the run);
 3. **Activation checkpointing** of each layer
    (:func:`~handbook_lib.runtime.build.apply_activation_checkpointing`);
-4. **FSDP2** over ``dp_shard × sp`` (replicated over ``dp_replicate`` for HSDP): one unit per layer
-   and the root, with the run's mixed-precision and offload policies
-   (:func:`~handbook_lib.runtime.build.apply_fsdp2`).
+4. **FSDP2** over ``dp_shard × sp`` (replicated over ``dp_replicate`` for HSDP): the units of the
+   run's ``wrap`` policy (one per layer by default) and the root, with its strategy's resharding
+   and its mixed-precision and offload policies (:func:`~handbook_lib.runtime.build.apply_fsdp2`).
 
 The training loop is the book's one (:func:`~handbook_lib.runtime.training.train`);
 :func:`axes_step` gives it what the axes change: each rank's rows and positions of the batch,
@@ -32,7 +32,14 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 from handbook_lib.core.parallel_config import ParallelConfig
-from handbook_lib.runtime.build import apply_activation_checkpointing, apply_fsdp2, build_mp_policy
+from handbook_lib.core.strategies import get_strategy
+from handbook_lib.models.layout import wrap_units
+from handbook_lib.runtime.build import (
+    apply_activation_checkpointing,
+    apply_explicit_prefetch,
+    apply_fsdp2,
+    build_mp_policy,
+)
 from handbook_lib.runtime.data import BatchSource, make_batch
 from handbook_lib.runtime.distributed import RankContext
 from handbook_lib.runtime.mesh import LayoutMesh, build_layout_mesh
@@ -62,8 +69,11 @@ def parallelize_axes(config: ParallelConfig, ctx: RankContext, *,
     """The book's seeded model laid out over ``config``'s axes on this job (module docstring).
 
     Args:
-        config: The run; its layout on ``ctx.world_size`` ranks, precision, checkpointing,
-            offload and strategy (FSDP2's FULL_SHARD, or HYBRID_SHARD over ``shard_group_size``).
+        config: The run: its layout on ``ctx.world_size`` ranks (:meth:`ParallelConfig.layout`),
+            and FSDP2's levers as :func:`~handbook_lib.runtime.build.parallelize` applies them:
+            the strategy's resharding (or ``reshard_after_forward_size``), ``precision``'s
+            mixed-precision policy, ``cpu_offload``, the ``wrap`` policy's units, ``explicit_prefetch``
+            and ``activation_checkpointing``.
         ctx: This rank.
         sp_core: The sequence split's attention (default :func:`ring_core`, whatever
             ``sp_method`` says: a run passes DeepSpeed's Ulysses for ``ulysses``).
@@ -82,11 +92,14 @@ def parallelize_axes(config: ParallelConfig, ctx: RankContext, *,
     core = (sp_core or ring_core)(mesh.sp_group) if layout.sp_enabled else None
     if core is not None:
         model.set_core(core)
-    units: list[nn.Module] = list(model.layers)  # before checkpointing wraps them
-    apply_activation_checkpointing(model, config.activation_checkpointing)
+    units = [model.get_submodule(u.name) for u in wrap_units(config.model_config(), config.wrap,
+                                                            config.wrap_min_params) if not u.root]
+    apply_activation_checkpointing(model, config.activation_checkpointing)  # after: units by name
     offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if config.cpu_offload else None
-    apply_fsdp2(model, mesh.fsdp, reshard_after_forward=True, mp_policy=build_mp_policy(config.precision),
+    reshard = config.reshard_after_forward_size or get_strategy(config.strategy).reshard_after_forward
+    apply_fsdp2(model, mesh.fsdp, reshard_after_forward=reshard, mp_policy=build_mp_policy(config.precision),
                 offload_policy=offload, units=units)
+    apply_explicit_prefetch(units, config.explicit_prefetch)
     return AxesModel(model, mesh, core)
 
 
@@ -116,7 +129,8 @@ def layout_batches(layout_mesh: LayoutMesh, source: BatchSource = make_batch) ->
 
 def _own_copy(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     """The forward pass on the rank's token ids as a tensor of their own, as a data loader hands
-    them (the loop's slice is a view of the arranged batch, which would stay alive with it)."""
+    them (the loop's slice is a view of the arranged batch, which would stay alive with it): the
+    embedding keeps them for its backward, 8 bytes a token."""
     return model(inputs.clone())
 
 
@@ -145,6 +159,6 @@ def axes_step(layout_mesh: LayoutMesh) -> dict[str, Any]:
 
         steps.update(forward=_own_copy, loss_fn=_vocab_parallel_loss, loss_context=loss_parallel)
     else:
-        steps.update(loss_fn=_own_targets, loss_context=None)
+        steps.update(forward=_own_copy, loss_fn=_own_targets, loss_context=None)
     return steps
 

@@ -69,6 +69,7 @@ def apply_tensor_parallel(model: ParallelTransformer, tp_mesh: DeviceMesh,
 
 def tp_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of logits split by vocabulary (a ``Shard(-1)`` DTensor),
-    computed without gathering them (``loss_parallel``): a replicated scalar DTensor. Call its
-    ``backward`` inside ``loss_parallel()`` too."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    computed without gathering them (``loss_parallel``) and in fp32 whatever the logits' dtype,
+    as :func:`~handbook_lib.runtime.training.next_token_loss` computes it: a replicated scalar
+    DTensor. Call its ``backward`` inside ``loss_parallel()`` too."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

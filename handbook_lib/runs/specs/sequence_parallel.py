@@ -20,12 +20,12 @@ def validate(config: ParallelConfig, world_size: int) -> None:
         ValueError: naming the key and the values this run accepts.
     """
     if config.tp_size != 1:
-        raise ValueError(f"config key 'tp_size'={config.tp_size}: sequence_parallel splits sequences; "
-                         "run tensor_parallel for tensor parallelism")
+        raise ValueError(f"config key 'tp_size'={config.tp_size}: sequence_parallel splits sequences only; "
+                         "tensor_parallel runs tp_size with sp_size together")
     if config.sp_size == 1:
         raise ValueError("config key 'sp_size'=1 splits no sequence: sequence_parallel needs sp_size >= 2 "
                          "(plain FSDP is fsdp_train)")
-    config.check_runnable("sequence_parallel", world_size, shards_over="over every rank")
+    config.check_runnable("sequence_parallel", world_size)
 
 
 SPEC = RunSpec("sequence_parallel", __doc__, CONFIG, validate)

@@ -22,7 +22,7 @@ def validate(config: ParallelConfig, world_size: int) -> None:
     if config.tp_size == 1:
         raise ValueError("config key 'tp_size'=1 splits no tensor: tensor_parallel needs tp_size >= 2 "
                          "(plain FSDP is fsdp_train)")
-    config.check_runnable("tensor_parallel", world_size, shards_over="over dp", also_default=("sp_size",))
+    config.check_runnable("tensor_parallel", world_size)
 
 
 SPEC = RunSpec("tensor_parallel", __doc__, CONFIG, validate)
