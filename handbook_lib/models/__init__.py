@@ -88,7 +88,11 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     )
     from handbook_lib.models.sharding import (
         ShardBytes, Unit, estimate_flat_shard_bytes, estimate_tensor_shards, policy_units,
-        shard_rows,
+        post_forward_shard_bytes, shard_rows,
+    )
+    from handbook_lib.models.axes_run import (
+        AxesCall, axes_micro_batch, estimate_axes_activation_bytes, estimate_axes_collectives,
+        estimate_axes_state_bytes,
     )
     from handbook_lib.models.timing import (
         ATTENTION_FLOPS_SOURCE, DEFAULT_UTILIZATION, UTILIZATION_SOURCE, StepFlops, StepTime,

@@ -87,7 +87,7 @@ def estimate_axes_state_bytes(config: ParallelConfig, world_size: int, fsdp_rank
     return estimate_tp_state_bytes(config.model_config(), layout.tp, layout.fsdp_size, fsdp_rank, config.optimizer)
 
 
-def estimate_axes_activation_bytes(config: ParallelConfig, micro_batch: int) -> ActivationBytes:
+def estimate_axes_activation_bytes(config: ParallelConfig, micro_batch: int, sp_rank: int = 0) -> ActivationBytes:
     """Bytes alive after one micro-batch's forward pass on one rank, as the memory tracker files
     them (autograd's saved tensors and the loss).
 
@@ -112,7 +112,11 @@ def estimate_axes_activation_bytes(config: ParallelConfig, micro_batch: int) -> 
     ``selective`` keeps besides the outputs of its matrix products and attention
     (:data:`~handbook_lib.models.activations.SELECTIVE_SAVE`): Q, K, V and the attention's output
     and log-sum-exp, ``linear1``'s output (``T·(4d/t + f/t)·c + 4·T·h/t``) and the two row-parallel
-    outputs before their reduction, whole (``2·T·d·c``).
+    outputs before their reduction, whole (``2·T·d·c``). The ring computes attention with matrix
+    products of its own, one pair per block it attends to (rank ``sp_rank`` attends to
+    ``sp_rank + 1``, causal), and the policy keeps both: each block's scores (``b·(h/t)·s_q²·c``,
+    ``s_q = seq_len / sp``) and its share of the output (``T·(d/t)·c``), in place of the fused
+    kernel's output and log-sum-exp.
     """
     check_int("micro_batch", micro_batch, 1)
     t, sp = config.tp_size, config.sp_size
@@ -127,7 +131,12 @@ def estimate_axes_activation_bytes(config: ParallelConfig, micro_batch: int) -> 
         per_layer += tokens * (d // t) * c
     head = 2 * _INDEX_BYTES * tokens + tokens * d * c + 4 * tokens * (config.padded_vocab_size // t) + 8
     layer_input = tokens * d * c // (t if config.sequence_parallel else 1)
-    kept = {"selective": tokens * (4 * d // t + 2 * d + f // t) * c + 4 * tokens * (h // t), "full": 0}
+    attention = tokens * (d // t) * c + 4 * tokens * (h // t)  # the fused kernel's output and log-sum-exp
+    if sp > 1 and config.sp_method == "ring":
+        check_int("sp_rank", sp_rank + 1, 1)
+        block = config.seq_len // sp
+        attention = (sp_rank + 1) * (micro_batch * (h // t) * block * block * c + tokens * (d // t) * c)
+    kept = {"selective": tokens * (3 * d // t + 2 * d + f // t) * c + attention, "full": 0}
     return checkpointed(per_layer, layer_input, kept, layers, head, config.activation_checkpointing)
 
 

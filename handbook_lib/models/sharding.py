@@ -29,6 +29,7 @@ from handbook_lib.core.checks import check_int, check_world, is_int, lookup
 from handbook_lib.core.config import WRAPS, dtype_bytes
 
 __all__ = [
+    "post_forward_shard_bytes",
     "ShardBytes",
     "Unit",
     "shard_rows",
@@ -220,3 +221,17 @@ def estimate_flat_shard_bytes(
             real += rows * size
             padded += chunk * size
     return ShardBytes(shard_bytes=real, padding_bytes=padded - real)
+
+
+def post_forward_shard_bytes(units: Iterable[Unit], group: int, reshard_after_forward_size: int,
+                             param_dtype: str = "fp32") -> int:
+    """With FSDP2's ``reshard_after_forward`` = g ranks (``reshard_after_forward_size``): the 1/g
+    shards of every unit's gathered buffer (padded for ``group`` ranks, in ``param_dtype``) kept
+    from forward to backward (``_sharded_post_forward_param_data``, a clone made in forward,
+    which the memory tracker files with the activations), bytes; 0 for g = 0 (the strategy's
+    own resharding)."""
+    if not reshard_after_forward_size:
+        return 0
+    check_int("reshard_after_forward_size", reshard_after_forward_size, 1)
+    total = sum(u.padded_numel(group) for u in units if u.numel)
+    return total * dtype_bytes(param_dtype) // reshard_after_forward_size

@@ -34,6 +34,8 @@ from handbook_lib.models.axes_run import (
     estimate_axes_collectives,
     estimate_axes_state_bytes,
 )
+from handbook_lib.models.sharding import policy_units, post_forward_shard_bytes
+from handbook_lib.models.tensor_parallel import tp_local_shapes
 from handbook_lib.runs.entry import RankReport, one_process_loss_checks
 from handbook_lib.runtime.axes import CoreFactory, axes_step, parallelize_axes
 from handbook_lib.runtime.collectives import CollectiveCall, collective_totals
@@ -46,7 +48,7 @@ from handbook_lib.runtime.sequence_parallel import measure_attention_error
 from handbook_lib.runtime.training import train
 
 __all__ = ["LOSS_TOLERANCE", "ATTENTION_TOLERANCE", "GPU_ACTIVATION_TOLERANCE", "NORM_TOLERANCE",
-           "run_axes", "sp_core_factory", "micro_step_extra_bytes"]
+           "run_axes", "sp_core_factory", "tracked_extra_bytes"]
 
 LOSS_TOLERANCE: dict[str, float] = {"fp32": 1e-5, "bf16": 1e-3, "fp16": 1e-4}
 """Relative tolerance of each loss against one process's fp32 loss on the same global batch, by
@@ -97,8 +99,8 @@ def run_axes(config: ParallelConfig, ctx: RankContext) -> RankReport:
                             rows - config.vocab_size, "rows"))
         metrics.update(vocab_size=config.vocab_size, padded_vocab_size=rows)
     checks += _state_checks(config, ctx, mesh, model, optimizer, metrics)
-    acts = estimate_axes_activation_bytes(config, axes_micro_batch(config, ctx.world_size))
-    tracked = acts.total + micro_step_extra_bytes(config, ctx.world_size)
+    acts = estimate_axes_activation_bytes(config, axes_micro_batch(config, ctx.world_size), mesh.sp_rank)
+    tracked = acts.total + tracked_extra_bytes(config, ctx.world_size)
     checks.append(Check("activation_bytes", ctx.rank, tracked, memory.activation_bytes, "bytes",
                         0.0 if ctx.device.type == "cpu" else GPU_ACTIVATION_TOLERANCE))
     checks += _collective_checks(config, ctx, calls)
@@ -122,19 +124,27 @@ def run_axes(config: ParallelConfig, ctx: RankContext) -> RankReport:
     return RankReport(metrics=metrics, checks=checks, extra={"dp_size": lay.dp, "tp_size": lay.tp})
 
 
-def micro_step_extra_bytes(config: ParallelConfig, world_size: int) -> int:
+def tracked_extra_bytes(config: ParallelConfig, world_size: int) -> int:
     """What the memory tracker files with the first micro-batch's activations besides autograd's
-    tensors, under gradient accumulation only: the loop cuts the rank's rows into micro-batches
-    with ``chunk()``, views made under the tracker, which files the storage they view — the
-    arranged batch of token ids and targets (int64, ``world · b/dp`` rows of ``seq_len / sp``
-    positions each) — with them; and with tensor parallelism the divided loss, 4 bytes, kept
-    beside the reported one (a view of the undivided loss). Measured on 4 ranks with TP 2 and
-    SP 2; 0 without accumulation."""
-    if config.grad_accum_steps == 1:
-        return 0
+    tensors:
+
+    - with ``reshard_after_forward_size``: the post-forward parameter shards FSDP2 keeps
+      (:func:`~handbook_lib.models.sharding.post_forward_shard_bytes` of the run's units of
+      tensor-parallel shapes);
+    - with gradient accumulation: the loop cuts the rank's rows into micro-batches with
+      ``chunk()``, views made under the tracker, which files the storage they view — the arranged
+      batch of token ids and targets (int64, ``world · b/dp`` rows of ``seq_len / sp`` positions
+      each) — with them; and with tensor parallelism the divided loss, 4 bytes, kept beside the
+      reported one (a view of the undivided loss). Measured on 4 ranks with TP 2 and SP 2.
+    """
     layout = config.layout(world_size)
-    rows = world_size * config.batch_size // layout.dp
-    return 2 * 8 * rows * (config.seq_len // layout.sp) + (4 if layout.tp > 1 else 0)
+    param_dtype, _ = get_precision(config.precision)
+    units = policy_units(tp_local_shapes(config.model_config(), layout.tp), config.wrap, config.wrap_min_params)
+    extra = post_forward_shard_bytes(units, layout.fsdp_size, config.reshard_after_forward_size, param_dtype)
+    if config.grad_accum_steps > 1:
+        rows = world_size * config.batch_size // layout.dp
+        extra += 2 * 8 * rows * (config.seq_len // layout.sp) + (4 if layout.tp > 1 else 0)
+    return extra
 
 
 def _state_checks(config: ParallelConfig, ctx: RankContext, mesh: LayoutMesh, model: torch.nn.Module,

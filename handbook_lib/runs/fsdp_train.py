@@ -26,7 +26,7 @@ import sys
 import torch
 from torch import nn
 
-from handbook_lib.core.config import RunConfig, dtype_bytes, get_precision
+from handbook_lib.core.config import RunConfig, get_precision
 from handbook_lib.core.results import Check
 from handbook_lib.core.strategies import STRATEGY_TABLE
 from handbook_lib.models.allocator import reserved_bytes
@@ -38,7 +38,7 @@ from handbook_lib.models.model_state import (
     optimizer_states,
     optimizer_step_bytes,
 )
-from handbook_lib.models.sharding import Unit, estimate_flat_shard_bytes
+from handbook_lib.models.sharding import Unit, estimate_flat_shard_bytes, post_forward_shard_bytes
 from handbook_lib.models.traffic import (
     estimate_gathered_units,
     estimate_held_between_micro_steps,
@@ -215,14 +215,10 @@ def _memory_checks(config: RunConfig, ctx: RankContext, layout: ModelLayout, uni
 
 
 def _post_forward_shard_bytes(config: RunConfig, units: list[Unit], group: int) -> int:
-    """With ``reshard_after_forward_size`` = g: the 1/g shards of every unit's gathered buffer
-    that FSDP2 keeps from forward to backward (``_sharded_post_forward_param_data``, a clone made
-    in forward, which the memory tracker files with the activations); 0 otherwise."""
-    size = config.reshard_after_forward_size
-    if not size:
-        return 0
+    """With ``reshard_after_forward_size``: :func:`~handbook_lib.models.sharding.post_forward_shard_bytes`
+    of the run's units in its parameter dtype; 0 otherwise."""
     param_dtype, _ = get_precision(config.precision)
-    return sum(u.padded_numel(group) for u in units if u.numel) * dtype_bytes(param_dtype) // size
+    return post_forward_shard_bytes(units, group, config.reshard_after_forward_size, param_dtype)
 
 
 def _scaler_group(config: RunConfig, world_size: int) -> int | None:

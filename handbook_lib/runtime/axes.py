@@ -151,9 +151,10 @@ def _vocab_parallel_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[t
 
 def axes_step(layout_mesh: LayoutMesh) -> dict[str, Any]:
     """What :func:`~handbook_lib.runtime.training.train` takes for this layout: ``batches``
-    (:func:`layout_batches`), ``forward``, ``loss_fn`` and, with tensor parallelism,
-    ``loss_context`` (``loss_parallel``, around the loss and its backward)."""
-    steps: dict[str, Any] = {"batches": layout_batches(layout_mesh)}
+    (:func:`layout_batches`), ``forward``, ``loss_fn``, with tensor parallelism ``loss_context``
+    (``loss_parallel``, around the loss and its backward), and ``functional_collectives``
+    (DTensor issues the plan's collectives and the gradient norm's as functional ones)."""
+    steps: dict[str, Any] = {"batches": layout_batches(layout_mesh), "functional_collectives": True}
     if layout_mesh.layout.tp_enabled:
         from torch.distributed.tensor.parallel import loss_parallel
 

@@ -101,11 +101,12 @@ def _forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, k: 
                       scaler: torch.amp.GradScaler | None, forward: ForwardFn | None, loss_fn: LossFn,
                       tracker: StepMemoryTracker | None, sync_every: bool = False,
                       reshard_after_backward: bool = True, loss_context: LossContext | None = None,
-                      ) -> torch.Tensor:
+                      settle: bool = False) -> torch.Tensor:
     """One micro-step of :func:`train_step`: forward, loss (divided by ``k``), backward, gradients
     reduced if ``last`` or ``sync_every``, units resharded (FSDP2) if ``last`` or
-    ``reshard_after_backward``; the loss and its backward inside ``loss_context()`` if given.
-    Returns the reported loss, detached."""
+    ``reshard_after_backward``; the loss and its backward inside ``loss_context()`` if given;
+    ``settle``: the tracker reads the activations as the smallest over ~30 ms (gloo's worker
+    thread may still hold a finished transfer's buffer). Returns the reported loss, detached."""
     with _gradient_sync(model, last or sync_every, last or reshard_after_backward), \
             (loss_context() if loss_context is not None else contextlib.nullcontext()):
         logits = model(x) if forward is None else forward(model, x)
@@ -115,8 +116,8 @@ def _forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, k: 
             loss = loss / k
             reported = loss if same else reported / k
         del logits  # only what autograd saved stays alive
-        if tracker is not None:  # (a loss context's reductions free late on gloo: settle)
-            tracker.after_forward(settle=loss_context is not None)
+        if tracker is not None:
+            tracker.after_forward(settle=settle)
         (scaler.scale(loss) if scaler is not None else loss).backward()
     return reported.detach()
 
@@ -162,6 +163,7 @@ def train_step(
     reshard_after_backward: bool = True,
     unshard_first: bool = False,
     loss_context: LossContext | None = None,
+    settle: bool = False,
 ) -> torch.Tensor:
     """One optimizer step: forward, loss, backward, optimizer step. Returns this rank's reported
     loss over ``inputs`` (by default the mean next-token cross-entropy, nats per token).
@@ -183,7 +185,8 @@ def train_step(
     ``after_backward(model)`` is called between the last backward and the optimizer step.
     ``sync_every_micro_step`` reduces in every micro-step; ``reshard_after_backward=False``
     (FSDP2) keeps units gathered between micro-steps; ``unshard_first``: root ``unshard()`` first;
-    ``loss_context`` (:data:`LossContext`) wraps each micro-step's loss and backward.
+    ``loss_context`` (:data:`LossContext`) wraps each micro-step's loss and backward; ``settle``:
+    see :func:`_forward_backward`.
 
     Raises:
         ValueError: if ``inputs`` has a number of rows that ``grad_accum_steps`` does not divide.
@@ -208,7 +211,8 @@ def train_step(
             model.unshard()
         loss = _forward_backward(model, x, y, k=k, last=micro == k - 1, scaler=scaler, forward=forward,
                                  loss_fn=loss_fn, tracker=tracker, sync_every=sync_every_micro_step,
-                                 reshard_after_backward=reshard_after_backward, loss_context=loss_context)
+                                 reshard_after_backward=reshard_after_backward, loss_context=loss_context,
+                                 settle=settle)
         # a Python float between micro-steps: no tensor of the loop's own stays alive
         total = loss if k == 1 else total + loss.item()
         del loss
@@ -225,12 +229,11 @@ def train_step(
 
 def _tracked_step(record: _Recorder, model: nn.Module, optimizer: torch.optim.Optimizer,
                   batch: tuple[torch.Tensor, torch.Tensor], device: torch.device, track_memory: bool,
-                  count_collectives: bool, **step_args: Any) -> torch.Tensor:
+                  count_collectives: bool, functional: bool = False, **step_args: Any) -> torch.Tensor:
     """:func:`train_step` under a :class:`StepMemoryTracker` and/or a :class:`CollectiveCounter`,
     whose findings go to ``record``."""
     tracker = StepMemoryTracker(model, optimizer, device) if track_memory else None
-    # a loss context (tensor parallelism's) comes with collectives issued as functional ones
-    counter = CollectiveCounter(functional=step_args["loss_context"] is not None) if count_collectives else None
+    counter = CollectiveCounter(functional=functional) if count_collectives else None
     with contextlib.ExitStack() as stack:
         for mode in (tracker, counter):
             if mode is not None:
@@ -259,6 +262,7 @@ def train(
     after_backward: Callable[[nn.Module, int], None] | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     loss_context: LossContext | None = None,
+    functional_collectives: bool = False,
 ) -> TrainLog:
     """Run optimizer steps ``start_step + 1`` … ``config.steps`` on this rank's share of each
     global batch (the batch of step s is ``batches(config, s - 1)``, :func:`make_batch` by
@@ -281,8 +285,10 @@ def train(
     ``scheduler`` is stepped after every optimizer step; without one, the loop builds
     ``config``'s (:func:`build_lr_scheduler`; none for a constant rate). A caller that saves
     the scheduler's state passes its own, restored where a resumed job needs it.
-    ``loss_context`` (:data:`LossContext`) wraps every loss and its backward; with it the
-    collective counter reads functional collectives too (tensor parallelism issues its own so).
+    ``loss_context`` (:data:`LossContext`) wraps every loss and its backward.
+    ``functional_collectives``: the counter records functional collectives too (DTensor's:
+    tensor parallelism's, and the gradient norm's partial sums over a mesh). With either, the
+    tracker reads the activations as the smallest over ~30 ms (:func:`_forward_backward`).
 
     Raises:
         NonFiniteLoss: as soon as a rank's loss is NaN or infinite, naming the step and the rank
@@ -297,7 +303,8 @@ def train(
     step_args: dict[str, Any] = {"scaler": scaler, "grad_accum_steps": config.grad_accum_steps, "forward": forward,
                  "loss_fn": loss_fn, "max_grad_norm": config.max_grad_norm, "grad_norms": record.norms,
                  "sync_every_micro_step": config.sync_every_micro_step, "unshard_first": config.explicit_prefetch > 0,
-                 "reshard_after_backward": config.reshard_after_backward, "loss_context": loss_context}
+                 "reshard_after_backward": config.reshard_after_backward, "loss_context": loss_context,
+                 "settle": loss_context is not None or functional_collectives}
     for step in range(start_step, config.steps):
         batch = local_batch(config, step, ctx, batches)
         tracked = (track_memory or count_collectives) and config.steps >= 2 and step == config.steps - 1
@@ -309,7 +316,8 @@ def train(
         start = time.perf_counter()
         if tracked:
             loss = _tracked_step(record, model, optimizer, batch, ctx.device, track_memory,
-                                 count_collectives, after_backward=hook, step=step + 1, **step_args)
+                                 count_collectives, functional_collectives, after_backward=hook, step=step + 1,
+                                 **step_args)
         else:
             check_norm = step == start_step and config.max_grad_norm > 0 and not is_fsdp1(model)
             loss = train_step(model, optimizer, *batch, after_backward=hook, step=step + 1,
