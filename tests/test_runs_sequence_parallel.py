@@ -1,8 +1,8 @@
 """handbook_lib.runs.sequence_parallel: Ulysses and the ring on 4 ranks, in shapes other than
 chapter 9's, every check passing; the refusals without launching.
 
-One job runs both configs (:func:`torchrun_batch`): Ulysses with sp_size=2 × dp 2 (d_model 32,
-2 heads), and the ring over all 4 ranks with 2 heads.
+One job runs every config (:func:`torchrun_batch`): Ulysses with sp_size=2 × dp 2 (d_model 32,
+2 heads), the ring over all 4 ranks with 2 heads, and the general levers on each.
 """
 
 import pytest
@@ -15,7 +15,14 @@ from handbook_lib.runtime.training import train_one_process
 BASE = {"vocab_size": 64, "d_model": 32, "nhead": 2, "dim_feedforward": 48, "num_layers": 2, "seq_len": 8,
         "batch_size": 4, "steps": 2}
 CONFIGS = {"ulysses": {**BASE, "sp_size": 2, "sp_method": "ulysses"},
-           "ring": {**BASE, "sp_size": 4, "sp_method": "ring"}}
+           "ring": {**BASE, "sp_size": 4, "sp_method": "ring"},
+           "ulysses_levers": {**BASE, "sp_size": 2, "sp_method": "ulysses", "precision": "bf16-mixed",
+                              "activation_checkpointing": "full", "lr_schedule": "cosine", "warmup_steps": 1,
+                              "grad_accum_steps": 2, "max_grad_norm": 1.0},
+           "ring_selective": {**BASE, "sp_size": 4, "sp_method": "ring", "activation_checkpointing": "selective"},
+           "ring_hsdp_reshard": {**BASE, "sp_size": 2, "sp_method": "ring", "strategy": "HYBRID_SHARD",
+                                 "shard_group_size": 1},
+           "ring_reshard_to_2": {**BASE, "sp_size": 4, "sp_method": "ring", "reshard_after_forward_size": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +64,17 @@ def test_ring_sends_around_four_ranks(results):
     assert len([c for c in calls if c["kind"] == "recv"]) == 40
 
 
+def test_the_ring_keeps_its_block_products_under_selective_checkpointing(results):
+    # sp 4, one sequence block is 4 rows x 2 positions; rank r attends to r + 1 blocks and the
+    # policy keeps each block's scores (4 rows x 2 heads x 2 x 2 x 4 B = 128) and its share of the
+    # output (8 tokens x 32 wide x 4 B = 1,024), 2 layers: each rank 2,304 B above the one before
+    acts = [r["activation_bytes"] for r in results["ring_selective"].ranks]
+    assert [b - a for a, b in zip(acts, acts[1:])] == [2 * (128 + 1024)] * 3
+
+
 def test_losses_are_one_process_losses(results):
-    for label, result in results.items():
+    for label in ("ulysses", "ring", "ring_selective", "ring_hsdp_reshard", "ring_reshard_to_2"):
+        result = results[label]
         want = train_one_process(ParallelConfig.from_mapping(CONFIGS[label])).losses
         assert result.ranks[0]["losses"] == pytest.approx(want, rel=1e-5)
         assert all(r["losses"] == result.ranks[0]["losses"] for r in result.ranks)
@@ -74,13 +90,10 @@ def test_ranks_hold_their_rows_and_positions(results):
     ({"sp_size": 3, "seq_len": 9, "sp_method": "ring"}, 4, "'sp_size'=3 must divide the number of ranks 4"),
     ({"sp_size": 4, "sp_method": "ulysses"}, 4, "config key 'sp_size'=4 with 'sp_method'=ulysses must divide 'nhead'=2 "),
     ({"sp_size": 2, "seq_len": 9}, 4, "config key 'sp_size'=2 must divide 'seq_len'=9$"),
-    ({"sp_size": 2, "strategy": "SHARD_GRAD_OP"}, 4, "strategy='FULL_SHARD'"),
+    ({"sp_size": 2, "strategy": "DDP"}, 4, "'strategy'='DDP': sequence_parallel shards with FSDP2"),
     ({"sp_size": 2, "api": "fsdp1"}, 4, "api='fsdp2'"),
-    ({"sp_size": 2, "precision": "bf16-mixed"}, 4, "'precision'='bf16-mixed' is not supported"),
-    ({"sp_size": 2, "grad_accum_steps": 2}, 4, "'grad_accum_steps'=2 is not supported"),
-    ({"sp_size": 2, "activation_checkpointing": "full"}, 4, "'activation_checkpointing'='full'"),
     ({"sp_size": 2, "steps": 1}, 4, "'steps'=1"),
-    ({"tp_size": 2}, 4, "'tp_size'=2"),
+    ({"tp_size": 2, "sp_size": 2, "sp_method": "ring"}, 4, "'tp_size'=2: sequence_parallel splits sequences only; tensor_parallel runs"),
 ])
 def test_bad_configs_are_refused_in_one_line(changes, world, match):
     with pytest.raises(ValueError, match=match) as err:

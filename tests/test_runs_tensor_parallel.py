@@ -1,5 +1,7 @@
 """handbook_lib.runs.tensor_parallel: TP x FSDP2 on 4 ranks as 2 x 2, with and without sequence
-parallelism, for a shape other than the chapter's; every check exact (losses 1e-5)."""
+parallelism, TP with the sequence split over the other axis, and the general levers (bf16-mixed,
+activation checkpointing, a cosine schedule, accumulation, clipping, fp16, offload, SHARD_GRAD_OP,
+HSDP), for a shape other than the chapter's; every check exact (losses 1e-5 in fp32)."""
 
 import pytest
 
@@ -16,15 +18,29 @@ GPT2_VOCAB = 50_257
 """GPT-2's vocabulary, which 2 tensor ranks do not divide: padded to 50,258 rows."""
 
 
+LEVERS = {"precision": "bf16-mixed", "activation_checkpointing": "full", "lr_schedule": "cosine", "warmup_steps": 1}
+"""The levers every layout must take: mixed precision, recomputation, a schedule."""
+CONFIGS = {
+    "plain": SHAPE, "sp": {**SHAPE, "sequence_parallel": True}, "gpt2_vocab": {**SHAPE, "vocab_size": GPT2_VOCAB},
+    "2d_levers": {**SHAPE, **LEVERS},                                   # data 2 x tensor 2
+    "tp_megatron_sp_levers": {**SHAPE, **LEVERS, "sequence_parallel": True},
+    "tp_ring_levers": {**SHAPE, **LEVERS, "sp_size": 2, "sp_method": "ring", "batch_size": 2},  # tensor 2 x sequence 2
+    "tp_ulysses_selective": {**SHAPE, "sp_size": 2, "sp_method": "ulysses", "batch_size": 2,
+                             "activation_checkpointing": "selective"},
+    "accumulate_clip": {**SHAPE, "grad_accum_steps": 2, "max_grad_norm": 1.0},
+    "fp16_offload": {**SHAPE, "precision": "fp16-mixed", "cpu_offload": True},
+    "shard_grad_op": {**SHAPE, "strategy": "SHARD_GRAD_OP"},
+    "hsdp": {**SHAPE, "strategy": "HYBRID_SHARD", "shard_group_size": 1},
+}
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    configs = {"plain": SHAPE, "sp": {**SHAPE, "sequence_parallel": True},
-               "gpt2_vocab": {**SHAPE, "vocab_size": GPT2_VOCAB}}
-    return torchrun_batch("tensor_parallel", 4, configs, out=tmp_path_factory.mktemp("tp"), timeout_s=300,
+    return torchrun_batch("tensor_parallel", 4, CONFIGS, out=tmp_path_factory.mktemp("tp"), timeout_s=300,
                           stream=False)
 
 
-@pytest.mark.parametrize("label", ["plain", "sp", "gpt2_vocab"])
+@pytest.mark.parametrize("label", list(CONFIGS))
 def test_every_check_passes(results, label):
     result = results[label]
     assert not result.failed_checks()
@@ -32,7 +48,30 @@ def test_every_check_passes(results, label):
     for name in ("vocab_padding_rows", "param_shard_bytes", "param_padding_bytes", "grad_shard_bytes", "optimizer_state_bytes",
                  "activation_bytes", "collectives_matched", "sent_bytes", "loss_step3"):
         assert name in quantities
-    assert all(c.tolerance == 0 for c in result.checks if not c.quantity.startswith("loss"))
+    assert all(c.tolerance == 0 for c in result.checks
+               if not c.quantity.startswith(("loss", "attention", "grad_norm")))
+
+
+def test_the_levers_run_on_the_2d_mesh_as_counted_by_hand(results):
+    # bf16-mixed, full checkpointing, micro-batch 2 x 8 tokens = T 16, d 32, vocabulary 25 rows
+    # per TP rank: each layer keeps its input, T·d·2 = 1,024 B (x 2 layers); the head keeps the
+    # ids and targets (16·T), its input (T·d·2), the fp32 log-softmax (4·T·25) and 8 B of scalars
+    rank = results["2d_levers"].ranks[0]
+    assert rank["activation_bytes"] == 2 * 1024 + (16 * 16 + 1024 + 4 * 16 * 25 + 8) == 4936
+    # recomputation re-issues each layer's 2 forward all-reduces in backward: 5 + 2 x 2, of T·d·2 B
+    tp = [c for c in rank["collectives"] if c["kind"] == "all_reduce" and c["buffer_bytes"] == 1024]
+    assert sum(c["phase"] == "forward" for c in tp) == 5 and sum(c["phase"] == "backward" for c in tp) == 9
+    assert rank["lr"][0] < rank["lr"][1] > rank["lr"][2]   # warm-up, then the cosine's decay
+
+
+def test_tensor_and_sequence_ranks_split_one_mesh(results):
+    ranks = results["tp_ring_levers"].ranks
+    assert [(r["dp_rank"], r["sp_rank"], r["tp_rank"]) for r in ranks] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    assert {r["fsdp_size"] for r in ranks} == {2}   # FSDP2 shards over dp x sp = 1 x 2
+    # the ring passes each K and V block of the rank's heads: 2 rows x 4 positions x 16 wide
+    # (2 of 4 heads) x 2 B (bf16)
+    sends = [c for c in ranks[0]["collectives"] if c["kind"] == "send"]
+    assert {c["buffer_bytes"] for c in sends} == {2 * 4 * 16 * 2}
 
 
 def test_padding_appears_on_the_last_dp_rank(results):
@@ -78,12 +117,10 @@ def test_sp_shrinks_the_activations_and_keeps_the_losses(results):
 @pytest.mark.parametrize("changes, world, match", [
     ({"tp_size": 1}, 4, "'tp_size'=1"),
     ({"tp_size": 2}, 3, "'tp_size'=2 must divide the number of ranks 3"),
-    ({"strategy": "HYBRID_SHARD"}, 4, "strategy='FULL_SHARD' only"),
+    ({"strategy": "NO_SHARD"}, 4, "'strategy'='NO_SHARD': tensor_parallel shards with FSDP2"),
     ({"api": "fsdp1"}, 4, "api='fsdp2'"),
-    ({"cpu_offload": True}, 4, "'cpu_offload'=True is not supported"),
-    ({"grad_accum_steps": 2}, 4, "'grad_accum_steps'=2 is not supported"),
-    ({"activation_checkpointing": "full"}, 4, "'activation_checkpointing'='full' is not supported"),
-    ({"precision": "bf16-mixed"}, 4, "'precision'='bf16-mixed' is not supported"),
+    ({"sp_size": 2, "sp_method": "ulysses", "nhead": 2}, 4, "'tp_size'=2 x config key 'sp_size'=2 with "
+                                                             "'sp_method'=ulysses must divide 'nhead'=2"),
     ({"steps": 1}, 4, "'steps'=1"),
 ])
 def test_bad_configs_are_refused_in_one_line(changes, world, match):

@@ -104,6 +104,16 @@ def _refusal(spelt: Mapping[str, str], tp: int, sp: int, sp_method: str, world: 
                 spelt, "sp", sp, [("nhead", nhead), ("kv_heads", kv_heads)],
                 also=f" with {spelt['sp_method'].format('ulysses')}",
                 then=f" (its all-to-all splits the heads); {spelt['sp_method'].format('ring')} needs neither"))
+    if tp > 1 and sp > 1:  # both split what each rank holds of a sequence's heads and positions
+        both = {**spelt, "tp_sp": f"{spelt['tp'].format(tp)} x {spelt['sp'].format(sp)}".replace("{", "{{")
+                .replace("}", "}}")}
+        if sp_method == "ulysses":
+            checks.append(_must_divide(both, "tp_sp", tp * sp, [("nhead", nhead), ("kv_heads", kv_heads)],
+                                       also=f" with {spelt['sp_method'].format('ulysses')}",
+                                       then=" (each tensor rank's heads are split again by the all-to-all)"))
+        if sequence_parallel:
+            checks.append(_must_divide(both, "tp_sp", tp * sp, [("seq_len", seq_len)],
+                                       also=f" with {spelt['sequence_parallel'].format(True)}"))
     return next((c for c in checks if c), None)
 
 
@@ -235,7 +245,10 @@ class ParallelLayout:
           them), and ``seq_len`` with ``sequence_parallel`` (Megatron's: the norms' activations
           split by sequence over the tensor-parallel group);
         - ``sp`` divides ``seq_len``, and with ``ulysses`` ``nhead`` and ``kv_heads`` (its
-          all-to-all trades the sequence split for a split of the heads).
+          all-to-all trades the sequence split for a split of the heads);
+        - both at once: ``tp × sp`` divides ``nhead`` and ``kv_heads`` with ``ulysses`` (it splits
+          each tensor rank's heads again), and ``seq_len`` with ``sequence_parallel`` (the
+          tensor group splits each rank's part of the sequence again).
         """
         return _refusal({**LAYOUT_NAMES, **(names or {})}, self.tp, self.sp, self.sp_method, None, None, **shape)
 
