@@ -1,4 +1,4 @@
-"""Tensor parallelism inside each group of ``tp_size`` ranks, FSDP2 over the groups, on a 2-D mesh; every byte checked.
+"""Tensor parallelism inside each group of ``tp_size`` ranks, with any other axis and lever; every byte checked.
 
 The torch-free half of :mod:`handbook_lib.runs.tensor_parallel`: its config (the vocabulary's
 :class:`~handbook_lib.core.parallel_config.ParallelConfig`) and the checks the launcher makes
