@@ -66,39 +66,48 @@ class AxesModel:
 
 def parallelize_axes(config: ParallelConfig, ctx: RankContext, *,
                      sp_core: CoreFactory | None = None) -> AxesModel:
-    """The book's seeded model laid out over ``config``'s axes on this job (module docstring).
+    """The book's seeded model laid out over ``config``'s axes on this job.
 
     Args:
-        config: The run: its layout on ``ctx.world_size`` ranks (:meth:`ParallelConfig.layout`),
-            and FSDP2's levers as :func:`~handbook_lib.runtime.build.parallelize` applies them:
-            the strategy's resharding (or ``reshard_after_forward_size``), ``precision``'s
-            mixed-precision policy, ``cpu_offload``, the ``wrap`` policy's units, ``explicit_prefetch``
-            and ``activation_checkpointing``.
+        config: The run: its layout on ``ctx.world_size`` ranks
+            (:meth:`ParallelConfig.layout`), and FSDP2's levers as
+            :func:`~handbook_lib.runtime.build.parallelize` applies them: the
+            strategy's resharding (or ``reshard_after_forward_size``), the
+            ``precision``'s policy, ``cpu_offload``, the ``wrap`` policy's units,
+            ``explicit_prefetch`` and ``activation_checkpointing``.
         ctx: This rank.
-        sp_core: The sequence split's attention (default :func:`ring_core`, whatever
-            ``sp_method`` says: a run passes DeepSpeed's Ulysses for ``ulysses``).
+        sp_core: The sequence split's attention (default :func:`ring_core`; a run
+            passes DeepSpeed's Ulysses for ``sp_method='ulysses'``).
 
     Raises:
         ValueError: what :meth:`ParallelConfig.layout` refuses.
+
+    Chapter 9 shows this function: lines fit its column (86 characters).
     """
     layout = config.layout(ctx.world_size)
-    mesh = build_layout_mesh(layout, ctx.device.type)
-    model = from_simple(build_model(config.model_config(), seed=config.seed, causal=True),
-                        vocab_size=config.padded_vocab_size).to(ctx.device)
-    if layout.tp_enabled:
+    mesh = build_layout_mesh(layout, ctx.device.type)  # one mesh, named axes
+    seeded = build_model(config.model_config(), seed=config.seed, causal=True)
+    model = from_simple(seeded, vocab_size=config.padded_vocab_size).to(ctx.device)
+    if layout.tp_enabled:  # 1. the tensor-parallel plan
         from handbook_lib.runtime.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh.tp, config.sequence_parallel)
-    core = (sp_core or ring_core)(mesh.sp_group) if layout.sp_enabled else None
-    if core is not None:
+    core = None
+    if layout.sp_enabled:  # 2. the sequence split: attention that sees the others
+        core = (sp_core or ring_core)(mesh.sp_group)
         model.set_core(core)
-    units = [model.get_submodule(u.name) for u in wrap_units(config.model_config(), config.wrap,
-                                                            config.wrap_min_params) if not u.root]
-    apply_activation_checkpointing(model, config.activation_checkpointing)  # after: units by name
-    offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if config.cpu_offload else None
-    reshard = config.reshard_after_forward_size or get_strategy(config.strategy).reshard_after_forward
-    apply_fsdp2(model, mesh.fsdp, reshard_after_forward=reshard, mp_policy=build_mp_policy(config.precision),
-                offload_policy=offload, units=units)
+    wrapped = wrap_units(config.model_config(), config.wrap, config.wrap_min_params)
+    units = [model.get_submodule(u.name) for u in wrapped if not u.root]
+    # 3. checkpointing, after the units are found by name
+    apply_activation_checkpointing(model, config.activation_checkpointing)
+    row = get_strategy(config.strategy)  # 4. FSDP2 over dp_shard x sp
+    offload = None
+    if config.cpu_offload:
+        offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")
+    apply_fsdp2(model, mesh.fsdp, units=units,
+                reshard_after_forward=config.reshard_after_forward_size
+                or row.reshard_after_forward,
+                mp_policy=build_mp_policy(config.precision), offload_policy=offload)
     apply_explicit_prefetch(units, config.explicit_prefetch)
     return AxesModel(model, mesh, core)
 
