@@ -133,3 +133,19 @@ def test_clipping_reduces_each_norm_over_every_mesh_dimension_that_shards_its_gr
     # and the embedding, the head's weight and bias
     assert len(calls) == 35 + 2 * 10 + 3 == 58
     assert {(c.buffer_bytes, c.group_size) for c in calls} == {(8, 2)}
+
+
+def test_megatron_sp_reduces_the_norms_gradients_with_fsdps_sync():
+    def norms(**keys):
+        config = ParallelConfig(**SHAPE, tp_size=2, sequence_parallel=True, **keys)
+        return sum(c.axis == "tp" and c.buffer_bytes == 32 * 4 for c in estimate_axes_collectives(config, 4))
+    # 2 layers x 2 norms x weight and bias: once a step, unless every micro-step syncs
+    assert norms() == norms(grad_accum_steps=2) == 8
+    assert norms(grad_accum_steps=2, sync_every_micro_step=True) == 16
+
+    def sizes(**keys):
+        config = ParallelConfig(**SHAPE, tp_size=2, sequence_parallel=True, precision="bf16-mixed", **keys)
+        return {c.buffer_bytes for c in estimate_axes_collectives(config, 4) if c.site.endswith(".weight")}
+    # bf16 as computed in each micro-step's backward (d x 2 B); fp32 as accumulated between them
+    assert sizes() == sizes(grad_accum_steps=2, sync_every_micro_step=True) == {32 * 2}
+    assert sizes(grad_accum_steps=2) == {32 * 4}

@@ -212,7 +212,10 @@ def estimate_axes_collectives(config: ParallelConfig, world_size: int) -> list[A
     ``micro_batch · seq_len / sp`` tokens, in the compute dtype) and the sequence split's
     (:func:`~handbook_lib.models.sequence_parallel.estimate_sp_collectives`, h/t heads), each
     layer's forward ones again in backward under activation checkpointing; FSDP2's for the whole
-    step; and the gradient norm's all-reduces with ``max_grad_norm``.
+    step; and the gradient norm's all-reduces with ``max_grad_norm``. Under Megatron's sequence
+    parallelism the norms' gradients are partial sums, all-reduced when FSDP2 syncs gradients:
+    every micro-step with ``sync_every_micro_step``, in the compute dtype; else once a step, of
+    the gradients accumulated in the reduce dtype (measured on 4 ranks, fp32 and bf16).
 
     ``loss_parallel``'s own reductions run inside DTensor's dispatch, where the counter cannot see
     them: neither listed nor counted.
@@ -224,4 +227,13 @@ def estimate_axes_collectives(config: ParallelConfig, world_size: int) -> list[A
         calls += _tp_calls(config, micro * config.seq_len // config.sp_size, compute)
     if config.sp_size > 1:
         calls += _sp_calls(config, micro, compute)
-    return _times(calls, config.grad_accum_steps) + _fsdp_calls(config, world_size) + _clip_calls(config, world_size)
+    k = config.grad_accum_steps
+    # the norms' gradient all-reduces (Megatron SP) come with FSDP2's gradient sync: once a step,
+    # of the gradients accumulated in the reduce dtype when micro-steps do not sync
+    synced = [c for c in calls if c.site.endswith((".weight", ".bias"))]
+    if k > 1 and not config.sync_every_micro_step:
+        _, reduce = get_precision(config.precision)
+        synced = [replace(c, buffer_bytes=config.d_model * dtype_bytes(reduce)) for c in synced]
+    each = [c for c in calls if not c.site.endswith((".weight", ".bias"))]
+    return (_times(each, k) + _times(synced, k if config.sync_every_micro_step else 1)
+            + _fsdp_calls(config, world_size) + _clip_calls(config, world_size))
