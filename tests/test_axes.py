@@ -190,3 +190,26 @@ def test_a_layout_whose_step_is_past_the_batch_is_not_recommended():
     assert rows["TP 2 x FSDP 128 + AC"].tokens_per_step == 2**20 and rows["TP 2 x FSDP 128 + AC"].within_batch
     assert recommend_axes(list(rows.values())).name == "TP 2 x FSDP 128 + AC"
     assert "past the batch" in axes_reason(list(rows.values()))
+
+
+def test_one_memory_entry_point_prices_every_layout():
+    """estimate_job_memory: the sequence split is FSDP (or TP) at seq_len / sp, tensor
+    parallelism the TP composition, each against the function that prices it alone."""
+    from handbook_lib.core.parallel_layout import ParallelLayout
+    from handbook_lib.models.axes import estimate_job_memory, estimate_tp_fsdp_memory
+    from handbook_lib.models.memory import estimate_memory
+    from handbook_lib.models.presets import get_shape
+
+    shape = get_shape("llama2-70b")
+    both = estimate_job_memory(shape, ParallelLayout.for_world(64, tp=8, sp=4, sp_method="ring"),
+                               micro_batch=1, seq_len=131072)
+    assert both.components == estimate_tp_fsdp_memory(shape, 64, 8, micro_batch=1, seq_len=32768).components
+    hsdp = estimate_job_memory(shape, ParallelLayout.for_world(64, sp=8, shard_group=2, sp_method="ring"),
+                               micro_batch=1, seq_len=131072, strategy="HYBRID_SHARD", grad_accum_steps=2)
+    want = estimate_memory(shape, 64, "HYBRID_SHARD", "bf16-mixed", micro_batch=1, seq_len=16384,
+                           shard_group_size=16, activation_checkpointing="full", grad_accum_steps=2)
+    assert hsdp.components == want.components
+    with pytest.raises(ValueError, match="tensor parallelism \\(tp 8\\) is priced beside FSDP's FULL_SHARD"):
+        estimate_job_memory(shape, ParallelLayout.for_world(64, tp=8), micro_batch=1, seq_len=4096, cpu_offload=True)
+    with pytest.raises(ValueError, match="sp_size=3 must divide seq_len=4096"):
+        estimate_job_memory(shape, ParallelLayout(sp=3, sp_method="ring"), micro_batch=1, seq_len=4096)

@@ -9,6 +9,7 @@ import pytest
 
 from handbook_lib.face import main
 from handbook_lib.models.axes import estimate_sp_memory, estimate_tp_fsdp_memory
+from handbook_lib.models.memory import estimate_memory
 from handbook_lib.models.hf_config import read_hf_config
 from handbook_lib.models.presets import get_shape
 
@@ -43,12 +44,32 @@ def test_memory_with_tp_prints_params_grads_optimizer_and_activations(capsys):
     assert json.loads(capsys.readouterr().out)["peak"] == hf.peak
 
 
+def test_memory_with_tensor_and_sequence_axes_is_tp_at_the_split_length(capsys):
+    """TP 8 x a sequence split of 4 x FSDP 2: the TP pricing at 131,072 / 4 tokens per GPU."""
+    assert main(["memory", *LONG, "--tp-size", "8", "--sp-size", "4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    est = estimate_tp_fsdp_memory(get_shape("llama2-70b"), 64, 8, micro_batch=1, seq_len=131072 // 4)
+    assert data["components"] == est.components and data["peak_reserved"] == est.peak_reserved
+    assert "TP 8 x FSDP 8 (sequence parallel on the norms), micro-batch per TP group; the sequence split " \
+        "over 4 ranks (32768 tokens per GPU), inside the FSDP ranks" in data["assumptions"]
+
+
+def test_memory_with_the_sequence_split_prices_any_strategy_at_the_shorter_length(capsys):
+    assert main(["memory", *LONG, "--sp-size", "8", "--strategy", "HYBRID_SHARD", "--shard-group-size", "2",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    # shard groups of 2 data-parallel ranks x the 8 ranks of a split: 16 GPUs shard one copy
+    est = estimate_memory(get_shape("llama2-70b"), 64, "HYBRID_SHARD", "bf16-mixed", micro_batch=1,
+                          seq_len=131072 // 8, shard_group_size=16, activation_checkpointing="full")
+    assert data["components"] == est.components
+
+
 @pytest.mark.parametrize("argv,fragment", [
     (["memory", *LONG, "--tp-size", "3"], "--tp-size 3 must divide the GPUs (64) and the heads (64)"),
     (["memory", *LONG, "--sp-size", "3"], "--sp-size 3 must divide the GPUs (64) and --seq-len (131072)"),
-    (["memory", *LONG, "--sp-size", "2", "--tp-size", "2"], "give one of them"),
     (["memory", "--model", "70b", "--tp-size", "8"], "--tp-size divides activations: give --micro-batch"),
-    (["memory", *LONG, "--sp-size", "8", "--strategy", "DDP"], "--sp-size prices FSDP (FULL_SHARD"),
+    (["memory", *LONG, "--sp-size", "8", "--tp-size", "8", "--strategy", "HYBRID_SHARD", "--shard-group-size", "1"],
+     "tensor parallelism (tp 8) is priced beside FSDP's FULL_SHARD"),
     (["memory", "--world-size", "4", "--micro-batch", "1", "--seq-len", "16", "--tp-size", "2"],
      "--tp-size prices a decoder at scale: give --model"),
     (["plan", "--model", "llama2-70b", "--gpu", "h100-80gb", "--gpus", "64", "--tp-size", "16"],

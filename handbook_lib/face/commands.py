@@ -34,8 +34,7 @@ from handbook_lib.models.allocator import RESERVE_FRACTION, RESERVE_MODEL, RESER
 from handbook_lib.models.axes import (
     AxesVerdict,
     estimate_axes,
-    estimate_sp_memory,
-    estimate_tp_fsdp_memory,
+    estimate_job_memory,
 )
 from handbook_lib.models.axes_table import AxisOption, axes_reason, compare_axes
 from handbook_lib.models.bands import StepTimeBand, step_time_band
@@ -202,40 +201,34 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         print(wrap_line(f"note: {note}", "  "))
     return 0
 
-def _check_axes(args: argparse.Namespace, layout: ModelLayout, world: int) -> None:
-    """Refuse a ``--tp-size``/``--sp-size`` the job cannot take, in one line naming the flag."""
-    tp, sp = args.tp_size, args.sp_size
-    if tp > 1 and sp > 1:
-        raise ValueError("--tp-size and --sp-size: give one of them (each is priced beside FSDP, not "
-                         "the two together)")
-    ParallelLayout.for_world(world, tp=tp, sp=sp, nhead=layout.nhead, seq_len=args.seq_len,
-                             names=_FLAGS | {"world": "the GPUs ({})"})
-
-
 def _axes_memory(args: argparse.Namespace, layout: ModelLayout) -> tuple[MemoryEstimate, str] | None:
-    """``memory --tp-size/--sp-size``: the estimate with the axis, and the words of its assumption."""
-    flag = "--tp-size" if args.tp_size > 1 else "--sp-size" if args.sp_size > 1 else ""
-    if not flag:
+    """``memory --tp-size/--sp-size``: the flags mapped onto a layout, priced by
+    :func:`~handbook_lib.models.axes.estimate_job_memory` (which refuses what it does not price), and
+    the words of its assumption."""
+    tp, sp = args.tp_size, args.sp_size
+    if tp == 1 and sp == 1:
         return None
+    flag = "--tp-size" if tp > 1 else "--sp-size"
     if not args.micro_batch:
         raise ValueError(f"{flag} divides activations: give --micro-batch and --seq-len too (with --model, "
                          "--hf-config or the handbook's model)")
-    if (not get_strategy(args.strategy).fully_sharded or args.cpu_offload or args.shard_group_size
-            or args.grad_accum > 1):
-        raise ValueError(f"{flag} prices FSDP (FULL_SHARD, on the device) over the other ranks: use "
-                         f"--strategy FULL_SHARD without --cpu-offload, --shard-group-size or --grad-accum")
-    _check_axes(args, layout, args.world_size)
-    ac = args.activation_checkpointing
-    if args.sp_size > 1:
-        est = estimate_sp_memory(layout, args.world_size, args.seq_len, args.sp_size, micro_batch=args.micro_batch,
-                                 precision=args.precision, optimizer=args.optimizer, activation_checkpointing=ac)
-        return est, (f"; the sequence split over {args.sp_size} ranks ({args.seq_len // args.sp_size} tokens "
-                     f"per GPU), FSDP over all {args.world_size}")
-    est = estimate_tp_fsdp_memory(_chosen_shape(args), args.world_size, args.tp_size, micro_batch=args.micro_batch,
-                                  seq_len=args.seq_len, precision=args.precision, optimizer=args.optimizer,
-                                  activation_checkpointing=ac)
-    return est, (f"; TP {args.tp_size} x FSDP {args.world_size // args.tp_size} (sequence parallel on the "
-                 f"norms), micro-batch per TP group")
+    row = get_strategy(args.strategy)
+    # the memory does not depend on the sequence split's method: no heads rule (the ring's)
+    job = ParallelLayout.for_world(args.world_size, tp=tp, sp=sp, sp_method="ring",
+                                   shard_group=args.shard_group_size if row.hybrid else None,
+                                   replicate=not row.sharded, nhead=layout.nhead, seq_len=args.seq_len,
+                                   names=_FLAGS | {"world": "the GPUs ({})"})
+    model = _chosen_shape(args) if tp > 1 else layout
+    est = estimate_job_memory(model, job, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                              strategy=args.strategy, precision=args.precision, optimizer=args.optimizer,
+                              activation_checkpointing=args.activation_checkpointing,
+                              cpu_offload=args.cpu_offload, grad_accum_steps=args.grad_accum,
+                              sync_every_micro_step=args.sync_every_micro_step)
+    split = f"the sequence split over {sp} ranks ({args.seq_len // sp} tokens per GPU)"
+    if tp == 1:
+        return est, f"; {split}, FSDP over all {args.world_size}"
+    words = f"; TP {tp} x FSDP {args.world_size // tp} (sequence parallel on the norms), micro-batch per TP group"
+    return est, words + (f"; {split}, inside the FSDP ranks" if sp > 1 else "")
 
 
 def _cmd_comm(args: argparse.Namespace) -> int:

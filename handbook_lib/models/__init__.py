@@ -126,7 +126,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         sequence_activation_bytes, ulysses_layer_bytes,
     )
     from handbook_lib.models.axes import (
-        AxesVerdict, SpChoice, estimate_axes, estimate_sp_memory, estimate_tp_fsdp_memory,
+        AxesVerdict, SpChoice, estimate_axes, estimate_job_memory, estimate_sp_memory, estimate_tp_fsdp_memory,
         sp_candidates,
     )
     from handbook_lib.models.axes_table import (

@@ -52,8 +52,8 @@ from handbook_lib.models.sequence_parallel import (
 )
 from handbook_lib.models.tensor_parallel import estimate_decoder_tp_memory
 
-__all__ = ["AxesVerdict", "SpChoice", "estimate_axes", "estimate_sp_memory", "estimate_tp_fsdp_memory",
-           "sp_candidates"]
+__all__ = ["AxesVerdict", "SpChoice", "estimate_axes", "estimate_job_memory", "estimate_sp_memory",
+           "estimate_tp_fsdp_memory", "sp_candidates"]
 
 
 def _gb(n: float) -> str:
@@ -133,68 +133,107 @@ _GPUS = {"world": "the GPUs ({})"}
 """How this module's refusals name the world: its GPUs."""
 
 
+def estimate_job_memory(model: ModelLike, layout: ParallelLayout, *, micro_batch: int, seq_len: int,
+                        strategy: str = "FULL_SHARD", precision: str = "bf16-mixed", optimizer: str = "adamw",
+                        activation_checkpointing: bool | str = "full", cpu_offload: bool = False,
+                        grad_accum_steps: int = 1, sync_every_micro_step: bool = False) -> MemoryEstimate:
+    """One GPU's memory, by component, for a job laid out as ``layout`` (its degrees: data
+    parallel, tensor, sequence): the one memory entry point for any combination of the axes.
+
+    - **The sequence split** (``sp``): each GPU keeps the activations, logits and loss buffers of
+      ``micro_batch`` sequences of ``seq_len / sp`` tokens; with a fused attention every term of
+      the activation model is per token (the
+      :func:`~handbook_lib.models.sequence_parallel.sequence_activation_bytes` rule), so the
+      GPU is priced at the shorter length. Its ranks hold the same parameters, so FSDP shards
+      over them too (torchtitan's ``dp_shard_cp``). Ulysses' and the ring's in-flight buffers (a
+      few ``T·d`` of one layer) are left out.
+    - **Without tensor parallelism**: :func:`~handbook_lib.models.memory.estimate_memory` of
+      ``strategy`` over every GPU (a hybrid one in groups of ``dp_shard · sp``), with its levers.
+    - **With tensor parallelism** (``tp``, a :class:`~handbook_lib.models.presets.DecoderShape`):
+      the model state is the TP slice's FSDP shard over the other ``world / tp`` GPUs
+      (:func:`~handbook_lib.models.tensor_parallel.estimate_decoder_tp_memory`: projections,
+      embedding and head split, norms replicated), 4 bytes per element each for the parameters,
+      the gradients and every optimizer state. Everything else is FULL_SHARD's on all GPUs
+      (phase by phase) divided by ``tp``: with sequence parallelism on the norms (Korthikanti et
+      al.'s ``34·s·b·h/t``; with full checkpointing ``2·s·b·h/t``), a loss-parallel head and
+      gathered units of one TP slice, every activation, logit and gathered byte of a GPU is 1/t
+      of FULL_SHARD's for the same tokens. TP's own in-flight buffers (one (T, d) all-gather
+      output at a time) are left out. ``micro_batch`` is per TP group.
+
+    Raises:
+        ValueError: for a shape the layout cannot split (:meth:`ParallelLayout.check_shape`); with
+            ``tp`` > 1, a strategy other than FULL_SHARD, offload or accumulation (not priced
+            with tensor parallelism); what ``estimate_memory`` refuses.
+    """
+    check_int("seq_len", seq_len, 1)
+    check_int("micro_batch", micro_batch, 1)
+    sizes = model_layout(model) if not isinstance(model, DecoderShape) else model
+    kv = sizes.kv_heads if isinstance(sizes, DecoderShape) else None
+    layout.check_shape(nhead=sizes.nhead, kv_heads=kv, seq_len=seq_len, names=_GPUS)
+    world, local = layout.world_size, seq_len // layout.sp
+    if layout.tp == 1:
+        group = layout.fsdp_size if layout.hybrid else None
+        return estimate_memory(model, world, strategy, precision, optimizer, micro_batch=micro_batch, seq_len=local,
+                               shard_group_size=group, activation_checkpointing=activation_checkpointing,
+                               cpu_offload=cpu_offload, grad_accum_steps=grad_accum_steps,
+                               sync_every_micro_step=sync_every_micro_step)
+    if strategy != "FULL_SHARD" or cpu_offload or layout.hybrid or grad_accum_steps > 1:
+        raise ValueError(f"tensor parallelism (tp {layout.tp}) is priced beside FSDP's FULL_SHARD on the device, "
+                         "one micro-step a step: give FULL_SHARD without offload, shard groups or accumulation")
+    if not isinstance(model, DecoderShape):
+        raise ValueError("tensor parallelism is priced for a decoder's shape (a preset or a config.json), "
+                         "not the handbook's model or a parameter count")
+    layout.check_shape(ffn=model.ffn, names=_GPUS)
+    tp_state = estimate_decoder_tp_memory(model, layout.tp, world // layout.tp, micro_batch, local,
+                                          optimizer=optimizer)
+    fsdp = estimate_memory(model, world, "FULL_SHARD", precision, optimizer, micro_batch=micro_batch,
+                           seq_len=local, activation_checkpointing=activation_checkpointing)
+    held = tp_state.params_per_gpu
+    state = {"params": 4 * held, "grads": 4 * held, "optimizer": 4 * optimizer_states(optimizer) * held}
+    components = {k: state[k] if k in state else v // layout.tp for k, v in fsdp.components.items()}
+    phases = {k: sum(state.values()) + (v - fsdp.model_state) // layout.tp for k, v in fsdp.phases.items()}
+    phases[fsdp.peak_phase] = sum(components.values())
+    split = f" x SP {layout.sp}" if layout.sp > 1 else ""
+    note = (f"TP {layout.tp}{split} x FSDP {world // (layout.tp * layout.sp)}: activations, logits and gathered "
+            f"units are FULL_SHARD's / {layout.tp} (sequence parallel, loss parallel); TP's in-flight buffers "
+            "left out")
+    return MemoryEstimate(components, phases, fsdp.peak_phase,
+                          forward_activations=fsdp.forward_activations // layout.tp, notes=(note,))
+
+
 def estimate_sp_memory(model: ModelLike, world_size: int, seq_len: int, sp_size: int, *, micro_batch: int = 1,
                        precision: str = "bf16-mixed", optimizer: str = "adamw",
                        activation_checkpointing: bool | str = "full") -> MemoryEstimate:
-    """One GPU's memory with each sequence split over ``sp_size`` ranks, by component.
-
-    The model state is FULL_SHARD over all ``world_size`` GPUs: the ranks of a split hold the
-    same parameters, so they shard them too (torchtitan folds its context-parallel axis into
-    FSDP's mesh, ``dp_shard_cp``). Each GPU keeps the activations, logits and loss buffers of
-    ``micro_batch`` sequences of ``seq_len / sp_size`` tokens: with a fused attention every term
-    of the activation model is per token (the
-    :func:`~handbook_lib.models.sequence_parallel.sequence_activation_bytes` rule), so the GPU is
-    priced as FSDP at the shorter length. Ulysses' and the ring's in-flight buffers (a few
-    ``T·d`` of one layer) are left out.
+    """One GPU's memory with each sequence split over ``sp_size`` ranks, FULL_SHARD over all
+    ``world_size`` GPUs: :func:`estimate_job_memory` of that layout (either method: the memory
+    does not depend on it).
 
     Raises:
         ValueError: for a ``seq_len`` that ``sp_size`` does not divide, ``sp_size`` not dividing
             ``world_size``, or what :func:`~handbook_lib.models.memory.estimate_memory` refuses.
     """
     check_int("seq_len", seq_len, 1)
-    ParallelLayout.for_world(world_size, sp=sp_size, seq_len=seq_len, names=_GPUS)
-    return estimate_memory(model, world_size, "FULL_SHARD", precision, optimizer, micro_batch=micro_batch,
-                           seq_len=seq_len // sp_size, activation_checkpointing=activation_checkpointing)
+    layout = ParallelLayout.for_world(world_size, sp=sp_size, sp_method="ring", seq_len=seq_len, names=_GPUS)
+    return estimate_job_memory(model, layout, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
+                               optimizer=optimizer, activation_checkpointing=activation_checkpointing)
 
 
 def estimate_tp_fsdp_memory(shape: DecoderShape | str, world_size: int, tp_size: int, *, micro_batch: int,
                             seq_len: int, precision: str = "bf16-mixed", optimizer: str = "adamw",
                             activation_checkpointing: bool | str = "full") -> MemoryEstimate:
     """One GPU's memory under tensor parallelism over ``tp_size`` GPUs inside a node x FSDP2 over
-    the ``world_size / tp_size`` TP groups, by component; ``micro_batch`` sequences per TP group.
-
-    The model state is the TP slice's FSDP shard
-    (:func:`~handbook_lib.models.tensor_parallel.estimate_decoder_tp_memory`: projections,
-    embedding and head split, norms replicated), 4 bytes per element each for the parameters,
-    the gradients and every optimizer state. Everything else is FULL_SHARD's on ``world_size``
-    GPUs (:func:`~handbook_lib.models.memory.estimate_memory`, phase by phase) divided by
-    ``tp_size``: with sequence parallelism on the norms (Korthikanti et al.'s ``34·s·b·h/t``; with
-    full checkpointing ``2·s·b·h/t``), a loss-parallel head (the logits' vocabulary split, as
-    torchtitan's plan) and gathered units of one TP slice, every activation, logit and gathered
-    byte of a GPU is 1/t of FULL_SHARD's for the same tokens. Tensor parallelism's own in-flight
-    buffers (one (T, d) all-gather output at a time) are left out.
+    the ``world_size / tp_size`` TP groups: :func:`estimate_job_memory` of that layout;
+    ``micro_batch`` sequences per TP group.
 
     Raises:
         ValueError: for ``tp_size`` not dividing ``world_size``, or the heads, KV heads or
             feed-forward width; for what ``estimate_memory`` refuses.
     """
     shape = get_shape(shape) if isinstance(shape, str) else shape
-    ParallelLayout.for_world(world_size, tp=tp_size, nhead=shape.nhead, kv_heads=shape.kv_heads, ffn=shape.ffn,
-                             names=_GPUS)
-    check_int("micro_batch", micro_batch, 1)
-    tp_state = estimate_decoder_tp_memory(shape, tp_size, world_size // tp_size, micro_batch, seq_len,
-                                          optimizer=optimizer)
-    fsdp = estimate_memory(shape, world_size, "FULL_SHARD", precision, optimizer, micro_batch=micro_batch,
-                           seq_len=seq_len, activation_checkpointing=activation_checkpointing)
-    held = tp_state.params_per_gpu
-    state = {"params": 4 * held, "grads": 4 * held, "optimizer": 4 * optimizer_states(optimizer) * held}
-    components = {k: state[k] if k in state else v // tp_size for k, v in fsdp.components.items()}
-    phases = {k: sum(state.values()) + (v - fsdp.model_state) // tp_size for k, v in fsdp.phases.items()}
-    phases[fsdp.peak_phase] = sum(components.values())
-    note = (f"TP {tp_size} x FSDP {world_size // tp_size}: activations, logits and gathered units are "
-            f"FULL_SHARD's / {tp_size} (sequence parallel, loss parallel); TP's in-flight buffers left out")
-    return MemoryEstimate(components, phases, fsdp.peak_phase, forward_activations=fsdp.forward_activations // tp_size,
-                          notes=(note,))
+    layout = ParallelLayout.for_world(world_size, tp=tp_size, nhead=shape.nhead, kv_heads=shape.kv_heads,
+                                      ffn=shape.ffn, names=_GPUS)
+    return estimate_job_memory(shape, layout, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
+                               optimizer=optimizer, activation_checkpointing=activation_checkpointing)
 
 
 def sp_candidates(model: ModelLike, gpus: int, seq_len: int, method: str) -> list[int]:
