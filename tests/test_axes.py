@@ -213,3 +213,24 @@ def test_one_memory_entry_point_prices_every_layout():
         estimate_job_memory(shape, ParallelLayout.for_world(64, tp=8), micro_batch=1, seq_len=4096, cpu_offload=True)
     with pytest.raises(ValueError, match="sp_size=3 must divide seq_len=4096"):
         estimate_job_memory(shape, ParallelLayout(sp=3, sp_method="ring"), micro_batch=1, seq_len=4096)
+
+
+def test_tensor_and_sequence_axes_are_priced_together_where_the_layout_allows():
+    from handbook_lib.models.axes import estimate_tp_fsdp_memory
+    from handbook_lib.models.axes_table import compare_axes
+    from handbook_lib.models.presets import get_shape
+
+    rows = {r.name: r for r in compare_axes("llama2-70b", "h100-80gb", 64, seq_len=131072, tp_size=8, sp_size=8,
+                                            sp_method="ring")}
+    both = rows["TP 8 x SP 8 (ring) x FSDP 1"]
+    assert (both.tp_size, both.sp_size, both.dp_size) == (8, 8, 1)
+    # each GPU: the TP slice of 16,384 tokens (131,072 / 8), FSDP over the 8 ranks of the split
+    want = estimate_tp_fsdp_memory(get_shape("llama2-70b"), 64, 8, micro_batch=1, seq_len=16384,
+                                   activation_checkpointing="none")
+    assert both.peak_reserved_bytes == want.peak_reserved
+    # compute: each token still attends over the whole sequence, so 1/8 of the TP row's
+    assert both.compute_s == pytest.approx(rows["TP 8 x FSDP 8"].compute_s / 8, rel=1e-12)
+    assert both.tokens_per_step == 131072
+    # Ulysses would split each TP rank's 1 key/value head again: not offered
+    ulysses = compare_axes("llama2-70b", "h100-80gb", 64, seq_len=131072, tp_size=8, sp_size=8)
+    assert not [r for r in ulysses if r.tp_size > 1 and r.sp_size > 1]

@@ -5,26 +5,29 @@ Chapter 9 teaches it, after :mod:`handbook_lib.models.axes` has said *whether* F
 :func:`compare_axes` prices, for one job, the planner's FULL_SHARD and HYBRID_SHARD options (with
 and without activation checkpointing, :func:`~handbook_lib.models.planner.plan`) and the same job
 laid out as TP over ``tp`` GPUs of a node x FSDP2 over the TP groups (and, if asked, the sequence
-split over ``sp`` GPUs x FSDP2 over all): per-GPU memory, communication, compute, step and tokens
+split over ``sp`` GPUs x FSDP2 over all, and both together): per-GPU memory, communication, compute, step and tokens
 per second per GPU, the one figure that compares layouts whose global batches differ (a TP group
 shares its sequences, so TP x FSDP takes ``1/tp`` of FULL_SHARD's tokens per step).
 :func:`recommend_axes` picks the fastest that fits, a tie within 1 % going to fewer axes.
 
-What each layout pays:
+What each layout pays (one function, :func:`price_layout`, for every layout):
 
 - FULL_SHARD / HYBRID_SHARD: the planner's own pricing (chapter 4);
-- TP x FSDP: compute ``1/tp`` of 6PT of its group's tokens; TP's collectives per layer
-  (:func:`~handbook_lib.models.tensor_parallel.estimate_tp_layer_traffic`, sequence parallel:
-  4 all-gathers and 4 reduce-scatters of T·d·c, and the forward's again when a checkpointed layer
-  is recomputed) on the node's link, **not hidden** (each sits between two matrix products);
-  FSDP2's all-gathers and reduce-scatters of the TP slices over the ``dp`` groups, one rank per
-  node when ``tp`` fills it, on that rank's own network port, hidden as chapter 3 hides them;
-- the sequence split: compute of ``1/sp`` of the tokens; Ulysses' all-to-alls (not hidden) or the
-  ring's sends (hidden when :func:`~handbook_lib.models.sequence_parallel.ring_overlap` says so);
-  FSDP2 over every GPU as FULL_SHARD.
+- tensor parallelism over ``tp`` GPUs of a node: compute ``1/tp`` of its group's tokens' FLOPs;
+  TP's collectives per layer (:func:`~handbook_lib.models.tensor_parallel.estimate_tp_layer_traffic`,
+  sequence parallel: 4 all-gathers and 4 reduce-scatters of T·d·c, and the forward's again when a
+  checkpointed layer is recomputed) on the node's link, **not hidden** (each sits between two
+  matrix products);
+- the sequence split over ``sp`` ranks: compute of ``1/sp`` of the tokens; Ulysses' all-to-alls
+  (not hidden) or the ring's sends (hidden when
+  :func:`~handbook_lib.models.sequence_parallel.ring_overlap` says so), of a tensor rank's heads
+  when both axes are on, on NVLink while ``tp · sp`` GPUs fit a node;
+- FSDP2 over the ``gpus / tp`` ranks that hold the same TP slice (data-parallel and sequence
+  ranks together), one rank per node when ``tp`` fills it, on that rank's own network port,
+  hidden as chapter 3 hides them. Memory: :func:`~handbook_lib.models.axes.estimate_job_memory`.
 
-The compute model is 6PT (chapter 3): it leaves out attention's ``s²`` term, which grows past the
-parameters' share beyond ~32k tokens for a 70B model; every layout pays it alike per token.
+Compute counts attention's FLOPs (12·L·w·s per token) beside 6PT, at the utilization the
+planner uses (:func:`~handbook_lib.models.timing.estimate_compute_time`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 
 from handbook_lib.core.config import get_precision
 from handbook_lib.core.parallel_layout import ParallelLayout
-from handbook_lib.models.axes import estimate_sp_memory, estimate_tp_fsdp_memory
+from handbook_lib.models.axes import estimate_job_memory
 from handbook_lib.models.bands import StepTimeBand
 from handbook_lib.models.collectives import estimate_collective_time
 from handbook_lib.models.hardware import (
@@ -63,7 +66,7 @@ from handbook_lib.models.timing import (
 from handbook_lib.models.topology import route_collective
 from handbook_lib.models.traffic import estimate_step_traffic
 
-__all__ = ["AxisOption", "axes_reason", "compare_axes", "recommend_axes"]
+__all__ = ["AxisOption", "axes_reason", "compare_axes", "price_layout", "recommend_axes"]
 
 _FROM_PLAN = ("FULL_SHARD", "FULL_SHARD + AC", "HYBRID_SHARD", "HYBRID_SHARD + AC")
 
@@ -134,55 +137,56 @@ def _from_plan(o: Option, job: _Job) -> AxisOption:
                       job.gpus * job.micro_batch * job.seq_len)
 
 
-def _price_tp(job: _Job, tp: int, ac: bool) -> AxisOption:
-    """TP over ``tp`` GPUs of a node x FSDP2 over the ``gpus / tp`` groups (module docstring)."""
-    dp = job.gpus // tp
-    tokens = job.micro_batch * job.seq_len  # one TP group's
-    mem = estimate_tp_fsdp_memory(job.shape, job.gpus, tp, micro_batch=job.micro_batch, seq_len=job.seq_len,
-                                  precision=job.precision, activation_checkpointing=job.mode(ac))
+def _attention_slice(shape: DecoderShape, tp: int) -> DecoderShape:
+    """What one tensor-parallel rank attends with: ``nhead / tp`` query heads and ``kv_heads / tp``
+    key/value heads of the same width (the sequence split's transfers carry those)."""
+    if tp == 1:
+        return shape
+    head = shape.head_dim or shape.d_model // shape.nhead
+    return dataclasses.replace(shape, nhead=shape.nhead // tp, num_kv_heads=shape.kv_heads // tp, head_dim=head)
+
+
+def price_layout(job: _Job, tp: int, sp: int, method: str, ac: bool) -> AxisOption:
+    """One layout's row: TP over ``tp`` GPUs of a node, the sequence split over ``sp`` ranks, FSDP2
+    over the ``gpus / tp`` ranks of each TP slice (module docstring); ``tp`` = ``sp`` = 1 is
+    FULL_SHARD priced the same way. Memory: :func:`~handbook_lib.models.axes.estimate_job_memory`."""
+    fsdp_ranks, dp = job.gpus // tp, job.gpus // (tp * sp)
+    tokens = job.micro_batch * job.seq_len // sp  # one GPU's (one TP group's)
+    layout = ParallelLayout.for_world(job.gpus, tp=tp, sp=sp, sp_method=method)
+    mem = estimate_job_memory(job.shape, layout, micro_batch=job.micro_batch, seq_len=job.seq_len,
+                              precision=job.precision, activation_checkpointing=job.mode(ac))
     compute = job.compute(tokens, ac) / tp
-    c = 4 if job.precision == "fp32" else 2
-    layer = estimate_tp_layer_traffic(job.shape.d_model, tokens, tp, c, sequence_parallel=True)
-    per_layer = [estimate_collective_time(x, job.node.intra_link) for x in layer.collectives]
-    half = len(per_layer) // 2  # forward first: recomputed with checkpointing
-    tp_s = job.shape.num_layers * (sum(per_layer) + (sum(per_layer[:half]) if ac else 0.0))
+    node, tp_s, sp_s, hidden = job.node, 0.0, 0.0, False
+    if tp > 1:  # not hidden: each sits between two matrix products
+        layer = estimate_tp_layer_traffic(job.shape.d_model, tokens, tp, 4 if job.precision == "fp32" else 2,
+                                          sequence_parallel=True)
+        per_layer = [estimate_collective_time(x, node.intra_link) for x in layer.collectives]
+        half = len(per_layer) // 2  # forward first: recomputed with checkpointing
+        tp_s = job.shape.num_layers * (sum(per_layer) + (sum(per_layer[:half]) if ac else 0.0))
+    if sp > 1:
+        link: Link = node.intra_link if sp * tp <= node.gpus_per_node else node.inter_link
+        local = _attention_slice(job.shape, tp)
+        fn = ulysses_layer_bytes if method == "ulysses" else ring_layer_bytes
+        split = fn(local, job.seq_len, sp, micro_batch=job.micro_batch)
+        steps = split.forward_transfers * (2 if ac else 1) + split.backward_transfers
+        sp_s = job.shape.num_layers * (steps * link.latency_s
+                                       + (split.sent + (split.forward_sent if ac else 0)) / link.achievable_bytes_per_s)
+        hidden = method == "ring" and ring_overlap(local, job.seq_len, sp, link, node.accelerator,
+                                                   micro_batch=job.micro_batch).hides
     param_dtype, reduce_dtype = get_precision(job.precision)
-    traffic = estimate_step_traffic(decoder_tp_units(job.shape, tp), dp, "FULL_SHARD", param_dtype=param_dtype,
-                                    reduce_dtype=reduce_dtype)
-    # one dp group's ranks on each node: a machine of gpus_per_node / tp slots and as many ports
-    node = job.node
+    units = decoder_tp_units(job.shape, tp) if tp > 1 else model_layout(job.shape).units()
+    traffic = estimate_step_traffic(units, fsdp_ranks, "FULL_SHARD", param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # one FSDP group's ranks on each node: a machine of gpus_per_node / tp slots and as many ports
     slots = max(1, node.gpus_per_node // tp)
     lane = dataclasses.replace(node, gpus_per_node=slots, nics_per_node=max(1, node.nics_per_node * slots
                                                                            // node.gpus_per_node))
-    fsdp = estimate_step_time(traffic, lambda r: route_collective(r, lane, dp, "FULL_SHARD"), compute, overlap=True)
-    return AxisOption(f"TP {tp} x FSDP {dp}" + (" + AC" if ac else ""), tp, 1, dp, ac, mem.peak_reserved,
-                      job.budget, tp_s + fsdp.comm_s, tp_s + fsdp.exposed_comm_s, compute, tp_s + fsdp.total_s,
-                      dp * tokens)
-
-
-def _price_sp(job: _Job, sp: int, method: str, ac: bool) -> AxisOption:
-    """The sequence split over ``sp`` GPUs x FSDP2 over every GPU (module docstring)."""
-    mem = estimate_sp_memory(job.shape, job.gpus, job.seq_len, sp, micro_batch=job.micro_batch,
-                             precision=job.precision, activation_checkpointing=job.mode(ac))
-    compute = job.compute(job.micro_batch * job.seq_len // sp, ac)
-    link: Link = job.node.intra_link if sp <= job.node.gpus_per_node else job.node.inter_link
-    fn = ulysses_layer_bytes if method == "ulysses" else ring_layer_bytes
-    layer = fn(job.shape, job.seq_len, sp, micro_batch=job.micro_batch)
-    steps = layer.forward_transfers * (2 if ac else 1) + layer.backward_transfers
-    sent = layer.sent + (layer.forward_sent if ac else 0)
-    sp_s = job.shape.num_layers * (steps * link.latency_s + sent / link.achievable_bytes_per_s)
-    hidden = method == "ring" and ring_overlap(job.shape, job.seq_len, sp, link, job.node.accelerator,
-                                               micro_batch=job.micro_batch).hides
-    param_dtype, reduce_dtype = get_precision(job.precision)
-    traffic = estimate_step_traffic(model_layout(job.shape).units(), job.gpus, "FULL_SHARD",
-                                    param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    fsdp = estimate_step_time(traffic, lambda r: route_collective(r, job.node, job.gpus, "FULL_SHARD"),
-                              compute, overlap=True, extra_comm_s=sp_s if hidden else 0.0)
-    exposed = 0.0 if hidden else sp_s
-    return AxisOption(f"SP {sp} ({method}) x FSDP {job.gpus // sp}" + (" + AC" if ac else ""), 1, sp,
-                      job.gpus // sp, ac, mem.peak_reserved, job.budget, fsdp.comm_s + exposed,
-                      fsdp.exposed_comm_s + exposed, compute, fsdp.total_s + exposed,
-                      job.gpus // sp * job.micro_batch * job.seq_len)
+    fsdp = estimate_step_time(traffic, lambda r: route_collective(r, lane, fsdp_ranks, "FULL_SHARD"), compute,
+                              overlap=True, extra_comm_s=sp_s if hidden else 0.0)
+    exposed = tp_s + (0.0 if hidden else sp_s)
+    parts = ([f"TP {tp}"] if tp > 1 else []) + ([f"SP {sp} ({method})"] if sp > 1 else [])
+    return AxisOption(" x ".join([*parts, f"FSDP {dp}"]) + (" + AC" if ac else ""), tp, sp, dp, ac, mem.peak_reserved,
+                      job.budget, fsdp.comm_s + exposed, fsdp.exposed_comm_s + exposed, compute,
+                      fsdp.total_s + exposed, dp * job.micro_batch * job.seq_len)
 
 
 _NAMES = {"world": "the GPUs ({})", "gpus_per_node": "the GPUs per node ({})", "nhead": "the heads ({})"}
@@ -195,9 +199,10 @@ def compare_axes(model: DecoderShape | str, gpu: Accelerator | str, gpus: int, *
                  utilization: float | None = None, headroom: float = 0.0,
                  batch_tokens: int | None = None) -> list[AxisOption]:
     """FULL_SHARD and HYBRID_SHARD (the planner's pricing) beside TP over ``tp_size`` GPUs of a
-    node x FSDP2 (and, with ``sp_size`` > 1, the sequence split x FSDP2), each with and without
-    full activation checkpointing; ``micro_batch`` sequences per data-parallel replica (a TP
-    group, an sp group or one GPU).
+    node x FSDP2 (and, with ``sp_size`` > 1, the sequence split x FSDP2, and TP x the split x FSDP2
+    where the layout allows both), each with and without full activation checkpointing
+    (:func:`price_layout`); ``micro_batch`` sequences per data-parallel replica (a TP group, an sp
+    group or one GPU).
 
     Args:
         model: A decoder shape or preset name.
@@ -227,9 +232,13 @@ def compare_axes(model: DecoderShape | str, gpu: Accelerator | str, gpus: int, *
     rows = [_from_plan(o, job) for o in result.options if o.name in _FROM_PLAN and o.gpus == gpus]
     for ac in (False, True):
         if tp > 1:
-            rows.append(_price_tp(job, tp, ac))
+            rows.append(price_layout(job, tp, 1, sp_method, ac))
         if sp_size > 1:
-            rows.append(_price_sp(job, sp_size, sp_method, ac))
+            rows.append(price_layout(job, 1, sp_size, sp_method, ac))
+        if tp > 1 and sp_size > 1 and ParallelLayout.allows(gpus, tp=tp, sp=sp_size, sp_method=sp_method,
+                                                            nhead=shape.nhead, kv_heads=shape.kv_heads,
+                                                            seq_len=seq_len):
+            rows.append(price_layout(job, tp, sp_size, sp_method, ac))
     if batch_tokens is not None:
         rows = [dataclasses.replace(r, within_batch=r.tokens_per_step <= batch_tokens) for r in rows]
     return rows
