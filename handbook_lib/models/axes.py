@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from handbook_lib.core.checks import check_int
 from handbook_lib.core.parallel_layout import ParallelLayout
+from handbook_lib.core.strategies import get_strategy
 from handbook_lib.models.hardware import (
     Accelerator,
     Link,
@@ -177,7 +178,8 @@ def estimate_job_memory(model: ModelLike, layout: ParallelLayout, *, micro_batch
                                shard_group_size=group, activation_checkpointing=activation_checkpointing,
                                cpu_offload=cpu_offload, grad_accum_steps=grad_accum_steps,
                                sync_every_micro_step=sync_every_micro_step)
-    if strategy != "FULL_SHARD" or cpu_offload or layout.hybrid or grad_accum_steps > 1:
+    row = get_strategy(strategy)
+    if not row.fully_sharded or row.hybrid or cpu_offload or layout.hybrid or grad_accum_steps > 1:
         raise ValueError(f"tensor parallelism (tp {layout.tp}) is priced beside FSDP's FULL_SHARD on the device, "
                          "one micro-step a step: give FULL_SHARD without offload, shard groups or accumulation")
     if not isinstance(model, DecoderShape):

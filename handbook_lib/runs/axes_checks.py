@@ -1,8 +1,9 @@
 """Train the book's model on any layout of chapter 9's axes and check every byte against the models.
 
 The ``tensor_parallel`` and ``sequence_parallel`` runs are this one function, :func:`run_axes`,
-behind their own validation: :func:`~handbook_lib.runtime.axes.parallelize_axes` lays the model
-out (tensor-parallel plan, sequence core, activation checkpointing, FSDP2), the book's one loop
+behind their own validation: :func:`~handbook_lib.runtime.build.parallelize` lays the model out
+(:func:`~handbook_lib.runtime.build.apply_axes`: tensor-parallel plan, sequence core, activation
+checkpointing, FSDP2) on the job's one mesh, the book's one loop
 trains it (:func:`~handbook_lib.runtime.training.train`), its last step under a memory tracker and
 a collective counter. Checks, beside :mod:`handbook_lib.models.axes_run`:
 
@@ -37,11 +38,12 @@ from handbook_lib.models.axes_run import (
 from handbook_lib.models.sharding import policy_units, post_forward_shard_bytes
 from handbook_lib.models.tensor_parallel import tp_local_shapes
 from handbook_lib.runs.entry import RankReport, one_process_loss_checks
-from handbook_lib.runtime.axes import CoreFactory, axes_step, parallelize_axes
+from handbook_lib.runtime.axes import axes_step
+from handbook_lib.runtime.build import CoreFactory, parallelize
 from handbook_lib.runtime.collectives import CollectiveCall, collective_totals
 from handbook_lib.runtime.distributed import RankContext
 from handbook_lib.runtime.measure import measure_grad_bytes, measure_optimizer_bytes, measure_param_bytes
-from handbook_lib.runtime.mesh import LayoutMesh
+from handbook_lib.runtime.mesh import LayoutMesh, build_layout_mesh
 from handbook_lib.runtime.optimization import build_grad_scaler, build_optimizer
 from handbook_lib.runtime.ring_attention import ring_core
 from handbook_lib.runtime.sequence_parallel import measure_attention_error
@@ -77,12 +79,12 @@ def sp_core_factory(config: ParallelConfig) -> CoreFactory:
 
 def run_axes(config: ParallelConfig, ctx: RankContext) -> RankReport:
     """Train ``config`` on its layout over this job's ranks and check every byte and loss."""
-    built = parallelize_axes(config, ctx, sp_core=sp_core_factory(config))
-    model, mesh = built.model, built.mesh
+    mesh = build_layout_mesh(config.layout(ctx.world_size), ctx.device.type)
+    model = parallelize(config, ctx, mesh=mesh, sp_core=sp_core_factory(config))
     checks: list[Check] = []
     metrics: dict = {}
-    if built.core is not None:
-        error = measure_attention_error(built.core, config, mesh, ctx.device)
+    if mesh.layout.sp_enabled:
+        error = measure_attention_error(model.core, config, mesh, ctx.device)
         checks += [Check("attention_output", ctx.rank, error.out_scale, error.out_scale + error.out_diff,
                          "max |value|", ATTENTION_TOLERANCE),
                    Check("attention_grads", ctx.rank, error.grad_scale, error.grad_scale + error.grad_diff,

@@ -9,7 +9,7 @@ other ranks' tokens: ``sp_method=ulysses`` is DeepSpeed's ``DistributedAttention
 all-to-alls per layer each way, :mod:`handbook_lib.integrations.ulysses`), ``ring`` the book's
 ring of sends (:mod:`handbook_lib.runtime.ring_attention`; on GPUs PyTorch's
 ``context_parallel`` is the ring). FSDP2 shards the parameters over all ranks, dp × sp
-(:func:`~handbook_lib.runtime.axes.parallelize_axes`); any precision, checkpointing,
+(:func:`~handbook_lib.runtime.build.apply_axes`); any precision, checkpointing,
 accumulation, clipping and schedule.
 
 Before training, the core runs once on random q, k, v against full causal attention (output

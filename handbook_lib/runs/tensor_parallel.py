@@ -7,7 +7,7 @@ Chapter 9 launches it. The ranks form the job's one mesh (:mod:`handbook_lib.run
 with ``sequence_parallel`` the norms and residuals split by sequence too — each sequence split
 over ``sp_size`` ranks besides if asked (Ulysses or the ring), checkpointed as
 ``activation_checkpointing`` says, and sharded by FSDP2 over the data-parallel and sequence
-ranks (:func:`~handbook_lib.runtime.axes.parallelize_axes`); the book's one loop trains it in
+ranks (:func:`~handbook_lib.runtime.build.apply_axes`); the book's one loop trains it in
 any ``precision``, with accumulation, clipping and a schedule.
 
 Checks (:func:`~handbook_lib.runs.axes_checks.run_axes`, beside

@@ -16,7 +16,9 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     from handbook_lib.runtime.build import (
         APPLY,
         InitMode,
+        CoreFactory,
         apply_activation_checkpointing,
+        apply_axes,
         apply_explicit_prefetch,
         apply_fsdp2,
         build_mesh,
@@ -134,13 +136,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     from handbook_lib.runtime.tensor_parallel import apply_tensor_parallel, tp_loss
     from handbook_lib.runtime.sequence_parallel import AttentionError, measure_attention_error
     from handbook_lib.runtime.mesh import MESH_NAMES, LayoutMesh, build_layout_mesh
-    from handbook_lib.runtime.axes import (
-        AxesModel,
-        CoreFactory,
-        axes_step,
-        layout_batches,
-        parallelize_axes,
-    )
+    from handbook_lib.runtime.axes import axes_step, layout_batches
     from handbook_lib.runtime.ring_attention import (
         RingAttention,
         causal_ring_attention,

@@ -12,6 +12,10 @@ them:
    FSDP — and :class:`SeededInit` fills it with the weights ``build_model(config, seed)`` would
    have drawn, one top-level part at a time, so no rank ever holds the whole model.
 
+Chapter 9's layouts (tensor and sequence ranks) take the same entry, :func:`parallelize`, and
+:func:`apply_axes` lays the split-attention model out over the job's mesh: the tensor-parallel
+plan, the sequence split's attention, checkpointing, then FSDP2, in torchtitan's order.
+
 ``init="full"`` builds the whole seeded model on every rank first and then wraps it (what the
 seed and most tutorials do): the same weights, and every rank's host memory at init holds the
 full model. :func:`measure_init_bytes` measures the difference.
@@ -23,6 +27,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -39,12 +44,15 @@ from handbook_lib.core.config import (
     checkpointing_mode,
     get_precision,
 )
+from handbook_lib.core.parallel_config import ParallelConfig
 from handbook_lib.core.strategies import Strategy, get_strategy, run_shard_group, runnable_strategy
 from handbook_lib.models.activations import SELECTIVE_SAVE
 from handbook_lib.models.layout import wrap_units
 from handbook_lib.runtime.distributed import RankContext
-from handbook_lib.runtime.mesh import build_layout_mesh
-from handbook_lib.runtime.model import SimpleTransformer, TransformerLayer
+from handbook_lib.runtime.mesh import LayoutMesh, build_layout_mesh
+from handbook_lib.runtime.model import SimpleTransformer, TransformerLayer, build_model
+from handbook_lib.runtime.parallel_model import AttentionCore, ParallelTransformer, from_simple
+from handbook_lib.runtime.ring_attention import ring_core
 from handbook_lib.runtime.seeded_init import SeededInit
 
 __all__ = [
@@ -57,6 +65,8 @@ __all__ = [
     "apply_fsdp2",
     "check_runnable",
     "parallelize",
+    "apply_axes",
+    "CoreFactory",
     "APPLY",
     "measure_init_bytes",
     "apply_explicit_prefetch",
@@ -321,17 +331,33 @@ APPLY: dict[str, Callable[..., nn.Module]] = {"none": _apply_none, "ddp": _apply
 ``(model, config, ctx, row, units, seeded) -> model``."""
 
 
-def parallelize(config: RunConfig, ctx: RankContext, *, init: InitMode = "meta") -> nn.Module:
-    """The model the run config asks for, built once, checkpointed once, wrapped once.
+CoreFactory = Callable[[dist.ProcessGroup], AttentionCore]
+"""``factory(sp_group) -> core``: the distributed attention of a sequence split over ``sp_group``."""
+
+
+def parallelize(config: RunConfig, ctx: RankContext, *, init: InitMode = "meta", mesh: LayoutMesh | None = None,
+                sp_core: CoreFactory | None = None) -> nn.Module:
+    """The model the run config asks for, built once, checkpointed once, wrapped once: the one
+    entry point of every PyTorch run.
+
+    A :class:`~handbook_lib.core.parallel_config.ParallelConfig` with tensor or sequence ranks
+    gets the split-attention model laid out over its axes (:func:`apply_axes`, on ``mesh``,
+    built from the config's layout when not given; ``sp_core`` as there); any other config the
+    book's model with its strategy's wrapper.
 
     Args:
         config: The run; its ``strategy`` row says which wrapper applies.
         ctx: This rank (device, world size).
         init: ``meta`` (default) or ``full`` (see :data:`InitMode`); the weights are the same.
+            The axes' model is built whole on the CPU, then split (``init`` unused).
 
     Raises:
         ValueError: for a strategy this API or world size cannot run (:func:`check_runnable`).
     """
+    if isinstance(config, ParallelConfig) and config.inner_size > 1:
+        if mesh is None:
+            mesh = build_layout_mesh(config.layout(ctx.world_size), ctx.device.type)
+        return apply_axes(config, ctx, mesh, sp_core)
     row = check_runnable(config, ctx.world_size)
     if init not in ("meta", "full"):
         raise ValueError(f"init must be 'meta' or 'full', got {init!r}")
@@ -345,6 +371,49 @@ def parallelize(config: RunConfig, ctx: RankContext, *, init: InitMode = "meta")
     units = _unit_modules(model, config)
     apply_activation_checkpointing(model, config.activation_checkpointing)
     return APPLY[row.wrapper](model, config, ctx, row, units, seeded)
+
+
+def apply_axes(config: ParallelConfig, ctx: RankContext, mesh: LayoutMesh,
+               sp_core: CoreFactory | None = None) -> ParallelTransformer:
+    """The book's seeded model laid out over ``config``'s axes on ``mesh``, in
+    torchtitan's order (chapter 9).
+
+    Args:
+        config: The run: its layout on ``ctx.world_size`` ranks, and FSDP2's levers as
+            :func:`parallelize` applies them: the strategy's resharding (or
+            ``reshard_after_forward_size``), the ``precision``'s policy,
+            ``cpu_offload``, the ``wrap`` policy's units, ``explicit_prefetch`` and
+            ``activation_checkpointing``.
+        ctx: This rank.
+        mesh: The job's mesh (:func:`~handbook_lib.runtime.mesh.build_layout_mesh`).
+        sp_core: The sequence split's attention (default the book's ring; a run
+            passes DeepSpeed's Ulysses for ``sp_method='ulysses'``).
+
+    Chapter 9 shows this function: lines fit its column (86 characters).
+    """
+    layout = mesh.layout
+    seeded = build_model(config.model_config(), seed=config.seed, causal=True)
+    model = from_simple(seeded, vocab_size=config.padded_vocab_size).to(ctx.device)
+    if layout.tp_enabled:  # 1. the tensor-parallel plan
+        from handbook_lib.runtime.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh.tp, config.sequence_parallel)
+    if layout.sp_enabled:  # 2. the sequence split: attention that sees the others
+        model.set_core((sp_core or ring_core)(mesh.sp_group))
+    wrapped = wrap_units(config.model_config(), config.wrap, config.wrap_min_params)
+    units = [model.get_submodule(u.name) for u in wrapped if not u.root]
+    # 3. checkpointing, after the units are found by name
+    apply_activation_checkpointing(model, config.activation_checkpointing)
+    row = get_strategy(config.strategy)  # 4. FSDP2 over dp_shard x sp
+    offload = None
+    if config.cpu_offload:
+        offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")
+    apply_fsdp2(model, mesh.fsdp, units=units,
+                reshard_after_forward=config.reshard_after_forward_size
+                or row.reshard_after_forward,
+                mp_policy=build_mp_policy(config.precision), offload_policy=offload)
+    apply_explicit_prefetch(units, config.explicit_prefetch)
+    return model
 
 
 def measure_init_bytes(config: RunConfig, ctx: RankContext, init: InitMode = "meta") -> tuple[nn.Module, int]:

@@ -112,6 +112,8 @@ class ParallelTransformer(nn.Module):
         self.layers = nn.ModuleList(ParallelLayer(config.d_model, config.nhead, config.dim_feedforward)
                                     for _ in range(config.num_layers))
         self.output = nn.Linear(config.d_model, config.vocab_size)
+        self.core: AttentionCore = causal_attention
+        """Every layer's attention core (:meth:`set_core`)."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embedding(tokens)
@@ -121,6 +123,7 @@ class ParallelTransformer(nn.Module):
 
     def set_core(self, core: AttentionCore) -> None:
         """Use ``core`` as every layer's attention core."""
+        self.core = core
         for layer in self.layers:
             layer.self_attn.core = core
 

@@ -4,7 +4,7 @@ Chapter 9 uses it through the ``sequence_parallel`` and ``tensor_parallel`` runs
 ``r`` holds rows ``dp_rank`` of the global batch and positions ``sp_rank`` of each sequence
 (:func:`handbook_lib.runtime.axes.layout_batches`); the parameters are the same on every rank of
 an sp group and each computes gradients from its own tokens, so FSDP2 shards them over ``dp × sp``
-(:func:`handbook_lib.runtime.axes.parallelize_axes`, as torchtitan folds its context-parallel
+(:func:`handbook_lib.runtime.build.apply_axes`, as torchtitan folds its context-parallel
 axis into FSDP's mesh). Every rank holds as many tokens, so the mean of the ranks' mean losses
 is the global batch's mean loss: the same as one process
 (:func:`handbook_lib.runtime.training.train_one_process`).

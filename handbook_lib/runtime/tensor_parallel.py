@@ -11,7 +11,7 @@ activations between the blocks — the residual adds and the norms — stay spli
 (Korthikanti et al., 2022): each block's all-reduce becomes a reduce-scatter after it and an
 all-gather before the next; the attention's input is gathered once for Q, K and V together
 (``PrepareModuleInput``). The other steps — the sequence split, activation checkpointing, FSDP2
-over the data-parallel ranks — and their order are :func:`handbook_lib.runtime.axes.parallelize_axes`'s.
+over the data-parallel ranks — and their order are :func:`handbook_lib.runtime.build.apply_axes`'s.
 """
 
 from __future__ import annotations
