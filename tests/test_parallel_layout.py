@@ -89,7 +89,9 @@ def test_strategies_map_onto_the_data_parallel_degrees():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"pp": 2}, "pp_size=2: pipeline parallelism is not yet supported; accepted: 1"),
+    ({"pp": 3}, "pp_size=3 must divide world_size=8"),
+    ({"pp": 4, "layers": 2}, "pp_size=4 must be at most num_layers=2 (a stage holds whole layers)"),
+    ({"pp": 2, "tp": 8}, "tp_size=8 must divide the 4 ranks of a pipeline stage"),
     ({"tp": 3}, "tp_size=3 must divide world_size=8"),
     ({"tp": 2, "gpus_per_node": 1, "nhead": 3}, "tp_size=2 must divide gpus_per_node=1 and nhead=3"),
     ({"shard_group": 3}, "shard_group_size=3 must divide world_size=8"),
@@ -108,11 +110,9 @@ def test_a_refusal_is_one_line_naming_the_degree_and_what_it_must_divide(kwargs,
     assert str(err.value) == message
 
 
-def test_a_layout_refuses_a_bad_degree_and_pipelines():
+def test_a_layout_refuses_a_bad_degree():
     with pytest.raises(ValueError, match="tp must be an int >= 1"):
         ParallelLayout(tp=0)
-    with pytest.raises(ValueError, match="pipeline parallelism is not yet supported"):
-        ParallelLayout(pp=2)
     with pytest.raises(ValueError, match="sp_method must be one of ulysses, ring"):
         ParallelLayout(sp=2, sp_method="rings")
 
@@ -186,3 +186,9 @@ def test_the_scan_finds_a_restated_rule(tmp_path):
     func = tree.body[0]
     assert any(isinstance(n, ast.BinOp) and _degree(n.right) in DEGREES for t in _conditions(func)
                for n in ast.walk(t))
+
+
+def test_the_pipeline_is_the_outermost_axis_and_the_other_axes_split_a_stage():
+    layout = ParallelLayout.for_world(8, pp=2, tp=2, layers=4)
+    assert (layout.pp, layout.dp, layout.tp, layout.world_size) == (2, 2, 2, 8)
+    assert layout.mesh_dims() == (("pp", "dp_shard", "tp"), (2, 2, 2))

@@ -16,11 +16,11 @@ def test_every_run_is_described_by_its_docstring():
 
 def test_a_config_class_imported_from_the_vocabulary_is_read_from_its_module():
     """Chapter 9's runs take core.parallel_config.ParallelConfig: its keys, as declared there,
-    with the accepted values of its Literal alias (SpMethod)."""
+    with the accepted values of its Literal aliases (SpMethod, PpSchedule)."""
     own = [f.name for f in dataclasses.fields(ParallelConfig) if f.name not in RunConfig.keys()]
     for run in ("tensor_parallel", "sequence_parallel"):
         info = run_config_fields(run)
         assert (info.class_name, info.base) == ("ParallelConfig", "RunConfig")
         assert [key for key, _ in info.fields] == own
-        assert info.choices == {"sp_method": ("ulysses", "ring")}
+        assert info.choices == {"sp_method": ("ulysses", "ring"), "schedule": ("GPipe", "1F1B", "Interleaved1F1B")}
     assert run_config_fields("fsdp_train").fields == ()  # RunConfig itself: nothing added

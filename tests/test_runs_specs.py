@@ -31,6 +31,7 @@ BAD = {  # one config each run refuses, and a word of its one-line message
     "deepspeed_zero": ({"strategy": "FULL_SHARD"}, 2, "deepspeed_zero runs strategy"),
     "fault": ({"fail_rank": 5}, 2, "fail_rank must be in [0, 2)"),
     "fsdp_train": ({"strategy": "NONE"}, 2, "one-process baseline"),
+    "pipeline": ({"pp_size": 1}, 2, "the pipeline run needs pp_size >= 2"),
     "sequence_parallel": ({}, 2, "sequence_parallel needs sp_size >= 2"),
     "step_time": ({}, 1, "step_time compares DDP with FSDP"),
     "tensor_parallel": ({}, 2, "tensor_parallel needs tp_size >= 2"),

@@ -9,19 +9,27 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal, get_args
 
 from handbook_lib.core.config import RunConfig
 from handbook_lib.core.parallel_layout import SP_METHODS, ParallelLayout, SpMethod
 from handbook_lib.core.strategies import get_strategy, strategies_where
 
-__all__ = ["SP_METHODS", "AXES_LEVERS_REFUSED", "CONFIG_NAMES", "ParallelConfig"]
+__all__ = ["SP_METHODS", "PP_SCHEDULES", "AXES_LEVERS_REFUSED", "CONFIG_NAMES", "ParallelConfig"]
+
+PpSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]
+PP_SCHEDULES: tuple[str, ...] = get_args(PpSchedule)
+"""The pipeline schedules a run takes (``torch.distributed.pipelining``'s ``Schedule<name>``):
+``GPipe`` (every micro-batch's forward, then every backward), ``1F1B`` (one forward, one
+backward, once the pipeline is full) and ``Interleaved1F1B`` (1F1B over ``pp_stages_per_rank``
+stages per rank, each a smaller slice of the layers: a shorter bubble)."""
 
 
 CONFIG_NAMES: dict[str, str] = {
     "tp": "config key 'tp_size'={}", "sp": "config key 'sp_size'={}", "world": "the number of ranks {}",
     "nhead": "'nhead'={}", "ffn": "'dim_feedforward'={}", "vocab": "'vocab_size'={}", "seq_len": "'seq_len'={}",
-    "sp_method": "'sp_method'={}", "sequence_parallel": "'sequence_parallel'={}"}
+    "sp_method": "'sp_method'={}", "sequence_parallel": "'sequence_parallel'={}", "pp": "config key 'pp_size'={}",
+    "layers": "'num_layers'={}"}
 """How a :class:`ParallelConfig`'s refusals name the layout's quantities (its keys)."""
 
 
@@ -68,7 +76,22 @@ class ParallelConfig(RunConfig):
     sp_method: SpMethod = "ulysses"
     """With ``sp_size`` > 1: ``ulysses`` (needs ``nhead`` divisible by ``sp_size``) or ``ring``."""
 
-    MINIMUMS: ClassVar[Mapping[str, int]] = {**RunConfig.MINIMUMS, "tp_size": 1, "sp_size": 1}
+    pp_size: int = 1
+    """Pipeline ranks (the outermost mesh axis): each holds the layers of its stages, cut at layer
+    boundaries (the embedding on the first stage, the head on the last), and passes each
+    micro-batch's activations on to the next stage and their gradients back."""
+    schedule: PpSchedule = "1F1B"
+    """With ``pp_size`` > 1: the pipeline's schedule, the order each rank runs its micro-batches'
+    forwards and backwards in (:data:`PP_SCHEDULES`)."""
+    pp_microbatches: int = 4
+    """With ``pp_size`` > 1: micro-batches a data-parallel rank's share of each batch is cut into;
+    the schedule accumulates their gradients (``grad_accum_steps`` stays 1)."""
+    pp_stages_per_rank: int = 1
+    """With ``Interleaved1F1B``: stages each pipeline rank holds, ``v`` >= 2 (rank r holds stages
+    r, r + pp, ...); 1 otherwise."""
+
+    MINIMUMS: ClassVar[Mapping[str, int]] = {**RunConfig.MINIMUMS, "tp_size": 1, "sp_size": 1, "pp_size": 1,
+                                             "pp_microbatches": 1, "pp_stages_per_rank": 1}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -78,6 +101,35 @@ class ParallelConfig(RunConfig):
                              "activations by sequence: it needs tp_size >= 2, got 1")
         self.layout().check_shape(nhead=self.nhead, ffn=self.dim_feedforward, seq_len=self.seq_len,
                                   sequence_parallel=self.sequence_parallel, names=CONFIG_NAMES)
+        if self.pp_size > 1:
+            self.check_pipeline()
+
+    @property
+    def pp_stages(self) -> int:
+        """Pipeline stages in all: ``pp_size · pp_stages_per_rank``."""
+        return self.pp_size * self.pp_stages_per_rank
+
+    def check_pipeline(self) -> None:
+        """Refuse, in one line naming the key, a pipeline the schedule cannot run: more stages than
+        layers, a stage count the schedule does not take, fewer micro-batches than 1F1B's stages,
+        micro-batches the interleaved schedule cannot cut into rounds, or accumulation besides."""
+        interleaved = self.schedule == "Interleaved1F1B"
+        v, m, stages = self.pp_stages_per_rank, self.pp_microbatches, self.pp_stages
+        if interleaved != (v > 1):
+            raise ValueError(f"config key 'pp_stages_per_rank'={v} with schedule={self.schedule!r}: "
+                             "Interleaved1F1B takes 2 or more stages per rank, GPipe and 1F1B one")
+        if stages > self.num_layers:
+            raise ValueError(f"config key 'pp_size'={self.pp_size} x 'pp_stages_per_rank'={v}: {stages} stages must "
+                             f"be at most 'num_layers'={self.num_layers} (a stage holds whole layers)")
+        if self.schedule != "GPipe" and m < self.pp_size:
+            raise ValueError(f"config key 'pp_microbatches'={m}: {self.schedule} needs at least one per "
+                             f"pipeline rank (pp_size={self.pp_size})")
+        if interleaved and m % self.pp_size:
+            raise ValueError(f"config key 'pp_microbatches'={m}: Interleaved1F1B runs them in rounds of "
+                             f"pp_size={self.pp_size}; give a multiple of it")
+        if self.grad_accum_steps > 1:
+            raise ValueError(f"config key 'grad_accum_steps'={self.grad_accum_steps} with pp_size={self.pp_size}: "
+                             "the schedule's micro-batches are the accumulation (pp_microbatches); give 1")
 
     @property
     def padded_vocab_size(self) -> int:
@@ -96,7 +148,7 @@ class ParallelConfig(RunConfig):
                 strategy's ``shard_group_size`` (0 or not dividing) the data-parallel ranks
                 (:meth:`ParallelLayout.for_world <handbook_lib.core.parallel_layout.ParallelLayout.for_world>`).
         """
-        world = self.inner_size if world_size is None else world_size
+        world = max(1, self.pp_size) * self.inner_size if world_size is None else world_size
         row = get_strategy(self.strategy)
         group = None
         if row.hybrid and world_size is not None:
@@ -105,7 +157,8 @@ class ParallelConfig(RunConfig):
                                  "or sp_size needs the data-parallel ranks of one shard group named, >= 1")
             group = self.shard_group_size
         return ParallelLayout.for_world(world, tp=self.tp_size, sp=self.sp_size, sp_method=self.sp_method,
-                                        shard_group=group, replicate=not row.sharded, names=CONFIG_NAMES)
+                                        pp=max(1, self.pp_size), shard_group=group, replicate=not row.sharded,
+                                        names=CONFIG_NAMES)
 
     def check_runnable(self, run: str, world_size: int) -> int:
         """Refuse, for run ``run`` (``tensor_parallel``, ``sequence_parallel``), what no layout
@@ -139,20 +192,21 @@ class ParallelConfig(RunConfig):
         return self.tp_size * self.sp_size
 
     def data_parallel_size(self, world_size: int) -> int:
-        """The data-parallel ranks (the outer mesh axis), each with its own share of the global
-        batch: ``world_size / (tp_size * sp_size)``.
+        """The data-parallel ranks, each with its own share of the global batch:
+        ``world_size / (pp_size · tp_size · sp_size)``.
 
         Raises:
-            ValueError: if ``tp_size * sp_size`` does not divide ``world_size``, or the global
-                batch does not divide over the data-parallel ranks (and ``grad_accum_steps``).
+            ValueError: if the model-parallel degrees do not divide ``world_size``, or the global
+                batch does not divide over the data-parallel ranks (and ``grad_accum_steps``, or
+                with a pipeline its ``pp_microbatches``).
         """
-        key = "tp_size x sp_size" if self.tp_size > 1 and self.sp_size > 1 else \
-            "tp_size" if self.tp_size > 1 else "sp_size"
+        named = [f"{key} {size}" for key, size in (("pp_size", self.pp_size), ("tp_size", self.tp_size),
+                                                   ("sp_size", self.sp_size)) if size > 1]
         dp = self.layout(world_size).dp
-        if self.batch_size % (dp * self.grad_accum_steps):
+        cut, cut_by = ((self.pp_microbatches, "pp_microbatches") if self.pp_size > 1
+                       else (self.grad_accum_steps, "grad_accum_steps"))
+        if self.batch_size % (dp * cut):
             raise ValueError(f"batch_size={self.batch_size} must be divisible by the {dp} "
-                             f"data-parallel rank(s) (world size {world_size} / {key} "
-                             f"{self.inner_size})"
-                             + (f" times grad_accum_steps={self.grad_accum_steps}"
-                                if self.grad_accum_steps > 1 else ""))
+                             f"data-parallel rank(s) (world size {world_size} / {' x '.join(named) or 1})"
+                             + (f" times {cut_by}={cut}" if cut > 1 else ""))
         return dp

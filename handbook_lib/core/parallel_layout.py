@@ -2,9 +2,10 @@
 
 Pure: no ``torch``. Chapter 4 shards over one axis (data parallel, replicated or sharded,
 :mod:`handbook_lib.core.strategies`), chapter 8 adds HSDP's second one, chapter 9 the tensor and
-sequence axes. A :class:`ParallelLayout` holds the degree of every axis, as torchtitan's
-``ParallelDims`` does, and this module alone knows what they must divide: the product of the
-degrees is the world; the tensor degree divides the heads, the key/value heads, the feed-forward
+sequence axes and the pipeline. A :class:`ParallelLayout` holds the degree of every axis, as
+torchtitan's ``ParallelDims`` does, and this module alone knows what they must divide: the product
+of the degrees is the world; the pipeline degree divides it and is at most the layers (a stage
+holds whole layers); the tensor degree divides the heads, the key/value heads, the feed-forward
 width and the vocabulary (when the model does not pad it), and the sequence under Megatron's
 sequence parallelism; the sequence degree divides the sequence, and the heads and key/value heads
 with Ulysses' all-to-all; a shard group divides the data-parallel ranks; the tensor axis stays
@@ -54,7 +55,7 @@ LAYOUT_NAMES: dict[str, str] = {
     "pp": "pp_size={}", "tp": "tp_size={}", "sp": "sp_size={}", "dp_shard": "shard_group_size={}",
     "sp_method": "sp_method={}", "sequence_parallel": "sequence_parallel={}",
     "nhead": "nhead={}", "kv_heads": "num_kv_heads={}", "ffn": "dim_feedforward={}",
-    "vocab": "vocab_size={}", "seq_len": "seq_len={}",
+    "vocab": "vocab_size={}", "seq_len": "seq_len={}", "layers": "num_layers={}",
 }
 """How a refusal spells each quantity by default: a format string its value fills. A caller
 passes ``names`` with its own spelling of some (``{"tp": "--tp-size {}"}``)."""
@@ -82,10 +83,12 @@ def _must_divide(names: Mapping[str, str], degree: str, value: int, wholes: list
 def _refusal(spelt: Mapping[str, str], tp: int, sp: int, sp_method: str, world: int | None,
              gpus_per_node: int | None, *, nhead: int | None = None, kv_heads: int | None = None,
              ffn: int | None = None, vocab: int | None = None, seq_len: int | None = None,
-             sequence_parallel: bool = False) -> str | None:
+             sequence_parallel: bool = False, pp: int = 1, layers: int | None = None) -> str | None:
     """Every rule of a degree against what it must divide, in one place; the first refusal or
-    ``None``. ``world`` is checked by the only model-parallel degree above 1 (both: by the caller);
-    ``None`` leaves a quantity unchecked."""
+    ``None``. ``world`` (the ranks of one pipeline stage) is checked by the only model-parallel
+    degree above 1 (both: by the caller); ``None`` leaves a quantity unchecked."""
+    if pp > 1 and layers is not None and pp > layers:  # a stage holds whole layers, at least one
+        return f"{spelt['pp'].format(pp)} must be at most {spelt['layers'].format(layers)} (a stage holds whole layers)"
     inner = world if tp == 1 or sp == 1 else None
     node = {axis: gpus_per_node if axis in INTRA_NODE_AXES else None for axis in ("tp", "sp")}
     checks = []
@@ -138,15 +141,14 @@ class ParallelLayout:
     sp_method: SpMethod = "ulysses"
     """How the sequence split attends across ranks (:data:`SP_METHODS`; unused at ``sp`` 1)."""
     pp: int = 1
-    """Pipeline stages: 1 (pipeline parallelism is not yet supported)."""
+    """Pipeline ranks (the outermost axis): each holds the layers of its stages (its share of the
+    model, cut at layer boundaries) and passes activations to the next."""
 
     def __post_init__(self) -> None:
         for key in ("dp_replicate", "dp_shard", "tp", "sp", "pp"):
             check_int(key, getattr(self, key), 1)
         if self.sp_method not in SP_METHODS:
             raise ValueError(f"sp_method must be one of {', '.join(SP_METHODS)}, got {self.sp_method!r}")
-        if self.pp != 1:
-            raise ValueError(f"pp={self.pp}: pipeline parallelism is not yet supported; accepted: pp=1")
 
     @property
     def world_size(self) -> int:
@@ -200,15 +202,15 @@ class ParallelLayout:
 
         Raises:
             ValueError: one line, naming the degree as ``names`` spells it: a degree that is not an
-                int >= 1, ``pp`` > 1, ``tp x sp`` not dividing the world, a shard group not dividing
-                the data-parallel ranks, an intra-node axis not dividing ``gpus_per_node``, a size of
-                ``shape`` a degree does not divide.
+                int >= 1, ``pp`` not dividing the world, ``tp x sp`` not dividing a stage's ranks, a
+                shard group not dividing the data-parallel ranks, an intra-node axis not dividing
+                ``gpus_per_node``, a size of ``shape`` a degree does not divide.
         """
         problem = cls.refusal(world_size, tp=tp, sp=sp, sp_method=sp_method, pp=pp, shard_group=shard_group,
                               gpus_per_node=gpus_per_node, names=names, **shape)
         if problem:
             raise ValueError(problem)
-        dp = world_size // (tp * sp)
+        dp = world_size // (pp * tp * sp)
         group = 1 if replicate else shard_group or dp
         return cls(dp // group, group, tp, sp, sp_method, pp)  # type: ignore[arg-type]
 
@@ -222,19 +224,22 @@ class ParallelLayout:
         check_int(_key(spelt, "world"), world_size, 1)
         for key, value in (("tp", tp), ("sp", sp), ("pp", pp)):
             check_int(_key(spelt, key), value, 1)
-        if pp != 1:
-            return f"{spelt['pp'].format(pp)}: pipeline parallelism is not yet supported; accepted: 1"
+        if world_size % pp:
+            return _must_divide(spelt, "pp", pp, [("world", world_size)])
+        if pp > 1:  # the ranks of one stage: the other axes split them
+            world_size //= pp
+            spelt = {**spelt, "world": "the {} ranks of a pipeline stage"}
         if sp_method not in SP_METHODS:
             raise ValueError(f"{_key(spelt, 'sp_method')} must be one of {', '.join(SP_METHODS)}, got {sp_method!r}")
         if tp > 1 and sp > 1 and world_size % (tp * sp):
             return (f"{spelt['tp'].format(tp)} x {spelt['sp'].format(sp)} must divide "
                     f"{spelt['world'].format(world_size)}")
-        problem = _refusal(spelt, tp, sp, sp_method, world_size, gpus_per_node, **shape)
+        problem = _refusal(spelt, tp, sp, sp_method, world_size, gpus_per_node, pp=pp, **shape)
         if problem or shard_group is None:
             return problem
         check_int(_key(spelt, "dp_shard"), shard_group, 1)
         dp = world_size // (tp * sp)
-        return _must_divide(spelt, "dp_shard", shard_group, [("world" if tp * sp == 1 else "dp", dp)])
+        return _must_divide(spelt, "dp_shard", shard_group, [("world" if pp * tp * sp == 1 else "dp", dp)])
 
     def shape_refusal(self, *, names: Mapping[str, str] | None = None, **shape: Any) -> str | None:
         """Why this layout cannot split a model of sizes ``shape`` (``nhead``, ``kv_heads``,
@@ -250,7 +255,8 @@ class ParallelLayout:
           each tensor rank's heads again), and ``seq_len`` with ``sequence_parallel`` (the
           tensor group splits each rank's part of the sequence again).
         """
-        return _refusal({**LAYOUT_NAMES, **(names or {})}, self.tp, self.sp, self.sp_method, None, None, **shape)
+        return _refusal({**LAYOUT_NAMES, **(names or {})}, self.tp, self.sp, self.sp_method, None, None,
+                        pp=self.pp, **shape)
 
     def check_shape(self, *, names: Mapping[str, str] | None = None, **shape: Any) -> ParallelLayout:
         """This layout, if it splits a model of these sizes (:meth:`shape_refusal`).

@@ -23,12 +23,13 @@ __all__ = ["layout_batches", "axes_step"]
 
 def _arrange(batch: torch.Tensor, layout_mesh: LayoutMesh) -> torch.Tensor:
     """Row block r (of ``world`` equal ones) = rank r's rows (its ``dp`` share) and positions
-    (its ``sp`` share) of ``batch``; the ranks of a tensor-parallel group get the same block."""
+    (its ``sp`` share) of ``batch``; the ranks of a tensor-parallel group, and the stages of a
+    pipeline, get the same block."""
     lay = layout_mesh.layout
     rows, cols = batch.shape[0] // lay.dp, batch.shape[1] // lay.sp
     blocks = []
     for r in range(lay.world_size):
-        dp, sp = r // (lay.tp * lay.sp), (r // lay.tp) % lay.sp
+        dp, sp = r // (lay.tp * lay.sp) % lay.dp, (r // lay.tp) % lay.sp
         blocks.append(batch[dp * rows:(dp + 1) * rows, sp * cols:(sp + 1) * cols])
     return torch.cat(blocks)
 
@@ -70,10 +71,15 @@ def _vocab_parallel_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[t
 def axes_step(layout_mesh: LayoutMesh) -> dict[str, Any]:
     """What :func:`~handbook_lib.runtime.training.train` takes for this layout: ``batches``
     (:func:`layout_batches`), ``forward``, ``loss_fn``, with tensor parallelism ``loss_context``
-    (``loss_parallel``, around the loss and its backward), and ``functional_collectives``
+    (``loss_parallel``, around the loss and its backward), with a pipeline its ``step_fn``
+    (:func:`~handbook_lib.runtime.pipeline.pipeline_step`), and ``functional_collectives``
     (DTensor issues the plan's collectives and the gradient norm's as functional ones)."""
     steps: dict[str, Any] = {"batches": layout_batches(layout_mesh), "functional_collectives": True}
-    if layout_mesh.layout.tp_enabled:
+    if layout_mesh.layout.pp > 1:  # the schedule runs the micro-batches, its last stage the loss
+        from handbook_lib.runtime.pipeline import pipeline_step
+
+        steps.update(step_fn=pipeline_step, loss_context=None)
+    elif layout_mesh.layout.tp_enabled:
         from torch.distributed.tensor.parallel import loss_parallel
 
         steps.update(forward=_own_copy, loss_fn=_vocab_parallel_loss, loss_context=loss_parallel)

@@ -354,7 +354,7 @@ def parallelize(config: RunConfig, ctx: RankContext, *, init: InitMode = "meta",
     Raises:
         ValueError: for a strategy this API or world size cannot run (:func:`check_runnable`).
     """
-    if isinstance(config, ParallelConfig) and config.inner_size > 1:
+    if isinstance(config, ParallelConfig) and config.pp_size * config.inner_size > 1:
         if mesh is None:
             mesh = build_layout_mesh(config.layout(ctx.world_size), ctx.device.type)
         return apply_axes(config, ctx, mesh, sp_core)
@@ -374,7 +374,7 @@ def parallelize(config: RunConfig, ctx: RankContext, *, init: InitMode = "meta",
 
 
 def apply_axes(config: ParallelConfig, ctx: RankContext, mesh: LayoutMesh,
-               sp_core: CoreFactory | None = None) -> ParallelTransformer:
+               sp_core: CoreFactory | None = None) -> nn.Module:
     """The book's seeded model laid out over ``config``'s axes on ``mesh``, in
     torchtitan's order (chapter 9).
 
@@ -389,11 +389,16 @@ def apply_axes(config: ParallelConfig, ctx: RankContext, mesh: LayoutMesh,
         sp_core: The sequence split's attention (default the book's ring; a run
             passes DeepSpeed's Ulysses for ``sp_method='ulysses'``).
 
+    With a pipeline (``pp_size`` > 1) the model is cut into this rank's stages first, and
+    each is checkpointed and sharded as a model would be (:func:`_apply_pipeline`).
+
     Chapter 9 shows this function: lines fit its column (86 characters).
     """
     layout = mesh.layout
     seeded = build_model(config.model_config(), seed=config.seed, causal=True)
     model = from_simple(seeded, vocab_size=config.padded_vocab_size).to(ctx.device)
+    if layout.pp > 1:  # 0. this rank's stages of the pipeline
+        return _apply_pipeline(model, config, ctx, mesh)
     if layout.tp_enabled:  # 1. the tensor-parallel plan
         from handbook_lib.runtime.tensor_parallel import apply_tensor_parallel
 
@@ -414,6 +419,25 @@ def apply_axes(config: ParallelConfig, ctx: RankContext, mesh: LayoutMesh,
                 mp_policy=build_mp_policy(config.precision), offload_policy=offload)
     apply_explicit_prefetch(units, config.explicit_prefetch)
     return model
+
+
+def _apply_pipeline(model: ParallelTransformer, config: ParallelConfig, ctx: RankContext,
+                    mesh: LayoutMesh) -> nn.Module:
+    """This rank's stages of ``model`` (:func:`~handbook_lib.runtime.pipeline.cut_stages`), each
+    checkpointed and sharded by FSDP2 over its data-parallel group (its layers, then the stage;
+    over one rank FSDP2 only casts for mixed precision), in a
+    :class:`~handbook_lib.runtime.pipeline.PipelinedModel`."""
+    from handbook_lib.runtime.pipeline import PipelinedModel, cut_stages
+
+    stages = cut_stages(model, config, mesh.pp_rank)
+    row = get_strategy(config.strategy)
+    for stage in stages:
+        units = list(stage.layers)
+        apply_activation_checkpointing(stage, config.activation_checkpointing)
+        # FSDP2 even over one rank: its mixed precision, and no collective
+        apply_fsdp2(stage, mesh.fsdp, units=units, reshard_after_forward=row.reshard_after_forward,
+                    mp_policy=build_mp_policy(config.precision))
+    return PipelinedModel(stages, config, mesh.pp_group, ctx.device)
 
 
 def measure_init_bytes(config: RunConfig, ctx: RankContext, init: InitMode = "meta") -> tuple[nn.Module, int]:

@@ -3,10 +3,12 @@
 Every run that shards builds its mesh here, and only here: chapter 5's FSDP and HSDP runs
 (FSDP's 1-D or 2-D mesh) and chapter 9's tensor- and sequence-parallel runs take their
 sub-meshes of the same value. The mesh has every dimension of
-:data:`~handbook_lib.core.parallel_layout.MESH_DIMS` but the pipeline's, outermost first
-(``dp_replicate``, ``dp_shard``, ``sp``, ``tp``; a dimension of one rank is kept, so each name
-always exists), as torchtitan's ``ParallelDims.build_mesh`` lays them out: ``tp`` innermost,
-contiguous ranks (one node's). Its named sub-meshes:
+:data:`~handbook_lib.core.parallel_layout.MESH_DIMS`, outermost first (``pp``, ``dp_replicate``,
+``dp_shard``, ``sp``, ``tp``; a dimension of one rank is kept, so each name always exists), as
+torchtitan's ``ParallelDims.build_mesh`` lays them out: ``tp`` innermost, contiguous ranks (one
+node's). Its named sub-meshes:
+
+- ``pp``: the pipeline's ranks (a stage's activations go to the next);
 
 - ``tp``: the tensor-parallel group (the plan's collectives);
 - ``sp``: the ranks that split each sequence (the attention core's all-to-alls or ring);
@@ -14,7 +16,7 @@ contiguous ranks (one node's). Its named sub-meshes:
   split hold the same parameters, so they shard them too (torchtitan's ``dp_shard_cp``);
 - ``dp``: ``dp_replicate × dp_shard`` flattened, the ranks with their own rows of the batch.
 
-Rank ``r`` sits at ``((i_rep · dp_shard + i_shard) · sp + i_sp) · tp + i_tp``.
+Rank ``r`` sits at ``(((i_pp · dp_replicate + i_rep) · dp_shard + i_shard) · sp + i_sp) · tp + i_tp``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from handbook_lib.core.parallel_layout import MESH_DIMS, ParallelLayout
 
 __all__ = ["MESH_NAMES", "LayoutMesh", "build_layout_mesh"]
 
-MESH_NAMES: tuple[str, ...] = tuple(name for name in MESH_DIMS if name != "pp")
+MESH_NAMES: tuple[str, ...] = MESH_DIMS
 """The dimensions of the mesh :func:`build_layout_mesh` builds, outermost first."""
 
 
@@ -50,6 +52,16 @@ class LayoutMesh:
     def tp(self) -> DeviceMesh:
         """The tensor-parallel sub-mesh (1-D, ``tp`` ranks)."""
         return self.mesh["tp"]
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        """The process group of the pipeline's ranks this rank passes activations with."""
+        return self.mesh.get_group("pp")
+
+    @property
+    def pp_rank(self) -> int:
+        """Which pipeline rank this is (its stages: :func:`~handbook_lib.models.pipeline.rank_stages`)."""
+        return self.coordinate("pp")
 
     @property
     def sp_group(self) -> dist.ProcessGroup:

@@ -46,6 +46,7 @@ __all__ = [
     "ForwardFn",
     "LossFn",
     "LossContext",
+    "StepFn",
     "next_token_loss",
     "TrainLog",
     "StepEnd",
@@ -68,6 +69,10 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor
 scalar tensors; the reported one in nats per token. With gradient accumulation over k
 micro-batches the loop divides both by k, so the function returns a micro-batch's loss as if it
 were the whole step's. :func:`next_token_loss` is the default."""
+
+StepFn = Callable[..., torch.Tensor]
+"""``step_fn(model, optimizer, inputs, targets, tracker, **train_step's keywords) -> loss``: one
+optimizer step, :func:`train_step`'s signature (a step may ignore the keywords it has no use for)."""
 
 LossContext = Callable[[], contextlib.AbstractContextManager]
 """``loss_context()``: a context the loss and its backward run inside, for a loss that needs one:
@@ -229,7 +234,8 @@ def train_step(
 
 def _tracked_step(record: _Recorder, model: nn.Module, optimizer: torch.optim.Optimizer,
                   batch: tuple[torch.Tensor, torch.Tensor], device: torch.device, track_memory: bool,
-                  count_collectives: bool, functional: bool = False, **step_args: Any) -> torch.Tensor:
+                  count_collectives: bool, functional: bool = False, step_fn: StepFn | None = None,
+                  **step_args: Any) -> torch.Tensor:
     """:func:`train_step` under a :class:`StepMemoryTracker` and/or a :class:`CollectiveCounter`,
     whose findings go to ``record``."""
     tracker = StepMemoryTracker(model, optimizer, device) if track_memory else None
@@ -238,7 +244,7 @@ def _tracked_step(record: _Recorder, model: nn.Module, optimizer: torch.optim.Op
         for mode in (tracker, counter):
             if mode is not None:
                 stack.enter_context(mode)
-        loss = train_step(model, optimizer, *batch, tracker, **step_args)
+        loss = (step_fn or train_step)(model, optimizer, *batch, tracker, **step_args)
     record.memory = tracker.result if tracker else None
     record.collectives = counter.calls if counter else None
     return loss
@@ -263,6 +269,7 @@ def train(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     loss_context: LossContext | None = None,
     functional_collectives: bool = False,
+    step_fn: StepFn | None = None,
 ) -> TrainLog:
     """Run optimizer steps ``start_step + 1`` … ``config.steps`` on this rank's share of each
     global batch (the batch of step s is ``batches(config, s - 1)``, :func:`make_batch` by
@@ -289,6 +296,9 @@ def train(
     ``functional_collectives``: the counter records functional collectives too (DTensor's:
     tensor parallelism's, and the gradient norm's partial sums over a mesh). With either, the
     tracker reads the activations as the smallest over ~30 ms (:func:`_forward_backward`).
+    ``step_fn`` (:data:`StepFn`) takes :func:`train_step`'s place: a pipeline's schedule runs
+    the micro-batches' forwards and backwards in its own order
+    (:func:`~handbook_lib.runtime.pipeline.pipeline_step`).
 
     Raises:
         NonFiniteLoss: as soon as a rank's loss is NaN or infinite, naming the step and the rank
@@ -316,11 +326,12 @@ def train(
         start = time.perf_counter()
         if tracked:
             loss = _tracked_step(record, model, optimizer, batch, ctx.device, track_memory,
-                                 count_collectives, functional_collectives, after_backward=hook, step=step + 1,
+                                 count_collectives, functional_collectives, step_fn, after_backward=hook,
+                                 step=step + 1,
                                  **step_args)
         else:
             check_norm = step == start_step and config.max_grad_norm > 0 and not is_fsdp1(model)
-            loss = train_step(model, optimizer, *batch, after_backward=hook, step=step + 1,
+            loss = (step_fn or train_step)(model, optimizer, *batch, after_backward=hook, step=step + 1,
                               full_norms=record.full if check_norm else None, **step_args)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)

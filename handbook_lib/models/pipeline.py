@@ -1,0 +1,168 @@
+"""Pipeline parallelism, priced: which layers each stage holds, what it holds at rest, what it
+sends, and the bubble. Pure: no ``torch``.
+
+Chapter 9 teaches it. A pipeline cuts the model at layer boundaries into ``S = pp · v`` stages
+(``v`` per rank with an interleaved schedule; rank r holds stages r, r + pp, ...): the first
+stage holds the embedding, the last the head. Each data-parallel rank's share of a batch is cut
+into ``m`` micro-batches; a stage passes each micro-batch's activations (b/m sequences of s tokens,
+``d`` wide) to the next stage and receives their gradients back, point to point.
+
+- :func:`stage_layers`: the layers of each stage, ``L / S`` each, the remainder one more on the
+  first stages;
+- :func:`estimate_pipeline_state_bytes`: parameters, gradients and optimizer state of one rank's
+  stages, sharded by FSDP2 over its data-parallel group (chapter 2's rule on the stage's tensors);
+- :func:`estimate_pipeline_p2p`: every send and receive of one step on one rank;
+- :func:`estimate_pipeline_fsdp_calls`: FSDP2's collectives over a stage's data-parallel group;
+- :func:`bubble_fraction`: the share of a step a rank idles, ``(p − 1) / (v·m + p − 1)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from handbook_lib.core.checks import check_int
+from handbook_lib.core.config import dtype_bytes, get_precision
+from handbook_lib.core.parallel_config import ParallelConfig
+from handbook_lib.models.axes_run import AxesCall
+from handbook_lib.models.model_state import OPTIMIZER_RULES, optimizer_states
+from handbook_lib.core.strategies import get_strategy
+from handbook_lib.models.sharding import estimate_tensor_shards, policy_units
+from handbook_lib.models.tensor_parallel import TPStateBytes, tp_param_placements
+
+__all__ = ["stage_layers", "rank_stages", "stage_param_shapes", "estimate_pipeline_state_bytes",
+           "estimate_pipeline_p2p", "estimate_pipeline_fsdp_calls", "bubble_fraction", "StageSpan"]
+
+
+@dataclass(frozen=True)
+class StageSpan:
+    """One stage's place in the model."""
+
+    index: int
+    """The stage, 0 first."""
+    first_layer: int
+    """Its first layer (global index)."""
+    last_layer: int
+    """One past its last layer."""
+    embedding: bool
+    """It holds the token embedding (stage 0)."""
+    head: bool
+    """It holds the output head (the last stage)."""
+
+    @property
+    def layers(self) -> int:
+        return self.last_layer - self.first_layer
+
+
+def stage_layers(num_layers: int, stages: int) -> list[StageSpan]:
+    """The ``stages`` stages of a model of ``num_layers`` layers, in order: ``num_layers // stages``
+    layers each, one more on each of the first ``num_layers % stages``.
+
+    Raises:
+        ValueError: for more stages than layers (a stage holds whole layers, at least one).
+    """
+    check_int("stages", stages, 1)
+    check_int("num_layers", num_layers, 1)
+    if stages > num_layers:
+        raise ValueError(f"{stages} stages must be at most num_layers={num_layers} (a stage holds whole layers)")
+    per, extra = divmod(num_layers, stages)
+    spans, start = [], 0
+    for i in range(stages):
+        n = per + (1 if i < extra else 0)
+        spans.append(StageSpan(i, start, start + n, i == 0, i == stages - 1))
+        start += n
+    return spans
+
+
+def rank_stages(config: ParallelConfig, pp_rank: int) -> list[StageSpan]:
+    """The stages pipeline rank ``pp_rank`` holds: ``pp_rank``, ``pp_rank + pp``, ... (``v`` of them)."""
+    spans = stage_layers(config.num_layers, config.pp_stages)
+    return spans[pp_rank::config.pp_size]
+
+
+def stage_param_shapes(config: ParallelConfig, span: StageSpan) -> list[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of the parameters a stage holds (the split-attention model's names)."""
+    out = []
+    for p in tp_param_placements(config.model_config()):
+        top = p.name.split(".")[0]
+        if top == "layers":
+            keep = span.first_layer <= int(p.name.split(".")[1]) < span.last_layer
+        else:
+            keep = span.embedding if top == "embedding" else span.head
+        if keep:
+            out.append((p.name, p.shape))
+    return out
+
+
+def estimate_pipeline_state_bytes(config: ParallelConfig, world_size: int, pp_rank: int,
+                                  fsdp_rank: int = 0) -> TPStateBytes:
+    """Parameter, gradient and optimizer bytes of pipeline rank ``pp_rank`` (all its stages), at
+    ``fsdp_rank`` of its data-parallel group: each stage's tensors sharded by FSDP2's dim-0 rule
+    over the group (no FSDP on a group of one rank), fp32."""
+    layout = config.layout(world_size)
+    shapes = [shape for span in rank_stages(config, pp_rank) for _, shape in stage_param_shapes(config, span)]
+    shard = estimate_tensor_shards(shapes, layout.fsdp_size, fsdp_rank, "fp32")
+    rule = OPTIMIZER_RULES.get(config.optimizer)
+    return TPStateBytes(param_shard_bytes=shard.shard_bytes, param_padding_bytes=shard.padding_bytes,
+                        grad_bytes=shard.shard_bytes,
+                        optimizer_state_bytes=optimizer_states(config.optimizer) * shard.shard_bytes,
+                        optimizer_step_bytes=4 * len(shapes) if rule is not None and rule.step_counter else 0)
+
+
+def estimate_pipeline_p2p(config: ParallelConfig, world_size: int, pp_rank: int) -> list[AxesCall]:
+    """Every send and receive pipeline rank ``pp_rank`` issues in one step: for each of its stages
+    and each of the ``m`` micro-batches, the activation sent to the next stage and received from
+    the previous one, and the activation's gradient the other way; each a (b/m, s, d) tensor in
+    the compute dtype, ``b`` the rank's data-parallel share of the batch. A stage next to one on
+    the same rank (the interleaved schedule's stage r + pp after r, with pp 1) would pass it in
+    memory; with pp >= 2 every neighbour is on another rank."""
+    layout = config.layout(world_size)
+    compute, _ = get_precision(config.precision)
+    rows = config.batch_size // (layout.dp * config.pp_microbatches)
+    buffer = rows * config.seq_len * config.d_model * dtype_bytes(compute)
+    out: list[AxesCall] = []
+    last = config.pp_stages - 1
+    for span in rank_stages(config, pp_rank):
+        for _ in range(config.pp_microbatches):
+            if span.index < last:  # forward out, its gradient back in
+                out += [AxesCall("send", "pp", buffer, layout.pp, f"stage {span.index}"),
+                        AxesCall("recv", "pp", buffer, layout.pp, f"stage {span.index}")]
+            if span.index > 0:  # forward in, the input's gradient out
+                out += [AxesCall("recv", "pp", buffer, layout.pp, f"stage {span.index}"),
+                        AxesCall("send", "pp", buffer, layout.pp, f"stage {span.index}")]
+    return out
+
+
+def estimate_pipeline_fsdp_calls(config: ParallelConfig, world_size: int, pp_rank: int) -> list[AxesCall]:
+    """FSDP2's collectives of one step on pipeline rank ``pp_rank``, over its data-parallel group
+    of ``G`` ranks (none when ``G`` is 1): per unit of each stage (its layers, then the stage's
+    own parameters), buffers padded for ``G`` ranks. The schedule keeps a unit gathered from
+    the first micro-batch's backward to the last's and reduces gradients once, after the last
+    (``torch.distributed.pipelining`` sets FSDP2's resharding and gradient sync so): with a
+    strategy that reshards after forward, ``m`` all-gathers in forward and one for the
+    backwards, ``m + 1``; with SHARD_GRAD_OP one; and one reduce-scatter. Measured on 4 ranks,
+    m = 2, 4, 8, GPipe, 1F1B and interleaved."""
+    layout = config.layout(world_size)
+    group = layout.fsdp_size
+    if group == 1:
+        return []
+    compute, reduce = get_precision(config.precision)
+    gathers = config.pp_microbatches + 1 if get_strategy(config.strategy).reshard_after_forward else 1
+    out: list[AxesCall] = []
+    for span in rank_stages(config, pp_rank):
+        for unit in policy_units(stage_param_shapes(config, span), "layer"):
+            if not unit.numel:
+                continue
+            elements = unit.padded_numel(group)
+            out += [AxesCall("all_gather", "fsdp", elements * dtype_bytes(compute), group, unit.name)] * gathers
+            out.append(AxesCall("reduce_scatter", "fsdp", elements * dtype_bytes(reduce), group, unit.name))
+    return out
+
+
+def bubble_fraction(pp_size: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """The share of a step each rank idles, waiting for the pipeline to fill and drain:
+    ``(p − 1) / (v·m + p − 1)`` for GPipe and 1F1B (``v`` = 1) and interleaved 1F1B (``v``
+    stages per rank), with equal stages (Narayanan et al., 2021)."""
+    check_int("pp_size", pp_size, 1)
+    check_int("microbatches", microbatches, 1)
+    check_int("stages_per_rank", stages_per_rank, 1)
+    return (pp_size - 1) / (stages_per_rank * microbatches + pp_size - 1)

@@ -1,0 +1,94 @@
+"""Pipeline parallelism: the model cut into stages over ``pp_size`` ranks, run by a schedule; every byte sent checked.
+
+The torch-free half of :mod:`handbook_lib.runs.pipeline`: its config (the vocabulary's
+:class:`~handbook_lib.core.parallel_config.ParallelConfig`, with ``pp_size``, ``schedule``,
+``pp_microbatches`` and ``pp_stages_per_rank``) and the checks the launcher makes before any
+process starts (:class:`~handbook_lib.core.run_spec.RunSpec`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+from handbook_lib.core.parallel_config import ParallelConfig
+from handbook_lib.core.parallel_layout import ParallelLayout
+from handbook_lib.core.run_spec import RunSpec
+from handbook_lib.core.strategies import get_strategy, strategies_where
+
+
+@dataclass(frozen=True)
+class PipelineConfig(ParallelConfig):
+    """A :class:`ParallelConfig` whose pipeline spans every rank unless told otherwise."""
+
+    pp_size: int = 0
+    """Pipeline ranks; 0: every rank of the job (divided by ``tp_size · sp_size``)."""
+
+    MINIMUMS: ClassVar[Mapping[str, int]] = {**ParallelConfig.MINIMUMS, "pp_size": 0}
+
+    def __post_init__(self) -> None:
+        if self.pp_size == 0:  # checked once the world is known (:meth:`on_world`)
+            object.__setattr__(self, "pp_size", 1)
+            try:
+                super().__post_init__()
+            finally:
+                object.__setattr__(self, "pp_size", 0)
+        else:
+            super().__post_init__()
+
+    def on_world(self, world_size: int) -> PipelineConfig:
+        """This config with ``pp_size`` 0 made every rank's (``world_size / (tp_size · sp_size)``),
+        its pipeline checked (:meth:`ParallelConfig.check_pipeline`)."""
+        if self.pp_size:
+            return self
+        return replace(self, pp_size=max(1, world_size // self.inner_size))
+
+    def layout(self, world_size: int | None = None) -> ParallelLayout:
+        """:meth:`ParallelConfig.layout`, the pipeline over every rank when ``pp_size`` is 0."""
+        if self.pp_size == 0 and world_size is not None:
+            return self.on_world(world_size).layout(world_size)
+        return super().layout(world_size)
+
+
+CONFIG = PipelineConfig
+
+NOT_WITH_A_PIPELINE: dict[str, str] = {
+    "tp_size": "the pipeline is not composed with tensor ranks here yet; accepted: 1",
+    "sp_size": "the pipeline is not composed with a sequence split here yet; accepted: 1",
+    "max_grad_norm": "clipping needs the norm of every stage's gradients, all-reduced over the pipeline, "
+                     "which this run does not compute; accepted: 0",
+    "cpu_offload": "offload is not applied to the stages here; accepted: False",
+    "wrap": "each stage is wrapped per layer; accepted: 'layer'",
+    "explicit_prefetch": "the schedule orders the stages' work; accepted: 0",
+    "reshard_after_forward_size": "the strategy's resharding applies to the stages; accepted: 0",
+}
+"""The keys a pipeline run refuses away from their defaults, and why (the rest run)."""
+
+
+def validate(config: ParallelConfig, world_size: int) -> None:
+    """Reject, before any process starts, a config this run cannot execute.
+
+    Raises:
+        ValueError: naming the key and the values this run accepts.
+    """
+    if isinstance(config, PipelineConfig):
+        config = config.on_world(world_size)
+    if config.pp_size == 1:
+        raise ValueError("config key 'pp_size'=1 cuts no pipeline: the pipeline run needs pp_size >= 2 "
+                         "(or 0: every rank)")
+    default = ParallelConfig()
+    for key, why in NOT_WITH_A_PIPELINE.items():
+        if getattr(config, key) != getattr(default, key):
+            raise ValueError(f"config key {key!r}={getattr(config, key)!r} with pipeline: {why}")
+    if config.precision == "fp16-mixed" and config.grad_scaler:
+        raise ValueError("config key 'precision'='fp16-mixed' with pipeline: the schedule's backward runs "
+                         "without a gradient scaler here; accepted: fp32, bf16-mixed")
+    config.check_runnable("pipeline", world_size)
+    if get_strategy(config.strategy).hybrid:
+        accepted = ", ".join(strategies_where(hybrid=False, wrapper="fsdp", fsdp2=True))
+        raise ValueError(f"config key 'strategy'={config.strategy!r} with pipeline: the stages shard over their "
+                         f"whole data-parallel group here; accepted: {accepted}")
+
+
+SPEC = RunSpec("pipeline", __doc__, CONFIG, validate)

@@ -1,0 +1,120 @@
+"""What a pipeline rank does: hold its stages of the model, run the schedule, step.
+
+Chapter 9 runs it. :func:`~handbook_lib.runtime.build.apply_axes` cuts the book's split-attention
+model (:class:`~handbook_lib.runtime.parallel_model.ParallelTransformer`) at layer boundaries into
+the stages :func:`~handbook_lib.models.pipeline.rank_stages` gives this rank (:func:`cut_stages`),
+shards each with FSDP2 over its data-parallel group, and hands them to a
+:class:`PipelinedModel`, which wraps them in ``torch.distributed.pipelining``'s
+``PipelineStage`` over the ``pp`` group and builds the schedule (``ScheduleGPipe``,
+``Schedule1F1B``, ``ScheduleInterleaved1F1B``). The book's one training loop
+(:func:`~handbook_lib.runtime.training.train`) runs it through :func:`pipeline_step`: the
+schedule's step in place of one forward and backward, then the optimizer's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from handbook_lib.core.parallel_config import ParallelConfig
+from handbook_lib.models.pipeline import StageSpan, rank_stages
+from handbook_lib.runtime.parallel_model import ParallelTransformer
+from handbook_lib.runtime.train_log import check_loss_finite
+
+__all__ = ["PipelineStageModule", "cut_stages", "PipelinedModel", "pipeline_step"]
+
+
+class PipelineStageModule(nn.Module):
+    """One stage: the embedding if it is the first, its layers, the head if it is the last.
+
+    ``forward`` takes token ids (the first stage) or the previous stage's hidden states
+    (batch, seq, d_model) and returns hidden states, or logits from the last stage."""
+
+    def __init__(self, model: ParallelTransformer, span: StageSpan) -> None:
+        super().__init__()
+        self.span = span
+        self.embedding = model.embedding if span.embedding else None
+        self.layers = nn.ModuleList(model.layers[span.first_layer:span.last_layer])
+        self.output = model.output if span.head else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embedding is not None:
+            x = self.embedding(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(x) if self.output is not None else x
+
+
+def cut_stages(model: ParallelTransformer, config: ParallelConfig, pp_rank: int) -> list[PipelineStageModule]:
+    """This pipeline rank's stages of ``model`` (:func:`~handbook_lib.models.pipeline.rank_stages`)."""
+    return [PipelineStageModule(model, span) for span in rank_stages(config, pp_rank)]
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """One micro-batch's mean next-token cross-entropy, in fp32 (the last stage's loss)."""
+    return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+class PipelinedModel(nn.Module):
+    """This rank's stages and the schedule that runs them; its parameters are the stages'.
+
+    Args:
+        stages: This rank's stage modules, in stage order (already sharded, if at all).
+        config: The run: ``schedule``, ``pp_microbatches``, the stage count.
+        group: The pipeline's process group (this rank's row of the ``pp`` mesh dimension).
+        device: Where the stages compute.
+    """
+
+    def __init__(self, stages: list[PipelineStageModule], config: ParallelConfig, group: dist.ProcessGroup,
+                 device: torch.device) -> None:
+        super().__init__()
+        from torch.distributed import pipelining
+
+        self.stages = nn.ModuleList(stages)
+        self.pp_size = config.pp_size
+        self.pp_rank = dist.get_rank(group)
+        self.pipeline_stages = [pipelining.PipelineStage(s, s.span.index, config.pp_stages, device, group=group)
+                                for s in stages]
+        kind = getattr(pipelining, f"Schedule{config.schedule}")
+        target = self.pipeline_stages if config.pp_stages_per_rank > 1 else self.pipeline_stages[0]
+        self.schedule = kind(target, n_microbatches=config.pp_microbatches, loss_fn=_loss)
+        self.first = any(s.span.embedding for s in stages)
+        self.last = any(s.span.head for s in stages)
+
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One step's forwards and backwards over the micro-batches, in the schedule's order.
+        Returns the loss this rank contributes to the loop's mean over ranks: ``pp`` times the mean
+        of its micro-batches' losses on the rank of the last stage, 0 elsewhere (so the mean over
+        a data-parallel group's ``pp`` ranks is its share's mean loss)."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.first else ()
+        kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self.last else {}
+        self.schedule.step(*args, **kwargs)
+        if not self.last:
+            return torch.zeros((), device=inputs.device)
+        return torch.stack([loss.detach() for loss in losses]).mean() * self.pp_size
+
+    def forward(self, *args: Any) -> Any:
+        raise RuntimeError("a pipelined model runs by its schedule: PipelinedModel.run(inputs, targets)")
+
+
+def pipeline_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor,
+                  tracker: Any = None, *, after_backward: Callable[[nn.Module], None] | None = None,
+                  step: int | None = None, **_: Any) -> torch.Tensor:
+    """:func:`~handbook_lib.runtime.training.train_step` for a :class:`PipelinedModel`: the
+    schedule's forwards and backwards (its micro-batches are the accumulation), the caller's
+    ``after_backward`` hook, the optimizer step, gradients zeroed (kept, not freed, as the loop's
+    own step does). Returns the loss to average over ranks (:meth:`PipelinedModel.run`)."""
+    assert isinstance(model, PipelinedModel)
+    loss = model.run(inputs, targets)
+    if model.last:
+        check_loss_finite(float(loss), step)
+    if after_backward is not None:
+        after_backward(model)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+    return loss

@@ -1,0 +1,89 @@
+"""handbook_lib.models.pipeline: stages, what a pipeline rank holds and sends, and the bubble,
+against counts made by hand."""
+
+import pytest
+
+from handbook_lib.models.pipeline import (
+    bubble_fraction,
+    estimate_pipeline_fsdp_calls,
+    estimate_pipeline_p2p,
+    estimate_pipeline_state_bytes,
+    rank_stages,
+    stage_layers,
+)
+from handbook_lib.runs.specs.pipeline import PipelineConfig, validate
+
+SHAPE = {"vocab_size": 50, "d_model": 32, "nhead": 4, "dim_feedforward": 64, "num_layers": 4,
+         "batch_size": 8, "seq_len": 8, "steps": 3}
+LAYER = 4 * (32 * 32 + 32) + (64 * 32 + 64) + (32 * 64 + 32) + 4 * 32   # Q, K, V, out; FFN; 2 norms
+EMBEDDING, HEAD = 50 * 32, 32 * 50 + 50
+
+
+def test_stages_hold_whole_layers_the_first_ones_one_more():
+    assert [(s.first_layer, s.last_layer) for s in stage_layers(5, 2)] == [(0, 3), (3, 5)]
+    spans = stage_layers(4, 4)
+    assert [s.layers for s in spans] == [1, 1, 1, 1] and spans[0].embedding and spans[-1].head
+    with pytest.raises(ValueError, match="5 stages must be at most num_layers=4"):
+        stage_layers(4, 5)
+
+
+def test_an_interleaved_rank_holds_every_pp_th_stage():
+    config = PipelineConfig(**SHAPE, pp_size=2, schedule="Interleaved1F1B", pp_stages_per_rank=2)
+    assert [s.index for s in rank_stages(config, 0)] == [0, 2]
+    assert [s.index for s in rank_stages(config, 1)] == [1, 3]
+
+
+def test_the_first_and_last_ranks_hold_the_embedding_and_the_head():
+    config = PipelineConfig(**SHAPE, pp_size=2)
+    first, last = (estimate_pipeline_state_bytes(config, 2, r) for r in (0, 1))
+    assert first.param_shard_bytes == 4 * (EMBEDDING + 2 * LAYER)
+    assert last.param_shard_bytes == 4 * (2 * LAYER + HEAD)
+    assert first.optimizer_state_bytes == 2 * first.param_shard_bytes   # AdamW's two moments
+
+
+def test_each_micro_batch_crosses_each_boundary_twice():
+    # 8 sequences over 4 micro-batches: 2 x 8 tokens x 32 wide x 4 B = 2,048 B each way
+    config = PipelineConfig(**SHAPE, pp_size=4)
+    ends, middle = estimate_pipeline_p2p(config, 4, 0), estimate_pipeline_p2p(config, 4, 1)
+    assert sorted(c.kind for c in ends) == ["recv"] * 4 + ["send"] * 4
+    assert sorted(c.kind for c in middle) == ["recv"] * 8 + ["send"] * 8
+    assert {(c.buffer_bytes, c.group_size) for c in ends + middle} == {(2048, 4)}
+
+
+def test_fsdp_gathers_each_unit_once_per_micro_batch_and_once_for_the_backwards():
+    config = PipelineConfig(**SHAPE, pp_size=2)
+    calls = estimate_pipeline_fsdp_calls(config, 4, 0)   # 2 layers and the embedding, over 2 ranks
+    assert sum(c.kind == "all_gather" for c in calls) == 3 * (4 + 1)
+    assert sum(c.kind == "reduce_scatter" for c in calls) == 3
+    once = estimate_pipeline_fsdp_calls(PipelineConfig(**SHAPE, pp_size=2, strategy="SHARD_GRAD_OP"), 4, 0)
+    assert sum(c.kind == "all_gather" for c in once) == 3
+    assert estimate_pipeline_fsdp_calls(config, 2, 0) == []   # one rank per stage: no FSDP traffic
+
+
+def test_the_bubble_shrinks_with_micro_batches_and_interleaving():
+    assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert bubble_fraction(4, 32) == pytest.approx(3 / 35)
+    assert bubble_fraction(4, 4, 2) == pytest.approx(3 / 11)
+    assert bubble_fraction(1, 8) == 0
+
+
+@pytest.mark.parametrize("changes, world, match", [
+    ({"pp_size": 8}, 8, "config key 'pp_size'=8 x 'pp_stages_per_rank'=1: 8 stages must be at most 'num_layers'=4"),
+    ({"pp_size": 4, "pp_microbatches": 2}, 4, "config key 'pp_microbatches'=2: 1F1B needs at least one per"),
+    ({"pp_size": 2, "batch_size": 6}, 4, "batch_size=6 must be divisible by the 2 data-parallel .* times "
+                                         "pp_microbatches=4"),
+    ({"pp_size": 2, "schedule": "Interleaved1F1B"}, 2, "'pp_stages_per_rank'=1 with schedule='Interleaved1F1B'"),
+    ({"pp_size": 2, "schedule": "Interleaved1F1B", "pp_stages_per_rank": 2, "pp_microbatches": 3}, 2,
+     "Interleaved1F1B runs them in rounds of pp_size=2"),
+    ({"schedule": "ZeroBubble"}, 2, "config key 'schedule' got 'ZeroBubble'; accepted values: GPipe, 1F1B, "
+                                    "Interleaved1F1B"),
+    ({"pp_size": 2, "grad_accum_steps": 2}, 2, "the schedule's micro-batches are the accumulation"),
+    ({"pp_size": 2, "tp_size": 2}, 4, "'tp_size'=2 with pipeline: the pipeline is not composed with tensor"),
+    ({"pp_size": 2, "max_grad_norm": 1.0}, 2, "'max_grad_norm'=1.0 with pipeline: clipping needs"),
+    ({"pp_size": 2, "strategy": "HYBRID_SHARD", "shard_group_size": 1}, 4, "'strategy'='HYBRID_SHARD' with pipeline"),
+    ({}, 1, "'pp_size'=1 cuts no pipeline"),
+])
+def test_bad_pipelines_are_refused_in_one_line_before_launch(changes, world, match):
+    with pytest.raises(ValueError, match=match) as err:
+        validate(PipelineConfig.from_mapping({**SHAPE, **changes}), world)
+    assert "\n" not in str(err.value)

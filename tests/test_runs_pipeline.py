@@ -1,0 +1,63 @@
+"""handbook_lib.runs.pipeline: every schedule on 2 and 4 ranks, alone and with FSDP2 over the
+data-parallel ranks, every check exact (losses 1e-5 in fp32)."""
+
+import pytest
+
+from handbook_lib.launch import torchrun_batch
+
+SHAPE = {"vocab_size": 50, "d_model": 32, "nhead": 4, "dim_feedforward": 64, "num_layers": 4,
+         "batch_size": 8, "seq_len": 8, "steps": 3}
+INTERLEAVED = {"schedule": "Interleaved1F1B", "pp_stages_per_rank": 2}
+ON_2 = {"gpipe": {"schedule": "GPipe"}, "1f1b": {"schedule": "1F1B"}, "interleaved": INTERLEAVED}
+ON_4 = {"gpipe": {"schedule": "GPipe"}, "1f1b": {"schedule": "1F1B"},
+        "interleaved_x_fsdp": {"pp_size": 2, **INTERLEAVED},
+        "1f1b_x_fsdp_bf16_ac_cosine": {"pp_size": 2, "precision": "bf16-mixed", "activation_checkpointing": "full",
+                                       "lr_schedule": "cosine", "warmup_steps": 1, "strategy": "SHARD_GRAD_OP"},
+        "uneven_5_layers": {"pp_size": 2, "num_layers": 5, "pp_microbatches": 2}}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = {}
+    for nproc, configs in ((2, ON_2), (4, ON_4)):
+        batch = torchrun_batch("pipeline", nproc, {k: {**SHAPE, **v} for k, v in configs.items()},
+                               out=tmp_path_factory.mktemp(f"pp{nproc}"), timeout_s=300, stream=False)
+        out.update({(nproc, label): r for label, r in batch.items()})
+    return out
+
+
+@pytest.mark.parametrize("key", [(2, k) for k in ON_2] + [(4, k) for k in ON_4], ids=lambda k: f"{k[0]}-{k[1]}")
+def test_every_check_passes(results, key):
+    result = results[key]
+    assert result.checks and not result.failed_checks()
+    names = {c.quantity for c in result.checks}
+    for quantity in ("stage_layers", "param_shard_bytes", "optimizer_state_bytes", "send_count", "recv_buffer_bytes",
+                     "collectives_matched", "sent_bytes", "loss_step3"):
+        assert quantity in names
+    assert all(c.tolerance == 0 for c in result.checks if not c.quantity.startswith("loss"))
+
+
+def test_the_stages_hold_the_layers_as_cut(results):
+    ranks = results[(4, "gpipe")].ranks
+    assert [r["stages"] for r in ranks] == [[0], [1], [2], [3]]
+    assert [(r["embedding"], r["head"]) for r in ranks] == [(True, False), (False, False), (False, False),
+                                                            (False, True)]
+    interleaved = results[(2, "interleaved")].ranks
+    assert [r["stages"] for r in interleaved] == [[0, 2], [1, 3]]
+    uneven = results[(4, "uneven_5_layers")].ranks
+    assert [r["layers"] for r in uneven] == [3, 3, 2, 2]   # pp 2 x dp 2: stage 0 holds 3 of 5
+
+
+def test_a_middle_stage_sends_both_ways_and_the_ends_one(results):
+    # 8 sequences, 4 micro-batches: 2 x 8 tokens x 32 x 4 B = 2,048 B a transfer
+    ranks = results[(4, "1f1b")].ranks
+    sends = [sum(c["kind"] == "send" for c in r["collectives"]) for r in ranks]
+    assert sends == [4, 8, 8, 4]
+    assert {c["buffer_bytes"] for r in ranks for c in r["collectives"]} == {2048}
+
+
+def test_the_losses_are_one_process_losses_whatever_the_schedule(results):
+    fp32 = [r for (n, label), r in results.items() if "bf16" not in label and "uneven" not in label]
+    first = fp32[0].ranks[0]["losses"]
+    for result in fp32:
+        assert result.ranks[0]["losses"] == pytest.approx(first, rel=1e-5)
