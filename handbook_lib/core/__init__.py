@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         get_precision,
         parse_overrides,
     )
-    from handbook_lib.core.parallel_config import AXES_LEVERS_REFUSED, SP_METHODS, ParallelConfig
+    from handbook_lib.core.parallel_config import AXES_LEVERS_REFUSED, PP_SCHEDULES, SP_METHODS, ParallelConfig
     from handbook_lib.core.parallel_layout import MESH_DIMS, ParallelLayout
     from handbook_lib.core.files import fsync_dir, write_json_atomic, write_text_atomic
     from handbook_lib.core.protocol import (

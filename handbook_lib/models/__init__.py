@@ -90,6 +90,10 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         ShardBytes, Unit, estimate_flat_shard_bytes, estimate_tensor_shards, policy_units,
         post_forward_shard_bytes, shard_rows,
     )
+    from handbook_lib.models.pipeline import (
+        StageSpan, bubble_fraction, estimate_pipeline_fsdp_calls, estimate_pipeline_p2p,
+        estimate_pipeline_state_bytes, rank_stages, stage_layers, stage_param_shapes,
+    )
     from handbook_lib.models.axes_run import (
         AxesCall, axes_micro_batch, estimate_axes_activation_bytes, estimate_axes_collectives,
         estimate_axes_state_bytes,

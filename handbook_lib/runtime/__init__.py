@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         CoreFactory,
         apply_activation_checkpointing,
         apply_axes,
+        apply_pipeline,
         apply_explicit_prefetch,
         apply_fsdp2,
         build_mesh,
@@ -137,6 +138,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     from handbook_lib.runtime.sequence_parallel import AttentionError, measure_attention_error
     from handbook_lib.runtime.mesh import MESH_NAMES, LayoutMesh, build_layout_mesh
     from handbook_lib.runtime.axes import axes_step, layout_batches
+    from handbook_lib.runtime.pipeline import PipelinedModel, PipelineStageModule, cut_stages, pipeline_step
     from handbook_lib.runtime.ring_attention import (
         RingAttention,
         causal_ring_attention,

@@ -66,6 +66,7 @@ __all__ = [
     "check_runnable",
     "parallelize",
     "apply_axes",
+    "apply_pipeline",
     "CoreFactory",
     "APPLY",
     "measure_init_bytes",
@@ -389,8 +390,8 @@ def apply_axes(config: ParallelConfig, ctx: RankContext, mesh: LayoutMesh,
         sp_core: The sequence split's attention (default the book's ring; a run
             passes DeepSpeed's Ulysses for ``sp_method='ulysses'``).
 
-    With a pipeline (``pp_size`` > 1) the model is cut into this rank's stages first, and
-    each is checkpointed and sharded as a model would be (:func:`_apply_pipeline`).
+    With a pipeline (``pp_size`` > 1) the model is cut into this rank's stages
+    first, each checkpointed and sharded as a model would be (:func:`apply_pipeline`).
 
     Chapter 9 shows this function: lines fit its column (86 characters).
     """
@@ -398,7 +399,7 @@ def apply_axes(config: ParallelConfig, ctx: RankContext, mesh: LayoutMesh,
     seeded = build_model(config.model_config(), seed=config.seed, causal=True)
     model = from_simple(seeded, vocab_size=config.padded_vocab_size).to(ctx.device)
     if layout.pp > 1:  # 0. this rank's stages of the pipeline
-        return _apply_pipeline(model, config, ctx, mesh)
+        return apply_pipeline(model, config, ctx, mesh)
     if layout.tp_enabled:  # 1. the tensor-parallel plan
         from handbook_lib.runtime.tensor_parallel import apply_tensor_parallel
 
@@ -421,21 +422,23 @@ def apply_axes(config: ParallelConfig, ctx: RankContext, mesh: LayoutMesh,
     return model
 
 
-def _apply_pipeline(model: ParallelTransformer, config: ParallelConfig, ctx: RankContext,
-                    mesh: LayoutMesh) -> nn.Module:
-    """This rank's stages of ``model`` (:func:`~handbook_lib.runtime.pipeline.cut_stages`), each
-    checkpointed and sharded by FSDP2 over its data-parallel group (its layers, then the stage;
-    over one rank FSDP2 only casts for mixed precision), in a
-    :class:`~handbook_lib.runtime.pipeline.PipelinedModel`."""
+def apply_pipeline(model: ParallelTransformer, config: ParallelConfig,
+                   ctx: RankContext, mesh: LayoutMesh) -> nn.Module:
+    """This rank's stages of ``model``, each checkpointed and sharded by FSDP2 over
+    its data-parallel group (its layers, then the stage; over one rank FSDP2 only
+    casts for mixed precision), run by the schedule of a
+    :class:`~handbook_lib.runtime.pipeline.PipelinedModel`.
+
+    Chapter 9 shows this function: lines fit its column (86 characters).
+    """
     from handbook_lib.runtime.pipeline import PipelinedModel, cut_stages
 
-    stages = cut_stages(model, config, mesh.pp_rank)
-    row = get_strategy(config.strategy)
+    stages = cut_stages(model, config, mesh.pp_rank)  # whole layers, in order
+    reshard = get_strategy(config.strategy).reshard_after_forward
     for stage in stages:
         units = list(stage.layers)
         apply_activation_checkpointing(stage, config.activation_checkpointing)
-        # FSDP2 even over one rank: its mixed precision, and no collective
-        apply_fsdp2(stage, mesh.fsdp, units=units, reshard_after_forward=row.reshard_after_forward,
+        apply_fsdp2(stage, mesh.fsdp, units=units, reshard_after_forward=reshard,
                     mp_policy=build_mp_policy(config.precision))
     return PipelinedModel(stages, config, mesh.pp_group, ctx.device)
 
