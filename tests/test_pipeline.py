@@ -7,6 +7,7 @@ from handbook_lib.models.pipeline import (
     bubble_fraction,
     estimate_pipeline_fsdp_calls,
     estimate_pipeline_p2p,
+    estimate_pipeline_tp_calls,
     estimate_pipeline_state_bytes,
     rank_stages,
     stage_layers,
@@ -60,6 +61,24 @@ def test_fsdp_gathers_each_unit_once_per_micro_batch_and_once_for_the_backwards(
     assert estimate_pipeline_fsdp_calls(config, 2, 0) == []   # one rank per stage: no FSDP traffic
 
 
+def test_each_stage_issues_the_tensor_parallel_collectives_of_what_it_holds():
+    # pp 2 x tp 2, 4 micro-batches of 2 x 8 tokens: stage 0 holds the embedding and 2 layers,
+    # 1 + 2 x 2 all-reduces forward and 2 x 2 backward per micro-batch; the last stage, 2 layers
+    # and the head: 2 x 2 forward, 2 x 2 + 1 backward; each T·d·4 = 2,048 B over 2 ranks
+    config = PipelineConfig(**SHAPE, pp_size=2, tp_size=2)
+    for rank in (0, 1):
+        calls = estimate_pipeline_tp_calls(config, 4, rank)
+        assert len(calls) == 4 * 9 and {(c.kind, c.buffer_bytes, c.group_size) for c in calls} == {
+            ("all_reduce", 2048, 2)}
+    # with the tensor rank's share of each parameter: Q's rows halved, the vocabulary padded
+    state = estimate_pipeline_state_bytes(PipelineConfig(**{**SHAPE, "vocab_size": 51}, pp_size=2, tp_size=2), 4, 0)
+    # Q, K, V: 16 of 32 rows and biases; out_proj: 16 of 32 columns, its bias whole; linear1:
+    # 32 of 64 rows and biases; linear2: 32 of 64 columns, its bias whole; the norms whole
+    layer = 3 * (16 * 32 + 16) + (32 * 16 + 32) + (32 * 32 + 32) + (32 * 32 + 32) + 4 * 32
+    assert state.param_shard_bytes == 4 * (26 * 32 + 2 * layer) == 38_272   # 52 rows / 2: 26
+    assert estimate_pipeline_tp_calls(PipelineConfig(**SHAPE, pp_size=2), 2, 0) == []
+
+
 def test_the_bubble_shrinks_with_micro_batches_and_interleaving():
     assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
     assert bubble_fraction(4, 32) == pytest.approx(3 / 35)
@@ -78,7 +97,7 @@ def test_the_bubble_shrinks_with_micro_batches_and_interleaving():
     ({"schedule": "ZeroBubble"}, 2, "config key 'schedule' got 'ZeroBubble'; accepted values: GPipe, 1F1B, "
                                     "Interleaved1F1B"),
     ({"pp_size": 2, "grad_accum_steps": 2}, 2, "the schedule's micro-batches are the accumulation"),
-    ({"pp_size": 2, "tp_size": 2}, 4, "'tp_size'=2 with pipeline: the pipeline is not composed with tensor"),
+    ({"pp_size": 2, "sp_size": 2, "sp_method": "ring"}, 4, "'sp_size'=2 with pipeline: the pipeline is not composed"),
     ({"pp_size": 2, "max_grad_norm": 1.0}, 2, "'max_grad_norm'=1.0 with pipeline: clipping needs"),
     ({"pp_size": 2, "strategy": "HYBRID_SHARD", "shard_group_size": 1}, 4, "'strategy'='HYBRID_SHARD' with pipeline"),
     ({}, 1, "'pp_size'=1 cuts no pipeline"),

@@ -1,5 +1,6 @@
 """handbook_lib.runs.pipeline: every schedule on 2 and 4 ranks, alone and with FSDP2 over the
-data-parallel ranks, every check exact (losses 1e-5 in fp32)."""
+data-parallel ranks, with tensor parallelism (4 ranks) and with both (8 ranks: 2 x 2 x 2), every
+check exact (losses 1e-5 in fp32)."""
 
 import pytest
 
@@ -13,20 +14,24 @@ ON_4 = {"gpipe": {"schedule": "GPipe"}, "1f1b": {"schedule": "1F1B"},
         "interleaved_x_fsdp": {"pp_size": 2, **INTERLEAVED},
         "1f1b_x_fsdp_bf16_ac_cosine": {"pp_size": 2, "precision": "bf16-mixed", "activation_checkpointing": "full",
                                        "lr_schedule": "cosine", "warmup_steps": 1, "strategy": "SHARD_GRAD_OP"},
-        "uneven_5_layers": {"pp_size": 2, "num_layers": 5, "pp_microbatches": 2}}
+        "uneven_5_layers": {"pp_size": 2, "num_layers": 5, "pp_microbatches": 2},
+        "pp_x_tp_sp_bf16_ac": {"pp_size": 2, "tp_size": 2, "sequence_parallel": True, "precision": "bf16-mixed",
+                               "activation_checkpointing": "full"}}
+ON_8 = {"pp_x_fsdp_x_tp": {"pp_size": 2, "tp_size": 2}}   # 2 stages x 2 data-parallel x 2 tensor ranks
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = {}
-    for nproc, configs in ((2, ON_2), (4, ON_4)):
+    for nproc, configs in ((2, ON_2), (4, ON_4), (8, ON_8)):
         batch = torchrun_batch("pipeline", nproc, {k: {**SHAPE, **v} for k, v in configs.items()},
                                out=tmp_path_factory.mktemp(f"pp{nproc}"), timeout_s=300, stream=False)
         out.update({(nproc, label): r for label, r in batch.items()})
     return out
 
 
-@pytest.mark.parametrize("key", [(2, k) for k in ON_2] + [(4, k) for k in ON_4], ids=lambda k: f"{k[0]}-{k[1]}")
+@pytest.mark.parametrize("key", [(2, k) for k in ON_2] + [(4, k) for k in ON_4] + [(8, k) for k in ON_8],
+                         ids=lambda k: f"{k[0]}-{k[1]}")
 def test_every_check_passes(results, key):
     result = results[key]
     assert result.checks and not result.failed_checks()
@@ -58,6 +63,7 @@ def test_a_middle_stage_sends_both_ways_and_the_ends_one(results):
 
 def test_the_losses_are_one_process_losses_whatever_the_schedule(results):
     fp32 = [r for (n, label), r in results.items() if "bf16" not in label and "uneven" not in label]
+    assert len(fp32) == 7
     first = fp32[0].ranks[0]["losses"]
     for result in fp32:
         assert result.ranks[0]["losses"] == pytest.approx(first, rel=1e-5)

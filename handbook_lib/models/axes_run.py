@@ -39,7 +39,7 @@ from handbook_lib.models.tensor_parallel import (
 from handbook_lib.models.traffic import estimate_step_traffic
 
 __all__ = ["AxesCall", "estimate_axes_state_bytes", "estimate_axes_activation_bytes", "estimate_axes_collectives",
-           "axes_micro_batch"]
+           "axes_micro_batch", "tp_step_calls"]
 
 _INDEX_BYTES = 8
 """Bytes of one int64 token id or target."""
@@ -144,7 +144,7 @@ def _times(calls: list[AxesCall], n: int) -> list[AxesCall]:
     return [c for _ in range(n) for c in calls]
 
 
-def _tp_calls(config: ParallelConfig, tokens: int, compute: str) -> list[AxesCall]:
+def tp_step_calls(config: ParallelConfig, tokens: int, compute: str) -> list[AxesCall]:
     """The plan's collectives of one micro-step; with checkpointing, each layer's forward ones
     again in backward (the recomputation re-issues them: the book's policy saves no collective)."""
     calls = estimate_tp_collectives(config.model_config(), config.tp_size, tokens, config.sequence_parallel, compute)
@@ -224,7 +224,7 @@ def estimate_axes_collectives(config: ParallelConfig, world_size: int) -> list[A
     micro = axes_micro_batch(config, world_size)
     calls: list[AxesCall] = []
     if config.tp_size > 1:
-        calls += _tp_calls(config, micro * config.seq_len // config.sp_size, compute)
+        calls += tp_step_calls(config, micro * config.seq_len // config.sp_size, compute)
     if config.sp_size > 1:
         calls += _sp_calls(config, micro, compute)
     k = config.grad_accum_steps

@@ -13,24 +13,26 @@ into ``m`` micro-batches; a stage passes each micro-batch's activations (b/m seq
   stages, sharded by FSDP2 over its data-parallel group (chapter 2's rule on the stage's tensors);
 - :func:`estimate_pipeline_p2p`: every send and receive of one step on one rank;
 - :func:`estimate_pipeline_fsdp_calls`: FSDP2's collectives over a stage's data-parallel group;
+- :func:`estimate_pipeline_tp_calls`: tensor parallelism's inside each stage;
 - :func:`bubble_fraction`: the share of a step a rank idles, ``(p − 1) / (v·m + p − 1)``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from handbook_lib.core.checks import check_int
 from handbook_lib.core.config import dtype_bytes, get_precision
 from handbook_lib.core.parallel_config import ParallelConfig
-from handbook_lib.models.axes_run import AxesCall
+from handbook_lib.models.axes_run import AxesCall, tp_step_calls
 from handbook_lib.models.model_state import OPTIMIZER_RULES, optimizer_states
 from handbook_lib.core.strategies import get_strategy
 from handbook_lib.models.sharding import estimate_tensor_shards, policy_units
-from handbook_lib.models.tensor_parallel import TPStateBytes, tp_param_placements
+from handbook_lib.models.tensor_parallel import TPStateBytes, tp_padded, tp_param_placements
 
 __all__ = ["stage_layers", "rank_stages", "stage_param_shapes", "estimate_pipeline_state_bytes",
-           "estimate_pipeline_p2p", "estimate_pipeline_fsdp_calls", "bubble_fraction", "StageSpan"]
+           "estimate_pipeline_p2p", "estimate_pipeline_fsdp_calls", "estimate_pipeline_tp_calls", "bubble_fraction",
+           "StageSpan"]
 
 
 @dataclass(frozen=True)
@@ -80,17 +82,27 @@ def rank_stages(config: ParallelConfig, pp_rank: int) -> list[StageSpan]:
 
 
 def stage_param_shapes(config: ParallelConfig, span: StageSpan) -> list[tuple[str, tuple[int, ...]]]:
-    """``(name, shape)`` of the parameters a stage holds (the split-attention model's names)."""
+    """``(name, shape)`` of the parameters a stage holds on one tensor-parallel rank (the
+    split-attention model's names; each split tensor 1/tp of its dimension, the vocabulary
+    padded to a multiple of tp)."""
     out = []
-    for p in tp_param_placements(config.model_config()):
+    for p in tp_param_placements(tp_padded(config.model_config(), config.tp_size)):
         top = p.name.split(".")[0]
         if top == "layers":
             keep = span.first_layer <= int(p.name.split(".")[1]) < span.last_layer
         else:
             keep = span.embedding if top == "embedding" else span.head
         if keep:
-            out.append((p.name, p.shape))
+            out.append((p.name, p.local_shape(config.tp_size)))
     return out
+
+
+def _in_stage(site: str, span: StageSpan) -> bool:
+    """Whether the module ``site`` (``embedding``, ``output``, ``layers.3.linear1``) is in ``span``."""
+    top = site.split(".")[0]
+    if top == "layers":
+        return span.first_layer <= int(site.split(".")[1]) < span.last_layer
+    return span.embedding if top == "embedding" else span.head
 
 
 def estimate_pipeline_state_bytes(config: ParallelConfig, world_size: int, pp_rank: int,
@@ -112,13 +124,16 @@ def estimate_pipeline_p2p(config: ParallelConfig, world_size: int, pp_rank: int)
     """Every send and receive pipeline rank ``pp_rank`` issues in one step: for each of its stages
     and each of the ``m`` micro-batches, the activation sent to the next stage and received from
     the previous one, and the activation's gradient the other way; each a (b/m, s, d) tensor in
-    the compute dtype, ``b`` the rank's data-parallel share of the batch. A stage next to one on
+    the compute dtype, ``b`` the rank's data-parallel share of the batch (each tensor rank sends
+    its copy; 1/tp of it, its sequence shard, with Megatron SP). A stage next to one on
     the same rank (the interleaved schedule's stage r + pp after r, with pp 1) would pass it in
     memory; with pp >= 2 every neighbour is on another rank."""
     layout = config.layout(world_size)
     compute, _ = get_precision(config.precision)
     rows = config.batch_size // (layout.dp * config.pp_microbatches)
     buffer = rows * config.seq_len * config.d_model * dtype_bytes(compute)
+    if config.sequence_parallel:  # Megatron SP: a stage's output is its tensor rank's sequence shard
+        buffer //= config.tp_size
     out: list[AxesCall] = []
     last = config.pp_stages - 1
     for span in rank_stages(config, pp_rank):
@@ -155,6 +170,30 @@ def estimate_pipeline_fsdp_calls(config: ParallelConfig, world_size: int, pp_ran
             elements = unit.padded_numel(group)
             out += [AxesCall("all_gather", "fsdp", elements * dtype_bytes(compute), group, unit.name)] * gathers
             out.append(AxesCall("reduce_scatter", "fsdp", elements * dtype_bytes(reduce), group, unit.name))
+    return out
+
+
+def estimate_pipeline_tp_calls(config: ParallelConfig, world_size: int, pp_rank: int) -> list[AxesCall]:
+    """Tensor parallelism's collectives of one step on pipeline rank ``pp_rank``: per micro-batch
+    (``b/m`` sequences), the plan's collectives of the modules its stages hold
+    (:func:`~handbook_lib.models.axes_run.tp_step_calls`: each layer's, the embedding's on the
+    first stage, the head's on the last; recomputed ones again under checkpointing). Megatron
+    SP's norm-gradient all-reduces come with FSDP2's gradient sync, once a step after the last
+    micro-batch, of gradients accumulated in the reduce dtype. None without tensor ranks."""
+    if config.tp_size == 1:
+        return []
+    layout = config.layout(world_size)
+    compute, reduce = get_precision(config.precision)
+    rows = config.batch_size // (layout.dp * config.pp_microbatches)
+    calls = tp_step_calls(config, rows * config.seq_len, compute)
+    out: list[AxesCall] = []
+    for span in rank_stages(config, pp_rank):
+        mine = [c for c in calls if _in_stage(c.site, span)]
+        each = [c for c in mine if not c.site.endswith((".weight", ".bias"))]
+        norms = [replace(c, buffer_bytes=config.d_model * dtype_bytes(reduce)) for c in mine
+                 if c.site.endswith((".weight", ".bias"))]
+        out += each * config.pp_microbatches + (norms if config.pp_microbatches > 1 else
+                                                [c for c in mine if c not in each])
     return out
 
 

@@ -4,7 +4,8 @@ Chapter 9 launches it. The ranks form the job's one mesh (:mod:`handbook_lib.run
 ``pp`` outermost: :func:`~handbook_lib.runtime.build.parallelize` cuts the book's split-attention
 model (the seeded weights of :class:`~handbook_lib.runtime.model.SimpleTransformer`) at layer
 boundaries into ``pp_size · pp_stages_per_rank`` stages (the embedding on the first, the head on
-the last, :func:`~handbook_lib.models.pipeline.stage_layers`), checkpoints and shards each stage
+the last, :func:`~handbook_lib.models.pipeline.stage_layers`), splits each over ``tp_size``
+tensor ranks if asked (Megatron's plan, ``sequence_parallel`` too), checkpoints it and shards it
 with FSDP2 over its data-parallel ranks, and ``torch.distributed.pipelining`` runs them by
 ``schedule`` (GPipe, 1F1B, interleaved 1F1B) over ``pp_microbatches`` micro-batches; the
 book's one loop (:func:`~handbook_lib.runtime.training.train`) steps it
@@ -12,8 +13,9 @@ book's one loop (:func:`~handbook_lib.runtime.training.train`) steps it
 
 Checks, beside :mod:`handbook_lib.models.pipeline`: each rank's layers; its parameters, FSDP2's
 padding, gradients and optimizer state (exact: the embedding and the head make the first and
-last ranks heavier); every send and receive of the last step, and FSDP2's collectives over each
-stage's data-parallel ranks (count, buffer bytes, each call matched, bytes sent: exact); the
+last ranks heavier); every send and receive of the last step, tensor parallelism's collectives
+inside each stage and FSDP2's over its data-parallel ranks (count, buffer bytes, each call
+matched, bytes sent: exact); the
 losses against one process training the book's model on the whole batch (1e-5 in fp32, 1e-3 in
 bf16).
 
@@ -33,6 +35,7 @@ from handbook_lib.models.pipeline import (
     bubble_fraction,
     estimate_pipeline_fsdp_calls,
     estimate_pipeline_p2p,
+    estimate_pipeline_tp_calls,
     estimate_pipeline_state_bytes,
     rank_stages,
 )
@@ -100,6 +103,7 @@ def _p2p_checks(config: PipelineConfig, ctx: RankContext, pp_rank: int, calls: l
     this rank sent."""
     predicted = estimate_pipeline_p2p(config, ctx.world_size, pp_rank)
     predicted += estimate_pipeline_fsdp_calls(config, ctx.world_size, pp_rank)
+    predicted += estimate_pipeline_tp_calls(config, ctx.world_size, pp_rank)
     want = Counter((c.kind, c.buffer_bytes, c.group_size) for c in predicted)
     got = Counter((c.kind, c.buffer_bytes, c.group_size) for c in calls)
     checks = []

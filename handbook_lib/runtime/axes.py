@@ -21,6 +21,7 @@ from handbook_lib.runtime.training import next_token_loss
 
 __all__ = ["layout_batches", "axes_step"]
 
+
 def _arrange(batch: torch.Tensor, layout_mesh: LayoutMesh) -> torch.Tensor:
     """Row block r (of ``world`` equal ones) = rank r's rows (its ``dp`` share) and positions
     (its ``sp`` share) of ``batch``; the ranks of a tensor-parallel group, and the stages of a

@@ -424,10 +424,10 @@ def apply_axes(config: ParallelConfig, ctx: RankContext, mesh: LayoutMesh,
 
 def apply_pipeline(model: ParallelTransformer, config: ParallelConfig,
                    ctx: RankContext, mesh: LayoutMesh) -> nn.Module:
-    """This rank's stages of ``model``, each checkpointed and sharded by FSDP2 over
-    its data-parallel group (its layers, then the stage; over one rank FSDP2 only
-    casts for mixed precision), run by the schedule of a
-    :class:`~handbook_lib.runtime.pipeline.PipelinedModel`.
+    """This rank's stages of ``model``, each split over the tensor ranks (if any),
+    checkpointed and sharded by FSDP2 over its data-parallel group (its layers, then
+    the stage; over one rank FSDP2 only casts for mixed precision), run by the
+    schedule of a :class:`~handbook_lib.runtime.pipeline.PipelinedModel`.
 
     Chapter 9 shows this function: lines fit its column (86 characters).
     """
@@ -436,6 +436,10 @@ def apply_pipeline(model: ParallelTransformer, config: ParallelConfig,
     stages = cut_stages(model, config, mesh.pp_rank)  # whole layers, in order
     reshard = get_strategy(config.strategy).reshard_after_forward
     for stage in stages:
+        if mesh.layout.tp_enabled:  # each stage: the tensor-parallel plan
+            from handbook_lib.runtime.tensor_parallel import apply_tensor_parallel
+
+            apply_tensor_parallel(stage, mesh.tp, config.sequence_parallel)
         units = list(stage.layers)
         apply_activation_checkpointing(stage, config.activation_checkpointing)
         apply_fsdp2(stage, mesh.fsdp, units=units, reshard_after_forward=reshard,

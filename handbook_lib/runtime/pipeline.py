@@ -13,6 +13,7 @@ schedule's step in place of one forward and backward, then the optimizer's.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -55,7 +56,8 @@ def cut_stages(model: ParallelTransformer, config: ParallelConfig, pp_rank: int)
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """One micro-batch's mean next-token cross-entropy, in fp32 (the last stage's loss)."""
+    """One micro-batch's mean next-token cross-entropy, in fp32 (the last stage's loss; on logits
+    split by vocabulary too, inside ``loss_parallel``)."""
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
@@ -76,12 +78,16 @@ class PipelinedModel(nn.Module):
 
         self.stages = nn.ModuleList(stages)
         self.pp_size = config.pp_size
-        self.pp_rank = dist.get_rank(group)
         self.pipeline_stages = [pipelining.PipelineStage(s, s.span.index, config.pp_stages, device, group=group)
                                 for s in stages]
         kind = getattr(pipelining, f"Schedule{config.schedule}")
         target = self.pipeline_stages if config.pp_stages_per_rank > 1 else self.pipeline_stages[0]
         self.schedule = kind(target, n_microbatches=config.pp_microbatches, loss_fn=_loss)
+        self.loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        if config.tp_size > 1:  # the head's logits are split by vocabulary
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            self.loss_context = loss_parallel
         self.first = any(s.span.embedding for s in stages)
         self.last = any(s.span.head for s in stages)
 
@@ -93,10 +99,12 @@ class PipelinedModel(nn.Module):
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.first else ()
         kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self.last else {}
-        self.schedule.step(*args, **kwargs)
+        with self.loss_context():
+            self.schedule.step(*args, **kwargs)
         if not self.last:
             return torch.zeros((), device=inputs.device)
-        return torch.stack([loss.detach() for loss in losses]).mean() * self.pp_size
+        local = [loss.to_local() if hasattr(loss, "to_local") else loss for loss in losses]
+        return torch.stack([loss.detach() for loss in local]).mean() * self.pp_size
 
     def forward(self, *args: Any) -> Any:
         raise RuntimeError("a pipelined model runs by its schedule: PipelinedModel.run(inputs, targets)")

@@ -17,6 +17,7 @@ over the data-parallel ranks — and their order are :func:`handbook_lib.runtime
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -28,14 +29,14 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn import functional as F
 
-from handbook_lib.runtime.parallel_model import ParallelTransformer
 
 __all__ = ["apply_tensor_parallel", "tp_loss"]
 
 
-def apply_tensor_parallel(model: ParallelTransformer, tp_mesh: DeviceMesh,
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh,
                           sequence_parallel: bool = False) -> None:
-    """Split ``model`` in place over the tensor-parallel mesh (the module's plan).
+    """Split ``model`` (the book's split-attention model, or a pipeline stage of it)
+    in place over the tensor-parallel mesh (the module's plan).
 
     Placements on the ``tp`` axis (one rank holds 1/tp of each split tensor): the
     embedding, Q/K/V, ``linear1`` and the head split by rows (dim 0, biases too);
@@ -45,11 +46,13 @@ def apply_tensor_parallel(model: ParallelTransformer, tp_mesh: DeviceMesh,
     its column (86 characters).
     """
     seq = Shard(1) if sequence_parallel else Replicate()  # between the blocks
-    parallelize_module(model, tp_mesh, {
+    ends = {
         "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
         "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
                                   use_local_output=False),  # logits: by vocabulary
-    })
+    }  # (a pipeline's middle stage holds neither)
+    parallelize_module(model, tp_mesh, {name: style for name, style in ends.items()
+                                        if getattr(model, name, None) is not None})
     for layer in model.layers:
         plan = {
             "self_attn": PrepareModuleInput(input_layouts=(seq,),

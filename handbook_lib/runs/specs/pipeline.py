@@ -54,7 +54,6 @@ class PipelineConfig(ParallelConfig):
 CONFIG = PipelineConfig
 
 NOT_WITH_A_PIPELINE: dict[str, str] = {
-    "tp_size": "the pipeline is not composed with tensor ranks here yet; accepted: 1",
     "sp_size": "the pipeline is not composed with a sequence split here yet; accepted: 1",
     "max_grad_norm": "clipping needs the norm of every stage's gradients, all-reduced over the pipeline, "
                      "which this run does not compute; accepted: 0",
