@@ -122,6 +122,7 @@ def test_sp_shrinks_the_activations_and_keeps_the_losses(results):
     ({"sp_size": 2, "sp_method": "ulysses", "nhead": 2}, 4, "'tp_size'=2 x config key 'sp_size'=2 with "
                                                              "'sp_method'=ulysses must divide 'nhead'=2"),
     ({"steps": 1}, 4, "'steps'=1"),
+    ({"pp_size": 2}, 4, "'pp_size'=2: tensor_parallel cuts no pipeline; the pipeline run does"),
 ])
 def test_bad_configs_are_refused_in_one_line(changes, world, match):
     with pytest.raises(ValueError, match=match) as info:

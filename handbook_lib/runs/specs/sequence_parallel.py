@@ -25,6 +25,9 @@ def validate(config: ParallelConfig, world_size: int) -> None:
     if config.sp_size == 1:
         raise ValueError("config key 'sp_size'=1 splits no sequence: sequence_parallel needs sp_size >= 2 "
                          "(plain FSDP is fsdp_train)")
+    if config.pp_size != 1:
+        raise ValueError(f"config key 'pp_size'={config.pp_size}: sequence_parallel cuts no pipeline; the pipeline run "
+                         "does (with tp_size too)")
     config.check_runnable("sequence_parallel", world_size)
 
 

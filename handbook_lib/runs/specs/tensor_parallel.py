@@ -22,6 +22,9 @@ def validate(config: ParallelConfig, world_size: int) -> None:
     if config.tp_size == 1:
         raise ValueError("config key 'tp_size'=1 splits no tensor: tensor_parallel needs tp_size >= 2 "
                          "(plain FSDP is fsdp_train)")
+    if config.pp_size != 1:
+        raise ValueError(f"config key 'pp_size'={config.pp_size}: tensor_parallel cuts no pipeline; the pipeline run "
+                         "does (with tp_size too)")
     config.check_runnable("tensor_parallel", world_size)
 
 
