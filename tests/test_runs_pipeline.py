@@ -36,9 +36,12 @@ def test_every_check_passes(results, key):
     result = results[key]
     assert result.checks and not result.failed_checks()
     names = {c.quantity for c in result.checks}
-    for quantity in ("stage_layers", "param_shard_bytes", "optimizer_state_bytes", "send_count", "recv_buffer_bytes",
-                     "collectives_matched", "sent_bytes", "loss_step3"):
+    for quantity in ("stage_layers", "param_shard_bytes", "optimizer_state_bytes", "collectives_matched",
+                     "sent_bytes", "loss_step3"):
         assert quantity in names
+    # the sends and receives, by the pipeline's group size
+    pp = result.ranks[0]["pp_size"]
+    assert {f"send_{pp}ranks_count", f"recv_{pp}ranks_buffer_bytes"} <= names
     assert all(c.tolerance == 0 for c in result.checks if not c.quantity.startswith("loss"))
 
 

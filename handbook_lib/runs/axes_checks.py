@@ -14,7 +14,8 @@ a collective counter. Checks, beside :mod:`handbook_lib.models.axes_run`:
 - activations alive after the first micro-batch's forward (exact on CPU; 5 % on CUDA, whose
   attention kernels save other tensors);
 - every collective and transfer of the step, each axis's, by kind and group (count and buffer
-  bytes), each call matched in kind, buffer bytes and group, and the bytes this rank sent (exact);
+  bytes), each call matched in kind, buffer bytes and group, and the bytes this rank sent (exact:
+  :func:`collective_checks`, the pipeline run's too);
 - with clipping: the gradient norm the shards give against the whole gradient's (1e-6);
 - the losses against one process training the book's model on the whole batch in fp32
   (:data:`LOSS_TOLERANCE`: 1e-5 in fp32, wider in mixed precision).
@@ -30,6 +31,7 @@ from handbook_lib.core.config import get_precision
 from handbook_lib.core.parallel_config import ParallelConfig
 from handbook_lib.core.results import Check
 from handbook_lib.models.axes_run import (
+    AxesCall,
     axes_micro_batch,
     estimate_axes_activation_bytes,
     estimate_axes_collectives,
@@ -50,7 +52,7 @@ from handbook_lib.runtime.sequence_parallel import measure_attention_error
 from handbook_lib.runtime.training import train
 
 __all__ = ["LOSS_TOLERANCE", "ATTENTION_TOLERANCE", "GPU_ACTIVATION_TOLERANCE", "NORM_TOLERANCE",
-           "run_axes", "sp_core_factory", "tracked_extra_bytes"]
+           "run_axes", "sp_core_factory", "tracked_extra_bytes", "collective_checks"]
 
 LOSS_TOLERANCE: dict[str, float] = {"fp32": 1e-5, "bf16": 1e-3, "fp16": 1e-4}
 """Relative tolerance of each loss against one process's fp32 loss on the same global batch, by
@@ -105,7 +107,7 @@ def run_axes(config: ParallelConfig, ctx: RankContext) -> RankReport:
     tracked = acts.total + tracked_extra_bytes(config, ctx.world_size)
     checks.append(Check("activation_bytes", ctx.rank, tracked, memory.activation_bytes, "bytes",
                         0.0 if ctx.device.type == "cpu" else GPU_ACTIVATION_TOLERANCE))
-    checks += _collective_checks(config, ctx, calls)
+    checks += collective_checks(ctx, estimate_axes_collectives(config, ctx.world_size), calls)
     if log.grad_norm_full is not None:  # clipping: the sharded norm against the whole gradient's
         checks.append(Check("grad_norm", ctx.rank, log.grad_norm_full, log.grad_norm[0], "norm", NORM_TOLERANCE))
     lay = mesh.layout
@@ -164,13 +166,12 @@ def _state_checks(config: ParallelConfig, ctx: RankContext, mesh: LayoutMesh, mo
             Check("optimizer_step_bytes", ctx.rank, state.optimizer_step_bytes, other, "bytes")]
 
 
-def _collective_checks(config: ParallelConfig, ctx: RankContext, calls: list[CollectiveCall]) -> list[Check]:
-    """The step's calls against :func:`estimate_axes_collectives`: per (kind, group size) count
-    and buffer bytes; how many calls match a predicted one in kind, buffer bytes and group size
-    (all of them, and as many as predicted); the bytes this rank sent. Phases are not compared:
-    the counter names everything after the first backward ``optimizer``, which with gradient
-    accumulation includes the next micro-steps' forward passes."""
-    predicted = estimate_axes_collectives(config, ctx.world_size)
+def collective_checks(ctx: RankContext, predicted: list[AxesCall], calls: list[CollectiveCall]) -> list[Check]:
+    """A step's ``calls`` against the ``predicted`` ones: per (kind, group size) count and buffer
+    bytes; how many calls match a predicted one in kind, buffer bytes and group size (all of them,
+    and as many as predicted); the bytes this rank sent. Phases are not compared: the counter
+    names everything after the first backward ``optimizer``, which with gradient accumulation (or
+    a pipeline's micro-batches) includes the next forward passes."""
     want = Counter((c.kind, c.buffer_bytes, c.group_size) for c in predicted)
     got = Counter((c.kind, c.buffer_bytes, c.group_size) for c in calls)
     checks = []

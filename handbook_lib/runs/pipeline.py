@@ -27,7 +27,6 @@ Launch::
 from __future__ import annotations
 
 import sys
-from collections import Counter
 
 from handbook_lib.core.config import get_precision
 from handbook_lib.core.results import Check
@@ -39,12 +38,12 @@ from handbook_lib.models.pipeline import (
     estimate_pipeline_state_bytes,
     rank_stages,
 )
-from handbook_lib.runs.axes_checks import LOSS_TOLERANCE
+from handbook_lib.runs.axes_checks import LOSS_TOLERANCE, collective_checks
 from handbook_lib.runs.entry import RankReport, main, one_process_loss_checks
 from handbook_lib.runs.specs.pipeline import CONFIG as CONFIG, PipelineConfig, validate
 from handbook_lib.runtime.axes import axes_step
 from handbook_lib.runtime.build import parallelize
-from handbook_lib.runtime.collectives import CollectiveCall, collective_totals
+from handbook_lib.runtime.collectives import collective_totals
 from handbook_lib.runtime.distributed import RankContext
 from handbook_lib.runtime.measure import measure_grad_bytes, measure_optimizer_bytes, measure_param_bytes
 from handbook_lib.runtime.mesh import build_layout_mesh
@@ -65,7 +64,10 @@ def run(config: PipelineConfig, ctx: RankContext) -> RankReport:
     layers = sum(len(stage.layers) for stage in model.stages)
     checks = [Check("stage_layers", ctx.rank, sum(s.layers for s in spans), layers, "layers")]
     checks += _state_checks(config, ctx, mesh.pp_rank, mesh.fsdp_rank, model, optimizer)
-    checks += _p2p_checks(config, ctx, mesh.pp_rank, log.collectives)
+    predicted = [*estimate_pipeline_p2p(config, ctx.world_size, mesh.pp_rank),
+                 *estimate_pipeline_fsdp_calls(config, ctx.world_size, mesh.pp_rank),
+                 *estimate_pipeline_tp_calls(config, ctx.world_size, mesh.pp_rank)]
+    checks += collective_checks(ctx, predicted, log.collectives)
     sent = sum(k["sent_bytes"] for k in collective_totals(log.collectives).values())
     metrics = {"losses": log.losses, "step_time_s": log.step_time_s, "lr": log.lr,
                "pp_rank": mesh.pp_rank, "dp_rank": mesh.dp_rank, "pp_size": config.pp_size,
@@ -93,31 +95,6 @@ def _state_checks(config: PipelineConfig, ctx: RankContext, pp_rank: int, fsdp_r
             Check("grad_shard_bytes", ctx.rank, state.grad_bytes, measure_grad_bytes(model), "bytes"),
             Check("optimizer_state_bytes", ctx.rank, state.optimizer_state_bytes, sharded, "bytes"),
             Check("optimizer_step_bytes", ctx.rank, state.optimizer_step_bytes, other, "bytes")]
-
-
-def _p2p_checks(config: PipelineConfig, ctx: RankContext, pp_rank: int, calls: list[CollectiveCall]) -> list[Check]:
-    """The step's sends, receives and FSDP2's collectives against
-    :func:`~handbook_lib.models.pipeline.estimate_pipeline_p2p` and
-    :func:`~handbook_lib.models.pipeline.estimate_pipeline_fsdp_calls`: per kind, count and buffer
-    bytes; how many calls match a predicted one in kind, buffer bytes and group size; the bytes
-    this rank sent."""
-    predicted = estimate_pipeline_p2p(config, ctx.world_size, pp_rank)
-    predicted += estimate_pipeline_fsdp_calls(config, ctx.world_size, pp_rank)
-    predicted += estimate_pipeline_tp_calls(config, ctx.world_size, pp_rank)
-    want = Counter((c.kind, c.buffer_bytes, c.group_size) for c in predicted)
-    got = Counter((c.kind, c.buffer_bytes, c.group_size) for c in calls)
-    checks = []
-    for kind in sorted({k[0] for k in want} | {k[0] for k in got}):
-        checks += [Check(f"{kind}_count", ctx.rank, sum(n for k, n in want.items() if k[0] == kind),
-                         sum(n for k, n in got.items() if k[0] == kind), "calls"),
-                   Check(f"{kind}_buffer_bytes", ctx.rank, sum(n * k[1] for k, n in want.items() if k[0] == kind),
-                         sum(n * k[1] for k, n in got.items() if k[0] == kind), "bytes")]
-    matched = sum((want & got).values())
-    checks.append(Check("collectives_matched", ctx.rank, sum(want.values()),
-                        matched if sum(got.values()) == sum(want.values()) else -1, "calls"))
-    sent = sum(k["sent_bytes"] for k in collective_totals(calls).values())
-    checks.append(Check("sent_bytes", ctx.rank, sum(c.sent_bytes for c in predicted), sent, "bytes"))
-    return checks
 
 
 if __name__ == "__main__":
