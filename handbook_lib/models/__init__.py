@@ -95,8 +95,8 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         estimate_pipeline_state_bytes, rank_stages, stage_layers, stage_param_shapes,
     )
     from handbook_lib.models.axes_run import (
-        AxesCall, axes_micro_batch, estimate_axes_activation_bytes, estimate_axes_collectives,
-        estimate_axes_state_bytes,
+        AxesCall, axes_micro_batch, axes_units, estimate_axes_activation_bytes, estimate_axes_collectives,
+        estimate_axes_state_bytes, per_step_calls, tp_step_calls,
     )
     from handbook_lib.models.timing import (
         ATTENTION_FLOPS_SOURCE, DEFAULT_UTILIZATION, UTILIZATION_SOURCE, StepFlops, StepTime,
@@ -121,7 +121,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         estimate_decoder_tp_activation_bytes, estimate_decoder_tp_memory,
         estimate_tp_activation_bytes, estimate_tp_collectives, estimate_tp_layer_traffic,
         estimate_tp_state_bytes, estimate_tp_step_collectives, tp_local_shapes, tp_padded, tp_param_placements,
-        tp_units,
+        tp_units, state_from_shapes,
     )
     from handbook_lib.models.sequence_parallel import (
         SP_METHODS, LayerBytes, RingOverlap, SpCollective, SpStepTraffic,

@@ -27,7 +27,7 @@ from handbook_lib.core.strategies import get_strategy
 from handbook_lib.models.activations import ActivationBytes, checkpointed
 from handbook_lib.models.collectives import estimate_collective
 from handbook_lib.models.sequence_parallel import estimate_sp_collectives
-from handbook_lib.models.sharding import policy_units
+from handbook_lib.models.sharding import Unit, policy_units
 from handbook_lib.models.tensor_parallel import (
     TPStateBytes,
     estimate_tp_collectives,
@@ -39,7 +39,7 @@ from handbook_lib.models.tensor_parallel import (
 from handbook_lib.models.traffic import estimate_step_traffic
 
 __all__ = ["AxesCall", "estimate_axes_state_bytes", "estimate_axes_activation_bytes", "estimate_axes_collectives",
-           "axes_micro_batch", "tp_step_calls"]
+           "axes_micro_batch", "tp_step_calls", "per_step_calls", "axes_units"]
 
 _INDEX_BYTES = 8
 """Bytes of one int64 token id or target."""
@@ -176,7 +176,7 @@ def _fsdp_calls(config: ParallelConfig, world_size: int) -> list[AxesCall]:
     forward as the strategy says."""
     layout = config.layout(world_size)
     compute, reduce = get_precision(config.precision)
-    units = policy_units(tp_local_shapes(config.model_config(), layout.tp), config.wrap, config.wrap_min_params)
+    units = axes_units(config, layout.tp)
     row = get_strategy(config.strategy)
     traffic = estimate_step_traffic(
         units, layout.dp_replicate * layout.fsdp_size, config.strategy, param_dtype=compute, reduce_dtype=reduce,
@@ -227,13 +227,24 @@ def estimate_axes_collectives(config: ParallelConfig, world_size: int) -> list[A
         calls += tp_step_calls(config, micro * config.seq_len // config.sp_size, compute)
     if config.sp_size > 1:
         calls += _sp_calls(config, micro, compute)
-    k = config.grad_accum_steps
-    # the norms' gradient all-reduces (Megatron SP) come with FSDP2's gradient sync: once a step,
-    # of the gradients accumulated in the reduce dtype when micro-steps do not sync
+    return (per_step_calls(calls, config, config.grad_accum_steps, config.sync_every_micro_step)
+            + _fsdp_calls(config, world_size) + _clip_calls(config, world_size))
+
+
+def per_step_calls(calls: list[AxesCall], config: ParallelConfig, micro_steps: int, sync_every: bool) -> list[AxesCall]:
+    """One micro-step's ``calls`` made a step's: each issued ``micro_steps`` times, but Megatron
+    SP's norm-gradient all-reduces (sites ending in ``.weight``/``.bias``), which come with
+    FSDP2's gradient sync: every micro-step with ``sync_every``, in the compute dtype; else once a
+    step, of the gradients accumulated in the reduce dtype (one micro-step: as computed)."""
+    each = [c for c in calls if not c.site.endswith((".weight", ".bias"))]
     synced = [c for c in calls if c.site.endswith((".weight", ".bias"))]
-    if k > 1 and not config.sync_every_micro_step:
+    if micro_steps > 1 and not sync_every:
         _, reduce = get_precision(config.precision)
         synced = [replace(c, buffer_bytes=config.d_model * dtype_bytes(reduce)) for c in synced]
-    each = [c for c in calls if not c.site.endswith((".weight", ".bias"))]
-    return (_times(each, k) + _times(synced, k if config.sync_every_micro_step else 1)
-            + _fsdp_calls(config, world_size) + _clip_calls(config, world_size))
+    return _times(each, micro_steps) + _times(synced, micro_steps if sync_every else 1)
+
+
+def axes_units(config: ParallelConfig, tp: int) -> list[Unit]:
+    """The FSDP2 units of ``config``'s wrap policy, of the tensor-parallel shapes one of ``tp``
+    ranks holds: what each unit gathers and reduces."""
+    return policy_units(tp_local_shapes(config.model_config(), tp), config.wrap, config.wrap_min_params)

@@ -19,16 +19,15 @@ into ``m`` micro-batches; a stage passes each micro-batch's activations (b/m seq
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from handbook_lib.core.checks import check_int
 from handbook_lib.core.config import dtype_bytes, get_precision
 from handbook_lib.core.parallel_config import ParallelConfig
-from handbook_lib.models.axes_run import AxesCall, tp_step_calls
-from handbook_lib.models.model_state import OPTIMIZER_RULES, optimizer_states
+from handbook_lib.models.axes_run import AxesCall, per_step_calls, tp_step_calls
 from handbook_lib.core.strategies import get_strategy
-from handbook_lib.models.sharding import estimate_tensor_shards, policy_units
-from handbook_lib.models.tensor_parallel import TPStateBytes, tp_padded, tp_param_placements
+from handbook_lib.models.sharding import policy_units
+from handbook_lib.models.tensor_parallel import TPStateBytes, state_from_shapes, tp_padded, tp_param_placements
 
 __all__ = ["stage_layers", "rank_stages", "stage_param_shapes", "estimate_pipeline_state_bytes",
            "estimate_pipeline_p2p", "estimate_pipeline_fsdp_calls", "estimate_pipeline_tp_calls", "bubble_fraction",
@@ -85,20 +84,13 @@ def stage_param_shapes(config: ParallelConfig, span: StageSpan) -> list[tuple[st
     """``(name, shape)`` of the parameters a stage holds on one tensor-parallel rank (the
     split-attention model's names; each split tensor 1/tp of its dimension, the vocabulary
     padded to a multiple of tp)."""
-    out = []
-    for p in tp_param_placements(tp_padded(config.model_config(), config.tp_size)):
-        top = p.name.split(".")[0]
-        if top == "layers":
-            keep = span.first_layer <= int(p.name.split(".")[1]) < span.last_layer
-        else:
-            keep = span.embedding if top == "embedding" else span.head
-        if keep:
-            out.append((p.name, p.local_shape(config.tp_size)))
-    return out
+    return [(p.name, p.local_shape(config.tp_size))
+            for p in tp_param_placements(tp_padded(config.model_config(), config.tp_size)) if _in_stage(p.name, span)]
 
 
 def _in_stage(site: str, span: StageSpan) -> bool:
-    """Whether the module ``site`` (``embedding``, ``output``, ``layers.3.linear1``) is in ``span``."""
+    """Whether the module or parameter ``site`` (``embedding``, ``output``, ``layers.3.linear1``,
+    ``layers.3.linear1.weight``) is in ``span``."""
     top = site.split(".")[0]
     if top == "layers":
         return span.first_layer <= int(site.split(".")[1]) < span.last_layer
@@ -110,14 +102,8 @@ def estimate_pipeline_state_bytes(config: ParallelConfig, world_size: int, pp_ra
     """Parameter, gradient and optimizer bytes of pipeline rank ``pp_rank`` (all its stages), at
     ``fsdp_rank`` of its data-parallel group: each stage's tensors sharded by FSDP2's dim-0 rule
     over the group (no FSDP on a group of one rank), fp32."""
-    layout = config.layout(world_size)
     shapes = [shape for span in rank_stages(config, pp_rank) for _, shape in stage_param_shapes(config, span)]
-    shard = estimate_tensor_shards(shapes, layout.fsdp_size, fsdp_rank, "fp32")
-    rule = OPTIMIZER_RULES.get(config.optimizer)
-    return TPStateBytes(param_shard_bytes=shard.shard_bytes, param_padding_bytes=shard.padding_bytes,
-                        grad_bytes=shard.shard_bytes,
-                        optimizer_state_bytes=optimizer_states(config.optimizer) * shard.shard_bytes,
-                        optimizer_step_bytes=4 * len(shapes) if rule is not None and rule.step_counter else 0)
+    return state_from_shapes(shapes, config.layout(world_size).fsdp_size, fsdp_rank, config.optimizer)
 
 
 def estimate_pipeline_p2p(config: ParallelConfig, world_size: int, pp_rank: int) -> list[AxesCall]:
@@ -182,19 +168,13 @@ def estimate_pipeline_tp_calls(config: ParallelConfig, world_size: int, pp_rank:
     micro-batch, of gradients accumulated in the reduce dtype. None without tensor ranks."""
     if config.tp_size == 1:
         return []
-    layout = config.layout(world_size)
-    compute, reduce = get_precision(config.precision)
-    rows = config.batch_size // (layout.dp * config.pp_microbatches)
+    compute, _ = get_precision(config.precision)
+    rows = config.batch_size // (config.layout(world_size).dp * config.pp_microbatches)
     calls = tp_step_calls(config, rows * config.seq_len, compute)
-    out: list[AxesCall] = []
-    for span in rank_stages(config, pp_rank):
-        mine = [c for c in calls if _in_stage(c.site, span)]
-        each = [c for c in mine if not c.site.endswith((".weight", ".bias"))]
-        norms = [replace(c, buffer_bytes=config.d_model * dtype_bytes(reduce)) for c in mine
-                 if c.site.endswith((".weight", ".bias"))]
-        out += each * config.pp_microbatches + (norms if config.pp_microbatches > 1 else
-                                                [c for c in mine if c not in each])
-    return out
+    # the schedule syncs gradients after the last micro-batch only
+    return [c for span in rank_stages(config, pp_rank)
+            for c in per_step_calls([c for c in calls if _in_stage(c.site, span)], config,
+                                    config.pp_microbatches, sync_every=False)]
 
 
 def bubble_fraction(pp_size: int, microbatches: int, stages_per_rank: int = 1) -> float:

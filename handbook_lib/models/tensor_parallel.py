@@ -45,6 +45,7 @@ __all__ = [
     "TPLayerTraffic",
     "TPParam",
     "TPStateBytes",
+    "state_from_shapes",
     "decoder_tp_units",
     "estimate_decoder_tp_activation_bytes",
     "estimate_decoder_tp_memory",
@@ -180,13 +181,21 @@ def estimate_tp_state_bytes(config: ModelConfig, tp_size: int, dp_size: int, dp_
     Raises:
         ValueError: for an unknown optimizer, a bad rank, or a ``tp_size`` that does not divide a split dim.
     """
-    shapes = [shape for _, shape in tp_local_shapes(config, tp_size)]
-    shard = estimate_tensor_shards(shapes, dp_size, dp_rank, dtype)
+    return state_from_shapes([shape for _, shape in tp_local_shapes(config, tp_size)], dp_size, dp_rank, optimizer,
+                             dtype)
+
+
+def state_from_shapes(shapes: list[tuple[int, ...]], group: int, rank: int, optimizer: str = "adamw",
+                      dtype: str = "fp32") -> TPStateBytes:
+    """What one rank holds of tensors of ``shapes`` sharded by FSDP2's dim-0 rule over ``group``
+    ranks (:func:`~handbook_lib.models.sharding.estimate_tensor_shards`, padding included): the
+    parameter shards, their gradients, the optimizer's parameter-shaped states and its ``step``
+    counters (4 bytes per tensor), bytes."""
+    shard = estimate_tensor_shards(shapes, group, rank, dtype)
     rule = OPTIMIZER_RULES.get(optimizer)
-    states = optimizer_states(optimizer)
     return TPStateBytes(
         param_shard_bytes=shard.shard_bytes, param_padding_bytes=shard.padding_bytes, grad_bytes=shard.shard_bytes,
-        optimizer_state_bytes=states * shard.shard_bytes,
+        optimizer_state_bytes=optimizer_states(optimizer) * shard.shard_bytes,
         optimizer_step_bytes=4 * len(shapes) if rule is not None and rule.step_counter else 0)
 
 

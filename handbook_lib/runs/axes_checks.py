@@ -33,26 +33,32 @@ from handbook_lib.core.results import Check
 from handbook_lib.models.axes_run import (
     AxesCall,
     axes_micro_batch,
+    axes_units,
     estimate_axes_activation_bytes,
     estimate_axes_collectives,
     estimate_axes_state_bytes,
 )
-from handbook_lib.models.sharding import policy_units, post_forward_shard_bytes
-from handbook_lib.models.tensor_parallel import tp_local_shapes
+from handbook_lib.models.sharding import post_forward_shard_bytes
+from handbook_lib.models.tensor_parallel import TPStateBytes
 from handbook_lib.runs.entry import RankReport, one_process_loss_checks
 from handbook_lib.runtime.axes import axes_step
 from handbook_lib.runtime.build import CoreFactory, parallelize
 from handbook_lib.runtime.collectives import CollectiveCall, collective_totals
 from handbook_lib.runtime.distributed import RankContext
-from handbook_lib.runtime.measure import measure_grad_bytes, measure_optimizer_bytes, measure_param_bytes
-from handbook_lib.runtime.mesh import LayoutMesh, build_layout_mesh
+from handbook_lib.runtime.measure import (
+    ParamBytes,
+    measure_grad_bytes,
+    measure_optimizer_bytes,
+    measure_param_bytes,
+)
+from handbook_lib.runtime.mesh import build_layout_mesh
 from handbook_lib.runtime.optimization import build_grad_scaler, build_optimizer
 from handbook_lib.runtime.ring_attention import ring_core
 from handbook_lib.runtime.sequence_parallel import measure_attention_error
 from handbook_lib.runtime.training import train
 
 __all__ = ["LOSS_TOLERANCE", "ATTENTION_TOLERANCE", "GPU_ACTIVATION_TOLERANCE", "NORM_TOLERANCE",
-           "run_axes", "sp_core_factory", "tracked_extra_bytes", "collective_checks"]
+           "run_axes", "sp_core_factory", "tracked_extra_bytes", "collective_checks", "state_checks"]
 
 LOSS_TOLERANCE: dict[str, float] = {"fp32": 1e-5, "bf16": 1e-3, "fp16": 1e-4}
 """Relative tolerance of each loss against one process's fp32 loss on the same global batch, by
@@ -102,7 +108,10 @@ def run_axes(config: ParallelConfig, ctx: RankContext) -> RankReport:
         checks.append(Check("vocab_padding_rows", ctx.rank, config.padded_vocab_size - config.vocab_size,
                             rows - config.vocab_size, "rows"))
         metrics.update(vocab_size=config.vocab_size, padded_vocab_size=rows)
-    checks += _state_checks(config, ctx, mesh, model, optimizer, metrics)
+    state, params = state_checks(ctx, estimate_axes_state_bytes(config, ctx.world_size, mesh.fsdp_rank), model,
+                                 optimizer)
+    checks += state
+    metrics.update(param_shard_bytes=params.shard_bytes, param_padding_bytes=params.padding_bytes)
     acts = estimate_axes_activation_bytes(config, axes_micro_batch(config, ctx.world_size), mesh.sp_rank)
     tracked = acts.total + tracked_extra_bytes(config, ctx.world_size)
     checks.append(Check("activation_bytes", ctx.rank, tracked, memory.activation_bytes, "bytes",
@@ -143,27 +152,27 @@ def tracked_extra_bytes(config: ParallelConfig, world_size: int) -> int:
     """
     layout = config.layout(world_size)
     param_dtype, _ = get_precision(config.precision)
-    units = policy_units(tp_local_shapes(config.model_config(), layout.tp), config.wrap, config.wrap_min_params)
-    extra = post_forward_shard_bytes(units, layout.fsdp_size, config.reshard_after_forward_size, param_dtype)
+    extra = post_forward_shard_bytes(axes_units(config, layout.tp), layout.fsdp_size,
+                                     config.reshard_after_forward_size, param_dtype)
     if config.grad_accum_steps > 1:
         rows = world_size * config.batch_size // layout.dp
         extra += 2 * 8 * rows * (config.seq_len // layout.sp) + (4 if layout.tp > 1 else 0)
     return extra
 
 
-def _state_checks(config: ParallelConfig, ctx: RankContext, mesh: LayoutMesh, model: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer, metrics: dict) -> list[Check]:
-    """Parameter shards and padding, gradients and optimizer state of this rank, against
-    :func:`estimate_axes_state_bytes` for its place in its FSDP group."""
-    state = estimate_axes_state_bytes(config, ctx.world_size, mesh.fsdp_rank)
+def state_checks(ctx: RankContext, state: TPStateBytes, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 ) -> tuple[list[Check], ParamBytes]:
+    """This rank's parameter shards and padding, gradients and optimizer state against ``state``
+    (the axes' :func:`estimate_axes_state_bytes`, the pipeline's
+    :func:`~handbook_lib.models.pipeline.estimate_pipeline_state_bytes`); with the measured
+    parameter bytes."""
     params = measure_param_bytes(model)
     sharded, other = measure_optimizer_bytes(optimizer)
-    metrics.update(param_shard_bytes=params.shard_bytes, param_padding_bytes=params.padding_bytes)
     return [Check("param_shard_bytes", ctx.rank, state.param_shard_bytes, params.shard_bytes, "bytes"),
             Check("param_padding_bytes", ctx.rank, state.param_padding_bytes, params.padding_bytes, "bytes"),
             Check("grad_shard_bytes", ctx.rank, state.grad_bytes, measure_grad_bytes(model), "bytes"),
             Check("optimizer_state_bytes", ctx.rank, state.optimizer_state_bytes, sharded, "bytes"),
-            Check("optimizer_step_bytes", ctx.rank, state.optimizer_step_bytes, other, "bytes")]
+            Check("optimizer_step_bytes", ctx.rank, state.optimizer_step_bytes, other, "bytes")], params
 
 
 def collective_checks(ctx: RankContext, predicted: list[AxesCall], calls: list[CollectiveCall]) -> list[Check]:

@@ -38,14 +38,13 @@ from handbook_lib.models.pipeline import (
     estimate_pipeline_state_bytes,
     rank_stages,
 )
-from handbook_lib.runs.axes_checks import LOSS_TOLERANCE, collective_checks
+from handbook_lib.runs.axes_checks import LOSS_TOLERANCE, collective_checks, state_checks
 from handbook_lib.runs.entry import RankReport, main, one_process_loss_checks
 from handbook_lib.runs.specs.pipeline import CONFIG as CONFIG, PipelineConfig, validate
 from handbook_lib.runtime.axes import axes_step
 from handbook_lib.runtime.build import parallelize
 from handbook_lib.runtime.collectives import collective_totals
 from handbook_lib.runtime.distributed import RankContext
-from handbook_lib.runtime.measure import measure_grad_bytes, measure_optimizer_bytes, measure_param_bytes
 from handbook_lib.runtime.mesh import build_layout_mesh
 from handbook_lib.runtime.optimization import build_optimizer
 from handbook_lib.runtime.training import train
@@ -63,7 +62,9 @@ def run(config: PipelineConfig, ctx: RankContext) -> RankReport:
     spans = rank_stages(config, mesh.pp_rank)
     layers = sum(len(stage.layers) for stage in model.stages)
     checks = [Check("stage_layers", ctx.rank, sum(s.layers for s in spans), layers, "layers")]
-    checks += _state_checks(config, ctx, mesh.pp_rank, mesh.fsdp_rank, model, optimizer)
+    state, params = state_checks(ctx, estimate_pipeline_state_bytes(config, ctx.world_size, mesh.pp_rank,
+                                                                    mesh.fsdp_rank), model, optimizer)
+    checks += state
     predicted = [*estimate_pipeline_p2p(config, ctx.world_size, mesh.pp_rank),
                  *estimate_pipeline_fsdp_calls(config, ctx.world_size, mesh.pp_rank),
                  *estimate_pipeline_tp_calls(config, ctx.world_size, mesh.pp_rank)]
@@ -72,7 +73,7 @@ def run(config: PipelineConfig, ctx: RankContext) -> RankReport:
     metrics = {"losses": log.losses, "step_time_s": log.step_time_s, "lr": log.lr,
                "pp_rank": mesh.pp_rank, "dp_rank": mesh.dp_rank, "pp_size": config.pp_size,
                "stages": [s.index for s in spans], "layers": layers, "embedding": spans[0].embedding,
-               "head": spans[-1].head, "param_shard_bytes": measure_param_bytes(model).shard_bytes,
+               "head": spans[-1].head, "param_shard_bytes": params.shard_bytes,
                "bubble_fraction": bubble_fraction(config.pp_size, config.pp_microbatches, config.pp_stages_per_rank),
                "collectives": [vars(c) for c in log.collectives], "sent_bytes": sent}
     if ctx.is_main:
@@ -81,20 +82,6 @@ def run(config: PipelineConfig, ctx: RankContext) -> RankReport:
             config, log.losses, LOSS_TOLERANCE[compute], str(ctx.device))  # the reference on the rank's device
         checks += loss_checks
     return RankReport(metrics=metrics, checks=checks, extra={"pp_size": config.pp_size})
-
-
-def _state_checks(config: PipelineConfig, ctx: RankContext, pp_rank: int, fsdp_rank: int, model, optimizer
-                  ) -> list[Check]:
-    """This rank's parameters, padding, gradients and optimizer state against
-    :func:`~handbook_lib.models.pipeline.estimate_pipeline_state_bytes`."""
-    state = estimate_pipeline_state_bytes(config, ctx.world_size, pp_rank, fsdp_rank)
-    params = measure_param_bytes(model)
-    sharded, other = measure_optimizer_bytes(optimizer)
-    return [Check("param_shard_bytes", ctx.rank, state.param_shard_bytes, params.shard_bytes, "bytes"),
-            Check("param_padding_bytes", ctx.rank, state.param_padding_bytes, params.padding_bytes, "bytes"),
-            Check("grad_shard_bytes", ctx.rank, state.grad_bytes, measure_grad_bytes(model), "bytes"),
-            Check("optimizer_state_bytes", ctx.rank, state.optimizer_state_bytes, sharded, "bytes"),
-            Check("optimizer_step_bytes", ctx.rank, state.optimizer_step_bytes, other, "bytes")]
 
 
 if __name__ == "__main__":
