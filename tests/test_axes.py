@@ -234,3 +234,64 @@ def test_tensor_and_sequence_axes_are_priced_together_where_the_layout_allows():
     # Ulysses would split each TP rank's 1 key/value head again: not offered
     ulysses = compare_axes("llama2-70b", "h100-80gb", 64, seq_len=131072, tp_size=8, sp_size=8)
     assert not [r for r in ulysses if r.tp_size > 1 and r.sp_size > 1]
+
+
+# --- pipelines beside the other layouts ----------------------------------------------------------
+
+def test_a_pipeline_row_idles_the_bubble_share_of_its_stage_time():
+    """Without tensor ranks a stage's time is its compute: the bubble is (p − 1)/(m + p − 1) of
+    the busy and idle time together, 3/19 for p = 4 and m = 16; the step takes dp·m sequences."""
+    rows = compare_axes("llama2-7b", "h100-80gb", 32, seq_len=4096, tp_size=1, pp_size=4)
+    pipes = [r for r in rows if r.pp_size == 4]
+    assert [r.name for r in pipes] == ["PP 4 (m 16) x FSDP 8", "PP 4 (m 16) x FSDP 8 + AC"]
+    for r in pipes:
+        assert r.bubble_s / (r.compute_s + r.bubble_s) == pytest.approx(3 / 19)
+        assert r.tokens_per_step == 8 * 16 * 4096 and r.dp_size == 8 and r.microbatches == 16
+        assert r.tokens_per_s_per_gpu == pytest.approx(r.tokens_per_step / r.step_s / 32)
+
+
+def test_pipeline_micro_batches_keep_the_bubble_small_or_the_batch():
+    from handbook_lib.models.axes_table import pipeline_microbatches
+
+    assert pipeline_microbatches(1024, 8, 8, 8192, None) == 32  # 4p
+    # 16 replicas of 8,192 tokens: a 2^21-token batch allows 16 each; 4p = 32 is past it
+    assert pipeline_microbatches(1024, 8, 8, 8192, 2**21) == 16
+    assert pipeline_microbatches(1024, 8, 8, 8192, 2**18) == 8  # never fewer than p (1F1B)
+
+
+def test_every_stage_count_is_priced_and_the_best_kept():
+    """pp_size=0: the stage counts 2 ... 64 that divide the TP groups and the layers; per setting
+    of checkpointing, the one with the most tokens per second per GPU among those that fit."""
+    kwargs = {"seq_len": 8192, "tp_size": 8}
+    auto = [r for r in compare_axes("llama3-405b", "h100-80gb", 1024, pp_size=0, **kwargs) if r.pp_size > 1]
+    assert len(auto) == 2
+    for ac, kept in zip((False, True), auto):
+        every = [r for p in (2, 4, 8, 16, 32, 64)
+                 for r in compare_axes("llama3-405b", "h100-80gb", 1024, pp_size=p, **kwargs)
+                 if r.pp_size == p and r.activation_checkpointing == ac]
+        fits = [r for r in every if r.fits]
+        best = (max(fits, key=lambda r: r.tokens_per_s_per_gpu) if fits
+                else min(every, key=lambda r: r.peak_reserved_bytes))
+        assert kept == best
+    assert auto[1].name == "TP 8 x PP 8 (m 32) x FSDP 16 + AC" and auto[1].fits
+
+
+def test_the_reason_weighs_the_pipeline_against_the_pick():
+    rows = compare_axes("llama3-405b", "h100-80gb", 1024, seq_len=8192, tp_size=8, pp_size=0)
+    text = axes_reason(rows)
+    assert "A pipeline of 8 stages (TP 8 x PP 8 (m 32) x FSDP 16 + AC) shards each stage over 16 GPUs, " \
+           "not 128, and gathers each unit 33 times for 32 micro-batches" in text
+    assert "((p - 1)/(m + p - 1) = 18%)" in text  # 7/39
+
+
+def test_a_stage_count_that_does_not_divide_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"the pipeline stages \(3\) must divide"):
+        compare_axes("llama3-405b", "h100-80gb", 1024, seq_len=8192, tp_size=8, pp_size=3)
+
+
+def test_a_pipeline_does_not_shrink_the_batch_below_tp_s():
+    """1F1B runs at least p micro-batches per replica: gpus / (tp · p) replicas take gpus / tp
+    sequences a step or more, as TP alone does; the verdict says so."""
+    v = estimate_axes("llama3-405b", "h100-80gb", 16384, seq_len=8192, batch_tokens=4 * 2**20)
+    assert v.max_dp == 512 and v.tp_size == 8
+    assert any("A pipeline does not lower it" in r and "2,048 sequences or more" in r for r in v.reasons)

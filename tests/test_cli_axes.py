@@ -137,3 +137,38 @@ def test_plan_json_carries_the_layouts_and_the_verdict(capsys):
 def test_plan_without_the_axes_flags_prints_no_axes(capsys):
     assert main(PLAN_8K) == 0
     assert "beyond FSDP" not in capsys.readouterr().out
+
+
+PLAN_405B = ["plan", "--model", "llama3-405b", "--gpu", "h100-80gb", "--gpus", "1024", "--seq-len", "8192"]
+
+
+def test_plan_offers_a_pipeline_for_405b_on_1024_h100_and_says_why(capsys, monkeypatch):
+    """No FSDP option fits one 8,192-token sequence of Llama 3 405B with AdamW on an H100: the plan
+    goes beyond FSDP by itself, pipelines priced beside TP and the sequence split."""
+    monkeypatch.setenv("COLUMNS", "100")
+    assert main(PLAN_405B) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    table = out[out.index("beyond FSDP"):]
+    assert "TP 8 x PP 8 (m 32) x FSDP 16 + AC" in table and "bubble" in table
+    joined = " ".join(table.split())
+    assert "A pipeline of 8 stages (TP 8 x PP 8 (m 32) x FSDP 16 + AC) shards each stage over 16 GPUs" in joined
+    assert main([*PLAN_405B, "--json"]) == 0
+    options = json.loads(capsys.readouterr().out)["axes"]["options"]
+    piped = [o for o in options if o["pp_size"] > 1]
+    assert [o["microbatches"] for o in piped] == [256, 32] and all(o["bubble_s"] > 0 for o in piped)
+
+
+def test_plan_prices_pipelines_only_where_fsdp_and_tp_fall_short(capsys):
+    """Llama-2 70B on 64 H100 at 4,096 tokens: FULL_SHARD + AC fits and hides its communication,
+    so no pipeline is priced unless asked; --pp-size 2 asks, --pp-size 1 refuses them."""
+    plan_8k = ["plan", "--model", "llama2-70b", "--gpu", "h100-80gb", "--gpus", "64", "--seq-len", "4096"]
+    assert main([*plan_8k, "--tp-size", "8"]) == 0
+    assert " PP " not in capsys.readouterr().out
+    assert main([*plan_8k, "--tp-size", "8", "--pp-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "TP 8 x PP 2 (m 8) x FSDP 4 + AC" in out
+    assert main([*PLAN_405B, "--pp-size", "1"]) == 0
+    assert " PP " not in capsys.readouterr().out
+    assert main([*PLAN_405B, "--pp-size", "3"]) == 2
+    assert "the pipeline stages (3) must divide" in capsys.readouterr().err

@@ -109,19 +109,30 @@ def test_lookup_returns_the_entry_and_lists_choices_on_error():
         lookup(table, ["unhashable"], "letter")
 
 
-def test_every_run_config_key_is_documented_and_choices_are_literals():
-    """A docstring under every field of RunConfig (read from the source), and the accepted
-    values of the choice keys come from their Literal annotations."""
+def _documented(module, class_name):
+    """The fields of ``class_name`` in ``module`` that have a docstring under them (read from the
+    source)."""
     import ast
     import inspect
 
+    tree = ast.parse(inspect.getsource(module))
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name).body
+    return {node.target.id for node, after in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)}
+
+
+def test_every_run_config_key_is_documented_and_choices_are_literals():
+    """A docstring under every section of RunConfig and every key of each section, and the
+    accepted values of the choice keys come from their Literal annotations."""
+    import handbook_lib.core.architecture as architecture
     import handbook_lib.core.config as config_module
 
-    tree = ast.parse(inspect.getsource(config_module))
-    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RunConfig").body
-    documented = {node.target.id for node, after in zip(body, body[1:])
-                  if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
-                  and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)}
+    assert set(RunConfig.sections()) == {"model", "data", "layout", "numerics", "levers"}
+    assert set(RunConfig.sections()) - _documented(config_module, "RunConfig") == set()
+    documented = _documented(architecture, "ModelConfig")
+    for name in ("DataConfig", "LayoutConfig", "NumericsConfig", "LeversConfig"):
+        documented |= _documented(config_module, name)
     assert set(RunConfig.keys()) - documented == set()
     assert RunConfig.choices() == {"strategy": STRATEGIES, "api": APIS, "wrap": ("layer", "model", "size"),
                                    "precision": tuple(PRECISIONS), "optimizer": OPTIMIZERS,

@@ -43,7 +43,7 @@ def test_parallel_config_refuses_a_world_its_axes_do_not_divide():
 
 def test_tensor_and_sequence_axes_compose():
     config = ParallelConfig(tp_size=2, sp_size=2, sp_method="ring", sequence_parallel=True, seq_len=8)
-    layout = config.layout(8)
+    layout = config.parallel_layout(8)
     assert (layout.dp, layout.tp, layout.sp, layout.fsdp_size) == (2, 2, 2, 4)
     assert config.data_parallel_size(8) == 2 and config.inner_size == 4
 

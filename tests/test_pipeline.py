@@ -106,3 +106,63 @@ def test_bad_pipelines_are_refused_in_one_line_before_launch(changes, world, mat
     with pytest.raises(ValueError, match=match) as err:
         validate(PipelineConfig.from_mapping({**SHAPE, **changes}), world)
     assert "\n" not in str(err.value)
+
+
+# --- a decoder's pipeline at scale: the planner's pricing -----------------------------------------
+
+def test_in_flight_gpipe_holds_every_micro_batch_1f1b_at_most_p_minus_the_stage():
+    from handbook_lib.models.pipeline import in_flight
+
+    assert [in_flight("GPipe", 4, 8, i) for i in range(4)] == [8, 8, 8, 8]
+    assert [in_flight("1F1B", 4, 8, i) for i in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("1F1B", 4, 2, i) for i in range(4)] == [2, 2, 2, 1]  # fewer micro-batches than stages
+    with pytest.raises(ValueError, match="pp_schedule must be GPipe or 1F1B"):
+        in_flight("Interleaved1F1B", 4, 8, 0)
+
+
+def _first_stage(schedule, activation_checkpointing="none", microbatches=8):
+    from handbook_lib.core.parallel_layout import ParallelLayout
+    from handbook_lib.models.axes import estimate_job_memory
+    from handbook_lib.models.presets import get_shape
+
+    layout = ParallelLayout.for_world(16, pp=4)  # 4 stages of 8 layers, FSDP over 4 ranks each
+    return estimate_job_memory(get_shape("llama2-7b"), layout, micro_batch=1, seq_len=4096,
+                               activation_checkpointing=activation_checkpointing, pp_microbatches=microbatches,
+                               pp_schedule=schedule)
+
+
+def test_gpipe_holds_m_micro_batches_where_1f1b_holds_p_korthikanti_per_layer():
+    """GPipe's first stage keeps 8 micro-batches' activations, 1F1B's 4: the difference is 4 micro-
+    batches of its 8 layers at 34·s·b·h bytes each (no checkpointing) or 2·s·b·h (full)."""
+    sbh = 4096 * 1 * 4096
+    for mode, per_layer in (("none", 34 * sbh), ("full", 2 * sbh)):
+        gpipe, one_f_one_b = _first_stage("GPipe", mode), _first_stage("1F1B", mode)
+        assert gpipe.peak - one_f_one_b.peak == 4 * 8 * per_layer
+        assert gpipe.components["activations"] - one_f_one_b.components["activations"] == 4 * 8 * per_layer
+
+
+def test_a_stage_holds_its_layers_and_one_vocabulary_matrix_sharded_over_its_ranks():
+    """The first stage of Llama-2 7B cut in 4: 8 layers, the embedding and a final norm, fp32,
+    over the 4 data-parallel ranks of the stage (no padding: every count divides by 4)."""
+    from handbook_lib.models.presets import get_shape
+
+    shape = get_shape("llama2-7b")
+    elements = 8 * shape.layer_params + 32_000 * 4096 + 4096
+    assert elements % 4 == 0
+    first = _first_stage("1F1B")
+    assert first.components["params"] == 4 * elements // 4
+    # its units stay gathered (bf16) with their gradients unsharded (fp32) through the micro-batches
+    assert first.components["unsharded_params"] + first.components["grad_buffers"] >= 6 * elements
+    assert any("pipeline stage 0 of 4 (8 layers, 1F1B, 8 micro-batches): 4 in flight" in n for n in first.notes)
+
+
+def test_a_pipeline_is_priced_for_a_decoder_without_offload_or_accumulation():
+    from handbook_lib.core.architecture import ModelConfig
+    from handbook_lib.core.parallel_layout import ParallelLayout
+    from handbook_lib.models.axes import estimate_job_memory
+
+    layout = ParallelLayout.for_world(4, pp=2)
+    with pytest.raises(ValueError, match="a pipeline is priced for a decoder's shape"):
+        estimate_job_memory(ModelConfig(), layout, micro_batch=1, seq_len=64)
+    with pytest.raises(ValueError, match=r"a pipeline \(pp 2\) is priced without offload or accumulation"):
+        estimate_job_memory("llama2-7b", layout, micro_batch=1, seq_len=64, grad_accum_steps=2)

@@ -1,6 +1,5 @@
 """handbook_lib.runs: the runs described from their source, without importing torch."""
 
-import dataclasses
 
 from handbook_lib.core.config import RunConfig
 from handbook_lib.core.parallel_config import ParallelConfig
@@ -17,7 +16,8 @@ def test_every_run_is_described_by_its_docstring():
 def test_a_config_class_imported_from_the_vocabulary_is_read_from_its_module():
     """Chapter 9's runs take core.parallel_config.ParallelConfig: its keys, as declared there,
     with the accepted values of its Literal aliases (SpMethod, PpSchedule)."""
-    own = [f.name for f in dataclasses.fields(ParallelConfig) if f.name not in RunConfig.keys()]
+    own = [key for key in ParallelConfig.keys() if key not in RunConfig.keys()]
+    assert own == [key for key in ParallelConfig.sections()["layout"] if key not in RunConfig.keys()]
     for run in ("tensor_parallel", "sequence_parallel"):
         info = run_config_fields(run)
         assert (info.class_name, info.base) == ("ParallelConfig", "RunConfig")

@@ -8,7 +8,9 @@ parameter's shape from the config alone, so the memory and communication models 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
+from typing import ClassVar
 
 from handbook_lib.core.checks import check_int, is_int
 
@@ -37,6 +39,10 @@ class ModelConfig:
     """Hidden width of each layer's feed-forward block."""
     num_layers: int = 6
     """Number of :class:`~handbook_lib.runtime.model.TransformerLayer` blocks."""
+
+    MINIMUMS: ClassVar[Mapping[str, int]] = {
+        "vocab_size": 1, "d_model": 1, "nhead": 1, "dim_feedforward": 1, "num_layers": 1}
+    """Each key's least value (what ``--set num_layers=0`` says it takes)."""
 
     def __post_init__(self) -> None:
         for field in fields(self):

@@ -1,44 +1,33 @@
 """The run-config vocabulary shared by every experiment in the book.
 
 Chapter 1 introduces it; every run of ``handbook_lib.runs`` takes a :class:`RunConfig` (or, for a
-special-purpose run, another dataclass built on :class:`FlatConfig`). Keys are flat and the same
-everywhere, settable from a notebook (``config={"num_layers": 2}``) and from the terminal
-(``--set num_layers=2``). An unknown key or a value outside the accepted set raises
+special-purpose run, another dataclass built on :class:`FlatConfig`). A :class:`RunConfig`
+composes five sections: ``model`` (:class:`~handbook_lib.core.architecture.ModelConfig`),
+``data``, ``layout``, ``numerics`` and ``levers``; a run adds its own keys, or extends a section.
+Each key keeps one flat name, the same everywhere, settable from a notebook
+(``config={"num_layers": 2}``) and from the terminal (``--set num_layers=2``, or
+``--set model.num_layers=2``). An unknown key or a value outside the accepted set raises
 ``ValueError`` listing what is accepted: nothing is silently ignored.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import (
-    Any,
-    ClassVar,
-    Literal,
-    NamedTuple,
-    TypeVar,
-    get_args,
-    get_origin,
-    get_type_hints,
-)
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal, NamedTuple, get_args
 
-from handbook_lib.core.architecture import MODEL_KEYS, ModelConfig
-from handbook_lib.core.checks import (
-    BadText,
-    check_int,
-    lookup,
-    parse_bool,
-    parse_float,
-    parse_int,
-)
+from handbook_lib.core.architecture import ModelConfig
+from handbook_lib.core.checks import lookup
+from handbook_lib.core.flat_config import FlatConfig
 from handbook_lib.core.strategies import StrategyName
 
 __all__ = [
     "FlatConfig",
     "RunConfig",
+    "DataConfig",
+    "LayoutConfig",
+    "NumericsConfig",
+    "LeversConfig",
     "CheckpointingMode",
     "CHECKPOINTING_MODES",
     "checkpointing_mode",
@@ -140,9 +129,6 @@ or ``full`` (the whole seeded model on every rank, then wrapped)."""
 if tuple(PRECISIONS) != get_args(PrecisionName):  # pragma: no cover - caught at import
     raise AssertionError("PrecisionName and PRECISIONS list different precisions")
 
-_C = TypeVar("_C", bound="FlatConfig")
-
-
 CheckpointingMode = Literal["none", "selective", "full"]
 """What activation checkpointing recomputes: nothing, the cheap operations of each layer
 (``selective``: the outputs of its matrix products and of its attention are kept), or the whole
@@ -188,128 +174,9 @@ def parse_overrides(items: Iterable[str]) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class FlatConfig:
-    """Base of every run config: a frozen dataclass of flat, typed, validated keys.
+class DataConfig(FlatConfig):
+    """The ``data`` section of a run config: what each step trains on, and for how long."""
 
-    Subclasses declare fields (``int``, ``float``, ``bool``, ``str``, or a ``Literal`` of the
-    accepted strings). A ``float`` key must be finite: ``nan`` and ``inf`` are refused (an
-    infinite learning rate would only train to NaN). An ``int`` key named in :attr:`MINIMUMS`
-    must be at least its minimum.
-    """
-
-    MINIMUMS: ClassVar[Mapping[str, int]] = {}
-    """The smallest value of each ``int`` key that has one (a subclass extends its base's)."""
-    FLOAT_BOUNDS: ClassVar[Mapping[str, tuple[float, bool]]] = {}
-    """The lower bound of each ``float`` key that has one, and whether the bound itself is
-    refused (``(0.0, True)``: ``> 0``); what ``--set`` says the key accepts."""
-
-    def __post_init__(self) -> None:
-        hints = get_type_hints(type(self))
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            kind = hints[field.name]
-            accepted = get_args(kind) if get_origin(kind) is Literal else None
-            if accepted is not None:
-                if value not in accepted:
-                    raise ValueError(f"config key {field.name!r} got {value!r}; accepted values: "
-                                     f"{', '.join(accepted)}")
-                continue
-            ok = (
-                isinstance(value, bool) if kind is bool
-                else isinstance(value, int) and not isinstance(value, bool) if kind is int
-                else isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
-                else isinstance(value, kind)
-            )
-            if not ok:
-                raise ValueError(
-                    f"config key {field.name!r} must be {kind.__name__}, got {value!r}"
-                )
-            if kind is float and not math.isfinite(value):
-                raise ValueError(f"config key {field.name!r} must be a finite number, got {value!r}")
-        for key, minimum in self.MINIMUMS.items():
-            check_int(f"config key {key!r}", getattr(self, key), minimum)
-
-    @classmethod
-    def choices(cls) -> dict[str, tuple[str, ...]]:
-        """The accepted values of each ``Literal`` key, e.g. ``{"strategy": ("NONE", ...)}``."""
-        hints = get_type_hints(cls)
-        return {f.name: get_args(hints[f.name]) for f in dataclasses.fields(cls)
-                if get_origin(hints[f.name]) is Literal}
-
-    @classmethod
-    def keys(cls) -> tuple[str, ...]:
-        """The accepted keys, in declaration order."""
-        return tuple(f.name for f in dataclasses.fields(cls))
-
-    @classmethod
-    def from_mapping(cls: type[_C], mapping: Mapping[str, Any] | None = None) -> _C:
-        """Build a config from a dict; values may be typed or strings (as from ``--set``).
-
-        Raises:
-            ValueError: on an unknown key (listing the accepted keys) or a bad value.
-        """
-        mapping = dict(mapping or {})
-        unknown = sorted(set(mapping) - set(cls.keys()))
-        if unknown:
-            hints = [f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key) for key in unknown
-                     for close in [difflib.get_close_matches(key, cls.keys(), n=1)]]
-            raise ValueError(  # the first line stays short; the whole list follows
-                f"unknown config key(s) {', '.join(hints)} for {cls.__name__}\n"
-                f"accepted keys: {', '.join(cls.keys())}"
-            )
-        types = get_type_hints(cls)
-        values = {}
-        for key, value in mapping.items():
-            if isinstance(value, str) and types[key] in (int, float, bool):
-                value = cls._parse_text(key, types[key], value)
-            values[key] = value
-        return cls(**values)
-
-    @classmethod
-    def _parse_text(cls, key: str, kind: type, text: str) -> int | float | bool:
-        """The value of ``key`` typed as ``text`` (a ``--set``), read by the one parser of its
-        type with the key's accepted range.
-
-        Raises:
-            ValueError: ``"--set steps=3.0: steps takes a whole number >= 1"``.
-        """
-        try:
-            if kind is bool:
-                return parse_bool(text)
-            if kind is float:
-                bound, strict = cls.FLOAT_BOUNDS.get(key, (None, False))
-                return parse_float(text, None if strict else bound, above=bound if strict else None)
-            # a model key's least value is ModelConfig's (1); its upper bounds are its own to say
-            minimum = 1 if key in MODEL_KEYS else cls.MINIMUMS.get(key)
-            return parse_int(text, minimum)
-        except BadText as err:
-            raise ValueError(f"--set {key}={text}: {key} takes {err.accepted}") from None
-
-    def replace(self: _C, **changes: Any) -> _C:
-        """A copy with some keys changed (validated like :meth:`from_mapping`)."""
-        return self.from_mapping({**self.to_dict(), **changes})
-
-    def to_dict(self) -> dict[str, Any]:
-        """The config as a plain, JSON-ready dict."""
-        return dataclasses.asdict(self)
-
-
-@dataclass(frozen=True)
-class RunConfig(FlatConfig):
-    """One training experiment, in the book's vocabulary. Units are stated per field."""
-
-    # model (see ModelConfig)
-    vocab_size: int = 10_000
-    """Tokens in the vocabulary: rows of the embedding, outputs of the head."""
-    d_model: int = 256
-    """Width of the hidden state (elements per token)."""
-    nhead: int = 4
-    """Attention heads per layer (must divide ``d_model``)."""
-    dim_feedforward: int = 1024
-    """Hidden width of each layer's feed-forward block."""
-    num_layers: int = 6
-    """Transformer layers (each one FSDP unit with ``wrap="layer"``)."""
-    # data
     batch_size: int = 8
     """Global batch: sequences per step summed over all ranks (must divide by world size)."""
     seq_len: int = 64
@@ -318,7 +185,15 @@ class RunConfig(FlatConfig):
     """Optimizer steps to run."""
     seed: int = 0
     """Seeds the model's initial weights and the synthetic data."""
-    # sharding
+
+    MINIMUMS: ClassVar[Mapping[str, int]] = {"batch_size": 1, "seq_len": 1, "steps": 1, "seed": 0}
+
+
+@dataclass(frozen=True)
+class LayoutConfig(FlatConfig):
+    """The ``layout`` section: how the ranks share the model. A run with more axes than data
+    parallelism extends it (:class:`~handbook_lib.core.parallel_config.AxesLayoutConfig`)."""
+
     strategy: StrategyName = "FULL_SHARD"
     """How the ranks share the model: a row of :data:`handbook_lib.core.strategies.STRATEGY_TABLE`."""
     api: ApiName = "fsdp2"
@@ -330,7 +205,14 @@ class RunConfig(FlatConfig):
     ``model`` (the root only: one unit) or ``size`` (FSDP1's size-based policy)."""
     wrap_min_params: int = 100_000
     """With ``wrap="size"``: parameters (elements) a module must hold to become a unit."""
-    # numerics
+
+    MINIMUMS: ClassVar[Mapping[str, int]] = {"shard_group_size": 0, "wrap_min_params": 1}
+
+
+@dataclass(frozen=True)
+class NumericsConfig(FlatConfig):
+    """The ``numerics`` section: dtypes, the optimizer and its rate, accumulation, clipping."""
+
     precision: PrecisionName = "fp32"
     """Compute and reduce dtypes: a key of :data:`PRECISIONS` (sharded state stays fp32)."""
     optimizer: OptimizerName = "adamw"
@@ -353,7 +235,27 @@ class RunConfig(FlatConfig):
     many micro-batches, and gradients are reduced across ranks only in the last one's backward."""
     max_grad_norm: float = 0.0
     """Clip the gradients to this total L2 norm before each optimizer step (0: no clipping)."""
-    # memory levers
+
+    FLOAT_BOUNDS: ClassVar[Mapping[str, tuple[float, bool]]] = {
+        "lr": (0.0, True), "grad_scale_init": (0.0, True), "max_grad_norm": (0.0, False),
+    }
+    MINIMUMS: ClassVar[Mapping[str, int]] = {"grad_accum_steps": 1, "warmup_steps": 0}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.grad_scale_init > 0:
+            raise ValueError(f"config key 'grad_scale_init' must be > 0, got {self.grad_scale_init}")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"config key 'max_grad_norm' must be >= 0 (0: no clipping), got {self.max_grad_norm}")
+        if not self.lr > 0:
+            raise ValueError(f"config key 'lr' must be > 0, got {self.lr}")
+
+
+@dataclass(frozen=True)
+class LeversConfig(FlatConfig):
+    """The ``levers`` section: what trades memory for time (activation checkpointing, offload,
+    how the model is built) and FSDP2's tuning knobs."""
+
     activation_checkpointing: CheckpointingMode = "none"
     """Recompute each transformer layer's activations in backward: ``none``, ``selective`` (keep
     the outputs of its matrix products and attention, recompute the rest) or ``full`` (keep only
@@ -390,14 +292,7 @@ class RunConfig(FlatConfig):
     gathered, and check it and the collectives' order of issue against FSDP2's schedule (hooks
     on every unit). On by itself whenever one of the four knobs above is set."""
 
-    FLOAT_BOUNDS: ClassVar[Mapping[str, tuple[float, bool]]] = {
-        "lr": (0.0, True), "grad_scale_init": (0.0, True), "max_grad_norm": (0.0, False),
-    }
-    MINIMUMS: ClassVar[Mapping[str, int]] = {
-        "batch_size": 1, "seq_len": 1, "steps": 1, "seed": 0, "shard_group_size": 0, "wrap_min_params": 1,
-        "grad_accum_steps": 1, "explicit_prefetch": 0, "reshard_after_forward_size": 0,
-        "warmup_steps": 0,
-    }
+    MINIMUMS: ClassVar[Mapping[str, int]] = {"explicit_prefetch": 0, "reshard_after_forward_size": 0}
 
     def __post_init__(self) -> None:
         ac = self.activation_checkpointing
@@ -407,23 +302,42 @@ class RunConfig(FlatConfig):
             except ValueError:
                 pass  # the base class's check names the key and the accepted values
         super().__post_init__()
-        if not self.grad_scale_init > 0:
-            raise ValueError(f"config key 'grad_scale_init' must be > 0, got {self.grad_scale_init}")
-        if self.max_grad_norm < 0:
-            raise ValueError(f"config key 'max_grad_norm' must be >= 0 (0: no clipping), got {self.max_grad_norm}")
-        if not self.lr > 0:
-            raise ValueError(f"config key 'lr' must be > 0, got {self.lr}")
-        if isinstance(self.warmup_steps, int) and self.warmup_steps >= self.steps:
-            raise ValueError(f"config key 'warmup_steps' must be < steps={self.steps} (the steps of "
-                             f"warm-up come first), got {self.warmup_steps}")
         if self.reshard_after_forward_size == 1:
             raise ValueError("config key 'reshard_after_forward_size' must be 0 (the strategy's bool) or "
                              ">= 2 ranks, got 1 (to keep the gathered parameters, use strategy SHARD_GRAD_OP)")
+
+
+@dataclass(frozen=True)
+class RunConfig(FlatConfig):
+    """One training experiment, in the book's vocabulary: five sections of keys, each key set by
+    its flat name (``steps``) or its section's (``data.steps``). Units are stated per key."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model's shape (:class:`~handbook_lib.core.architecture.ModelConfig`)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The global batch, the sequence length, the steps and the seed."""
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    """How the ranks share the model: the strategy, the API, the shard group, the wrap units."""
+    numerics: NumericsConfig = field(default_factory=NumericsConfig)
+    """Precision, optimizer, learning rate and schedule, scaler, accumulation, clipping."""
+    levers: LeversConfig = field(default_factory=LeversConfig)
+    """Activation checkpointing, offload, initialisation, FSDP2's tuning knobs."""
+
+    FLOAT_BOUNDS: ClassVar[Mapping[str, tuple[float, bool]]] = NumericsConfig.FLOAT_BOUNDS
+    MINIMUMS: ClassVar[Mapping[str, int]] = {
+        **DataConfig.MINIMUMS, **LayoutConfig.MINIMUMS,
+        **NumericsConfig.MINIMUMS, **LeversConfig.MINIMUMS,
+    }
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.warmup_steps, int) and self.warmup_steps >= self.steps:
+            raise ValueError(f"config key 'warmup_steps' must be < steps={self.steps} (the steps of "
+                             f"warm-up come first), got {self.warmup_steps}")
         for key, default in (("sync_every_micro_step", False), ("reshard_after_backward", True)):
             if getattr(self, key) != default and self.grad_accum_steps == 1:
                 raise ValueError(f"config key {key!r}={getattr(self, key)} applies between micro-steps: "
                                  f"it needs grad_accum_steps >= 2, got {self.grad_accum_steps}")
-        self.model_config()  # validates the model keys
 
     @property
     def tunes_fsdp2(self) -> bool:
@@ -456,6 +370,6 @@ class RunConfig(FlatConfig):
                              f"and warmup_steps=0, got {self.lr_schedule!r} and {self.warmup_steps}")
 
     def model_config(self) -> ModelConfig:
-        """The :class:`~handbook_lib.core.architecture.ModelConfig` named by this run's model keys."""
-        return ModelConfig(**{key: getattr(self, key) for key in MODEL_KEYS})
+        """The :class:`~handbook_lib.core.architecture.ModelConfig` of this run: its ``model`` section."""
+        return self.model
 

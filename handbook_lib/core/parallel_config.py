@@ -1,21 +1,22 @@
 """The run config of chapter 9's runs: the axes beyond FSDP, in the shared vocabulary.
 
-:class:`ParallelConfig` adds to :class:`~handbook_lib.core.config.RunConfig` the keys
-``tp_size``, ``sequence_parallel``, ``sp_size`` and ``sp_method``, and refuses, in one line naming
-the key, every shape the runs ``tensor_parallel`` and ``sequence_parallel`` cannot split.
+:class:`ParallelConfig` is a :class:`~handbook_lib.core.config.RunConfig` whose ``layout`` section
+(:class:`AxesLayoutConfig`) adds the keys ``tp_size``, ``sequence_parallel``, ``sp_size``,
+``sp_method`` and the pipeline's, and refuses, in one line naming the key, every shape chapter 9's
+runs cannot split.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal, get_args
 
-from handbook_lib.core.config import RunConfig
+from handbook_lib.core.config import LayoutConfig, RunConfig
 from handbook_lib.core.parallel_layout import SP_METHODS, ParallelLayout, SpMethod
 from handbook_lib.core.strategies import get_strategy, strategies_where
 
-__all__ = ["SP_METHODS", "PP_SCHEDULES", "AXES_LEVERS_REFUSED", "CONFIG_NAMES", "ParallelConfig"]
+__all__ = ["SP_METHODS", "PP_SCHEDULES", "AXES_LEVERS_REFUSED", "CONFIG_NAMES", "AxesLayoutConfig", "ParallelConfig"]
 
 PpSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]
 PP_SCHEDULES: tuple[str, ...] = get_args(PpSchedule)
@@ -43,20 +44,9 @@ only ones; every other key of :class:`~handbook_lib.core.config.RunConfig` runs 
 
 
 @dataclass(frozen=True)
-class ParallelConfig(RunConfig):
-    """A :class:`RunConfig` plus the axes beyond FSDP (chapter 9): tensor parallelism inside a
-    group of ``tp_size`` ranks, or the sequence split over ``sp_size`` ranks.
-
-    The ranks form a 2-D mesh (``dp``, ``tp``) or (``dp``, ``sp``): the inner axis is
-    contiguous ranks (those of one node), the outer one strides across them, and the
-    ``world_size / (tp_size * sp_size)`` data-parallel ranks each take an equal share of the
-    global batch. With tensor parallelism FSDP2 shards over the ``dp`` axis (each rank holds
-    1/tp of a layer, then 1/dp of that); with the sequence split it shards over every rank,
-    since the ranks of an ``sp`` group hold the same parameters and each computes gradients from
-    its part of the sequence (torchtitan folds its context-parallel axis into FSDP the same way). Every shape a key
-    allows runs, or is refused here in one line naming the key; what depends on the world size
-    is refused by :meth:`data_parallel_size`.
-    """
+class AxesLayoutConfig(LayoutConfig):
+    """The ``layout`` section of chapter 9's runs: :class:`~handbook_lib.core.config.LayoutConfig`'s
+    keys (the strategy, over the data-parallel ranks) and the degrees of the other axes."""
 
     tp_size: int = 1
     """Ranks of one tensor-parallel group (the inner mesh axis): each holds 1/tp_size of every
@@ -90,8 +80,30 @@ class ParallelConfig(RunConfig):
     """With ``Interleaved1F1B``: stages each pipeline rank holds, ``v`` >= 2 (rank r holds stages
     r, r + pp, ...); 1 otherwise."""
 
-    MINIMUMS: ClassVar[Mapping[str, int]] = {**RunConfig.MINIMUMS, "tp_size": 1, "sp_size": 1, "pp_size": 1,
+    MINIMUMS: ClassVar[Mapping[str, int]] = {**LayoutConfig.MINIMUMS, "tp_size": 1, "sp_size": 1, "pp_size": 1,
                                              "pp_microbatches": 1, "pp_stages_per_rank": 1}
+
+
+@dataclass(frozen=True)
+class ParallelConfig(RunConfig):
+    """A :class:`RunConfig` plus the axes beyond FSDP (chapter 9): tensor parallelism inside a
+    group of ``tp_size`` ranks, or the sequence split over ``sp_size`` ranks.
+
+    The ranks form a 2-D mesh (``dp``, ``tp``) or (``dp``, ``sp``): the inner axis is
+    contiguous ranks (those of one node), the outer one strides across them, and the
+    ``world_size / (tp_size * sp_size)`` data-parallel ranks each take an equal share of the
+    global batch. With tensor parallelism FSDP2 shards over the ``dp`` axis (each rank holds
+    1/tp of a layer, then 1/dp of that); with the sequence split it shards over every rank,
+    since the ranks of an ``sp`` group hold the same parameters and each computes gradients from
+    its part of the sequence (torchtitan folds its context-parallel axis into FSDP the same way). Every shape a key
+    allows runs, or is refused here in one line naming the key; what depends on the world size
+    is refused by :meth:`data_parallel_size`.
+    """
+
+    layout: AxesLayoutConfig = field(default_factory=AxesLayoutConfig)
+    """:class:`AxesLayoutConfig`: the strategy and its FSDP keys, and the axes beyond it."""
+
+    MINIMUMS: ClassVar[Mapping[str, int]] = {**RunConfig.MINIMUMS, **AxesLayoutConfig.MINIMUMS}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -99,7 +111,7 @@ class ParallelConfig(RunConfig):
         if self.sequence_parallel and tp == 1:
             raise ValueError("config key 'sequence_parallel'=True splits the tensor-parallel group's "
                              "activations by sequence: it needs tp_size >= 2, got 1")
-        self.layout().check_shape(nhead=self.nhead, ffn=self.dim_feedforward, seq_len=self.seq_len,
+        self.parallel_layout().check_shape(nhead=self.nhead, ffn=self.dim_feedforward, seq_len=self.seq_len,
                                   sequence_parallel=self.sequence_parallel, names=CONFIG_NAMES)
         if self.pp_size > 1:
             self.check_pipeline()
@@ -135,9 +147,9 @@ class ParallelConfig(RunConfig):
     def padded_vocab_size(self) -> int:
         """The vocabulary rows the tensor-parallel model holds: ``vocab_size`` rounded up to a
         multiple of ``tp_size`` (:meth:`ParallelLayout.padded_vocab`)."""
-        return self.layout().padded_vocab(self.vocab_size)
+        return self.parallel_layout().padded_vocab(self.vocab_size)
 
-    def layout(self, world_size: int | None = None) -> ParallelLayout:
+    def parallel_layout(self, world_size: int | None = None) -> ParallelLayout:
         """The parallel layout of this config on ``world_size`` ranks: ``tp_size`` and ``sp_size``
         inner, the data-parallel ranks outside them sharded as ``strategy`` says (FULL_SHARD: all
         of them; a hybrid strategy: groups of ``shard_group_size`` data-parallel ranks, replicated
@@ -202,7 +214,7 @@ class ParallelConfig(RunConfig):
         """
         named = [f"{key} {size}" for key, size in (("pp_size", self.pp_size), ("tp_size", self.tp_size),
                                                    ("sp_size", self.sp_size)) if size > 1]
-        dp = self.layout(world_size).dp
+        dp = self.parallel_layout(world_size).dp
         cut, cut_by = ((self.pp_microbatches, "pp_microbatches") if self.pp_size > 1
                        else (self.grad_accum_steps, "grad_accum_steps"))
         if self.batch_size % (dp * cut):

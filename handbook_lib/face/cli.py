@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import os
 import shlex
@@ -62,7 +61,8 @@ from handbook_lib.core.config import (
 from handbook_lib.core.protocol import PREEMPTED_EXIT
 from handbook_lib.core.strategies import STRATEGIES, strategies_where
 from handbook_lib.core.text import TERMINAL_WIDTH
-from handbook_lib.face.commands import COMMANDS, wrap_line
+from handbook_lib.face.commands import COMMANDS
+from handbook_lib.face.plan_axes import wrap_line
 from handbook_lib.launch.errors import RunFailed, RunPreempted
 from handbook_lib.launch.preflight import RANKS_PER_CORE
 from handbook_lib.models.hardware import ACCELERATORS, LINKS
@@ -274,6 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--batch-tokens", type=_whole(1), default=None, metavar="N",
                     help="the global batch the recipe wants, tokens per step: past it, GPUs must share "
                     "sequences (chapter 9)")
+    pl.add_argument("--pp-size", type=_whole(0), default=None, metavar="N",
+                    help="pipeline stages across nodes, TP inside each (1F1B, 4N micro-batches or as many "
+                    "as the batch allows); 0: every stage count, the best shown; 1: none (default: 0 "
+                    "on more than one node)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     _add_slurm(sub)
@@ -317,7 +321,7 @@ def _run_epilog() -> str:
     """The runs and their config keys, read from the sources (no torch import)."""
     lines = ["runs:"]
     lines += [wrap_line(f"  {name:19s}{doc}", " " * 21) for name, doc in describe_runs().items()]
-    shared = [f"{f.name}={f.default}" for f in dataclasses.fields(RunConfig)]
+    shared = [f"{key}={value}" for key, value in RunConfig().to_dict().items()]
     users, own = [], []
     for name in describe_runs():
         info = run_config_fields(name)

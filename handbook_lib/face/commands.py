@@ -20,7 +20,6 @@ from handbook_lib.core.config import PRECISIONS, RunConfig, parse_overrides
 from handbook_lib.core.parallel_layout import ParallelLayout
 from handbook_lib.core.results import RunResult
 from handbook_lib.core.strategies import get_strategy, strategies_where
-from handbook_lib.core.text import TERMINAL_WIDTH, wrap
 from handbook_lib.face.display import (
     Table,
     checks_legend,
@@ -28,23 +27,22 @@ from handbook_lib.face.display import (
     checks_verdict,
     format_bytes,
 )
-from handbook_lib.face.views import axes_table, fit_table, step_time_summary, step_time_table
+from handbook_lib.face.plan_axes import FLAGS, chosen_shape, plan_axes, print_axes, wrap_line
+from handbook_lib.face.views import fit_table, step_time_summary, step_time_table
 from handbook_lib.launch.errors import describe_failed_checks
 from handbook_lib.models.allocator import RESERVE_FRACTION, RESERVE_MODEL, RESERVE_SOURCE
 from handbook_lib.models.axes import (
-    AxesVerdict,
-    estimate_axes,
     estimate_job_memory,
 )
-from handbook_lib.models.axes_table import AxisOption, axes_reason, compare_axes
-from handbook_lib.models.bands import StepTimeBand, step_time_band
+from handbook_lib.models.axes_table import axes_reason
+from handbook_lib.models.bands import step_time_band
 from handbook_lib.models.budget import memory_budget
 from handbook_lib.models.hardware import get_accelerator, get_link, node_preset
-from handbook_lib.models.hf_config import read_hf_config, read_hf_config_keys
+from handbook_lib.models.hf_config import read_hf_config_keys
 from handbook_lib.models.layout import ModelLayout, model_layout
 from handbook_lib.models.memory import PHASE_WORDS, MemoryEstimate, estimate_memory
 from handbook_lib.models.planner import Plan, check_whole_nodes, plan
-from handbook_lib.models.presets import DecoderShape, describe_shape, get_shape
+from handbook_lib.models.presets import describe_shape, get_shape
 from handbook_lib.models.sensitivity import FlipPoints, Sensitivity, flip_points, plan_sensitivity
 from handbook_lib.models.timing import estimate_compute_time, estimate_step_time, expected_utilization
 from handbook_lib.models.traffic import estimate_step_traffic
@@ -61,12 +59,6 @@ def torchrun(*args: Any, **kwargs: Any) -> RunResult | None:
     return launch(*args, **kwargs)
 
 _HYBRID = strategies_where(hybrid=True)
-
-
-def wrap_line(text: str, indent: str = "") -> str:
-    """``text`` wrapped to :data:`~handbook_lib.core.text.TERMINAL_WIDTH` columns, continuation
-    lines indented by ``indent`` (a flag or a name is never cut)."""
-    return wrap(text, TERMINAL_WIDTH, indent, break_long_words=False)
 
 
 def _model_overrides(items: list[str]) -> ModelConfig:
@@ -117,12 +109,6 @@ def _print_model(named: str, echo: list[str]) -> None:
     for line in (named, *echo):
         print(wrap_line(line, "  "))
 
-_FLAGS = {"world": "--world-size {}", "dp_shard": "--shard-group-size {}", "tp": "--tp-size {}",
-          "sp": "--sp-size {}", "sp_method": "--sp-method {}", "gpus_per_node": "the GPUs per node ({})",
-          "nhead": "the heads ({})", "kv_heads": "the KV heads ({})", "seq_len": "--seq-len ({})"}
-"""How the commands' refusals name the layout's quantities: by their flags, or in words."""
-
-
 def _check_sharding(args: argparse.Namespace) -> None:
     """Refuse flags that the chosen strategy would ignore or cannot honour."""
     row = get_strategy(args.strategy)
@@ -130,7 +116,7 @@ def _check_sharding(args: argparse.Namespace) -> None:
         if not row.hybrid:
             raise ValueError(f"--shard-group-size applies to the HYBRID strategies ({', '.join(_HYBRID)}), "
                              f"not --strategy {args.strategy}")
-        ParallelLayout.for_world(args.world_size, shard_group=args.shard_group_size, names=_FLAGS)
+        ParallelLayout.for_world(args.world_size, shard_group=args.shard_group_size, names=FLAGS)
     if not row.distributed and args.world_size != 1:
         raise ValueError(f"--strategy NONE is one plain process: use --world-size 1, not {args.world_size}")
 
@@ -217,8 +203,8 @@ def _axes_memory(args: argparse.Namespace, layout: ModelLayout) -> tuple[MemoryE
     job = ParallelLayout.for_world(args.world_size, tp=tp, sp=sp, sp_method="ring",
                                    shard_group=args.shard_group_size if row.hybrid else None,
                                    replicate=not row.sharded, nhead=layout.nhead, seq_len=args.seq_len,
-                                   names=_FLAGS | {"world": "the GPUs ({})"})
-    model = _chosen_shape(args) if tp > 1 else layout
+                                   names=FLAGS | {"world": "the GPUs ({})"})
+    model = chosen_shape(args) if tp > 1 else layout
     est = estimate_job_memory(model, job, micro_batch=args.micro_batch, seq_len=args.seq_len,
                               strategy=args.strategy, precision=args.precision, optimizer=args.optimizer,
                               activation_checkpointing=args.activation_checkpointing,
@@ -293,7 +279,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     else:
         result, changes = plan(model, args.gpu, args.gpus, **kwargs), []
     flips = flip_points(result) if args.sensitivity else None
-    axes = _plan_axes(args, per_node)
+    axes = plan_axes(args, per_node, result)
     budget, band = memory_budget(args.gpu, args.headroom), step_time_band(args.gpu)
     if args.json:
         data = dataclasses.asdict(result) | {"budget": dataclasses.asdict(budget),
@@ -338,54 +324,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.sensitivity:
         _print_sensitivity(result, changes, flips)
     if axes:
-        _print_axes(*axes, band)
+        print_axes(*axes, band)
     return 0
 
-
-def _chosen_shape(args: argparse.Namespace) -> DecoderShape:
-    """The decoder named by ``--model`` or ``--hf-config`` (the axes price a decoder's shape)."""
-    if getattr(args, "model", None) is not None:
-        return get_shape(args.model)
-    if getattr(args, "hf_config", None) is not None:
-        return read_hf_config(args.hf_config)
-    flag = "--tp-size" if getattr(args, "tp_size", 1) > 1 else "--sp-size"
-    raise ValueError(f"{flag} prices a decoder at scale: give --model (e.g. llama2-70b) or --hf-config, "
-                     "not the handbook's model or --params")
-
-
-def _plan_axes(args: argparse.Namespace, per_node: int) -> tuple[list[AxisOption], AxesVerdict] | None:
-    """``plan --tp-size/--sp-size/--batch-tokens``: the layouts beyond FSDP and the verdict."""
-    if args.tp_size == 1 and args.sp_size == 1 and args.batch_tokens is None:
-        return None
-    shape = _chosen_shape(args)  # plan takes --model or --hf-config: a decoder's shape
-    tp, sp = args.tp_size, args.sp_size
-    for one in ({"tp": tp}, {"sp": sp}):  # each axis priced beside FSDP, alone
-        ParallelLayout.for_world(args.gpus, **one, sp_method=args.sp_method, gpus_per_node=per_node,
-                                 nhead=shape.nhead, kv_heads=shape.kv_heads, seq_len=args.seq_len,
-                                 names=_FLAGS | {"world": "--gpus ({})"})
-    common = {"micro_batch": args.micro_batch, "gpus_per_node": per_node, "inter_link": args.inter_link,
-              "precision": args.precision, "headroom": args.headroom}
-    verdict = estimate_axes(shape, args.gpu, args.gpus, seq_len=args.seq_len, batch_tokens=args.batch_tokens,
-                            **common)
-    # the table also prices the axis the verdict calls for, so that its pick and the verdict agree
-    method = args.sp_method if sp > 1 or verdict.sp_size == 1 else verdict.sp_method
-    tp, sp = (tp if tp > 1 else verdict.tp_size), (sp if sp > 1 else verdict.sp_size)
-    rows = compare_axes(shape, args.gpu, args.gpus, seq_len=args.seq_len, tp_size=tp, sp_size=sp,
-                        sp_method=method, batch_tokens=args.batch_tokens, **common)
-    return rows, verdict
-
-
-def _print_axes(rows: list[AxisOption], verdict: AxesVerdict, band: StepTimeBand | None) -> None:
-    print("beyond FSDP (chapter 9): the same job as TP inside a node x FSDP across, or the sequence split")
-    print(axes_table(rows))
-    print(wrap_line("exposed = communication no compute hides (TP's collectives and Ulysses' all-to-alls sit "
-                    "between two matrix products); tok/s/GPU compares layouts whose batches differ (a TP "
-                    "group shares its sequences); margin batch: fits, but its step takes more tokens than "
-                    "--batch-tokens; compute counts attention's FLOPs, 12 L w s per token", "  "))
-    print(wrap_line(f"- {axes_reason(rows, band)}", "  "))
-    print(wrap_line(f"is FSDP enough? {verdict.axes}", "  "))
-    for reason in verdict.reasons:
-        print(wrap_line(f"- {reason}", "  "))
 
 def _margin(fraction: float) -> str:
     """A margin as a signed percentage, to 0.1 % near the edge, whole far from it (fits 100 columns)."""

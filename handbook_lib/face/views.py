@@ -230,7 +230,8 @@ def axes_table(rows: list[AxisOption], *, compact: bool = False) -> Table:
     """Chapter 9's layouts of one job beside each other (``models.axes_table.compare_axes``):
     memory reserved per GPU and its margin (``batch`` where the layout fits but its step takes
     more tokens than the recipe's batch), the step's communication in seconds (all of it, and
-    what compute does not hide), compute and step seconds, and tokens per second per GPU.
+    what compute does not hide), compute seconds, step seconds, and tokens per second per GPU;
+    beside a pipeline, its bubble's seconds in the place of all communication's.
     ``compact`` leaves out the communication and compute totals (the book's column)."""
     def margin(r: AxisOption) -> str:
         if not r.within_batch and r.fits:
@@ -238,9 +239,14 @@ def axes_table(rows: list[AxisOption], *, compact: bool = False) -> Table:
         fraction = r.margin_bytes / r.budget_bytes
         return f"{100 * fraction:+.1f} %" if abs(fraction) < 1 else f"{100 * fraction:+.0f} %"
 
-    headers = ["layout", "reserved", "margin", "comm s", "exposed s", "comp s", "step s", "tok/s/GPU"]
+    headers = ["layout", "reserved", "margin", "comm s", "exposed s", "comp s", "bubble s", "step s", "tok/s/GPU"]
     table = [[r.name, format_bytes(r.peak_reserved_bytes), margin(r), round(r.comm_s, 3),
-              round(r.exposed_s, 3), round(r.compute_s, 3), round(r.step_s, 3),
+              round(r.exposed_s, 3), round(r.compute_s, 3), round(r.bubble_s, 3), round(r.step_s, 3),
               f"{r.tokens_per_s_per_gpu:,.0f}"] for r in rows]
-    keep = [i for i, h in enumerate(headers) if not (compact and h in ("comm s", "comp s"))]
+    piped = any(r.pp_size > 1 for r in rows)  # the bubble's column only beside a pipeline
+    # a pipeline's bubble takes the all-communication column's place (what is not hidden stays)
+    keep = [i for i, h in enumerate(headers) if not (compact and h in ("comm s", "comp s"))
+            and (h != "bubble s" if not piped else h != "comm s")]
+    if piped:  # the pipeline's names are long: two headers lose their unit (seconds) to fit 100 columns
+        headers = [{"exposed s": "exposed", "bubble s": "bubble"}.get(h, h) for h in headers]
     return Table([headers[i] for i in keep], [[row[i] for i in keep] for row in table])

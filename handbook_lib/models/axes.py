@@ -51,6 +51,7 @@ from handbook_lib.models.sequence_parallel import (
     sequence_activation_bytes,
     ulysses_layer_bytes,
 )
+from handbook_lib.models.pipeline import pipeline_memory
 from handbook_lib.models.tensor_parallel import estimate_decoder_tp_memory
 
 __all__ = ["AxesVerdict", "SpChoice", "estimate_axes", "estimate_job_memory", "estimate_sp_memory",
@@ -137,9 +138,17 @@ _GPUS = {"world": "the GPUs ({})"}
 def estimate_job_memory(model: ModelLike, layout: ParallelLayout, *, micro_batch: int, seq_len: int,
                         strategy: str = "FULL_SHARD", precision: str = "bf16-mixed", optimizer: str = "adamw",
                         activation_checkpointing: bool | str = "full", cpu_offload: bool = False,
-                        grad_accum_steps: int = 1, sync_every_micro_step: bool = False) -> MemoryEstimate:
+                        grad_accum_steps: int = 1, sync_every_micro_step: bool = False,
+                        pp_microbatches: int = 1, pp_schedule: str = "1F1B") -> MemoryEstimate:
     """One GPU's memory, by component, for a job laid out as ``layout`` (its degrees: data
-    parallel, tensor, sequence): the one memory entry point for any combination of the axes.
+    parallel, tensor, sequence, pipeline): the one memory entry point for any combination of the
+    axes.
+
+    - **A pipeline** (``pp``, a :class:`~handbook_lib.models.presets.DecoderShape`): the worst of
+      its first and last stages (:func:`~handbook_lib.models.pipeline.pipeline_memory`), each
+      priced as a model of its own
+      layers on the other axes, with ``pp_microbatches`` micro-batches of ``micro_batch``
+      sequences in flight as ``pp_schedule`` keeps them.
 
     - **The sequence split** (``sp``): each GPU keeps the activations, logits and loss buffers of
       ``micro_batch`` sequences of ``seq_len / sp`` tokens; with a fused attention every term of
@@ -168,6 +177,14 @@ def estimate_job_memory(model: ModelLike, layout: ParallelLayout, *, micro_batch
     """
     check_int("seq_len", seq_len, 1)
     check_int("micro_batch", micro_batch, 1)
+    levers = {"strategy": strategy, "precision": precision, "optimizer": optimizer,
+              "activation_checkpointing": activation_checkpointing}
+    if layout.pp > 1:
+        if cpu_offload or grad_accum_steps > 1:
+            raise ValueError(f"a pipeline (pp {layout.pp}) is priced without offload or accumulation: its "
+                             "micro-batches are the accumulation (pp_microbatches)")
+        return pipeline_memory(model, layout, micro_batch, seq_len, pp_microbatches, pp_schedule, levers,
+                               estimate=estimate_job_memory)
     sizes = model_layout(model) if not isinstance(model, DecoderShape) else model
     kv = sizes.kv_heads if isinstance(sizes, DecoderShape) else None
     layout.check_shape(nhead=sizes.nhead, kv_heads=kv, seq_len=seq_len, names=_GPUS)
@@ -410,7 +427,9 @@ def _pick_reason(pick: SpChoice, choices: tuple[SpChoice, ...], job: _Job) -> st
 
 def _batch_axis(job: _Job, batch_tokens: int | None, reasons: list[str]) -> tuple[int, int | None]:
     """(b): the smallest tensor-parallel degree inside a node that brings the replicas within the
-    batch; TP needs it to divide the heads, the KV heads and the feed-forward width."""
+    batch; TP needs it to divide the heads, the KV heads and the feed-forward width. A pipeline is
+    no answer here: with ``m >= p`` micro-batches (1F1B) its ``gpus / (tp · p)`` replicas take at
+    least ``gpus / tp`` sequences a step, as many as TP alone."""
     if batch_tokens is None:
         return 1, None
     max_dp = max_data_parallel(batch_tokens, job.micro_batch, job.seq_len)
@@ -429,6 +448,8 @@ def _batch_axis(job: _Job, batch_tokens: int | None, reasons: list[str]) -> tupl
                            "replicas, each sequence shared by its TP group.")
             return tp, max_dp
     tp = fits[-1] if fits else 1
-    reasons.append(f"{words}, fewer than the {job.gpus // tp:,} TP {tp} inside a node leaves: add pipeline "
-                   "parallelism (not modelled here), or grow the batch.")
+    reasons.append(f"{words}, fewer than the {job.gpus // tp:,} TP {tp} inside a node leaves. A pipeline does "
+                   "not lower it: 1F1B runs at least one micro-batch per stage on every replica, so its "
+                   f"step still takes {job.gpus // tp:,} sequences or more. Split each sequence too, or grow "
+                   "the batch.")
     return tp, max_dp

@@ -83,7 +83,7 @@ def estimate_axes_state_bytes(config: ParallelConfig, world_size: int, fsdp_rank
     FSDP2's dim-0 rule over the group (:func:`~handbook_lib.models.tensor_parallel.estimate_tp_state_bytes`).
     fp32 parameters, gradients and states whatever the precision (FSDP2's mixed precision casts
     only what it gathers)."""
-    layout = config.layout(world_size)
+    layout = config.parallel_layout(world_size)
     return estimate_tp_state_bytes(config.model_config(), layout.tp, layout.fsdp_size, fsdp_rank, config.optimizer)
 
 
@@ -174,7 +174,7 @@ def _fsdp_calls(config: ParallelConfig, world_size: int) -> list[AxesCall]:
     ``dp_replicate`` for HSDP): :func:`~handbook_lib.models.traffic.estimate_step_traffic` on the
     wrap policy's units of tensor-parallel shapes, every unit (the root too) resharded after
     forward as the strategy says."""
-    layout = config.layout(world_size)
+    layout = config.parallel_layout(world_size)
     compute, reduce = get_precision(config.precision)
     units = axes_units(config, layout.tp)
     row = get_strategy(config.strategy)
@@ -195,7 +195,7 @@ def _clip_calls(config: ParallelConfig, world_size: int) -> list[AxesCall]:
     parameters the plan splits)."""
     if config.max_grad_norm <= 0:
         return []
-    layout = config.layout(world_size)
+    layout = config.parallel_layout(world_size)
     out = []
     for p in tp_param_placements(tp_padded(config.model_config(), layout.tp)):
         if layout.fsdp_size > 1:

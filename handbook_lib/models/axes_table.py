@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from handbook_lib.core.checks import check_int
 from handbook_lib.core.config import get_precision
 from handbook_lib.core.parallel_layout import ParallelLayout
 from handbook_lib.models.axes import estimate_job_memory
@@ -48,6 +49,7 @@ from handbook_lib.models.hardware import (
     node_preset,
 )
 from handbook_lib.models.layout import model_layout
+from handbook_lib.models.pipeline import stage_layers
 from handbook_lib.models.planner import STEP_TIE, Option, plan
 from handbook_lib.models.presets import DecoderShape, get_shape
 from handbook_lib.models.sequence_parallel import (
@@ -66,7 +68,8 @@ from handbook_lib.models.timing import (
 from handbook_lib.models.topology import route_collective
 from handbook_lib.models.traffic import estimate_step_traffic
 
-__all__ = ["AxisOption", "axes_reason", "compare_axes", "price_layout", "recommend_axes"]
+__all__ = ["AxisOption", "axes_reason", "compare_axes", "pipeline_microbatches", "price_layout", "price_pipeline",
+           "recommend_axes"]
 
 _FROM_PLAN = ("FULL_SHARD", "FULL_SHARD + AC", "HYBRID_SHARD", "HYBRID_SHARD + AC")
 
@@ -93,6 +96,13 @@ class AxisOption:
     """Tokens of one optimizer step over the whole job."""
     within_batch: bool = True
     """Its step takes no more tokens than the recipe's batch (``compare_axes(batch_tokens=...)``)."""
+    pp_size: int = 1
+    """Pipeline stages, one per GPU of a pipeline (1: no pipeline)."""
+    microbatches: int = 1
+    """Micro-batches each pipeline runs a step (1 without a pipeline)."""
+    bubble_s: float = 0.0
+    """Seconds a step's stages idle while the pipeline fills and drains: ``(p − 1)`` micro-batches'
+    stage time (:func:`~handbook_lib.models.pipeline.bubble_fraction` of the step's stage time)."""
 
     @property
     def fits(self) -> bool:
@@ -105,7 +115,7 @@ class AxisOption:
     @property
     def tokens_per_s_per_gpu(self) -> float:
         """Tokens per second per GPU: the step's tokens over its time and the job's GPUs."""
-        return self.tokens_per_step / self.step_s / (self.tp_size * self.sp_size * self.dp_size)
+        return self.tokens_per_step / self.step_s / (self.tp_size * self.sp_size * self.pp_size * self.dp_size)
 
 
 @dataclass(frozen=True)
@@ -189,7 +199,65 @@ def price_layout(job: _Job, tp: int, sp: int, method: str, ac: bool) -> AxisOpti
                       fsdp.total_s + exposed, dp * job.micro_batch * job.seq_len)
 
 
-_NAMES = {"world": "the GPUs ({})", "gpus_per_node": "the GPUs per node ({})", "nhead": "the heads ({})"}
+def price_pipeline(job: _Job, tp: int, pp: int, microbatches: int, ac: bool) -> AxisOption:
+    """A pipeline's row: ``pp`` stages (the outermost axis, one stage per GPU of a pipeline,
+    1F1B), TP over ``tp`` GPUs of a node inside each, FSDP2 over the ``gpus / (tp · pp)``
+    data-parallel ranks of each stage; each pipeline runs ``microbatches`` micro-batches of
+    ``micro_batch`` sequences a step. What it pays, beside :func:`price_layout`'s terms:
+
+    - compute: a stage's share of each micro-batch (its layers over the model's: the first stage,
+      with one more layer when they do not divide, sets the pace), ``m`` of them busy and ``p − 1``
+      idle in the bubble (:func:`~handbook_lib.models.pipeline.bubble_fraction`); TP's collectives
+      inside each micro-batch's stage time, not hidden, stretched by the bubble alike;
+    - point to point: each micro-batch's activation (``b·s·d`` in the compute dtype, ``1/tp`` of
+      it with sequence parallelism) to the next stage and its gradient back, across nodes when a
+      stage's ranks fill a node; the ``2(p − 1)`` transfers of the fill and the drain are exposed,
+      the steady state's hide behind the other micro-batches' compute;
+    - FSDP2 over a stage's data-parallel ranks: its units all-gathered ``m + 1`` times a step and
+      reduce-scattered once (as the ``pipeline`` run measures it), hidden as chapter 3 hides them.
+
+    Memory: :func:`~handbook_lib.models.axes.estimate_job_memory` with ``pp`` (the worst stage)."""
+    shape, node, m = job.shape, job.node, microbatches
+    fsdp_ranks = job.gpus // (tp * pp)
+    layout = ParallelLayout.for_world(job.gpus, tp=tp, pp=pp)
+    mem = estimate_job_memory(shape, layout, micro_batch=job.micro_batch, seq_len=job.seq_len, precision=job.precision,
+                              activation_checkpointing=job.mode(ac), pp_microbatches=m)
+    layers = stage_layers(shape.num_layers, pp)[0].layers
+    tokens = job.micro_batch * job.seq_len
+    compute_micro = job.compute(tokens, ac) / tp * layers / shape.num_layers
+    tp_micro = 0.0
+    if tp > 1:
+        layer = estimate_tp_layer_traffic(shape.d_model, tokens, tp, 4 if job.precision == "fp32" else 2,
+                                          sequence_parallel=True)
+        per_layer = [estimate_collective_time(x, node.intra_link) for x in layer.collectives]
+        half = len(per_layer) // 2
+        tp_micro = layers * (sum(per_layer) + (sum(per_layer[:half]) if ac else 0.0))
+    compute_dtype, reduce_dtype = get_precision(job.precision)
+    activation = tokens * shape.d_model * (4 if compute_dtype == "fp32" else 2) // tp
+    link: Link = node.inter_link if tp * fsdp_ranks >= node.gpus_per_node else node.intra_link
+    transfer = link.latency_s + activation / link.achievable_bytes_per_s
+    p2p_s = 2 * (pp - 1) * transfer  # the fill's and the drain's; 2m in all
+    stage = dataclasses.replace(shape, num_layers=layers, tied_embeddings=True)
+    units = decoder_tp_units(stage, tp) if tp > 1 else model_layout(stage).units()
+    traffic = estimate_step_traffic(units, fsdp_ranks, "FULL_SHARD", param_dtype=compute_dtype,
+                                    reduce_dtype=reduce_dtype, grad_accum_steps=m, sync_every_micro_step=False,
+                                    reshard_after_backward=False)
+    slots = max(1, node.gpus_per_node // tp)
+    lane = dataclasses.replace(node, gpus_per_node=slots, nics_per_node=max(1, node.nics_per_node * slots
+                                                                           // node.gpus_per_node))
+    fsdp = estimate_step_time(traffic, lambda r: route_collective(r, lane, fsdp_ranks, "FULL_SHARD"),
+                              m * compute_micro, overlap=True)
+    bubble = (pp - 1) * (compute_micro + tp_micro)
+    exposed = m * tp_micro + p2p_s
+    name = f"{f'TP {tp} x ' if tp > 1 else ''}PP {pp} (m {m}) x FSDP {fsdp_ranks}" + (" + AC" if ac else "")
+    return AxisOption(name, tp, 1, fsdp_ranks, ac, mem.peak_reserved, job.budget,
+                      fsdp.comm_s + m * tp_micro + 2 * m * transfer, fsdp.exposed_comm_s + exposed,
+                      m * compute_micro, fsdp.total_s + exposed + bubble, fsdp_ranks * m * tokens,
+                      pp_size=pp, microbatches=m, bubble_s=bubble)
+
+
+_NAMES = {"world": "the GPUs ({})", "gpus_per_node": "the GPUs per node ({})", "nhead": "the heads ({})",
+          "pp": "the pipeline stages ({})", "layers": "the layers ({})"}
 """How :func:`compare_axes` names the layout's quantities in a refusal."""
 
 
@@ -197,7 +265,7 @@ def compare_axes(model: DecoderShape | str, gpu: Accelerator | str, gpus: int, *
                  tp_size: int | None = None, sp_size: int = 1, sp_method: str = "ulysses", micro_batch: int = 1,
                  gpus_per_node: int | None = None, inter_link: str = "ib-ndr400", precision: str = "bf16-mixed",
                  utilization: float | None = None, headroom: float = 0.0,
-                 batch_tokens: int | None = None) -> list[AxisOption]:
+                 batch_tokens: int | None = None, pp_size: int = 1) -> list[AxisOption]:
     """FULL_SHARD and HYBRID_SHARD (the planner's pricing) beside TP over ``tp_size`` GPUs of a
     node x FSDP2 (and, with ``sp_size`` > 1, the sequence split x FSDP2, and TP x the split x FSDP2
     where the layout allows both), each with and without full activation checkpointing
@@ -216,6 +284,10 @@ def compare_axes(model: DecoderShape | str, gpu: Accelerator | str, gpus: int, *
             :func:`~handbook_lib.models.planner.plan`.
         batch_tokens: The recipe's global batch, tokens per step: a layout whose step takes more
             is marked not :attr:`AxisOption.within_batch` (``None``: no limit).
+        pp_size: Pipeline stages across nodes, TP ``tp_size`` inside each (:func:`price_pipeline`;
+            micro-batches: :func:`pipeline_microbatches`); 0 prices every stage count from 2 that
+            divides the TP groups and the layers and keeps the best of them, with and without
+            checkpointing; 1 (the default) leaves the pipeline out.
 
     Raises:
         ValueError: for a ``tp_size`` that does not divide the GPUs per node or the heads, an
@@ -239,8 +311,47 @@ def compare_axes(model: DecoderShape | str, gpu: Accelerator | str, gpus: int, *
                                                             nhead=shape.nhead, kv_heads=shape.kv_heads,
                                                             seq_len=seq_len):
             rows.append(price_layout(job, tp, sp_size, sp_method, ac))
+    if pp_size != 1:
+        rows += _pipeline_rows(job, tp, pp_size, batch_tokens)
     if batch_tokens is not None:
         rows = [dataclasses.replace(r, within_batch=r.tokens_per_step <= batch_tokens) for r in rows]
+    return rows
+
+
+def pipeline_microbatches(gpus: int, tp: int, pp: int, tokens_per_micro_batch: int,
+                          batch_tokens: int | None) -> int:
+    """Micro-batches a pipeline of ``pp`` stages runs a step: ``4·pp``, which keeps 1F1B's bubble
+    ``(p − 1)/(m + p − 1)`` under 20 %, or fewer if the batch allows fewer, never fewer than
+    ``pp`` (1F1B's least; then the step takes more than the batch). ``tokens_per_micro_batch``:
+    one micro-batch's tokens (its sequences times their length)."""
+    check_int("pp", pp, 1)
+    if batch_tokens is None:
+        return 4 * pp
+    replicas = gpus // (tp * pp)
+    return max(pp, min(4 * pp, batch_tokens // (replicas * tokens_per_micro_batch)))
+
+
+def _pipeline_rows(job: _Job, tp: int, pp_size: int, batch_tokens: int | None) -> list[AxisOption]:
+    """The pipeline rows of :func:`compare_axes`: ``pp_size``'s, or with 0 the best stage count's
+    (the most tokens per second per GPU among those that fit, within the batch; else the smallest
+    peak), with and without checkpointing."""
+    groups = job.gpus // tp
+    sizes = [pp_size] if pp_size > 1 else [p for p in (2, 4, 8, 16, 32, 64)
+                                           if p <= min(groups, job.shape.num_layers) and groups % p == 0]
+    if pp_size > 1:
+        ParallelLayout.for_world(job.gpus, tp=tp, pp=pp_size, layers=job.shape.num_layers, names=_NAMES)
+    tokens = job.micro_batch * job.seq_len
+    rows = []
+    for ac in (False, True):
+        priced = [price_pipeline(job, tp, p, pipeline_microbatches(job.gpus, tp, p, tokens, batch_tokens), ac)
+                  for p in sizes]
+        if pp_size > 1:
+            rows += priced
+            continue
+        good = [r for r in priced if r.fits and (batch_tokens is None or r.tokens_per_step <= batch_tokens)]
+        if priced:
+            rows.append(max(good, key=lambda r: r.tokens_per_s_per_gpu) if good
+                        else min(priced, key=lambda r: r.peak_reserved_bytes))
     return rows
 
 
@@ -253,7 +364,8 @@ def recommend_axes(rows: list[AxisOption]) -> AxisOption | None:
         return None
     best = max(r.tokens_per_s_per_gpu for r in fits)
     tied = [r for r in fits if r.tokens_per_s_per_gpu >= best * (1 - STEP_TIE)]
-    return min(tied, key=lambda r: (r.tp_size * r.sp_size, r.activation_checkpointing, -r.tokens_per_s_per_gpu))
+    return min(tied, key=lambda r: (r.tp_size * r.sp_size * r.pp_size, r.activation_checkpointing,
+                                    -r.tokens_per_s_per_gpu))
 
 
 def axes_reason(rows: list[AxisOption], band: StepTimeBand | None = None) -> str:
@@ -271,7 +383,7 @@ def axes_reason(rows: list[AxisOption], band: StepTimeBand | None = None) -> str
     past = [r for r in rows if r.fits and not r.within_batch]
     if past:
         text += (f" {past[0].name} would take {past[0].tokens_per_step:,} tokens a step, past the batch.")
-    unfit = [r for r in rows if not r.fits and r.activation_checkpointing and r.tp_size * r.sp_size == 1]
+    unfit = [r for r in rows if not r.fits and r.activation_checkpointing and r.tp_size * r.sp_size * r.pp_size == 1]
     if others:
         runner = max(others, key=lambda r: r.tokens_per_s_per_gpu)
         if runner.tokens_per_s_per_gpu >= chosen.tokens_per_s_per_gpu * (1 - STEP_TIE):
@@ -284,4 +396,25 @@ def axes_reason(rows: list[AxisOption], band: StepTimeBand | None = None) -> str
     elif unfit and not past:
         text += (f" Nothing without another axis fits ({unfit[0].name}: "
                  f"{unfit[0].peak_reserved_bytes / 1e9:.1f} GB).")
-    return text
+    pipes = [r for r in rows if r.pp_size > 1]
+    return text + (" " + _pipeline_reason(pipes, chosen) if pipes else "")
+
+
+def _pipeline_reason(pipes: list[AxisOption], chosen: AxisOption) -> str:
+    """What the best pipeline row buys and pays, against the pick."""
+    good = [r for r in pipes if r.fits and r.within_batch]
+    if not good:
+        least = min(pipes, key=lambda r: r.peak_reserved_bytes)
+        return (f"No pipeline fits: {least.name} reserves {least.peak_reserved_bytes / 1e9:.1f} GB per GPU (its "
+                f"first stage keeps {least.pp_size} micro-batches in flight, and its units gathered with their "
+                "gradients unsharded through the micro-batches).")
+    best = max(good, key=lambda r: r.tokens_per_s_per_gpu)
+    p, m = best.pp_size, best.microbatches
+    text = (f"A pipeline of {p} stages ({best.name}) shards each stage over {best.dp_size:,} GPUs, not "
+            f"{best.dp_size * p:,}, and gathers each unit {m + 1} times for {m} micro-batches; it idles "
+            f"{best.bubble_s:.2f} s of its {best.step_s:.2f} s step in the bubble ((p - 1)/(m + p - 1) = "
+            f"{(p - 1) / (m + p - 1):.0%})")
+    if best is chosen:
+        return text + ": the fastest that fits."
+    return text + (f": {best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
+                   f"{best.tokens_per_s_per_gpu / chosen.tokens_per_s_per_gpu:.2f}x the pick's.")

@@ -14,24 +14,40 @@ into ``m`` micro-batches; a stage passes each micro-batch's activations (b/m seq
 - :func:`estimate_pipeline_p2p`: every send and receive of one step on one rank;
 - :func:`estimate_pipeline_fsdp_calls`: FSDP2's collectives over a stage's data-parallel group;
 - :func:`estimate_pipeline_tp_calls`: tensor parallelism's inside each stage;
-- :func:`bubble_fraction`: the share of a step a rank idles, ``(p − 1) / (v·m + p − 1)``.
+- :func:`bubble_fraction`: the share of a step a rank idles, ``(p − 1) / (v·m + p − 1)``;
+- :func:`in_flight` and :func:`pipeline_memory`: the micro-batches a stage holds at once, and a
+  decoder's pipeline priced at scale (the planner's worst stage).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from handbook_lib.core.checks import check_int
-from handbook_lib.core.config import dtype_bytes, get_precision
+from handbook_lib.core.config import checkpointing_mode, dtype_bytes, get_precision
 from handbook_lib.core.parallel_config import ParallelConfig
+from handbook_lib.core.parallel_layout import ParallelLayout
+from handbook_lib.models.activations import estimate_decoder_activation_bytes
+from handbook_lib.models.layout import ModelLike, model_layout
+from handbook_lib.models.memory import MemoryEstimate
+from handbook_lib.models.presets import DecoderShape
 from handbook_lib.models.axes_run import AxesCall, per_step_calls, tp_step_calls
 from handbook_lib.core.strategies import get_strategy
 from handbook_lib.models.sharding import policy_units
-from handbook_lib.models.tensor_parallel import TPStateBytes, state_from_shapes, tp_padded, tp_param_placements
+from handbook_lib.models.tensor_parallel import (
+    TPStateBytes,
+    decoder_tp_units,
+    state_from_shapes,
+    tp_padded,
+    tp_param_placements,
+)
 
 __all__ = ["stage_layers", "rank_stages", "stage_param_shapes", "estimate_pipeline_state_bytes",
            "estimate_pipeline_p2p", "estimate_pipeline_fsdp_calls", "estimate_pipeline_tp_calls", "bubble_fraction",
-           "StageSpan"]
+           "StageSpan", "in_flight", "pipeline_memory"]
 
 
 @dataclass(frozen=True)
@@ -103,7 +119,7 @@ def estimate_pipeline_state_bytes(config: ParallelConfig, world_size: int, pp_ra
     ``fsdp_rank`` of its data-parallel group: each stage's tensors sharded by FSDP2's dim-0 rule
     over the group (no FSDP on a group of one rank), fp32."""
     shapes = [shape for span in rank_stages(config, pp_rank) for _, shape in stage_param_shapes(config, span)]
-    return state_from_shapes(shapes, config.layout(world_size).fsdp_size, fsdp_rank, config.optimizer)
+    return state_from_shapes(shapes, config.parallel_layout(world_size).fsdp_size, fsdp_rank, config.optimizer)
 
 
 def estimate_pipeline_p2p(config: ParallelConfig, world_size: int, pp_rank: int) -> list[AxesCall]:
@@ -114,7 +130,7 @@ def estimate_pipeline_p2p(config: ParallelConfig, world_size: int, pp_rank: int)
     its copy; 1/tp of it, its sequence shard, with Megatron SP). A stage next to one on
     the same rank (the interleaved schedule's stage r + pp after r, with pp 1) would pass it in
     memory; with pp >= 2 every neighbour is on another rank."""
-    layout = config.layout(world_size)
+    layout = config.parallel_layout(world_size)
     compute, _ = get_precision(config.precision)
     rows = config.batch_size // (layout.dp * config.pp_microbatches)
     buffer = rows * config.seq_len * config.d_model * dtype_bytes(compute)
@@ -142,7 +158,7 @@ def estimate_pipeline_fsdp_calls(config: ParallelConfig, world_size: int, pp_ran
     strategy that reshards after forward, ``m`` all-gathers in forward and one for the
     backwards, ``m + 1``; with SHARD_GRAD_OP one; and one reduce-scatter. Measured on 4 ranks,
     m = 2, 4, 8, GPipe, 1F1B and interleaved."""
-    layout = config.layout(world_size)
+    layout = config.parallel_layout(world_size)
     group = layout.fsdp_size
     if group == 1:
         return []
@@ -169,7 +185,7 @@ def estimate_pipeline_tp_calls(config: ParallelConfig, world_size: int, pp_rank:
     if config.tp_size == 1:
         return []
     compute, _ = get_precision(config.precision)
-    rows = config.batch_size // (config.layout(world_size).dp * config.pp_microbatches)
+    rows = config.batch_size // (config.parallel_layout(world_size).dp * config.pp_microbatches)
     calls = tp_step_calls(config, rows * config.seq_len, compute)
     # the schedule syncs gradients after the last micro-batch only
     return [c for span in rank_stages(config, pp_rank)
@@ -185,3 +201,66 @@ def bubble_fraction(pp_size: int, microbatches: int, stages_per_rank: int = 1) -
     check_int("microbatches", microbatches, 1)
     check_int("stages_per_rank", stages_per_rank, 1)
     return (pp_size - 1) / (stages_per_rank * microbatches + pp_size - 1)
+
+
+def in_flight(schedule: str, pp_size: int, microbatches: int, stage: int) -> int:
+    """Micro-batches whose activations stage ``stage`` (0 first) of a ``pp_size``-stage pipeline
+    holds at once: GPipe runs every forward before any backward (all ``m``); 1F1B starts a
+    backward as soon as the last stage can, so stage ``i`` holds at most ``p − i``."""
+    check_int("microbatches", microbatches, 1)
+    if schedule == "GPipe":
+        return microbatches
+    if schedule != "1F1B":
+        raise ValueError(f"pp_schedule must be GPipe or 1F1B for the planner's pricing, got {schedule!r}")
+    return min(microbatches, pp_size - stage)
+
+
+def pipeline_memory(model: ModelLike, layout: ParallelLayout, micro_batch: int, seq_len: int, microbatches: int,
+                    schedule: str, levers: dict[str, Any], *,
+                    estimate: Callable[..., MemoryEstimate]) -> MemoryEstimate:
+    """The pipeline's worst stage, first or last (:func:`~handbook_lib.models.pipeline.stage_layers`:
+    the first holds one more layer when they do not divide evenly, and the embedding; the last the
+    head, its logits and the loss). Each stage is priced as a decoder of its own layers, one
+    vocabulary matrix and its final norm, on the other axes (:func:`estimate_job_memory` of the
+    layout without ``pp``); then, as the CPU runs measure it, the schedule's three additions:
+
+    - the layers' activations of every micro-batch in flight (:func:`in_flight`) beyond the one
+      priced (:func:`~handbook_lib.models.activations.estimate_decoder_activation_bytes`, 1/tp
+      of them with sequence parallelism, at ``seq_len / sp`` tokens);
+    - the stage's units stay gathered from the first micro-batch's backward to the last one's
+      (compute dtype), and
+    - their gradients stay unsharded until the last micro-batch reduces them (reduce dtype),
+      beyond the one or two units the stage's own estimate holds gathered.
+
+    The first stage is priced with its vocabulary matrix's logits and loss buffers, which only the
+    last computes: an overestimate of one micro-batch's logits."""
+    if not isinstance(model, DecoderShape):
+        raise ValueError("a pipeline is priced for a decoder's shape (a preset or a config.json), not the "
+                         "handbook's model or a parameter count")
+    spans = stage_layers(model.num_layers, layout.pp)
+    inner = dataclasses.replace(layout, pp=1)
+    compute, reduce = get_precision(levers["precision"])
+    best: MemoryEstimate | None = None
+    for span in (spans[0], spans[-1]):
+        stage = dataclasses.replace(model, num_layers=span.layers, tied_embeddings=True,
+                                    max_positions=model.max_positions if span.embedding else 0)
+        mem = estimate(stage, inner, micro_batch=micro_batch, seq_len=seq_len, **levers)
+        units = decoder_tp_units(stage, layout.tp) if layout.tp > 1 else model_layout(stage).units()
+        held = sum(u.numel for u in units) * (dtype_bytes(compute) + dtype_bytes(reduce))
+        extra_units = max(0, held - mem.unsharded_params - mem.grad_buffers)
+        layers = estimate_decoder_activation_bytes(stage, micro_batch, seq_len // layout.sp,
+                                                   recompute=checkpointing_mode(levers["activation_checkpointing"]))
+        extra_acts = (in_flight(schedule, layout.pp, microbatches, span.index) - 1) * layers // layout.tp
+        components = dict(mem.components)
+        components["activations"] += extra_acts
+        components["unsharded_params"] += extra_units
+        phases = {k: v + extra_acts + extra_units for k, v in mem.phases.items()}
+        note = (f"pipeline stage {span.index} of {layout.pp} ({span.layers} layers, {schedule}, "
+                f"{microbatches} micro-batches): {in_flight(schedule, layout.pp, microbatches, span.index)} in "
+                "flight; its units gathered and their gradients unsharded from the first backward to the last")
+        priced = MemoryEstimate(components, phases, mem.peak_phase, forward_activations=mem.forward_activations
+                                + extra_acts, notes=(*mem.notes, note))
+        if best is None or priced.peak > best.peak:
+            best = priced
+    assert best is not None
+    return best

@@ -142,13 +142,19 @@ DECODER_SHAPES: dict[str, DecoderShape] = {
     "llama2-70b": DecoderShape("Llama-2 70B", 80, 8192, 64, 32_000, dim_feedforward=28_672, num_kv_heads=8,
                                gated_mlp=True, tied_embeddings=False, published_params=68_976_648_192,
                                source=_LLAMA2),
+    "llama3-405b": DecoderShape("Llama-3.1 405B", 126, 16_384, 128, 128_256, dim_feedforward=53_248,
+                                num_kv_heads=8, gated_mlp=True, tied_embeddings=False,
+                                published_params=405_000_000_000,
+                                source="Llama Team 2024, The Llama 3 Herd of Models, Table 3 and the released "
+                                       "config"),
     "gpt3-175b": DecoderShape("GPT-3 175B", 96, 12_288, 96, 50_257, bias=True, max_positions=2048,
                               published_params=175_000_000_000,
                               source="Brown et al. 2020, GPT-3 paper, Table 2.1"),
 }
 """Presets: parameter counts from the shapes are within 1 % of the published ones (tested)."""
 DECODER_SHAPES.update({"7b": DECODER_SHAPES["llama2-7b"], "13b": DECODER_SHAPES["llama2-13b"],
-                       "70b": DECODER_SHAPES["llama2-70b"], "175b": DECODER_SHAPES["gpt3-175b"]})
+                       "70b": DECODER_SHAPES["llama2-70b"], "175b": DECODER_SHAPES["gpt3-175b"],
+                       "405b": DECODER_SHAPES["llama3-405b"]})
 
 
 def get_shape(name: str) -> DecoderShape:

@@ -13,8 +13,6 @@ answer at once, and the launcher checks a config before anything starts
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from dataclasses import dataclass
 
 from handbook_lib.core.run_spec import RunSpec
@@ -42,7 +40,8 @@ class RunConfigInfo:
         class_name: The dataclass ``CONFIG`` names, e.g. ``"StepTimeConfig"``.
         base: Its first base class (``"RunConfig"``, ``"FlatConfig"``), or the class itself when
             the run uses ``RunConfig`` directly.
-        fields: ``(key, default's repr)`` for the keys the class declares itself.
+        fields: ``(key, default's repr)`` for the keys the class adds to its base's, or whose
+            default it changes.
         choices: Accepted values per key, where the class annotates it ``Literal[...]``.
     """
 
@@ -92,14 +91,11 @@ def run_config_fields(name: str) -> RunConfigInfo:
     base = cls.__bases__[0].__name__ if cls.__name__ != "RunConfig" and cls.__bases__ else cls.__name__
     if cls.__name__ == "RunConfig":
         return RunConfigInfo(cls.__name__, base, (), {})
-    own = cls.__dict__.get("__annotations__", {})  # the keys the class declares itself, in order
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    fields, choices = [], {}
-    for key in own:
-        if key not in defaults:  # a ClassVar
-            continue
-        fields.append((key, repr(defaults[key])))
-        if typing.get_origin(hints[key]) is typing.Literal:
-            choices[key] = tuple(typing.get_args(hints[key]))
+    # the keys the class adds to its base's, or whose default it changes (in a section or not)
+    shared = cls.__bases__[0]().to_dict()
+    defaults = cls().to_dict()
+    added = [key for key, value in defaults.items() if key not in shared or shared[key] != value]
+    kinds = cls.choices()
+    fields = [(key, repr(defaults[key])) for key in added]
+    choices = {key: kinds[key] for key in added if key in kinds}
     return RunConfigInfo(cls.__name__, base, tuple(fields), choices)

@@ -87,7 +87,7 @@ def sp_core_factory(config: ParallelConfig) -> CoreFactory:
 
 def run_axes(config: ParallelConfig, ctx: RankContext) -> RankReport:
     """Train ``config`` on its layout over this job's ranks and check every byte and loss."""
-    mesh = build_layout_mesh(config.layout(ctx.world_size), ctx.device.type)
+    mesh = build_layout_mesh(config.parallel_layout(ctx.world_size), ctx.device.type)
     model = parallelize(config, ctx, mesh=mesh, sp_core=sp_core_factory(config))
     checks: list[Check] = []
     metrics: dict = {}
@@ -150,7 +150,7 @@ def tracked_extra_bytes(config: ParallelConfig, world_size: int) -> int:
       each) — with them; and with tensor parallelism the divided loss, 4 bytes, kept beside the
       reported one (a view of the undivided loss). Measured on 4 ranks with TP 2 and SP 2.
     """
-    layout = config.layout(world_size)
+    layout = config.parallel_layout(world_size)
     param_dtype, _ = get_precision(config.precision)
     extra = post_forward_shard_bytes(axes_units(config, layout.tp), layout.fsdp_size,
                                      config.reshard_after_forward_size, param_dtype)

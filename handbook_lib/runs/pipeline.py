@@ -54,7 +54,7 @@ def run(config: PipelineConfig, ctx: RankContext) -> RankReport:
     """Train ``config`` as a pipeline of ``pp_size`` ranks; check every byte held and sent, and the losses."""
     validate(config, ctx.world_size)
     config = config.on_world(ctx.world_size)  # pp_size 0: every rank
-    mesh = build_layout_mesh(config.layout(ctx.world_size), ctx.device.type)
+    mesh = build_layout_mesh(config.parallel_layout(ctx.world_size), ctx.device.type)
     model = parallelize(config, ctx, mesh=mesh)
     optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
     log = train(model, optimizer, config, ctx, **axes_step(mesh), count_collectives=True)

@@ -357,7 +357,7 @@ def parallelize(config: RunConfig, ctx: RankContext, *, init: InitMode = "meta",
     """
     if isinstance(config, ParallelConfig) and config.pp_size * config.inner_size > 1:
         if mesh is None:
-            mesh = build_layout_mesh(config.layout(ctx.world_size), ctx.device.type)
+            mesh = build_layout_mesh(config.parallel_layout(ctx.world_size), ctx.device.type)
         return apply_axes(config, ctx, mesh, sp_core)
     row = check_runnable(config, ctx.world_size)
     if init not in ("meta", "full"):

@@ -6,11 +6,11 @@ makes before any process starts (:class:`~handbook_lib.core.run_spec.RunSpec`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from handbook_lib.core.architecture import MODEL_KEYS
-from handbook_lib.core.config import RunConfig
+from handbook_lib.core.architecture import MODEL_KEYS, ModelConfig
+from handbook_lib.core.config import DataConfig, RunConfig
 from handbook_lib.core.run_spec import RunSpec
 from handbook_lib.models.clinic_cases import CLINIC_CASES
 
@@ -32,20 +32,13 @@ class ClinicConfig(RunConfig):
     its timeout). The cases choose their own strategy, wrapping, precision and steps: only the
     model's keys, the batch, the seed, the learning rate and the two keys below may change."""
 
-    vocab_size: int = 96
-    """Tokens (rows of the embedding and of the tied head)."""
-    d_model: int = 32
-    """Width of the hidden state."""
-    nhead: int = 2
-    """Attention heads per layer."""
-    dim_feedforward: int = 64
-    """Feed-forward width."""
-    num_layers: int = 2
-    """Transformer layers (one FSDP unit each, when the wrapping is right)."""
-    batch_size: int = 4
-    """Global batch, sequences; divisible by 2 x the ranks (the accumulation case's micro-steps)."""
-    seq_len: int = 16
-    """Tokens per sequence."""
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(
+        vocab_size=96, d_model=32, nhead=2, dim_feedforward=64, num_layers=2))
+    """A tiny model: 96 tokens (rows of the embedding and of the tied head), width 32, 2 heads,
+    feed-forward width 64, 2 layers (one FSDP unit each, when the wrapping is right)."""
+    data: DataConfig = field(default_factory=lambda: DataConfig(batch_size=4, seq_len=16))
+    """A global batch of 4 sequences (divisible by 2 x the ranks: the accumulation case's
+    micro-steps) of 16 tokens."""
     case: CaseName = "wrap_class_missing"
     """Which failure: a key of :data:`handbook_lib.models.clinic_cases.CLINIC_CASES`."""
     hang_timeout_s: float = 1.0

@@ -8,12 +8,12 @@ starts (:class:`~handbook_lib.core.run_spec.RunSpec`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
-from handbook_lib.core.config import InitName, RunConfig
+from handbook_lib.core.config import LayoutConfig, LeversConfig, RunConfig
 from handbook_lib.core.run_spec import RunSpec
-from handbook_lib.core.strategies import StrategyName, get_strategy, strategies_where
+from handbook_lib.core.strategies import get_strategy, strategies_where
 
 @dataclass(frozen=True)
 class ZeroRunConfig(RunConfig):
@@ -21,10 +21,10 @@ class ZeroRunConfig(RunConfig):
 
     MINIMUMS: ClassVar[Mapping[str, int]] = {**RunConfig.MINIMUMS, "persistence_threshold": 0}
 
-    strategy: StrategyName = "ZERO3"
-    """``ZERO1``, ``ZERO2`` or ``ZERO3`` (DeepSpeed's stage)."""
-    init: InitName = "full"
-    """DeepSpeed partitions the whole seeded model in ``deepspeed.initialize``: ``full`` only."""
+    layout: LayoutConfig = field(default_factory=lambda: LayoutConfig(strategy="ZERO3"))
+    """``strategy``: ``ZERO1``, ``ZERO2`` or ``ZERO3`` (DeepSpeed's stage); ZERO3 by default."""
+    levers: LeversConfig = field(default_factory=lambda: LeversConfig(init="full"))
+    """``init``: DeepSpeed partitions the whole seeded model in ``deepspeed.initialize``: ``full`` only."""
     persistence_threshold: int = 0
     """ZeRO-3 keeps tensors of at most this many elements whole on every rank
     (``stage3_param_persistence_threshold``; 0 shards every tensor; DeepSpeed's default is

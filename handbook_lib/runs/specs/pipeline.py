@@ -9,46 +9,47 @@ process starts (:class:`~handbook_lib.core.run_spec.RunSpec`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from typing import ClassVar
 
-from handbook_lib.core.parallel_config import ParallelConfig
+from handbook_lib.core.parallel_config import AxesLayoutConfig, ParallelConfig
 from handbook_lib.core.parallel_layout import ParallelLayout
 from handbook_lib.core.run_spec import RunSpec
 from handbook_lib.core.strategies import get_strategy, strategies_where
 
 
 @dataclass(frozen=True)
-class PipelineConfig(ParallelConfig):
-    """A :class:`ParallelConfig` whose pipeline spans every rank unless told otherwise."""
+class PipelineLayoutConfig(AxesLayoutConfig):
+    """The pipeline run's ``layout`` section: the pipeline spans every rank unless told otherwise."""
 
     pp_size: int = 0
     """Pipeline ranks; 0: every rank of the job (divided by ``tp_size · sp_size``)."""
 
-    MINIMUMS: ClassVar[Mapping[str, int]] = {**ParallelConfig.MINIMUMS, "pp_size": 0}
+    MINIMUMS: ClassVar[Mapping[str, int]] = {**AxesLayoutConfig.MINIMUMS, "pp_size": 0}
 
-    def __post_init__(self) -> None:
-        if self.pp_size == 0:  # checked once the world is known (:meth:`on_world`)
-            object.__setattr__(self, "pp_size", 1)
-            try:
-                super().__post_init__()
-            finally:
-                object.__setattr__(self, "pp_size", 0)
-        else:
-            super().__post_init__()
+
+@dataclass(frozen=True)
+class PipelineConfig(ParallelConfig):
+    """A :class:`ParallelConfig` whose pipeline spans every rank unless told otherwise."""
+
+    layout: PipelineLayoutConfig = field(default_factory=PipelineLayoutConfig)
+    """:class:`PipelineLayoutConfig`: ``pp_size`` 0 by default, checked once the world is known
+    (:meth:`on_world`)."""
+
+    MINIMUMS: ClassVar[Mapping[str, int]] = {**ParallelConfig.MINIMUMS, **PipelineLayoutConfig.MINIMUMS}
 
     def on_world(self, world_size: int) -> PipelineConfig:
         """This config with ``pp_size`` 0 made every rank's (``world_size / (tp_size · sp_size)``),
         its pipeline checked (:meth:`ParallelConfig.check_pipeline`)."""
         if self.pp_size:
             return self
-        return replace(self, pp_size=max(1, world_size // self.inner_size))
+        return self.replace(pp_size=max(1, world_size // self.inner_size))
 
-    def layout(self, world_size: int | None = None) -> ParallelLayout:
-        """:meth:`ParallelConfig.layout`, the pipeline over every rank when ``pp_size`` is 0."""
+    def parallel_layout(self, world_size: int | None = None) -> ParallelLayout:
+        """:meth:`ParallelConfig.parallel_layout`, the pipeline over every rank when ``pp_size`` is 0."""
         if self.pp_size == 0 and world_size is not None:
-            return self.on_world(world_size).layout(world_size)
-        return super().layout(world_size)
+            return self.on_world(world_size).parallel_layout(world_size)
+        return super().parallel_layout(world_size)
 
 
 CONFIG = PipelineConfig

@@ -8,21 +8,21 @@ knows whether the ranks see GPUs, and again by each rank on its own device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from handbook_lib.core.config import InitName, RunConfig
+from handbook_lib.core.config import LayoutConfig, LeversConfig, RunConfig
 from handbook_lib.core.files import check_writable_dir
 from handbook_lib.core.run_spec import RunSpec
-from handbook_lib.core.strategies import StrategyName, get_strategy, strategies_where
+from handbook_lib.core.strategies import get_strategy, strategies_where
 
 @dataclass(frozen=True)
 class TrainerRunConfig(RunConfig):
     """A Trainer + DeepSpeed job: the run config, where the Trainer writes, and when it saves."""
 
-    strategy: StrategyName = "ZERO3"
-    """``ZERO1``, ``ZERO2`` or ``ZERO3``."""
-    init: InitName = "full"
-    """The Trainer gets a whole model (DeepSpeed partitions it): ``full`` only."""
+    layout: LayoutConfig = field(default_factory=lambda: LayoutConfig(strategy="ZERO3"))
+    """``strategy``: ``ZERO1``, ``ZERO2`` or ``ZERO3``; ZERO3 by default."""
+    levers: LeversConfig = field(default_factory=lambda: LeversConfig(init="full"))
+    """``init``: the Trainer gets a whole model (DeepSpeed partitions it): ``full`` only."""
     trainer_dir: str = ""
     """The Trainer's ``output_dir`` (required; must not exist yet or be empty): checkpoints and
     the saved model go there."""
