@@ -166,3 +166,42 @@ def test_a_pipeline_is_priced_for_a_decoder_without_offload_or_accumulation():
         estimate_job_memory(ModelConfig(), layout, micro_batch=1, seq_len=64)
     with pytest.raises(ValueError, match=r"a pipeline \(pp 2\) is priced without offload or accumulation"):
         estimate_job_memory("llama2-7b", layout, micro_batch=1, seq_len=64, grad_accum_steps=2)
+
+
+# --- a schedule's order, what it keeps in flight, and its bubble on a grid of unit times ----------
+
+def test_1f1b_warms_up_with_p_minus_s_forwards_then_alternates():
+    from handbook_lib.models.pipeline import schedule_actions
+
+    assert schedule_actions("1F1B", 4, 6, 0) == [
+        ("F", 0, 0), ("F", 0, 1), ("F", 0, 2), ("F", 0, 3), ("B", 0, 0), ("F", 0, 4), ("B", 0, 1), ("F", 0, 5),
+        ("B", 0, 2), ("B", 0, 3), ("B", 0, 4), ("B", 0, 5)]
+    assert schedule_actions("1F1B", 4, 3, 3) == [("F", 3, 0), ("B", 3, 0), ("F", 3, 1), ("B", 3, 1), ("F", 3, 2),
+                                                ("B", 3, 2)]
+    assert schedule_actions("GPipe", 2, 2, 1) == [("F", 1, 0), ("F", 1, 1), ("B", 1, 0), ("B", 1, 1)]
+    with pytest.raises(ValueError, match="GPipe and 1F1B"):
+        schedule_actions("Interleaved1F1B", 2, 4, 0)
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+@pytest.mark.parametrize("pp, m", [(2, 2), (2, 5), (4, 4), (4, 8), (3, 7)])
+def test_the_grid_bubble_of_every_rank_is_p_minus_1_over_m_plus_p_minus_1(schedule, pp, m):
+    """Forward 1, backward 2, sends free: every rank idles (p − 1)/(m + p − 1) of the step, and
+    the step lasts (m + p − 1)·3 units; GPipe's stages hold all m micro-batches, 1F1B's p − s."""
+    from handbook_lib.models.pipeline import idle_fraction, most_in_flight, schedule_actions, simulate_schedule
+
+    orders = {s: schedule_actions(schedule, pp, m, s) for s in range(pp)}
+    grid = simulate_schedule(orders, pp)
+    span = max(end for line in grid.values() for _, _, end in line)
+    assert span == 3 * (m + pp - 1)
+    for s in range(pp):
+        assert idle_fraction(grid[s], span) == pytest.approx((pp - 1) / (m + pp - 1), abs=1e-12)
+        assert most_in_flight(orders[s]) == {s: m if schedule == "GPipe" else min(m, pp - s)}
+
+
+def test_orders_that_wait_on_each_other_are_refused():
+    from handbook_lib.models.pipeline import simulate_schedule
+
+    orders = {0: [("B", 0, 0), ("F", 0, 0)], 1: [("F", 1, 0), ("B", 1, 0)]}  # stage 0's backward first
+    with pytest.raises(ValueError, match="deadlock"):
+        simulate_schedule(orders, 2)

@@ -37,7 +37,7 @@ def test_every_check_passes(results, key):
     assert result.checks and not result.failed_checks()
     names = {c.quantity for c in result.checks}
     for quantity in ("stage_layers", "param_shard_bytes", "optimizer_state_bytes", "collectives_matched",
-                     "sent_bytes", "loss_step3"):
+                     "sent_bytes", "loss_step3", "schedule_order", "bubble_fraction"):
         assert quantity in names
     # the sends and receives, by the pipeline's group size
     pp = result.ranks[0]["pp_size"]
@@ -70,3 +70,19 @@ def test_the_losses_are_one_process_losses_whatever_the_schedule(results):
     first = fp32[0].ranks[0]["losses"]
     for result in fp32:
         assert result.ranks[0]["losses"] == pytest.approx(first, rel=1e-5)
+
+
+def test_each_schedule_runs_its_order_holds_its_micro_batches_and_idles_its_bubble(results):
+    """On 4 ranks of one stage each, 4 micro-batches: GPipe's stages hold all 4 micro-batches at
+    once, 1F1B's 4, 3, 2, 1; the orders the ranks ran idle 3/7 of the step on the unit grid, the
+    formula's (p − 1)/(m + p − 1); the timeline holds each rank's 8 forwards and backwards."""
+    for label, held in (("gpipe", [4, 4, 4, 4]), ("1f1b", [4, 3, 2, 1])):
+        result = results[(4, label)]
+        checks = {(c.quantity, c.rank): c for c in result.checks}
+        assert [checks[(f"in_flight_stage_{r}", r)].measured for r in range(4)] == held
+        for rank in result.ranks:
+            assert rank["simulated_bubble"] == pytest.approx(3 / 7) and rank["bubble_fraction"] == pytest.approx(3 / 7)
+            assert len(rank["timeline"]) == 8 and rank["timeline"][0][0] == "F"
+            assert 0 <= rank["measured_bubble"] < 1   # real times: reported, not checked
+    # interleaved, 2 ranks x 2 stages, 4 micro-batches: (p − 1)/(v·m + p − 1) = 1/9
+    assert all(r["simulated_bubble"] == pytest.approx(1 / 9) for r in results[(2, "interleaved")].ranks)

@@ -16,13 +16,17 @@ into ``m`` micro-batches; a stage passes each micro-batch's activations (b/m seq
 - :func:`estimate_pipeline_tp_calls`: tensor parallelism's inside each stage;
 - :func:`bubble_fraction`: the share of a step a rank idles, ``(p − 1) / (v·m + p − 1)``;
 - :func:`in_flight` and :func:`pipeline_memory`: the micro-batches a stage holds at once, and a
-  decoder's pipeline priced at scale (the planner's worst stage).
+  decoder's pipeline priced at scale (the planner's worst stage);
+- :func:`schedule_actions`, :func:`most_in_flight`, :func:`simulate_schedule`, :func:`idle_fraction`:
+  a schedule's order of work on each rank, what it keeps in flight, and its bubble on a grid of
+  unit times.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from fractions import Fraction
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +51,8 @@ from handbook_lib.models.tensor_parallel import (
 
 __all__ = ["stage_layers", "rank_stages", "stage_param_shapes", "estimate_pipeline_state_bytes",
            "estimate_pipeline_p2p", "estimate_pipeline_fsdp_calls", "estimate_pipeline_tp_calls", "bubble_fraction",
-           "StageSpan", "in_flight", "pipeline_memory"]
+           "StageSpan", "in_flight", "pipeline_memory", "Action", "schedule_actions", "most_in_flight",
+           "simulate_schedule", "idle_fraction"]
 
 
 @dataclass(frozen=True)
@@ -264,3 +269,90 @@ def pipeline_memory(model: ModelLike, layout: ParallelLayout, micro_batch: int, 
             best = priced
     assert best is not None
     return best
+
+
+Action = tuple[str, int, int]
+"""One unit of a schedule's work on a rank: ``("F" | "B", stage, micro-batch)``, a forward or a
+(full) backward of one micro-batch through one stage."""
+
+
+def schedule_actions(schedule: str, pp_size: int, microbatches: int, stage: int) -> list[Action]:
+    """The order in which the rank of ``stage`` runs its forwards and backwards in one step, for
+    the one-stage-per-rank schedules: GPipe, every forward then every backward; 1F1B, ``p − s``
+    forwards (fewer if there are fewer micro-batches), then a backward and a forward in turn until
+    the forwards run out, then the remaining backwards (``torch.distributed.pipelining``'s
+    ``ScheduleGPipe`` and ``Schedule1F1B``; an interleaved schedule's order is the schedule's own).
+
+    Raises:
+        ValueError: for another schedule.
+    """
+    check_int("microbatches", microbatches, 1)
+    if schedule == "GPipe":
+        return [("F", stage, i) for i in range(microbatches)] + [("B", stage, i) for i in range(microbatches)]
+    if schedule != "1F1B":
+        raise ValueError(f"schedule_actions covers GPipe and 1F1B, got {schedule!r}")
+    warmup = min(microbatches, pp_size - stage)
+    order: list[Action] = [("F", stage, i) for i in range(warmup)]
+    for i in range(microbatches):
+        order.append(("B", stage, i))
+        if warmup + i < microbatches:
+            order.append(("F", stage, warmup + i))
+    return order
+
+
+def most_in_flight(actions: list[Action]) -> dict[int, int]:
+    """Each stage's most micro-batches forwarded and not yet backwarded at once, over ``actions``
+    in order: the micro-batches whose activations the stage holds together (:func:`in_flight`
+    predicts it)."""
+    live: dict[int, int] = {}
+    most: dict[int, int] = {}
+    for kind, stage, _ in actions:
+        live[stage] = live.get(stage, 0) + (1 if kind == "F" else -1)
+        most[stage] = max(most.get(stage, 0), live[stage])
+    return most
+
+
+def simulate_schedule(orders: dict[int, list[Action]], stages: int, *, forward_s: float = 1,
+                      backward_s: float = 2) -> dict[int, list[tuple[Action, float, float]]]:
+    """When each action of ``orders`` (each pipeline rank's, in order) would start and end if every
+    forward took ``forward_s`` and every backward ``backward_s`` and sends were free: an action
+    starts once its rank is free and its input is ready (a forward, the previous stage's forward of
+    the micro-batch; a backward, the next stage's backward of it, or on the last stage its own
+    forward). What a schedule's idle time is made of, apart from the noise of real timings.
+
+    Raises:
+        ValueError: if the orders deadlock (an action waits for one that never runs first).
+    """
+    done: dict[Action, float] = {}
+    free: dict[int, float] = dict.fromkeys(orders, 0)
+    position = dict.fromkeys(orders, 0)
+    out: dict[int, list[tuple[Action, float, float]]] = {rank: [] for rank in orders}
+    while any(position[r] < len(orders[r]) for r in orders):
+        moved = False
+        for rank, order in orders.items():
+            while position[rank] < len(order):
+                kind, stage, mb = action = order[position[rank]]
+                needs = (("F", stage - 1, mb) if stage > 0 else None) if kind == "F" else \
+                    (("B", stage + 1, mb) if stage < stages - 1 else ("F", stage, mb))
+                if needs is not None and needs not in done:
+                    break
+                start = max(free[rank], done[needs] if needs is not None else 0)
+                end = start + (forward_s if kind == "F" else backward_s)
+                done[action], free[rank] = end, end
+                out[rank].append((action, start, end))
+                position[rank] += 1
+                moved = True
+        if not moved:
+            stuck = {r: orders[r][position[r]] for r in orders if position[r] < len(orders[r])}
+            raise ValueError(f"the schedule's orders deadlock: waiting {stuck}")
+    return out
+
+
+def idle_fraction(timeline: list[tuple[Action, float, float]], span: float) -> float:
+    """The share of ``span`` seconds (the step's, over every rank) a rank's ``timeline`` leaves
+    idle: one minus its busy seconds over the span; on a grid of whole units, the ratio computed
+    exactly and then rounded once (as ``(p − 1)/(m + p − 1)`` is)."""
+    busy = sum(end - start for _, start, end in timeline)
+    if isinstance(span, int) and isinstance(busy, int):
+        return float(Fraction(span - busy, span))
+    return 1 - busy / span

@@ -28,15 +28,22 @@ from __future__ import annotations
 
 import sys
 
+import torch.distributed as dist
+
 from handbook_lib.core.config import get_precision
 from handbook_lib.core.results import Check
 from handbook_lib.models.pipeline import (
     bubble_fraction,
     estimate_pipeline_fsdp_calls,
     estimate_pipeline_p2p,
-    estimate_pipeline_tp_calls,
     estimate_pipeline_state_bytes,
+    estimate_pipeline_tp_calls,
+    idle_fraction,
+    in_flight,
+    most_in_flight,
     rank_stages,
+    schedule_actions,
+    simulate_schedule,
 )
 from handbook_lib.runs.axes_checks import LOSS_TOLERANCE, collective_checks, state_checks
 from handbook_lib.runs.entry import RankReport, main, one_process_loss_checks
@@ -47,7 +54,12 @@ from handbook_lib.runtime.collectives import collective_totals
 from handbook_lib.runtime.distributed import RankContext
 from handbook_lib.runtime.mesh import build_layout_mesh
 from handbook_lib.runtime.optimization import build_optimizer
+from handbook_lib.runtime.pipeline import PipelinedModel
 from handbook_lib.runtime.training import train
+
+
+INTERLEAVED_BUBBLE_TOLERANCE = 0.0
+"""Relative tolerance of an interleaved schedule's bubble on the grid against the formula."""
 
 
 def run(config: PipelineConfig, ctx: RankContext) -> RankReport:
@@ -69,19 +81,61 @@ def run(config: PipelineConfig, ctx: RankContext) -> RankReport:
                  *estimate_pipeline_fsdp_calls(config, ctx.world_size, mesh.pp_rank),
                  *estimate_pipeline_tp_calls(config, ctx.world_size, mesh.pp_rank)]
     checks += collective_checks(ctx, predicted, log.collectives)
+    assert isinstance(model, PipelinedModel)
+    schedule, timeline = schedule_checks(config, ctx, model, mesh.pp_group)
+    checks += schedule
     sent = sum(k["sent_bytes"] for k in collective_totals(log.collectives).values())
     metrics = {"losses": log.losses, "step_time_s": log.step_time_s, "lr": log.lr,
                "pp_rank": mesh.pp_rank, "dp_rank": mesh.dp_rank, "pp_size": config.pp_size,
                "stages": [s.index for s in spans], "layers": layers, "embedding": spans[0].embedding,
                "head": spans[-1].head, "param_shard_bytes": params.shard_bytes,
                "bubble_fraction": bubble_fraction(config.pp_size, config.pp_microbatches, config.pp_stages_per_rank),
-               "collectives": [vars(c) for c in log.collectives], "sent_bytes": sent}
+               "collectives": [vars(c) for c in log.collectives], "sent_bytes": sent, **timeline}
     if ctx.is_main:
         compute, _ = get_precision(config.precision)
         metrics["reference_losses"], loss_checks = one_process_loss_checks(
             config, log.losses, LOSS_TOLERANCE[compute], str(ctx.device))  # the reference on the rank's device
         checks += loss_checks
     return RankReport(metrics=metrics, checks=checks, extra={"pp_size": config.pp_size})
+
+
+def schedule_checks(config: PipelineConfig, ctx: RankContext, model: PipelinedModel,
+                    group: dist.ProcessGroup) -> tuple[list[Check], dict]:
+    """The last step's order of work on this rank against :func:`~handbook_lib.models.pipeline.schedule_actions`
+    (an interleaved schedule: against the schedule's own list, which its executor runs); the most
+    micro-batches each of its stages held at once against :func:`~handbook_lib.models.pipeline.in_flight`
+    (an interleaved schedule: against its list's); and the bubble of the pipeline's measured orders
+    on a grid of unit times (forward 1, backward 2) against ``(p − 1)/(v·m + p − 1)``. Returns the
+    checks and the metrics: the timeline (seconds from the pipeline's first start), the orders'
+    bubble, and the measured one (noisy on a shared CPU: reported, not checked)."""
+    reference = ([a for span in rank_stages(config, dist.get_rank(group))
+                  for a in schedule_actions(config.schedule, config.pp_size, config.pp_microbatches, span.index)]
+                 if config.pp_stages_per_rank == 1 else model.schedule_order())
+    measured = [(kind, stage, mb) for kind, stage, mb, _, _ in model.timeline]
+    same = next((i for i, (a, b) in enumerate(zip(reference, measured)) if a != b), min(len(reference), len(measured)))
+    checks = [Check("schedule_order", ctx.rank, len(reference), same if len(measured) == len(reference) else -1,
+                    "actions")]
+    held, planned = most_in_flight(measured), most_in_flight(reference)
+    for stage in sorted(held):
+        expected = (planned[stage] if config.pp_stages_per_rank > 1
+                    else in_flight(config.schedule, config.pp_size, config.pp_microbatches, stage))
+        checks.append(Check(f"in_flight_stage_{stage}", ctx.rank, expected, held[stage], "micro-batches"))
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, model.timeline, group=group)
+    orders = {r: [(k, st, mb) for k, st, mb, _, _ in line] for r, line in enumerate(everyone)}
+    grid = simulate_schedule(orders, config.pp_stages)
+    span = max(end for line in grid.values() for _, _, end in line)
+    here = dist.get_rank(group)
+    bubble = bubble_fraction(config.pp_size, config.pp_microbatches, config.pp_stages_per_rank)
+    simulated = idle_fraction(grid[here], span)
+    checks.append(Check("bubble_fraction", ctx.rank, bubble, simulated, "fraction",
+                        0.0 if config.pp_stages_per_rank == 1 else INTERLEAVED_BUBBLE_TOLERANCE))
+    origin = min(start for line in everyone for _, _, _, start, _ in line)
+    last = max(end for line in everyone for _, _, _, _, end in line)
+    timeline = [(k, st, mb, start - origin, end - origin) for k, st, mb, start, end in model.timeline]
+    return checks, {"timeline": timeline, "simulated_bubble": simulated,
+                    "measured_bubble": idle_fraction([((k, st, mb), a, b) for k, st, mb, a, b in timeline],
+                                                     last - origin)}
 
 
 if __name__ == "__main__":
