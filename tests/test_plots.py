@@ -636,3 +636,37 @@ def test_micro_batch_fit_draws_the_model_the_runs_and_the_limits_in_gb(figs: lis
     figs.append(none := plots.plot_micro_batch_fit(xs, peak, reserved, runs, 35 * 10**9, 4, None))
     assert not any(line.get_label().startswith("first OOM") for line in _ax(none).get_lines())
     _assert_readable(fig)
+
+
+def _pipeline_run(orders: dict[int, list[tuple[str, int, int]]], stages: int) -> RunResult:
+    """A ``pipeline`` result whose ranks ran ``orders``, timed as on the unit grid (seconds)."""
+    from handbook_lib.models.pipeline import simulate_schedule
+
+    grid = simulate_schedule(orders, stages)
+    ranks = [{"rank": r, "pp_rank": r, "dp_rank": 0, "tp_rank": 0,
+              "timeline": [[k, s, mb, a / 100, b / 100] for (k, s, mb), a, b in grid[r]]} for r in orders]
+    return _run(ranks)
+
+
+def test_pipeline_schedules_draw_each_rank_s_work_as_run_and_on_the_grid(figs: list[Figure]) -> None:
+    from handbook_lib.models.pipeline import schedule_actions
+
+    runs = {name: _pipeline_run({s: schedule_actions(name, 2, 4, s) for s in range(2)}, 2)
+            for name in ("GPipe", "1F1B")}
+    looped = {0: [("F", 0, i) for i in range(4)] + [("F", 2, i) for i in range(4)] + [("B", 2, i) for i in range(4)]
+              + [("B", 0, i) for i in range(4)],
+              1: [("F", 1, i) for i in range(4)] + [("F", 3, i) for i in range(4)] + [("B", 3, i) for i in range(4)]
+              + [("B", 1, i) for i in range(4)]}
+    runs["looped, 2 stages a rank"] = _pipeline_run(looped, 4)
+    figs.append(fig := diagrams.plot_pipeline_schedules(runs))
+    _assert_readable(fig)
+    axes = fig.get_axes()
+    assert len(axes) == 6 and axes[0].get_title() == "GPipe: as run (s)"
+    assert axes[3].get_title() == "1F1B: on the grid (F 1, B 2)"
+    for ax, per_rank in zip(axes, (8, 8, 8, 8, 16, 16)):
+        assert len(ax.collections) == 2 * per_rank  # one bar an action, on each of the 2 ranks
+    assert [t.get_text() for t in axes[3].get_yticklabels()] == ["rank 0", "rank 1"]
+    hatched = [c for c in axes[5].collections if c.get_hatch()]
+    assert len(hatched) == 16  # the second stage of each rank: 4 forwards and 4 backwards, 2 ranks
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend == ["forward", "backward", "a rank's second stage"]

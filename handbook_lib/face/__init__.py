@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         plot_collective_timeline,
         plot_commit_protocol,
         plot_fsdp_step,
+        plot_pipeline_schedules,
         plot_ring_schedule,
         plot_step_phases,
     )

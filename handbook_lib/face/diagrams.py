@@ -7,7 +7,8 @@ chapter 5 :func:`plot_collective_timeline` from a run's counted collectives, cha
 :func:`plot_commit_protocol` from :data:`handbook_lib.models.checkpoint.COMMIT_STEPS`: the data
 come from the models and the runs, never typed into a figure. Chapter 1 draws
 :func:`plot_fsdp_step` from its first run's counted collectives, chapter 2
-:func:`plot_step_phases` from :func:`~handbook_lib.models.memory.estimate_memory`.
+:func:`plot_step_phases` from :func:`~handbook_lib.models.memory.estimate_memory`, chapter 9
+:func:`plot_pipeline_schedules` from the ``pipeline`` run's timelines.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from handbook_lib.face.plots import BOOK_WIDTH_IN
+from handbook_lib.core.results import RunResult
+from handbook_lib.face.plots import BOOK_WIDTH_IN, MIN_FONT_PT
 from handbook_lib.models.checkpoint import CommitStep
 from handbook_lib.models.collectives import ring_schedule
 from handbook_lib.models.memory import MemoryEstimate
+from handbook_lib.models.pipeline import simulate_schedule
 
 __all__ = ["plot_ring_schedule", "plot_collective_timeline", "plot_commit_protocol", "fsdp_step_slots",
-           "plot_fsdp_step", "plot_step_phases"]
+           "plot_fsdp_step", "plot_step_phases", "plot_pipeline_schedules"]
 
 
 def _ring_states(kind: str, n: int) -> list[list[dict[int, int]]]:
@@ -309,4 +312,53 @@ def plot_step_phases(
     ax.set_xlabel(f"bytes on the rank ({unit}, 10^{9 if unit == 'GB' else 6}); dark: the peak")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, frameon=False)
+    return fig
+
+
+def _pipeline_lines(result: RunResult) -> dict[int, list[tuple[str, int, int, float, float]]]:
+    """The timelines of one pipeline of a ``pipeline`` result (its ranks of data-parallel and
+    tensor rank 0), by pipeline rank."""
+    return {int(m["pp_rank"]): [(str(k), int(s), int(mb), float(a), float(b)) for k, s, mb, a, b in m["timeline"]]
+            for m in result.ranks if m["dp_rank"] == 0 and m.get("tp_rank", 0) == 0}
+
+
+def plot_pipeline_schedules(results: Mapping[str, RunResult]) -> Figure:
+    """Each schedule's last step, one row per schedule: on the left as the ranks ran it (seconds
+    from the pipeline's first start, from the run's timelines), on the right the same orders on a
+    grid of unit times (a forward 1, a backward 2, sends free:
+    :func:`~handbook_lib.models.pipeline.simulate_schedule`), where the idle gaps are the bubble.
+    One bar a rank; forwards blue, backwards orange, each labelled with its micro-batch, a rank's
+    later stages hatched (an interleaved schedule's)."""
+    fig = Figure(figsize=(BOOK_WIDTH_IN, 0.4 + 1.9 * len(results)), layout="constrained")
+    axes = fig.subplots(len(results), 2, squeeze=False)
+    colours = {"F": "C0", "B": "C1"}
+    for row, (label, result) in enumerate(results.items()):
+        lines = _pipeline_lines(result)
+        stages = max(s for line in lines.values() for _, s, _, _, _ in line) + 1
+        grid = simulate_schedule({r: [(k, s, mb) for k, s, mb, _, _ in line] for r, line in lines.items()}, stages)
+        many = stages > len(lines)
+        drawn = {"as run (s)": {r: [(a, b - a, k, s, mb) for k, s, mb, a, b in line] for r, line in lines.items()},
+                 "on the grid (F 1, B 2)": {r: [(a, b - a, k, s, mb) for (k, s, mb), a, b in line]
+                                            for r, line in grid.items()}}
+        for col, (axis, bars) in enumerate(drawn.items()):
+            ax = axes[row][col]
+            for rank, blocks in bars.items():
+                for start, width, kind, stage, mb in blocks:
+                    ax.broken_barh([(start, width)], (rank - 0.4, 0.8), facecolor=colours[kind], edgecolor="white",
+                                   hatch="///" if many and stage >= len(lines) else None)
+                    if col == 1:
+                        ax.text(start + width / 2, rank, str(mb), ha="center", va="center", fontsize=MIN_FONT_PT,
+                                color="white")
+            ax.set_yticks(sorted(bars), [f"rank {r}" for r in sorted(bars)], fontsize=MIN_FONT_PT)
+            ax.set_ylim(len(bars) - 0.5, -0.5)
+            ax.tick_params(labelsize=MIN_FONT_PT)
+            ax.set_title(f"{label}: {axis}", fontsize=9)
+    handles = [Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+    labels = ["forward", "backward"]
+    if any(max(s for line in _pipeline_lines(r).values() for _, s, _, _, _ in line) >= len(_pipeline_lines(r))
+           for r in results.values()):
+        handles.append(Rectangle((0, 0), 1, 1, facecolor="0.6", hatch="///", edgecolor="white"))
+        labels.append("a rank's second stage")
+    fig.legend(handles=handles, labels=labels, fontsize=MIN_FONT_PT, loc="outside lower center", ncol=3,
+               frameon=False)
     return fig

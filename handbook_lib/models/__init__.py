@@ -91,8 +91,9 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         post_forward_shard_bytes, shard_rows,
     )
     from handbook_lib.models.pipeline import (
-        StageSpan, bubble_fraction, estimate_pipeline_fsdp_calls, estimate_pipeline_p2p,
-        estimate_pipeline_state_bytes, rank_stages, stage_layers, stage_param_shapes,
+        Action, StageSpan, bubble_fraction, estimate_pipeline_fsdp_calls, estimate_pipeline_p2p,
+        estimate_pipeline_state_bytes, idle_fraction, in_flight, most_in_flight, pipeline_memory, rank_stages,
+        schedule_actions, simulate_schedule, stage_layers, stage_param_shapes,
     )
     from handbook_lib.models.axes_run import (
         AxesCall, axes_micro_batch, axes_units, estimate_axes_activation_bytes, estimate_axes_collectives,
@@ -134,7 +135,10 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         sp_candidates,
     )
     from handbook_lib.models.axes_table import (
-        AxisOption, axes_reason, compare_axes, recommend_axes,
+        AxisOption, axes_reason, compare_axes, pipeline_microbatches, price_pipeline, recommend_axes,
+    )
+    from handbook_lib.models.published_pipeline import (
+        PUBLISHED_PIPELINES, PipelineRow, PublishedPipeline, pipeline_rows,
     )
     from handbook_lib.models.published import (
         PUBLISHED_AXIS_MEMORY, AxisMemoryRow, PublishedAxisMemory, axis_memory_rows,
