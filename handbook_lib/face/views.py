@@ -231,7 +231,8 @@ def axes_table(rows: list[AxisOption], *, compact: bool = False) -> Table:
     memory reserved per GPU and its margin (``batch`` where the layout fits but its step takes
     more tokens than the recipe's batch), the step's communication in seconds (all of it, and
     what compute does not hide), compute seconds, step seconds, and tokens per second per GPU;
-    beside a pipeline, its bubble's seconds in the place of all communication's.
+    beside a pipeline, its bubble's seconds in the place of all communication's (and, compact,
+    of the exposed communication's too: the book's column is 86 characters).
     ``compact`` leaves out the communication and compute totals (the book's column)."""
     def margin(r: AxisOption) -> str:
         if not r.within_batch and r.fits:
@@ -246,7 +247,7 @@ def axes_table(rows: list[AxisOption], *, compact: bool = False) -> Table:
     piped = any(r.pp_size > 1 for r in rows)  # the bubble's column only beside a pipeline
     # a pipeline's bubble takes the all-communication column's place (what is not hidden stays)
     keep = [i for i, h in enumerate(headers) if not (compact and h in ("comm s", "comp s"))
-            and (h != "bubble s" if not piped else h != "comm s")]
+            and (h != "bubble s" if not piped else h != "comm s" and not (compact and h == "exposed s"))]
     if piped:  # the pipeline's names are long: two headers lose their unit (seconds) to fit 100 columns
         headers = [{"exposed s": "exposed", "bubble s": "bubble"}.get(h, h) for h in headers]
     return Table([headers[i] for i in keep], [[row[i] for i in keep] for row in table])
