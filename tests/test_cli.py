@@ -177,6 +177,22 @@ def test_run_help_lists_the_runs_and_the_config_keys(capsys):
                  "api: fsdp2 | fsdp1", "steps=5", "num_layers=6", "variants=DDP,FULL_SHARD,SHARD_GRAD_OP",
                  "min_bytes=4096", "mode: raise | exit | hang | sleep | bad_check | kill_agent | none", "resume=False"):
         assert text in out, text
+    # the shared keys by section, each key once
+    lines = [line.strip() for line in out.splitlines()]
+    assert "model: vocab_size=10000 d_model=256 nhead=4 dim_feedforward=1024 num_layers=6" in lines
+    assert "data: batch_size=8 seq_len=64 steps=5 seed=0" in lines
+    for section in ("layout: strategy=FULL_SHARD", "numerics: precision=fp32", "levers: activation_checkpointing=none"):
+        assert any(line.startswith(section) for line in lines), section
+
+
+def test_a_key_is_set_by_its_section_s_name_too(tmp_path):
+    """--set data.steps=3 is --set steps=3; a key under the wrong section is refused by name."""
+    from handbook_lib.launch.preflight import check_run_config
+
+    assert check_run_config("fsdp_train", {"data.steps": "3", "model.num_layers": "2"}, 2).to_dict() == \
+        check_run_config("fsdp_train", {"steps": "3", "num_layers": "2"}, 2).to_dict()
+    with pytest.raises(ValueError, match="unknown config key.*'data.lr'"):
+        check_run_config("fsdp_train", {"data.lr": "0.1"}, 2)
 
 
 def test_params_of_a_preset(capsys):

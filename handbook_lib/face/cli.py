@@ -321,7 +321,9 @@ def _run_epilog() -> str:
     """The runs and their config keys, read from the sources (no torch import)."""
     lines = ["runs:"]
     lines += [wrap_line(f"  {name:19s}{doc}", " " * 21) for name, doc in describe_runs().items()]
-    shared = [f"{key}={value}" for key, value in RunConfig().to_dict().items()]
+    defaults = RunConfig().to_dict()
+    shared = [wrap_line(f"    {section}: " + " ".join(f"{k}={defaults[k]}" for k in keys), "      ")
+              for section, keys in RunConfig.sections().items()]
     users, own = [], []
     for name in describe_runs():
         info = run_config_fields(name)
@@ -334,7 +336,9 @@ def _run_epilog() -> str:
             own.append(wrap_line(f"  {name} (its own keys): {keys}", "    "))
         own += [wrap_line(f"    {k}: {' | '.join(v)}", "      ") for k, v in info.choices.items()]
     lines.append("config keys (--set KEY=VALUE, repeatable; default values shown):")
-    lines.append(wrap_line(f"  {', '.join(users)} share the run config: " + " ".join(shared), "    "))
+    lines.append(wrap_line(f"  {', '.join(users)} share the run config, in five sections (--set KEY, or "
+                           "--set SECTION.KEY):", "    "))
+    lines += shared
     lines += [wrap_line(f"    {k}: {' | '.join(v)}", "      ") for k, v in RunConfig.choices().items()]
     lines += own
     lines.append("example: python -m handbook_lib run fsdp_train --nproc 2 --set steps=3 --out runs/first")
