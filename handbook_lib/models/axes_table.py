@@ -68,8 +68,7 @@ from handbook_lib.models.timing import (
 from handbook_lib.models.topology import route_collective
 from handbook_lib.models.traffic import estimate_step_traffic
 
-__all__ = ["AxisOption", "axes_reason", "compare_axes", "pipeline_microbatches", "price_layout", "price_pipeline",
-           "recommend_axes"]
+__all__ = ["AxisOption", "axes_reason", "compare_axes", "pipeline_microbatches", "price_layout", "recommend_axes"]
 
 _FROM_PLAN = ("FULL_SHARD", "FULL_SHARD + AC", "HYBRID_SHARD", "HYBRID_SHARD + AC")
 
@@ -156,13 +155,17 @@ def _attention_slice(shape: DecoderShape, tp: int) -> DecoderShape:
     return dataclasses.replace(shape, nhead=shape.nhead // tp, num_kv_heads=shape.kv_heads // tp, head_dim=head)
 
 
-def price_layout(job: _Job, tp: int, sp: int, method: str, ac: bool) -> AxisOption:
-    """One layout's row: TP over ``tp`` GPUs of a node, the sequence split over ``sp`` ranks, FSDP2
-    over the ``gpus / tp`` ranks of each TP slice (module docstring); ``tp`` = ``sp`` = 1 is
-    FULL_SHARD priced the same way. Memory: :func:`~handbook_lib.models.axes.estimate_job_memory`."""
+def price_layout(job: _Job, layout: ParallelLayout, ac: bool, microbatches: int = 1) -> AxisOption:
+    """One layout's row, the one time entry point for every layout of the job's GPUs: a pipeline
+    (``layout.pp`` > 1, ``microbatches`` a step) by :func:`_price_pipeline`; otherwise TP over
+    ``tp`` GPUs of a node, the sequence split over ``sp`` ranks, FSDP2 over the ``gpus / tp`` ranks
+    of each TP slice (module docstring); ``tp`` = ``sp`` = 1 is FULL_SHARD priced the same way.
+    Memory: :func:`~handbook_lib.models.axes.estimate_job_memory`."""
+    if layout.pp > 1:
+        return _price_pipeline(job, layout.tp, layout.pp, microbatches, ac)
+    tp, sp, method = layout.tp, layout.sp, layout.sp_method
     fsdp_ranks, dp = job.gpus // tp, job.gpus // (tp * sp)
     tokens = job.micro_batch * job.seq_len // sp  # one GPU's (one TP group's)
-    layout = ParallelLayout.for_world(job.gpus, tp=tp, sp=sp, sp_method=method)
     mem = estimate_job_memory(job.shape, layout, micro_batch=job.micro_batch, seq_len=job.seq_len,
                               precision=job.precision, activation_checkpointing=job.mode(ac))
     compute = job.compute(tokens, ac) / tp
@@ -199,7 +202,7 @@ def price_layout(job: _Job, tp: int, sp: int, method: str, ac: bool) -> AxisOpti
                       fsdp.total_s + exposed, dp * job.micro_batch * job.seq_len)
 
 
-def price_pipeline(job: _Job, tp: int, pp: int, microbatches: int, ac: bool) -> AxisOption:
+def _price_pipeline(job: _Job, tp: int, pp: int, microbatches: int, ac: bool) -> AxisOption:
     """A pipeline's row: ``pp`` stages (the outermost axis, one stage per GPU of a pipeline,
     1F1B), TP over ``tp`` GPUs of a node inside each, FSDP2 over the ``gpus / (tp · pp)``
     data-parallel ranks of each stage; each pipeline runs ``microbatches`` micro-batches of
@@ -284,7 +287,7 @@ def compare_axes(model: DecoderShape | str, gpu: Accelerator | str, gpus: int, *
             :func:`~handbook_lib.models.planner.plan`.
         batch_tokens: The recipe's global batch, tokens per step: a layout whose step takes more
             is marked not :attr:`AxisOption.within_batch` (``None``: no limit).
-        pp_size: Pipeline stages across nodes, TP ``tp_size`` inside each (:func:`price_pipeline`;
+        pp_size: Pipeline stages across nodes, TP ``tp_size`` inside each (:func:`price_layout`;
             micro-batches: :func:`pipeline_microbatches`); 0 prices every stage count from 2 that
             divides the TP groups and the layers and keeps the best of them, with and without
             checkpointing; 1 (the default) leaves the pipeline out.
@@ -304,13 +307,13 @@ def compare_axes(model: DecoderShape | str, gpu: Accelerator | str, gpus: int, *
     rows = [_from_plan(o, job) for o in result.options if o.name in _FROM_PLAN and o.gpus == gpus]
     for ac in (False, True):
         if tp > 1:
-            rows.append(price_layout(job, tp, 1, sp_method, ac))
+            rows.append(price_layout(job, ParallelLayout.for_world(gpus, tp=tp), ac))
         if sp_size > 1:
-            rows.append(price_layout(job, 1, sp_size, sp_method, ac))
+            rows.append(price_layout(job, ParallelLayout.for_world(gpus, sp=sp_size, sp_method=sp_method), ac))
         if tp > 1 and sp_size > 1 and ParallelLayout.allows(gpus, tp=tp, sp=sp_size, sp_method=sp_method,
                                                             nhead=shape.nhead, kv_heads=shape.kv_heads,
                                                             seq_len=seq_len):
-            rows.append(price_layout(job, tp, sp_size, sp_method, ac))
+            rows.append(price_layout(job, ParallelLayout.for_world(gpus, tp=tp, sp=sp_size, sp_method=sp_method), ac))
     if pp_size != 1:
         rows += _pipeline_rows(job, tp, pp_size, batch_tokens)
     if batch_tokens is not None:
@@ -343,8 +346,8 @@ def _pipeline_rows(job: _Job, tp: int, pp_size: int, batch_tokens: int | None) -
     tokens = job.micro_batch * job.seq_len
     rows = []
     for ac in (False, True):
-        priced = [price_pipeline(job, tp, p, pipeline_microbatches(job.gpus, tp, p, tokens, batch_tokens), ac)
-                  for p in sizes]
+        priced = [price_layout(job, ParallelLayout.for_world(job.gpus, tp=tp, pp=p), ac,
+                               pipeline_microbatches(job.gpus, tp, p, tokens, batch_tokens)) for p in sizes]
         if pp_size > 1:
             rows += priced
             continue
