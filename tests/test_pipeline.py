@@ -205,3 +205,45 @@ def test_orders_that_wait_on_each_other_are_refused():
     orders = {0: [("B", 0, 0), ("F", 0, 0)], 1: [("F", 1, 0), ("B", 1, 0)]}  # stage 0's backward first
     with pytest.raises(ValueError, match="deadlock"):
         simulate_schedule(orders, 2)
+
+
+def test_the_v_places_stages_r_and_2p_minus_1_minus_r():
+    from handbook_lib.models.pipeline import stage_rank
+
+    assert [stage_rank("ZBVZeroBubble", 4, s) for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert [stage_rank("Interleaved1F1B", 4, s) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    config = PipelineConfig(**{**SHAPE, "num_layers": 4}, pp_size=2, schedule="ZBVZeroBubble", pp_stages_per_rank=2)
+    assert [s.index for s in rank_stages(config, 1)] == [1, 2]
+    # stages 1 and 2 share rank 1: only stage 1's receive from 0 and stage 2's send to 3 cross ranks
+    calls = estimate_pipeline_p2p(config, 2, 1)
+    assert sorted({c.site for c in calls}) == ["stage 1", "stage 2"] and len(calls) == 2 * 2 * config.pp_microbatches
+
+
+def test_a_split_backward_frees_its_micro_batch_with_the_weights_half():
+    from handbook_lib.models.pipeline import most_in_flight, simulate_schedule
+
+    order = [("F", 0, 0), ("F", 0, 1), ("I", 0, 0), ("W", 0, 0), ("I", 0, 1), ("W", 0, 1)]
+    assert most_in_flight(order) == {0: 2}
+    grid = simulate_schedule({0: order}, 1)[0]
+    # one stage: F 1 unit each, I after its own F, W after its I, 1 unit each
+    assert [(a[0], start, end) for a, start, end in grid] == [("F", 0, 1), ("F", 1, 2), ("I", 2, 3), ("W", 3, 4),
+                                                               ("I", 4, 5), ("W", 5, 6)]
+
+
+ZBV = {**SHAPE, "num_layers": 8, "schedule": "ZBVZeroBubble", "pp_stages_per_rank": 2}
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"pp_size": 2}, "leaves 2 data-parallel ranks"),
+    ({"precision": "bf16-mixed"}, "accepted: fp32"),
+    ({"tp_size": 2}, "not modelled here"),
+])
+def test_the_zero_bubble_v_refuses_what_its_unsharded_stages_cannot_run(change, words):
+    with pytest.raises(ValueError, match=words):
+        validate(PipelineConfig.from_mapping({**ZBV, **change}), 4)
+    validate(PipelineConfig.from_mapping(ZBV), 4)  # every rank a stage pair, fp32: runs
+
+
+def test_the_zero_bubble_v_takes_two_stages_a_rank():
+    with pytest.raises(ValueError, match="ZBVZeroBubble 2"):
+        PipelineConfig.from_mapping({**ZBV, "pp_size": 2, "pp_stages_per_rank": 3})

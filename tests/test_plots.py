@@ -669,4 +669,4 @@ def test_pipeline_schedules_draw_each_rank_s_work_as_run_and_on_the_grid(figs: l
     hatched = [c for c in axes[5].collections if c.get_hatch()]
     assert len(hatched) == 16  # the second stage of each rank: 4 forwards and 4 backwards, 2 ranks
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert legend == ["forward", "backward", "a rank's second stage"]
+    assert legend == ["forward", "backward (or its input's gradient)", "a rank's second stage"]

@@ -1,6 +1,8 @@
 """handbook_lib.runs.pipeline: every schedule on 2 and 4 ranks, alone and with FSDP2 over the
 data-parallel ranks, with tensor parallelism (4 ranks) and with both (8 ranks: 2 x 2 x 2), every
-check exact (losses 1e-5 in fp32)."""
+check exact (losses 1e-5 in fp32); the zero-bubble V on 2 ranks here, on 4 in chapter 9."""
+
+from collections import Counter
 
 import pytest
 
@@ -9,7 +11,8 @@ from handbook_lib.launch import torchrun_batch
 SHAPE = {"vocab_size": 50, "d_model": 32, "nhead": 4, "dim_feedforward": 64, "num_layers": 4,
          "batch_size": 8, "seq_len": 8, "steps": 3}
 INTERLEAVED = {"schedule": "Interleaved1F1B", "pp_stages_per_rank": 2}
-ON_2 = {"gpipe": {"schedule": "GPipe"}, "1f1b": {"schedule": "1F1B"}, "interleaved": INTERLEAVED}
+ON_2 = {"gpipe": {"schedule": "GPipe"}, "1f1b": {"schedule": "1F1B"}, "interleaved": INTERLEAVED,
+        "zbv_ac": {"schedule": "ZBVZeroBubble", "pp_stages_per_rank": 2, "activation_checkpointing": "full"}}
 ON_4 = {"gpipe": {"schedule": "GPipe"}, "1f1b": {"schedule": "1F1B"},
         "interleaved_x_fsdp": {"pp_size": 2, **INTERLEAVED},
         "1f1b_x_fsdp_bf16_ac_cosine": {"pp_size": 2, "precision": "bf16-mixed", "activation_checkpointing": "full",
@@ -66,7 +69,7 @@ def test_a_middle_stage_sends_both_ways_and_the_ends_one(results):
 
 def test_the_losses_are_one_process_losses_whatever_the_schedule(results):
     fp32 = [r for (n, label), r in results.items() if "bf16" not in label and "uneven" not in label]
-    assert len(fp32) == 7
+    assert len(fp32) == 8  # the zero-bubble V included
     first = fp32[0].ranks[0]["losses"]
     for result in fp32:
         assert result.ranks[0]["losses"] == pytest.approx(first, rel=1e-5)
@@ -86,3 +89,17 @@ def test_each_schedule_runs_its_order_holds_its_micro_batches_and_idles_its_bubb
             assert 0 <= rank["measured_bubble"] < 1   # real times: reported, not checked
     # interleaved, 2 ranks x 2 stages, 4 micro-batches: (p − 1)/(v·m + p − 1) = 1/9
     assert all(r["simulated_bubble"] == pytest.approx(1 / 9) for r in results[(2, "interleaved")].ranks)
+
+
+def test_the_zero_bubble_v_splits_each_backward_and_passes_the_middle_in_memory(results):
+    """ZBVZeroBubble on 2 ranks: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2 (the V), so
+    stages 1 and 2 meet on rank 1 and pass activations without a send; each backward is split
+    into the input's gradient (I) and the weights' (W), and the orders on the grid idle what the
+    schedule's own list does: 1/25 of the step at 4 micro-batches, against 1F1B's interleaved 1/9."""
+    result = results[(2, "zbv_ac")]
+    assert [r["stages"] for r in result.ranks] == [[0, 3], [1, 2]]
+    kinds = Counter(kind for kind, *_ in result.ranks[0]["timeline"])
+    assert kinds == {"F": 8, "I": 8, "W": 8}
+    sends = [sum(c["kind"] == "send" for c in r["collectives"]) for r in result.ranks]
+    assert sends == [8, 8]  # stage 0 out, stage 3 in (gradient): 4 + 4; stage 1 in, stage 2 out
+    assert all(r["simulated_bubble"] == pytest.approx(1 / 25) for r in result.ranks)

@@ -16,14 +16,20 @@ from handbook_lib.core.config import LayoutConfig, RunConfig
 from handbook_lib.core.parallel_layout import SP_METHODS, ParallelLayout, SpMethod
 from handbook_lib.core.strategies import get_strategy, strategies_where
 
-__all__ = ["SP_METHODS", "PP_SCHEDULES", "AXES_LEVERS_REFUSED", "CONFIG_NAMES", "AxesLayoutConfig", "ParallelConfig"]
+__all__ = ["SP_METHODS", "PP_SCHEDULES", "MULTI_STAGE", "AXES_LEVERS_REFUSED", "CONFIG_NAMES", "AxesLayoutConfig",
+           "ParallelConfig"]
 
-PpSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]
+PpSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"]
 PP_SCHEDULES: tuple[str, ...] = get_args(PpSchedule)
 """The pipeline schedules a run takes (``torch.distributed.pipelining``'s ``Schedule<name>``):
 ``GPipe`` (every micro-batch's forward, then every backward), ``1F1B`` (one forward, one
-backward, once the pipeline is full) and ``Interleaved1F1B`` (1F1B over ``pp_stages_per_rank``
-stages per rank, each a smaller slice of the layers: a shorter bubble)."""
+backward, once the pipeline is full), ``Interleaved1F1B`` (1F1B over ``pp_stages_per_rank``
+stages per rank, each a smaller slice of the layers: a shorter bubble) and ``ZBVZeroBubble``
+(two stages per rank placed in a V, rank r holding stages r and 2p − 1 − r, each backward split
+into its input's gradient and, later, its weights', which fill the bubble)."""
+
+MULTI_STAGE: tuple[str, ...] = ("Interleaved1F1B", "ZBVZeroBubble")
+"""The schedules whose ranks hold more than one stage (``pp_stages_per_rank`` >= 2)."""
 
 
 CONFIG_NAMES: dict[str, str] = {
@@ -127,9 +133,9 @@ class ParallelConfig(RunConfig):
         micro-batches the interleaved schedule cannot cut into rounds, or accumulation besides."""
         interleaved = self.schedule == "Interleaved1F1B"
         v, m, stages = self.pp_stages_per_rank, self.pp_microbatches, self.pp_stages
-        if interleaved != (v > 1):
+        if (self.schedule in MULTI_STAGE) != (v > 1) or (self.schedule == "ZBVZeroBubble" and v != 2):
             raise ValueError(f"config key 'pp_stages_per_rank'={v} with schedule={self.schedule!r}: "
-                             "Interleaved1F1B takes 2 or more stages per rank, GPipe and 1F1B one")
+                             "Interleaved1F1B takes 2 or more stages per rank, ZBVZeroBubble 2, GPipe and 1F1B one")
         if stages > self.num_layers:
             raise ValueError(f"config key 'pp_size'={self.pp_size} x 'pp_stages_per_rank'={v}: {stages} stages must "
                              f"be at most 'num_layers'={self.num_layers} (a stage holds whole layers)")

@@ -327,11 +327,12 @@ def plot_pipeline_schedules(results: Mapping[str, RunResult]) -> Figure:
     from the pipeline's first start, from the run's timelines), on the right the same orders on a
     grid of unit times (a forward 1, a backward 2, sends free:
     :func:`~handbook_lib.models.pipeline.simulate_schedule`), where the idle gaps are the bubble.
-    One bar a rank; forwards blue, backwards orange, each labelled with its micro-batch, a rank's
-    later stages hatched (an interleaved schedule's)."""
+    One bar a rank; forwards blue, backwards orange (a split backward's input gradient too, its
+    weights' gradient green), each labelled with its micro-batch, a rank's later stages hatched
+    (an interleaved schedule's, the V's); a rank with more than 16 blocks goes unlabelled."""
     fig = Figure(figsize=(BOOK_WIDTH_IN, 0.4 + 1.9 * len(results)), layout="constrained")
     axes = fig.subplots(len(results), 2, squeeze=False)
-    colours = {"F": "C0", "B": "C1"}
+    colours = {"F": "C0", "B": "C1", "I": "C1", "W": "C2"}  # a split backward: its input's half as B
     for row, (label, result) in enumerate(results.items()):
         lines = _pipeline_lines(result)
         stages = max(s for line in lines.values() for _, s, _, _, _ in line) + 1
@@ -346,19 +347,22 @@ def plot_pipeline_schedules(results: Mapping[str, RunResult]) -> Figure:
                 for start, width, kind, stage, mb in blocks:
                     ax.broken_barh([(start, width)], (rank - 0.4, 0.8), facecolor=colours[kind], edgecolor="white",
                                    hatch="///" if many and stage >= len(lines) else None)
-                    if col == 1:
+                    if col == 1 and max(len(b) for b in bars.values()) <= 16:  # more: too narrow to label
                         ax.text(start + width / 2, rank, str(mb), ha="center", va="center", fontsize=MIN_FONT_PT,
                                 color="white")
             ax.set_yticks(sorted(bars), [f"rank {r}" for r in sorted(bars)], fontsize=MIN_FONT_PT)
             ax.set_ylim(len(bars) - 0.5, -0.5)
             ax.tick_params(labelsize=MIN_FONT_PT)
             ax.set_title(f"{label}: {axis}", fontsize=9)
-    handles = [Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-    labels = ["forward", "backward"]
+    handles = [Rectangle((0, 0), 1, 1, color=colours[k]) for k in "FB"]
+    labels = ["forward", "backward (or its input's gradient)"]
+    if any(k == "W" for r in results.values() for line in _pipeline_lines(r).values() for k, *_ in line):
+        handles.append(Rectangle((0, 0), 1, 1, color=colours["W"]))
+        labels.append("weights' gradient")
     if any(max(s for line in _pipeline_lines(r).values() for _, s, _, _, _ in line) >= len(_pipeline_lines(r))
            for r in results.values()):
         handles.append(Rectangle((0, 0), 1, 1, facecolor="0.6", hatch="///", edgecolor="white"))
         labels.append("a rank's second stage")
-    fig.legend(handles=handles, labels=labels, fontsize=MIN_FONT_PT, loc="outside lower center", ncol=3,
-               frameon=False)
+    fig.legend(handles=handles, labels=labels, fontsize=MIN_FONT_PT, loc="outside lower center",
+               ncol=len(handles) if len(handles) <= 3 else 2, frameon=False)
     return fig

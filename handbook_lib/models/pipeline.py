@@ -51,7 +51,8 @@ from handbook_lib.models.tensor_parallel import (
 
 __all__ = ["stage_layers", "rank_stages", "stage_param_shapes", "estimate_pipeline_state_bytes",
            "estimate_pipeline_p2p", "estimate_pipeline_fsdp_calls", "estimate_pipeline_tp_calls", "bubble_fraction",
-           "StageSpan", "in_flight", "pipeline_memory", "Action", "schedule_actions", "most_in_flight",
+           "StageSpan", "in_flight", "pipeline_memory", "Action", "UNIT_COST", "schedule_actions", "most_in_flight",
+           "stage_rank",
            "simulate_schedule", "idle_fraction"]
 
 
@@ -95,10 +96,20 @@ def stage_layers(num_layers: int, stages: int) -> list[StageSpan]:
     return spans
 
 
+def stage_rank(schedule: str, pp_size: int, stage: int) -> int:
+    """The pipeline rank that holds ``stage``: stage ``s`` on rank ``s mod p`` (a loop), or for
+    ``ZBVZeroBubble`` in a V (rank ``r`` holds stages ``r`` and ``2p − 1 − r``, so the middle two
+    stages share the last rank and pass activations in memory)."""
+    if schedule == "ZBVZeroBubble":
+        return stage if stage < pp_size else 2 * pp_size - 1 - stage
+    return stage % pp_size
+
+
 def rank_stages(config: ParallelConfig, pp_rank: int) -> list[StageSpan]:
-    """The stages pipeline rank ``pp_rank`` holds: ``pp_rank``, ``pp_rank + pp``, ... (``v`` of them)."""
+    """The stages pipeline rank ``pp_rank`` holds, in order (:func:`stage_rank`): ``pp_rank``,
+    ``pp_rank + pp``, ... (``v`` of them), or a V's two."""
     spans = stage_layers(config.num_layers, config.pp_stages)
-    return spans[pp_rank::config.pp_size]
+    return [s for s in spans if stage_rank(config.schedule, config.pp_size, s.index) == pp_rank]
 
 
 def stage_param_shapes(config: ParallelConfig, span: StageSpan) -> list[tuple[str, tuple[int, ...]]]:
@@ -132,9 +143,8 @@ def estimate_pipeline_p2p(config: ParallelConfig, world_size: int, pp_rank: int)
     and each of the ``m`` micro-batches, the activation sent to the next stage and received from
     the previous one, and the activation's gradient the other way; each a (b/m, s, d) tensor in
     the compute dtype, ``b`` the rank's data-parallel share of the batch (each tensor rank sends
-    its copy; 1/tp of it, its sequence shard, with Megatron SP). A stage next to one on
-    the same rank (the interleaved schedule's stage r + pp after r, with pp 1) would pass it in
-    memory; with pp >= 2 every neighbour is on another rank."""
+    its copy; 1/tp of it, its sequence shard, with Megatron SP). A neighbour on the same rank
+    (the V's middle two stages, :func:`stage_rank`) is passed in memory: no send."""
     layout = config.parallel_layout(world_size)
     compute, _ = get_precision(config.precision)
     rows = config.batch_size // (layout.dp * config.pp_microbatches)
@@ -143,12 +153,16 @@ def estimate_pipeline_p2p(config: ParallelConfig, world_size: int, pp_rank: int)
         buffer //= config.tp_size
     out: list[AxesCall] = []
     last = config.pp_stages - 1
+
+    def elsewhere(stage: int) -> bool:  # a neighbour on this rank is passed in memory (a V's middle)
+        return stage_rank(config.schedule, config.pp_size, stage) != pp_rank
+
     for span in rank_stages(config, pp_rank):
         for _ in range(config.pp_microbatches):
-            if span.index < last:  # forward out, its gradient back in
+            if span.index < last and elsewhere(span.index + 1):  # forward out, its gradient back in
                 out += [AxesCall("send", "pp", buffer, layout.pp, f"stage {span.index}"),
                         AxesCall("recv", "pp", buffer, layout.pp, f"stage {span.index}")]
-            if span.index > 0:  # forward in, the input's gradient out
+            if span.index > 0 and elsewhere(span.index - 1):  # forward in, the input's gradient out
                 out += [AxesCall("recv", "pp", buffer, layout.pp, f"stage {span.index}"),
                         AxesCall("send", "pp", buffer, layout.pp, f"stage {span.index}")]
     return out
@@ -272,8 +286,13 @@ def pipeline_memory(model: ModelLike, layout: ParallelLayout, micro_batch: int, 
 
 
 Action = tuple[str, int, int]
-"""One unit of a schedule's work on a rank: ``("F" | "B", stage, micro-batch)``, a forward or a
-(full) backward of one micro-batch through one stage."""
+"""One unit of a schedule's work on a rank: ``(kind, stage, micro-batch)``, ``kind`` ``"F"`` (a
+forward), ``"B"`` (a full backward), or a zero-bubble schedule's split backward: ``"I"`` (the
+input's gradient, which the previous stage waits for) and ``"W"`` (the weights', later)."""
+
+UNIT_COST = {"F": 1, "B": 2, "I": 1, "W": 1}
+"""Each kind's time on the grid of :func:`simulate_schedule`: a backward twice a forward, split
+evenly between its two halves."""
 
 
 def schedule_actions(schedule: str, pp_size: int, microbatches: int, stage: int) -> list[Action]:
@@ -306,23 +325,25 @@ def most_in_flight(actions: list[Action]) -> dict[int, int]:
     predicts it)."""
     live: dict[int, int] = {}
     most: dict[int, int] = {}
-    for kind, stage, _ in actions:
-        live[stage] = live.get(stage, 0) + (1 if kind == "F" else -1)
+    for kind, stage, _ in actions:  # a split backward frees the micro-batch with its weights' half
+        live[stage] = live.get(stage, 0) + {"F": 1, "I": 0}.get(kind, -1)
         most[stage] = max(most.get(stage, 0), live[stage])
     return most
 
 
-def simulate_schedule(orders: dict[int, list[Action]], stages: int, *, forward_s: float = 1,
-                      backward_s: float = 2) -> dict[int, list[tuple[Action, float, float]]]:
-    """When each action of ``orders`` (each pipeline rank's, in order) would start and end if every
-    forward took ``forward_s`` and every backward ``backward_s`` and sends were free: an action
-    starts once its rank is free and its input is ready (a forward, the previous stage's forward of
-    the micro-batch; a backward, the next stage's backward of it, or on the last stage its own
-    forward). What a schedule's idle time is made of, apart from the noise of real timings.
+def simulate_schedule(orders: dict[int, list[Action]], stages: int, *,
+                      cost: dict[str, float] | None = None) -> dict[int, list[tuple[Action, float, float]]]:
+    """When each action of ``orders`` (each pipeline rank's, in order) would start and end if each
+    kind took its ``cost`` (default :data:`UNIT_COST`) and sends were free: an action starts once
+    its rank is free and its input is ready (a forward, the previous stage's forward of the
+    micro-batch; a backward or an input's gradient, the next stage's gradient of it, or on the
+    last stage its own forward; a weights' gradient, its own input's). What a schedule's idle time
+    is made of, apart from the noise of real timings.
 
     Raises:
         ValueError: if the orders deadlock (an action waits for one that never runs first).
     """
+    costs = UNIT_COST if cost is None else cost
     done: dict[Action, float] = {}
     free: dict[int, float] = dict.fromkeys(orders, 0)
     position = dict.fromkeys(orders, 0)
@@ -332,13 +353,19 @@ def simulate_schedule(orders: dict[int, list[Action]], stages: int, *, forward_s
         for rank, order in orders.items():
             while position[rank] < len(order):
                 kind, stage, mb = action = order[position[rank]]
-                needs = (("F", stage - 1, mb) if stage > 0 else None) if kind == "F" else \
-                    (("B", stage + 1, mb) if stage < stages - 1 else ("F", stage, mb))
+                if kind == "F":
+                    needs = ("F", stage - 1, mb) if stage > 0 else None
+                elif kind == "W":
+                    needs = ("G", stage, mb)
+                else:  # "B" and "I" send the input's gradient ("G") on
+                    needs = ("G", stage + 1, mb) if stage < stages - 1 else ("F", stage, mb)
                 if needs is not None and needs not in done:
                     break
                 start = max(free[rank], done[needs] if needs is not None else 0)
-                end = start + (forward_s if kind == "F" else backward_s)
+                end = start + costs[kind]
                 done[action], free[rank] = end, end
+                if kind in ("B", "I"):
+                    done[("G", stage, mb)] = end
                 out[rank].append((action, start, end))
                 position[rank] += 1
                 moved = True

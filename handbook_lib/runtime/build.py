@@ -442,6 +442,8 @@ def apply_pipeline(model: ParallelTransformer, config: ParallelConfig,
             apply_tensor_parallel(stage, mesh.tp, config.sequence_parallel)
         units = list(stage.layers)
         apply_activation_checkpointing(stage, config.activation_checkpointing)
+        if config.schedule == "ZBVZeroBubble":  # one dp rank, fp32: nothing to shard
+            continue                             # or cast (the run's spec says why)
         apply_fsdp2(stage, mesh.fsdp, units=units, reshard_after_forward=reshard,
                     mp_policy=build_mp_policy(config.precision))
     return PipelinedModel(stages, config, mesh.pp_group, ctx.device)

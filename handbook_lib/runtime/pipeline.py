@@ -94,35 +94,38 @@ class PipelinedModel(nn.Module):
         self.pp_rank = dist.get_rank(group)
         self.timeline: list[tuple[str, int, int, float, float]] = []
         """The last step's forwards and backwards on this rank, in the order they ran:
-        ``(kind, stage, micro-batch, start, end)``, ``kind`` ``"F"`` or ``"B"``, the times in seconds
+        ``(kind, stage, micro-batch, start, end)``, ``kind`` one of
+        :data:`~handbook_lib.models.pipeline.Action`'s (``"F"``, ``"B"``, ``"I"``, ``"W"``), the times in seconds
         of this host's monotonic clock (comparable between the ranks of one host)."""
         for stage in self.pipeline_stages:
             self._record(stage)
 
     def _record(self, stage: Any) -> None:
         """Time each forward and backward this stage runs (the schedule calls its
-        ``forward_one_chunk`` and ``backward_one_chunk``), into :attr:`timeline`."""
-        for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+        ``forward_one_chunk``, ``backward_one_chunk``, split or not, and a zero-bubble schedule
+        ``backward_weight_one_chunk``), into :attr:`timeline`."""
+        for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk"), ("W", "backward_weight_one_chunk")):
             method = getattr(stage, name)
 
             def timed(chunk: int, *args: Any, _method: Any = method, _kind: str = kind, **kwargs: Any) -> Any:
                 start = time.monotonic()
                 out = _method(chunk, *args, **kwargs)
-                self.timeline.append((_kind, stage.stage_index, chunk, start, time.monotonic()))
+                split = _kind == "B" and kwargs.get("full_backward", args[1] if len(args) > 1 else True) is False
+                self.timeline.append(("I" if split else _kind, stage.stage_index, chunk, start, time.monotonic()))
                 return out
 
             setattr(stage, name, timed)
 
-    def schedule_order(self) -> list[tuple[str, int, int]]:
-        """The schedule's own list of this rank's forwards and full backwards, in order (its
-        ``pipeline_order``, without its idle slots and its other actions): what an interleaved
+    def schedule_order(self, pp_rank: int | None = None) -> list[tuple[str, int, int]]:
+        """The schedule's own list of this rank's (or ``pp_rank``'s) forwards and backwards, in
+        order (its ``pipeline_order``, without its idle slots and its other actions): what an interleaved
         schedule's executor runs, and :attr:`timeline` is checked against. (GPipe's and 1F1B's
         executors follow their own loops; torch 2.13's list for 1F1B's last rank starts at
         micro-batch 1 and ends at ``m``, so those are checked against
         :func:`~handbook_lib.models.pipeline.schedule_actions`.)"""
-        order = self.schedule.pipeline_order[self.pp_rank]
+        order = self.schedule.pipeline_order[self.pp_rank if pp_rank is None else pp_rank]
         return [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in order
-                if a is not None and a.computation_type.value in ("F", "B")]
+                if a is not None and a.computation_type.value in ("F", "B", "I", "W")]
 
     def run(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One step's forwards and backwards over the micro-batches, in the schedule's order.
