@@ -22,5 +22,6 @@ def test_a_config_class_imported_from_the_vocabulary_is_read_from_its_module():
         info = run_config_fields(run)
         assert (info.class_name, info.base) == ("ParallelConfig", "RunConfig")
         assert [key for key, _ in info.fields] == own
-        assert info.choices == {"sp_method": ("ulysses", "ring"), "schedule": ("GPipe", "1F1B", "Interleaved1F1B")}
+        assert info.choices == {"sp_method": ("ulysses", "ring"), "schedule": ("GPipe", "1F1B", "Interleaved1F1B",
+                                                                          "ZBVZeroBubble")}
     assert run_config_fields("fsdp_train").fields == ()  # RunConfig itself: nothing added
