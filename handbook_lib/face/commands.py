@@ -9,7 +9,6 @@ one line naming the flag, which :func:`handbook_lib.face.cli.main` prints (exit 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -27,23 +26,21 @@ from handbook_lib.face.display import (
     checks_verdict,
     format_bytes,
 )
-from handbook_lib.face.plan_axes import FLAGS, chosen_shape, plan_axes, print_axes, wrap_line
+from handbook_lib.face.plan_axes import FLAGS, chosen_shape, print_axes, wrap_line
 from handbook_lib.face.views import fit_table, step_time_summary, step_time_table
 from handbook_lib.launch.errors import describe_failed_checks
 from handbook_lib.models.allocator import RESERVE_FRACTION, RESERVE_MODEL, RESERVE_SOURCE
 from handbook_lib.models.axes import (
     estimate_job_memory,
 )
-from handbook_lib.models.axes_table import axes_reason
-from handbook_lib.models.bands import step_time_band
-from handbook_lib.models.budget import memory_budget
 from handbook_lib.models.hardware import get_accelerator, get_link, node_preset
 from handbook_lib.models.hf_config import read_hf_config_keys
 from handbook_lib.models.layout import ModelLayout, model_layout
 from handbook_lib.models.memory import PHASE_WORDS, MemoryEstimate, estimate_memory
-from handbook_lib.models.planner import Plan, check_whole_nodes, plan
+from handbook_lib.models.plan_report import plan_report
+from handbook_lib.models.planner import Plan, check_whole_nodes
 from handbook_lib.models.presets import describe_shape, get_shape
-from handbook_lib.models.sensitivity import FlipPoints, Sensitivity, flip_points, plan_sensitivity
+from handbook_lib.models.sensitivity import FlipPoints, Sensitivity
 from handbook_lib.models.timing import estimate_compute_time, estimate_step_time, expected_utilization
 from handbook_lib.models.traffic import estimate_step_traffic
 from handbook_lib.runs import describe_runs
@@ -271,27 +268,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     per_node = args.gpus_per_node or node_preset(args.gpu).gpus_per_node
     check_whole_nodes(args.gpus, per_node, names=("--gpus {}", "--gpus-per-node {}"))
     model, named, echo = _chosen_model(args)
-    kwargs = {"micro_batch": args.micro_batch, "seq_len": args.seq_len, "gpus_per_node": per_node,
-              "inter_link": args.inter_link, "nics_per_node": args.nics_per_node, "precision": args.precision,
-              "headroom": args.headroom}
-    if args.sensitivity:
-        result, changes = plan_sensitivity(model, args.gpu, args.gpus, **kwargs)
-    else:
-        result, changes = plan(model, args.gpu, args.gpus, **kwargs), []
-    flips = flip_points(result) if args.sensitivity else None
-    axes = plan_axes(args, per_node, result)
-    budget, band = memory_budget(args.gpu, args.headroom), step_time_band(args.gpu)
+    asked = args.tp_size > 1 or args.sp_size > 1 or args.pp_size is not None or args.batch_tokens is not None
+    decoder = (chosen_shape(args) if asked or getattr(args, "model", None) is not None
+               or getattr(args, "hf_config", None) is not None else None)
+    report = plan_report(model, args.gpu, args.gpus, decoder=decoder, gpus_per_node=per_node,
+                         inter_link=args.inter_link, nics_per_node=args.nics_per_node, micro_batch=args.micro_batch,
+                         seq_len=args.seq_len, precision=args.precision, headroom=args.headroom,
+                         sensitivity=args.sensitivity, tp_size=args.tp_size, sp_size=args.sp_size,
+                         sp_method=args.sp_method, pp_size=args.pp_size, batch_tokens=args.batch_tokens)
     if args.json:
-        data = dataclasses.asdict(result) | {"budget": dataclasses.asdict(budget),
-                                             "step_time_band": dataclasses.asdict(band) if band else None}
-        if args.sensitivity:
-            data["sensitivity"] = [dataclasses.asdict(c) for c in changes]
-            data["flip_points"] = dataclasses.asdict(flips) if flips else None
-        if axes:
-            data["axes"] = {"options": [dataclasses.asdict(r) for r in axes[0]], "why": axes_reason(axes[0], band),
-                            "verdict": dataclasses.asdict(axes[1])}
-        print(json.dumps(data, indent=2))
+        print(json.dumps(report.to_json(), indent=2))
         return 0
+    result, changes, flips, budget, band = (report.plan, list(report.sensitivity or ()), report.flips, report.budget,
+                                            report.band)
+    axes = (list(report.axes), report.verdict) if report.verdict is not None else None
     _print_model(named, echo)
     print(wrap_line(f"assumes: {result.gpus} x {result.gpu} ({per_node} per node, "
                 f"{result.nics_per_node} x {args.inter_link} between nodes), {args.precision}, optimizer adamw, "

@@ -41,7 +41,7 @@ from handbook_lib.core.checks import is_int
 from handbook_lib.models.presets import DecoderShape
 
 __all__ = ["HF_FAMILIES", "HF_DEFAULTS", "HF_BOUNDS", "MAX_CONFIG_BYTES", "decoder_shape_from_hf",
-           "read_hf_config", "read_hf_config_keys", "unused_hf_keys"]
+           "hf_config_from_text", "read_hf_config", "read_hf_config_keys", "unused_hf_keys"]
 
 _LLAMA_DEFAULTS: dict[str, Any] = {
     "vocab_size": 32_000, "hidden_size": 4096, "intermediate_size": 11_008, "num_hidden_layers": 32,
@@ -188,6 +188,25 @@ def read_hf_config_keys(path: str | Path) -> tuple[DecoderShape, tuple[str, ...]
         raise ValueError(f"{where}: {err}") from None
 
 
+def hf_config_from_text(text: str, name: str = "config.json") -> DecoderShape:
+    """The :class:`DecoderShape` of a Transformers ``config.json`` given as ``text`` (pasted into the
+    book's planner page), checked as :func:`read_hf_config_keys` checks a file, and named after its
+    ``_name_or_path`` or ``name``.
+
+    Raises:
+        ValueError: one line naming ``name`` and what is accepted: too large, not JSON, not a JSON
+            object, a key given twice, or a config :func:`decoder_shape_from_hf` refuses.
+    """
+    if len(text.encode("utf-8")) > MAX_CONFIG_BYTES:
+        raise ValueError(f"{name}: over the {MAX_CONFIG_BYTES:,} bytes a config.json may have; accepted: a "
+                         "Transformers config.json (a JSON object in UTF-8)")
+    config = _parse(text, name)
+    try:
+        return decoder_shape_from_hf(config, _label(config) or name)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
+
+
 def read_hf_config(path: str | Path) -> DecoderShape:
     """Read a Transformers ``config.json`` at ``path`` as a :class:`DecoderShape`: the shape of
     :func:`read_hf_config_keys`, which says what is refused."""
@@ -215,6 +234,12 @@ def _load(where: Path) -> dict[str, Any]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"{where}: not UTF-8 text (byte {err.start} is {data[err.start]:#04x}); {accepted}") from None
+    return _parse(text, str(where))
+
+
+def _parse(text: str, where: str) -> dict[str, Any]:
+    """The JSON object ``text`` holds (read from ``where``), each key once."""
+    accepted = "accepted: a Transformers config.json (a JSON object in UTF-8)"
     try:
         config = json.loads(text, object_pairs_hook=_once)
     except json.JSONDecodeError as err:

@@ -1,0 +1,195 @@
+"""One plan, whole: what ``python -m handbook_lib plan`` prints, as data. Pure: no ``torch``.
+
+Chapter 4 and the book's planner page use it. :func:`plan_report` prices every FSDP option
+(:func:`~handbook_lib.models.planner.plan`, with its sensitivity if asked), the memory budget and
+the step-time band of the GPU, and, where the job needs them, the layouts beyond FSDP (chapter 9:
+tensor, sequence and pipeline parallelism, :func:`~handbook_lib.models.axes_table.compare_axes`)
+with the verdict. :meth:`PlanReport.to_json` is ``plan --json``'s output; the terminal prints the
+same report as tables, and the planner page in the book runs this module in the reader's browser
+(:func:`plan_page`), so the three cannot disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from handbook_lib.core.checks import BadText, parse_float, parse_int
+from handbook_lib.core.parallel_layout import ParallelLayout
+from handbook_lib.models.axes import AxesVerdict, estimate_axes
+from handbook_lib.models.axes_table import AxisOption, axes_reason, compare_axes, recommend_axes
+from handbook_lib.models.bands import StepTimeBand, step_time_band
+from handbook_lib.models.budget import MemoryBudget, memory_budget
+from handbook_lib.models.hardware import node_preset
+from handbook_lib.models.hf_config import hf_config_from_text
+from handbook_lib.models.layout import ModelLike
+from handbook_lib.models.planner import Plan, check_whole_nodes, plan
+from handbook_lib.models.presets import DecoderShape, describe_shape, get_shape
+from handbook_lib.models.sensitivity import FlipPoints, Sensitivity, flip_points, plan_sensitivity
+
+__all__ = ["PLAN_NAMES", "SCALES", "PlanReport", "plan_report", "short_of_fsdp", "plan_page"]
+
+PLAN_NAMES = {"world": "--gpus ({})", "dp_shard": "--shard-group-size {}", "tp": "--tp-size {}",
+              "sp": "--sp-size {}", "sp_method": "--sp-method {}", "gpus_per_node": "the GPUs per node ({})",
+              "nhead": "the heads ({})", "kv_heads": "the KV heads ({})", "seq_len": "--seq-len ({})",
+              "pp": "--pp-size {}", "layers": "the layers ({})"}
+"""How a plan's refusals name the layout's quantities: by ``plan``'s flags, or in words."""
+
+SCALES = 0.10
+"""Exposed communication, as a fraction of compute, past which a layout is said not to scale: the
+planner then prices pipelines beside it."""
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """A plan and everything printed with it."""
+
+    plan: Plan
+    budget: MemoryBudget
+    band: StepTimeBand | None
+    sensitivity: tuple[Sensitivity, ...] | None = None
+    """The plan again with one assumption changed each (``None``: not asked)."""
+    flips: FlipPoints | None = None
+    axes: tuple[AxisOption, ...] = ()
+    """The layouts beyond FSDP (empty: not asked, and not needed)."""
+    verdict: AxesVerdict | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """``plan --json``'s object."""
+        data = dataclasses.asdict(self.plan) | {"budget": dataclasses.asdict(self.budget),
+                                                "step_time_band": dataclasses.asdict(self.band) if self.band else None}
+        if self.sensitivity is not None:
+            data["sensitivity"] = [dataclasses.asdict(c) for c in self.sensitivity]
+            data["flip_points"] = dataclasses.asdict(self.flips) if self.flips else None
+        if self.verdict is not None:
+            data["axes"] = {"options": [dataclasses.asdict(r) for r in self.axes],
+                            "why": axes_reason(list(self.axes), self.band), "verdict": dataclasses.asdict(self.verdict)}
+        return data
+
+
+def short_of_fsdp(result: Plan, rows: list[AxisOption]) -> bool:
+    """Whether FSDP and TP alone fall short, so that the plan prices pipelines too: none of FSDP's
+    options fits; or the fastest layout that fits (and keeps within the batch) spends more than
+    :data:`SCALES` of its compute on communication it does not hide."""
+    if not any(o.fits for o in result.options):
+        return True
+    best = recommend_axes(rows)
+    return best is None or best.step_s > (1 + SCALES) * best.compute_s
+
+
+def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape | None = None,
+                gpus_per_node: int | None = None, inter_link: str = "ib-ndr400", nics_per_node: int | None = None,
+                micro_batch: int = 1, seq_len: int = 2048, precision: str = "bf16-mixed", headroom: float = 0.0,
+                sensitivity: bool = False, tp_size: int = 1, sp_size: int = 1, sp_method: str = "ulysses",
+                pp_size: int | None = None, batch_tokens: int | None = None,
+                names: Mapping[str, str] = PLAN_NAMES) -> PlanReport:
+    """The whole plan of ``plan``'s command line, its flags by name: every FSDP option priced
+    (and with ``sensitivity``, again with each assumption changed); the layouts beyond FSDP when
+    ``tp_size``, ``sp_size``, ``pp_size`` or ``batch_tokens`` ask for them, or, for a ``decoder``'s
+    shape, when none of FSDP's options fits. On more than one node, where FSDP and TP alone fall
+    short (:func:`short_of_fsdp`), pipelines are priced too (every stage count, the best shown),
+    unless ``pp_size`` says which (1: none).
+
+    Raises:
+        ValueError: one line naming the flag (``names``) and what is accepted.
+    """
+    per_node = gpus_per_node or node_preset(gpu).gpus_per_node
+    check_whole_nodes(gpus, per_node, names=("--gpus {}", "--gpus-per-node {}"))
+    kwargs: dict[str, Any] = {"micro_batch": micro_batch, "seq_len": seq_len, "gpus_per_node": per_node,
+                              "inter_link": inter_link, "nics_per_node": nics_per_node, "precision": precision,
+                              "headroom": headroom}
+    changes: tuple[Sensitivity, ...] | None = None
+    if sensitivity:
+        result, listed = plan_sensitivity(model, gpu, gpus, **kwargs)
+        changes = tuple(listed)
+    else:
+        result = plan(model, gpu, gpus, **kwargs)
+    report = PlanReport(result, memory_budget(gpu, headroom), step_time_band(gpu), changes,
+                        flip_points(result) if sensitivity else None)
+    asked = tp_size > 1 or sp_size > 1 or pp_size is not None or batch_tokens is not None
+    if not asked and (decoder is None or any(o.fits for o in result.options)):
+        return report
+    if decoder is None:
+        flag = "--tp-size" if tp_size > 1 else "--sp-size" if sp_size > 1 else "--pp-size"
+        raise ValueError(f"{flag} prices a decoder at scale: give --model (e.g. llama2-70b) or --hf-config, "
+                         "not the handbook's model or --params")
+    shape: dict[str, Any] = {"nhead": decoder.nhead, "kv_heads": decoder.kv_heads, "seq_len": seq_len}
+    ParallelLayout.for_world(gpus, tp=tp_size, gpus_per_node=per_node, names=names, **shape)  # each axis
+    ParallelLayout.for_world(gpus, sp=sp_size, sp_method=sp_method, gpus_per_node=per_node, names=names,
+                             **shape)  # priced beside FSDP, alone
+    common: dict[str, Any] = {"micro_batch": micro_batch, "gpus_per_node": per_node, "inter_link": inter_link,
+              "precision": precision, "headroom": headroom}
+    verdict = estimate_axes(decoder, gpu, gpus, seq_len=seq_len, batch_tokens=batch_tokens, **common)
+    # the table also prices the axis the verdict calls for, so that its pick and the verdict agree
+    method = sp_method if sp_size > 1 or verdict.sp_size == 1 else verdict.sp_method
+    tp, sp = (tp_size if tp_size > 1 else verdict.tp_size), (sp_size if sp_size > 1 else verdict.sp_size)
+    axes: dict[str, Any] = {"seq_len": seq_len, "sp_size": sp, "sp_method": method, "batch_tokens": batch_tokens,
+                            **common}
+    rows = compare_axes(decoder, gpu, gpus, tp_size=tp, pp_size=1 if pp_size is None else pp_size, **axes)
+    if pp_size is None and gpus > per_node and short_of_fsdp(result, rows):
+        if tp == 1 and ParallelLayout.allows(gpus, tp=per_node, gpus_per_node=per_node, nhead=decoder.nhead,
+                                             kv_heads=decoder.kv_heads, ffn=decoder.ffn):
+            tp = per_node  # a pipeline across nodes, TP inside each (where the heads allow a node's)
+        rows = compare_axes(decoder, gpu, gpus, tp_size=tp, pp_size=0, **axes)
+    return dataclasses.replace(report, axes=tuple(rows), verdict=verdict)
+
+
+_PAGE_NUMBERS = {"gpus": 1, "seq_len": 1, "micro_batch": 1, "gpus_per_node": 1, "nics_per_node": 1,
+                 "tp_size": 1, "sp_size": 1, "pp_size": 0, "batch_tokens": 1}
+"""The planner page's whole-number fields and their least values (``plan``'s flags')."""
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def plan_page(request: str) -> str:
+    """The book's planner page: ``request``, a JSON object of the page's fields (``model``, a preset,
+    or ``config``, a pasted ``config.json``; ``gpu``; and ``plan``'s flags by their keys, numbers
+    as typed), priced by :func:`plan_report`. Returns a JSON object: ``report`` (``plan --json``'s
+    object), ``shape`` (the model's shape in one line) and ``command`` (the ``plan`` command that
+    prints the same), or ``error`` and ``field``: the one line the command line would print, and
+    the field it names."""
+    fields = json.loads(request)
+    try:
+        values: dict[str, Any] = {}
+        for key, least in _PAGE_NUMBERS.items():
+            text = str(fields.get(key, "") or "").strip()
+            if text:
+                try:
+                    values[key] = parse_int(text, least)
+                except BadText as err:
+                    return json.dumps({"error": f"argument {_flag(key)}: {err}", "field": key})
+        headroom = str(fields.get("headroom", "") or "0").strip()
+        try:
+            values["headroom"] = parse_float(headroom, 0.0, below=1.0)
+        except BadText as err:
+            return json.dumps({"error": f"argument --headroom: {err} (a fraction, e.g. 0.1)", "field": "headroom"})
+        if fields.get("config"):
+            try:
+                decoder = hf_config_from_text(str(fields["config"]))
+            except ValueError as err:
+                return json.dumps({"error": f"--hf-config {err}", "field": "config"})
+            model_flag = "--hf-config config.json"
+        else:
+            decoder = get_shape(str(fields.get("model") or "llama2-7b"))
+            model_flag = f"--model {fields.get('model') or 'llama2-7b'}"
+        if "gpus" not in values:
+            return json.dumps({"error": "argument --gpus: give the GPUs in the job", "field": "gpus"})
+        options = {k: fields[k] for k in ("inter_link", "precision", "sp_method") if fields.get(k)}
+        if "sp_method" in options and values.get("sp_size", 1) == 1:
+            return json.dumps({"error": f"--sp-method {options['sp_method']} applies to the sequence split: give "
+                                        "--sp-size N (N >= 2) too, or leave --sp-method out", "field": "sp_method"})
+        report = plan_report(decoder, str(fields.get("gpu") or "h100-80gb"), decoder=decoder,
+                             sensitivity=bool(fields.get("sensitivity")),
+                             **{k: v for k, v in values.items() if k != "gpus"}, gpus=values["gpus"], **options)
+    except ValueError as err:
+        return json.dumps({"error": str(err), "field": None})
+    command = ["python -m handbook_lib plan", model_flag, f"--gpu {fields.get('gpu') or 'h100-80gb'}"]
+    command += [f"{_flag(k)} {v}" for k, v in values.items() if not (k == "headroom" and v == 0.0)]
+    command += [f"{_flag(k)} {v}" for k, v in options.items()]
+    command += ["--sensitivity"] if fields.get("sensitivity") else []
+    return json.dumps({"report": report.to_json(), "shape": describe_shape(decoder), "command": " ".join(command)})

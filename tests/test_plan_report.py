@@ -1,0 +1,67 @@
+"""handbook_lib.models.plan_report: one plan, whole, as ``plan --json`` prints it and as the book's
+planner page asks for it."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from handbook_lib.face import main
+from handbook_lib.models.plan_report import plan_page
+
+CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+
+
+def _cli(capsys, argv):
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _page(**fields):
+    return json.loads(plan_page(json.dumps(fields)))
+
+
+@pytest.mark.parametrize("argv, fields", [
+    (["--model", "llama2-70b", "--gpu", "h100-80gb", "--gpus", "32", "--seq-len", "4096"],
+     {"model": "llama2-70b", "gpu": "h100-80gb", "gpus": "32", "seq_len": "4096"}),
+    (["--model", "llama3-405b", "--gpu", "h100-80gb", "--gpus", "1024", "--seq-len", "8192"],
+     {"model": "llama3-405b", "gpu": "h100-80gb", "gpus": "1024", "seq_len": "8192"}),
+    (["--model", "llama2-7b", "--gpu", "a100-80gb", "--gpus", "16", "--headroom", "0.1", "--sensitivity"],
+     {"model": "llama2-7b", "gpu": "a100-80gb", "gpus": "16", "sensitivity": True, "headroom": "0.1"}),
+    (["--model", "llama2-70b", "--gpu", "h100-80gb", "--gpus", "64", "--seq-len", "131072", "--tp-size", "8",
+      "--sp-size", "8", "--sp-method", "ring"],
+     {"model": "llama2-70b", "gpu": "h100-80gb", "gpus": "64", "seq_len": "131072", "tp_size": "8",
+      "sp_size": "8", "sp_method": "ring"}),
+])
+def test_the_page_prices_what_the_command_line_prices(capsys, argv, fields):
+    page = _page(**fields)
+    assert page["report"] == _cli(capsys, argv)
+    assert page["command"].split() == ["python", "-m", "handbook_lib", "plan", *argv]
+
+
+def test_a_pasted_config_is_the_config_file(capsys):
+    text = (CONFIGS / "llama3-8b.json").read_text()
+    page = _page(config=text, gpu="h100-80gb", gpus="16", seq_len="8192")
+    assert page["report"] == _cli(capsys, ["--hf-config", str(CONFIGS / "llama3-8b.json"), "--gpu", "h100-80gb",
+                                           "--gpus", "16", "--seq-len", "8192"])
+    assert page["shape"].startswith("shape: 32 layers, hidden 4,096, 32 heads and 8 KV heads of 128")
+
+
+@pytest.mark.parametrize("fields, field, message", [
+    ({"gpus": "0"}, "gpus", "argument --gpus: must be a whole number >= 1, got 0"),
+    ({"gpus": "eight"}, "gpus", "argument --gpus: must be a whole number >= 1, got 'eight'"),
+    ({"gpus": "12"}, None, "--gpus 12 is not a whole number of nodes of --gpus-per-node 8"),
+    ({"gpus": "16", "tp_size": "3"}, None, "--tp-size 3 must divide the GPUs per node (8), --gpus (16)"),
+    ({"gpus": "8", "headroom": "1.5"}, "headroom", "argument --headroom:"),
+    ({"gpus": "8", "sp_method": "ring"}, "sp_method", "--sp-method ring applies to the sequence split"),
+    ({"gpus": "8", "config": "{oops"}, "config", "--hf-config config.json: not JSON (line 1"),
+    ({"gpus": "8", "config": "[1, 2]"}, "config", "--hf-config config.json: a JSON list, not an object"),
+])
+def test_bad_input_gets_the_command_line_s_one_line(capsys, fields, field, message):
+    page = _page(model="llama2-70b", gpu="h100-80gb", **fields)
+    assert page["field"] == field and page["error"].startswith(message) and "\n" not in page["error"]
+    if field is None and "config" not in fields:  # the same line the command line prints
+        argv = ["--model", "llama2-70b", "--gpu", "h100-80gb", "--gpus", fields["gpus"]]
+        argv += ["--tp-size", fields["tp_size"]] if "tp_size" in fields else []
+        assert main(["plan", *argv]) == 2
+        assert " ".join(capsys.readouterr().err.split()).startswith(f"error: {message}")
