@@ -42,6 +42,8 @@ from pathlib import Path
 from urllib.parse import quote, urljoin, urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # check_planner, beside this script
+from check_planner import PAGE as PLANNER_PAGE, check_planner  # noqa: E402
 WINDOW = (1400, 1000)  # pixels: the width at which readers found clipped content
 ALLOWED_SCHEMES = {"data", "blob", "about"}  # never leave the machine
 HOST = "127.0.0.1"
@@ -440,6 +442,9 @@ def check_book(html_dir: Path) -> list[Offender]:
     with serve(html_dir) as base, chrome() as driver:
         for page in pages(html_dir):
             offenders += check_page(driver, base, page, html_dir, definitions)
+        if (html_dir / PLANNER_PAGE).exists():  # the planner's own checks (scripts/check_planner.py)
+            offenders += [Offender(PLANNER_PAGE, check, detail)
+                          for check, detail in check_planner(driver, base.rstrip("/"), html_dir)]
     return offenders
 
 

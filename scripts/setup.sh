@@ -73,3 +73,15 @@ installed "$uv_pin" || "${pip[@]}" "$uv_pin"
 "$venv/bin/uv" pip install --quiet --compile-bytecode --python "$venv/bin/python" \
   --constraint requirements.lock -e ".[$extras]"
 check_gpu_torch "$venv/bin/python"
+
+# The book's planner page (book/planner.md) runs the package's models in the browser with Pyodide's
+# core runtime, from npm at this exact version, into .venv/node (not global); the book's build copies
+# it into the site (book/_ext/planner.py).
+pyodide_pin="314.0.8"
+if [[ ",$extras," == *",book,"* ]]; then
+  have="$(node -p "require('./$venv/node/node_modules/pyodide/package.json').version" 2>/dev/null || true)"
+  if [[ "$have" != "$pyodide_pin" ]]; then
+    command -v npm >/dev/null || { echo "setup: the book's planner page needs Node.js and npm (for Pyodide $pyodide_pin)" >&2; exit 1; }
+    npm install --prefix "$venv/node" --no-audit --no-fund --loglevel=error "pyodide@$pyodide_pin"
+  fi
+fi

@@ -150,9 +150,10 @@ def plan_page(request: str) -> str:
     """The book's planner page: ``request``, a JSON object of the page's fields (``model``, a preset,
     or ``config``, a pasted ``config.json``; ``gpu``; and ``plan``'s flags by their keys, numbers
     as typed), priced by :func:`plan_report`. Returns a JSON object: ``report`` (``plan --json``'s
-    object), ``shape`` (the model's shape in one line) and ``command`` (the ``plan`` command that
-    prints the same), or ``error`` and ``field``: the one line the command line would print, and
-    the field it names."""
+    object), ``view`` (what the page draws: the rows and the recommended option's memory by part),
+    ``shape`` (the model's shape in one line) and ``command`` (the ``plan`` command that prints
+    the same), or ``error`` and ``field``: the one line the command line would print, and the
+    field it names."""
     fields = json.loads(request)
     try:
         values: dict[str, Any] = {}
@@ -192,4 +193,25 @@ def plan_page(request: str) -> str:
     command += [f"{_flag(k)} {v}" for k, v in values.items() if not (k == "headroom" and v == 0.0)]
     command += [f"{_flag(k)} {v}" for k, v in options.items()]
     command += ["--sensitivity"] if fields.get("sensitivity") else []
-    return json.dumps({"report": report.to_json(), "shape": describe_shape(decoder), "command": " ".join(command)})
+    return json.dumps({"report": report.to_json(), "view": _view(report), "shape": describe_shape(decoder),
+                       "command": " ".join(command)})
+
+
+def _view(report: PlanReport) -> dict[str, Any]:
+    """What the page draws, as the terminal shows it: each option's row (its margin a fraction of
+    the budget), the recommended option's (else the smallest's) peak by part, and each layout's row."""
+    plan = report.plan
+    pick = plan.recommended or min(plan.options, key=lambda o: o.peak_reserved_bytes)
+    state, acts = pick.model_state_bytes, pick.activation_bytes
+    return {
+        "options": [{"name": o.name, "gpus": o.gpus, "reserved": o.peak_reserved_bytes, "margin": o.margin,
+                     "fits": o.fits, "host": o.host_bytes, "comm_s": o.comm_s, "compute_s": o.compute_s,
+                     "step_s": o.step_s, "bound": o.bound} for o in plan.options],
+        "pick": {"name": pick.name, "peak": pick.peak_bytes, "reserved": pick.peak_reserved_bytes,
+                 "budget": pick.budget_bytes, "fits": pick.fits,
+                 "parts": {"model state": state, "activations": acts,
+                           "gathered units, buffers, logits": max(0, pick.peak_bytes - state - acts)}},
+        "axes": [{"name": r.name, "reserved": r.peak_reserved_bytes, "margin": r.margin_bytes / r.budget_bytes,
+                  "fits": r.fits, "within_batch": r.within_batch, "bubble_s": r.bubble_s, "step_s": r.step_s,
+                  "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu} for r in report.axes],
+    }
