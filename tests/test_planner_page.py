@@ -48,7 +48,7 @@ def test_the_packed_models_answer_without_torch(tmp_path):
     assert {n.split("/")[1] for n in names if n.count("/") > 1} == {"core", "models"}
     zipfile.ZipFile(target).extractall(tmp_path / "site")  # as the page's Pyodide unpacks it
     code = ("import sys, json; sys.modules['torch'] = None; sys.path.insert(0, sys.argv[1]); "
-            "from handbook_lib.models.plan_report import plan_page; import handbook_lib; "
+            "from handbook_lib.models.plan_output import plan_page; import handbook_lib; "
             "print(handbook_lib.__file__); "
             "print(plan_page(json.dumps({'model': 'llama2-7b', 'gpu': 'h100-80gb', 'gpus': '8'})))")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "site")], capture_output=True, text=True,

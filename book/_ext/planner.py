@@ -1,6 +1,6 @@
 """Sphinx extension: the planner page's runtime and the package's models, served by the book itself.
 
-``book/planner.md`` runs ``handbook_lib.models.plan_report.plan_page`` in the reader's browser.
+``book/planner.md`` runs ``handbook_lib.models.plan_output.plan_page`` in the reader's browser.
 After an HTML build this copies into the site, so that the page asks nothing of any other host:
 
 - ``_static/planner/handbook_models.zip``: ``handbook_lib/__init__.py`` and the ``core`` and
@@ -31,7 +31,8 @@ def pack_models(target: Path) -> int:
     """Write the zip of ``handbook_lib``'s pure layers to ``target``; returns the files packed."""
     target.parent.mkdir(parents=True, exist_ok=True)
     package = ROOT / "handbook_lib"
-    files = [package / "__init__.py"] + sorted(p for layer in ("core", "models") for p in (package / layer).rglob("*.py"))
+    layers = sorted(p for layer in ("core", "models") for p in (package / layer).rglob("*.py"))
+    files = [package / "__init__.py", *layers]
     with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as archive:
         for path in files:
             info = zipfile.ZipInfo(str(path.relative_to(ROOT)), date_time=(2026, 1, 1, 0, 0, 0))

@@ -1,5 +1,5 @@
 // The book's planner page (book/planner.md): reads the form, asks the package's own Python
-// (handbook_lib.models.plan_report.plan_page, run by Pyodide from this site) and draws the answer.
+// (handbook_lib.models.plan_output.plan_page, run by Pyodide from this site) and draws the answer.
 // No logic of the planner is written here: only reading inputs, and drawing tables and a bar.
 
 const root = document.documentElement.dataset.content_root || "../";
@@ -108,7 +108,7 @@ async function start() {
   status.textContent = "loading the book's models...";
   const zip = await (await fetch(root + "_static/planner/handbook_models.zip")).arrayBuffer();
   pyodide.unpackArchive(new Uint8Array(zip), "zip");
-  ask = pyodide.runPython("from handbook_lib.models.plan_report import plan_page\nplan_page");
+  ask = pyodide.runPython("from handbook_lib.models.plan_output import plan_page\nplan_page");
   window.hbPlanner.ask = (f) => JSON.parse(ask(JSON.stringify(f)));
   await update();
   window.hbPlanner.firstAnswerMs = performance.now() - t0;

@@ -37,7 +37,7 @@ from handbook_lib.models.hardware import get_accelerator, get_link, node_preset
 from handbook_lib.models.hf_config import read_hf_config_keys
 from handbook_lib.models.layout import ModelLayout, model_layout
 from handbook_lib.models.memory import PHASE_WORDS, MemoryEstimate, estimate_memory
-from handbook_lib.models.plan_report import plan_report
+from handbook_lib.models.plan_output import plan_report
 from handbook_lib.models.planner import Plan, check_whole_nodes
 from handbook_lib.models.presets import describe_shape, get_shape
 from handbook_lib.models.sensitivity import FlipPoints, Sensitivity

@@ -1,5 +1,5 @@
 """The planner's layouts beyond FSDP on the terminal (``plan``, chapter 9): the decoder the flags
-name, and how the layouts :func:`~handbook_lib.models.plan_report.plan_report` priced print.
+name, and how the layouts :func:`~handbook_lib.models.plan_output.plan_report` priced print.
 Called by :mod:`handbook_lib.face.commands`."""
 
 from __future__ import annotations

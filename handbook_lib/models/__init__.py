@@ -137,7 +137,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     from handbook_lib.models.axes_table import (
         AxisOption, axes_reason, compare_axes, pipeline_microbatches, price_layout, recommend_axes,
     )
-    from handbook_lib.models.plan_report import PLAN_NAMES, PlanReport, plan_page, plan_report
+    from handbook_lib.models.plan_output import PLAN_NAMES, PlanReport, plan_page, plan_report
     from handbook_lib.models.published_pipeline import (
         PUBLISHED_PIPELINES, PipelineRow, PublishedPipeline, pipeline_rows,
     )

@@ -1,4 +1,4 @@
-"""handbook_lib.models.plan_report: one plan, whole, as ``plan --json`` prints it and as the book's
+"""handbook_lib.models.plan_output: one plan, whole, as ``plan --json`` prints it and as the book's
 planner page asks for it."""
 
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from handbook_lib.face import main
-from handbook_lib.models.plan_report import plan_page
+from handbook_lib.models.plan_output import plan_page
 
 CONFIGS = Path(__file__).parent / "data" / "hf_configs"
 
