@@ -11,7 +11,8 @@ into view) and checks, each an offender when it fails:
 - a change typed into the GPU count redrawn within :data:`CHANGE_MS` milliseconds, the last good
   answer kept under a bad one;
 - no wider than the window at 800 px;
-- opened from ``file://``, a one-line message saying how to serve the folder.
+- opened from ``file://``, a one-line message saying how to serve the folder;
+- embedded in chapter 4 (:data:`EMBEDDED`): started only once in view, and answering there.
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ def check_planner(driver, base: str, html_dir: Path) -> list[tuple[str, str]]:
             if report is None and not (page.get("error") and error.startswith(page["error"][:60])):
                 found.append(("planner", f"{fields}: page {page.get('error')!r}, plan {error!r}"))
     found += _typing(driver)
+    found += _embedded(driver, base)
     driver.set_window_size(800, 900)
     wide = driver.execute_script("return document.documentElement.scrollWidth > window.innerWidth")
     if wide:
@@ -140,7 +142,7 @@ def check_planner(driver, base: str, html_dir: Path) -> list[tuple[str, str]]:
     time.sleep(0.5)
     driver.execute_script("document.getElementById('hb-planner').scrollIntoView()")
     time.sleep(0.5)
-    text = driver.find_element("id", "hb-status").text
+    text = driver.find_element("id", "hb-planner").text
     if "serve the built book" not in text:
         found.append(("planner", f"opened from file://, it says {text!r}"))
     return found
@@ -165,3 +167,21 @@ def _typing(driver) -> list[tuple[str, str]]:
     if "argument --gpus" not in shown or not kept:
         found.append(("planner", f"a bad GPU count: error {shown!r} beside the field, last answer kept: {kept}"))
     return found
+
+
+EMBEDDED = "notebooks/04_choosing_a_strategy.html"
+"""A chapter that embeds the widget (where chapter 4 introduces the planner)."""
+
+
+def _embedded(driver, base: str) -> list[tuple[str, str]]:
+    """The widget in a chapter: it starts once scrolled into view and answers there too."""
+    driver.get(base + "/" + EMBEDDED)
+    if driver.execute_script("return window.hbPlanner && window.hbPlanner.ready") is not None:
+        return [("planner", f"{EMBEDDED}: the runtime started before the widget was in view")]
+    driver.execute_script("document.getElementById('hb-planner').scrollIntoView()")
+    start = time.perf_counter()
+    while time.perf_counter() - start < 60:
+        if driver.execute_script("return window.hbPlanner && window.hbPlanner.firstAnswerMs"):
+            return []
+        time.sleep(0.05)
+    return [("planner", f"{EMBEDDED}: no answer within 60 s of scrolling to the widget")]

@@ -1,4 +1,5 @@
-"""The book's planner page (book/planner.md): its choices are the package's presets, and what the
+"""The book's planner widget (book/_static/planner.js, on book/planner.md and in chapter 4): its
+choices are the package's presets, and what the
 build packs for the browser runs on its own, without torch. (Chromium drives the page itself in
 ``make check-book``: scripts/check_planner.py.)"""
 
@@ -13,7 +14,7 @@ from handbook_lib.models.hardware import ACCELERATORS, LINKS
 from handbook_lib.models.presets import DECODER_SHAPES
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGE = (ROOT / "book" / "planner.md").read_text()
+FORM = (ROOT / "book" / "_static" / "planner.js").read_text()  # the widget's markup lives there
 
 
 def _load(name, path):
@@ -24,7 +25,7 @@ def _load(name, path):
 
 
 def _options(select):
-    block = re.search(rf'<select name="{select}">(.*?)</select>', PAGE, re.S).group(1)
+    block = re.search(rf'<select name="{select}">(.*?)</select>', FORM, re.S).group(1)
     return [value or text for value, text in re.findall(r'<option(?: value="([^"]*)")?[^>]*>([^<]*)</option>', block)]
 
 

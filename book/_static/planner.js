@@ -3,6 +3,54 @@
 // No logic of the planner is written here: only reading inputs, and drawing tables and a bar.
 
 const root = document.documentElement.dataset.content_root || "../";
+// The widget's markup, the same on every page that embeds it (a <div id="hb-planner">).
+const FORM = `
+<form id="hb-form" autocomplete="off" onsubmit="return false">
+  <fieldset><legend>Model</legend>
+    <label>Preset <select name="model">
+      <option>llama2-7b</option><option>llama2-13b</option><option selected>llama2-70b</option>
+      <option>llama3-405b</option><option>gpt3-175b</option></select></label>
+    <label class="hb-wide">or a pasted <code>config.json</code>
+      <textarea name="config" rows="3" placeholder='{"model_type": "llama", ...}'></textarea></label>
+    <span class="hb-error" data-for="config"></span>
+  </fieldset>
+  <fieldset><legend>GPUs</legend>
+    <label>GPU <select name="gpu">
+      <option>a100-40gb</option><option>a100-80gb</option><option selected>h100-80gb</option>
+      <option>h200-141gb</option><option>b200-180gb</option><option>l4-24gb</option>
+      <option>mi300x-192gb</option></select></label>
+    <label>GPUs <input name="gpus" value="32" inputmode="numeric" size="6"></label>
+    <span class="hb-error" data-for="gpus"></span>
+    <label>GPUs per node <input name="gpus_per_node" inputmode="numeric" size="4" placeholder="8"></label>
+    <label>network <select name="inter_link"><option>ib-ndr400</option><option>ib-hdr200</option>
+      <option>100gbe</option><option>25gbe</option></select></label>
+    <label>ports per node <input name="nics_per_node" inputmode="numeric" size="10" placeholder="one a GPU"></label>
+  </fieldset>
+  <fieldset><legend>Job</legend>
+    <label>sequence length <input name="seq_len" value="4096" inputmode="numeric" size="7"></label>
+    <span class="hb-error" data-for="seq_len"></span>
+    <label>micro-batch <input name="micro_batch" value="1" inputmode="numeric" size="4"></label>
+    <label>precision <select name="precision"><option selected>bf16-mixed</option><option>fp32</option>
+      <option>fp16-mixed</option></select></label>
+    <label>headroom <input name="headroom" value="0" size="4"></label>
+    <span class="hb-error" data-for="headroom"></span>
+    <label><input type="checkbox" name="sensitivity"> sensitivity</label>
+  </fieldset>
+  <fieldset><legend>Layout beyond FSDP (optional)</legend>
+    <label>TP <input name="tp_size" inputmode="numeric" size="3" placeholder="1"></label>
+    <label>SP <input name="sp_size" inputmode="numeric" size="3" placeholder="1"></label>
+    <label>SP method <select name="sp_method"><option value="">-</option><option>ulysses</option>
+      <option>ring</option></select></label>
+    <label>PP <input name="pp_size" inputmode="numeric" size="3" placeholder="auto"></label>
+    <label>batch tokens <input name="batch_tokens" inputmode="numeric" size="9"></label>
+    <span class="hb-error" data-for="tp_size"></span><span class="hb-error" data-for="sp_method"></span>
+  </fieldset>
+</form>
+<p id="hb-status" class="hb-status" role="status">The planner starts when this part of the page is in view.</p>
+<div id="hb-answer" aria-live="polite"></div>
+`;
+const widget = document.getElementById("hb-planner");
+widget.innerHTML = FORM;
 const status = document.getElementById("hb-status");
 const answer = document.getElementById("hb-answer");
 const form = document.getElementById("hb-form");
@@ -123,4 +171,4 @@ const observer = new IntersectionObserver((entries) => {
     observer.disconnect();
   }
 });
-observer.observe(document.getElementById("hb-planner"));
+observer.observe(widget);
