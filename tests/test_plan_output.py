@@ -28,6 +28,8 @@ def _page(**fields):
      {"model": "llama3-405b", "gpu": "h100-80gb", "gpus": "1024", "seq_len": "8192"}),
     (["--model", "llama2-7b", "--gpu", "a100-80gb", "--gpus", "16", "--headroom", "0.1", "--sensitivity"],
      {"model": "llama2-7b", "gpu": "a100-80gb", "gpus": "16", "sensitivity": True, "headroom": "0.1"}),
+    (["--model", "llama2-13b", "--gpu", "h100-80gb", "--gpus", "8", "--optimizer", "sgd"],
+     {"model": "llama2-13b", "gpu": "h100-80gb", "gpus": "8", "optimizer": "sgd"}),
     (["--model", "llama2-70b", "--gpu", "h100-80gb", "--gpus", "64", "--seq-len", "131072", "--tp-size", "8",
       "--sp-size", "8", "--sp-method", "ring"],
      {"model": "llama2-70b", "gpu": "h100-80gb", "gpus": "64", "seq_len": "131072", "tp_size": "8",
@@ -56,6 +58,7 @@ def test_a_pasted_config_is_the_config_file(capsys):
     ({"gpus": "8", "sp_method": "ring"}, "sp_method", "--sp-method ring applies to the sequence split"),
     ({"gpus": "8", "config": "{oops"}, "config", "--hf-config config.json: not JSON (line 1"),
     ({"gpus": "8", "config": "[1, 2]"}, "config", "--hf-config config.json: a JSON list, not an object"),
+    ({"gpus": "16", "optimizer": "sgd", "tp_size": "8"}, None, "--optimizer sgd: the layouts beyond FSDP"),
 ])
 def test_bad_input_gets_the_command_line_s_one_line(capsys, fields, field, message):
     page = _page(model="llama2-70b", gpu="h100-80gb", **fields)
@@ -63,5 +66,6 @@ def test_bad_input_gets_the_command_line_s_one_line(capsys, fields, field, messa
     if field is None and "config" not in fields:  # the same line the command line prints
         argv = ["--model", "llama2-70b", "--gpu", "h100-80gb", "--gpus", fields["gpus"]]
         argv += ["--tp-size", fields["tp_size"]] if "tp_size" in fields else []
+        argv += ["--optimizer", fields["optimizer"]] if "optimizer" in fields else []
         assert main(["plan", *argv]) == 2
         assert " ".join(capsys.readouterr().err.split()).startswith(f"error: {message}")

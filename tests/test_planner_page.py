@@ -34,6 +34,9 @@ def test_the_page_offers_the_package_s_presets():
     assert set(_options("gpu")) == {name for name in ACCELERATORS if name != "cpu"}
     assert set(_options("inter_link")) <= set(LINKS)
     assert _options("precision") == ["bf16-mixed", "fp32", "fp16-mixed"]
+    from handbook_lib.core import OPTIMIZERS
+
+    assert sorted(_options("optimizer")) == sorted(OPTIMIZERS)
 
 
 def test_the_packed_models_answer_without_torch(tmp_path):

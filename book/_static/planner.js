@@ -32,6 +32,8 @@ const FORM = `
     <label>micro-batch <input name="micro_batch" value="1" inputmode="numeric" size="4"></label>
     <label>precision <select name="precision"><option selected>bf16-mixed</option><option>fp32</option>
       <option>fp16-mixed</option></select></label>
+    <label>optimizer <select name="optimizer"><option selected>adamw</option><option>adam</option>
+      <option>sgd-momentum</option><option>sgd</option></select></label>
     <label>headroom <input name="headroom" value="0" size="4"></label>
     <span class="hb-error" data-for="headroom"></span>
     <label><input type="checkbox" name="sensitivity"> sensitivity</label>

@@ -262,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="network ports per node (default: one per GPU for InfiniBand, one for Ethernet)")
     pl.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS, metavar="P",
                     help=f"one of {', '.join(PRECISIONS)} (default bf16-mixed)")
+    pl.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, metavar="O",
+                    help=f"one of {', '.join(OPTIMIZERS)} (default adamw; the layouts beyond FSDP price adamw)")
     pl.add_argument("--headroom", type=_fraction, default=0.0,
                     help="fraction of usable GPU memory kept free beyond what the model prices (default 0)")
     pl.add_argument("--sensitivity", action="store_true",

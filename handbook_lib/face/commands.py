@@ -273,7 +273,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                or getattr(args, "hf_config", None) is not None else None)
     report = plan_report(model, args.gpu, args.gpus, decoder=decoder, gpus_per_node=per_node,
                          inter_link=args.inter_link, nics_per_node=args.nics_per_node, micro_batch=args.micro_batch,
-                         seq_len=args.seq_len, precision=args.precision, headroom=args.headroom,
+                         seq_len=args.seq_len, precision=args.precision, optimizer=args.optimizer,
+                         headroom=args.headroom,
                          sensitivity=args.sensitivity, tp_size=args.tp_size, sp_size=args.sp_size,
                          sp_method=args.sp_method, pp_size=args.pp_size, batch_tokens=args.batch_tokens)
     if args.json:
@@ -284,7 +285,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     axes = (list(report.axes), report.verdict) if report.verdict is not None else None
     _print_model(named, echo)
     print(wrap_line(f"assumes: {result.gpus} x {result.gpu} ({per_node} per node, "
-                f"{result.nics_per_node} x {args.inter_link} between nodes), {args.precision}, optimizer adamw, "
+                f"{result.nics_per_node} x {args.inter_link} between nodes), {args.precision}, optimizer "
+                f"{args.optimizer}, "
                 f"micro-batch "
                 f"{args.micro_batch} x {args.seq_len} tokens, utilization {100 * result.utilization:.0f} %, "
                 f"{100 * args.headroom:.0f} % headroom; every strategy priced", "  "))
