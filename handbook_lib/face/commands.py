@@ -312,7 +312,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(wrap_line(f"- {reason}", "  "))
     print(wrap_line(f"- Step times: {band.text()}; a lead smaller than that is a tie to time." if band else
                     f"- Step times: no published run on {args.gpu} tests the model there.", "  "))
-    print(f"(the seed's rule, fp32 model state only, would answer: {result.seed_answer})")
+    print(f"(the 16-bytes-per-parameter rule, fp32 model state only, would answer: {result.seed_answer})")
     if args.sensitivity:
         _print_sensitivity(result, changes, flips)
     if axes:
