@@ -36,7 +36,7 @@ def test_a_key_by_its_section_name_is_the_same_key():
     assert RunConfig(**{"levers.init": "full"}).init == "full"
     with pytest.raises(ValueError, match="unknown config key"):
         RunConfig.from_mapping({"data.lr": 0.01})  # lr lives in numerics
-    with pytest.raises(ValueError, match="unknown config key"):
+    with pytest.raises(ValueError, match=r"^config key 'steps' given twice, by its name and its section's \('data.steps'\)$"):
         RunConfig.from_mapping({"steps": 3, "data.steps": 4})
 
 

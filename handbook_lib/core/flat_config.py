@@ -187,16 +187,20 @@ class FlatConfig(metaclass=_RoutesKeys):
             ValueError: on an unknown key (listing the accepted keys) or a bad value.
         """
         mapping = dict(mapping or {})
-        kinds, homes = _layout(cls)[2], _layout(cls)[1]
-        flat = {(key.partition(".")[2] if key.partition(".")[2] in homes
-                 and homes[key.partition(".")[2]] == key.partition(".")[0] else key): value
-                for key, value in mapping.items()}
+        _, homes, kinds = _layout(cls)
+        flat: dict[str, Any] = {}
+        for key, value in mapping.items():
+            section, _, inner = key.partition(".")
+            name = inner if homes.get(inner) == section else key  # "data.steps" is "steps"
+            if name in flat:
+                raise ValueError(f"config key {name!r} given twice, by its name and its section's ({key!r})")
+            flat[name] = value
         unknown = sorted(set(flat) - set(cls.keys()))
-        if unknown or len(flat) < len(mapping):
+        if unknown:
             hints = [f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key) for key in unknown
                      for close in [difflib.get_close_matches(key, cls.keys(), n=1)]]
             raise ValueError(  # the first line stays short; the whole list follows
-                f"unknown config key(s) {', '.join(hints) or 'given twice, flat and dotted'} for {cls.__name__}\n"
+                f"unknown config key(s) {', '.join(hints)} for {cls.__name__}\n"
                 f"accepted keys: {', '.join(cls.keys())}"
             )
         values = {key: cls._parse_text(key, kinds[key], value)

@@ -7,15 +7,16 @@ boundaries into ``pp_size · pp_stages_per_rank`` stages (the embedding on the f
 the last, :func:`~handbook_lib.models.pipeline.stage_layers`), splits each over ``tp_size``
 tensor ranks if asked (Megatron's plan, ``sequence_parallel`` too), checkpoints it and shards it
 with FSDP2 over its data-parallel ranks, and ``torch.distributed.pipelining`` runs them by
-``schedule`` (GPipe, 1F1B, interleaved 1F1B) over ``pp_microbatches`` micro-batches; the
-book's one loop (:func:`~handbook_lib.runtime.training.train`) steps it
+``schedule`` (GPipe, 1F1B, interleaved 1F1B, the zero-bubble V) over ``pp_microbatches``
+micro-batches; the book's one loop (:func:`~handbook_lib.runtime.training.train`) steps it
 (:func:`~handbook_lib.runtime.pipeline.pipeline_step`).
 
 Checks, beside :mod:`handbook_lib.models.pipeline`: each rank's layers; its parameters, FSDP2's
 padding, gradients and optimizer state (exact: the embedding and the head make the first and
 last ranks heavier); every send and receive of the last step, tensor parallelism's collectives
 inside each stage and FSDP2's over its data-parallel ranks (count, buffer bytes, each call
-matched, bytes sent: exact); the
+matched, bytes sent: exact); the schedule (each rank's order of work, the micro-batches each
+stage held at once, the bubble of the ranks' orders on a grid of unit times: exact); the
 losses against one process training the book's model on the whole batch (1e-5 in fp32, 1e-3 in
 bf16).
 

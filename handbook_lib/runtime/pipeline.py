@@ -6,7 +6,7 @@ the stages :func:`~handbook_lib.models.pipeline.rank_stages` gives this rank (:f
 shards each with FSDP2 over its data-parallel group, and hands them to a
 :class:`PipelinedModel`, which wraps them in ``torch.distributed.pipelining``'s
 ``PipelineStage`` over the ``pp`` group and builds the schedule (``ScheduleGPipe``,
-``Schedule1F1B``, ``ScheduleInterleaved1F1B``). The book's one training loop
+``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``). The book's one training loop
 (:func:`~handbook_lib.runtime.training.train`) runs it through :func:`pipeline_step`: the
 schedule's step in place of one forward and backward, then the optimizer's.
 """
