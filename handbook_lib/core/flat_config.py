@@ -91,14 +91,19 @@ class _RoutesKeys(type):
         return super().__call__(**_route(cls, kwargs))  # type: ignore[arg-type]  # cls: a FlatConfig
 
 
+def _flat_name(homes: Mapping[str, str], key: str) -> str:
+    """``key``'s flat name: ``"data.steps"`` is ``"steps"`` where ``steps`` lives in ``data``;
+    any other key is its own."""
+    section, dot, inner = key.partition(".")
+    return inner if dot and homes.get(inner) == section else key
+
+
 def _route(cls: type[FlatConfig], given: Mapping[str, Any]) -> dict[str, Any]:
     sections, homes, kinds = _layout(cls)
     out: dict[str, Any] = {}
     per: dict[str, dict[str, Any]] = {}
-    for key, value in given.items():
-        section, dot, inner = key.partition(".")
-        if dot and section in sections and homes.get(inner) == section:
-            key = inner
+    for dotted, value in given.items():
+        key = _flat_name(homes, dotted)
         if key in sections:
             out[key] = value
         elif key in homes:
@@ -190,8 +195,7 @@ class FlatConfig(metaclass=_RoutesKeys):
         _, homes, kinds = _layout(cls)
         flat: dict[str, Any] = {}
         for key, value in mapping.items():
-            section, _, inner = key.partition(".")
-            name = inner if homes.get(inner) == section else key  # "data.steps" is "steps"
+            name = _flat_name(homes, key)
             if name in flat:
                 raise ValueError(f"config key {name!r} given twice, by its name and its section's ({key!r})")
             flat[name] = value

@@ -62,11 +62,12 @@ from handbook_lib.models.tensor_parallel import (
     estimate_tp_layer_traffic,
 )
 from handbook_lib.models.timing import (
+    StepTime,
     estimate_compute_time,
     estimate_step_time,
 )
 from handbook_lib.models.topology import route_collective
-from handbook_lib.models.traffic import estimate_step_traffic
+from handbook_lib.models.traffic import StepTraffic, estimate_step_traffic
 
 __all__ = ["AxisOption", "axes_reason", "compare_axes", "pipeline_microbatches", "price_layout", "recommend_axes"]
 
@@ -155,6 +156,32 @@ def _attention_slice(shape: DecoderShape, tp: int) -> DecoderShape:
     return dataclasses.replace(shape, nhead=shape.nhead // tp, num_kv_heads=shape.kv_heads // tp, head_dim=head)
 
 
+def _tp_seconds(job: _Job, tokens: int, tp: int, layers: int, ac: bool) -> float:
+    """TP's collectives for ``tokens`` tokens through ``layers`` layers on the node's link (0 without
+    TP), not hidden (each sits between two matrix products); with checkpointing the forward's are
+    issued again when a layer is recomputed."""
+    if tp == 1:
+        return 0.0
+    layer = estimate_tp_layer_traffic(job.shape.d_model, tokens, tp, 4 if job.precision == "fp32" else 2,
+                                      sequence_parallel=True)
+    per_layer = [estimate_collective_time(x, job.node.intra_link) for x in layer.collectives]
+    half = len(per_layer) // 2  # forward first: recomputed with checkpointing
+    return layers * (sum(per_layer) + (sum(per_layer[:half]) if ac else 0.0))
+
+
+def _fsdp_time(job: _Job, traffic: StepTraffic, tp: int, fsdp_ranks: int, compute_s: float, *,
+               extra_comm_s: float = 0.0) -> StepTime:
+    """FSDP2's step over ``fsdp_ranks`` ranks, one per TP slice: each node holds ``gpus_per_node / tp``
+    of the group's ranks and as many of its network ports, hidden behind ``compute_s`` as chapter 3
+    hides them."""
+    node = job.node
+    slots = max(1, node.gpus_per_node // tp)
+    lane = dataclasses.replace(node, gpus_per_node=slots, nics_per_node=max(1, node.nics_per_node * slots
+                                                                           // node.gpus_per_node))
+    return estimate_step_time(traffic, lambda r: route_collective(r, lane, fsdp_ranks, "FULL_SHARD"), compute_s,
+                              overlap=True, extra_comm_s=extra_comm_s)
+
+
 def price_layout(job: _Job, layout: ParallelLayout, ac: bool, microbatches: int = 1) -> AxisOption:
     """One layout's row, the one time entry point for every layout of the job's GPUs: a pipeline
     (``layout.pp`` > 1, ``microbatches`` a step) by :func:`_price_pipeline`; otherwise TP over
@@ -162,20 +189,15 @@ def price_layout(job: _Job, layout: ParallelLayout, ac: bool, microbatches: int 
     of each TP slice (module docstring); ``tp`` = ``sp`` = 1 is FULL_SHARD priced the same way.
     Memory: :func:`~handbook_lib.models.axes.estimate_job_memory`."""
     if layout.pp > 1:
-        return _price_pipeline(job, layout.tp, layout.pp, microbatches, ac)
+        return _price_pipeline(job, layout, microbatches, ac)
     tp, sp, method = layout.tp, layout.sp, layout.sp_method
     fsdp_ranks, dp = job.gpus // tp, job.gpus // (tp * sp)
     tokens = job.micro_batch * job.seq_len // sp  # one GPU's (one TP group's)
     mem = estimate_job_memory(job.shape, layout, micro_batch=job.micro_batch, seq_len=job.seq_len,
                               precision=job.precision, activation_checkpointing=job.mode(ac))
     compute = job.compute(tokens, ac) / tp
-    node, tp_s, sp_s, hidden = job.node, 0.0, 0.0, False
-    if tp > 1:  # not hidden: each sits between two matrix products
-        layer = estimate_tp_layer_traffic(job.shape.d_model, tokens, tp, 4 if job.precision == "fp32" else 2,
-                                          sequence_parallel=True)
-        per_layer = [estimate_collective_time(x, node.intra_link) for x in layer.collectives]
-        half = len(per_layer) // 2  # forward first: recomputed with checkpointing
-        tp_s = job.shape.num_layers * (sum(per_layer) + (sum(per_layer[:half]) if ac else 0.0))
+    node, sp_s, hidden = job.node, 0.0, False
+    tp_s = _tp_seconds(job, tokens, tp, job.shape.num_layers, ac)
     if sp > 1:
         link: Link = node.intra_link if sp * tp <= node.gpus_per_node else node.inter_link
         local = _attention_slice(job.shape, tp)
@@ -189,12 +211,7 @@ def price_layout(job: _Job, layout: ParallelLayout, ac: bool, microbatches: int 
     param_dtype, reduce_dtype = get_precision(job.precision)
     units = decoder_tp_units(job.shape, tp) if tp > 1 else model_layout(job.shape).units()
     traffic = estimate_step_traffic(units, fsdp_ranks, "FULL_SHARD", param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    # one FSDP group's ranks on each node: a machine of gpus_per_node / tp slots and as many ports
-    slots = max(1, node.gpus_per_node // tp)
-    lane = dataclasses.replace(node, gpus_per_node=slots, nics_per_node=max(1, node.nics_per_node * slots
-                                                                           // node.gpus_per_node))
-    fsdp = estimate_step_time(traffic, lambda r: route_collective(r, lane, fsdp_ranks, "FULL_SHARD"), compute,
-                              overlap=True, extra_comm_s=sp_s if hidden else 0.0)
+    fsdp = _fsdp_time(job, traffic, tp, fsdp_ranks, compute, extra_comm_s=sp_s if hidden else 0.0)
     exposed = tp_s + (0.0 if hidden else sp_s)
     parts = ([f"TP {tp}"] if tp > 1 else []) + ([f"SP {sp} ({method})"] if sp > 1 else [])
     return AxisOption(" x ".join([*parts, f"FSDP {dp}"]) + (" + AC" if ac else ""), tp, sp, dp, ac, mem.peak_reserved,
@@ -202,7 +219,7 @@ def price_layout(job: _Job, layout: ParallelLayout, ac: bool, microbatches: int 
                       fsdp.total_s + exposed, dp * job.micro_batch * job.seq_len)
 
 
-def _price_pipeline(job: _Job, tp: int, pp: int, microbatches: int, ac: bool) -> AxisOption:
+def _price_pipeline(job: _Job, layout: ParallelLayout, microbatches: int, ac: bool) -> AxisOption:
     """A pipeline's row: ``pp`` stages (the outermost axis, one stage per GPU of a pipeline,
     1F1B), TP over ``tp`` GPUs of a node inside each, FSDP2 over the ``gpus / (tp · pp)``
     data-parallel ranks of each stage; each pipeline runs ``microbatches`` micro-batches of
@@ -220,21 +237,14 @@ def _price_pipeline(job: _Job, tp: int, pp: int, microbatches: int, ac: bool) ->
       reduce-scattered once (as the ``pipeline`` run measures it), hidden as chapter 3 hides them.
 
     Memory: :func:`~handbook_lib.models.axes.estimate_job_memory` with ``pp`` (the worst stage)."""
-    shape, node, m = job.shape, job.node, microbatches
+    shape, node, m, tp, pp = job.shape, job.node, microbatches, layout.tp, layout.pp
     fsdp_ranks = job.gpus // (tp * pp)
-    layout = ParallelLayout.for_world(job.gpus, tp=tp, pp=pp)
     mem = estimate_job_memory(shape, layout, micro_batch=job.micro_batch, seq_len=job.seq_len, precision=job.precision,
                               activation_checkpointing=job.mode(ac), pp_microbatches=m)
     layers = stage_layers(shape.num_layers, pp)[0].layers
     tokens = job.micro_batch * job.seq_len
     compute_micro = job.compute(tokens, ac) / tp * layers / shape.num_layers
-    tp_micro = 0.0
-    if tp > 1:
-        layer = estimate_tp_layer_traffic(shape.d_model, tokens, tp, 4 if job.precision == "fp32" else 2,
-                                          sequence_parallel=True)
-        per_layer = [estimate_collective_time(x, node.intra_link) for x in layer.collectives]
-        half = len(per_layer) // 2
-        tp_micro = layers * (sum(per_layer) + (sum(per_layer[:half]) if ac else 0.0))
+    tp_micro = _tp_seconds(job, tokens, tp, layers, ac)
     compute_dtype, reduce_dtype = get_precision(job.precision)
     activation = tokens * shape.d_model * (4 if compute_dtype == "fp32" else 2) // tp
     link: Link = node.inter_link if tp * fsdp_ranks >= node.gpus_per_node else node.intra_link
@@ -245,11 +255,7 @@ def _price_pipeline(job: _Job, tp: int, pp: int, microbatches: int, ac: bool) ->
     traffic = estimate_step_traffic(units, fsdp_ranks, "FULL_SHARD", param_dtype=compute_dtype,
                                     reduce_dtype=reduce_dtype, grad_accum_steps=m, sync_every_micro_step=False,
                                     reshard_after_backward=False)
-    slots = max(1, node.gpus_per_node // tp)
-    lane = dataclasses.replace(node, gpus_per_node=slots, nics_per_node=max(1, node.nics_per_node * slots
-                                                                           // node.gpus_per_node))
-    fsdp = estimate_step_time(traffic, lambda r: route_collective(r, lane, fsdp_ranks, "FULL_SHARD"),
-                              m * compute_micro, overlap=True)
+    fsdp = _fsdp_time(job, traffic, tp, fsdp_ranks, m * compute_micro)
     bubble = (pp - 1) * (compute_micro + tp_micro)
     exposed = m * tp_micro + p2p_s
     name = f"{f'TP {tp} x ' if tp > 1 else ''}PP {pp} (m {m}) x FSDP {fsdp_ranks}" + (" + AC" if ac else "")
