@@ -269,13 +269,14 @@ def pipeline_memory(model: ModelLike, layout: ParallelLayout, micro_batch: int, 
         extra_units = max(0, held - mem.unsharded_params - mem.grad_buffers)
         layers = estimate_decoder_activation_bytes(stage, micro_batch, seq_len // layout.sp,
                                                    recompute=checkpointing_mode(levers["activation_checkpointing"]))
-        extra_acts = (in_flight(schedule, layout.pp, microbatches, span.index) - 1) * layers // layout.tp
+        flying = in_flight(schedule, layout.pp, microbatches, span.index)
+        extra_acts = (flying - 1) * layers // layout.tp
         components = dict(mem.components)
         components["activations"] += extra_acts
         components["unsharded_params"] += extra_units
         phases = {k: v + extra_acts + extra_units for k, v in mem.phases.items()}
         note = (f"pipeline stage {span.index} of {layout.pp} ({span.layers} layers, {schedule}, "
-                f"{microbatches} micro-batches): {in_flight(schedule, layout.pp, microbatches, span.index)} in "
+                f"{microbatches} micro-batches): {flying} in "
                 "flight; its units gathered and their gradients unsharded from the first backward to the last")
         priced = MemoryEstimate(components, phases, mem.peak_phase, forward_activations=mem.forward_activations
                                 + extra_acts, notes=(*mem.notes, note))
