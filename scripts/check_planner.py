@@ -39,6 +39,7 @@ CONFIGS: list[dict[str, Any]] = [
     {"model": "llama3-405b", "gpus": "1024", "seq_len": "8192"},
     {"model": "gpt3-175b", "gpu": "a100-80gb", "gpus": "64", "seq_len": "2048", "sensitivity": True},
     {"model": "llama2-7b", "gpu": "a100-40gb", "gpus": "8", "headroom": "0.1", "optimizer": "sgd-momentum"},
+    {"model": "llama2-70b", "gpu": "a100-80gb", "gpus": "16", "seq_len": "4096", "optimizer_impl": "fused"},
     {"model": "llama2-70b", "gpu": "h200-141gb", "gpus": "16", "seq_len": "8192", "inter_link": "100gbe",
      "nics_per_node": "1"},
     {"model": "llama2-70b", "gpus": "64", "seq_len": "131072", "tp_size": "8", "sp_size": "8"},

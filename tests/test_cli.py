@@ -291,6 +291,23 @@ def test_memory_with_gradient_accumulation_holds_the_unsharded_gradients(capsys)
     assert "--grad-accum" in capsys.readouterr().err
 
 
+def test_memory_prices_the_optimizer_step_of_each_implementation(capsys):
+    """``--optimizer-impl``: on a GPU torch's default is foreach, whose step holds one fp32 copy
+    of every local parameter (4·P/N: 7B on 8 FULL_SHARD ranks, the handbook counts P/N rounded
+    up); fused holds none, so the step's phase is gone; the assumptions say which was asked."""
+    base = ["memory", "--params", "7e9", "--world-size", "8", "--json"]
+    seen = {}
+    for impl in ("default", "foreach", "fused"):
+        assert main([*base, "--optimizer-impl", impl]) == 0
+        seen[impl] = json.loads(capsys.readouterr().out)
+    assert seen["default"]["phases"] == seen["foreach"]["phases"]
+    assert seen["foreach"]["phases"]["optimizer_step"] == 16 * 7_000_000_000 // 8 + 4 * 7_000_000_000 // 8
+    assert "optimizer_step" not in seen["fused"]["phases"]
+    assert seen["fused"]["peak"] == 16 * 7_000_000_000 // 8
+    assert "optimizer adamw (fused)" in seen["fused"]["assumptions"]
+    assert "(default)" not in seen["default"]["assumptions"]
+
+
 def test_bad_inputs_get_one_line_naming_the_flag(capsys):
     """A sample (the full table is tests/test_bad_inputs.py): the flag the user typed, not a key."""
     assert main(["memory", "--params", "inf"]) == 2

@@ -28,6 +28,7 @@ def test_unknown_key_lists_accepted_keys():
 
 @pytest.mark.parametrize("key, values", [
     ("strategy", STRATEGIES), ("api", APIS), ("precision", PRECISIONS), ("optimizer", OPTIMIZERS),
+    ("optimizer_impl", ("default", "for-loop", "foreach", "fused")),
 ])
 def test_bad_choice_lists_accepted_values(key, values):
     with pytest.raises(ValueError) as err:
@@ -136,6 +137,7 @@ def test_every_run_config_key_is_documented_and_choices_are_literals():
     assert set(RunConfig.keys()) - documented == set()
     assert RunConfig.choices() == {"strategy": STRATEGIES, "api": APIS, "wrap": ("layer", "model", "size"),
                                    "precision": tuple(PRECISIONS), "optimizer": OPTIMIZERS,
+                                   "optimizer_impl": ("default", "for-loop", "foreach", "fused"),
                                    "init": ("meta", "full"), "lr_schedule": ("constant", "cosine", "linear"),
                                    "activation_checkpointing": ("none", "selective", "full")}
 
@@ -273,3 +275,18 @@ def test_the_parsers_refuse_what_python_would_coerce():
     for text in ("7.5", "1e30", "0", "inf", "nan", "", "7e9x"):
         with pytest.raises(BadText, match=r"^must be a whole number from 1 to 1e15 \(e.g. 7e9\), got "):
             parse_count(text, 1, 10**15)
+
+
+def test_the_optimizer_implementation_resolves_per_device_and_refuses_fused_sgd_on_fsdp2():
+    """torch's default: foreach where foreach kernels exist (CUDA), the for-loop on the CPU;
+    fused SGD has no DTensor rule, so FSDP2 refuses it, while DDP's plain tensors take it."""
+    from handbook_lib.core.config import optimizer_impl_on
+
+    assert [optimizer_impl_on("default", d) for d in ("cuda", "cpu")] == ["foreach", "for-loop"]
+    assert optimizer_impl_on("fused", "cpu") == "fused"
+    with pytest.raises(ValueError, match="optimizer_impl must be one of default, for-loop, foreach, fused"):
+        optimizer_impl_on("apex", "cuda")
+    with pytest.raises(ValueError, match="'optimizer_impl'='fused' cannot step sgd over FSDP2"):
+        RunConfig(optimizer="sgd", optimizer_impl="fused")
+    assert RunConfig(optimizer="sgd", optimizer_impl="fused", strategy="DDP").optimizer_impl == "fused"
+    assert RunConfig(optimizer="sgd", optimizer_impl="fused", api="fsdp1").optimizer_impl == "fused"

@@ -392,3 +392,18 @@ def test_the_estimators_take_every_model_form():
     with pytest.raises(ValueError) as err:
         estimate_memory({"model_type": "llama"}, 8)
     assert "\n" not in str(err.value) and str(err.value).startswith("model must be a ModelConfig")
+
+
+def test_the_optimizer_step_temporaries_by_implementation_by_hand():
+    """Adam over tensors of 10, 30 and 20 elements: foreach 4·60; the for-loop's worst moment is
+    the 30-element tensor's two temporaries with the 10-element one's denominator still bound,
+    4·(10 + 60); fused none; SGD none under any implementation."""
+    from handbook_lib.models.model_state import optimizer_temporary_bytes
+
+    numels = (10, 30, 20)
+    assert optimizer_temporary_bytes(numels, "adamw", "foreach") == 240
+    assert optimizer_temporary_bytes(numels, "adam", "for-loop") == 280
+    assert optimizer_temporary_bytes(numels, "adamw", "fused") == 0
+    assert {optimizer_temporary_bytes(numels, "sgd-momentum", i) for i in ("for-loop", "foreach", "fused")} == {0}
+    with pytest.raises(ValueError, match="optimizer_impl"):
+        optimizer_temporary_bytes(numels, "adamw", "default")  # resolve it for a device first

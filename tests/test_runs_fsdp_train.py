@@ -16,6 +16,7 @@ from handbook_lib.models import (
     estimate_flat_shard_bytes,
     estimate_memory,
     estimate_shard_bytes,
+    model_layout,
     wrap_units,
 )
 
@@ -23,12 +24,12 @@ TINY = {"vocab_size": 1001, "d_model": 64, "nhead": 2, "dim_feedforward": 96, "n
         "batch_size": 8, "seq_len": 16, "steps": 2}
 CASES = {
     "2-SHARD_GRAD_OP-fp32-sgd-momentum": (2, {"strategy": "SHARD_GRAD_OP", "optimizer": "sgd-momentum", "lr": 0.1}),
-    "4-FULL_SHARD-bf16-adam-AC": (4, {"strategy": "FULL_SHARD", "precision": "bf16-mixed", "optimizer": "adam",
-                                      "activation_checkpointing": True}),
+    "4-FULL_SHARD-bf16-adam-foreach-AC": (4, {"strategy": "FULL_SHARD", "precision": "bf16-mixed", "optimizer": "adam",
+                                              "optimizer_impl": "foreach", "activation_checkpointing": True}),
     "1-SHARD_GRAD_OP-fp32-sgd": (1, {"strategy": "SHARD_GRAD_OP", "optimizer": "sgd", "lr": 0.1}),
     "4-HYBRID_SHARD_ZERO2-fp32-adamw": (4, {"strategy": "HYBRID_SHARD_ZERO2", "shard_group_size": 2}),
     "2-FULL_SHARD-bf16-adamw-offload": (2, {"strategy": "FULL_SHARD", "precision": "bf16-mixed", "cpu_offload": True}),
-    "2-DDP-fp32-adamw": (2, {"strategy": "DDP", "steps": 3}),
+    "2-DDP-fp32-adamw-foreach": (2, {"strategy": "DDP", "steps": 3, "optimizer_impl": "foreach"}),
     # chapter 5: the baseline, wrapping, recomputation, FSDP1, fp16
     "1-NONE-fp32-adamw": (1, {"strategy": "NONE"}),
     "2-FULL_SHARD-fp32-adamw": (2, {"strategy": "FULL_SHARD"}),
@@ -44,8 +45,8 @@ CASES = {
     # the table's other rows, run for real; one loop's accumulation and clipping
     "2-FSDP1-NO_SHARD-bf16-adamw": (2, {"api": "fsdp1", "strategy": "NO_SHARD", "precision": "bf16-mixed",
                                         "steps": 3}),
-    "2-FULL_SHARD-fp32-adamw-accum-clip": (2, {"strategy": "FULL_SHARD", "grad_accum_steps": 2,
-                                               "max_grad_norm": 0.5}),
+    "2-FULL_SHARD-fp32-adamw-fused-accum-clip": (2, {"strategy": "FULL_SHARD", "grad_accum_steps": 2,
+                                                     "max_grad_norm": 0.5, "optimizer_impl": "fused"}),
 }
 """Cases whose measured peak has no prediction: FSDP1 sharding its flat parameters (the phase
 model of the sharding strategies is FSDP2's; NO_SHARD's is the replicated one's)."""
@@ -114,6 +115,7 @@ def test_no_check_is_off_not_even_by_a_byte(case):
     memory |= set() if _fsdp1(config) and config["strategy"] != "NO_SHARD" else {"peak_bytes"}
     memory |= {"held_between_micro_steps"} if config.get("grad_accum_steps", 1) > 1 else set()
     memory |= {"grad_norm"} if config.get("max_grad_norm") and not _fsdp1(config) else set()
+    memory |= set() if _last_step_skipped(config, result) else {"optimizer_temporary_bytes"}
     kinds = _expected_kinds(nproc, config)
     comm = {f"{k}_buffer_bytes" for k in kinds}
     comm |= {f"{k}_count" for k in kinds} if config["strategy"] != "DDP" else set()
@@ -127,6 +129,42 @@ def test_no_check_is_off_not_even_by_a_byte(case):
     assert {c.quantity for c in result.checks if c.tolerance > 0} == tolerated
     off = [(c.quantity, c.rank, c.predicted, c.measured) for c in result.checks if not c.ok]
     assert off == []
+
+
+def _last_step_skipped(config: dict, result) -> bool:
+    """The scaler skipped the measured (last) step: the optimizer did not step, nothing to check."""
+    return config.get("steps", TINY["steps"]) in result.ranks[0]["skipped_steps"]
+
+
+def test_the_optimizer_step_allocates_what_its_implementation_does(case):
+    """Adam's temporaries, by hand: foreach, one fp32 copy of every local parameter (the rank's
+    measured parameter bytes); the for-loop, two of one tensor with the one before still bound
+    (each tensor's dim-0 shard of ceil(rows / N) rows); fused, none; SGD, none."""
+    nproc, config, result = case
+    if _last_step_skipped(config, result):
+        assert all(r["optimizer_temporary_bytes"] is None for r in result.ranks)
+        return
+    impl = config.get("optimizer_impl", "for-loop")  # the CPU's default
+    tensors = RunConfig.from_mapping(config).model_config()
+    shapes = [shape for _, shape in model_layout(tensors).tensors]
+    for rank in result.ranks:
+        if not config.get("optimizer", "adamw").startswith("adam") or impl == "fused":
+            want = 0
+        elif impl == "foreach":
+            want = rank["param_shard_bytes"]
+        elif _fsdp1(config):  # one flat parameter per unit, padded, the root's first
+            group = rank["shard_group_size"]
+            n = [u.flat_padded_numel(group) // group for u in _units(config)]
+            want = 4 * max(a + 2 * b for a, b in zip([0, *n], n))
+        else:
+            group = rank["shard_group_size"] if config["strategy"] not in ("NONE", "DDP", "NO_SHARD") else 1
+            n = []
+            for shape in shapes:
+                chunk = -(-shape[0] // group)
+                rows = max(0, min(chunk, shape[0] - (rank["rank"] % group) * chunk))
+                n.append(rows * (shape[1] if len(shape) > 1 else 1))
+            want = 4 * max(a + 2 * b for a, b in zip([0, *n], n))
+        assert rank["optimizer_temporary_bytes"] == want, (rank["rank"], impl)
 
 
 def test_shards_sum_to_the_model_per_shard_group(case):

@@ -34,6 +34,8 @@ const FORM = `
       <option>fp16-mixed</option></select></label>
     <label>optimizer <select name="optimizer"><option selected>adamw</option><option>adam</option>
       <option>sgd-momentum</option><option>sgd</option></select></label>
+    <label>optimizer step <select name="optimizer_impl"><option value="">default</option><option>foreach</option>
+      <option>fused</option><option>for-loop</option></select></label>
     <label>headroom <input name="headroom" value="0" size="4"></label>
     <span class="hb-error" data-for="headroom"></span>
     <label><input type="checkbox" name="sensitivity"> sensitivity</label>

@@ -19,7 +19,7 @@ from typing import ClassVar, Literal, NamedTuple, get_args
 from handbook_lib.core.architecture import ModelConfig
 from handbook_lib.core.checks import lookup
 from handbook_lib.core.flat_config import FlatConfig
-from handbook_lib.core.strategies import StrategyName
+from handbook_lib.core.strategies import StrategyName, get_strategy
 
 __all__ = [
     "FlatConfig",
@@ -39,6 +39,9 @@ __all__ = [
     "PRECISIONS",
     "get_precision",
     "OPTIMIZERS",
+    "OPTIMIZER_IMPLS",
+    "optimizer_impl_on",
+    "check_optimizer_impl",
     "LR_SCHEDULES",
     "WRAPS",
     "INITS",
@@ -108,6 +111,46 @@ def get_precision(name: str, what: str = "precision") -> Precision:
 
 OptimizerName = Literal["adamw", "adam", "sgd", "sgd-momentum"]
 OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
+OptimizerImplName = Literal["default", "for-loop", "foreach", "fused"]
+OPTIMIZER_IMPLS: tuple[str, ...] = get_args(OptimizerImplName)
+"""How ``torch.optim`` runs the step: ``for-loop`` (one tensor at a time: ``foreach=False``),
+``foreach`` (every tensor at once through ``torch._foreach_*``: ``foreach=True``), ``fused``
+(one kernel that updates in place: ``fused=True``), or ``default``: what torch picks for the
+device (:func:`optimizer_impl_on`)."""
+
+
+def optimizer_impl_on(impl: str, device: str) -> str:
+    """The implementation ``impl`` means on ``device`` (``cuda`` or ``cpu``): itself, or for
+    ``default`` what ``torch.optim`` picks when given neither ``foreach`` nor ``fused``
+    (``torch/optim/optimizer.py: _default_to_fused_or_foreach``): ``foreach`` on CUDA, whose
+    foreach kernels exist (``DTensor`` counts as a foreach type, so FSDP2's shards qualify),
+    ``for-loop`` on the CPU, which has none.
+
+    Raises:
+        ValueError: naming ``optimizer_impl`` and the accepted values, or ``device``.
+    """
+    lookup(dict.fromkeys(OPTIMIZER_IMPLS), impl, "optimizer_impl")
+    lookup(dict.fromkeys(("cuda", "cpu")), device, "device")
+    if impl != "default":
+        return impl
+    return "foreach" if device == "cuda" else "for-loop"
+
+
+def check_optimizer_impl(optimizer: str, impl: str, strategy: str, api: str = "fsdp2") -> None:
+    """Refuse an implementation PyTorch cannot run for ``optimizer`` under ``strategy`` with
+    ``api``: fused SGD on FSDP2's sharded parameters (``DTensor`` has no sharding rule for
+    ``aten._fused_sgd_`` in torch 2.13; fused Adam and AdamW have one).
+
+    Raises:
+        ValueError: in one line, naming the key and what is accepted.
+    """
+    lookup(dict.fromkeys(OPTIMIZER_IMPLS), impl, "optimizer_impl")
+    if impl == "fused" and optimizer.startswith("sgd") and api == "fsdp2" \
+            and get_strategy(strategy).wrapper == "fsdp":
+        raise ValueError(f"config key 'optimizer_impl'='fused' cannot step {optimizer} over FSDP2's "
+                         "sharded parameters (DTensor has no rule for aten._fused_sgd_): use "
+                         "default, for-loop or foreach, or adam/adamw")
+
 LrScheduleName = Literal["constant", "cosine", "linear"]
 LR_SCHEDULES: tuple[str, ...] = get_args(LrScheduleName)
 """The learning rate after warm-up (:func:`handbook_lib.models.lr_schedule.lr_factor`):
@@ -217,6 +260,10 @@ class NumericsConfig(FlatConfig):
     """Compute and reduce dtypes: a key of :data:`PRECISIONS` (sharded state stays fp32)."""
     optimizer: OptimizerName = "adamw"
     """``adamw``, ``adam`` (two moments per parameter), ``sgd-momentum`` (one), ``sgd`` (none)."""
+    optimizer_impl: OptimizerImplName = "default"
+    """How the optimizer's step runs: ``for-loop``, ``foreach``, ``fused`` or ``default``
+    (torch's choice for the device: foreach on CUDA, for-loop on the CPU); what the step
+    allocates depends on it (:func:`~handbook_lib.models.model_state.optimizer_temporary_bytes`)."""
     lr: float = 1e-3
     """Learning rate (dimensionless): the base rate that ``lr_schedule`` multiplies."""
     lr_schedule: LrScheduleName = "constant"
@@ -331,6 +378,7 @@ class RunConfig(FlatConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_optimizer_impl(self.optimizer, self.optimizer_impl, self.strategy, self.api)
         if isinstance(self.warmup_steps, int) and self.warmup_steps >= self.steps:
             raise ValueError(f"config key 'warmup_steps' must be < steps={self.steps} (the steps of "
                              f"warm-up come first), got {self.warmup_steps}")

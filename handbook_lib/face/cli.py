@@ -54,6 +54,7 @@ from handbook_lib.core.architecture import MODEL_KEYS
 from handbook_lib.core.checks import BadText, parse_count, parse_float, parse_int
 from handbook_lib.core.config import (
     CHECKPOINTING_MODES,
+    OPTIMIZER_IMPLS,
     OPTIMIZERS,
     PRECISIONS,
     RunConfig,
@@ -160,6 +161,12 @@ def _add_sharding(cmd: argparse.ArgumentParser) -> None:
                      help=f"{' and '.join(_HYBRID)} only: ranks per shard group (default: all)")
 
 
+def _add_optimizer_impl(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--optimizer-impl", default="default", choices=OPTIMIZER_IMPLS, metavar="I",
+                     help="how the optimizer step runs: for-loop, foreach (one fp32 temporary of every "
+                     "local parameter), fused (none) or default (torch's choice: foreach on a GPU)")
+
+
 def _add_axes(cmd: argparse.ArgumentParser) -> None:
     """Chapter 9's axes beyond FSDP: tensor parallelism inside a node, the sequence split."""
     cmd.add_argument("--tp-size", type=_whole(1), default=1, metavar="N",
@@ -211,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sharding(mem)
     mem.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, metavar="O",
                      help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
+    _add_optimizer_impl(mem)
     mem.add_argument("--micro-batch", type=_whole(0), default=0, metavar="B",
                      help="sequences per rank (0: no activations); needs --seq-len and a model shape")
     mem.add_argument("--seq-len", type=_whole(0), default=0, metavar="T", help="tokens per sequence")
@@ -264,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"one of {', '.join(PRECISIONS)} (default bf16-mixed)")
     pl.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, metavar="O",
                     help=f"one of {', '.join(OPTIMIZERS)} (default adamw; the layouts beyond FSDP price adamw)")
+    _add_optimizer_impl(pl)
     pl.add_argument("--headroom", type=_fraction, default=0.0,
                     help="fraction of usable GPU memory kept free beyond what the model prices (default 0)")
     pl.add_argument("--sensitivity", action="store_true",

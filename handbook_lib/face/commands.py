@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from handbook_lib.core.architecture import MODEL_KEYS, ModelConfig
-from handbook_lib.core.config import PRECISIONS, RunConfig, parse_overrides
+from handbook_lib.core.config import PRECISIONS, RunConfig, check_optimizer_impl, parse_overrides
 from handbook_lib.core.parallel_layout import ParallelLayout
 from handbook_lib.core.results import RunResult
 from handbook_lib.core.strategies import get_strategy, strategies_where
@@ -120,7 +120,14 @@ def _check_sharding(args: argparse.Namespace) -> None:
 def _assumptions(args: argparse.Namespace, optimizer: str) -> str:
     group = f" (shard groups of {args.shard_group_size})" if args.shard_group_size else ""
     return (f"assumes: {args.strategy} on {args.world_size} ranks{group}, {args.precision}, "
-            f"optimizer {optimizer}")
+            f"optimizer {optimizer}{_impl(args)}")
+
+
+def _impl(args: argparse.Namespace) -> str:
+    """`` (fused)``: the optimizer's implementation where one is asked for; torch's default
+    (foreach on a GPU) says nothing."""
+    impl = getattr(args, "optimizer_impl", "default")
+    return "" if impl == "default" else f" ({impl})"
 
 def _cmd_memory(args: argparse.Namespace) -> int:
     _check_sharding(args)
@@ -136,13 +143,21 @@ def _cmd_memory(args: argparse.Namespace) -> int:
                          "and --seq-len too")
     if args.sync_every_micro_step and args.grad_accum < 2:
         raise ValueError(f"--sync-every-micro-step needs --grad-accum >= 2, got {args.grad_accum}")
+    if get_strategy(args.strategy).wrapper != "deepspeed":
+        try:
+            check_optimizer_impl(args.optimizer, args.optimizer_impl, args.strategy)
+        except ValueError:
+            raise ValueError(f"--optimizer-impl fused cannot step --optimizer {args.optimizer} over FSDP2's "
+                             "sharded parameters (no DTensor rule for fused SGD): use default, for-loop or "
+                             "foreach, or adamw") from None
     model, named, echo = _chosen_model(args)
     axes = _axes_memory(args, model)
     est = axes[0] if axes else estimate_memory(
         model, args.world_size, args.strategy, args.precision, args.optimizer, micro_batch=args.micro_batch,
         seq_len=args.seq_len, shard_group_size=args.shard_group_size,
         activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload,
-        grad_accum_steps=args.grad_accum, sync_every_micro_step=args.sync_every_micro_step)
+        grad_accum_steps=args.grad_accum, sync_every_micro_step=args.sync_every_micro_step,
+        optimizer_impl=args.optimizer_impl)
     accum = (f"; {args.grad_accum} micro-steps a step, gradients reduced in "
              f"{'each' if args.sync_every_micro_step else 'the last'}") if args.grad_accum > 1 else ""
     tokens = (f"micro-batch {args.micro_batch} x {args.seq_len} tokens" if args.micro_batch
@@ -274,7 +289,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     report = plan_report(model, args.gpu, args.gpus, decoder=decoder, gpus_per_node=per_node,
                          inter_link=args.inter_link, nics_per_node=args.nics_per_node, micro_batch=args.micro_batch,
                          seq_len=args.seq_len, precision=args.precision, optimizer=args.optimizer,
-                         headroom=args.headroom,
+                         optimizer_impl=args.optimizer_impl, headroom=args.headroom,
                          sensitivity=args.sensitivity, tp_size=args.tp_size, sp_size=args.sp_size,
                          sp_method=args.sp_method, pp_size=args.pp_size, batch_tokens=args.batch_tokens)
     if args.json:
@@ -286,7 +301,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     _print_model(named, echo)
     print(wrap_line(f"assumes: {result.gpus} x {result.gpu} ({per_node} per node, "
                 f"{result.nics_per_node} x {args.inter_link} between nodes), {args.precision}, optimizer "
-                f"{args.optimizer}, "
+                f"{args.optimizer}{_impl(args)}, "
                 f"micro-batch "
                 f"{args.micro_batch} x {args.seq_len} tokens, utilization {100 * result.utilization:.0f} %, "
                 f"{100 * args.headroom:.0f} % headroom; every strategy priced", "  "))

@@ -161,7 +161,7 @@ def _train(config: RunConfig, label: str, causal: bool,
     """Train one variant through the book's training loop, in this process, on random tokens."""
     start = time.perf_counter()
     model = build_model(config.model_config(), seed=config.seed, causal=causal)
-    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
+    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr, config.optimizer_impl)
     # one process, the whole batch: no process group exists
     one = RankContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
     log = train(model, optimizer, config, one, progress=False, batches=random_batch)

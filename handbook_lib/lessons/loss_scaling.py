@@ -140,7 +140,7 @@ def _train(config: RunConfig, label: str, global_batch_tokens: int) -> Precision
     """Train one variant through the book's training loop, in this process."""
     start = time.perf_counter()
     model = build_model(config.model_config(), seed=config.seed)
-    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
+    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr, config.optimizer_impl)
     # one process, the whole batch: no process group exists
     one = RankContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
     scaler = None

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from handbook_lib.core.checks import check_int, check_world, lookup
-from handbook_lib.core.config import checkpointing_mode, dtype_bytes, get_precision
+from handbook_lib.core.config import checkpointing_mode, dtype_bytes, get_precision, optimizer_impl_on
 from handbook_lib.core.strategies import Strategy, get_strategy
 from handbook_lib.models.allocator import reserved_bytes
 from handbook_lib.models.layout import ModelLayout, ModelLike, model_layout
@@ -34,13 +34,14 @@ from handbook_lib.models.model_state import (
     estimate_accumulation_bytes,
     optimizer_states,
     optimizer_step_bytes,
+    optimizer_temporary_bytes,
 )
 from handbook_lib.models.phases import PHASES, StepShape, late_free_bound
-from handbook_lib.models.sharding import ShardBytes, Unit
+from handbook_lib.models.sharding import ShardBytes, Unit, shard_rows
 from handbook_lib.models.zero import estimate_zero_rank_bytes
 
 __all__ = ["COMPONENTS", "PHASE_WORDS", "MemoryEstimate", "estimate_state_at_rest", "estimate_memory",
-           "min_gpus_to_fit", "estimate_rank_state"]
+           "min_gpus_to_fit", "estimate_rank_state", "local_numels"]
 
 
 PHASE_WORDS: dict[str, tuple[str, str]] = {
@@ -69,8 +70,9 @@ PHASE_WORDS: dict[str, tuple[str, str]] = {
                       "the output head's backward: the logits' gradient, the head's weight gradients "
                       "and the hidden states' gradient alive together"),
     "optimizer_step": ("in the optimizer step",
-                       "the optimizer step: Adam's temporaries (CPU: two of the largest tensor; "
-                       "GPU: foreach Adam's one of every local parameter)"),
+                       "the optimizer step: Adam's temporaries (foreach: one of every local "
+                       "parameter; for-loop: two of one tensor, the previous one's still bound; "
+                       "fused: none)"),
     "offload_gather": ("as offloaded shards are copied in",
                        "CPU offload on a GPU: a unit's shards copied to the device for its "
                        "all-gather, beside its output"),
@@ -203,6 +205,7 @@ def estimate_memory(
     backend: str = "nccl",
     grad_accum_steps: int = 1,
     sync_every_micro_step: bool = False,
+    optimizer_impl: str = "default",
 ) -> MemoryEstimate:
     """Predict one rank's device memory for a training step, by component and phase.
 
@@ -238,10 +241,9 @@ def estimate_memory(
         backend: The process group's backend, ``nccl`` or ``gloo``; in this project ``nccl``
             means CUDA ranks and ``gloo`` CPU ranks (``runtime.distributed.pick_device``), so it
             also says which device the rank computes on. gloo's reduce-scatter flattens its input
-            into a temporary copy (one more reduce-dtype copy of the unit); on ``nccl`` Adam runs
-            foreach (one fp32 temporary of every local parameter in the optimizer step) and CPU
+            into a temporary copy (one more reduce-dtype copy of the unit); on ``nccl`` CPU
             offload copies each unit's shards to the device before its all-gather (the
-            ``optimizer_step`` and ``offload_gather`` phases).
+            ``offload_gather`` phase) and runs the optimizer step on the host.
         grad_accum_steps: Micro-steps per optimizer step, gradients reduced in the last one
             only: a strategy that shards gradients then keeps every unsharded gradient until
             that last micro-step
@@ -249,6 +251,10 @@ def estimate_memory(
             phase but the end of backward.
         sync_every_micro_step: With ``grad_accum_steps`` > 1, reduce(-scatter) the gradients in
             every micro-step instead: they stay sharded, and memory is one micro-step's.
+        optimizer_impl: How the optimizer's step runs (``for-loop``, ``foreach``, ``fused``, or
+            ``default``: torch's choice on the ``backend``'s device, foreach on CUDA and for-loop
+            on the CPU): its temporaries in the ``optimizer_step`` phase
+            (:func:`~handbook_lib.models.model_state.optimizer_temporary_bytes`).
 
     The peak is the largest of the step's phases (:data:`PHASE_WORDS`), each a function of
     :mod:`handbook_lib.models.phases` whose docstring gives its formula; the state at rest is
@@ -271,6 +277,7 @@ def estimate_memory(
         raise ValueError("micro_batch and seq_len must be given together (both > 0) or not at all")
     lookup(dict.fromkeys(("nccl", "gloo")), backend, "backend")
     check_int("grad_accum_steps", grad_accum_steps, 1)
+    impl = optimizer_impl_on(optimizer_impl, "cuda" if backend == "nccl" else "cpu")
     layout = model_layout(model)
     group = row.shard_group(world_size, shard_group_size if row.hybrid else None)
     if units is not None and not layout.exact:
@@ -282,13 +289,20 @@ def estimate_memory(
     shape = _step_shape(layout, row, state, dtype_bytes(compute), dtype_bytes(reduce_dtype or reduce),
                         world_size, group, units, flat_params, backend, accumulated, optimizer,
                         micro_batch, seq_len, compute, activation_checkpointing)
+    if not (cpu_offload and backend == "nccl") and (layout.exact or impl != "for-loop"):
+        # not on a GPU's host (offloaded), nor one tensor at a time over unknown tensors
+        locals_ = local_numels(layout, row, group, rank % group, units, flat_params)
+        shape = replace(shape, step_temp=optimizer_temporary_bytes(locals_, optimizer, impl))
     if backend == "nccl":
-        shape = _on_gpu(shape, layout, units, rank % group, optimizer, cpu_offload)
+        shape = _on_gpu(shape, layout, units, cpu_offload)
     phases = {fn.__name__: parts for fn in PHASES if (parts := fn(shape)) is not None}
     totals = {name: sum(parts.values()) for name, parts in phases.items()}
     peak_phase = max(totals, key=totals.__getitem__)
     late_free = late_free_bound(shape, totals[peak_phase], totals.get("backward_start", 0))
     notes = _notes(shape, row, totals[peak_phase], late_free)
+    if impl == "for-loop" and not layout.exact and optimizer_states(optimizer) == 2:
+        notes.append("the for-loop optimizer step's temporaries (two of one tensor) not included: "
+                     "the tensors are unknown")
     return MemoryEstimate(components=phases[peak_phase], phases=totals, peak_phase=peak_phase,
                           forward_activations=shape.act_total, host=host, notes=tuple(notes),
                           late_free_peak=late_free)
@@ -314,7 +328,6 @@ def _step_shape(layout: ModelLayout, row: Strategy, state: dict[str, int], c: in
     plain = tuple(u.numel for u in units[1:]) if accumulated else (0,) * len(layers)
     biggest = tuple(max((_numel(s) for s in u.shapes), default=0) for u in units[1:]) \
         if accumulated and exact else (0,) * len(layers)
-    largest = layout.largest_tensor if exact and not flat else max([*layers, root])
     tokens = micro_batch * seq_len
     return StepShape(
         row=row, state=state, c=c, r=r, group=group,
@@ -322,26 +335,42 @@ def _step_shape(layout: ModelLayout, row: Strategy, state: dict[str, int], c: in
         known=layout.units_known, params=layout.num_params, acts=acts, head=layout.head_numel,
         hidden=tokens * layout.d_model, logits=tokens * layout.vocab_size,
         mask=layout.causal_mask_bytes(seq_len) if acts else 0, saved=saved, lasts=lasts, plain=plain,
-        biggest=biggest, largest=largest, optimizer_states=optimizer_states(optimizer), accumulated=accumulated,
+        biggest=biggest, optimizer_states=optimizer_states(optimizer), accumulated=accumulated,
         gloo=backend == "gloo" and group > 1, flat=flat, checkpointing=checkpointing_mode(checkpointing) != "none",
     )
 
 
-def _on_gpu(s: StepShape, layout: ModelLayout, units: Sequence[Unit] | None, rank: int, optimizer: str,
-            cpu_offload: bool) -> StepShape:
-    """``s`` with the terms CUDA ranks add (:mod:`handbook_lib.models.phases`): foreach Adam's
-    temporary, one fp32 moment on the device (not with CPU offload: the step runs on the host),
-    and with CPU offload each unit's all-gather with its shards copied in
+def local_numels(layout: ModelLayout, row: Strategy, group: int, rank: int,
+                 units: Sequence[Unit] | None = None, flat: bool = False) -> tuple[int, ...]:
+    """Elements of each parameter tensor the optimizer steps on ``rank``, in its order: FSDP2's
+    dim-0 shard of every tensor (rows without padding) where ``row`` shards the optimizer state,
+    else whole tensors; FSDP1's padded flat shard of every unit (``flat``; root first); for a
+    layout without tensors, each unit's block taken as one tensor (right for foreach's sum, not
+    for a step one tensor at a time, which :func:`estimate_memory` then leaves out)."""
+    if flat:
+        blocks = [u.flat_padded_numel(group) // group if row.shards_optimizer else u.numel
+                  for u in (list(units) if units is not None else layout.units()) if u.numel]
+        return tuple(blocks)
+    if not layout.exact:  # one block per unit, taken as one tensor
+        return tuple(-(-_numel(shape) // group) if row.shards_optimizer else _numel(shape)
+                     for _, shape in layout.tensors)
+    if not row.shards_optimizer:
+        return tuple(_numel(shape) for _, shape in layout.tensors)
+    return tuple(shard_rows(shape[0], group, rank)[0] * _numel(shape[1:]) if shape else 1
+                 for _, shape in layout.tensors)
+
+
+def _on_gpu(s: StepShape, layout: ModelLayout, units: Sequence[Unit] | None, cpu_offload: bool) -> StepShape:
+    """``s`` with the term CUDA ranks add with CPU offload (:mod:`handbook_lib.models.phases`):
+    each unit's all-gather with its shards copied in
     (:func:`~handbook_lib.models.offload.estimate_offload_gather_bytes`; FSDP2 only; a layout
     without tensors counts each unit as one tensor, an upper bound on one rank)."""
-    held = layout.state_shard_elements(s.group, rank) if s.row.shards_optimizer else layout.num_params
-    foreach = 4 * held if s.optimizer_states == 2 and not cpu_offload else 0
     gathers: tuple[int, ...] = ()
     if cpu_offload and s.row.shards_params and s.known and not s.flat:
         gathers = tuple(estimate_offload_gather_bytes(
             tuple(-(-shape[0] // s.group) * _numel(shape[1:]) for shape in u.shapes), s.c, s.group)
             for u in (list(units) if units is not None else layout.units()))
-    return replace(s, foreach=foreach, gathers=gathers)
+    return replace(s, gathers=gathers)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

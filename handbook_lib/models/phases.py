@@ -23,10 +23,11 @@ is ``S`` plus, at the worst moment, the root and two layers gathered (the one co
 next, prefetched: FSDP2 issues its backward prefetch on every backend, so it is counted), one
 layer's gradient buffers, and the activations and logits still alive. Two terms exist for
 exactness on the CPU: gloo's flattened copy of a reduce-scatter's input (``gloo``; NCCL has
-none) and the gradient FSDP2's post-backward loop variable still holds (``lasts``). Two
-exist for a GPU only (``backend="nccl"``, which in this project means CUDA ranks):
-foreach Adam's temporary in :func:`optimizer_step` (``foreach``) and, with CPU offload, the
-device copies of a unit's shards in :func:`offload_gather` (``gathers``). Not modelled: the
+none) and the gradient FSDP2's post-backward loop variable still holds (``lasts``). One
+exists for a GPU only (``backend="nccl"``, which in this project means CUDA ranks): with CPU
+offload, the device copies of a unit's shards in :func:`offload_gather` (``gathers``). The
+optimizer step's temporaries (``step_temp``) depend on its implementation, whose default
+differs by device (foreach on CUDA, the for-loop on the CPU). Not modelled: the
 forward all-gathers a GPU issues ahead on their own stream, which can hold one more gathered
 unit in forward.
 """
@@ -91,8 +92,6 @@ class StepShape:
     """Unpadded elements of each layer unit (with gradient accumulation, else 0)."""
     biggest: tuple[int, ...]
     """Elements of each layer unit's largest tensor (with accumulation and known tensors, else 0)."""
-    largest: int
-    """Elements of the largest tensor Adam steps (its two fp32 temporaries)."""
     optimizer_states: int
     """Parameter-shaped states of the optimizer (Adam's 2)."""
     accumulated: int
@@ -103,10 +102,10 @@ class StepShape:
     """FSDP1's flat parameters."""
     checkpointing: bool
     """Activation checkpointing."""
-    foreach: int = 0
-    """Bytes of foreach Adam's temporary on a GPU: one fp32 tensor of every local parameter,
-    ``4·(local elements)``, the size of one Adam moment on the device (0 on gloo, with CPU
-    offload, or for an optimizer without two moments: see :func:`optimizer_step`)."""
+    step_temp: int = 0
+    """Bytes the optimizer step allocates at its worst moment
+    (:func:`~handbook_lib.models.model_state.optimizer_temporary_bytes`: 0 for SGD, a fused step,
+    or a GPU's step offloaded to its host)."""
     gathers: tuple[int, ...] = ()
     """With CPU offload on a GPU: the bytes each unit's all-gather holds at its worst moment,
     root first, its output and the shards copied to the device included
@@ -322,30 +321,15 @@ def layer_recompute(s: StepShape) -> Components | None:
 
 
 def optimizer_step(s: StepShape) -> Components | None:
-    """The optimizer step with Adam (two moments), as PyTorch runs it on the rank's device.
-
-    On a GPU (``foreach`` > 0): ``torch.optim.Adam``/``AdamW`` default to the foreach
-    implementation for CUDA tensors (``torch/optim/optimizer.py: _default_to_fused_or_foreach``:
-    ``cuda`` is a foreach device; ``torch/distributed/tensor/__init__.py`` adds ``DTensor`` to
-    the foreach types, so FSDP2's sharded parameters qualify). Its
-    ``torch/optim/adam.py: _multi_tensor_adam`` builds ``exp_avg_sq_sqrt =
-    torch._foreach_sqrt(exp_avg_sqs)``, one fp32 tensor of every local parameter alive at once;
-    every other update is in place (AdamW's decay, the lerp, addcmul, the final addcdiv), and
-    the copy of the gradients made for Adam's coupled weight decay (non-zero only when asked
-    for; the default is 0) is deleted before that square root. So the step holds one moment's
-    bytes more: ``S + buckets + 4·(local elements)``, for every strategy (a sharding one holds
-    nothing else then: its buckets and accumulated gradients are gone).
-
-    On the CPU (``foreach`` = 0): the replicating strategies' per-tensor Adam
-    (``_single_tensor_adam``, CPU tensors' default), two fp32 temporaries of the largest tensor:
-    ``S + buckets + 8·max(tensor)``; not evaluated for the sharding strategies, whose shards
-    make it small. With CPU offload the step runs on the host (no phase on the device).
-    """
-    if s.foreach:
-        return s.alive(0, s.buckets + s.foreach, 0, 0, accumulating=not s.row.shards_params)
-    if s.row.shards_params or s.optimizer_states != 2:
+    """The optimizer step: the state, DDP's buckets and the step's temporaries,
+    ``S + buckets + step_temp`` (``step_temp``:
+    :func:`~handbook_lib.models.model_state.optimizer_temporary_bytes`, by implementation;
+    torch's default is foreach on CUDA and the for-loop on the CPU). A sharding strategy holds
+    nothing else then: its unsharded gradients and buffers are gone. No phase where the step
+    allocates nothing (SGD, a fused step, a GPU's step offloaded to its host)."""
+    if not s.step_temp:
         return None
-    return s.alive(0, s.buckets + 2 * 4 * s.largest, 0, 0)
+    return s.alive(0, s.buckets + s.step_temp, 0, 0, accumulating=not s.row.shards_params)
 
 
 def offload_gather(s: StepShape) -> Components | None:

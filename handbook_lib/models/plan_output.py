@@ -83,7 +83,7 @@ def short_of_fsdp(result: Plan, rows: list[AxisOption]) -> bool:
 def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape | None = None,
                 gpus_per_node: int | None = None, inter_link: str = "ib-ndr400", nics_per_node: int | None = None,
                 micro_batch: int = 1, seq_len: int = 2048, precision: str = "bf16-mixed", optimizer: str = "adamw",
-                headroom: float = 0.0,
+                optimizer_impl: str = "default", headroom: float = 0.0,
                 sensitivity: bool = False, tp_size: int = 1, sp_size: int = 1, sp_method: str = "ulysses",
                 pp_size: int | None = None, batch_tokens: int | None = None,
                 names: Mapping[str, str] = PLAN_NAMES) -> PlanReport:
@@ -101,7 +101,7 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
     check_whole_nodes(gpus, per_node, names=("--gpus {}", "--gpus-per-node {}"))
     kwargs: dict[str, Any] = {"micro_batch": micro_batch, "seq_len": seq_len, "gpus_per_node": per_node,
                               "inter_link": inter_link, "nics_per_node": nics_per_node, "precision": precision,
-                              "optimizer": optimizer, "headroom": headroom}
+                              "optimizer": optimizer, "optimizer_impl": optimizer_impl, "headroom": headroom}
     changes: tuple[Sensitivity, ...] | None = None
     if sensitivity:
         result, listed = plan_sensitivity(model, gpu, gpus, **kwargs)
@@ -116,6 +116,10 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
     if optimizer != "adamw":
         raise ValueError(f"--optimizer {optimizer}: the layouts beyond FSDP are priced with adamw only; give "
                          "--optimizer adamw, or leave out --tp-size, --sp-size, --pp-size and --batch-tokens")
+    if optimizer_impl != "default":
+        raise ValueError(f"--optimizer-impl {optimizer_impl}: the layouts beyond FSDP are priced with torch's "
+                         "default (foreach on a GPU); leave it out, or leave out --tp-size, --sp-size, "
+                         "--pp-size and --batch-tokens")
     if decoder is None:
         flag = "--tp-size" if tp_size > 1 else "--sp-size" if sp_size > 1 else "--pp-size"
         raise ValueError(f"{flag} prices a decoder at scale: give --model (e.g. llama2-70b) or --hf-config, "
@@ -184,7 +188,8 @@ def plan_page(request: str) -> str:
             model_flag = f"--model {fields.get('model') or 'llama2-7b'}"
         if "gpus" not in values:
             return json.dumps({"error": "argument --gpus: give the GPUs in the job", "field": "gpus"})
-        options = {k: fields[k] for k in ("inter_link", "precision", "optimizer", "sp_method") if fields.get(k)}
+        options = {k: fields[k] for k in ("inter_link", "precision", "optimizer", "optimizer_impl", "sp_method")
+                   if fields.get(k)}
         if "sp_method" in options and values.get("sp_size", 1) == 1:
             return json.dumps({"error": f"--sp-method {options['sp_method']} applies to the sequence split: give "
                                         "--sp-size N (N >= 2) too, or leave --sp-method out", "field": "sp_method"})

@@ -192,6 +192,7 @@ def plan(
     nics_per_node: int | None = None,
     precision: str = "bf16-mixed",
     optimizer: str = "adamw",
+    optimizer_impl: str = "default",
     headroom: float = 0.0,
     utilization: float | None = None,
     memory_bytes: int | None = None,
@@ -219,7 +220,8 @@ def plan(
             over several nodes is priced on its route over them
             (:func:`~handbook_lib.models.topology.route_collective`).
         precision: As for :func:`~handbook_lib.models.memory.estimate_memory`.
-        optimizer: As for :func:`~handbook_lib.models.memory.estimate_memory`.
+        optimizer, optimizer_impl: As for :func:`~handbook_lib.models.memory.estimate_memory`
+            (``default``: torch's choice on the accelerator, foreach on a GPU).
         headroom: Fraction of the usable memory kept free beyond what the model prices (the CUDA
             context and the allocator's reserve are priced already): 0 by default, so every
             option's margin is shown as it is.
@@ -259,8 +261,8 @@ def plan(
     if not cpu_params_per_s_per_core > 0:  # also refuses NaN
         raise ValueError(f"cpu_params_per_s_per_core must be > 0, got {cpu_params_per_s_per_core!r}")
     u = expected_utilization(acc, layout.d_model) if utilization is None else utilization
-    job = _Job(layout, node, precision, optimizer, micro_batch, seq_len, u, budget, cpu_params_per_s_per_core,
-               reserve_fraction)
+    job = _Job(layout, node, precision, (optimizer, optimizer_impl), micro_batch, seq_len, u, budget,
+               cpu_params_per_s_per_core, reserve_fraction)
     price = functools.partial(_price, job)
     options = []
     for strategy in _ORDER:
@@ -301,7 +303,8 @@ class _Job:
     node: Node
     """The machines: the GPU, GPUs per node (at most the job's), the links inside and between."""
     precision: str
-    optimizer: str
+    optimizer: tuple[str, str]
+    """The optimizer and its implementation (``adamw``, ``default``)."""
     micro_batch: int
     seq_len: int
     utilization: float
@@ -316,9 +319,9 @@ class _Job:
 def _memory(job: _Job, strategy: str, n: int, ac: bool, offload: bool = False) -> MemoryEstimate:
     """One option's memory on ``n`` GPUs: chapter 2's model, on the accelerator's own backend."""
     group = job.node.gpus_per_node if get_strategy(strategy).hybrid else None  # hybrid: a node's GPUs
-    return estimate_memory(job.layout, n, strategy, job.precision, job.optimizer, micro_batch=job.micro_batch,
+    return estimate_memory(job.layout, n, strategy, job.precision, job.optimizer[0], micro_batch=job.micro_batch,
                            seq_len=job.seq_len, shard_group_size=group, activation_checkpointing=ac,
-                           cpu_offload=offload, backend=job.node.accelerator.backend)
+                           cpu_offload=offload, backend=job.node.accelerator.backend, optimizer_impl=job.optimizer[1])
 
 
 def _fits(job: _Job, strategy: str, n: int, ac: bool, offload: bool = False) -> bool:
@@ -480,8 +483,7 @@ def global_batch_tokens(gpus: int, micro_batch: int, seq_len: int, *,
         ValueError: for a count below 1, or ``gpus`` not a multiple of ``model_parallel``.
     """
     for name, value in (("gpus", gpus), ("micro_batch", micro_batch), ("seq_len", seq_len),
-                        ("grad_accum_steps", grad_accum_steps),
-                        ("model_parallel", model_parallel)):
+                        ("grad_accum_steps", grad_accum_steps), ("model_parallel", model_parallel)):
         check_int(name, value, 1)
     if gpus % model_parallel:
         raise ValueError(f"gpus={gpus} is not a multiple of model_parallel={model_parallel}")
@@ -493,7 +495,6 @@ def max_data_parallel(batch_tokens: int, micro_batch: int, seq_len: int) -> int:
     ``micro_batch`` sequences of ``seq_len`` tokens per replica and no accumulation: past
     it, pure FSDP can add GPUs only by growing the batch (or shrinking the micro-batch);
     0 when one micro-batch is already larger than the batch."""
-    for name, value in (("batch_tokens", batch_tokens), ("micro_batch", micro_batch),
-                        ("seq_len", seq_len)):
+    for name, value in (("batch_tokens", batch_tokens), ("micro_batch", micro_batch), ("seq_len", seq_len)):
         check_int(name, value, 1)
     return batch_tokens // (micro_batch * seq_len)

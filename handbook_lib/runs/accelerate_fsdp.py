@@ -47,15 +47,15 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
     from handbook_lib.integrations.accelerate_job import launch_env, what_accelerate_did
 
     reference = parallelize(config, ctx)  # the book's own FSDP2 run of the same config
-    fsdp_log = train(reference, build_optimizer(reference.parameters(), config.optimizer, config.lr),
-                     config, ctx, progress=False)
-    del reference
+    reference_optimizer = build_optimizer(reference.parameters(), config.optimizer, config.lr, config.optimizer_impl)
+    fsdp_log = train(reference, reference_optimizer, config, ctx, progress=False)
+    del reference, reference_optimizer
 
     env = launch_env(config, ctx.world_size)
     os.environ.update(env)
     accelerator = Accelerator()
     model = build_model(config.model_config(), seed=config.seed).to(accelerator.device)
-    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
+    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr, config.optimizer_impl)
     model, optimizer = accelerator.prepare(model, optimizer)
     log = train(model, optimizer, config, ctx)
     got = what_accelerate_did(accelerator, model)

@@ -98,7 +98,7 @@ def run_axes(config: ParallelConfig, ctx: RankContext) -> RankReport:
                    Check("attention_grads", ctx.rank, error.grad_scale, error.grad_scale + error.grad_diff,
                          "max |value|", ATTENTION_TOLERANCE)]
         metrics["attention_error"] = vars(error)
-    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
+    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr, config.optimizer_impl)
     log = train(model, optimizer, config, ctx, **axes_step(mesh), track_memory=True, count_collectives=True,
                 scaler=build_grad_scaler(config, ctx))
     memory, calls = log.memory, log.collectives

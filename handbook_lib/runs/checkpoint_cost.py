@@ -233,7 +233,7 @@ def run(config: CheckpointCostConfig, ctx: RankContext) -> RankReport:
     shape = scale_model_width(config.model_config(), config.scale)
     wide = config.replace(d_model=shape.d_model, dim_feedforward=shape.dim_feedforward)
     model = parallelize(wide, ctx)
-    optimizer = build_optimizer(model.parameters(), wide.optimizer, wide.lr)
+    optimizer = build_optimizer(model.parameters(), wide.optimizer, wide.lr, wide.optimizer_impl)
     train_step(model, optimizer, *local_batch(wide, 0, ctx))  # AdamW's state exists from here
     # Python's generator is saved pickled, its integers in as many bytes as their values need:
     # seeded, every file has the same size from run to run (NumPy's: its position, likewise)

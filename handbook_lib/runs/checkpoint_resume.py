@@ -219,7 +219,7 @@ def run(config: CheckpointRunConfig, ctx: RankContext) -> RankReport:
     seed_generators(config.seed, ctx.rank)  # Python's and NumPy's too: their state is saved
     root = Path(config.ckpt_dir)
     model = parallelize(config, ctx)
-    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
+    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr, config.optimizer_impl)
     parts, loader, scaler = _job_state(config, ctx, optimizer)
     start_step, loaded = _resume(config, ctx, model, optimizer, parts, loader)
     saves = _Saves(config, ctx, root, parts)

@@ -58,7 +58,7 @@ def _train_fsdp2(config: ZeroRunConfig, ctx: RankContext) -> dict:
     twin = RunConfig.from_mapping({k: v for k, v in config.to_dict().items() if k in RunConfig.keys()})
     twin = twin.replace(strategy=fsdp_twin(config.strategy), api="fsdp2", init="meta")
     model = parallelize(twin, ctx)
-    optimizer = build_optimizer(model.parameters(), twin.optimizer, twin.lr)
+    optimizer = build_optimizer(model.parameters(), twin.optimizer, twin.lr, twin.optimizer_impl)
     log = train(model, optimizer, twin, ctx, count_collectives=True, progress=False)
     assert log.collectives is not None  # counted on the last step
     params = measure_param_bytes(model)

@@ -26,14 +26,15 @@ import sys
 import torch
 from torch import nn
 
-from handbook_lib.core.config import RunConfig, get_precision
+from handbook_lib.core.config import RunConfig, get_precision, optimizer_impl_on
 from handbook_lib.core.results import Check
 from handbook_lib.core.strategies import STRATEGY_TABLE
 from handbook_lib.models.allocator import reserved_bytes
 from handbook_lib.models.init_bytes import estimate_init_bytes
 from handbook_lib.models.layout import ModelLayout, model_layout
-from handbook_lib.models.memory import MemoryEstimate, estimate_memory
+from handbook_lib.models.memory import MemoryEstimate, estimate_memory, local_numels
 from handbook_lib.models.model_state import (
+    optimizer_temporary_bytes,
     estimate_accumulation_bytes,
     optimizer_states,
     optimizer_step_bytes,
@@ -81,7 +82,7 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
     group = shard_group(config, ctx.world_size)
     flat = config.api == "fsdp1" and row.wrapper == "fsdp"
     model, init_bytes = measure_init_bytes(config, ctx, config.init)
-    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
+    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr, config.optimizer_impl)
     layout = model_layout(config.model_config())
     units = layout.units(config.wrap, config.wrap_min_params)
     probe = _probe(model, units) if config.tunes_fsdp2 and row.wrapper == "fsdp" and not flat \
@@ -94,7 +95,7 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
         shard_group_size=group if row.hybrid else None, rank=ctx.rank, cpu_offload=config.cpu_offload,
         activation_checkpointing=config.activation_checkpointing, units=units, flat_params=flat,
         backend=ctx.backend, grad_accum_steps=config.grad_accum_steps,
-        sync_every_micro_step=config.sync_every_micro_step,
+        sync_every_micro_step=config.sync_every_micro_step, optimizer_impl=config.optimizer_impl,
     )
     state, checks = _state(config, ctx, layout, units, group, flat, model, optimizer, init_bytes)
     metrics = {
@@ -205,6 +206,12 @@ def _memory_checks(config: RunConfig, ctx: RankContext, layout: ModelLayout, uni
                                                device="cuda" if ctx.device.type == "cuda" else "cpu")
         assert mem.held_between_micro_steps is not None  # marked between micro-steps
         checks.append(_bytes(ctx, "held_between_micro_steps", held, mem.held_between_micro_steps))
+    if mem.optimizer_temporary_bytes is not None:  # the step ran (a scaler may skip it)
+        impl = optimizer_impl_on(config.optimizer_impl, "cuda" if ctx.device.type == "cuda" else "cpu")
+        shards = local_numels(layout, row, group, ctx.rank % group, units, flat)
+        temp = optimizer_temporary_bytes(shards, config.optimizer, impl)
+        checks.append(_bytes(ctx, "optimizer_temporary_bytes", temp, mem.optimizer_temporary_bytes))
+    metrics.update(optimizer_temporary_bytes=mem.optimizer_temporary_bytes)
     metrics.update(predicted_peak_bytes=peak, peak_bytes=mem.peak_bytes, activation_bytes=mem.activation_bytes,
                    peak_breakdown=mem.peak_breakdown, allocator_peak_bytes=mem.allocator_peak_bytes,
                    held_between_micro_steps=mem.held_between_micro_steps)

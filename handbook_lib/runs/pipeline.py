@@ -71,7 +71,7 @@ def run(config: PipelineConfig, ctx: RankContext) -> RankReport:
     config = config.on_world(ctx.world_size)  # pp_size 0: every rank
     mesh = build_layout_mesh(config.parallel_layout(ctx.world_size), ctx.device.type)
     model = parallelize(config, ctx, mesh=mesh)
-    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
+    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr, config.optimizer_impl)
     log = train(model, optimizer, config, ctx, **axes_step(mesh), count_collectives=True)
     assert log.collectives is not None  # counted on the last step
     spans = rank_stages(config, mesh.pp_rank)

@@ -45,7 +45,8 @@ def run(config: StepTimeConfig, ctx: RankContext) -> RankReport:
     for name in names:
         variant = config.replace(strategy=name)
         models[name] = parallelize(variant, ctx)
-        optimizers[name] = build_optimizer(models[name].parameters(), config.optimizer, config.lr)
+        optimizers[name] = build_optimizer(models[name].parameters(), config.optimizer, config.lr,
+                                           config.optimizer_impl)
         step[name] = 0
 
     def advance(name: str) -> float:

@@ -10,12 +10,15 @@ independent of the memory model's arithmetic, which is why the two can be compar
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from handbook_lib.core.checks import check_int
 
@@ -32,6 +35,7 @@ __all__ = [
     "UNTRACKED_WORDS",
     "StepMemory",
     "StepMemoryTracker",
+    "NewBytesPeak",
     "measure_cpu_adam",
 ]
 
@@ -211,6 +215,10 @@ class StepMemory:
     device_memory: DeviceMemory | None = None
     """On CUDA: the GPU's memory as the step began, after the run's earlier steps and their
     collectives (:func:`measure_device_memory`; ``None`` on CPU)."""
+    optimizer_temporary_bytes: int | None = None
+    """The most bytes the optimizer step allocated beyond what it updates in place
+    (:class:`NewBytesPeak` around ``optimizer.step()``; ``None`` if the step did not run, as
+    when a gradient scaler skips it)."""
 
     @property
     def tracker_step_bytes(self) -> int | None:
@@ -250,6 +258,56 @@ class StepMemory:
         return out
 
 
+def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """The storages behind ``t``: its own, or a wrapper subclass's inner tensors' (a DTensor's
+    local shard)."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                yield from _storages(inner)
+    else:
+        yield t.untyped_storage()
+
+
+class NewBytesPeak(TorchDispatchMode):
+    """The peak of bytes allocated by the operators run under it and still alive, ``peak``.
+
+    An operator's output storage counts when it is none of its inputs' (an in-place update or a
+    view allocates nothing) and the mode has not seen it; it stops counting when Python frees
+    it. What existed before (parameters, gradients, optimizer states) is never counted, so
+    around ``optimizer.step()`` this measures the step's temporaries, independently of the
+    memory model that predicts them.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+
+    def _freed(self, key: int, size: int) -> None:
+        self._seen.discard(key)
+        self.live -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {st.data_ptr() for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)
+                  for st in _storages(a)}
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            for st in _storages(t):
+                key, size = st.data_ptr(), st.nbytes()
+                if size and key not in inputs and key not in self._seen:
+                    self._seen.add(key)
+                    self.live += size
+                    weakref.finalize(st, self._freed, key, size)
+        self.peak = max(self.peak, self.live)
+        return out
+
+
 class StepMemoryTracker:
     """Measure one training step's memory with PyTorch's memory trackers.
 
@@ -286,6 +344,9 @@ class StepMemoryTracker:
             self._tracker.track_external(model, optimizer, *buckets)
         self._device = device
         self._cuda = device.type == "cuda"
+        self._optimizer = optimizer
+        self._in_step: NewBytesPeak | None = None
+        self._step_peak: int | None = None
         self._activations = 0
         self._start: int | None = None
         self._between: int | None = None
@@ -326,7 +387,18 @@ class StepMemoryTracker:
             self._memory = _device_memory_now(self._device)
         self._tracker.__enter__()
         self._tracked_at_enter = self._current_total()
+        self._hooks = (self._optimizer.register_step_pre_hook(self._step_begins),
+                       self._optimizer.register_step_post_hook(self._step_ends))
         return self
+
+    def _step_begins(self, *_: object) -> None:
+        self._in_step = NewBytesPeak()
+        self._in_step.__enter__()
+
+    def _step_ends(self, *_: object) -> None:
+        if self._in_step is not None:
+            self._in_step.__exit__(None, None, None)
+            self._step_peak, self._in_step = self._in_step.peak, None
 
     def _current_activations(self) -> int:
         snap = self._tracker.get_tracker_snapshot("current").get(self._device, {})
@@ -342,6 +414,11 @@ class StepMemoryTracker:
         self._activations = _smallest_soon(self._current_activations) if settle else self._current_activations()
 
     def __exit__(self, *exc: object) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        if self._in_step is not None:  # the step raised: its mode is still entered
+            self._in_step.__exit__(*exc)
+            self._in_step = None
         self._tracker.__exit__(*exc)
         peak = self._tracker.get_tracker_snapshot("peak").get(self._device, {})
         breakdown = {str(getattr(k, "value", k)): int(v) for k, v in peak.items() if v}
@@ -361,6 +438,7 @@ class StepMemoryTracker:
             tracked_at_enter_bytes=self._tracked_at_enter,
             allocator_at_enter_bytes=self._allocated_at_enter,
             device_memory=self._memory,
+            optimizer_temporary_bytes=self._step_peak,
         )
 
 

@@ -16,19 +16,30 @@ from handbook_lib.core.strategies import get_strategy
 from handbook_lib.models.lr_schedule import lr_factor
 from handbook_lib.runtime.distributed import RankContext
 
-__all__ = ["build_optimizer", "build_lr_scheduler", "build_grad_scaler"]
+__all__ = ["IMPL_KWARGS", "build_optimizer", "build_lr_scheduler", "build_grad_scaler"]
 
 
-def build_optimizer(params, name: str, lr: float) -> torch.optim.Optimizer:
-    """The optimizer named by the run config (``adamw``, ``adam``, ``sgd``, ``sgd-momentum``)."""
+IMPL_KWARGS: dict[str, dict[str, bool]] = {
+    "default": {}, "for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True},
+}
+"""Each ``optimizer_impl`` of the run config as ``torch.optim``'s keywords (``default``: none,
+so torch picks: foreach on CUDA, the for-loop on the CPU)."""
+
+
+def build_optimizer(params, name: str, lr: float, impl: str = "default") -> torch.optim.Optimizer:
+    """The optimizer named by the run config (``adamw``, ``adam``, ``sgd``, ``sgd-momentum``),
+    run as ``impl`` says (:data:`IMPL_KWARGS`)."""
+    if impl not in IMPL_KWARGS:
+        raise ValueError(f"optimizer_impl must be one of {', '.join(IMPL_KWARGS)}; got {impl!r}")
+    how = IMPL_KWARGS[impl]
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr)
+        return torch.optim.AdamW(params, lr=lr, **how)
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
+        return torch.optim.Adam(params, lr=lr, **how)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
+        return torch.optim.SGD(params, lr=lr, **how)
     if name == "sgd-momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, **how)
     raise ValueError(f"optimizer must be one of adamw, adam, sgd, sgd-momentum; got {name!r}")
 
 

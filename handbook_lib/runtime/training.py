@@ -376,7 +376,7 @@ def train_one_process(config: RunConfig, device: str | torch.device = "cpu") -> 
     where = resolve_device(device)
     model = build_model(config.model_config(), seed=config.seed).to(where)
     one = RankContext(rank=0, world_size=1, local_rank=0, device=where, backend="none")
-    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr)
+    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr, config.optimizer_impl)
     return train(model, optimizer, config, one, progress=False)
 
 
