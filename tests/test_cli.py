@@ -485,3 +485,18 @@ def test_the_pure_commands_need_neither_psutil_nor_torch(argv):
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-500:]
     assert "Traceback" not in done.stderr
+
+
+def test_plan_prices_accumulation_and_says_so(capsys):
+    """``plan --grad-accum 4``: four micro-batches of compute a step, said in the assumptions;
+    the JSON's compute is four times one micro-step's for every option."""
+    base = ["plan", "--model", "llama2-7b", "--gpu", "h100-80gb", "--gpus", "8"]
+    assert main([*base, "--grad-accum", "4"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "micro-batch 1 x 2048 tokens, 4 micro-steps a step, gradients reduced in the last" in text
+    runs = []
+    for extra in ([], ["--grad-accum", "4", "--sync-every-micro-step"]):
+        assert main([*base, *extra, "--json"]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    for one, four in zip(runs[0]["options"], runs[1]["options"]):
+        assert four["compute_s"] == pytest.approx(4 * one["compute_s"], rel=1e-12)

@@ -329,3 +329,32 @@ def test_nothing_fits_says_what_would_and_it_does(model, gpu, seq_len):
         assert not {o.name: o for o in plan(model, gpu, 4096, seq_len=2 * tokens).options}["FULL_SHARD + AC"].fits
     else:
         assert "Not even one token fits" in last
+
+
+def test_accumulation_multiplies_compute_and_prices_what_each_micro_step_reduces():
+    """``grad_accum_steps`` K: K micro-batches' compute; reducing in every micro-step repeats the
+    whole step's collectives K times; reducing in the last one only, DDP all-reduces once (as
+    many bytes as one micro-step) while FULL_SHARD gathers K times and holds every parameter's
+    fp32 gradient unsharded in between (4 bytes a parameter, less the layer being computed)."""
+    from handbook_lib.models import model_layout, plan
+
+    base = plan("llama2-7b", "h100-80gb", 8, seq_len=4096)
+    held = plan("llama2-7b", "h100-80gb", 8, seq_len=4096, grad_accum_steps=4)
+    synced = plan("llama2-7b", "h100-80gb", 8, seq_len=4096, grad_accum_steps=4, sync_every_micro_step=True)
+    one, kept, each = ({o.name: o for o in p.options} for p in (base, held, synced))
+    p = model_layout("llama2-7b").num_params
+    for name, o in one.items():
+        assert kept[name].compute_s == pytest.approx(4 * o.compute_s, rel=1e-12)
+        assert each[name].comm_s == pytest.approx(4 * o.comm_s, rel=1e-9)
+        assert each[name].peak_bytes == o.peak_bytes  # reduced each time: one micro-step's memory
+    assert kept["DDP"].comm_s == one["DDP"].comm_s
+    assert one["FULL_SHARD"].comm_s < kept["FULL_SHARD"].comm_s < 4 * one["FULL_SHARD"].comm_s
+    # the fp32 gradients held, less the one step's buffers that in-place accumulation makes
+    # unnecessary, plus at most one more layer's activations as the peak moves a layer
+    extra = kept["FULL_SHARD"].peak_bytes - one["FULL_SHARD"].peak_bytes
+    alone = estimate_memory("llama2-7b", 8, "FULL_SHARD", "bf16-mixed", micro_batch=1, seq_len=4096)
+    assert 4 * p - alone.grad_buffers <= extra <= 4 * p + 34 * 4096 * 4096
+    with pytest.raises(ValueError, match="sync_every_micro_step needs grad_accum_steps >= 2"):
+        plan("llama2-7b", "h100-80gb", 8, sync_every_micro_step=True)
+    with pytest.raises(ValueError, match="grad_accum_steps"):
+        plan("llama2-7b", "h100-80gb", 8, grad_accum_steps=0)

@@ -161,6 +161,14 @@ def _add_sharding(cmd: argparse.ArgumentParser) -> None:
                      help=f"{' and '.join(_HYBRID)} only: ranks per shard group (default: all)")
 
 
+def _add_accumulation(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--grad-accum", type=_whole(1), default=1, metavar="K",
+                     help="micro-steps per optimizer step (default 1); gradients reduced in the last one, "
+                     "so a sharding strategy holds them unsharded in between")
+    cmd.add_argument("--sync-every-micro-step", action="store_true",
+                     help="with --grad-accum >= 2: reduce the gradients in every micro-step (kept sharded)")
+
+
 def _add_optimizer_impl(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--optimizer-impl", default="default", choices=OPTIMIZER_IMPLS, metavar="I",
                      help="how the optimizer step runs: for-loop, foreach (one fp32 temporary of every "
@@ -228,11 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "and attention's outputs) or full (keep each layer's input; the flag alone); needs "
                      "--micro-batch")
     mem.add_argument("--cpu-offload", action="store_true", help="keep the model state in host RAM (FSDP only)")
-    mem.add_argument("--grad-accum", type=_whole(1), default=1, metavar="K",
-                     help="micro-steps per optimizer step (default 1); gradients reduced in the last one, "
-                     "so a sharding strategy holds them unsharded in between")
-    mem.add_argument("--sync-every-micro-step", action="store_true",
-                     help="with --grad-accum >= 2: reduce the gradients in every micro-step (kept sharded)")
+    _add_accumulation(mem)
     _add_axes(mem)
     mem.add_argument("--json", action="store_true", help="print bytes as JSON")
 
@@ -262,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpus", type=_whole(1), required=True, help="GPUs in the job")
     pl.add_argument("--seq-len", type=_whole(1), default=2048, help="tokens per sequence (default 2048)")
     pl.add_argument("--micro-batch", type=_whole(1), default=1, help="sequences per GPU per step (default 1)")
+    _add_accumulation(pl)
     pl.add_argument("--gpus-per-node", type=_whole(1), default=None,
                     help="GPUs per node (default: the GPU's usual node, 8 for the SXM presets)")
     pl.add_argument("--inter-link", default="ib-ndr400", choices=list(LINKS), metavar="L",

@@ -123,6 +123,15 @@ def _assumptions(args: argparse.Namespace, optimizer: str) -> str:
             f"optimizer {optimizer}{_impl(args)}")
 
 
+def _accum(args: argparse.Namespace) -> str:
+    """``, 4 micro-steps a step, gradients reduced in the last``, or nothing without
+    accumulation."""
+    if args.grad_accum == 1:
+        return ""
+    return (f", {args.grad_accum} micro-steps a step, gradients reduced in "
+            f"{'each' if args.sync_every_micro_step else 'the last'}")
+
+
 def _impl(args: argparse.Namespace) -> str:
     """`` (fused)``: the optimizer's implementation where one is asked for; torch's default
     (foreach on a GPU) says nothing."""
@@ -158,10 +167,8 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload,
         grad_accum_steps=args.grad_accum, sync_every_micro_step=args.sync_every_micro_step,
         optimizer_impl=args.optimizer_impl)
-    accum = (f"; {args.grad_accum} micro-steps a step, gradients reduced in "
-             f"{'each' if args.sync_every_micro_step else 'the last'}") if args.grad_accum > 1 else ""
     tokens = (f"micro-batch {args.micro_batch} x {args.seq_len} tokens" if args.micro_batch
-              else "no activations") + accum
+              else "no activations") + _accum(args).replace(",", ";", 1)
     assumes = (f"{_assumptions(args, args.optimizer)}; {tokens}; activation checkpointing "
                f"{args.activation_checkpointing}; CPU offload "
                f"{'on' if args.cpu_offload else 'off'}{axes[1] if axes else ''}")
@@ -289,7 +296,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     report = plan_report(model, args.gpu, args.gpus, decoder=decoder, gpus_per_node=per_node,
                          inter_link=args.inter_link, nics_per_node=args.nics_per_node, micro_batch=args.micro_batch,
                          seq_len=args.seq_len, precision=args.precision, optimizer=args.optimizer,
-                         optimizer_impl=args.optimizer_impl, headroom=args.headroom,
+                         optimizer_impl=args.optimizer_impl, grad_accum=args.grad_accum,
+                         sync_every_micro_step=args.sync_every_micro_step, headroom=args.headroom,
                          sensitivity=args.sensitivity, tp_size=args.tp_size, sp_size=args.sp_size,
                          sp_method=args.sp_method, pp_size=args.pp_size, batch_tokens=args.batch_tokens)
     if args.json:
@@ -301,9 +309,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     _print_model(named, echo)
     print(wrap_line(f"assumes: {result.gpus} x {result.gpu} ({per_node} per node, "
                 f"{result.nics_per_node} x {args.inter_link} between nodes), {args.precision}, optimizer "
-                f"{args.optimizer}{_impl(args)}, "
-                f"micro-batch "
-                f"{args.micro_batch} x {args.seq_len} tokens, utilization {100 * result.utilization:.0f} %, "
+                f"{args.optimizer}{_impl(args)}, micro-batch {args.micro_batch} x {args.seq_len} tokens"
+                f"{_accum(args)}, utilization {100 * result.utilization:.0f} %, "
                 f"{100 * args.headroom:.0f} % headroom; every strategy priced", "  "))
     rows = [[o.name, o.gpus, format_bytes(o.peak_reserved_bytes),
              _margin(o.margin) if o.fits or o.margin < 0 else "host RAM",

@@ -69,9 +69,9 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         loss_backward, optimizer_step, root_reduce,
     )
     from handbook_lib.models.planner import (
-        STEP_TIE, Option, Plan, check_whole_nodes, global_batch_tokens, max_data_parallel, plan,
-        preference, recommend,
+        STEP_TIE, Option, Plan, check_whole_nodes, plan, preference, recommend,
     )
+    from handbook_lib.models.batch import global_batch_tokens, max_data_parallel
     from handbook_lib.models.presets import DECODER_SHAPES, DecoderShape, describe_shape, get_shape
     from handbook_lib.models.published import (
         PUBLISHED_BUS_BANDWIDTH, PUBLISHED_MEMORY_CHANGE, PUBLISHED_SOURCES, PUBLISHED_THROUGHPUT,

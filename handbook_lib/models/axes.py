@@ -10,8 +10,8 @@ one thing it cannot hide, call for another axis:
     :func:`estimate_axes` finds the smallest ``sp`` that fits, per method (Ulysses needs the
     heads, and the key/value heads, divisible by ``sp``; the ring needs only the sequence);
 (b) **the global batch.** Every GPU of a pure FSDP job is a data-parallel replica, so the batch
-    grows with the GPUs (:func:`~handbook_lib.models.planner.global_batch_tokens`). Past the batch
-    a job can use (:func:`~handbook_lib.models.planner.max_data_parallel`), the GPUs must share
+    grows with the GPUs (:func:`~handbook_lib.models.batch.global_batch_tokens`). Past the batch
+    a job can use (:func:`~handbook_lib.models.batch.max_data_parallel`), the GPUs must share
     sequences: tensor parallelism inside a node (or the sequence split) shrinks the
     data-parallel degree by its size;
 (c) **a ring that no longer hides.** A ring's block transfer hides behind the block's attention
@@ -42,7 +42,8 @@ from handbook_lib.models.budget import memory_budget
 from handbook_lib.models.layout import ModelLike, model_layout
 from handbook_lib.models.memory import MemoryEstimate, estimate_memory
 from handbook_lib.models.model_state import optimizer_states
-from handbook_lib.models.planner import check_whole_nodes, max_data_parallel
+from handbook_lib.models.batch import max_data_parallel
+from handbook_lib.models.planner import check_whole_nodes
 from handbook_lib.models.presets import DecoderShape, get_shape
 from handbook_lib.models.sequence_parallel import (
     SP_METHODS,

@@ -83,7 +83,8 @@ def short_of_fsdp(result: Plan, rows: list[AxisOption]) -> bool:
 def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape | None = None,
                 gpus_per_node: int | None = None, inter_link: str = "ib-ndr400", nics_per_node: int | None = None,
                 micro_batch: int = 1, seq_len: int = 2048, precision: str = "bf16-mixed", optimizer: str = "adamw",
-                optimizer_impl: str = "default", headroom: float = 0.0,
+                optimizer_impl: str = "default", grad_accum: int = 1, sync_every_micro_step: bool = False,
+                headroom: float = 0.0,
                 sensitivity: bool = False, tp_size: int = 1, sp_size: int = 1, sp_method: str = "ulysses",
                 pp_size: int | None = None, batch_tokens: int | None = None,
                 names: Mapping[str, str] = PLAN_NAMES) -> PlanReport:
@@ -99,9 +100,12 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
     """
     per_node = gpus_per_node or node_preset(gpu).gpus_per_node
     check_whole_nodes(gpus, per_node, names=("--gpus {}", "--gpus-per-node {}"))
+    if sync_every_micro_step and grad_accum < 2:
+        raise ValueError(f"--sync-every-micro-step needs --grad-accum >= 2, got {grad_accum}")
     kwargs: dict[str, Any] = {"micro_batch": micro_batch, "seq_len": seq_len, "gpus_per_node": per_node,
                               "inter_link": inter_link, "nics_per_node": nics_per_node, "precision": precision,
-                              "optimizer": optimizer, "optimizer_impl": optimizer_impl, "headroom": headroom}
+                              "optimizer": optimizer, "optimizer_impl": optimizer_impl, "headroom": headroom,
+                              "grad_accum_steps": grad_accum, "sync_every_micro_step": sync_every_micro_step}
     changes: tuple[Sensitivity, ...] | None = None
     if sensitivity:
         result, listed = plan_sensitivity(model, gpu, gpus, **kwargs)
@@ -116,10 +120,10 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
     if optimizer != "adamw":
         raise ValueError(f"--optimizer {optimizer}: the layouts beyond FSDP are priced with adamw only; give "
                          "--optimizer adamw, or leave out --tp-size, --sp-size, --pp-size and --batch-tokens")
-    if optimizer_impl != "default":
-        raise ValueError(f"--optimizer-impl {optimizer_impl}: the layouts beyond FSDP are priced with torch's "
-                         "default (foreach on a GPU); leave it out, or leave out --tp-size, --sp-size, "
-                         "--pp-size and --batch-tokens")
+    for flag, value, usual in (("--optimizer-impl", optimizer_impl, "default"), ("--grad-accum", grad_accum, 1)):
+        if value != usual:
+            raise ValueError(f"{flag} {value}: the layouts beyond FSDP are priced with {flag} {usual}; leave "
+                             "it out, or leave out --tp-size, --sp-size, --pp-size and --batch-tokens")
     if decoder is None:
         flag = "--tp-size" if tp_size > 1 else "--sp-size" if sp_size > 1 else "--pp-size"
         raise ValueError(f"{flag} prices a decoder at scale: give --model (e.g. llama2-70b) or --hf-config, "
@@ -146,7 +150,7 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
 
 
 _PAGE_NUMBERS = {"gpus": 1, "seq_len": 1, "micro_batch": 1, "gpus_per_node": 1, "nics_per_node": 1,
-                 "tp_size": 1, "sp_size": 1, "pp_size": 0, "batch_tokens": 1}
+                 "tp_size": 1, "sp_size": 1, "pp_size": 0, "batch_tokens": 1, "grad_accum": 1}
 """The planner page's whole-number fields and their least values (``plan``'s flags')."""
 
 
@@ -195,12 +199,14 @@ def plan_page(request: str) -> str:
                                         "--sp-size N (N >= 2) too, or leave --sp-method out", "field": "sp_method"})
         report = plan_report(decoder, str(fields.get("gpu") or "h100-80gb"), decoder=decoder,
                              sensitivity=bool(fields.get("sensitivity")),
+                             sync_every_micro_step=bool(fields.get("sync_every_micro_step")),
                              **{k: v for k, v in values.items() if k != "gpus"}, gpus=values["gpus"], **options)
     except ValueError as err:
         return json.dumps({"error": str(err), "field": None})
     command = ["python -m handbook_lib plan", model_flag, f"--gpu {fields.get('gpu') or 'h100-80gb'}"]
     command += [f"{_flag(k)} {v}" for k, v in values.items() if not (k == "headroom" and v == 0.0)]
     command += [f"{_flag(k)} {v}" for k, v in options.items()]
+    command += ["--sync-every-micro-step"] if fields.get("sync_every_micro_step") else []
     command += ["--sensitivity"] if fields.get("sensitivity") else []
     return json.dumps({"report": report.to_json(), "view": _view(report), "shape": describe_shape(decoder),
                        "command": " ".join(command)})

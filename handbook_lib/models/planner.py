@@ -42,8 +42,7 @@ from handbook_lib.models.timing import (
 from handbook_lib.models.topology import Route, route_collective
 from handbook_lib.models.traffic import CollectiveRecord, estimate_step_traffic
 
-__all__ = ["Option", "Plan", "plan", "preference", "recommend", "STEP_TIE", "check_whole_nodes",
-           "global_batch_tokens", "max_data_parallel"]
+__all__ = ["Option", "Plan", "plan", "preference", "recommend", "STEP_TIE", "check_whole_nodes"]
 _ORDER = ("DDP", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
 
 
@@ -193,6 +192,8 @@ def plan(
     precision: str = "bf16-mixed",
     optimizer: str = "adamw",
     optimizer_impl: str = "default",
+    grad_accum_steps: int = 1,
+    sync_every_micro_step: bool = False,
     headroom: float = 0.0,
     utilization: float | None = None,
     memory_bytes: int | None = None,
@@ -222,6 +223,10 @@ def plan(
         precision: As for :func:`~handbook_lib.models.memory.estimate_memory`.
         optimizer, optimizer_impl: As for :func:`~handbook_lib.models.memory.estimate_memory`
             (``default``: torch's choice on the accelerator, foreach on a GPU).
+        grad_accum_steps: Micro-steps per optimizer step, each of ``micro_batch`` sequences
+            per GPU: compute and all-gathers K times; gradients reduced in the last micro-step
+            only (held unsharded in between, as :func:`~handbook_lib.models.memory.estimate_memory`
+            prices), or in every one with ``sync_every_micro_step``.
         headroom: Fraction of the usable memory kept free beyond what the model prices (the CUDA
             context and the allocator's reserve are priced already): 0 by default, so every
             option's margin is shown as it is.
@@ -249,6 +254,9 @@ def plan(
     get_precision(precision)
     check_int("micro_batch", micro_batch, 1)
     check_int("seq_len", seq_len, 1)
+    check_int("grad_accum_steps", grad_accum_steps, 1)
+    if sync_every_micro_step and grad_accum_steps < 2:
+        raise ValueError(f"sync_every_micro_step needs grad_accum_steps >= 2, got {grad_accum_steps}")
     if not 0 <= headroom < 1:  # also refuses NaN
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
     if memory_bytes is not None:
@@ -262,7 +270,7 @@ def plan(
         raise ValueError(f"cpu_params_per_s_per_core must be > 0, got {cpu_params_per_s_per_core!r}")
     u = expected_utilization(acc, layout.d_model) if utilization is None else utilization
     job = _Job(layout, node, precision, (optimizer, optimizer_impl), micro_batch, seq_len, u, budget,
-               cpu_params_per_s_per_core, reserve_fraction)
+               cpu_params_per_s_per_core, reserve_fraction, (grad_accum_steps, sync_every_micro_step))
     price = functools.partial(_price, job)
     options = []
     for strategy in _ORDER:
@@ -314,6 +322,8 @@ class _Job:
     """CPU optimizer parameters/s per core (offload)."""
     reserve: float
     """The allocator's reserve over the allocated peak, a fraction."""
+    accum: tuple[int, bool] = (1, False)
+    """Micro-steps per optimizer step, and whether each one reduces its gradients."""
 
 
 def _memory(job: _Job, strategy: str, n: int, ac: bool, offload: bool = False) -> MemoryEstimate:
@@ -321,7 +331,8 @@ def _memory(job: _Job, strategy: str, n: int, ac: bool, offload: bool = False) -
     group = job.node.gpus_per_node if get_strategy(strategy).hybrid else None  # hybrid: a node's GPUs
     return estimate_memory(job.layout, n, strategy, job.precision, job.optimizer[0], micro_batch=job.micro_batch,
                            seq_len=job.seq_len, shard_group_size=group, activation_checkpointing=ac,
-                           cpu_offload=offload, backend=job.node.accelerator.backend, optimizer_impl=job.optimizer[1])
+                           cpu_offload=offload, backend=job.node.accelerator.backend, optimizer_impl=job.optimizer[1],
+                           grad_accum_steps=job.accum[0], sync_every_micro_step=job.accum[1])
 
 
 def _fits(job: _Job, strategy: str, n: int, ac: bool, offload: bool = False) -> bool:
@@ -342,7 +353,8 @@ def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str)
     mem = _memory(job, strategy, n, ac, offload)
     param_dtype, reduce_dtype = get_precision(job.precision)
     traffic = estimate_step_traffic(job.layout.units(), n, strategy, param_dtype=param_dtype,
-                                    reduce_dtype=reduce_dtype, shard_group_size=group)
+                                    reduce_dtype=reduce_dtype, shard_group_size=group,
+                                    grad_accum_steps=job.accum[0], sync_every_micro_step=job.accum[1])
 
     routes: dict[str, dict[str, None]] = {}  # description -> the kinds that take it
 
@@ -352,7 +364,8 @@ def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str)
         return route
 
     acc, lay = job.node.accelerator, job.layout
-    compute = estimate_compute_time(lay.num_params, job.micro_batch * job.seq_len, acc.peak_flops(job.precision),
+    tokens = job.micro_batch * job.seq_len * job.accum[0]
+    compute = estimate_compute_time(lay.num_params, tokens, acc.peak_flops(job.precision),
                                     job.utilization, activation_checkpointing=ac, seq_len=job.seq_len,
                                     num_layers=lay.num_layers, attention_width=lay.attention_width)
     cost = None
@@ -469,32 +482,3 @@ def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, bud
         reasons.append("Communication is not hidden by compute on these links: a faster "
                        "interconnect, HYBRID_SHARD, or a larger micro-batch would help.")
     return reasons
-
-
-def global_batch_tokens(gpus: int, micro_batch: int, seq_len: int, *,
-                        grad_accum_steps: int = 1, model_parallel: int = 1) -> int:
-    """Tokens of one optimizer step over the whole job: ``micro_batch · seq_len ·
-    grad_accum_steps`` per data-parallel replica, times the replicas, ``gpus /
-    model_parallel`` (every GPU of a pure FSDP or DDP job is a replica of the data loop: the
-    global batch grows with the GPUs; tensor, pipeline or context parallelism over
-    ``model_parallel`` GPUs shares one replica's sequences instead).
-
-    Raises:
-        ValueError: for a count below 1, or ``gpus`` not a multiple of ``model_parallel``.
-    """
-    for name, value in (("gpus", gpus), ("micro_batch", micro_batch), ("seq_len", seq_len),
-                        ("grad_accum_steps", grad_accum_steps), ("model_parallel", model_parallel)):
-        check_int(name, value, 1)
-    if gpus % model_parallel:
-        raise ValueError(f"gpus={gpus} is not a multiple of model_parallel={model_parallel}")
-    return gpus // model_parallel * micro_batch * seq_len * grad_accum_steps
-
-
-def max_data_parallel(batch_tokens: int, micro_batch: int, seq_len: int) -> int:
-    """The most data-parallel replicas a global batch of ``batch_tokens`` allows at
-    ``micro_batch`` sequences of ``seq_len`` tokens per replica and no accumulation: past
-    it, pure FSDP can add GPUs only by growing the batch (or shrinking the micro-batch);
-    0 when one micro-batch is already larger than the batch."""
-    for name, value in (("batch_tokens", batch_tokens), ("micro_batch", micro_batch), ("seq_len", seq_len)):
-        check_int(name, value, 1)
-    return batch_tokens // (micro_batch * seq_len)
