@@ -179,6 +179,8 @@ ROWS: list[BadInputRow] = [
     cli("run-optimizer-impl-unknown", [*RUN, "--set", "optimizer_impl=apex"], "default, for-loop, foreach, fused"),
     cli("run-fused-sgd-on-fsdp2", [*RUN, "--set", "optimizer=sgd-momentum", "--set", "optimizer_impl=fused"],
         "'optimizer_impl'='fused' cannot step sgd-momentum"),
+    cli("memory-zero-with-activations", ["memory", "--model", "7b", "--strategy", "ZERO3", "--micro-batch", "1",
+                                         "--seq-len", "2048"], "--micro-batch with --strategy ZERO3"),
     cli("memory-fused-sgd-on-fsdp2", ["memory", "--model", "7b", "--optimizer", "sgd", "--optimizer-impl", "fused"],
         "--optimizer-impl fused cannot step --optimizer sgd"),
     cli("plan-optimizer-impl-unknown", ["plan", "--model", "7b", "--gpu", "h100-80gb", "--gpus", "8",

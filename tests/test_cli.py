@@ -500,3 +500,20 @@ def test_plan_prices_accumulation_and_says_so(capsys):
         runs.append(json.loads(capsys.readouterr().out))
     for one, four in zip(runs[0]["options"], runs[1]["options"]):
         assert four["compute_s"] == pytest.approx(4 * one["compute_s"], rel=1e-12)
+
+
+def test_memory_prices_deepspeeds_zero_stages_beside_deepspeeds_own_estimate(capsys):
+    """``memory --strategy ZERO2``: DeepSpeed's layout as chapter 7 measures it (16-bit parameters
+    whole, the fp32 master partition, the 16-bit gradients of the partition, Adam's moments), plus
+    the fp32 gradient partition its step makes; DeepSpeed's own ``2P + 18P/N`` beside it."""
+    p, n = 6_738_415_616, 8
+    assert main(["memory", "--model", "llama2-7b", "--strategy", "ZERO2", "--world-size", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    part = p // n  # 6,738,415,616 is a multiple of 16: no padding
+    assert data["parts"] == {"params": 2 * p, "master": 4 * part, "grads": 2 * part, "optimizer": 8 * part,
+                             "optimizer_step": 4}
+    assert data["step_fp32_gradients"] == 4 * part
+    assert data["at_step"] - 4 == data["deepspeed_estimate"] == 2 * p + 18 * p // n
+    assert main(["memory", "--model", "llama2-7b", "--strategy", "ZERO3", "--world-size", "8"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "at the optimizer step 16,846,039,044" in text and "15.69 GB" in text

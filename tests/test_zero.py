@@ -135,3 +135,41 @@ def test_zero3_traffic_gathers_every_module_twice():
 def test_bad_inputs(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("params, world", [(6_738_415_616, 8), (68_976_648_192, 64), (1_000_003, 3)])
+def test_deepspeed_own_estimate_is_deepspeeds_functions(params, world):
+    """The formulas DeepSpeed publishes for a node without offload, against its own functions;
+    and for ZeRO-1/2 this book's model state plus the fp32 gradient partition of the step is
+    the same figure, to the step counter's 4 bytes and the flat buffer's padding."""
+    stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
+    stage12 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
+    from handbook_lib.models.memory import estimate_rank_state
+    from handbook_lib.models.zero import deepspeed_own_estimate, largest_module_params, zero_step_gradient_bytes
+
+    theirs2 = stage12.estimate_zero2_model_states_mem_needs(params, world, 1, cpu_offload=False)[1]
+    assert deepspeed_own_estimate(params, world, "ZERO2") == theirs2
+    largest = largest_module_params(params)
+    theirs3 = stage3.estimate_zero3_model_states_mem_needs(params, largest, world, 1, cpu_offload=False)[1]
+    assert deepspeed_own_estimate(params, world, "ZERO3") == theirs3
+    ours = estimate_rank_state(params, world, "ZERO2", "bf16-mixed").total
+    ours += zero_step_gradient_bytes(params, world, "ZERO2", "bf16-mixed")
+    padding = flat_partition(params, world)[0] - params
+    assert 0 <= ours - 4 - theirs2 <= 2 * padding + 18 * padding / world + 1  # padding: 2 whole, 18 over N
+
+
+def test_the_largest_module_of_a_decoder_is_its_embedding_or_a_projection():
+    """Llama-2 7B: the embedding and head, 32,000 x 4,096; the handbook's model: its largest tensor."""
+    from handbook_lib.models.zero import largest_module_params
+
+    assert largest_module_params("llama2-7b") == 32_000 * 4_096
+    assert largest_module_params(ModelConfig()) == max(math.prod(s) for _, s in param_shapes(ModelConfig()))
+
+
+def test_zero_step_gradient_partition_is_fp32_of_the_partition_in_16_bits_only():
+    from handbook_lib.models.zero import zero_step_gradient_bytes
+
+    assert zero_step_gradient_bytes(8_000_000, 8, "ZERO2", "bf16-mixed") == 4 * flat_partition(8_000_000, 8)[1]
+    assert zero_step_gradient_bytes(8_000_000, 8, "ZERO3", "fp16-mixed") == 4 * 1_000_000
+    assert zero_step_gradient_bytes(8_000_000, 8, "ZERO3", "fp32") == 0
+    assert zero_step_gradient_bytes(16 * 10**9, 8, "ZERO3") == 4 * 10**9  # one sub-group at a time

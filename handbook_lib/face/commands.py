@@ -36,11 +36,12 @@ from handbook_lib.models.axes import (
 from handbook_lib.models.hardware import get_accelerator, get_link, node_preset
 from handbook_lib.models.hf_config import read_hf_config_keys
 from handbook_lib.models.layout import ModelLayout, model_layout
-from handbook_lib.models.memory import PHASE_WORDS, MemoryEstimate, estimate_memory
+from handbook_lib.models.memory import PHASE_WORDS, MemoryEstimate, estimate_memory, estimate_rank_state
 from handbook_lib.models.plan_output import plan_report
 from handbook_lib.models.planner import Plan, check_whole_nodes
 from handbook_lib.models.presets import describe_shape, get_shape
 from handbook_lib.models.sensitivity import FlipPoints, Sensitivity
+from handbook_lib.models.zero import deepspeed_own_estimate, zero_step_gradient_bytes
 from handbook_lib.models.timing import estimate_compute_time, estimate_step_time, expected_utilization
 from handbook_lib.models.traffic import estimate_step_traffic
 from handbook_lib.runs import describe_runs
@@ -138,6 +139,50 @@ def _impl(args: argparse.Namespace) -> str:
     impl = getattr(args, "optimizer_impl", "default")
     return "" if impl == "default" else f" ({impl})"
 
+def _zero_memory(args: argparse.Namespace) -> int:
+    """``memory --strategy ZERO1|ZERO2|ZERO3``: DeepSpeed's model state on one rank, as chapter 7
+    measures it, the fp32 gradient partition its optimizer step adds, and DeepSpeed's own
+    estimate beside them."""
+    asked = [flag for flag, on in (("--micro-batch", args.micro_batch), ("--grad-accum", args.grad_accum > 1),
+                                   ("--optimizer-impl", args.optimizer_impl != "default"),
+                                   ("--tp-size", args.tp_size > 1), ("--sp-size", args.sp_size > 1)) if on]
+    if asked:
+        raise ValueError(f"{asked[0]} with --strategy {args.strategy}: DeepSpeed's memory is priced as its "
+                         "model state only (chapter 7); leave it out, or use an FSDP strategy")
+    model, named, echo = _chosen_model(args)
+    state = estimate_rank_state(model, args.world_size, args.strategy, args.precision, args.optimizer,
+                                cpu_offload=args.cpu_offload)
+    step = 0 if args.cpu_offload else zero_step_gradient_bytes(model, args.world_size, args.strategy, args.precision)
+    theirs = deepspeed_own_estimate(model, args.world_size, args.strategy)
+    parts = {"params": state.params, "master": state.master, "grads": state.grads, "optimizer": state.optimizer,
+             "optimizer_step": state.optimizer_step}
+    notes = ["activations, the gathered modules and DeepSpeed's buckets are not priced"]
+    if args.strategy == "ZERO3" and not args.cpu_offload:
+        notes.append("DeepSpeed's 18 bytes a parameter over N leave out the 16-bit gradient partition "
+                     "still alive while it is copied to fp32, and add the largest module gathered in fp32")
+    if not model.exact:
+        notes.append("tensors unknown: the parameters are one flat block (ZeRO-1/2's gradients are the "
+                     "partition's own; ZeRO-3 keeps no small tensor whole)")
+    if args.json:
+        print(json.dumps({"model": named.removeprefix("model: "), "parts": parts, "at_rest": state.total,
+                          "step_fp32_gradients": step, "at_step": state.total + step,
+                          "deepspeed_estimate": None if args.cpu_offload else theirs, "notes": notes}, indent=2))
+        return 0
+    _print_model(named, echo)
+    print(wrap_line(f"{_assumptions(args, args.optimizer)}; DeepSpeed's layout, model state only", "  "))
+    rows = [[name, b, format_bytes(b)] for name, b in parts.items()]
+    rows += [["at rest", state.total, format_bytes(state.total)],
+             ["+ fp32 gradient partition", step, format_bytes(step)],
+             ["at the optimizer step", state.total + step, format_bytes(state.total + step)]]
+    print(Table(["part", "bytes", "human"], rows))
+    if not args.cpu_offload:
+        print(wrap_line(f"DeepSpeed's own estimate (estimate_zero{3 if args.strategy == 'ZERO3' else 2}"
+                        f"_model_states_mem_needs, no offload): {format_bytes(theirs)}", "  "))
+    for note in notes:
+        print(wrap_line(f"note: {note}", "  "))
+    return 0
+
+
 def _cmd_memory(args: argparse.Namespace) -> int:
     _check_sharding(args)
     get_strategy(args.strategy).check_cpu_offload(args.cpu_offload, flag="--cpu-offload")
@@ -152,13 +197,14 @@ def _cmd_memory(args: argparse.Namespace) -> int:
                          "and --seq-len too")
     if args.sync_every_micro_step and args.grad_accum < 2:
         raise ValueError(f"--sync-every-micro-step needs --grad-accum >= 2, got {args.grad_accum}")
-    if get_strategy(args.strategy).wrapper != "deepspeed":
-        try:
-            check_optimizer_impl(args.optimizer, args.optimizer_impl, args.strategy)
-        except ValueError:
-            raise ValueError(f"--optimizer-impl fused cannot step --optimizer {args.optimizer} over FSDP2's "
-                             "sharded parameters (no DTensor rule for fused SGD): use default, for-loop or "
-                             "foreach, or adamw") from None
+    if get_strategy(args.strategy).wrapper == "deepspeed":
+        return _zero_memory(args)
+    try:
+        check_optimizer_impl(args.optimizer, args.optimizer_impl, args.strategy)
+    except ValueError:
+        raise ValueError(f"--optimizer-impl fused cannot step --optimizer {args.optimizer} over FSDP2's "
+                         "sharded parameters (no DTensor rule for fused SGD): use default, for-loop or "
+                         "foreach, or adamw") from None
     model, named, echo = _chosen_model(args)
     axes = _axes_memory(args, model)
     est = axes[0] if axes else estimate_memory(

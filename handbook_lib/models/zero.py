@@ -50,6 +50,9 @@ __all__ = [
     "estimate_zero_rank_bytes",
     "bookkeeping_reductions",
     "estimate_zero_step_traffic",
+    "zero_step_gradient_bytes",
+    "largest_module_params",
+    "deepspeed_own_estimate",
 ]
 
 ALIGNMENT = 2
@@ -101,11 +104,11 @@ def zero_stage(strategy: str) -> int:
     return row.zero_stage
 
 
-def _numels(model: ModelLike) -> list[int]:
-    """Elements of each parameter tensor (DeepSpeed lays them out one by one)."""
+def _numels(model: ModelLike) -> list[int] | None:
+    """Elements of each parameter tensor (DeepSpeed lays them out one by one); ``None`` for a
+    model known by its sizes only (then its parameters are taken as one flat block)."""
     layout = model_layout(model)
-    layout.require_exact("DeepSpeed's ZeRO layout")
-    return [math.prod(shape) for _, shape in layout.tensors]
+    return [math.prod(shape) for _, shape in layout.tensors] if layout.exact else None
 
 
 def _check(world_size: int, rank: int, persistence_threshold: int) -> None:
@@ -147,8 +150,10 @@ def estimate_zero_rank_bytes(
     between steps), the optimizer state of the master partition, and Adam's one ``step`` scalar.
 
     Args:
-        model: The book's model (exact tensors: anything :func:`~handbook_lib.models.layout.model_layout`
-            accepts with them).
+        model: Anything :func:`~handbook_lib.models.layout.model_layout` accepts. Without its
+            tensors (a preset known by its sizes), the parameters are one flat block: ZeRO-1/2's
+            gradients are the partition's own (the whole tensors overlapping it are unknown) and
+            ZeRO-3 keeps no tensor whole (those under the threshold are unknown).
         world_size: Ranks, N.
         strategy: ``ZERO1``, ``ZERO2`` or ``ZERO3``.
         precision: A key of :data:`handbook_lib.core.config.PRECISIONS`: parameters and gradients are
@@ -167,11 +172,14 @@ def estimate_zero_rank_bytes(
     compute = DTYPES[lookup(PRECISIONS, precision, "precision").compute].bytes
     states = optimizer_states(optimizer)
     numels = _numels(model)
+    total = model_layout(model).num_params
     step_bytes = 4 if states == 2 else 0
     if stage < 3:
-        padded, part = flat_partition(sum(numels), world_size)
+        padded, part = flat_partition(total, world_size)
         if cpu_offload:
             grads = 4 * part
+        elif numels is None:
+            grads = compute * part
         else:
             start, end, offset, held = rank * part, (rank + 1) * part, 0, 0
             for n in numels:
@@ -183,6 +191,7 @@ def estimate_zero_rank_bytes(
             grads = compute * held
         return RankState(params=compute * padded, master=4 * part, grads=grads,
                              optimizer=4 * states * part, optimizer_step=step_bytes)
+    numels = numels if numels is not None else [total]
     part = sum(-(-n // world_size) for n in numels)
     whole = sum(-(-n // world_size) * world_size for n in numels if n <= persistence_threshold)
     return RankState(params=compute * (part + whole), master=4 * part, grads=compute * part,
@@ -228,7 +237,8 @@ def estimate_zero_step_traffic(
         cost = estimate_collective(kind, buffer, n)
         records.append(CollectiveRecord(**vars(cost), unit=unit, phase=phase, dtype=dtype, micro_step=0))
 
-    numels = _numels(model)
+    model_layout(model).require_exact("DeepSpeed's ZeRO traffic")
+    numels = _numels(model) or []
     if stage < 3:
         padded, _ = flat_partition(sum(numels), n)
         record("all_reduce", r * sum(numels), "gradients", "backward", reduce)
@@ -250,3 +260,48 @@ def estimate_zero_step_traffic(
         if x <= persistence_threshold:
             record("all_gather", c * padded_numel([x]), "persistent tensor", "step", compute)
     return StepTraffic(strategy, n, 1, tuple(records))
+
+
+def zero_step_gradient_bytes(model: ModelLike, world_size: int, strategy: str, precision: str = "bf16-mixed") -> int:
+    """The fp32 copy of a rank's gradient partition that DeepSpeed makes for the optimizer step
+    when it computes in 16 bits, bytes: ``4·partition`` (ZeRO-1/2: ``stage_1_and_2.py``,
+    ``flat_grad_partition.to(fp32)`` in ``step``; ZeRO-3: ``stage3.py``,
+    ``_prepare_fp32_grad_for_sub_group``, per sub-group of up to ``sub_group_size`` elements,
+    10^9 by default); 0 in fp32 or with ``offload_optimizer`` (its gradient is already an fp32
+    partition, :func:`estimate_zero_rank_bytes`). Read from DeepSpeed's source (release 0.19),
+    not measured by this book's CPU runs, which train in fp32."""
+    stage = zero_stage(strategy)
+    check_world(world_size)
+    if lookup(PRECISIONS, precision, "precision").compute == "fp32":
+        return 0
+    total = model_layout(model).num_params
+    part = flat_partition(total, world_size)[1] if stage < 3 else -(-total // world_size)
+    return 4 * min(part, 10**9) if stage == 3 else 4 * part
+
+
+def largest_module_params(model: ModelLike) -> int:
+    """Parameters of the largest module that owns them directly, what DeepSpeed's ZeRO-3 estimate
+    calls the largest layer: the largest tensor for a model known tensor by tensor (a weight and
+    its bias counted apart: a bound below), else the largest of the embedding (``V·d``), a
+    feed-forward projection (``d·f``) and the query projection (``d·q``)."""
+    layout = model_layout(model)
+    if layout.exact:
+        return max(math.prod(shape) for _, shape in layout.tensors)
+    d = layout.d_model
+    return max(layout.vocab_size * d, d * layout.dim_feedforward, d * layout.attention_width)
+
+
+def deepspeed_own_estimate(model: ModelLike, world_size: int, strategy: str) -> int:
+    """DeepSpeed's own estimate of a GPU's model-state bytes without offload, as its
+    ``estimate_zero2_model_states_mem_needs`` (``2·P + 18·P/N``: 16-bit parameters whole, then
+    16-bit and fp32 gradients, fp32 master and Adam's two moments over N) and
+    ``estimate_zero3_model_states_mem_needs`` (``4·largest module + 18·P/N``) compute it, on one
+    node of ``world_size`` GPUs; ZeRO-1 takes ZeRO-2's (DeepSpeed publishes none of its own).
+    ``tests/test_zero.py`` checks it against DeepSpeed's functions."""
+    stage = zero_stage(strategy)
+    check_world(world_size)
+    total = model_layout(model).num_params
+    if stage == 3:
+        return 4 * largest_module_params(model) + int(18 * total / world_size)
+    return 2 * total + int(18 * total / world_size)
+
