@@ -124,12 +124,12 @@ def _assumptions(args: argparse.Namespace, optimizer: str) -> str:
             f"optimizer {optimizer}{_impl(args)}")
 
 
-def _accum(args: argparse.Namespace) -> str:
-    """``, 4 micro-steps a step, gradients reduced in the last``, or nothing without
-    accumulation."""
+def _accum(args: argparse.Namespace, lead: str = ", ") -> str:
+    """``, 4 micro-steps a step, gradients reduced in the last`` (after ``lead``), or nothing
+    without accumulation."""
     if args.grad_accum == 1:
         return ""
-    return (f", {args.grad_accum} micro-steps a step, gradients reduced in "
+    return (f"{lead}{args.grad_accum} micro-steps a step, gradients reduced in "
             f"{'each' if args.sync_every_micro_step else 'the last'}")
 
 
@@ -214,7 +214,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         grad_accum_steps=args.grad_accum, sync_every_micro_step=args.sync_every_micro_step,
         optimizer_impl=args.optimizer_impl)
     tokens = (f"micro-batch {args.micro_batch} x {args.seq_len} tokens" if args.micro_batch
-              else "no activations") + _accum(args).replace(",", ";", 1)
+              else "no activations") + _accum(args, "; ")
     assumes = (f"{_assumptions(args, args.optimizer)}; {tokens}; activation checkpointing "
                f"{args.activation_checkpointing}; CPU offload "
                f"{'on' if args.cpu_offload else 'off'}{axes[1] if axes else ''}")

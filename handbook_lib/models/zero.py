@@ -286,7 +286,7 @@ def largest_module_params(model: ModelLike) -> int:
     feed-forward projection (``d·f``) and the query projection (``d·q``)."""
     layout = model_layout(model)
     if layout.exact:
-        return max(math.prod(shape) for _, shape in layout.tensors)
+        return layout.largest_tensor
     d = layout.d_model
     return max(layout.vocab_size * d, d * layout.dim_feedforward, d * layout.attention_width)
 
