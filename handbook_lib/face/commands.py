@@ -41,7 +41,7 @@ from handbook_lib.models.plan_output import plan_report
 from handbook_lib.models.planner import Plan, check_whole_nodes
 from handbook_lib.models.presets import describe_shape, get_shape
 from handbook_lib.models.sensitivity import FlipPoints, Sensitivity
-from handbook_lib.models.zero import deepspeed_own_estimate, zero_step_gradient_bytes
+from handbook_lib.models.zero import deepspeed_own_estimate, zero_stage, zero_step_gradient_bytes
 from handbook_lib.models.timing import estimate_compute_time, estimate_step_time, expected_utilization
 from handbook_lib.models.traffic import estimate_step_traffic
 from handbook_lib.runs import describe_runs
@@ -157,7 +157,8 @@ def _zero_memory(args: argparse.Namespace) -> int:
     parts = {"params": state.params, "master": state.master, "grads": state.grads, "optimizer": state.optimizer,
              "optimizer_step": state.optimizer_step}
     notes = ["activations, the gathered modules and DeepSpeed's buckets are not priced"]
-    if args.strategy == "ZERO3" and not args.cpu_offload:
+    stage = zero_stage(args.strategy)
+    if stage == 3 and not args.cpu_offload:
         notes.append("DeepSpeed's 18 bytes a parameter over N leave out the 16-bit gradient partition "
                      "still alive while it is copied to fp32, and add the largest module gathered in fp32")
     if not model.exact:
@@ -176,7 +177,7 @@ def _zero_memory(args: argparse.Namespace) -> int:
              ["at the optimizer step", state.total + step, format_bytes(state.total + step)]]
     print(Table(["part", "bytes", "human"], rows))
     if not args.cpu_offload:
-        print(wrap_line(f"DeepSpeed's own estimate (estimate_zero{3 if args.strategy == 'ZERO3' else 2}"
+        print(wrap_line(f"DeepSpeed's own estimate (estimate_zero{max(stage, 2)}"
                         f"_model_states_mem_needs, no offload): {format_bytes(theirs)}", "  "))
     for note in notes:
         print(wrap_line(f"note: {note}", "  "))
