@@ -43,6 +43,7 @@ CONFIGS: list[dict[str, Any]] = [
     {"model": "llama2-7b", "gpus": "8", "seq_len": "4096", "grad_accum": "4"},
     {"model": "llama2-13b", "gpus": "16", "grad_accum": "8", "sync_every_micro_step": True},
     {"model": "llama2-7b", "gpus": "8", "sync_every_micro_step": True},
+    {"model": "llama2-70b", "gpu": "a100-80gb", "gpus": "16", "seq_len": "4096", "precision": "bf16"},
     {"model": "llama2-70b", "gpu": "h200-141gb", "gpus": "16", "seq_len": "8192", "inter_link": "100gbe",
      "nics_per_node": "1"},
     {"model": "llama2-70b", "gpus": "64", "seq_len": "131072", "tp_size": "8", "sp_size": "8"},

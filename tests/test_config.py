@@ -290,3 +290,13 @@ def test_the_optimizer_implementation_resolves_per_device_and_refuses_fused_sgd_
         RunConfig(optimizer="sgd", optimizer_impl="fused")
     assert RunConfig(optimizer="sgd", optimizer_impl="fused", strategy="DDP").optimizer_impl == "fused"
     assert RunConfig(optimizer="sgd", optimizer_impl="fused", api="fsdp1").optimizer_impl == "fused"
+
+
+def test_pure_bf16_keeps_the_state_in_bf16_and_builds_on_the_meta_device():
+    from handbook_lib.core.config import state_dtype
+
+    assert [state_dtype(p) for p in ("fp32", "bf16-mixed", "fp16-mixed", "bf16")] == ["fp32", "fp32", "fp32", "bf16"]
+    assert RunConfig(precision="bf16").precision == "bf16"
+    for bad in ({"init": "full"}, {"api": "fsdp1"}, {"strategy": "ZERO3"}):
+        with pytest.raises(ValueError, match="'precision'='bf16' .* builds on the meta device"):
+            RunConfig(precision="bf16", **bad)

@@ -407,3 +407,20 @@ def test_the_optimizer_step_temporaries_by_implementation_by_hand():
     assert {optimizer_temporary_bytes(numels, "sgd-momentum", i) for i in ("for-loop", "foreach", "fused")} == {0}
     with pytest.raises(ValueError, match="optimizer_impl"):
         optimizer_temporary_bytes(numels, "adamw", "default")  # resolve it for a device first
+
+
+def test_pure_bf16_keeps_the_state_in_two_bytes():
+    """``precision="bf16"``: parameters, gradients and Adam's two moments all in bf16, 8 bytes a
+    parameter over N (fp32 Adam: 16), and foreach's temporary one bf16 copy, 2P/N; the gathered
+    units and the reduce-scatter are bf16 too (no fp32 reduction)."""
+    p = 7_000_000_000
+    est = estimate_memory(p, 8, "FULL_SHARD", "bf16", backend="nccl")
+    assert est.model_state == 8 * p // 8
+    assert (est.peak_phase, est.peak) == ("optimizer_step", 10 * p // 8)
+    tiny = ModelConfig(vocab_size=1001, d_model=64, nhead=2, dim_feedforward=96, num_layers=2)
+    pure = estimate_memory(tiny, 2, "FULL_SHARD", "bf16", micro_batch=2, seq_len=16, backend="gloo")
+    mixed = estimate_memory(tiny, 2, "FULL_SHARD", "bf16-mixed", micro_batch=2, seq_len=16, backend="gloo")
+    steps = 4 * len(param_shapes(tiny))  # Adam's step counters stay fp32 scalars
+    assert (2 * pure.params, 2 * pure.grads) == (mixed.params, mixed.grads)
+    assert 2 * (pure.optimizer - steps) == mixed.optimizer - steps
+    assert pure.forward_activations == mixed.forward_activations  # both compute in bf16

@@ -123,7 +123,7 @@ def test_bad_input(kwargs, match):
     ({"micro_batch": 0}, r"^micro_batch must be an int >= 1, got 0$"),
     ({"seq_len": 2.5}, r"^seq_len must be an int >= 1, got 2.5$"),
     ({"gpus": 16, "gpus_per_node": 3}, "gpus=16 is not a whole number of nodes of gpus_per_node=3"),
-    ({"precision": "fp8"}, "precision must be one of fp32, bf16-mixed, fp16-mixed, got 'fp8'"),
+    ({"precision": "fp8"}, "precision must be one of fp32, bf16-mixed, fp16-mixed, bf16, got 'fp8'"),
 ])
 def test_bad_arguments_name_themselves(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -358,3 +358,17 @@ def test_accumulation_multiplies_compute_and_prices_what_each_micro_step_reduces
         plan("llama2-7b", "h100-80gb", 8, sync_every_micro_step=True)
     with pytest.raises(ValueError, match="grad_accum_steps"):
         plan("llama2-7b", "h100-80gb", 8, grad_accum_steps=0)
+
+
+def test_pure_bf16_halves_the_state_and_changes_the_70b_verdict():
+    """Llama-2 70B on 16 A100 80GB at 4,096 tokens: with bf16-mixed's fp32 state (16 bytes a
+    parameter) only offload fits; with the whole state in bf16 (8 bytes a parameter, no fp32
+    copy) FULL_SHARD + AC does, on the GPUs alone."""
+    from handbook_lib.models import plan
+
+    mixed = plan("llama2-70b", "a100-80gb", 16, seq_len=4096)
+    pure = plan("llama2-70b", "a100-80gb", 16, seq_len=4096, precision="bf16")
+    assert mixed.recommended.name == "FULL_SHARD + AC + offload"
+    assert pure.recommended.name == "FULL_SHARD + AC"
+    state = {o.name: o.model_state_bytes for o in pure.options}
+    assert state["FULL_SHARD + AC"] * 2 == {o.name: o.model_state_bytes for o in mixed.options}["FULL_SHARD + AC"]

@@ -30,6 +30,7 @@ CASES = {
     "4-HYBRID_SHARD_ZERO2-fp32-adamw": (4, {"strategy": "HYBRID_SHARD_ZERO2", "shard_group_size": 2}),
     "2-FULL_SHARD-bf16-adamw-offload": (2, {"strategy": "FULL_SHARD", "precision": "bf16-mixed", "cpu_offload": True}),
     "2-DDP-fp32-adamw-foreach": (2, {"strategy": "DDP", "steps": 3, "optimizer_impl": "foreach"}),
+    "2-FULL_SHARD-pure-bf16-adamw": (2, {"strategy": "FULL_SHARD", "precision": "bf16"}),
     # chapter 5: the baseline, wrapping, recomputation, FSDP1, fp16
     "1-NONE-fp32-adamw": (1, {"strategy": "NONE"}),
     "2-FULL_SHARD-fp32-adamw": (2, {"strategy": "FULL_SHARD"}),
@@ -145,6 +146,7 @@ def test_the_optimizer_step_allocates_what_its_implementation_does(case):
         assert all(r["optimizer_temporary_bytes"] is None for r in result.ranks)
         return
     impl = config.get("optimizer_impl", "for-loop")  # the CPU's default
+    e = 2 if config.get("precision") == "bf16" else 4  # the moments' dtype: the state's
     tensors = RunConfig.from_mapping(config).model_config()
     shapes = [shape for _, shape in model_layout(tensors).tensors]
     for rank in result.ranks:
@@ -155,7 +157,7 @@ def test_the_optimizer_step_allocates_what_its_implementation_does(case):
         elif _fsdp1(config):  # one flat parameter per unit, padded, the root's first
             group = rank["shard_group_size"]
             n = [u.flat_padded_numel(group) // group for u in _units(config)]
-            want = 4 * max(a + 2 * b for a, b in zip([0, *n], n))
+            want = e * max(a + 2 * b for a, b in zip([0, *n], n))
         else:
             group = rank["shard_group_size"] if config["strategy"] not in ("NONE", "DDP", "NO_SHARD") else 1
             n = []
@@ -163,7 +165,7 @@ def test_the_optimizer_step_allocates_what_its_implementation_does(case):
                 chunk = -(-shape[0] // group)
                 rows = max(0, min(chunk, shape[0] - (rank["rank"] % group) * chunk))
                 n.append(rows * (shape[1] if len(shape) > 1 else 1))
-            want = 4 * max(a + 2 * b for a, b in zip([0, *n], n))
+            want = e * max(a + 2 * b for a, b in zip([0, *n], n))
         assert rank["optimizer_temporary_bytes"] == want, (rank["rank"], impl)
 
 
@@ -175,14 +177,15 @@ def test_shards_sum_to_the_model_per_shard_group(case):
                                                             config.get("shard_group_size") or nproc)
     shards = result.metric("param_shard_bytes")
     padding = result.metric("param_padding_bytes")
+    dtype = "bf16" if config.get("precision") == "bf16" else "fp32"  # the state's dtype
     for start in range(0, nproc, group):  # each replica's shard group holds the whole model once
-        assert sum(shards[start:start + group]) == 4 * param_count(model)
+        assert sum(shards[start:start + group]) == {"bf16": 2, "fp32": 4}[dtype] * param_count(model)
     # independent of the run's own checks: the shard rule, applied to the shard index (FSDP1 pads
     # each unit's flat parameter once, FSDP2 each parameter)
     if _fsdp1(config):
         expected = [estimate_flat_shard_bytes(_units(config), group, r % group).padding_bytes for r in range(nproc)]
     else:
-        expected = [estimate_shard_bytes(model, group, r % group).padding_bytes for r in range(nproc)]
+        expected = [estimate_shard_bytes(model, group, r % group, dtype).padding_bytes for r in range(nproc)]
     assert padding == expected
     assert len({s + p for s, p in zip(shards, padding)}) == 1  # equal storage on every rank
 
@@ -221,9 +224,10 @@ def test_counted_collectives_follow_the_strategy(case):
         regathered = len(units) - (1 if _fsdp1(config) and units[0].root else 0)  # FSDP1 keeps its root
         again = regathered if config["strategy"] in ("FULL_SHARD", "HYBRID_SHARD") else 0
         assert len(gathers) == (len(units) + again) * config.get("grad_accum_steps", 1)  # every micro-step
-        dtype = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}.get(config.get("precision"), "fp32")
+        dtype = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}.get(config.get("precision"), "fp32")
         assert {c["dtype"] for c in gathers} == {dtype}
-        assert {c["dtype"] for c in calls if c["kind"] == "reduce_scatter"} == {"fp32"}
+        reduced = "bf16" if config.get("precision") == "bf16" else "fp32"  # pure bf16 reduces in bf16
+        assert {c["dtype"] for c in calls if c["kind"] == "reduce_scatter"} == {reduced}
         group = result.ranks[0]["shard_group_size"]
         assert {c["group_size"] for c in calls if c["kind"] != "all_reduce"} == {group}
         scaler = [c for c in calls if c["kind"] == "all_reduce" and c["buffer_bytes"] == 4]
@@ -267,7 +271,7 @@ def test_losses_equal_one_process_on_the_global_batch(case):
 
     _, config, result = case
     if config.get("precision", "fp32") != "fp32":
-        pytest.skip("bf16/fp16 mixed precision rounds differently from fp32 by design")
+        pytest.skip("bf16 and fp16, mixed or pure, round differently from fp32 by design")
     run_config = RunConfig.from_mapping(config)
     log = train_one_process(run_config)
     worst = max_relative_difference(result.metric("losses")[0], log.losses)

@@ -34,7 +34,7 @@ const FORM = `
     <span class="hb-error" data-for="grad_accum"></span>
     <label><input type="checkbox" name="sync_every_micro_step"> reduce every micro-step</label>
     <label>precision <select name="precision"><option selected>bf16-mixed</option><option>fp32</option>
-      <option>fp16-mixed</option></select></label>
+      <option>fp16-mixed</option><option>bf16</option></select></label>
     <label>optimizer <select name="optimizer"><option selected>adamw</option><option>adam</option>
       <option>sgd-momentum</option><option>sgd</option></select></label>
     <label>optimizer step <select name="optimizer_impl"><option value="">default</option><option>foreach</option>

@@ -38,6 +38,7 @@ __all__ = [
     "Precision",
     "PRECISIONS",
     "get_precision",
+    "state_dtype",
     "OPTIMIZERS",
     "OPTIMIZER_IMPLS",
     "optimizer_impl_on",
@@ -90,15 +91,32 @@ class Precision(NamedTuple):
     """Key of :data:`DTYPES`: the gradient all-reduce / reduce-scatter."""
 
 
-PrecisionName = Literal["fp32", "bf16-mixed", "fp16-mixed"]
+PrecisionName = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16"]
 PRECISIONS: dict[str, Precision] = {
     "fp32": Precision("fp32", "fp32"),
     "bf16-mixed": Precision("bf16", "fp32"),
     "fp16-mixed": Precision("fp16", "fp32"),
+    "bf16": Precision("bf16", "bf16"),
 }
-"""Precision → (compute dtype, reduce dtype). The sharded parameters, the gradients handed to
-the optimizer and the optimizer states stay fp32 in every case. fp16 also needs a gradient
-scaler, whose state (a scale and a step counter) is a few bytes and is not counted."""
+"""Precision → (compute dtype, reduce dtype). In the mixed precisions the sharded parameters,
+the gradients handed to the optimizer and the optimizer states stay fp32 (FSDP2's
+``MixedPrecisionPolicy``); ``bf16`` is pure bf16: the model is built in bf16 and parameters,
+gradients and the optimizer's states are all bf16, no fp32 copy anywhere (:func:`state_dtype`).
+fp16 also needs a gradient scaler, whose state (a scale and a step counter) is a few bytes and is
+not counted."""
+
+
+def state_dtype(precision: str) -> str:
+    """The dtype a ``precision`` keeps the model state in (parameters, gradients, optimizer
+    states): its compute dtype where it computes and reduces in one dtype (``fp32``, pure
+    ``bf16``), fp32 for the mixed precisions. Adam's ``step`` counters are fp32 scalars in every
+    case.
+
+    Raises:
+        ValueError: for an unknown precision.
+    """
+    compute, reduce = get_precision(precision)
+    return compute if compute == reduce else "fp32"
 
 
 def get_precision(name: str, what: str = "precision") -> Precision:
@@ -257,7 +275,8 @@ class NumericsConfig(FlatConfig):
     """The ``numerics`` section: dtypes, the optimizer and its rate, accumulation, clipping."""
 
     precision: PrecisionName = "fp32"
-    """Compute and reduce dtypes: a key of :data:`PRECISIONS` (sharded state stays fp32)."""
+    """Compute and reduce dtypes: a key of :data:`PRECISIONS` (the state stays fp32, except in
+    pure ``bf16``)."""
     optimizer: OptimizerName = "adamw"
     """``adamw``, ``adam`` (two moments per parameter), ``sgd-momentum`` (one), ``sgd`` (none)."""
     optimizer_impl: OptimizerImplName = "default"
@@ -379,6 +398,11 @@ class RunConfig(FlatConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_optimizer_impl(self.optimizer, self.optimizer_impl, self.strategy, self.api)
+        if self.precision == "bf16" and (self.init != "meta" or get_strategy(self.strategy).wrapper == "deepspeed"
+                                         or self.api == "fsdp1"):
+            raise ValueError("config key 'precision'='bf16' (the model kept in bf16) builds on the meta device "
+                             "with FSDP2, DDP or one process: it needs init='meta', api='fsdp2' and a "
+                             f"PyTorch strategy, got init={self.init!r}, api={self.api!r}, {self.strategy}")
         if isinstance(self.warmup_steps, int) and self.warmup_steps >= self.steps:
             raise ValueError(f"config key 'warmup_steps' must be < steps={self.steps} (the steps of "
                              f"warm-up come first), got {self.warmup_steps}")

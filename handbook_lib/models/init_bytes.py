@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from math import prod
 
 from handbook_lib.core.checks import check_world, lookup
-from handbook_lib.core.config import INITS
+from handbook_lib.core.config import INITS, dtype_bytes
 from handbook_lib.core.strategies import get_strategy
 from handbook_lib.models.layout import ModelLike, model_layout
 from handbook_lib.models.sharding import Unit, shard_rows
@@ -59,6 +59,7 @@ def estimate_init_bytes(
     shard_group_size: int | None = None,
     units: Sequence[Unit] | None = None,
     device: str = "cpu",
+    dtype: str = "fp32",
 ) -> int:
     """Peak bytes a rank holds while :func:`handbook_lib.runtime.build.parallelize` builds and
     wraps the model (fp32, FSDP2, DDP or one process), exact to the byte.
@@ -83,6 +84,9 @@ def estimate_init_bytes(
             accepts that has exact tensors).
         units: The FSDP units, root first (default: the layout's, one per layer).
         device: ``cpu`` (host bytes) or ``cuda`` (the rank's GPU bytes; no CPU offload).
+        dtype: The dtype the model is kept in: ``fp32``, or ``bf16`` for a model built in bf16
+            (pure ``bf16``; ``meta`` on the CPU only): its shards and DDP's buckets in bf16, the
+            part being copied still built in fp32.
 
     Raises:
         ValueError: for a strategy DeepSpeed applies, a bad world size or rank, an unknown
@@ -96,20 +100,23 @@ def estimate_init_bytes(
     n = layout.num_params
     group = row.shard_group(world_size, shard_group_size if row.hybrid else None)
     lookup(dict.fromkeys(DEVICES), device, "device")
+    e = dtype_bytes(dtype)
+    if e != 4 and (init == "full" or device == "cuda"):
+        raise ValueError(f"a model kept in {dtype} is priced with init='meta' on the CPU only")
     if device == "cuda":
         units = list(units) if units is not None else layout.units()
         return _cuda_init_bytes(layout.tensors, units, group, rank % group, init, row.shards_params,
                                 row.grad_bucket_copy)
-    buckets = 4 * n if row.grad_bucket_copy else 0  # allocated by DDP's wrap, after the init
+    buckets = e * n if row.grad_bucket_copy else 0  # allocated by DDP's wrap, after the init
     mesh = 4 * world_size if row.wrapper == "fsdp" else 0
     if init == "full":
         if row.shards_params:
             units = list(units) if units is not None else layout.units()
             return _full_shard_peak(layout.tensors, units, group, rank % group, "cpu") + mesh
         return 4 * n + max(mesh, buckets)
-    held = 4 * n
+    held = e * n
     if row.shards_params:
-        held = layout.shard_bytes(group, rank % group).padded_bytes
+        held = layout.shard_bytes(group, rank % group, dtype).padded_bytes
     return held + max(4 * max(layout.part_numels().values()) + mesh, buckets)
 
 

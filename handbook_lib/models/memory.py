@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from handbook_lib.core.checks import check_int, check_world, lookup
-from handbook_lib.core.config import checkpointing_mode, dtype_bytes, get_precision, optimizer_impl_on
+from handbook_lib.core.config import checkpointing_mode, dtype_bytes, get_precision, optimizer_impl_on, state_dtype
 from handbook_lib.core.strategies import Strategy, get_strategy
 from handbook_lib.models.allocator import reserved_bytes
 from handbook_lib.models.layout import ModelLayout, ModelLike, model_layout
@@ -163,12 +163,13 @@ class MemoryEstimate:
 
 def estimate_state_at_rest(layout: ModelLayout, row: Strategy, group: int, rank: int, optimizer: str, *,
                            units: Sequence[Unit] | None = None, flat_params: bool = False,
-                           cpu_offload: bool = False) -> tuple[dict[str, int], int]:
+                           cpu_offload: bool = False, element_bytes: int = 4) -> tuple[dict[str, int], int]:
     """One rank's model state between steps, on the device and in host memory, bytes.
 
     Parameters, gradients and each of the optimizer's k parameter-shaped states hold
-    ``4·P/N`` bytes where the row shards them (the shard of :meth:`ModelLayout.state_shard_elements`:
-    N the shard group) and ``4·P`` where it does not; Adam adds its 4-byte ``step`` counters
+    ``e·P/N`` bytes (``element_bytes`` e: 4 in fp32, 2 in pure bf16) where the row shards them
+    (the shard of :meth:`ModelLayout.state_shard_elements`: N the shard group) and ``e·P``
+    where it does not; Adam adds its 4-byte ``step`` counters
     (one per tensor, one per unit with FSDP1's flat parameters). With ``cpu_offload`` all of it
     is in host memory instead.
 
@@ -179,8 +180,9 @@ def estimate_state_at_rest(layout: ModelLayout, row: Strategy, group: int, rank:
     shard, whole = layout.state_shard_elements(group, rank % group), layout.num_params
     held = {True: shard, False: whole}  # elements: sharded or whole
     steps = optimizer_step_bytes(layout, optimizer, units if flat_params else None)
-    state = {"params": 4 * held[row.shards_params], "grads": 4 * held[row.shards_grads],
-             "optimizer": 4 * k * held[row.shards_optimizer] + steps}
+    e = element_bytes
+    state = {"params": e * held[row.shards_params], "grads": e * held[row.shards_grads],
+             "optimizer": e * k * held[row.shards_optimizer] + steps}
     if cpu_offload:
         return {key: 0 for key in state}, sum(state.values())
     return state, 0
@@ -278,12 +280,13 @@ def estimate_memory(
     lookup(dict.fromkeys(("nccl", "gloo")), backend, "backend")
     check_int("grad_accum_steps", grad_accum_steps, 1)
     impl = optimizer_impl_on(optimizer_impl, "cuda" if backend == "nccl" else "cpu")
+    element = dtype_bytes(state_dtype(precision))
     layout = model_layout(model)
     group = row.shard_group(world_size, shard_group_size if row.hybrid else None)
     if units is not None and not layout.exact:
         raise ValueError(f"units can be given only with the model's tensors (a ModelConfig), not {layout.name}")
     state, host = estimate_state_at_rest(layout, row, group, rank, optimizer, units=units,
-                                         flat_params=flat_params, cpu_offload=cpu_offload)
+                                         flat_params=flat_params, cpu_offload=cpu_offload, element_bytes=element)
     accumulated = (estimate_accumulation_bytes(layout, strategy, precision, reduce_dtype=reduce_dtype)
                    if grad_accum_steps > 1 and not sync_every_micro_step else 0)
     shape = _step_shape(layout, row, state, dtype_bytes(compute), dtype_bytes(reduce_dtype or reduce),
@@ -292,7 +295,7 @@ def estimate_memory(
     if not (cpu_offload and backend == "nccl") and (layout.exact or impl != "for-loop"):
         # not on a GPU's host (offloaded), nor one tensor at a time over unknown tensors
         locals_ = local_numels(layout, row, group, rank % group, units, flat_params)
-        shape = replace(shape, step_temp=optimizer_temporary_bytes(locals_, optimizer, impl))
+        shape = replace(shape, step_temp=optimizer_temporary_bytes(locals_, optimizer, impl, element))
     if backend == "nccl":
         shape = _on_gpu(shape, layout, units, cpu_offload)
     phases = {fn.__name__: parts for fn in PHASES if (parts := fn(shape)) is not None}
@@ -445,9 +448,10 @@ def estimate_rank_state(
 
     A ZeRO row is DeepSpeed's layout (:func:`handbook_lib.models.zero.estimate_zero_rank_bytes`,
     which takes ``persistence_threshold`` and ``cpu_offload``). Any other row is FSDP2's, DDP's
-    or one process's: fp32 parameters (sharded per tensor along dim 0, padded, where the row
-    shards them), gradients and optimizer state sharded where the row says so, no master copy —
-    whatever the precision, since mixed precision only changes the compute copies.
+    or one process's: parameters in the precision's state dtype (fp32, or bf16 in pure ``bf16``;
+    sharded per tensor along dim 0, padded, where the row shards them), gradients and optimizer
+    state sharded where the row says so, no master copy: mixed precision only changes the
+    compute copies.
 
     Raises:
         ValueError: for an unknown strategy, precision or optimizer, or a bad world size or
@@ -458,12 +462,12 @@ def estimate_rank_state(
         return estimate_zero_rank_bytes(model, world_size, strategy, precision, optimizer, rank=rank,
                                         persistence_threshold=persistence_threshold, cpu_offload=cpu_offload)
     check_world(world_size, rank)
-    get_precision(precision)
+    dtype = state_dtype(precision)
     row.check_cpu_offload(cpu_offload)
     layout = model_layout(model)
     group = row.shard_group(world_size, shard_group_size if row.hybrid else None)
-    whole = 4 * layout.num_params
-    shard = layout.shard_bytes(group, rank % group) if row.sharded else ShardBytes(whole, 0)
+    whole = dtype_bytes(dtype) * layout.num_params
+    shard = layout.shard_bytes(group, rank % group, dtype) if row.sharded else ShardBytes(whole, 0)
     return RankState(
         params=shard.padded_bytes if row.shards_params else whole,
         master=0,

@@ -72,9 +72,11 @@ def optimizer_step_bytes(model: ModelLike, optimizer: str, units: Sequence[Unit]
     return 4 * tensors if rule.step_counter else 0
 
 
-def optimizer_temporary_bytes(local_numels: Sequence[int], optimizer: str, impl: str) -> int:
-    """The most bytes one optimizer step allocates beyond the state it updates in place, fp32,
-    for ``impl`` (``for-loop``, ``foreach`` or ``fused``; resolve ``default`` first with
+def optimizer_temporary_bytes(local_numels: Sequence[int], optimizer: str, impl: str,
+                              element_bytes: int = 4) -> int:
+    """The most bytes one optimizer step allocates beyond the state it updates in place, in the
+    state's dtype (``element_bytes`` e: 4 in fp32, 2 in pure bf16), for ``impl``
+    (``for-loop``, ``foreach`` or ``fused``; resolve ``default`` first with
     :func:`~handbook_lib.core.config.optimizer_impl_on`), over the rank's local parameter
     tensors of ``local_numels`` elements in the optimizer's order.
 
@@ -82,10 +84,10 @@ def optimizer_temporary_bytes(local_numels: Sequence[int], optimizer: str, impl:
     is in place:
 
     - ``foreach`` (``_multi_tensor_adam``): ``torch._foreach_sqrt`` of every second moment at
-      once, one fp32 copy of every local parameter: ``4·Σ n_i``;
+      once, one copy of every local parameter: ``e·Σ n_i``;
     - ``for-loop`` (``_single_tensor_adam``): ``(v.sqrt() / c).add_(eps)``, two tensors of one
       parameter's size while the previous parameter's ``denom`` is still bound:
-      ``4·max_i (n_{i-1} + 2·n_i)``;
+      ``e·max_i (n_{i-1} + 2·n_i)``;
     - ``fused`` (``torch._fused_adamw_``): nothing, the kernel updates each element in place.
 
     SGD, with or without momentum, updates in place under every implementation: 0. Measured on
@@ -99,9 +101,9 @@ def optimizer_temporary_bytes(local_numels: Sequence[int], optimizer: str, impl:
     if rule.states != 2 or impl == "fused":
         return 0
     if impl == "foreach":
-        return 4 * sum(local_numels)
+        return element_bytes * sum(local_numels)
     pairs = zip((0, *local_numels), local_numels)
-    return 4 * max((before + 2 * n for before, n in pairs), default=0)
+    return element_bytes * max((before + 2 * n for before, n in pairs), default=0)
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,9 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
     if optimizer != "adamw":
         raise ValueError(f"--optimizer {optimizer}: the layouts beyond FSDP are priced with adamw only; give "
                          "--optimizer adamw, or leave out --tp-size, --sp-size, --pp-size and --batch-tokens")
+    if precision == "bf16":
+        raise ValueError("--precision bf16: the layouts beyond FSDP are priced with an fp32 state; give "
+                         "bf16-mixed, or leave out --tp-size, --sp-size, --pp-size and --batch-tokens")
     for flag, value, usual in (("--optimizer-impl", optimizer_impl, "default"), ("--grad-accum", grad_accum, 1)):
         if value != usual:
             raise ValueError(f"{flag} {value}: the layouts beyond FSDP are priced with {flag} {usual}; leave "

@@ -169,6 +169,9 @@ def estimate_zero_rank_bytes(
     """
     stage = zero_stage(strategy)
     _check(world_size, rank, persistence_threshold)
+    if precision == "bf16":
+        raise ValueError("precision 'bf16' keeps no fp32 master: DeepSpeed's ZeRO is priced with its fp32 "
+                         "master partition; use fp32, bf16-mixed or fp16-mixed")
     compute = DTYPES[lookup(PRECISIONS, precision, "precision").compute].bytes
     states = optimizer_states(optimizer)
     numels = _numels(model)

@@ -26,7 +26,7 @@ import sys
 import torch
 from torch import nn
 
-from handbook_lib.core.config import RunConfig, get_precision, optimizer_impl_on
+from handbook_lib.core.config import RunConfig, dtype_bytes, get_precision, optimizer_impl_on, state_dtype
 from handbook_lib.core.results import Check
 from handbook_lib.core.strategies import STRATEGY_TABLE
 from handbook_lib.models.allocator import reserved_bytes
@@ -145,7 +145,7 @@ def _state(config: RunConfig, ctx: RankContext, layout: ModelLayout, units: list
         shard = estimate_flat_shard_bytes(units, group, ctx.rank % group)
         state = shard.padded_bytes
     else:
-        shard = layout.shard_bytes(group, ctx.rank % group)
+        shard = layout.shard_bytes(group, ctx.rank % group, state_dtype(config.precision))
         state = shard.shard_bytes
     checks = [
         _bytes(ctx, "param_shard_bytes", shard.shard_bytes, params.shard_bytes),
@@ -161,7 +161,7 @@ def _state(config: RunConfig, ctx: RankContext, layout: ModelLayout, units: list
         checks.append(_bytes(ctx, "init_bytes", 0 if gpu and config.cpu_offload else estimate_init_bytes(
             layout, ctx.world_size, config.strategy, config.init, rank=ctx.rank,
             shard_group_size=group if row.hybrid else None, units=units,
-            device="cuda" if gpu else "cpu"), init_bytes))
+            device="cuda" if gpu else "cpu", dtype=state_dtype(config.precision)), init_bytes))
     wrapped = measure_fsdp_units(model)
     if row.wrapper == "fsdp":
         checks.append(Check("fsdp_unit_count", ctx.rank, sum(1 for u in units if u.numel), len(wrapped), "units"))
@@ -209,7 +209,7 @@ def _memory_checks(config: RunConfig, ctx: RankContext, layout: ModelLayout, uni
     if mem.optimizer_temporary_bytes is not None:  # the step ran (a scaler may skip it)
         impl = optimizer_impl_on(config.optimizer_impl, "cuda" if ctx.device.type == "cuda" else "cpu")
         shards = local_numels(layout, row, group, ctx.rank % group, units, flat)
-        temp = optimizer_temporary_bytes(shards, config.optimizer, impl)
+        temp = optimizer_temporary_bytes(shards, config.optimizer, impl, dtype_bytes(state_dtype(config.precision)))
         checks.append(_bytes(ctx, "optimizer_temporary_bytes", temp, mem.optimizer_temporary_bytes))
     metrics.update(optimizer_temporary_bytes=mem.optimizer_temporary_bytes)
     metrics.update(predicted_peak_bytes=peak, peak_bytes=mem.peak_bytes, activation_bytes=mem.activation_bytes,

@@ -41,6 +41,7 @@ from handbook_lib.core.config import (
     DTYPES,
     InitName,
     RunConfig,
+    state_dtype,
     checkpointing_mode,
     get_precision,
 )
@@ -356,6 +357,9 @@ def parallelize(config: RunConfig, ctx: RankContext, *, init: InitMode = "meta",
         ValueError: for a strategy this API or world size cannot run (:func:`check_runnable`).
     """
     if isinstance(config, ParallelConfig) and config.pp_size * config.inner_size > 1:
+        if state_dtype(config.precision) != "fp32":
+            raise ValueError(f"precision {config.precision!r} (the state in bf16) runs with fsdp_train; the "
+                             "tensor, sequence and pipeline runs take fp32, bf16-mixed or fp16-mixed")
         if mesh is None:
             mesh = build_layout_mesh(config.parallel_layout(ctx.world_size), ctx.device.type)
         return apply_axes(config, ctx, mesh, sp_core)
@@ -369,6 +373,9 @@ def parallelize(config: RunConfig, ctx: RankContext, *, init: InitMode = "meta",
     else:
         torch.manual_seed(config.seed)
         model, seeded = SimpleTransformer(config.model_config()), None
+    dtype = state_dtype(config.precision)
+    if dtype != "fp32":  # pure bf16: built, filled, sharded and stepped in bf16, no fp32 copy
+        model.to(torch_dtype(dtype))
     units = _unit_modules(model, config)
     apply_activation_checkpointing(model, config.activation_checkpointing)
     return APPLY[row.wrapper](model, config, ctx, row, units, seeded)

@@ -33,8 +33,9 @@ def validate(config: RunConfig, world_size: int) -> None:
         accepted = [s.name for s in STRATEGY_TABLE.values() if s.runs_with(config.api)]
         raise ValueError(f"fsdp_train with api={config.api!r} supports strategy {', '.join(accepted)}; "
                          f"got {config.strategy!r}") from None
-    if row.wrapper != "fsdp" and (config.precision != "fp32" or config.cpu_offload or config.wrap != "layer"):
-        raise ValueError(f"fsdp_train runs {config.strategy} with precision='fp32', cpu_offload=False "
+    if row.wrapper != "fsdp" and (config.precision not in ("fp32", "bf16") or config.cpu_offload
+                                  or config.wrap != "layer"):
+        raise ValueError(f"fsdp_train runs {config.strategy} with precision 'fp32' or 'bf16', cpu_offload=False "
                          "and wrap='layer' only (mixed precision, offload and wrapping are FSDP's)")
     if row.wrapper == "ddp" and config.steps < 3:
         raise ValueError(
