@@ -33,10 +33,11 @@ def test_the_page_offers_the_package_s_presets():
     assert set(_options("model")) <= set(DECODER_SHAPES) and "llama3-405b" in _options("model")
     assert set(_options("gpu")) == {name for name in ACCELERATORS if name != "cpu"}
     assert set(_options("inter_link")) <= set(LINKS)
-    assert _options("precision") == ["bf16-mixed", "fp32", "fp16-mixed"]
-    from handbook_lib.core import OPTIMIZERS
+    from handbook_lib.core.config import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 
+    assert _options("precision")[0] == "bf16-mixed" and sorted(_options("precision")) == sorted(PRECISIONS)
     assert sorted(_options("optimizer")) == sorted(OPTIMIZERS)
+    assert sorted(_options("optimizer_impl")) == sorted(OPTIMIZER_IMPLS)  # "" is the default's value
 
 
 def test_the_packed_models_answer_without_torch(tmp_path):
