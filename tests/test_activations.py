@@ -107,3 +107,20 @@ def test_decoder_formula_matches_the_paper_by_hand():
 def test_bad_input_raises(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_checkpointing_every_kth_layer_keeps_the_others_whole():
+    """``every`` k: layers 0, k, 2k, ... keep their input (and the policy's tensors), the others
+    their whole share; 5 layers every 2nd: 3 checkpointed, 2 whole, by hand."""
+    from handbook_lib.models.activations import checkpointed
+
+    acts = checkpointed(100, 10, {"selective": 30, "full": 0}, 5, 7, "full", every=2)
+    assert acts.by_layer == (10, 100, 10, 100, 10) and acts.layers == 230 and acts.total == 237
+    assert acts.checkpointed_layers == (True, False, True, False, True) and acts.recompute == 100
+    sel = checkpointed(100, 10, {"selective": 30, "full": 0}, 5, 7, "selective", every=3)
+    assert sel.by_layer == (40, 100, 100, 40, 100) and sel.recompute == 70
+    assert checkpointed(100, 10, {"full": 0}, 3, 0, "full").by_layer == (10, 10, 10)
+    with pytest.raises(ValueError, match="needs activation checkpointing"):
+        checkpointed(100, 10, {"full": 0}, 3, 0, "none", every=2)
+    with pytest.raises(ValueError, match="every"):
+        checkpointed(100, 10, {"full": 0}, 3, 0, "full", every=0)

@@ -517,3 +517,17 @@ def test_memory_prices_deepspeeds_zero_stages_beside_deepspeeds_own_estimate(cap
     assert main(["memory", "--model", "llama2-7b", "--strategy", "ZERO3", "--world-size", "8"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "at the optimizer step 16,846,039,044" in text and "15.69 GB" in text
+
+
+def test_memory_checkpoints_every_kth_layer(capsys):
+    """``--ac-every 2``: half of Llama-2 7B's 32 layers keep their whole 34·s·b·h share instead of
+    their 2·s·b·h input: 16 × 32·s·b·h = 16 × 32 × 2048 × 4096 bytes more at the end of forward."""
+    base = ["memory", "--model", "llama2-7b", "--micro-batch", "1", "--seq-len", "2048",
+            "--activation-checkpointing", "full", "--json"]
+    runs = []
+    for extra in ([], ["--ac-every", "2"]):
+        assert main([*base, *extra]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    assert "layers 0, 2, 4, ..." in runs[1]["assumptions"]
+    every, all_ = (r["phases"]["loss_backward"] for r in (runs[1], runs[0]))
+    assert every - all_ == 16 * 32 * 2048 * 4096

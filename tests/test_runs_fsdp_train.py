@@ -31,6 +31,8 @@ CASES = {
     "2-FULL_SHARD-bf16-adamw-offload": (2, {"strategy": "FULL_SHARD", "precision": "bf16-mixed", "cpu_offload": True}),
     "2-DDP-fp32-adamw-foreach": (2, {"strategy": "DDP", "steps": 3, "optimizer_impl": "foreach"}),
     "2-FULL_SHARD-pure-bf16-adamw": (2, {"strategy": "FULL_SHARD", "precision": "bf16"}),
+    "2-FULL_SHARD-fp32-adamw-AC-every-2": (2, {"strategy": "FULL_SHARD", "activation_checkpointing": "full",
+                                               "ac_every": 2}),
     # chapter 5: the baseline, wrapping, recomputation, FSDP1, fp16
     "1-NONE-fp32-adamw": (1, {"strategy": "NONE"}),
     "2-FULL_SHARD-fp32-adamw": (2, {"strategy": "FULL_SHARD"}),
@@ -368,3 +370,18 @@ def test_tuning_knobs_refused_where_they_do_not_apply(overrides, world, words):
 
     with pytest.raises(ValueError, match=words):
         validate(RunConfig.from_mapping({**TINY, **overrides}), world)
+
+
+def test_checkpointing_every_other_layer_keeps_the_plain_layers_activations(tmp_path_factory):
+    """``ac_every=2`` on the 2-layer model: layer 0 checkpointed, layer 1 not. Against the run
+    that checkpoints both, the forward keeps layer 1's whole share instead of its input, by
+    hand ``T·(8d + 2f)·4 + T·(16 + 4h) + 4·s² - T·d·4`` bytes (T = 4 × 16 tokens a rank, d 64,
+    f 96, h 2, s 16); each run's own prediction is off by the same 508 B."""
+    _, _, every = _run("2-FULL_SHARD-fp32-adamw-AC-every-2", tmp_path_factory)
+    _, _, both = _run("2-FULL_SHARD-fp32-adamw-AC", tmp_path_factory)
+    t, d, f, h, s = 64, 64, 96, 2, 16
+    layer = t * (8 * d + 2 * f) * 4 + t * (16 + 4 * h) + 4 * s * s
+    measured = [r["activation_bytes"] for r in every.ranks]
+    assert [m - r["activation_bytes"] for m, r in zip(measured, both.ranks)] == [layer - t * d * 4] * 2
+    predicted = [c.predicted for c in every.checks if c.quantity == "activation_bytes"]
+    assert [p - m for p, m in zip(predicted, measured)] == [508, 508]

@@ -326,6 +326,9 @@ class LeversConfig(FlatConfig):
     """Recompute each transformer layer's activations in backward: ``none``, ``selective`` (keep
     the outputs of its matrix products and attention, recompute the rest) or ``full`` (keep only
     its input); ``true``/``false`` mean ``full``/``none``."""
+    ac_every: int = 1
+    """With activation checkpointing: checkpoint layers 0, k, 2k, ... only (k = ``ac_every``,
+    torchtitan's "selective layer" checkpointing); 1 checkpoints every layer."""
     cpu_offload: bool = False
     """Keep the sharded parameters, gradients and optimizer states in host memory (FSDP only)."""
     init: InitName = "meta"
@@ -358,7 +361,7 @@ class LeversConfig(FlatConfig):
     gathered, and check it and the collectives' order of issue against FSDP2's schedule (hooks
     on every unit). On by itself whenever one of the four knobs above is set."""
 
-    MINIMUMS: ClassVar[Mapping[str, int]] = {"explicit_prefetch": 0, "reshard_after_forward_size": 0}
+    MINIMUMS: ClassVar[Mapping[str, int]] = {"ac_every": 1, "explicit_prefetch": 0, "reshard_after_forward_size": 0}
 
     def __post_init__(self) -> None:
         ac = self.activation_checkpointing
@@ -398,6 +401,9 @@ class RunConfig(FlatConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_optimizer_impl(self.optimizer, self.optimizer_impl, self.strategy, self.api)
+        if isinstance(self.ac_every, int) and self.ac_every > 1 and self.activation_checkpointing == "none":
+            raise ValueError(f"config key 'ac_every'={self.ac_every} checkpoints every k-th layer: it needs "
+                             "activation_checkpointing 'full' or 'selective', got 'none'")
         if self.precision == "bf16" and (self.init != "meta" or get_strategy(self.strategy).wrapper == "deepspeed"
                                          or self.api == "fsdp1"):
             raise ValueError("config key 'precision'='bf16' (the model kept in bf16) builds on the meta device "

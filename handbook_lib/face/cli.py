@@ -235,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="recompute activations in backward: none, selective (keep the matrix products' "
                      "and attention's outputs) or full (keep each layer's input; the flag alone); needs "
                      "--micro-batch")
+    mem.add_argument("--ac-every", type=_whole(1), default=1, metavar="K",
+                     help="with --activation-checkpointing: checkpoint layers 0, K, 2K, ... only, the others "
+                     "keep every activation (default 1: all layers)")
     mem.add_argument("--cpu-offload", action="store_true", help="keep the model state in host RAM (FSDP only)")
     _add_accumulation(mem)
     _add_axes(mem)

@@ -196,6 +196,11 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     if args.activation_checkpointing != "none" and not args.micro_batch:
         raise ValueError("--activation-checkpointing changes activations only: give --micro-batch "
                          "and --seq-len too")
+    if args.ac_every > 1 and args.activation_checkpointing == "none":
+        raise ValueError(f"--ac-every {args.ac_every} checkpoints every K-th layer: give "
+                         "--activation-checkpointing (full or selective) too")
+    if args.ac_every > 1 and (args.tp_size > 1 or args.sp_size > 1):
+        raise ValueError("--ac-every with --tp-size or --sp-size: the layouts beyond FSDP checkpoint every layer")
     if args.sync_every_micro_step and args.grad_accum < 2:
         raise ValueError(f"--sync-every-micro-step needs --grad-accum >= 2, got {args.grad_accum}")
     if get_strategy(args.strategy).wrapper == "deepspeed":
@@ -213,11 +218,12 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         seq_len=args.seq_len, shard_group_size=args.shard_group_size,
         activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload,
         grad_accum_steps=args.grad_accum, sync_every_micro_step=args.sync_every_micro_step,
-        optimizer_impl=args.optimizer_impl)
+        optimizer_impl=args.optimizer_impl, ac_every=args.ac_every)
     tokens = (f"micro-batch {args.micro_batch} x {args.seq_len} tokens" if args.micro_batch
               else "no activations") + _accum(args, "; ")
+    every = f" (layers 0, {args.ac_every}, {2 * args.ac_every}, ...)" if args.ac_every > 1 else ""
     assumes = (f"{_assumptions(args, args.optimizer)}; {tokens}; activation checkpointing "
-               f"{args.activation_checkpointing}; CPU offload "
+               f"{args.activation_checkpointing}{every}; CPU offload "
                f"{'on' if args.cpu_offload else 'off'}{axes[1] if axes else ''}")
     if args.json:
         print(json.dumps({"model": named.removeprefix("model: "), "assumptions": assumes.removeprefix("assumes: "),

@@ -69,6 +69,11 @@ class ActivationBytes:
     (the handbook model's boolean causal mask)."""
     recompute: int
     """Extra bytes alive while one checkpointed layer is recomputed in backward (0 without AC)."""
+    by_layer: tuple[int, ...] = ()
+    """What each layer saves, in forward order (summing to :attr:`layers`): ``per_layer`` for a
+    layer that keeps everything, its input and what the policy keeps for a checkpointed one."""
+    checkpointed_layers: tuple[bool, ...] = ()
+    """Which layers are checkpointed (recomputed in backward), in forward order."""
 
     @property
     def total(self) -> int:
@@ -83,6 +88,7 @@ def estimate_activation_bytes(
     compute_dtype: str = "fp32",
     *,
     activation_checkpointing: bool | str = False,
+    every: int = 1,
 ) -> ActivationBytes:
     """Bytes that autograd saves in one forward pass of ``SimpleTransformer(config)``.
 
@@ -110,7 +116,8 @@ def estimate_activation_bytes(
     projection, linear1 and linear2 (``T·(2d + f)·c``): ``T·(6d + f)·c + 4hT`` more per layer;
     what the recomputation holds is the rest of the layer's tensors. Either way the boolean
     causal mask (``s²`` bytes, one per micro-batch) stays alive: every checkpointed layer takes it
-    as an input, and checkpointing keeps a layer's inputs for its recomputation.
+    as an input, and checkpointing keeps a layer's inputs for its recomputation. ``every`` k
+    checkpoints layers 0, k, 2k, ... only (:func:`checkpointed`).
 
     The count is exact for fp32 on PyTorch 2.x's CPU kernels (the tests compare it with the
     tensors autograd saves); in bf16 and on GPUs the kernels save slightly different tensors
@@ -126,21 +133,33 @@ def estimate_activation_bytes(
     kept = {"selective": tokens * (6 * d + f) * c + 4 * h * tokens, "full": 0}
     if checkpointing_mode(activation_checkpointing) != "none":
         head += seq_len**2  # the bool mask, an input of every checkpointed layer
-    return checkpointed(per_layer, tokens * d * c, kept, config.num_layers, head, activation_checkpointing)
+    return checkpointed(per_layer, tokens * d * c, kept, config.num_layers, head, activation_checkpointing, every)
 
 
 def checkpointed(per_layer: int, layer_input: int, kept: dict[str, int], num_layers: int, head: int,
-                  activation_checkpointing: bool | str) -> ActivationBytes:
+                  activation_checkpointing: bool | str, every: int = 1) -> ActivationBytes:
     """The activations of ``num_layers`` layers of ``per_layer`` bytes each under a checkpointing
-    mode: all of them (``none``); each layer's input and what the mode keeps besides,
-    ``kept[mode]`` (``selective``: the tensors its policy saves; ``full``: 0). The layer being
-    recomputed in backward holds the rest of its share, ``per_layer - kept[mode]``."""
+    mode: all of them (``none``); each checkpointed layer's input and what the mode keeps
+    besides, ``kept[mode]`` (``selective``: the tensors its policy saves; ``full``: 0). With
+    ``every`` k > 1 only layers 0, k, 2k, ... are checkpointed (torchtitan's "selective layer"
+    checkpointing), the others keep all ``per_layer``. A layer being recomputed in backward
+    holds the rest of its share, ``per_layer - kept[mode]``.
+
+    Raises:
+        ValueError: for ``every`` below 1, or above 1 without checkpointing.
+    """
+    check_int("every", every, 1)
     mode = checkpointing_mode(activation_checkpointing)
     if mode == "none":
-        return ActivationBytes(per_layer=per_layer, layers=num_layers * per_layer, head=head, recompute=0)
-    saved = layer_input + kept[mode]
-    return ActivationBytes(per_layer=per_layer, layers=num_layers * saved, head=head,
-                           recompute=per_layer - kept[mode])
+        if every != 1:
+            raise ValueError(f"every={every} checkpoints every k-th layer: it needs activation "
+                             "checkpointing (full or selective), got none")
+        return ActivationBytes(per_layer=per_layer, layers=num_layers * per_layer, head=head, recompute=0,
+                               by_layer=(per_layer,) * num_layers, checkpointed_layers=(False,) * num_layers)
+    marks = tuple(i % every == 0 for i in range(num_layers))
+    by_layer = tuple(layer_input + kept[mode] if mark else per_layer for mark in marks)
+    return ActivationBytes(per_layer=per_layer, layers=sum(by_layer), head=head,
+                           recompute=per_layer - kept[mode], by_layer=by_layer, checkpointed_layers=marks)
 
 
 def estimate_decoder_activation_bytes(

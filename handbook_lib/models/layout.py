@@ -182,7 +182,7 @@ class ModelLayout:
         return parts
 
     def activations(self, micro_batch: int, seq_len: int, compute_dtype: str = "fp32", *,
-                    activation_checkpointing: bool | str = False) -> ActivationBytes | None:
+                    activation_checkpointing: bool | str = False, every: int = 1) -> ActivationBytes | None:
         """Bytes of activations one rank keeps for one micro-batch of ``micro_batch`` ×
         ``seq_len`` tokens, in the compute dtype (``None`` when the layout has no activation
         model, or no tokens are given).
@@ -195,13 +195,14 @@ class ModelLayout:
         outputs of the Q, K and V projections (``T·(q + 2k)·c``), of the attention (``T·q·c`` and
         its fp32 log-sum-exp, ``4·a·T``), of the output projection (``T·d·c``), of the feed-forward's
         up (and gate) projections (``T·f·c``, twice when gated) and of its down projection
-        (``T·d·c``); for GPT-3's shape that is ``22·s·b·h`` of the ``34``.
+        (``T·d·c``); for GPT-3's shape that is ``22·s·b·h`` of the ``34``. ``every`` k
+        checkpoints layers 0, k, 2k, ... only (:func:`~handbook_lib.models.activations.checkpointed`).
         """
         if not micro_batch or self.activation_model == "none":
             return None
         if self.activation_model == "handbook":
             return estimate_activation_bytes(self, micro_batch, seq_len, compute_dtype,
-                                             activation_checkpointing=activation_checkpointing)
+                                             activation_checkpointing=activation_checkpointing, every=every)
         c = dtype_bytes(compute_dtype)
         tokens = micro_batch * seq_len
         per_layer = estimate_decoder_activation_bytes(self, micro_batch, seq_len) * c // 2 // self.num_layers
@@ -211,7 +212,7 @@ class ModelLayout:
         k = self.kv_width or q
         kept = tokens * (q + 2 * k + q + d + f * (2 if self.gated_mlp else 1) + d) * c + 4 * self.nhead * tokens
         return checkpointed(per_layer, tokens * d * c, {"selective": kept, "full": 0}, self.num_layers,
-                            head, activation_checkpointing)
+                            head, activation_checkpointing, every)
 
     def causal_mask_bytes(self, seq_len: int) -> int:
         """Bytes of the boolean (s × s) causal mask the handbook's model builds before its first

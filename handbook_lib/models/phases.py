@@ -82,9 +82,10 @@ class StepShape:
     """T·V: elements of the micro-batch's logits."""
     mask: int
     """Bytes of the causal mask built before the first layer."""
-    saved: int
-    """a: activation bytes one layer saves in forward and frees in backward (0 when the units are
-    not the layers)."""
+    saved: tuple[int, ...]
+    """a_i: activation bytes each layer unit saves in forward and frees in backward, forward
+    order (0s when the units are not the layers; a checkpointed layer's differ from the others'
+    when only every k-th is checkpointed)."""
     lasts: tuple[int, ...]
     """Bytes of each unit's last gradient, which outlives its reduce-scatter, root first (FSDP2
     with more than one shard; 0 where the tensors are unknown)."""
@@ -178,7 +179,7 @@ def layer_forward(s: StepShape) -> Components | None:
         prev = s.layers[i - 1] if i else s.root
         gathered = s.c * s.root + (0 if reshard else s.c * sum(s.layers[:i]))
         moments.append(s.alive(gathered + s.c * prev + 2 * s.c * unit, 0,
-                               s.c * s.hidden + s.mask + i * s.saved, 0))
+                               s.c * s.hidden + s.mask + sum(s.saved[:i]), 0))
     return _largest(moments)
 
 
@@ -232,7 +233,8 @@ class Moment:
     """The previous unit's reduce-scatter input, ``r·U_{i+1}``, which FSDP2 keeps until this
     unit's post-backward (``reduce_scatter_states``; not with FSDP1)."""
     left: int
-    """Activation bytes still saved as its backward starts: ``A - L - j·a``."""
+    """Activation bytes still saved as its backward starts: ``A - L - Σ a`` over the layers
+    whose backward came before."""
     done: int
     """Accumulated gradient bytes already reduce-scattered before this unit."""
     done_after: int
@@ -252,7 +254,7 @@ def backward_walk(s: StepShape) -> list[Moment]:
         return []
     order = list(range(len(s.layers)))[::-1]
     moments = []
-    held_rs = held_ar = freed = done = 0
+    held_rs = held_ar = freed = done = released = 0
     for j, i in enumerate(order):
         unit = s.layers[i]
         following = s.layers[order[j + 1]] if j + 1 < len(order) else 0
@@ -262,8 +264,9 @@ def backward_walk(s: StepShape) -> list[Moment]:
             others = s.kept - freed - s.c * unit
         held = (0 if s.accumulated else s.c * s.head) + held_rs + held_ar
         after = done + s.plain[i] * s.r
-        moments.append(Moment(i, unit, others, held, held_rs, s.act_total - s.log_softmax - j * s.saved,
+        moments.append(Moment(i, unit, others, held, held_rs, s.act_total - s.log_softmax - released,
                               done, after))
+        released += s.saved[i] if s.saved else 0
         done = after
         held_rs = s.r * unit if not s.flat else 0
         held_ar += s.r * unit // s.group if s.replicas > 1 else 0
@@ -292,7 +295,7 @@ def layer_reduce(s: StepShape) -> Components | None:
     if not moments or s.flat:
         return None
     return _largest([s.alive(m.others, m.held - m.held_rs + _reduce_buffers(s, m.unit, s.lasts[m.index + 1])
-                             - m.done_after, m.left - s.saved, 0) for m in moments])
+                             - m.done_after, m.left - (s.saved[m.index] if s.saved else 0), 0) for m in moments])
 
 
 def root_reduce(s: StepShape) -> Components | None:
@@ -316,6 +319,9 @@ def layer_recompute(s: StepShape) -> Components | None:
     moments = backward_walk(s)
     if not moments or not s.checkpointing or not s.acts:
         return None
+    marks = s.acts.checkpointed_layers
+    if len(marks) == len(s.layers):  # the units are the layers: only the checkpointed recompute
+        moments = [m for m in moments if marks[m.index]]
     return _largest([s.alive(m.others + s.c * m.unit, m.held - m.done, m.left + s.acts.recompute, 0)
                      for m in moments])
 
@@ -360,7 +366,7 @@ def offload_gather(s: StepShape) -> Components | None:
         for i, gather in enumerate(layers):
             prev = 0 if one else s.c * (s.layers[i - 1] if i else s.root)
             gathered = s.c * s.root + (0 if reshard else s.c * sum(s.layers[:i]))
-            moments.append(s.alive(gathered + prev + gather, 0, s.c * s.hidden + s.mask + i * s.saved, 0))
+            moments.append(s.alive(gathered + prev + gather, 0, s.c * s.hidden + s.mask + sum(s.saved[:i]), 0))
     if reshard:
         loss, left = s.c * s.logits, s.act_total - s.log_softmax
         moments.append(s.alive(root, 0, left, loss))

@@ -117,14 +117,15 @@ def build_mp_policy(precision: str) -> MixedPrecisionPolicy | None:
     return MixedPrecisionPolicy(param_dtype=torch_dtype(compute), reduce_dtype=torch_dtype(reduce))
 
 
-def apply_activation_checkpointing(model: SimpleTransformer, mode: str = "full") -> None:
+def apply_activation_checkpointing(model: SimpleTransformer, mode: str = "full", every: int = 1) -> None:
     """Wrap each :class:`TransformerLayer` so its activations are recomputed in backward.
 
     ``full`` keeps each layer's input only. ``selective`` keeps, besides, the outputs of the
     operators named in :data:`handbook_lib.models.activations.SELECTIVE_SAVE` (the matrix
     products and the fused attention), through ``torch.utils.checkpoint``'s
     ``create_selective_checkpoint_contexts`` with a policy that must save those and may
-    recompute the rest. ``none`` (or ``False``) leaves the model as it is.
+    recompute the rest. ``none`` (or ``False``) leaves the model as it is. ``every`` k wraps
+    layers 0, k, 2k, ... only.
     """
     import functools
 
@@ -149,7 +150,8 @@ def apply_activation_checkpointing(model: SimpleTransformer, mode: str = "full")
 
         wrap_kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
     for i, layer in enumerate(model.layers):
-        model.layers[i] = checkpoint_wrapper(layer, **wrap_kwargs)
+        if i % every == 0:
+            model.layers[i] = checkpoint_wrapper(layer, **wrap_kwargs)
 
 
 def apply_fsdp2(
@@ -360,6 +362,9 @@ def parallelize(config: RunConfig, ctx: RankContext, *, init: InitMode = "meta",
         if state_dtype(config.precision) != "fp32":
             raise ValueError(f"precision {config.precision!r} (the state in bf16) runs with fsdp_train; the "
                              "tensor, sequence and pipeline runs take fp32, bf16-mixed or fp16-mixed")
+        if config.ac_every != 1:
+            raise ValueError(f"config key 'ac_every'={config.ac_every} runs with fsdp_train; the tensor, "
+                             "sequence and pipeline runs checkpoint every layer (ac_every=1)")
         if mesh is None:
             mesh = build_layout_mesh(config.parallel_layout(ctx.world_size), ctx.device.type)
         return apply_axes(config, ctx, mesh, sp_core)
@@ -377,7 +382,7 @@ def parallelize(config: RunConfig, ctx: RankContext, *, init: InitMode = "meta",
     if dtype != "fp32":  # pure bf16: built, filled, sharded and stepped in bf16, no fp32 copy
         model.to(torch_dtype(dtype))
     units = _unit_modules(model, config)
-    apply_activation_checkpointing(model, config.activation_checkpointing)
+    apply_activation_checkpointing(model, config.activation_checkpointing, config.ac_every)
     return APPLY[row.wrapper](model, config, ctx, row, units, seeded)
 
 
