@@ -210,3 +210,23 @@ def test_cpu_tracker_reads_no_allocator(monkeypatch):
     assert mem.allocator_metrics() == {}
     assert mem.tracked_at_enter_bytes == 4 * (64 + 8) and mem.tracker_step_bytes == mem.peak_bytes - 288
     assert measure_device_memory(torch.device("cpu")) is None
+
+
+def test_new_bytes_peak_counts_what_the_operators_allocate_and_free():
+    """Outputs the operators allocate count while alive; a view, an in-place update and the
+    tensors that existed before do not: 400 B and 200 B alive at once, then 40 B."""
+    import torch
+
+    from handbook_lib.runtime.measure import NewBytesPeak
+
+    before = torch.ones(1000)
+    with NewBytesPeak() as seen:
+        a = torch.zeros(100)
+        b = torch.zeros(50)
+        before.add_(1)  # in place: nothing new
+        view = a.view(10, 10)  # a view: the same storage
+        del a, view
+        c = torch.zeros(10)
+    assert (seen.peak, seen.live) == (600, 240)
+    del b, c
+    assert seen.live == 0

@@ -118,14 +118,12 @@ def build_mp_policy(precision: str) -> MixedPrecisionPolicy | None:
 
 
 def apply_activation_checkpointing(model: SimpleTransformer, mode: str = "full", every: int = 1) -> None:
-    """Wrap each :class:`TransformerLayer` so its activations are recomputed in backward.
-
-    ``full`` keeps each layer's input only. ``selective`` keeps, besides, the outputs of the
+    """Wrap each :class:`TransformerLayer` (``every`` k: layers 0, k, 2k, ... only) so its
+    activations are recomputed in backward. ``full`` keeps each layer's input only. ``selective`` keeps, besides, the outputs of the
     operators named in :data:`handbook_lib.models.activations.SELECTIVE_SAVE` (the matrix
     products and the fused attention), through ``torch.utils.checkpoint``'s
     ``create_selective_checkpoint_contexts`` with a policy that must save those and may
-    recompute the rest. ``none`` (or ``False``) leaves the model as it is. ``every`` k wraps
-    layers 0, k, 2k, ... only.
+    recompute the rest. ``none`` (or ``False``) leaves the model as it is.
     """
     import functools
 
@@ -359,12 +357,11 @@ def parallelize(config: RunConfig, ctx: RankContext, *, init: InitMode = "meta",
         ValueError: for a strategy this API or world size cannot run (:func:`check_runnable`).
     """
     if isinstance(config, ParallelConfig) and config.pp_size * config.inner_size > 1:
-        if state_dtype(config.precision) != "fp32":
-            raise ValueError(f"precision {config.precision!r} (the state in bf16) runs with fsdp_train; the "
-                             "tensor, sequence and pipeline runs take fp32, bf16-mixed or fp16-mixed")
-        if config.ac_every != 1:
-            raise ValueError(f"config key 'ac_every'={config.ac_every} runs with fsdp_train; the tensor, "
-                             "sequence and pipeline runs checkpoint every layer (ac_every=1)")
+        for key, value, usual in (("precision", state_dtype(config.precision), "fp32"),
+                                  ("ac_every", config.ac_every, 1)):
+            if value != usual:  # pure bf16, every k-th layer: fsdp_train's only
+                raise ValueError(f"config key {key!r}={getattr(config, key)!r} runs with fsdp_train; the tensor, "
+                                 "sequence and pipeline runs keep an fp32 state and checkpoint every layer")
         if mesh is None:
             mesh = build_layout_mesh(config.parallel_layout(ctx.world_size), ctx.device.type)
         return apply_axes(config, ctx, mesh, sp_core)
