@@ -119,12 +119,12 @@ def build_mp_policy(precision: str) -> MixedPrecisionPolicy | None:
 
 def apply_activation_checkpointing(model: SimpleTransformer, mode: str = "full", every: int = 1) -> None:
     """Wrap each :class:`TransformerLayer` (``every`` k: layers 0, k, 2k, ... only) so its
-    activations are recomputed in backward. ``full`` keeps each layer's input only. ``selective`` keeps, besides, the outputs of the
-    operators named in :data:`handbook_lib.models.activations.SELECTIVE_SAVE` (the matrix
-    products and the fused attention), through ``torch.utils.checkpoint``'s
-    ``create_selective_checkpoint_contexts`` with a policy that must save those and may
-    recompute the rest. ``none`` (or ``False``) leaves the model as it is.
-    """
+    activations are recomputed in backward. ``full`` keeps each layer's input only.
+    ``selective`` keeps, besides, the outputs of the operators named in
+    :data:`handbook_lib.models.activations.SELECTIVE_SAVE` (the matrix products and the fused
+    attention), through ``torch.utils.checkpoint``'s ``create_selective_checkpoint_contexts``
+    with a policy that must save those and may recompute the rest. ``none`` (or ``False``)
+    leaves the model as it is."""
     import functools
 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
