@@ -94,7 +94,7 @@ def test_decoder_formula_matches_the_paper_by_hand():
     s, b, h, a = 16, 3, 8, 2
     assert estimate_decoder_activation_bytes(shape, b, s, fused_attention=False) == 2 * (s * b * h * 34 + 5 * a * s * s * b)
     assert estimate_decoder_activation_bytes(shape, b, s) == 2 * 34 * s * b * h
-    assert estimate_decoder_activation_bytes(shape, b, s, recompute="selective") == 2 * 34 * s * b * h
+    assert estimate_decoder_activation_bytes(shape, b, s, recompute="attention") == 2 * 34 * s * b * h
     assert estimate_decoder_activation_bytes(shape, b, s, recompute="full") == 2 * 2 * s * b * h
 
 
@@ -102,7 +102,7 @@ def test_decoder_formula_matches_the_paper_by_hand():
     (lambda: estimate_activation_bytes(ModelConfig(), 0, 8), "micro_batch"),
     (lambda: estimate_activation_bytes(ModelConfig(), 2, -1), "seq_len"),
     (lambda: estimate_activation_bytes(ModelConfig(), 2, 8, "int8"), "fp32, bf16, fp16"),
-    (lambda: estimate_decoder_activation_bytes(DECODER_SHAPES["7b"], 1, 8, recompute="some"), "none, selective, full"),
+    (lambda: estimate_decoder_activation_bytes(DECODER_SHAPES["7b"], 1, 8, recompute="some"), "none, attention, full"),
 ])
 def test_bad_input_raises(call, match):
     with pytest.raises(ValueError, match=match):

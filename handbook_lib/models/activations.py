@@ -180,7 +180,12 @@ def estimate_decoder_activation_bytes(
     - ``none``: ``34·s·b·h`` bytes, plus ``5·a·s²·b`` for the attention scores, their softmax
       and dropout that an unfused ("eager") attention stores; a fused kernel (FlashAttention,
       PyTorch's SDPA) stores none of them, which is why ``fused_attention`` defaults to True;
-    - ``selective`` (recompute attention only): ``34·s·b·h``;
+    - ``attention``: Korthikanti et al.'s *selective recomputation* (Megatron's
+      ``--recompute-granularity selective``), which recomputes the attention core (scores,
+      softmax, dropout) and keeps every linear layer's output: ``34·s·b·h`` with the scores'
+      term gone. It is the opposite split of the runs' op-level ``selective`` policy
+      (``activation_checkpointing="selective"``), which keeps the matrix products' outputs and
+      recomputes the cheap operators;
     - ``full`` (checkpoint every layer): ``2·s·b·h``, the layer input.
 
     Returns:
@@ -191,7 +196,7 @@ def estimate_decoder_activation_bytes(
     sbh = seq_len * micro_batch * shape.d_model
     per_layer = {
         "none": sbh * 34 + (0 if fused_attention else 5 * shape.nhead * seq_len**2 * micro_batch),
-        "selective": 34 * sbh,
+        "attention": 34 * sbh,
         "full": 2 * sbh,
     }
     if recompute not in per_layer:

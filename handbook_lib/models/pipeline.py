@@ -31,10 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from handbook_lib.core.checks import check_int
-from handbook_lib.core.config import checkpointing_mode, dtype_bytes, get_precision
+from handbook_lib.core.config import dtype_bytes, get_precision
 from handbook_lib.core.parallel_config import ParallelConfig
 from handbook_lib.core.parallel_layout import ParallelLayout
-from handbook_lib.models.activations import estimate_decoder_activation_bytes
 from handbook_lib.models.layout import ModelLike, model_layout
 from handbook_lib.models.memory import MemoryEstimate
 from handbook_lib.models.presets import DecoderShape
@@ -244,8 +243,9 @@ def pipeline_memory(model: ModelLike, layout: ParallelLayout, micro_batch: int, 
     layout without ``pp``); then, as the CPU runs measure it, the schedule's three additions:
 
     - the layers' activations of every micro-batch in flight (:func:`in_flight`) beyond the one
-      priced (:func:`~handbook_lib.models.activations.estimate_decoder_activation_bytes`, 1/tp
-      of them with sequence parallelism, at ``seq_len / sp`` tokens);
+      priced (the stage's layers as :meth:`~handbook_lib.models.layout.ModelLayout.activations`
+      counts them under the run's checkpointing policy, 1/tp of them with sequence parallelism,
+      at ``seq_len / sp`` tokens);
     - the stage's units stay gathered from the first micro-batch's backward to the last one's
       (compute dtype), and
     - their gradients stay unsharded until the last micro-batch reduces them (reduce dtype),
@@ -267,8 +267,8 @@ def pipeline_memory(model: ModelLike, layout: ParallelLayout, micro_batch: int, 
         units = decoder_tp_units(stage, layout.tp) if layout.tp > 1 else model_layout(stage).units()
         held = sum(u.numel for u in units) * (dtype_bytes(compute) + dtype_bytes(reduce))
         extra_units = max(0, held - mem.unsharded_params - mem.grad_buffers)
-        layers = estimate_decoder_activation_bytes(stage, micro_batch, seq_len // layout.sp,
-                                                   recompute=checkpointing_mode(levers["activation_checkpointing"]))
+        layers = model_layout(stage).activations(micro_batch, seq_len // layout.sp, compute,
+                                                 activation_checkpointing=levers["activation_checkpointing"]).layers
         flying = in_flight(schedule, layout.pp, microbatches, span.index)
         extra_acts = (flying - 1) * layers // layout.tp
         components = dict(mem.components)

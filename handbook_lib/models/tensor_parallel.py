@@ -370,6 +370,8 @@ def estimate_decoder_tp_activation_bytes(shape: ModelSizes, micro_batch: int, se
     - TP: ``s·b·h·(10 + 24/t)`` per layer (the norms, residuals and dropout masks, 10·sbh, are
       replicated), plus ``5·a·s²·b/t`` for an unfused attention's scores;
     - TP + SP: ``s·b·h·34/t`` (+ ``5·a·s²·b/t`` unfused);
+    - ``attention`` (Korthikanti's selective recomputation of the attention core): the same
+      without the scores;
     - ``full`` recomputation: ``2·s·b·h`` per layer (``2·s·b·h/t`` with SP).
 
     ``fused_attention`` (FlashAttention, SDPA) stores no s² scores. Rounded down to bytes.
@@ -379,11 +381,11 @@ def estimate_decoder_tp_activation_bytes(shape: ModelSizes, micro_batch: int, se
     scores = 0 if fused_attention else 5 * shape.nhead * seq_len**2 * micro_batch // tp_size
     if recompute == "full":
         per_layer = 2 * sbh // (tp_size if sequence_parallel else 1)
-    elif recompute in ("none", "selective"):
+    elif recompute in ("none", "attention"):  # attention: Korthikanti's selective recomputation
         per_layer = (34 * sbh // tp_size if sequence_parallel else 10 * sbh + 24 * sbh // tp_size)
         per_layer += scores if recompute == "none" else 0
     else:
-        raise ValueError(f"recompute must be one of none, selective, full, got {recompute!r}")
+        raise ValueError(f"recompute must be one of none, attention, full, got {recompute!r}")
     return shape.num_layers * per_layer
 
 
