@@ -267,8 +267,9 @@ def pipeline_memory(model: ModelLike, layout: ParallelLayout, micro_batch: int, 
         units = decoder_tp_units(stage, layout.tp) if layout.tp > 1 else model_layout(stage).units()
         held = sum(u.numel for u in units) * (dtype_bytes(compute) + dtype_bytes(reduce))
         extra_units = max(0, held - mem.unsharded_params - mem.grad_buffers)
-        layers = model_layout(stage).activations(micro_batch, seq_len // layout.sp, compute,
-                                                 activation_checkpointing=levers["activation_checkpointing"]).layers
+        acts = model_layout(stage).activations(micro_batch, seq_len // layout.sp, compute,
+                                               activation_checkpointing=levers["activation_checkpointing"])
+        layers = acts.layers if acts else 0
         flying = in_flight(schedule, layout.pp, microbatches, span.index)
         extra_acts = (flying - 1) * layers // layout.tp
         components = dict(mem.components)
