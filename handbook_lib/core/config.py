@@ -154,10 +154,13 @@ def optimizer_impl_on(impl: str, device: str) -> str:
     return "foreach" if device == "cuda" else "for-loop"
 
 
-def check_optimizer_impl(optimizer: str, impl: str, strategy: str, api: str = "fsdp2") -> None:
+def check_optimizer_impl(optimizer: str, impl: str, strategy: str, api: str = "fsdp2", *,
+                         names: tuple[str, str] = ("config key 'optimizer_impl'={!r}", "{}")) -> None:
     """Refuse an implementation PyTorch cannot run for ``optimizer`` under ``strategy`` with
     ``api``: fused SGD on FSDP2's sharded parameters (``DTensor`` has no sharding rule for
-    ``aten._fused_sgd_`` in torch 2.13; fused Adam and AdamW have one).
+    ``aten._fused_sgd_`` in torch 2.13; fused Adam and AdamW have one). ``names`` spell the
+    implementation and the optimizer in the message (the run config's keys by default; the
+    CLI passes its flags).
 
     Raises:
         ValueError: in one line, naming the key and what is accepted.
@@ -165,7 +168,7 @@ def check_optimizer_impl(optimizer: str, impl: str, strategy: str, api: str = "f
     lookup(dict.fromkeys(OPTIMIZER_IMPLS), impl, "optimizer_impl")
     if impl == "fused" and optimizer.startswith("sgd") and api == "fsdp2" \
             and get_strategy(strategy).wrapper == "fsdp":
-        raise ValueError(f"config key 'optimizer_impl'='fused' cannot step {optimizer} over FSDP2's "
+        raise ValueError(f"{names[0].format(impl)} cannot step {names[1].format(optimizer)} over FSDP2's "
                          "sharded parameters (DTensor has no rule for aten._fused_sgd_): use "
                          "default, for-loop or foreach, or adam/adamw")
 

@@ -205,12 +205,8 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         raise ValueError(f"--sync-every-micro-step needs --grad-accum >= 2, got {args.grad_accum}")
     if get_strategy(args.strategy).wrapper == "deepspeed":
         return _zero_memory(args)
-    try:
-        check_optimizer_impl(args.optimizer, args.optimizer_impl, args.strategy)
-    except ValueError:
-        raise ValueError(f"--optimizer-impl fused cannot step --optimizer {args.optimizer} over FSDP2's "
-                         "sharded parameters (no DTensor rule for fused SGD): use default, for-loop or "
-                         "foreach, or adamw") from None
+    check_optimizer_impl(args.optimizer, args.optimizer_impl, args.strategy,
+                         names=("--optimizer-impl {}", "--optimizer {}"))
     model, named, echo = _chosen_model(args)
     axes = _axes_memory(args, model)
     est = axes[0] if axes else estimate_memory(
