@@ -25,10 +25,11 @@ def test_the_175b_verdict_rests_on_a_five_percent_margin():
 def test_flip_points_are_where_the_verdict_turns():
     base = plan(*ARGS, seq_len=4096)
     o, flips = base.recommended, flip_points(base)
-    usable = round(79.25 * 2**30) - TRAINING_CONTEXT_BYTES  # CUDA's total less a training context
+    nccl = 16 * 20 * 2**20  # FULL_SHARD's ring over 8 nodes: 16 channels of 20 MiB
+    usable = round(79.25 * 2**30) - TRAINING_CONTEXT_BYTES - nccl  # CUDA's total less a training context
     assert flips.headroom == pytest.approx(1 - o.peak_reserved_bytes / usable)
     # the capacity (memory_bytes=, the memory CUDA would report) at which it no longer fits
-    assert flips.memory_bytes == int(o.peak_reserved_bytes + TRAINING_CONTEXT_BYTES)
+    assert flips.memory_bytes == int(o.peak_reserved_bytes + TRAINING_CONTEXT_BYTES + nccl)
     below = plan(*ARGS, seq_len=4096, headroom=flips.headroom - 0.002).recommended
     above = plan(*ARGS, seq_len=4096, headroom=flips.headroom + 0.002).recommended
     assert below.name == o.name and above.name != o.name

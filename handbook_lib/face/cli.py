@@ -165,8 +165,8 @@ def _add_accumulation(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--grad-accum", type=_whole(1), default=1, metavar="K",
                      help="micro-steps per optimizer step (default 1); gradients reduced in the last one, "
                      "so a sharding strategy holds them unsharded in between")
-    cmd.add_argument("--sync-every-micro-step", action="store_true",
-                     help="with --grad-accum >= 2: reduce the gradients in every micro-step (kept sharded)")
+    cmd.add_argument("--sync-every-micro-step", action="store_true", help="with --grad-accum >= 2: reduce the "
+                     "gradients in every micro-step (kept sharded)")
 
 
 def _add_optimizer_impl(cmd: argparse.ArgumentParser) -> None:
@@ -227,20 +227,21 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, metavar="O",
                      help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
     _add_optimizer_impl(mem)
-    mem.add_argument("--micro-batch", type=_whole(0), default=0, metavar="B",
-                     help="sequences per rank (0: no activations); needs --seq-len and a model shape")
+    mem.add_argument("--micro-batch", type=_whole(0), default=0, metavar="B", help="sequences per rank (0: no "
+                     "activations); needs --seq-len and a model shape")
     mem.add_argument("--seq-len", type=_whole(0), default=0, metavar="T", help="tokens per sequence")
     mem.add_argument("--activation-checkpointing", nargs="?", const="full", default="none",
                      choices=CHECKPOINTING_MODES, metavar="MODE",
                      help="recompute activations in backward: none, selective (keep the matrix products' "
                      "and attention's outputs) or full (keep each layer's input; the flag alone); needs "
                      "--micro-batch")
-    mem.add_argument("--ac-every", type=_whole(1), default=1, metavar="K",
-                     help="with --activation-checkpointing: checkpoint layers 0, K, 2K, ... only, the others "
-                     "keep every activation (default 1: all layers)")
+    mem.add_argument("--ac-every", type=_whole(1), default=1, metavar="K", help="with --activation-checkpointing: "
+                     "checkpoint layers 0, K, 2K, ... only, the others keep every activation (default 1: all layers)")
     mem.add_argument("--cpu-offload", action="store_true", help="keep the model state in host RAM (FSDP only)")
     _add_accumulation(mem)
     _add_axes(mem)
+    mem.add_argument("--gpu", default=None, choices=sorted(ACCELERATORS), metavar="G", help="also the budget per "
+                     f"GPU (less NCCL's buffers for the layout) and whether the peak fits: {', '.join(ACCELERATORS)}")
     mem.add_argument("--json", action="store_true", help="print bytes as JSON")
 
     comm = sub.add_parser("comm", help="bytes sent per step and their time on a link")
@@ -290,9 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--sp-method", default=None, choices=_SP_METHODS, metavar="M",
                     help="how the split attends across ranks: ulysses (all-to-alls; heads must divide) or "
                     "ring (point-to-point sends), default ulysses")
-    pl.add_argument("--batch-tokens", type=_whole(1), default=None, metavar="N",
-                    help="the global batch the recipe wants, tokens per step: past it, GPUs must share "
-                    "sequences (chapter 9)")
+    pl.add_argument("--batch-tokens", type=_whole(1), default=None, metavar="N", help="the global batch the recipe "
+                    "wants, tokens per step: past it, GPUs must share sequences (chapter 9)")
     pl.add_argument("--pp-size", type=_whole(0), default=None, metavar="N",
                     help="pipeline stages across nodes, TP inside each (1F1B, 4N micro-batches or as many "
                     "as the batch allows); 0: every stage count, the best shown; 1: none (default: 0 "

@@ -30,10 +30,9 @@ from handbook_lib.face.plan_axes import FLAGS, chosen_shape, print_axes, wrap_li
 from handbook_lib.face.views import fit_table, step_time_summary, step_time_table
 from handbook_lib.launch.errors import describe_failed_checks
 from handbook_lib.models.allocator import RESERVE_FRACTION, RESERVE_MODEL, RESERVE_SOURCE
-from handbook_lib.models.axes import (
-    estimate_job_memory,
-)
+from handbook_lib.models.axes import estimate_job_memory
 from handbook_lib.models.hardware import get_accelerator, get_link, node_preset
+from handbook_lib.models.budget import layout_budget
 from handbook_lib.models.hf_config import read_hf_config_keys
 from handbook_lib.models.layout import ModelLayout, model_layout
 from handbook_lib.models.memory import PHASE_WORDS, MemoryEstimate, estimate_memory, estimate_rank_state
@@ -221,13 +220,16 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     assumes = (f"{_assumptions(args, args.optimizer)}; {tokens}; activation checkpointing "
                f"{args.activation_checkpointing}{every}; CPU offload "
                f"{'on' if args.cpu_offload else 'off'}{axes[1] if axes else ''}")
+    budget = None if args.gpu is None else layout_budget(args.gpu, get_strategy(args.strategy).layout(
+        args.world_size, args.shard_group_size, tp=args.tp_size, sp=args.sp_size, sp_method="ring"))
     if args.json:
         print(json.dumps({"model": named.removeprefix("model: "), "assumptions": assumes.removeprefix("assumes: "),
                           "components": est.components, "peak": est.peak, "peak_reserved": est.peak_reserved,
                           "peak_phase": est.peak_phase, "phases": est.phases, "host": est.host,
                           "reserve": {"fraction": RESERVE_FRACTION, "model": RESERVE_MODEL,
                                       "source": RESERVE_SOURCE},
-                          "notes": list(est.notes)}, indent=2))
+                          "notes": list(est.notes), "budget": vars(budget) if budget else None},
+                         indent=2))
         return 0
     _print_model(named, echo)
     print(wrap_line(assumes, "  "))
@@ -253,6 +255,9 @@ def _cmd_memory(args: argparse.Namespace) -> int:
                     "activations not included: --params has no shape to compute them from (use --model "
                     "or --hf-config)")
         print(wrap_line(f"note: {note}", "  "))
+    if budget is not None:
+        fits = "fits" if est.peak_reserved <= budget.budget_bytes else "does NOT fit"
+        print(wrap_line(f"budget per GPU on {args.gpu}: {budget.text()}; the peak reserved {fits}", "  "))
     return 0
 
 def _axes_memory(args: argparse.Namespace, layout: ModelLayout) -> tuple[MemoryEstimate, str] | None:
@@ -367,9 +372,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
              round(o.step_s, 3), "comm" if o.bound == "communication" else "comp"] for o in result.options]
     print(Table(["option", "GPUs", "reserved", "margin", "host/GPU", "comm s", "comp s", "step s", "bound"],
                 rows))
-    print(wrap_line(f"budget per GPU: {budget.text()}", "  "))
-    print(wrap_line(f"reserved = peak per GPU as the allocator holds it; margin = what is left of "
-                    f"{format_bytes(budget.budget_bytes)} (the budget), "
+    pick = result.recommended or result.options[0]
+    print(wrap_line(f"budget per GPU ({pick.name}): {budget.text()}", "  "))
+    print(wrap_line("reserved = peak per GPU as the allocator holds it; margin = what is left of the "
+                    f"option's budget ({format_bytes(budget.budget_bytes)} for {pick.name}: each option's "
+                    "NCCL buffers differ), "
                     "negative: does not fit (host RAM: the node's host memory is too small); AC = "
                     "activation checkpointing; offload = model state in host RAM (host/GPU), its optimizer "
                     "step on the CPU; comp = compute; bound = what sets the step: compute, or comm "

@@ -36,7 +36,11 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         COLLECTIVES, RING_KINDS, TRANSFER_KINDS, AlphaBeta, CollectiveCost, RingTransfer,
         estimate_collective, estimate_collective_time, fit_alpha_beta, ring_schedule,
     )
-    from handbook_lib.models.budget import MemoryBudget, memory_budget
+    from handbook_lib.models.budget import MemoryBudget, layout_budget, memory_budget
+    from handbook_lib.models.nccl_buffers import (
+        NCCL_CHANNELS, NCCL_MEASURED, Communicator, CommunicatorBytes, NcclBuffers, NcclChannels, channel_bytes,
+        layout_communicators, nccl_buffer_bytes, nvls_bytes, strategy_nccl,
+    )
     from handbook_lib.models.hardware import (
         ACCELERATORS, CUDA_CONTEXT_BYTES, GIB, TRAINING_CONTEXT_BYTES, LINKS, Accelerator, Host, Link, Node,
         datasheet_bytes, default_intra_link, get_accelerator, get_link, node_preset,

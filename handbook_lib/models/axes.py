@@ -35,10 +35,12 @@ from handbook_lib.core.strategies import get_strategy
 from handbook_lib.models.hardware import (
     Accelerator,
     Link,
+    Node,
     get_accelerator,
     node_preset,
 )
 from handbook_lib.models.budget import memory_budget
+from handbook_lib.models.nccl_buffers import nccl_buffer_bytes
 from handbook_lib.models.layout import ModelLike, model_layout
 from handbook_lib.models.memory import MemoryEstimate, estimate_memory
 from handbook_lib.models.model_state import optimizer_states
@@ -281,9 +283,21 @@ class _Job:
     seq_len: int
     micro_batch: int
     precision: str
-    budget: int
-    inter_link: Link
-    intra_link: Link
+    headroom: float
+    node: Node
+
+    @property
+    def inter_link(self) -> Link:
+        return self.node.inter_link
+
+    @property
+    def intra_link(self) -> Link:
+        return self.node.intra_link
+
+    def budget(self, sp: int = 1, tp: int = 1, method: str = "ulysses") -> int:
+        """What the layout may reserve per GPU: the usable memory less its NCCL buffers and the headroom."""
+        layout = ParallelLayout.for_world(self.gpus, tp=tp, sp=sp, sp_method=method)
+        return memory_budget(self.acc, self.headroom, nccl_buffer_bytes(layout, self.node)).budget_bytes
 
 
 def _peak(job: _Job, sp: int, tp: int = 1) -> int:
@@ -307,7 +321,7 @@ def _shape(model: ModelLike) -> DecoderShape:
 def _smallest_split(job: _Job, method: str, tp: int) -> SpChoice:
     for sp in sp_candidates(job.model, job.gpus // tp, job.seq_len, method):
         peak = _peak(job, sp, tp)
-        if peak > job.budget:
+        if peak > job.budget(sp, tp, method):
             continue
         per_layer = (ulysses_layer_bytes if method == "ulysses" else ring_layer_bytes)(
             job.model, job.seq_len, sp, micro_batch=job.micro_batch)
@@ -365,8 +379,7 @@ def estimate_axes(model: ModelLike, gpu: Accelerator | str, gpus: int, *, seq_le
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
     node = node_preset(acc, inter_link=inter_link, gpus_per_node=per_node)
-    job = _Job(model, acc, gpus, per_node, seq_len, micro_batch, precision,
-               memory_budget(acc, headroom).budget_bytes, node.inter_link, node.intra_link)
+    job = _Job(model, acc, gpus, per_node, seq_len, micro_batch, precision, headroom, node)
     layout = model_layout(model)
     fsdp_peak = _peak(job, 1)
     seq_bytes = sequence_activation_bytes(model, seq_len, micro_batch=micro_batch, recompute="full")
@@ -375,29 +388,31 @@ def estimate_axes(model: ModelLike, gpu: Accelerator | str, gpus: int, *, seq_le
     peak = _peak(job, 1, tp)
     choices: tuple[SpChoice, ...] = ()
     sp, method = 1, ""
-    if peak > job.budget:
+    budget = job.budget(1, tp)
+    if peak > budget:
         choices = tuple(_smallest_split(job, m, tp) for m in SP_METHODS)
-        reasons.append(_sequence_reason(layout.name, job, peak, seq_bytes, tp))
+        reasons.append(_sequence_reason(layout.name, job, peak, seq_bytes, tp, budget))
         pick = _pick_split(choices)
         reasons += [_split_reason(c, job) for c in choices]
         if pick is not None:
             sp, method, peak = pick.sp_size or 1, pick.method, pick.peak_reserved_bytes
+            budget = job.budget(sp, tp, method)
             reasons.append(_pick_reason(pick, choices, job))
     else:
         where = f"TP {tp} x FSDP {gpus // tp}" if tp > 1 else f"FULL_SHARD on {gpus} GPUs"
         reasons.append(f"One sequence fits: {where} with full checkpointing reserves {_gb(peak)} per GPU "
-                       f"of {_gb(job.budget)}; no sequence split needed.")
+                       f"of {_gb(budget)}; no sequence split needed.")
     if sp == 1 and tp == 1:
         reasons.append(f"FSDP is enough to fit: FSDP {gpus}.")
-    return AxesVerdict(layout.name, acc.name, gpus, per_node, seq_len, micro_batch, job.budget, fsdp_peak,
+    return AxesVerdict(layout.name, acc.name, gpus, per_node, seq_len, micro_batch, budget, fsdp_peak,
                        seq_bytes, choices, max_dp, tp, sp, method, tuple(reasons), peak)
 
 
-def _sequence_reason(name: str, job: _Job, peak: int, seq_bytes: int, tp: int) -> str:
+def _sequence_reason(name: str, job: _Job, peak: int, seq_bytes: int, tp: int, budget: int) -> str:
     where = f"TP {tp} x FSDP {job.gpus // tp}" if tp > 1 else f"FULL_SHARD on {job.gpus} GPUs"
     return (f"One sequence does not fit: {job.micro_batch} x {job.seq_len:,} tokens of {name} keep "
             f"{_gb(seq_bytes)} of activations and logits per GPU even with full checkpointing; {where} "
-            f"reserves {_gb(peak)} against {_gb(job.budget)}. FSDP divides the model state, not one "
+            f"reserves {_gb(peak)} against {_gb(budget)}. FSDP divides the model state, not one "
             "sequence: split the sequence.")
 
 

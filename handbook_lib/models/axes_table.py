@@ -40,6 +40,7 @@ from handbook_lib.core.config import get_precision
 from handbook_lib.core.parallel_layout import ParallelLayout
 from handbook_lib.models.axes import estimate_job_memory
 from handbook_lib.models.bands import StepTimeBand
+from handbook_lib.models.budget import memory_budget
 from handbook_lib.models.collectives import estimate_collective_time
 from handbook_lib.models.hardware import (
     Accelerator,
@@ -49,6 +50,7 @@ from handbook_lib.models.hardware import (
     node_preset,
 )
 from handbook_lib.models.layout import model_layout
+from handbook_lib.models.nccl_buffers import nccl_buffer_bytes
 from handbook_lib.models.pipeline import stage_layers
 from handbook_lib.models.planner import STEP_TIE, Option, plan
 from handbook_lib.models.presets import DecoderShape, get_shape
@@ -127,7 +129,11 @@ class _Job:
     seq_len: int
     precision: str
     utilization: float
-    budget: int
+    headroom: float
+
+    def budget(self, layout: ParallelLayout) -> int:
+        """What ``layout`` may reserve per GPU: the usable memory less its NCCL buffers, less the headroom."""
+        return memory_budget(self.node.accelerator, self.headroom, nccl_buffer_bytes(layout, self.node)).budget_bytes
 
     def compute(self, tokens: int, ac: bool) -> float:
         acc = self.node.accelerator
@@ -215,7 +221,7 @@ def price_layout(job: _Job, layout: ParallelLayout, ac: bool, microbatches: int 
     exposed = tp_s + (0.0 if hidden else sp_s)
     parts = ([f"TP {tp}"] if tp > 1 else []) + ([f"SP {sp} ({method})"] if sp > 1 else [])
     return AxisOption(" x ".join([*parts, f"FSDP {dp}"]) + (" + AC" if ac else ""), tp, sp, dp, ac, mem.peak_reserved,
-                      job.budget, fsdp.comm_s + exposed, fsdp.exposed_comm_s + exposed, compute,
+                      job.budget(layout), fsdp.comm_s + exposed, fsdp.exposed_comm_s + exposed, compute,
                       fsdp.total_s + exposed, dp * job.micro_batch * job.seq_len)
 
 
@@ -259,7 +265,7 @@ def _price_pipeline(job: _Job, layout: ParallelLayout, microbatches: int, ac: bo
     bubble = (pp - 1) * (compute_micro + tp_micro)
     exposed = m * tp_micro + p2p_s
     name = f"{f'TP {tp} x ' if tp > 1 else ''}PP {pp} (m {m}) x FSDP {fsdp_ranks}" + (" + AC" if ac else "")
-    return AxisOption(name, tp, 1, fsdp_ranks, ac, mem.peak_reserved, job.budget,
+    return AxisOption(name, tp, 1, fsdp_ranks, ac, mem.peak_reserved, job.budget(layout),
                       fsdp.comm_s + m * tp_micro + 2 * m * transfer, fsdp.exposed_comm_s + exposed,
                       m * compute_micro, fsdp.total_s + exposed + bubble, fsdp_ranks * m * tokens,
                       pp_size=pp, microbatches=m, bubble_s=bubble)
@@ -307,7 +313,7 @@ def compare_axes(model: DecoderShape | str, gpu: Accelerator | str, gpus: int, *
     result = plan(shape, acc, gpus, micro_batch=micro_batch, seq_len=seq_len, gpus_per_node=gpus_per_node,
                   inter_link=inter_link, precision=precision, utilization=utilization, headroom=headroom)
     node = node_preset(acc, inter_link=inter_link, gpus_per_node=min(result.gpus_per_node, gpus))
-    job = _Job(shape, node, gpus, micro_batch, seq_len, precision, result.utilization, result.options[0].budget_bytes)
+    job = _Job(shape, node, gpus, micro_batch, seq_len, precision, result.utilization, headroom)
     tp = node.gpus_per_node if tp_size is None else tp_size
     ParallelLayout.for_world(gpus, tp=tp, gpus_per_node=node.gpus_per_node, nhead=shape.nhead, names=_NAMES)
     rows = [_from_plan(o, job) for o in result.options if o.name in _FROM_PLAN and o.gpus == gpus]

@@ -26,6 +26,7 @@ from handbook_lib.models.budget import MemoryBudget, memory_budget
 from handbook_lib.models.hardware import node_preset
 from handbook_lib.models.hf_config import hf_config_from_text
 from handbook_lib.models.layout import ModelLike
+from handbook_lib.models.nccl_buffers import strategy_nccl
 from handbook_lib.models.planner import Plan, check_whole_nodes, plan
 from handbook_lib.models.presets import DecoderShape, describe_shape, get_shape
 from handbook_lib.models.sensitivity import FlipPoints, Sensitivity, flip_points, plan_sensitivity
@@ -112,7 +113,10 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
         changes = tuple(listed)
     else:
         result = plan(model, gpu, gpus, **kwargs)
-    report = PlanReport(result, memory_budget(gpu, headroom), step_time_band(gpu), changes,
+    pick = result.recommended or result.options[0]
+    node = node_preset(gpu, inter_link=inter_link, gpus_per_node=min(per_node, pick.gpus), nics_per_node=nics_per_node)
+    report = PlanReport(result, memory_budget(gpu, headroom, strategy_nccl(node, pick.strategy, pick.gpus)),
+                        step_time_band(gpu), changes,
                         flip_points(result) if sensitivity else None)
     asked = tp_size > 1 or sp_size > 1 or pp_size is not None or batch_tokens is not None
     if not asked and (decoder is None or any(o.fits for o in result.options)):

@@ -30,6 +30,7 @@ from handbook_lib.models.hardware import (
 from handbook_lib.models.budget import memory_budget
 from handbook_lib.models.layout import ModelLayout, ModelLike, model_layout
 from handbook_lib.models.memory import PHASE_WORDS, MemoryEstimate, estimate_memory
+from handbook_lib.models.nccl_buffers import strategy_nccl
 from handbook_lib.models.offload import (
     CPU_ADAM_PARAMS_PER_S_PER_CORE,
     OffloadCost,
@@ -63,7 +64,8 @@ class Option:
     less the process's context): what must fit."""
     budget_bytes: int = 0
     """Bytes of a GPU the plan lets an option reserve: the usable memory
-    (:func:`~handbook_lib.models.hardware.usable_memory_bytes`), less the headroom."""
+    (:func:`~handbook_lib.models.hardware.usable_memory_bytes`, less NCCL's buffers for this
+    option's process groups), less the headroom."""
     fits: bool = False
     """The reserved peak within the budget, and (offloading) the node's host bytes within its
     RAM."""
@@ -87,6 +89,9 @@ class Option:
     routes: tuple[str, ...] = ()
     """How its collectives travel, one line per route with the kinds that take it:
     ``"all_gather, reduce_scatter: ring on NVLink 4 (H100 SXM) at 369 GB/s"``."""
+    nccl_bytes: int = 0
+    """NCCL's buffers for its process groups, bytes, taken off the budget
+    (:func:`~handbook_lib.models.nccl_buffers.nccl_buffer_bytes`)."""
 
     @property
     def cpu_step_s(self) -> float:
@@ -264,12 +269,11 @@ def plan(
         acc = dataclasses.replace(acc, memory_bytes=memory_bytes, runtime_memory_bytes=None)
     node = node_preset(acc, inter_link=inter_link, intra_link=intra_link, gpus_per_node=min(gpus_per_node, gpus),
                        nics_per_node=nics_per_node)
-    budget = memory_budget(acc, headroom).budget_bytes
     reserved_bytes(0, fraction=reserve_fraction)  # refuses a fraction outside [0, 1)
     if not cpu_params_per_s_per_core > 0:  # also refuses NaN
         raise ValueError(f"cpu_params_per_s_per_core must be > 0, got {cpu_params_per_s_per_core!r}")
     u = expected_utilization(acc, layout.d_model) if utilization is None else utilization
-    job = _Job(layout, node, precision, (optimizer, optimizer_impl), micro_batch, seq_len, u, budget,
+    job = _Job(layout, node, precision, (optimizer, optimizer_impl), micro_batch, seq_len, u, headroom,
                cpu_params_per_s_per_core, reserve_fraction, (grad_accum_steps, sync_every_micro_step))
     price = functools.partial(_price, job)
     options = []
@@ -292,7 +296,7 @@ def plan(
     if recommended is None:
         bigger = [o for o in options if o.fits]
         recommended = bigger[0] if bigger else None
-    reasons = _reasons(options, recommended, acc, job.budget, gpus, gpus_per_node)
+    reasons = _reasons(options, recommended, acc, gpus, gpus_per_node)
     if recommended is None:
         reasons.append(_what_would_fit(job, widest))
     if fewer:
@@ -316,8 +320,8 @@ class _Job:
     micro_batch: int
     seq_len: int
     utilization: float
-    budget: int
-    """Bytes of a GPU's memory an option may reserve (usable, less the headroom)."""
+    headroom: float
+    """The fraction of the usable memory an option leaves free."""
     cpu_speed: float
     """CPU optimizer parameters/s per core (offload)."""
     reserve: float
@@ -335,12 +339,18 @@ def _memory(job: _Job, strategy: str, n: int, ac: bool, offload: bool = False) -
                            grad_accum_steps=job.accum[0], sync_every_micro_step=job.accum[1])
 
 
+def _budget(job: _Job, strategy: str, n: int) -> tuple[int, int]:
+    """``(budget, nccl)``: what an option may reserve per GPU, after NCCL's buffers and the headroom."""
+    nccl = strategy_nccl(job.node, strategy, n)
+    return memory_budget(job.node.accelerator, job.headroom, nccl).budget_bytes, nccl.total
+
+
 def _fits(job: _Job, strategy: str, n: int, ac: bool, offload: bool = False) -> bool:
     """Whether the option fits, as :func:`_price` judges it: the reserved peak within the
     budget, and (offloading) a machine's host bytes within its RAM."""
     mem = _memory(job, strategy, n, ac, offload)
     host = job.node.accelerator.host
-    return (reserved_bytes(mem.peak, fraction=job.reserve) <= job.budget
+    return (reserved_bytes(mem.peak, fraction=job.reserve) <= _budget(job, strategy, n)[0]
             and (not offload or host is not None and mem.host * job.node.gpus_per_node <= host.memory_bytes))
 
 
@@ -376,17 +386,18 @@ def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str)
     time = estimate_step_time(traffic, link_of, compute, overlap=True, extra_comm_s=cost.copy_s if cost else 0.0)
     step, per_node = time.total_s, 0
     reserved = reserved_bytes(mem.peak, fraction=job.reserve)
-    fits = reserved <= job.budget
+    budget, nccl = _budget(job, strategy, n)
+    fits = reserved <= budget
     if cost is not None:
         assert acc.host is not None
         routes.setdefault(f"host copies over {cost.link}", {})["offload"] = None
         step += cost.optimizer_s  # between the last reduce-scatter and the next forward: never hidden
         per_node = mem.host * job.node.gpus_per_node
         fits = fits and per_node <= acc.host.memory_bytes
-    return Option(name, strategy, n, ac, offload, group, mem.peak, reserved, job.budget, fits,
+    return Option(name, strategy, n, ac, offload, group, mem.peak, reserved, budget, fits,
                   time.comm_s, compute, step, time.bound,
                   mem.peak_phase, mem.components["activations"], mem.model_state, mem.host, per_node,
-                  cost, tuple(f"{', '.join(kinds)}: {d}" for d, kinds in routes.items()))
+                  cost, tuple(f"{', '.join(kinds)}: {d}" for d, kinds in routes.items()), nccl)
 
 
 MAX_GPUS = 4096
@@ -405,7 +416,7 @@ def _what_would_fit(job: _Job, widest: Option) -> str:
     checkpointing on the most GPUs tried; the micro-batch, then the sequence, halved until
     it fits there."""
     what = (f"No option fits: even {widest.name.removesuffix(f' on {widest.gpus} GPUs')} on {widest.gpus:,} GPUs "
-            f"reserves {_gb(widest.peak_reserved_bytes)} per GPU against {_gb(job.budget)} usable "
+            f"reserves {_gb(widest.peak_reserved_bytes)} per GPU against {_gb(widest.budget_bytes)} usable "
             f"({_gb(widest.activation_bytes)} of it activations, {_gb(widest.model_state_bytes)} model state, "
             f"{_gb(widest.peak_bytes - widest.activation_bytes - widest.model_state_bytes)} gathered units, "
             "their gradients and buffers, the logits).")
@@ -419,8 +430,8 @@ def _what_would_fit(job: _Job, widest: Option) -> str:
             "GPU, or tensor parallelism (chapter 9), which splits each layer's weights, is needed.")
 
 
-def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, budget: float,
-             gpus: int, gpus_per_node: int) -> list[str]:
+def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, gpus: int,
+             gpus_per_node: int) -> list[str]:
     reasons = []
     by_name = {o.name: o for o in options}
     for name in ("DDP", "SHARD_GRAD_OP", "FULL_SHARD"):
@@ -435,7 +446,7 @@ def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, bud
                         else "model state decides")
                 parts = f"{_gb(o.activation_bytes)} activations, {_gb(o.model_state_bytes)} model state"
             reasons.append(f"{name} does not fit: {_gb(o.peak_reserved_bytes)} reserved per GPU against "
-                           f"{_gb(budget)} usable on {acc.name}; {what} ({parts}).")
+                           f"{_gb(o.budget_bytes)} usable on {acc.name}; {what} ({parts}).")
     for o in options:
         if o.cpu_offload and not o.fits and o.margin_bytes >= 0 and acc.host is not None:
             reasons.append(f"{o.name} fits the GPU ({_gb(o.peak_reserved_bytes)} reserved) but not the host: "
@@ -447,7 +458,8 @@ def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, bud
     when = PHASE_WORDS.get(chosen.peak_phase, (chosen.peak_phase,))[0]
     reasons.append(f"Recommended: {chosen.name.removesuffix(f' on {chosen.gpus} GPUs')} on {chosen.gpus} GPUs — "
                    f"peak {_gb(chosen.peak_reserved_bytes)} reserved per GPU {when}, "
-                   f"margin {_gb(chosen.margin_bytes)} ({100 * chosen.margin:.1f} % of {_gb(budget)} usable), "
+                   f"margin {_gb(chosen.margin_bytes)} ({100 * chosen.margin:.1f} % of {_gb(chosen.budget_bytes)} "
+                   "usable), "
                    f"step {chosen.step_s:.3f} s, {chosen.bound}-bound.")
     if chosen.cpu_offload:
         host = acc.host

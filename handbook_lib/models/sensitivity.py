@@ -73,7 +73,8 @@ def _label(option: Option | None) -> str:
 def flip_points(result: Plan) -> FlipPoints | None:
     """The flip points of ``result``'s recommendation (``None`` when nothing fits).
 
-    Fitting: the option fits while ``reserved peak <= (capacity - context) x (1 - headroom)``.
+    Fitting: the option fits while ``reserved peak <= (capacity - context - NCCL's buffers) x
+    (1 - headroom)``.
     Bound: compute scales as 1/utilization and the collectives' time about as 1/bandwidth (their
     latency ignored), so the step stays compute-bound while ``compute > comm``.
     """
@@ -82,7 +83,7 @@ def flip_points(result: Plan) -> FlipPoints | None:
         return None
     usable = o.budget_bytes / (1 - result.headroom)
     headroom = 1 - o.peak_reserved_bytes / usable
-    memory = o.peak_reserved_bytes / (1 - result.headroom) + result.context_bytes
+    memory = o.peak_reserved_bytes / (1 - result.headroom) + result.context_bytes + o.nccl_bytes
     compute_bound = o.compute_s > o.comm_s
     mfu = result.utilization * o.compute_s / o.comm_s if compute_bound and o.comm_s else None
     return FlipPoints(headroom, int(memory), mfu if mfu is not None and mfu < 1 else None,
