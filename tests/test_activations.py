@@ -11,6 +11,7 @@ from handbook_lib.models import (
     estimate_activation_bytes,
     estimate_decoder_activation_bytes,
 )
+from handbook_lib.models import model_layout
 from handbook_lib.runtime import build_model
 
 
@@ -124,3 +125,39 @@ def test_checkpointing_every_kth_layer_keeps_the_others_whole():
         checkpointed(100, 10, {"full": 0}, 3, 0, "none", every=2)
     with pytest.raises(ValueError, match="every"):
         checkpointed(100, 10, {"full": 0}, 3, 0, "full", every=0)
+
+
+def test_every_second_product_keeps_the_odd_ones_in_forward_order():
+    from handbook_lib.models.activations import kept_products
+
+    assert kept_products((3, 5, 7, 11)) == 26 and kept_products((3, 5, 7, 11), 2) == 10
+    assert kept_products((3, 5, 7, 11), 3) == 14 and kept_products((3, 5, 7, 11), 9) == 3
+    with pytest.raises(ValueError, match="matmul_every=2 .* needs activation checkpointing 'selective', got 'full'"):
+        kept_products((3, 5), 2, "full")
+    with pytest.raises(ValueError, match="matmul_every"):
+        kept_products((3, 5), 0)
+
+
+def test_torchtitans_op_policy_on_llama_keeps_q_v_gate_and_down():
+    layout = model_layout("llama2-7b")
+    b, s, d, f, a = 1, 4096, 4096, 11_008, 32
+    t = b * s
+    whole = layout.activations(b, s, "bf16", activation_checkpointing="selective")
+    thinned = layout.activations(b, s, "bf16", activation_checkpointing="selective", matmul_every=2)
+    # every product: Q, K, V, O, gate, up, down and the attention's output; every 2nd: Q, V, gate, down
+    assert whole.by_layer[0] == t * d * 2 + t * (d + d + d + d + f + f + d + d) * 2 + 4 * a * t
+    assert thinned.by_layer[0] == t * d * 2 + t * (d + d + f + d + d) * 2 + 4 * a * t
+    gpt = model_layout("gpt3-175b")  # fused QKV, output, up, down: keeps QKV and up
+    h = gpt.d_model
+    kept = gpt.activations(1, 2048, "bf16", activation_checkpointing="selective", matmul_every=2).by_layer[0]
+    assert kept == 2048 * h * 2 + 2048 * (3 * h + 4 * h + h) * 2 + 4 * gpt.nhead * 2048
+
+
+def test_a_thinned_policy_needs_the_selective_mode_by_its_config_key():
+    from handbook_lib.core import RunConfig
+
+    with pytest.raises(ValueError, match="config key 'ac_matmul_every'=2 .* needs activation_checkpointing "
+                                         "'selective', got 'full'"):
+        RunConfig(activation_checkpointing="full", ac_matmul_every=2)
+    with pytest.raises(ValueError, match="ac_matmul_every"):
+        RunConfig(activation_checkpointing="selective", ac_matmul_every=0)

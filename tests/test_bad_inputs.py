@@ -282,7 +282,7 @@ ROWS: list[BadInputRow] = [
                                                   env={"HANDBOOK_DEVICE": "gpu", "CUDA_VISIBLE_DEVICES": ""}),
         "HANDBOOK_DEVICE=gpu runs on GPUs only"),
     cli("plan-sp-method-without-sp-size", [*PLAN, "--gpus", "8", "--sp-method", "ring"], "--sp-size"),
-    cli("memory-gpu-is-not-a-memory-flag", ["memory", "--gpu", "h100-80gb"], "python -m handbook_lib memory --help"),
+    cli("memory-gpu-unknown", ["memory", "--gpu", "h900"], "argument --gpu: invalid choice: 'h900'"),
     cli("run-name-with-escapes", ["run", "fsdp\n\x1b[31mtrain"], "'fsdp\\n\\x1b[31mtrain'"),
     cli("hf-config-path-with-an-escape", ["params", "--hf-config", "no\x1b[2J.json"], "no\\x1b[2J.json"),
     # resources: checked against this machine before anything starts (--force-resources goes ahead)

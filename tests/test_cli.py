@@ -421,8 +421,8 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
 # --- numbers, resources and the poor list ---------------------------------------------------------
 
 def test_a_flag_of_another_command_points_at_this_commands_help(capsys):
-    assert main(["memory", "--gpu", "h100-80gb"]) == 2
-    assert capsys.readouterr().err == ("error: unrecognized arguments: --gpu h100-80gb\n"
+    assert main(["memory", "--link", "nvlink4"]) == 2  # comm's
+    assert capsys.readouterr().err == ("error: unrecognized arguments: --link nvlink4\n"
                                        "(see: python -m handbook_lib memory --help)\n")
 
 
@@ -535,3 +535,17 @@ def test_memory_checkpoints_every_kth_layer(capsys):
     assert "layers 0, 2, 4, ..." in runs[1]["assumptions"]
     every, all_ = (r["phases"]["loss_backward"] for r in (runs[1], runs[0]))
     assert every - all_ == 16 * 32 * 2048 * 4096
+
+
+def test_memory_keeps_every_second_matrix_product(capsys):
+    """``--ac-matmul-every 2`` on Llama-2 7B: of Q, K, V, O, gate, up and down, K, O and up are
+    recomputed instead of kept: (4,096 + 4,096 + 11,008) x 2 bytes a token, in 32 layers."""
+    base = ["memory", "--model", "llama2-7b", "--micro-batch", "1", "--seq-len", "2048",
+            "--activation-checkpointing", "selective", "--json"]
+    runs = []
+    for extra in ([], ["--ac-matmul-every", "2"]):
+        assert main([*base, *extra]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    assert "one matrix product in 2 kept" in runs[1]["assumptions"]
+    dropped = runs[0]["phases"]["loss_backward"] - runs[1]["phases"]["loss_backward"]  # every layer's saved
+    assert dropped == 32 * 2048 * (4096 + 4096 + 11_008) * 2

@@ -39,6 +39,8 @@ CASES = {
     "2-FULL_SHARD-fp32-adamw-one-unit": (2, {"strategy": "FULL_SHARD", "wrap": "model"}),
     "2-FULL_SHARD-fp32-adamw-AC": (2, {"strategy": "FULL_SHARD", "activation_checkpointing": True}),
     "2-FULL_SHARD-fp32-adamw-selective-AC": (2, {"strategy": "FULL_SHARD", "activation_checkpointing": "selective"}),
+    "2-FULL_SHARD-fp32-adamw-selective-AC-every-2nd-product": (2, {"strategy": "FULL_SHARD", "ac_matmul_every": 2,
+                                                                   "activation_checkpointing": "selective"}),
     "2-FSDP1-FULL_SHARD-fp32-adamw-size-wrap": (2, {"api": "fsdp1", "strategy": "FULL_SHARD", "wrap": "size",
                                                     "wrap_min_params": 20_000}),
     "4-FSDP1-HYBRID_SHARD-fp16-scaler": (4, {"api": "fsdp1", "strategy": "HYBRID_SHARD", "shard_group_size": 2,
@@ -335,6 +337,23 @@ def test_selective_checkpointing_keeps_what_its_policy_saves(tmp_path_factory):
                     - estimate_activation_bytes(model, micro, seq, "fp32", activation_checkpointing="full").total)
     measured = [s - a for s, a in zip(selective.metric("activation_bytes"), full.metric("activation_bytes"))]
     assert measured == [kept] * len(measured)
+
+
+def test_every_second_product_keeps_q_k_v_and_linear1_as_torchtitan_s_policy_would(tmp_path_factory):
+    """``ac_matmul_every=2``: of each layer's four products (Q/K/V, output projection, linear1,
+    linear2) the 1st and 3rd outputs kept, the attention's output and log-sum-exp too; measured
+    against full recomputation, to the byte; same losses."""
+    _, config, thinned = _run("2-FULL_SHARD-fp32-adamw-selective-AC-every-2nd-product", tmp_path_factory)
+    _, _, full = _run("2-FULL_SHARD-fp32-adamw-AC", tmp_path_factory)
+    _, _, selective = _run("2-FULL_SHARD-fp32-adamw-selective-AC", tmp_path_factory)
+    assert thinned.metric("losses") == full.metric("losses") and not thinned.failed_checks()
+    model = RunConfig.from_mapping(config).model_config()
+    tokens, d, f, h = config["batch_size"] // 2 * config["seq_len"], model.d_model, model.dim_feedforward, model.nhead
+    kept = model.num_layers * (tokens * (3 * d + f + d) * 4 + 4 * h * tokens)
+    measured = [t - a for t, a in zip(thinned.metric("activation_bytes"), full.metric("activation_bytes"))]
+    assert measured == [kept] * len(measured)
+    dropped = [s - t for s, t in zip(selective.metric("activation_bytes"), thinned.metric("activation_bytes"))]
+    assert dropped == [model.num_layers * tokens * 2 * d * 4] * len(dropped)  # the output projection's, linear2's
 
 
 def test_a_too_large_scale_skips_steps_and_halves(tmp_path_factory):

@@ -332,6 +332,10 @@ class LeversConfig(FlatConfig):
     ac_every: int = 1
     """With activation checkpointing: checkpoint layers 0, k, 2k, ... only (k = ``ac_every``,
     torchtitan's "selective layer" checkpointing); 1 checkpoints every layer."""
+    ac_matmul_every: int = 1
+    """With ``selective`` checkpointing: of each layer's matrix products keep the 1st, (n+1)-th,
+    ... output only (n = ``ac_matmul_every``; torchtitan's op policy is 2), recompute the
+    others; the attention's output is kept either way. 1 keeps every product."""
     cpu_offload: bool = False
     """Keep the sharded parameters, gradients and optimizer states in host memory (FSDP only)."""
     init: InitName = "meta"
@@ -364,7 +368,8 @@ class LeversConfig(FlatConfig):
     gathered, and check it and the collectives' order of issue against FSDP2's schedule (hooks
     on every unit). On by itself whenever one of the four knobs above is set."""
 
-    MINIMUMS: ClassVar[Mapping[str, int]] = {"ac_every": 1, "explicit_prefetch": 0, "reshard_after_forward_size": 0}
+    MINIMUMS: ClassVar[Mapping[str, int]] = {"ac_every": 1, "ac_matmul_every": 1, "explicit_prefetch": 0,
+                                             "reshard_after_forward_size": 0}
 
     def __post_init__(self) -> None:
         ac = self.activation_checkpointing
@@ -407,6 +412,10 @@ class RunConfig(FlatConfig):
         if isinstance(self.ac_every, int) and self.ac_every > 1 and self.activation_checkpointing == "none":
             raise ValueError(f"config key 'ac_every'={self.ac_every} checkpoints every k-th layer: it needs "
                              "activation_checkpointing 'full' or 'selective', got 'none'")
+        n = self.ac_matmul_every
+        if isinstance(n, int) and n > 1 and self.activation_checkpointing != "selective":
+            raise ValueError(f"config key 'ac_matmul_every'={n} thins the selective policy's matrix products: "
+                             f"it needs activation_checkpointing 'selective', got {self.activation_checkpointing!r}")
         if self.precision == "bf16" and (self.init != "meta" or get_strategy(self.strategy).wrapper == "deepspeed"
                                          or self.api == "fsdp1"):
             raise ValueError("config key 'precision'='bf16' (the model kept in bf16) builds on the meta device "

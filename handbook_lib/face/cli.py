@@ -177,12 +177,10 @@ def _add_optimizer_impl(cmd: argparse.ArgumentParser) -> None:
 
 def _add_axes(cmd: argparse.ArgumentParser) -> None:
     """Chapter 9's axes beyond FSDP: tensor parallelism inside a node, the sequence split."""
-    cmd.add_argument("--tp-size", type=_whole(1), default=1, metavar="N",
-                     help="tensor-parallel ranks inside a node (must divide the GPUs per node and the "
-                     "heads), FSDP across the rest (default 1: none)")
-    cmd.add_argument("--sp-size", type=_whole(1), default=1, metavar="N",
-                     help="ranks one sequence is split over (must divide the GPUs and the sequence), "
-                     "FSDP over every GPU (default 1: none)")
+    cmd.add_argument("--tp-size", type=_whole(1), default=1, metavar="N", help="tensor-parallel ranks inside a "
+                     "node (must divide the GPUs per node and the heads), FSDP across the rest (default 1: none)")
+    cmd.add_argument("--sp-size", type=_whole(1), default=1, metavar="N", help="ranks one sequence is split over "
+                     "(must divide the GPUs and the sequence), FSDP over every GPU (default 1: none)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -237,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "--micro-batch")
     mem.add_argument("--ac-every", type=_whole(1), default=1, metavar="K", help="with --activation-checkpointing: "
                      "checkpoint layers 0, K, 2K, ... only, the others keep every activation (default 1: all layers)")
+    mem.add_argument("--ac-matmul-every", type=_whole(1), default=1, metavar="N", help="with --activation-"
+                     "checkpointing selective: keep every N-th matrix product's output only (torchtitan's: 2)")
     mem.add_argument("--cpu-offload", action="store_true", help="keep the model state in host RAM (FSDP only)")
     _add_accumulation(mem)
     _add_axes(mem)

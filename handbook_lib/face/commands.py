@@ -27,6 +27,7 @@ from handbook_lib.face.display import (
     format_bytes,
 )
 from handbook_lib.face.plan_axes import FLAGS, chosen_shape, print_axes, wrap_line
+from handbook_lib.face.flags import check_memory_flags
 from handbook_lib.face.views import fit_table, step_time_summary, step_time_table
 from handbook_lib.launch.errors import describe_failed_checks
 from handbook_lib.models.allocator import RESERVE_FRACTION, RESERVE_MODEL, RESERVE_SOURCE
@@ -186,22 +187,7 @@ def _zero_memory(args: argparse.Namespace) -> int:
 def _cmd_memory(args: argparse.Namespace) -> int:
     _check_sharding(args)
     get_strategy(args.strategy).check_cpu_offload(args.cpu_offload, flag="--cpu-offload")
-    if bool(args.micro_batch) != bool(args.seq_len):
-        missing = "--seq-len" if args.micro_batch else "--micro-batch"
-        raise ValueError(f"--micro-batch and --seq-len go together: give {missing} too (> 0), or neither")
-    if args.micro_batch and args.params is not None:
-        raise ValueError("--micro-batch/--seq-len need a model shape, and --params is only a count: "
-                         "use --model (e.g. 7b), --hf-config or the handbook's model instead")
-    if args.activation_checkpointing != "none" and not args.micro_batch:
-        raise ValueError("--activation-checkpointing changes activations only: give --micro-batch "
-                         "and --seq-len too")
-    if args.ac_every > 1 and args.activation_checkpointing == "none":
-        raise ValueError(f"--ac-every {args.ac_every} checkpoints every K-th layer: give "
-                         "--activation-checkpointing (full or selective) too")
-    if args.ac_every > 1 and (args.tp_size > 1 or args.sp_size > 1):
-        raise ValueError("--ac-every with --tp-size or --sp-size: the layouts beyond FSDP checkpoint every layer")
-    if args.sync_every_micro_step and args.grad_accum < 2:
-        raise ValueError(f"--sync-every-micro-step needs --grad-accum >= 2, got {args.grad_accum}")
+    check_memory_flags(args)
     if get_strategy(args.strategy).wrapper == "deepspeed":
         return _zero_memory(args)
     check_optimizer_impl(args.optimizer, args.optimizer_impl, args.strategy,
@@ -213,10 +199,11 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         seq_len=args.seq_len, shard_group_size=args.shard_group_size,
         activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload,
         grad_accum_steps=args.grad_accum, sync_every_micro_step=args.sync_every_micro_step,
-        optimizer_impl=args.optimizer_impl, ac_every=args.ac_every)
+        optimizer_impl=args.optimizer_impl, ac_every=args.ac_every, ac_matmul_every=args.ac_matmul_every)
     tokens = (f"micro-batch {args.micro_batch} x {args.seq_len} tokens" if args.micro_batch
               else "no activations") + _accum(args, "; ")
-    every = f" (layers 0, {args.ac_every}, {2 * args.ac_every}, ...)" if args.ac_every > 1 else ""
+    every = (f" (layers 0, {args.ac_every}, {2 * args.ac_every}, ...)" if args.ac_every > 1 else "") + (
+        f", one matrix product in {args.ac_matmul_every} kept" if args.ac_matmul_every > 1 else "")
     assumes = (f"{_assumptions(args, args.optimizer)}; {tokens}; activation checkpointing "
                f"{args.activation_checkpointing}{every}; CPU offload "
                f"{'on' if args.cpu_offload else 'off'}{axes[1] if axes else ''}")

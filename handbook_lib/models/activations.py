@@ -20,16 +20,22 @@ from handbook_lib.core.config import checkpointing_mode, dtype_bytes
 
 __all__ = [
     "SELECTIVE_SAVE",
+    "MATRIX_PRODUCTS",
     "ModelSizes",
     "ActivationBytes",
     "estimate_activation_bytes",
     "estimate_decoder_activation_bytes",
     "checkpointed",
+    "kept_products",
 ]
 
 _INDEX_BYTES = 8  # int64 token ids and targets
 
-SELECTIVE_SAVE = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
+MATRIX_PRODUCTS = ("mm", "addmm", "bmm")
+"""The ``aten`` matrix products a selective policy counts when it keeps every n-th one only
+(``ac_matmul_every``)."""
+
+SELECTIVE_SAVE = (*MATRIX_PRODUCTS, "_scaled_dot_product_flash_attention",
                   "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
                   "_scaled_dot_product_cudnn_attention")
 """The ``aten`` operators whose outputs selective activation checkpointing keeps (the matrix
@@ -89,6 +95,7 @@ def estimate_activation_bytes(
     *,
     activation_checkpointing: bool | str = False,
     every: int = 1,
+    matmul_every: int = 1,
 ) -> ActivationBytes:
     """Bytes that autograd saves in one forward pass of ``SimpleTransformer(config)``.
 
@@ -117,7 +124,10 @@ def estimate_activation_bytes(
     what the recomputation holds is the rest of the layer's tensors. Either way the boolean
     causal mask (``s²`` bytes, one per micro-batch) stays alive: every checkpointed layer takes it
     as an input, and checkpointing keeps a layer's inputs for its recomputation. ``every`` k
-    checkpoints layers 0, k, 2k, ... only (:func:`checkpointed`).
+    checkpoints layers 0, k, 2k, ... only (:func:`checkpointed`). ``matmul_every`` n keeps only
+    the 1st, (n+1)-th, ... of a selective layer's matrix products (:func:`kept_products`: Q/K/V,
+    the output projection, linear1, linear2 in forward order; torchtitan's policy is n = 2, which
+    keeps Q/K/V and linear1), the attention's output always.
 
     The count is exact for fp32 on PyTorch 2.x's CPU kernels (the tests compare it with the
     tensors autograd saves); in bf16 and on GPUs the kernels save slightly different tensors
@@ -130,10 +140,28 @@ def estimate_activation_bytes(
     tokens = micro_batch * seq_len
     per_layer = tokens * (8 * d + 2 * f) * c + tokens * (16 + 4 * h) + seq_len**2 * c
     head = 2 * tokens * _INDEX_BYTES + tokens * d * c + tokens * v * 4 + 4
-    kept = {"selective": tokens * (6 * d + f) * c + 4 * h * tokens, "full": 0}
+    products = kept_products((3 * d, d, f, d), matmul_every, activation_checkpointing)
+    kept = {"selective": tokens * (products + d) * c + 4 * h * tokens, "full": 0}
     if checkpointing_mode(activation_checkpointing) != "none":
         head += seq_len**2  # the bool mask, an input of every checkpointed layer
     return checkpointed(per_layer, tokens * d * c, kept, config.num_layers, head, activation_checkpointing, every)
+
+
+def kept_products(widths: tuple[int, ...], every: int = 1, activation_checkpointing: bool | str = "selective") -> int:
+    """The output widths a selective policy that keeps every ``every``-th matrix product saves:
+    the products' ``widths`` (per token, in forward order) at positions 0, ``every``,
+    ``2·every``, ... (1 keeps them all).
+
+    Raises:
+        ValueError: for ``every`` below 1, or above 1 with a checkpointing mode other than
+            ``selective`` (there is no policy to thin).
+    """
+    check_int("matmul_every", every, 1)
+    mode = checkpointing_mode(activation_checkpointing)
+    if every > 1 and mode != "selective":
+        raise ValueError(f"matmul_every={every} keeps every n-th matrix product of the selective policy: it "
+                         f"needs activation checkpointing 'selective', got {mode!r}")
+    return sum(widths[::every])
 
 
 def checkpointed(per_layer: int, layer_input: int, kept: dict[str, int], num_layers: int, head: int,

@@ -37,6 +37,7 @@ from handbook_lib.core.config import dtype_bytes
 from handbook_lib.models.activations import (
     ActivationBytes,
     checkpointed,
+    kept_products,
     estimate_activation_bytes,
     estimate_decoder_activation_bytes,
 )
@@ -182,7 +183,8 @@ class ModelLayout:
         return parts
 
     def activations(self, micro_batch: int, seq_len: int, compute_dtype: str = "fp32", *,
-                    activation_checkpointing: bool | str = False, every: int = 1) -> ActivationBytes | None:
+                    activation_checkpointing: bool | str = False, every: int = 1,
+                    matmul_every: int = 1) -> ActivationBytes | None:
         """Bytes of activations one rank keeps for one micro-batch of ``micro_batch`` ×
         ``seq_len`` tokens, in the compute dtype (``None`` when the layout has no activation
         model, or no tokens are given).
@@ -197,12 +199,17 @@ class ModelLayout:
         up (and gate) projections (``T·f·c``, twice when gated) and of its down projection
         (``T·d·c``); for GPT-3's shape that is ``22·s·b·h`` of the ``34``. ``every`` k
         checkpoints layers 0, k, 2k, ... only (:func:`~handbook_lib.models.activations.checkpointed`).
+        ``matmul_every`` n keeps every n-th matrix product only
+        (:func:`~handbook_lib.models.activations.kept_products`), in forward order: a gated
+        decoder's separate Q, K, V, output, gate, up and down projections (torchtitan's Llama,
+        whose n = 2 keeps Q, V, gate and down), a GPT's fused QKV, output, up and down.
         """
         if not micro_batch or self.activation_model == "none":
             return None
         if self.activation_model == "handbook":
             return estimate_activation_bytes(self, micro_batch, seq_len, compute_dtype,
-                                             activation_checkpointing=activation_checkpointing, every=every)
+                                             activation_checkpointing=activation_checkpointing, every=every,
+                                             matmul_every=matmul_every)
         c = dtype_bytes(compute_dtype)
         tokens = micro_batch * seq_len
         per_layer = estimate_decoder_activation_bytes(self, micro_batch, seq_len) * c // 2 // self.num_layers
@@ -210,7 +217,9 @@ class ModelLayout:
         d, f = self.d_model, self.dim_feedforward
         q = self.q_width or d
         k = self.kv_width or q
-        kept = tokens * (q + 2 * k + q + d + f * (2 if self.gated_mlp else 1) + d) * c + 4 * self.nhead * tokens
+        widths = (q, k, k, d, f, f, d) if self.gated_mlp else (q + 2 * k, d, f, d)
+        products = kept_products(widths, matmul_every, activation_checkpointing)
+        kept = tokens * (products + q) * c + 4 * self.nhead * tokens
         return checkpointed(per_layer, tokens * d * c, {"selective": kept, "full": 0}, self.num_layers,
                             head, activation_checkpointing, every)
 

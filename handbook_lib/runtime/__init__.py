@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 from handbook_lib.core.lazy import lazy_exports
 
 if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported on first use
+    from handbook_lib.runtime.recompute import apply_activation_checkpointing, selective_policy
     from handbook_lib.runtime.build import (
         APPLY,
         InitMode,
         CoreFactory,
-        apply_activation_checkpointing,
         apply_axes,
         apply_pipeline,
         apply_explicit_prefetch,

@@ -42,17 +42,16 @@ from handbook_lib.core.config import (
     InitName,
     RunConfig,
     state_dtype,
-    checkpointing_mode,
     get_precision,
 )
 from handbook_lib.core.parallel_config import ParallelConfig
 from handbook_lib.core.strategies import Strategy, get_strategy, run_shard_group, runnable_strategy
-from handbook_lib.models.activations import SELECTIVE_SAVE
 from handbook_lib.models.layout import wrap_units
 from handbook_lib.runtime.distributed import RankContext
 from handbook_lib.runtime.mesh import LayoutMesh, build_layout_mesh
 from handbook_lib.runtime.model import SimpleTransformer, TransformerLayer, build_model
 from handbook_lib.runtime.parallel_model import AttentionCore, ParallelTransformer, from_simple
+from handbook_lib.runtime.recompute import apply_activation_checkpointing
 from handbook_lib.runtime.ring_attention import ring_core
 from handbook_lib.runtime.seeded_init import SeededInit
 
@@ -62,7 +61,6 @@ __all__ = [
     "shard_group",
     "build_mesh",
     "build_mp_policy",
-    "apply_activation_checkpointing",
     "apply_fsdp2",
     "check_runnable",
     "parallelize",
@@ -115,41 +113,6 @@ def build_mp_policy(precision: str) -> MixedPrecisionPolicy | None:
     if compute == reduce:
         return None
     return MixedPrecisionPolicy(param_dtype=torch_dtype(compute), reduce_dtype=torch_dtype(reduce))
-
-
-def apply_activation_checkpointing(model: SimpleTransformer, mode: str = "full", every: int = 1) -> None:
-    """Wrap each :class:`TransformerLayer` (``every`` k: layers 0, k, 2k, ... only) so its
-    activations are recomputed in backward. ``full`` keeps each layer's input only.
-    ``selective`` keeps, besides, the outputs of the operators named in
-    :data:`handbook_lib.models.activations.SELECTIVE_SAVE` (the matrix products and the fused
-    attention), through ``torch.utils.checkpoint``'s ``create_selective_checkpoint_contexts``
-    with a policy that must save those and may recompute the rest. ``none`` (or ``False``)
-    leaves the model as it is."""
-    import functools
-
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        checkpoint_wrapper,
-    )
-    from torch.utils.checkpoint import (
-        CheckpointPolicy,
-        create_selective_checkpoint_contexts,
-    )
-
-    mode = checkpointing_mode(mode)
-    if mode == "none":
-        return
-    wrap_kwargs = {}
-    if mode == "selective":
-        saved = {getattr(torch.ops.aten, name).default for name in SELECTIVE_SAVE
-                 if hasattr(torch.ops.aten, name)}
-
-        def policy(ctx, func, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003 - torch's signature
-            return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE
-
-        wrap_kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
-    for i, layer in enumerate(model.layers):
-        if i % every == 0:
-            model.layers[i] = checkpoint_wrapper(layer, **wrap_kwargs)
 
 
 def apply_fsdp2(
@@ -358,8 +321,8 @@ def parallelize(config: RunConfig, ctx: RankContext, *, init: InitMode = "meta",
     """
     if isinstance(config, ParallelConfig) and config.pp_size * config.inner_size > 1:
         for key, value, usual in (("precision", state_dtype(config.precision), "fp32"),
-                                  ("ac_every", config.ac_every, 1)):
-            if value != usual:  # pure bf16, every k-th layer: fsdp_train's only
+                                  ("ac_every", config.ac_every, 1), ("ac_matmul_every", config.ac_matmul_every, 1)):
+            if value != usual:  # pure bf16, every k-th layer or product: fsdp_train's only
                 raise ValueError(f"config key {key!r}={getattr(config, key)!r} runs with fsdp_train; the tensor, "
                                  "sequence and pipeline runs keep an fp32 state and checkpoint every layer")
         if mesh is None:
@@ -379,7 +342,7 @@ def parallelize(config: RunConfig, ctx: RankContext, *, init: InitMode = "meta",
     if dtype != "fp32":  # pure bf16: built, filled, sharded and stepped in bf16, no fp32 copy
         model.to(torch_dtype(dtype))
     units = _unit_modules(model, config)
-    apply_activation_checkpointing(model, config.activation_checkpointing, config.ac_every)
+    apply_activation_checkpointing(model, config.activation_checkpointing, config.ac_every, config.ac_matmul_every)
     return APPLY[row.wrapper](model, config, ctx, row, units, seeded)
 
 

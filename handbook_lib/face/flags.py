@@ -1,0 +1,35 @@
+"""The command line's rules between flags, each refused in one line that names the flags."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["check_memory_flags"]
+
+
+def check_memory_flags(args: argparse.Namespace) -> None:
+    """Refuse a combination of ``memory``'s flags that prices nothing meaningful.
+
+    Raises:
+        ValueError: one line naming the flags and what they need.
+    """
+    if bool(args.micro_batch) != bool(args.seq_len):
+        missing = "--seq-len" if args.micro_batch else "--micro-batch"
+        raise ValueError(f"--micro-batch and --seq-len go together: give {missing} too (> 0), or neither")
+    if args.micro_batch and args.params is not None:
+        raise ValueError("--micro-batch/--seq-len need a model shape, and --params is only a count: "
+                         "use --model (e.g. 7b), --hf-config or the handbook's model instead")
+    if args.activation_checkpointing != "none" and not args.micro_batch:
+        raise ValueError("--activation-checkpointing changes activations only: give --micro-batch "
+                         "and --seq-len too")
+    if args.ac_every > 1 and args.activation_checkpointing == "none":
+        raise ValueError(f"--ac-every {args.ac_every} checkpoints every K-th layer: give "
+                         "--activation-checkpointing (full or selective) too")
+    if args.ac_matmul_every > 1 and args.activation_checkpointing != "selective":
+        raise ValueError(f"--ac-matmul-every {args.ac_matmul_every} thins the selective policy's matrix products: "
+                         "give --activation-checkpointing selective too")
+    if (args.ac_every > 1 or args.ac_matmul_every > 1) and (args.tp_size > 1 or args.sp_size > 1):
+        raise ValueError("--ac-every or --ac-matmul-every with --tp-size or --sp-size: the layouts beyond FSDP "
+                         "checkpoint every layer, every product")
+    if args.sync_every_micro_step and args.grad_accum < 2:
+        raise ValueError(f"--sync-every-micro-step needs --grad-accum >= 2, got {args.grad_accum}")
