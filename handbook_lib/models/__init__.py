@@ -78,9 +78,12 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     from handbook_lib.models.batch import global_batch_tokens, max_data_parallel
     from handbook_lib.models.presets import DECODER_SHAPES, DecoderShape, describe_shape, get_shape
     from handbook_lib.models.published import (
-        PUBLISHED_BUS_BANDWIDTH, PUBLISHED_MEMORY_CHANGE, PUBLISHED_SOURCES, PUBLISHED_THROUGHPUT,
-        BandwidthRow, MemoryChangeRow, PublishedBandwidth, PublishedMemoryChange,
-        PublishedThroughput, ThroughputRow, bus_bandwidth_rows, memory_change_rows, throughput_rows,
+        PUBLISHED_BUS_BANDWIDTH, PUBLISHED_SOURCES, PUBLISHED_THROUGHPUT, BandwidthRow, PublishedBandwidth,
+        PublishedThroughput, ThroughputRow, bus_bandwidth_rows, published_model, throughput_rows,
+    )
+    from handbook_lib.models.published_memory import (
+        PUBLISHED_MEMORY_CHANGE, TORCHTITAN_OP_POLICY, MemoryChangeRow, PeakRow, PublishedMemoryChange,
+        memory_change_rows, peak_rows,
     )
     from handbook_lib.models.roofline import min_tokens_per_gpu, wire_bytes_per_param
     from handbook_lib.models.seed import (
@@ -145,7 +148,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     from handbook_lib.models.published_pipeline import (
         PUBLISHED_PIPELINES, PipelineRow, PublishedPipeline, pipeline_rows,
     )
-    from handbook_lib.models.published import (
+    from handbook_lib.models.published_memory import (
         PUBLISHED_AXIS_MEMORY, AxisMemoryRow, PublishedAxisMemory, axis_memory_rows,
     )
     from handbook_lib.models.published import utilization_points

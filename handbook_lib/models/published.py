@@ -15,44 +15,32 @@ Three kinds of rows, each priced by one model:
   (:func:`~handbook_lib.models.timing.estimate_compute_time`: 6PT, attention's FLOPs and the
   recomputed forward, at :func:`~handbook_lib.models.timing.expected_utilization`): what the
   utilization fitted on a few runs is worth on everyone's jobs;
-- **peak memory**, the change of the peak per GPU between two published runs that differ only in
-  their GPU count, against :attr:`~handbook_lib.models.memory.MemoryEstimate.peak_reserved`: the
-  sharded model state and the allocator's reserve, with the activations (which the two runs
-  share) cancelled.
+- **peak memory**: :mod:`handbook_lib.models.published_memory`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from handbook_lib.models.axes import estimate_sp_memory, estimate_tp_fsdp_memory
 from handbook_lib.models.collectives import estimate_collective
 from handbook_lib.models.hardware import get_accelerator, node_preset
 from handbook_lib.models.hf_config import decoder_shape_from_hf
-from handbook_lib.models.memory import estimate_memory
 from handbook_lib.models.presets import DecoderShape, get_shape
 from handbook_lib.models.foundry_runs import FOUNDRY_RUNS, FOUNDRY_SOURCE, MPT_SHAPES, FoundryRun
 from handbook_lib.models.timing import estimate_compute_time, estimate_step_flops, expected_utilization
 from handbook_lib.models.topology import route_collective
 
 __all__ = [
-    "PUBLISHED_AXIS_MEMORY",
     "PUBLISHED_BUS_BANDWIDTH",
-    "PUBLISHED_MEMORY_CHANGE",
     "PUBLISHED_SOURCES",
     "PUBLISHED_THROUGHPUT",
-    "AxisMemoryRow",
     "BandwidthRow",
-    "MemoryChangeRow",
-    "PublishedAxisMemory",
     "PublishedBandwidth",
-    "PublishedMemoryChange",
     "PublishedThroughput",
     "ThroughputRow",
-    "axis_memory_rows",
     "bus_bandwidth_rows",
-    "memory_change_rows",
     "throughput_rows",
+    "published_model",
 ]
 
 _VOLTAGE_PARK = ("AI @ Georgia Tech and Voltage Park, github.com/aigatech/vpbenchmarking (2025): "
@@ -166,7 +154,7 @@ _LLAMA31_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 
                "tie_word_embeddings": False}
 
 
-def _model(model: str | int) -> DecoderShape | int:
+def published_model(model: str | int) -> DecoderShape | int:
     """A row's model: a preset name, ``"llama3-70b"``/``"llama3.1-8b"`` (their published
     ``config.json`` sizes), or a parameter count as the source states it."""
     if isinstance(model, int):
@@ -176,7 +164,7 @@ def _model(model: str | int) -> DecoderShape | int:
 
 
 def _params(model: str | int) -> int:
-    m = _model(model)
+    m = published_model(model)
     return m if isinstance(m, int) else m.num_params
 
 
@@ -270,7 +258,7 @@ class ThroughputRow:
 
 def _shape(row: PublishedThroughput) -> tuple[int, int]:
     """``(layers, query width)`` of a row's model."""
-    model = _model(row.model)
+    model = published_model(row.model)
     return row.attention if isinstance(model, int) else (model.num_layers, model.attention_width)
 
 
@@ -314,81 +302,6 @@ def throughput_rows(rows: tuple[PublishedThroughput, ...] = PUBLISHED_THROUGHPUT
     return out
 
 
-_TITAN_H100 = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (2024): Llama 3.1 8B, FSDP "
-               "over every GPU, local batch 2, selective activation checkpointing, bf16 (the 8,192-token "
-               "sequence is the run's default config), on H100 96GB (HBM2e) hosts; peak memory per GPU "
-               "in GiB, Tables 1 (8 GPUs) and 3 (128 GPUs)")
-
-
-@dataclass(frozen=True)
-class PublishedMemoryChange:
-    """Two published runs that differ only in their GPU count, and their peaks per GPU."""
-
-    label: str
-    model: str
-    gpus: tuple[int, int]
-    seq_len: int
-    micro_batch: int
-    peaks_gib: tuple[float, float]
-    """The published peak per GPU of each run, GiB."""
-    source: str
-
-
-PUBLISHED_MEMORY_CHANGE: tuple[PublishedMemoryChange, ...] = (
-    PublishedMemoryChange("Llama 3.1 8B, FSDP, eager", "llama3.1-8b", (8, 128), 8192, 2, (82.4, 67.0), _TITAN_H100),
-    PublishedMemoryChange("Llama 3.1 8B, FSDP + compile", "llama3.1-8b", (8, 128), 8192, 2, (77.0, 62.0),
-                          _TITAN_H100),
-    PublishedMemoryChange("Llama 3.1 8B, FSDP + compile + Float8", "llama3.1-8b", (8, 128), 8192, 2, (76.8, 61.8),
-                          _TITAN_H100),
-)
-"""Published peak-memory pairs (torchtitan's tables)."""
-
-
-@dataclass(frozen=True)
-class MemoryChangeRow:
-    """A published change of peak memory beside the model's."""
-
-    published: PublishedMemoryChange
-    model_peaks_bytes: tuple[int, int]
-    """The model's reserved peaks on each GPU count (full activation checkpointing: its
-    activations, like the runs' selective ones, cancel in the change)."""
-
-    @property
-    def model_change_bytes(self) -> int:
-        """The model's reserved peak on the fewer GPUs less that on the more, bytes."""
-        return self.model_peaks_bytes[0] - self.model_peaks_bytes[1]
-
-    @property
-    def published_change_bytes(self) -> float:
-        a, b = self.published.peaks_gib
-        return (a - b) * 2**30
-
-    @property
-    def error(self) -> float:
-        """Model over published, minus one."""
-        return self.model_change_bytes / self.published_change_bytes - 1
-
-    def model_peaks_gib(self, gpus: int, mode: str) -> float:
-        """The model's reserved peak per GPU on ``gpus`` GPUs under checkpointing ``mode``
-        (``"full"`` or ``"selective"``: the book's policy, not torchtitan's), GiB."""
-        return _reserved_peak(self.published, gpus, mode) / 2**30
-
-
-def _reserved_peak(row: PublishedMemoryChange, gpus: int, mode: str) -> int:
-    """The model's reserved peak per GPU for ``row``'s run on ``gpus`` GPUs (bf16 mixed
-    precision, FULL_SHARD, AdamW, activation checkpointing ``mode``), bytes."""
-    model = _model(row.model)
-    return estimate_memory(model, gpus, "FULL_SHARD", "bf16-mixed", micro_batch=row.micro_batch,
-                           seq_len=row.seq_len, activation_checkpointing=mode).peak_reserved
-
-
-def memory_change_rows(rows: tuple[PublishedMemoryChange, ...] = PUBLISHED_MEMORY_CHANGE) -> list[MemoryChangeRow]:
-    """Each published pair with the model's change: the reserved peak (bf16 mixed precision,
-    FULL_SHARD, AdamW) on the first GPU count less that on the second."""
-    return [MemoryChangeRow(row, (_reserved_peak(row, row.gpus[0], "full"),
-                                  _reserved_peak(row, row.gpus[1], "full"))) for row in rows]
-
-
 PUBLISHED_SOURCES = {
     "NVIDIA (NCCL maintainers)": ("NVIDIA/nccl-tests#212", "NVIDIA/nccl#812"),
     "Voltage Park and Georgia Tech": ("aigatech/vpbenchmarking",),
@@ -400,86 +313,3 @@ PUBLISHED_SOURCES = {
     "MosaicML (llm-foundry)": ("mosaicml/llm-foundry",),
 }
 """Who published the rows, and where: independent groups, each with its own machines."""
-
-
-_TITAN_CP = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (2024), Table 2: Llama 3.1 8B, "
-             "FSDP + CP + torch.compile + Float8, 8 H100 96GB (HBM2e), local batch 1, full activation "
-             "checkpointing; peak memory per GPU in GiB. FSDP shards over the CP ranks too "
-             "(torchtitan/models/llama/parallelize_llama.py: fully_shard on the 'dp_shard_cp' mesh)")
-_TITAN_2D = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (2024), Table 4: Llama 3.1 70B, "
-             "2D (FSDP 32, TP 8) + torch.compile + Float8, 256 H100 96GB, local batch 16, full activation "
-             "checkpointing, 8,192-token sequences (train_configs/llama3_70b.toml seq_len); TP with "
-             "SequenceParallel on the norms and a loss-parallel output (parallelize_llama.py apply_tp)")
-_FLOAT8 = ("Float8 and torch.compile buffers, NCCL's own memory and the allocator's fragmentation are not "
-           "in the model")
-_FLOAT8_TP = (_FLOAT8 + "; nor are TP's in-flight (T, d) buffers of 16 sequences of 8,192 tokens (2 GiB "
-              "each in bf16), which NCCL's streams can hold past their use")
-
-
-@dataclass(frozen=True)
-class PublishedAxisMemory:
-    """One published peak memory per GPU of a run with an axis beyond FSDP (TP or CP)."""
-
-    label: str
-    model: str
-    gpus: int
-    tp_size: int
-    """Tensor-parallel ranks (1: none)."""
-    cp_size: int
-    """Context-parallel ranks one sequence is split over (1: none)."""
-    seq_len: int
-    micro_batch: int
-    """Sequences per data-parallel replica (a TP group shares them)."""
-    peak_gib: float
-    """The published peak per GPU, GiB."""
-    source: str
-    why: str = _FLOAT8
-    """What the model leaves out, in words."""
-
-
-PUBLISHED_AXIS_MEMORY: tuple[PublishedAxisMemory, ...] = (
-    PublishedAxisMemory("8B, FSDP 8, CP 1, 32k", "llama3.1-8b", 8, 1, 1, 32768, 1, 83.9, _TITAN_CP),
-    PublishedAxisMemory("8B, FSDP 4, CP 2, 64k", "llama3.1-8b", 8, 1, 2, 65536, 1, 84.2, _TITAN_CP),
-    PublishedAxisMemory("8B, FSDP 2, CP 4, 128k", "llama3.1-8b", 8, 1, 4, 131072, 1, 84.0, _TITAN_CP),
-    PublishedAxisMemory("8B, FSDP 1, CP 8, 256k", "llama3.1-8b", 8, 1, 8, 262144, 1, 84.5, _TITAN_CP),
-    PublishedAxisMemory("70B, FSDP 32 x TP 8", "llama3-70b", 256, 8, 1, 8192, 16, 71.9, _TITAN_2D, _FLOAT8_TP),
-    PublishedAxisMemory("70B, FSDP 32 x TP 8, AsyncTP", "llama3-70b", 256, 8, 1, 8192, 16, 67.6, _TITAN_2D,
-                        _FLOAT8_TP + "; AsyncTP's symmetric-memory buffers instead of NCCL's"),
-)
-"""Published peaks per GPU of context-parallel and 2-D runs (torchtitan's H100 tables)."""
-
-
-@dataclass(frozen=True)
-class AxisMemoryRow:
-    """A published peak per GPU beside the model's."""
-
-    published: PublishedAxisMemory
-    model_bytes: int
-    """The model's reserved peak per GPU, bytes."""
-
-    @property
-    def model_gib(self) -> float:
-        return self.model_bytes / 2**30
-
-    @property
-    def error(self) -> float:
-        """Model over published, minus one."""
-        return self.model_bytes / (self.published.peak_gib * 2**30) - 1
-
-
-def axis_memory_rows(rows: tuple[PublishedAxisMemory, ...] = PUBLISHED_AXIS_MEMORY) -> list[AxisMemoryRow]:
-    """Each published peak with the model's reserved peak (bf16 mixed precision, AdamW, full
-    checkpointing): the sequence split over ``cp_size`` ranks with FSDP over every GPU
-    (:func:`~handbook_lib.models.axes.estimate_sp_memory`), or TP over ``tp_size`` x FSDP over
-    the rest (:func:`~handbook_lib.models.axes.estimate_tp_fsdp_memory`)."""
-    out = []
-    for row in rows:
-        model = _model(row.model)
-        if row.tp_size > 1:
-            assert isinstance(model, DecoderShape)  # tensor parallelism splits a shape's heads
-            est = estimate_tp_fsdp_memory(model, row.gpus, row.tp_size, micro_batch=row.micro_batch,
-                                          seq_len=row.seq_len)
-        else:
-            est = estimate_sp_memory(model, row.gpus, row.seq_len, row.cp_size, micro_batch=row.micro_batch)
-        out.append(AxisMemoryRow(row, est.peak_reserved))
-    return out

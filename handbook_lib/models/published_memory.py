@@ -1,0 +1,230 @@
+"""Other people's peak memory per GPU, and the memory model's beside it. Pure: no ``torch``.
+
+Each published peak is compared with :attr:`~handbook_lib.models.memory.MemoryEstimate.peak_reserved`
+(the sources print ``torch.cuda``'s reserved peak: torchtitan's ``memory:`` log line is
+``max_reserved_gib``), in absolute terms where the model expresses the run's configuration, and
+as the change between two runs that differ only in their GPU count, where the activations, the
+logits and the checkpointing policy cancel and the sharded model state remains. A row whose
+configuration the model does not express (``torch.compile``'s fused kernels, Float8) says so
+and is not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from handbook_lib.models.axes import estimate_sp_memory, estimate_tp_fsdp_memory
+from handbook_lib.models.memory import estimate_memory
+from handbook_lib.models.presets import DecoderShape
+from handbook_lib.models.published import published_model
+
+__all__ = [
+    "PUBLISHED_AXIS_MEMORY",
+    "PUBLISHED_MEMORY_CHANGE",
+    "AxisMemoryRow",
+    "MemoryChangeRow",
+    "PublishedAxisMemory",
+    "PublishedMemoryChange",
+    "axis_memory_rows",
+    "memory_change_rows",
+    "PeakRow",
+    "peak_rows",
+    "TORCHTITAN_OP_POLICY",
+]
+
+
+_TITAN_H100 = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (2024): Llama 3.1 8B, FSDP "
+               "over every GPU, local batch 2, selective activation checkpointing, bf16 (the 8,192-token "
+               "sequence is the run's default config), on H100 96GB (HBM2e) hosts; peak memory per GPU "
+               "in GiB, Tables 1 (8 GPUs) and 3 (128 GPUs); the config's selective_ac_option 'op' and "
+               "parallelize_llama.py's policy at the time (train_configs/llama3_8b.toml, "
+               "torchtitan/parallelisms/parallelize_llama.py, 2024-10): keep every second aten.mm")
+_COMPILE = ("torch.compile's fused kernels save other intermediates than the eager operators the model "
+            "counts (77.0 against eager's 82.4 GiB)")
+TORCHTITAN_OP_POLICY = 2
+"""torchtitan's op-level selective checkpointing keeps every second matrix product's output
+(``ac_matmul_every``)."""
+
+
+@dataclass(frozen=True)
+class PublishedMemoryChange:
+    """Two published runs that differ only in their GPU count, and their peaks per GPU."""
+
+    label: str
+    model: str
+    gpus: tuple[int, int]
+    seq_len: int
+    micro_batch: int
+    peaks_gib: tuple[float, float]
+    """The published peak per GPU of each run, GiB."""
+    source: str
+    why: str = ""
+    """What of the runs the model does not express, in words ("": nothing; the peaks are
+    compared in absolute terms)."""
+
+
+PUBLISHED_MEMORY_CHANGE: tuple[PublishedMemoryChange, ...] = (
+    PublishedMemoryChange("Llama 3.1 8B, FSDP, eager", "llama3.1-8b", (8, 128), 8192, 2, (82.4, 67.0), _TITAN_H100),
+    PublishedMemoryChange("Llama 3.1 8B, FSDP + compile", "llama3.1-8b", (8, 128), 8192, 2, (77.0, 62.0),
+                          _TITAN_H100, _COMPILE),
+    PublishedMemoryChange("Llama 3.1 8B, FSDP + compile + Float8", "llama3.1-8b", (8, 128), 8192, 2, (76.8, 61.8),
+                          _TITAN_H100, _COMPILE + "; nor Float8's casts and scales"),
+)
+"""Published peak-memory pairs (torchtitan's tables)."""
+
+
+@dataclass(frozen=True)
+class MemoryChangeRow:
+    """A published change of peak memory beside the model's."""
+
+    published: PublishedMemoryChange
+    model_peaks_bytes: tuple[int, int]
+    """The model's reserved peaks on each GPU count (full activation checkpointing: its
+    activations, like the runs' selective ones, cancel in the change)."""
+
+    @property
+    def model_change_bytes(self) -> int:
+        """The model's reserved peak on the fewer GPUs less that on the more, bytes."""
+        return self.model_peaks_bytes[0] - self.model_peaks_bytes[1]
+
+    @property
+    def published_change_bytes(self) -> float:
+        a, b = self.published.peaks_gib
+        return (a - b) * 2**30
+
+    @property
+    def error(self) -> float:
+        """Model over published, minus one."""
+        return self.model_change_bytes / self.published_change_bytes - 1
+
+    def model_peaks_gib(self, gpus: int, mode: str, matmul_every: int = 1) -> float:
+        """The model's reserved peak per GPU on ``gpus`` GPUs under checkpointing ``mode``
+        (``"full"`` or ``"selective"``, keeping every ``matmul_every``-th product), GiB."""
+        return _reserved_peak(self.published, gpus, mode, matmul_every) / 2**30
+
+
+def _reserved_peak(row: PublishedMemoryChange, gpus: int, mode: str, matmul_every: int = 1) -> int:
+    """The model's reserved peak per GPU for ``row``'s run on ``gpus`` GPUs (bf16 mixed
+    precision, FULL_SHARD, AdamW, activation checkpointing ``mode``), bytes."""
+    model = published_model(row.model)
+    return estimate_memory(model, gpus, "FULL_SHARD", "bf16-mixed", micro_batch=row.micro_batch,
+                           seq_len=row.seq_len, activation_checkpointing=mode,
+                           ac_matmul_every=matmul_every).peak_reserved
+
+
+@dataclass(frozen=True)
+class PeakRow:
+    """One published peak per GPU beside the model's, in absolute terms."""
+
+    label: str
+    gpus: int
+    published_gib: float
+    model_gib: float
+    why: str
+    """What the model does not express of the run ("": nothing, the row counts)."""
+
+    @property
+    def error(self) -> float:
+        """Model over published, minus one."""
+        return self.model_gib / self.published_gib - 1
+
+    @property
+    def counted(self) -> bool:
+        return not self.why
+
+
+def peak_rows(rows: tuple[PublishedMemoryChange, ...] = PUBLISHED_MEMORY_CHANGE) -> list[PeakRow]:
+    """Every run of ``rows`` on its own: the model's reserved peak with the runs' own policy,
+    torchtitan's op-level selective checkpointing (:data:`TORCHTITAN_OP_POLICY`)."""
+    return [PeakRow(r.label, gpus, peak, _reserved_peak(r, gpus, "selective", TORCHTITAN_OP_POLICY) / 2**30, r.why)
+            for r in rows for gpus, peak in zip(r.gpus, r.peaks_gib)]
+
+
+def memory_change_rows(rows: tuple[PublishedMemoryChange, ...] = PUBLISHED_MEMORY_CHANGE) -> list[MemoryChangeRow]:
+    """Each published pair with the model's change: the reserved peak (bf16 mixed precision,
+    FULL_SHARD, AdamW) on the first GPU count less that on the second."""
+    return [MemoryChangeRow(row, (_reserved_peak(row, row.gpus[0], "full"),
+                                  _reserved_peak(row, row.gpus[1], "full"))) for row in rows]
+
+
+_TITAN_CP = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (2024), Table 2: Llama 3.1 8B, "
+             "FSDP + CP + torch.compile + Float8, 8 H100 96GB (HBM2e), local batch 1, full activation "
+             "checkpointing; peak memory per GPU in GiB. FSDP shards over the CP ranks too "
+             "(torchtitan/models/llama/parallelize_llama.py: fully_shard on the 'dp_shard_cp' mesh)")
+_TITAN_2D = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (2024), Table 4: Llama 3.1 70B, "
+             "2D (FSDP 32, TP 8) + torch.compile + Float8, 256 H100 96GB, local batch 16, full activation "
+             "checkpointing, 8,192-token sequences (train_configs/llama3_70b.toml seq_len); TP with "
+             "SequenceParallel on the norms and a loss-parallel output (parallelize_llama.py apply_tp)")
+_FLOAT8 = ("Float8 and torch.compile buffers, NCCL's own memory and the allocator's fragmentation are not "
+           "in the model")
+_FLOAT8_TP = (_FLOAT8 + "; nor are TP's in-flight (T, d) buffers of 16 sequences of 8,192 tokens (2 GiB "
+              "each in bf16), which NCCL's streams can hold past their use")
+
+
+@dataclass(frozen=True)
+class PublishedAxisMemory:
+    """One published peak memory per GPU of a run with an axis beyond FSDP (TP or CP)."""
+
+    label: str
+    model: str
+    gpus: int
+    tp_size: int
+    """Tensor-parallel ranks (1: none)."""
+    cp_size: int
+    """Context-parallel ranks one sequence is split over (1: none)."""
+    seq_len: int
+    micro_batch: int
+    """Sequences per data-parallel replica (a TP group shares them)."""
+    peak_gib: float
+    """The published peak per GPU, GiB."""
+    source: str
+    why: str = _FLOAT8
+    """What the model leaves out, in words."""
+
+
+PUBLISHED_AXIS_MEMORY: tuple[PublishedAxisMemory, ...] = (
+    PublishedAxisMemory("8B, FSDP 8, CP 1, 32k", "llama3.1-8b", 8, 1, 1, 32768, 1, 83.9, _TITAN_CP),
+    PublishedAxisMemory("8B, FSDP 4, CP 2, 64k", "llama3.1-8b", 8, 1, 2, 65536, 1, 84.2, _TITAN_CP),
+    PublishedAxisMemory("8B, FSDP 2, CP 4, 128k", "llama3.1-8b", 8, 1, 4, 131072, 1, 84.0, _TITAN_CP),
+    PublishedAxisMemory("8B, FSDP 1, CP 8, 256k", "llama3.1-8b", 8, 1, 8, 262144, 1, 84.5, _TITAN_CP),
+    PublishedAxisMemory("70B, FSDP 32 x TP 8", "llama3-70b", 256, 8, 1, 8192, 16, 71.9, _TITAN_2D, _FLOAT8_TP),
+    PublishedAxisMemory("70B, FSDP 32 x TP 8, AsyncTP", "llama3-70b", 256, 8, 1, 8192, 16, 67.6, _TITAN_2D,
+                        _FLOAT8_TP + "; AsyncTP's symmetric-memory buffers instead of NCCL's"),
+)
+"""Published peaks per GPU of context-parallel and 2-D runs (torchtitan's H100 tables)."""
+
+
+@dataclass(frozen=True)
+class AxisMemoryRow:
+    """A published peak per GPU beside the model's."""
+
+    published: PublishedAxisMemory
+    model_bytes: int
+    """The model's reserved peak per GPU, bytes."""
+
+    @property
+    def model_gib(self) -> float:
+        return self.model_bytes / 2**30
+
+    @property
+    def error(self) -> float:
+        """Model over published, minus one."""
+        return self.model_bytes / (self.published.peak_gib * 2**30) - 1
+
+
+def axis_memory_rows(rows: tuple[PublishedAxisMemory, ...] = PUBLISHED_AXIS_MEMORY) -> list[AxisMemoryRow]:
+    """Each published peak with the model's reserved peak (bf16 mixed precision, AdamW, full
+    checkpointing): the sequence split over ``cp_size`` ranks with FSDP over every GPU
+    (:func:`~handbook_lib.models.axes.estimate_sp_memory`), or TP over ``tp_size`` x FSDP over
+    the rest (:func:`~handbook_lib.models.axes.estimate_tp_fsdp_memory`)."""
+    out = []
+    for row in rows:
+        model = published_model(row.model)
+        if row.tp_size > 1:
+            assert isinstance(model, DecoderShape)  # tensor parallelism splits a shape's heads
+            est = estimate_tp_fsdp_memory(model, row.gpus, row.tp_size, micro_batch=row.micro_batch,
+                                          seq_len=row.seq_len)
+        else:
+            est = estimate_sp_memory(model, row.gpus, row.seq_len, row.cp_size, micro_batch=row.micro_batch)
+        out.append(AxisMemoryRow(row, est.peak_reserved))
+    return out
