@@ -295,3 +295,21 @@ def test_a_pipeline_does_not_shrink_the_batch_below_tp_s():
     v = estimate_axes("llama3-405b", "h100-80gb", 16384, seq_len=8192, batch_tokens=4 * 2**20)
     assert v.max_dp == 512 and v.tp_size == 8
     assert any("A pipeline does not lower it" in r and "2,048 sequences or more" in r for r in v.reasons)
+
+
+def test_tp_keeps_each_layers_two_gathered_inputs_whole():
+    """PyTorch's colwise projections save the all-gathered input whole (the CPU runs measure it at
+    2 and 4 tensor ranks): 2·T·d·c a layer, of which FULL_SHARD's share / t counts 1/t. Without
+    checkpointing every layer holds them through the first backward; with it, the recomputed one."""
+    from handbook_lib.models import estimate_memory
+    from handbook_lib.models.axes import estimate_tp_fsdp_memory
+
+    t, d, layers, tokens = 8, 8192, 80, 4096
+    extra = 2 * tokens * d * 2 * (t - 1) // t  # bf16
+    for ac, held in (("none", layers), ("full", 1)):
+        tp = estimate_tp_fsdp_memory("llama2-70b", 64, t, micro_batch=1, seq_len=tokens, activation_checkpointing=ac)
+        fsdp = estimate_memory("llama2-70b", 64, "FULL_SHARD", "bf16-mixed", micro_batch=1, seq_len=tokens,
+                               activation_checkpointing=ac)
+        state = tp.phases["root_reduce"] - (fsdp.phases["root_reduce"] - fsdp.model_state) // t
+        assert tp.phases["layer_backward"] == state + (fsdp.phases["layer_backward"] - fsdp.model_state) // t + held * extra
+        assert tp.phases["forward_start"] == state + (fsdp.phases["forward_start"] - fsdp.model_state) // t

@@ -1,5 +1,5 @@
-"""handbook_lib.runs.tensor_parallel: TP x FSDP2 on 4 ranks as 2 x 2, with and without sequence
-parallelism, TP with the sequence split over the other axis, and the general levers (bf16-mixed,
+"""handbook_lib.runs.tensor_parallel: TP x FSDP2 on 4 ranks as 2 x 2 and TP over all 4, with and
+without sequence parallelism, TP with the sequence split over the other axis, and the general levers (bf16-mixed,
 activation checkpointing, a cosine schedule, accumulation, clipping, fp16, offload, SHARD_GRAD_OP,
 HSDP), for a shape other than the chapter's; every check exact (losses 1e-5 in fp32)."""
 
@@ -31,6 +31,9 @@ CONFIGS = {
     "fp16_offload": {**SHAPE, "precision": "fp16-mixed", "cpu_offload": True},
     "shard_grad_op": {**SHAPE, "strategy": "SHARD_GRAD_OP"},
     "hsdp": {**SHAPE, "strategy": "HYBRID_SHARD", "shard_group_size": 1},
+    # four tensor ranks, the whole world (at 2, 4·d/t = 2·d: only t = 4 tells the terms apart)
+    "tp4": {**SHAPE, "tp_size": 4}, "tp4_sp": {**SHAPE, "tp_size": 4, "sequence_parallel": True},
+    "tp4_sp_selective": {**SHAPE, "tp_size": 4, "sequence_parallel": True, "activation_checkpointing": "selective"},
 }
 
 
@@ -137,3 +140,21 @@ def test_bad_configs_are_refused_in_one_line(changes, world, match):
 def test_shapes_tp_cannot_split_are_refused_by_the_config(changes, match):
     with pytest.raises(ValueError, match=match):
         ParallelConfig.from_mapping({**SHAPE, **changes})
+
+
+def test_four_tensor_ranks_keep_what_the_terms_say_by_hand(results):
+    """TP over 4 ranks, fp32, T = 4 x 8 = 32 tokens, d 32, f 64, 4 heads (1 a rank), vocabulary 50
+    padded to 52 (13 rows a rank). A layer keeps its input and linear1's (T·d·4 x 2 = 8,192 B),
+    the rank's Q, K, V and attention output (T·(d/4)·4 x 4 = 4,096), GELU's input and output
+    (T·(f/4)·4 x 2 = 4,096), the log-sum-exp (4·T = 128) and the norms' inputs and statistics
+    (2·T·d·4 + 4·T·4 = 8,704, a quarter of it under sequence parallelism); the head keeps the ids
+    and targets (16·T), its input (T·d·4) and the log-softmax's 13 columns (4·T·13), and 8 B."""
+    head = 16 * 32 + 32 * 32 * 4 + 4 * 32 * 13 + 8
+    layer = 8192 + 4096 + 4096 + 128
+    assert results["tp4"].ranks[0]["activation_bytes"] == 2 * (layer + 8704) + head == 56_712
+    assert results["tp4_sp"].ranks[0]["activation_bytes"] == 2 * (layer + 8704 // 4) + head == 43_656
+    # selective keeps the sequence shard of each layer's input (T·d·4/4), Q, K, V, the attention's
+    # output and log-sum-exp (T·(4d/4)·4 + 4·T), linear1's output (T·(f/4)·4) and the two
+    # row-parallel outputs before their reduce-scatter, whole (2·T·d·4)
+    kept = 32 * 32 + 32 * 32 * 4 + 4 * 32 + 32 * 16 * 4 + 2 * 32 * 32 * 4
+    assert results["tp4_sp_selective"].ranks[0]["activation_bytes"] == 2 * kept + head

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from handbook_lib.core.checks import check_int
+from handbook_lib.core.config import checkpointing_mode, dtype_bytes, get_precision
 from handbook_lib.core.parallel_layout import ParallelLayout
 from handbook_lib.core.strategies import get_strategy
 from handbook_lib.models.hardware import (
@@ -170,8 +171,14 @@ def estimate_job_memory(model: ModelLike, layout: ParallelLayout, *, micro_batch
       (phase by phase) divided by ``tp``: with sequence parallelism on the norms (Korthikanti et
       al.'s ``34·s·b·h/t``; with full checkpointing ``2·s·b·h/t``), a loss-parallel head and
       gathered units of one TP slice, every activation, logit and gathered byte of a GPU is 1/t
-      of FULL_SHARD's for the same tokens. TP's own in-flight buffers (one (T, d) all-gather
-      output at a time) are left out. ``micro_batch`` is per TP group.
+      of FULL_SHARD's for the same tokens, but for the two inputs PyTorch's TP all-gathers in
+      each layer (the attention's, shared by Q, K and V, and the feed-forward's): their
+      colwise-parallel projections save them whole, ``2·T·d·c`` a layer, as the CPU runs
+      measure (:func:`~handbook_lib.models.axes_run.estimate_axes_activation_bytes`), where
+      Korthikanti's Megatron keeps the shard and gathers again in backward. They are alive for
+      every layer through backward without checkpointing, for the layer being recomputed with
+      it. TP's in-flight buffers (one (T, d) all-gather output at a time) are left out.
+      ``micro_batch`` is per TP group.
 
     Raises:
         ValueError: for a shape the layout cannot split (:meth:`ParallelLayout.check_shape`); with
@@ -213,7 +220,12 @@ def estimate_job_memory(model: ModelLike, layout: ParallelLayout, *, micro_batch
     held = tp_state.params_per_gpu
     state = {"params": 4 * held, "grads": 4 * held, "optimizer": 4 * optimizer_states(optimizer) * held}
     components = {k: state[k] if k in state else v // layout.tp for k, v in fsdp.components.items()}
-    phases = {k: sum(state.values()) + (v - fsdp.model_state) // layout.tp for k, v in fsdp.phases.items()}
+    gathered = _gathered_inputs(model, micro_batch * local, precision, layout.tp)
+    phases = {k: sum(state.values()) + (v - fsdp.model_state) // layout.tp
+              + gathered * _layers_holding(k, activation_checkpointing, model.num_layers)
+              for k, v in fsdp.phases.items()}
+    components["activations"] += gathered * _layers_holding(fsdp.peak_phase, activation_checkpointing,
+                                                            model.num_layers)
     phases[fsdp.peak_phase] = sum(components.values())
     split = f" x SP {layout.sp}" if layout.sp > 1 else ""
     note = (f"TP {layout.tp}{split} x FSDP {world // (layout.tp * layout.sp)}: activations, logits and gathered "
@@ -221,6 +233,22 @@ def estimate_job_memory(model: ModelLike, layout: ParallelLayout, *, micro_batch
             "left out")
     return MemoryEstimate(components, phases, fsdp.peak_phase,
                           forward_activations=fsdp.forward_activations // layout.tp, notes=(note,))
+
+
+def _gathered_inputs(shape: DecoderShape, tokens: int, precision: str, tp: int) -> int:
+    """What a layer's two all-gathered inputs hold beyond the 1/tp share FULL_SHARD's count
+    gives them, bytes: ``2·T·d·c·(1 - 1/tp)``."""
+    c = dtype_bytes(get_precision(precision)[0])
+    return 2 * tokens * shape.d_model * c * (tp - 1) // tp
+
+
+def _layers_holding(phase: str, checkpointing: bool | str, layers: int) -> int:
+    """Layers whose gathered inputs are alive in ``phase``: every layer from the last forward to
+    the first backward without checkpointing; the one recomputed with it."""
+    if checkpointing_mode(checkpointing) == "none":
+        return layers if phase in ("layer_forward", "loss_backward", "backward_start", "head_backward",
+                                   "layer_backward", "layer_reduce") else 0
+    return 1 if phase in ("layer_recompute", "layer_backward", "layer_reduce") else 0
 
 
 def estimate_sp_memory(model: ModelLike, world_size: int, seq_len: int, sp_size: int, *, micro_batch: int = 1,
