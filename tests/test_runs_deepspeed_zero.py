@@ -24,6 +24,7 @@ RUNS = {
     "zero2-offload-bf16": {"strategy": "ZERO2", "cpu_offload": True, "precision": "bf16-mixed"},
     "zero3-adam-bf16-persistent": {"strategy": "ZERO3", "optimizer": "adam", "precision": "bf16-mixed",
                                    "persistence_threshold": 10_000, "steps": 3},
+    "zero3-bf16-master-and-states": {"strategy": "ZERO3", "precision": "bf16", "steps": 3},
 }
 
 
@@ -39,6 +40,23 @@ def results(tmp_path_factory):
         assert {f"loss_step{s + 1}_vs_fsdp2" for s in range(result.config["steps"])} <= quantities
         assert {c.rank for c in result.checks} == {0, 1, 2, 3}
     return runs
+
+
+def test_zero3_keeps_a_bf16_master_and_bf16_adam_states_ten_bytes_a_parameter(results):
+    """``precision="bf16"`` on ZeRO: DeepSpeed's ``bf16_master_weights_and_grads`` and
+    ``bf16_optimizer_states``: of each rank's partition of p elements, the bf16 parameters (2p),
+    a bf16 master (2p), bf16 gradients (2p) and AdamW's two bf16 moments (4p), 10 bytes an
+    element against 18 with the fp32 master (DeepSpeed's own example counts the same)."""
+    from handbook_lib.runtime import build_model
+
+    result = results["zero3-bf16-master-and-states"]
+    assert result.extra["deepspeed_config"]["bf16"] == {
+        "enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    model = build_model(ZeroRunConfig.from_mapping(result.config).model_config())
+    part = sum(-(-p.numel() // 4) for p in model.parameters())  # every tensor split 4 ways, rounded up
+    for rank in result.ranks:
+        assert (rank["params_bytes"], rank["master_bytes"], rank["grads_bytes"], rank["optimizer_bytes"]) == (
+            2 * part, 2 * part, 2 * part, 4 * part)
 
 
 def test_zero1_sgd_momentum_bf16(results):

@@ -173,3 +173,21 @@ def test_zero_step_gradient_partition_is_fp32_of_the_partition_in_16_bits_only()
     assert zero_step_gradient_bytes(8_000_000, 8, "ZERO3", "fp16-mixed") == 4 * 1_000_000
     assert zero_step_gradient_bytes(8_000_000, 8, "ZERO3", "fp32") == 0
     assert zero_step_gradient_bytes(16 * 10**9, 8, "ZERO3") == 4 * 10**9  # one sub-group at a time
+
+
+def test_bf16_keeps_a_bf16_master_gradients_and_states_ten_bytes_a_parameter():
+    """``precision="bf16"``: DeepSpeed's ``bf16_master_weights_and_grads`` and
+    ``bf16_optimizer_states``, 2 + 2 + 2 + 4 bytes an element of the partition (18 with the fp32
+    master: 2 + 4 + 4 + 8); the step's gradient copy in bf16 too."""
+    from handbook_lib.models import estimate_zero_rank_bytes
+    from handbook_lib.models.zero import zero_step_gradient_bytes
+
+    p, n = 6_738_415_616, 8
+    part = -(-p // n)
+    bf16 = estimate_zero_rank_bytes("llama2-7b", n, "ZERO3", "bf16")
+    mixed = estimate_zero_rank_bytes("llama2-7b", n, "ZERO3", "bf16-mixed")
+    assert (bf16.params, bf16.master, bf16.grads, bf16.optimizer) == (2 * part, 2 * part, 2 * part, 4 * part)
+    assert (mixed.params, mixed.master, mixed.grads, mixed.optimizer) == (2 * part, 4 * part, 2 * part, 8 * part)
+    assert zero_step_gradient_bytes("llama2-7b", n, "ZERO3", "bf16") == 2 * part
+    with pytest.raises(ValueError, match="precision 'bf16'.*compiled CPU Adam"):
+        estimate_zero_rank_bytes("llama2-7b", n, "ZERO3", "bf16", cpu_offload=True)

@@ -416,11 +416,11 @@ class RunConfig(FlatConfig):
         if isinstance(n, int) and n > 1 and self.activation_checkpointing != "selective":
             raise ValueError(f"config key 'ac_matmul_every'={n} thins the selective policy's matrix products: "
                              f"it needs activation_checkpointing 'selective', got {self.activation_checkpointing!r}")
-        if self.precision == "bf16" and (self.init != "meta" or get_strategy(self.strategy).wrapper == "deepspeed"
-                                         or self.api == "fsdp1"):
+        zero = get_strategy(self.strategy).wrapper == "deepspeed"  # DeepSpeed keeps bf16 master and states
+        if self.precision == "bf16" and not zero and (self.init != "meta" or self.api == "fsdp1"):
             raise ValueError("config key 'precision'='bf16' (the model kept in bf16) builds on the meta device "
-                             "with FSDP2, DDP or one process: it needs init='meta', api='fsdp2' and a "
-                             f"PyTorch strategy, got init={self.init!r}, api={self.api!r}, {self.strategy}")
+                             "with FSDP2, DDP or one process (or ZeRO's bf16 master): it needs init='meta' and "
+                             f"api='fsdp2', got init={self.init!r}, api={self.api!r}, {self.strategy}")
         if isinstance(self.warmup_steps, int) and self.warmup_steps >= self.steps:
             raise ValueError(f"config key 'warmup_steps' must be < steps={self.steps} (the steps of "
                              f"warm-up come first), got {self.warmup_steps}")

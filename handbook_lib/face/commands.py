@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from handbook_lib.core.architecture import MODEL_KEYS, ModelConfig
-from handbook_lib.core.config import PRECISIONS, RunConfig, check_optimizer_impl, parse_overrides
+from handbook_lib.core.config import PRECISIONS, RunConfig, check_optimizer_impl, parse_overrides, state_dtype
 from handbook_lib.core.parallel_layout import ParallelLayout
 from handbook_lib.core.results import RunResult
 from handbook_lib.core.strategies import get_strategy, strategies_where
@@ -173,7 +173,7 @@ def _zero_memory(args: argparse.Namespace) -> int:
     print(wrap_line(f"{_assumptions(args, args.optimizer)}; DeepSpeed's layout, model state only", "  "))
     rows = [[name, b, format_bytes(b)] for name, b in parts.items()]
     rows += [["at rest", state.total, format_bytes(state.total)],
-             ["+ fp32 gradient partition", step, format_bytes(step)],
+             [f"+ {state_dtype(args.precision)} gradient partition", step, format_bytes(step)],
              ["at the optimizer step", state.total + step, format_bytes(state.total + step)]]
     print(Table(["part", "bytes", "human"], rows))
     if not args.cpu_offload:

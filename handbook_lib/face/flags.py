@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from handbook_lib.core.strategies import get_strategy
+
 __all__ = ["check_memory_flags"]
 
 
@@ -31,5 +33,8 @@ def check_memory_flags(args: argparse.Namespace) -> None:
     if (args.ac_every > 1 or args.ac_matmul_every > 1) and (args.tp_size > 1 or args.sp_size > 1):
         raise ValueError("--ac-every or --ac-matmul-every with --tp-size or --sp-size: the layouts beyond FSDP "
                          "checkpoint every layer, every product")
+    if args.precision == "bf16" and args.cpu_offload and get_strategy(args.strategy).wrapper == "deepspeed":
+        raise ValueError("--precision bf16 with --cpu-offload: DeepSpeed offloads a bf16 master and bf16 optimizer "
+                         "states only to its compiled CPU Adam; give --precision bf16-mixed")
     if args.sync_every_micro_step and args.grad_accum < 2:
         raise ValueError(f"--sync-every-micro-step needs --grad-accum >= 2, got {args.grad_accum}")

@@ -352,41 +352,41 @@ MEASUREMENT_OVERRIDES: dict[str, tuple[str, str, str]] = {
 config (``production=True``) writes instead: key → (measurement, production, why)."""
 
 
+_BF16_STATE = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}  # precision "bf16"
+
+
 def deepspeed_config(config: RunConfig, world_size: int, *, persistence_threshold: int = 0,
                      production: bool = False, reduce_in_compute_dtype: bool = False) -> dict[str, Any]:
     """A DeepSpeed config with the run's sharding, batch, precision, optimizer and clipping.
 
-    By default the config of the book's *measurement* runs (:data:`MEASUREMENT_OVERRIDES`): with
-    ZeRO-3, no prefetch, no reuse and every tensor of at least ``persistence_threshold``
-    elements sharded. ``production=True`` writes the config to run a job with: DeepSpeed's own
-    ZeRO-3 defaults (:data:`DEEPSPEED_STAGE3_DEFAULTS`, written out so that they show) and
-    ``overlap_comm: true``; ``persistence_threshold`` is then ignored. With
-    ``reduce_in_compute_dtype=True`` no ``communication_data_type`` is written, so a bf16 job
-    reduces in bf16, as Accelerate's and the Trainer's ``bf16`` do.
+    By default the config of the book's *measurement* runs (:data:`MEASUREMENT_OVERRIDES`): with ZeRO-3, no
+    prefetch, no reuse and every tensor of at least ``persistence_threshold`` elements sharded.
+    ``production=True`` writes the config to run a job with: DeepSpeed's own ZeRO-3 defaults
+    (:data:`DEEPSPEED_STAGE3_DEFAULTS`, written out so that they show) and ``overlap_comm: true``;
+    ``persistence_threshold`` is then ignored. With ``reduce_in_compute_dtype=True`` no
+    ``communication_data_type`` is written: a bf16 job reduces in bf16, as Accelerate's and the Trainer's do.
 
-    ``zero_optimization`` comes from the strategy table (``Strategy.deepspeed_config``: ZERO1/2/3
-    their own stage; DDP → 0, SHARD_GRAD_OP → 2, FULL_SHARD → 3; the hybrid strategies have none).
-    With stage 3, parameters are gathered module by module in forward and again in backward
-    (no prefetch, no reuse across the two: ``stage3_prefetch_bucket_size`` and
-    ``stage3_max_reuse_distance`` 0, as FSDP's ``reshard_after_forward``), and every tensor of at
-    least ``persistence_threshold`` elements is sharded (``stage3_param_persistence_threshold``;
-    DeepSpeed's default, 100000, keeps smaller tensors whole on every rank).
+    ``zero_optimization`` comes from the strategy table (``Strategy.deepspeed_config``: ZERO1/2/3 their own
+    stage; DDP → 0, SHARD_GRAD_OP → 2, FULL_SHARD → 3; the hybrid strategies have none). With stage 3,
+    parameters are gathered module by module in forward and again in backward (no prefetch, no reuse across the
+    two: ``stage3_prefetch_bucket_size`` and ``stage3_max_reuse_distance`` 0, as FSDP's
+    ``reshard_after_forward``), and every tensor of at least ``persistence_threshold`` elements is sharded
+    (``stage3_param_persistence_threshold``; DeepSpeed's default 100000 keeps smaller ones whole on every rank).
 
-    ``cpu_offload`` offloads the optimizer (master weights, gradients, optimizer state:
-    ``offload_optimizer``) and, with stage 3, the parameters (``offload_param``); PyTorch's
-    optimizer then runs on the offloaded state (``zero_force_ds_cpu_optimizer: false``: no
-    compiled CPU Adam). The precision's reduce dtype becomes ``communication_data_type`` (DeepSpeed
-    would otherwise reduce bf16 gradients in bf16). Clipping is always written: DeepSpeed clips
-    at 1.0 when the key is absent, so ``max_grad_norm=0`` becomes ``"gradient_clipping": 0.0``.
-    The optimizer is PyTorch's AdamW/Adam/SGD inside DeepSpeed (``torch_adam``: no compiled op;
-    ``adam_w_mode: false`` for Adam, which DeepSpeed would otherwise run as AdamW).
+    ``cpu_offload`` offloads the optimizer (master weights, gradients, optimizer state: ``offload_optimizer``)
+    and, with stage 3, the parameters (``offload_param``); PyTorch's optimizer then runs on the offloaded state
+    (``zero_force_ds_cpu_optimizer: false``: no compiled CPU Adam). The precision's reduce dtype becomes
+    ``communication_data_type`` (DeepSpeed would otherwise reduce bf16 gradients in bf16). Clipping is always
+    written: DeepSpeed clips at 1.0 when the key is absent, so ``max_grad_norm=0`` becomes
+    ``"gradient_clipping": 0.0``. The optimizer is PyTorch's AdamW/Adam/SGD inside DeepSpeed (``torch_adam``: no
+    compiled op; ``adam_w_mode: false`` for Adam, which DeepSpeed would otherwise run as AdamW).
 
-    ``optimizer.params`` always holds ``weight_decay`` (the book's optimizer's: 0.01 for AdamW,
-    else 0): DeepSpeed's AdamW would take 0.01, and the Trainer checks only the keys written.
+    ``optimizer.params`` always holds ``weight_decay`` (the book's: 0.01 for AdamW, else 0): DeepSpeed's AdamW
+    would take 0.01, and the Trainer checks only the keys written.
 
-    ZeRO-1/2 reduce with DeepSpeed's default ``use_multi_rank_bucket_allreduce: true``: every
-    gradient bucket is all-reduced (about twice the bytes of a reduce-scatter); with ``false``
-    each bucket is reduced to the ranks that own its partitions, about the ZeRO paper's 2Ψ.
+    ZeRO-1/2 reduce with DeepSpeed's default ``use_multi_rank_bucket_allreduce: true``: every gradient bucket
+    all-reduced (twice a reduce-scatter's bytes); ``false`` reduces it to its partitions' owners. Precision
+    ``bf16`` keeps the master weights, gradients and optimizer states in bf16 (:data:`_BF16_STATE`).
 
     Raises:
         ValueError: for a strategy with no ZeRO stage, a world size the batch does not divide,
@@ -424,7 +424,7 @@ def deepspeed_config(config: RunConfig, world_size: int, *, persistence_threshol
         "gradient_accumulation_steps": config.grad_accum_steps,
         "gradient_clipping": config.max_grad_norm,
         "optimizer": {"type": optimizer, "params": params},
-        "bf16": {"enabled": compute == "bf16"},
+        "bf16": {"enabled": compute == "bf16", **(_BF16_STATE if config.precision == "bf16" else {})},
         "fp16": {"enabled": compute == "fp16"},
         "communication_data_type": reduce,
         "zero_optimization": section,

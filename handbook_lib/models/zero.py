@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 
 from handbook_lib.core.checks import check_int, check_world, lookup
-from handbook_lib.core.config import DTYPES, PRECISIONS
+from handbook_lib.core.config import DTYPES, PRECISIONS, state_dtype
 from handbook_lib.core.strategies import STRATEGY_TABLE, get_strategy
 from handbook_lib.models.collectives import estimate_collective
 from handbook_lib.models.layout import ModelLike, model_layout
@@ -157,7 +157,8 @@ def estimate_zero_rank_bytes(
         world_size: Ranks, N.
         strategy: ``ZERO1``, ``ZERO2`` or ``ZERO3``.
         precision: A key of :data:`handbook_lib.core.config.PRECISIONS`: parameters and gradients are
-            kept in its compute dtype; master and optimizer state in fp32.
+            kept in its compute dtype; master and optimizer state in fp32, or in bf16 for ``bf16``
+            (DeepSpeed's ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states``).
         optimizer: ``adamw``/``adam`` (2 states), ``sgd-momentum`` (1), ``sgd`` (0).
         rank: Which rank (ZeRO-1/2's gradients depend on where its partition falls).
         persistence_threshold: ZeRO-3 keeps tensors of at most this many elements whole.
@@ -169,10 +170,11 @@ def estimate_zero_rank_bytes(
     """
     stage = zero_stage(strategy)
     _check(world_size, rank, persistence_threshold)
-    if precision == "bf16":
-        raise ValueError("precision 'bf16' keeps no fp32 master: DeepSpeed's ZeRO is priced with its fp32 "
-                         "master partition; use fp32, bf16-mixed or fp16-mixed")
     compute = DTYPES[lookup(PRECISIONS, precision, "precision").compute].bytes
+    master = DTYPES[state_dtype(precision)].bytes  # bf16: bf16_master_weights_and_grads, bf16_optimizer_states
+    if master != 4 and cpu_offload:
+        raise ValueError("precision 'bf16' (DeepSpeed's bf16 master and optimizer states) is priced on the "
+                         "device: DeepSpeed offloads them only to its compiled CPU Adam")
     states = optimizer_states(optimizer)
     numels = _numels(model)
     total = model_layout(model).num_params
@@ -192,13 +194,13 @@ def estimate_zero_rank_bytes(
             if rank == world_size - 1:
                 held += padded - sum(numels)
             grads = compute * held
-        return RankState(params=compute * padded, master=4 * part, grads=grads,
-                             optimizer=4 * states * part, optimizer_step=step_bytes)
+        return RankState(params=compute * padded, master=master * part, grads=grads,
+                             optimizer=master * states * part, optimizer_step=step_bytes)
     numels = numels if numels is not None else [total]
     part = sum(-(-n // world_size) for n in numels)
     whole = sum(-(-n // world_size) * world_size for n in numels if n <= persistence_threshold)
-    return RankState(params=compute * (part + whole), master=4 * part, grads=compute * part,
-                         optimizer=4 * states * part, optimizer_step=step_bytes)
+    return RankState(params=compute * (part + whole), master=master * part, grads=compute * part,
+                         optimizer=master * states * part, optimizer_step=step_bytes)
 
 
 def bookkeeping_reductions(strategy: str, precision: str = "fp32", *, cpu_offload: bool = False) -> list[int]:
@@ -271,15 +273,16 @@ def zero_step_gradient_bytes(model: ModelLike, world_size: int, strategy: str, p
     ``flat_grad_partition.to(fp32)`` in ``step``; ZeRO-3: ``stage3.py``,
     ``_prepare_fp32_grad_for_sub_group``, per sub-group of up to ``sub_group_size`` elements,
     10^9 by default); 0 in fp32 or with ``offload_optimizer`` (its gradient is already an fp32
-    partition, :func:`estimate_zero_rank_bytes`). Read from DeepSpeed's source (release 0.19),
-    not measured by this book's CPU runs, which train in fp32."""
+    partition, :func:`estimate_zero_rank_bytes`). With precision ``bf16`` (a bf16 master) the
+    copy is the flattened bf16 partition, ``2·partition``. Read from DeepSpeed's source
+    (release 0.19), not measured by this book's CPU runs, which hold no step's peak."""
     stage = zero_stage(strategy)
     check_world(world_size)
     if lookup(PRECISIONS, precision, "precision").compute == "fp32":
         return 0
-    total = model_layout(model).num_params
+    total, master = model_layout(model).num_params, DTYPES[state_dtype(precision)].bytes
     part = flat_partition(total, world_size)[1] if stage < 3 else -(-total // world_size)
-    return 4 * min(part, 10**9) if stage == 3 else 4 * part
+    return master * min(part, 10**9) if stage == 3 else master * part
 
 
 def largest_module_params(model: ModelLike) -> int:
