@@ -141,8 +141,10 @@ def test_the_memory_change_is_the_sharded_state_and_the_reserve():
 
 def test_the_sources_are_independent_groups():
     assert len(PUBLISHED_SOURCES) >= 3
-    cited = " ".join(p.source for rows in (PUBLISHED_BUS_BANDWIDTH, PUBLISHED_THROUGHPUT, PUBLISHED_MEMORY_CHANGE)
-                     for p in rows)
+    from handbook_lib.models import PUBLISHED_ZERO_STATE
+
+    cited = " ".join(p.source for rows in (PUBLISHED_BUS_BANDWIDTH, PUBLISHED_THROUGHPUT, PUBLISHED_MEMORY_CHANGE,
+                                           PUBLISHED_ZERO_STATE) for p in rows)
     for refs in PUBLISHED_SOURCES.values():
         assert any(ref.split("#")[0].split("/")[-1] in cited or ref in cited for ref in refs), refs
 
@@ -201,3 +203,23 @@ def test_the_eager_torchtitan_peaks_are_compared_in_absolute_terms_with_its_own_
     whole = estimate_memory(shape, 8, "FULL_SHARD", "bf16-mixed", micro_batch=2, seq_len=8192,
                             activation_checkpointing="selective").peak_reserved / 2**30
     assert counted[0].model_gib < counted[0].published_gib < whole  # keeping every product: 97.5 GiB
+
+
+def test_deepspeeds_zero3_state_with_and_without_its_bf16_master():
+    """DeepSpeed's example: ZeRO-3's allocated memory after the last step. Its model has
+    32·(12d² + 13d) + 2·50,000·d + 512·d + 50,000 parameters at d = 4,096 (6.86B); the state is
+    2 + 4 + 2 + 8 bytes a parameter with the fp32 master, 2 + 2 + 2 + 4 with the bf16 one, over 4
+    GPUs, plus the script's last bf16 logits, ids and labels, 512·(2·50,000 + 16) bytes."""
+    from handbook_lib.models import PUBLISHED_ZERO_STATE, zero_state_rows
+
+    rows = {r.label: r for r in zero_state_rows()}
+    big = next(r for r in PUBLISHED_ZERO_STATE if r.label == "6.86B, 4 GPUs, bf16 master")
+    d, n = 4096, 4
+    p = 32 * (12 * d * d + 13 * d) + 2 * 50_000 * d + 512 * d + 50_000
+    assert big.params == p == 6_855_902_032
+    part, logits = -(-p // n), 512 * (2 * 50_000 + 16)
+    assert rows[big.label].model_gib * 2**30 == pytest.approx(10 * part + 4 + logits)
+    assert rows["6.86B, 4 GPUs, fp32 master"].model_gib * 2**30 == pytest.approx(16 * part + 4 + logits)
+    assert all(r.counted for r in rows.values())
+    within = [r for r in rows.values() if abs(r.error) < 0.10]
+    assert len(within) == 4 and all(r.why for r in rows.values() if r not in within)

@@ -311,5 +311,6 @@ PUBLISHED_SOURCES = {
     "PyTorch and IBM": ("pytorch.org/blog/maximizing-training",),
     "PyTorch (torchtitan)": ("pytorch/torchtitan",),
     "MosaicML (llm-foundry)": ("mosaicml/llm-foundry",),
+    "Microsoft (DeepSpeed)": ("deepspeedai/DeepSpeed",),
 }
 """Who published the rows, and where: independent groups, each with its own machines."""

@@ -30,6 +30,9 @@ __all__ = [
     "PeakRow",
     "peak_rows",
     "TORCHTITAN_OP_POLICY",
+    "PUBLISHED_ZERO_STATE",
+    "PublishedZeroState",
+    "zero_state_rows",
 ]
 
 
@@ -121,23 +124,21 @@ class PeakRow:
     published_gib: float
     model_gib: float
     why: str
-    """What the model does not express of the run ("": nothing, the row counts)."""
+    """What the model does not express of the run, or why a counted row misses ("": nothing)."""
+    counted: bool = True
+    """The model expresses the run's configuration: the row is evidence, hit or miss."""
 
     @property
     def error(self) -> float:
         """Model over published, minus one."""
         return self.model_gib / self.published_gib - 1
 
-    @property
-    def counted(self) -> bool:
-        return not self.why
-
 
 def peak_rows(rows: tuple[PublishedMemoryChange, ...] = PUBLISHED_MEMORY_CHANGE) -> list[PeakRow]:
     """Every run of ``rows`` on its own: the model's reserved peak with the runs' own policy,
     torchtitan's op-level selective checkpointing (:data:`TORCHTITAN_OP_POLICY`)."""
-    return [PeakRow(r.label, gpus, peak, _reserved_peak(r, gpus, "selective", TORCHTITAN_OP_POLICY) / 2**30, r.why)
-            for r in rows for gpus, peak in zip(r.gpus, r.peaks_gib)]
+    return [PeakRow(r.label, gpus, peak, _reserved_peak(r, gpus, "selective", TORCHTITAN_OP_POLICY) / 2**30, r.why,
+                    not r.why) for r in rows for gpus, peak in zip(r.gpus, r.peaks_gib)]
 
 
 def memory_change_rows(rows: tuple[PublishedMemoryChange, ...] = PUBLISHED_MEMORY_CHANGE) -> list[MemoryChangeRow]:
@@ -227,4 +228,63 @@ def axis_memory_rows(rows: tuple[PublishedAxisMemory, ...] = PUBLISHED_AXIS_MEMO
         else:
             est = estimate_sp_memory(model, row.gpus, row.seq_len, row.cp_size, micro_batch=row.micro_batch)
         out.append(AxisMemoryRow(row, est.peak_reserved))
+    return out
+
+
+_DS_BF16 = ("deepspeedai/DeepSpeed examples, bf16 low-precision master weights (2026, PR #7700): README tables, "
+            "'Allocated Memory' = torch.cuda.memory_allocated() after the last step (train.py; its format_memory "
+            "divides by 1024**3: GiB, labelled GB), ZeRO-3 with DeepSpeed's defaults, the example's "
+            "SimpleTransformerModel (nn.MultiheadAttention, LayerNorms, a 4d GELU feed-forward with biases, "
+            "learned positions, vocabulary 50,000, a biased output projection), 512-token sequences")
+_DS_RESIDUE = ("a fixed 0.15-0.16 GiB on every row, whatever the model's size, is not priced: on a 1 GiB "
+               "state it is more than 10 %")
+
+
+@dataclass(frozen=True)
+class PublishedZeroState:
+    """A published allocated memory per GPU of a ZeRO-3 job between steps: its model state."""
+
+    label: str
+    d_model: int
+    layers: int
+    gpus: int
+    micro_batch: int
+    precision: str
+    """``bf16-mixed`` (bf16 parameters, fp32 master and states) or ``bf16`` (DeepSpeed's bf16 master)."""
+    allocated_gib: float
+    source: str = _DS_BF16
+
+    @property
+    def params(self) -> int:
+        """The example model's parameters: per layer 12d² + 13d, the token and position embeddings
+        and the biased output projection (vocabulary 50,000, 512 positions)."""
+        d, vocab = self.d_model, 50_000
+        return self.layers * (12 * d * d + 13 * d) + vocab * d + 512 * d + vocab * d + vocab
+
+
+PUBLISHED_ZERO_STATE: tuple[PublishedZeroState, ...] = (
+    PublishedZeroState("254M, 1 GPU, fp32 master", 1024, 12, 1, 4, "bf16-mixed", 4.14),
+    PublishedZeroState("254M, 1 GPU, bf16 master", 1024, 12, 1, 4, "bf16", 2.71),
+    PublishedZeroState("254M, 4 GPUs, fp32 master", 1024, 12, 4, 4, "bf16-mixed", 1.29),
+    PublishedZeroState("254M, 4 GPUs, bf16 master", 1024, 12, 4, 4, "bf16", 0.94),
+    PublishedZeroState("6.86B, 4 GPUs, fp32 master", 4096, 32, 4, 1, "bf16-mixed", 25.74),
+    PublishedZeroState("6.86B, 4 GPUs, bf16 master", 4096, 32, 4, 1, "bf16", 16.17),
+)
+"""DeepSpeed's published ZeRO-3 model state, with and without its bf16 master."""
+
+
+def zero_state_rows(rows: tuple[PublishedZeroState, ...] = PUBLISHED_ZERO_STATE) -> list[PeakRow]:
+    """Each published allocation beside the model's: DeepSpeed's ZeRO-3 layout at rest
+    (:func:`~handbook_lib.models.zero.estimate_zero_rank_bytes`: parameters, master, gradients,
+    optimizer state) plus what the script keeps of its last step, its bf16 logits and int64 ids
+    and labels (``b·s·(2V + 16)`` bytes). A row more than 10 % off says why."""
+    from handbook_lib.models.zero import estimate_zero_rank_bytes
+
+    out = []
+    for r in rows:
+        state = estimate_zero_rank_bytes(r.params, r.gpus, "ZERO3", r.precision)
+        tokens = r.micro_batch * 512
+        held = state.total + tokens * (2 * 50_000 + 16)
+        error = held / 2**30 / r.allocated_gib - 1
+        out.append(PeakRow(r.label, r.gpus, r.allocated_gib, held / 2**30, _DS_RESIDUE if abs(error) > 0.10 else ""))
     return out
