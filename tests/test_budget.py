@@ -95,3 +95,22 @@ def test_memory_with_a_gpu_prints_the_layouts_budget_and_the_verdict(capsys):
 def test_memory_refuses_an_unknown_gpu_by_its_flag(capsys):
     assert main(["memory", "--gpu", "h900"]) == 2
     assert "argument --gpu: invalid choice: 'h900'" in capsys.readouterr().err
+
+
+def test_memory_of_a_zero_stage_takes_the_gpu_too(capsys):
+    """``memory --strategy ZERO3 --gpu``: DeepSpeed's model state at the step against the budget
+    (8 GPUs of a node: NCCL's ring of 24 channels, 12 MiB each), not a flag silently dropped."""
+    from handbook_lib.models import estimate_rank_state
+    from handbook_lib.models.zero import zero_step_gradient_bytes
+
+    args = ["memory", "--model", "llama2-70b", "--strategy", "ZERO3", "--world-size", "8", "--gpu", "h100-80gb"]
+    usable = usable_memory_bytes("h100-80gb") - 24 * 12 * 2**20
+    at_step = (estimate_rank_state("llama2-70b", 8, "ZERO3", "bf16-mixed").total
+               + zero_step_gradient_bytes("llama2-70b", 8, "ZERO3", "bf16-mixed"))
+    assert at_step > usable  # 70B's state over 8 GPUs: about 18 bytes x 8.6e9 parameters
+    assert main(args) == 0
+    assert " ".join(capsys.readouterr().out.split()).endswith(
+        "the model state at the optimizer step does NOT fit (activations and DeepSpeed's buckets not priced)")
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["budget"]["usable_bytes"] == usable and data["at_step"] == at_step

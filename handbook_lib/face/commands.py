@@ -33,7 +33,7 @@ from handbook_lib.launch.errors import describe_failed_checks
 from handbook_lib.models.allocator import RESERVE_FRACTION, RESERVE_MODEL, RESERVE_SOURCE
 from handbook_lib.models.axes import estimate_job_memory
 from handbook_lib.models.hardware import get_accelerator, get_link, node_preset
-from handbook_lib.models.budget import layout_budget
+from handbook_lib.models.budget import MemoryBudget, layout_budget
 from handbook_lib.models.hf_config import read_hf_config_keys
 from handbook_lib.models.layout import ModelLayout, model_layout
 from handbook_lib.models.memory import PHASE_WORDS, MemoryEstimate, estimate_memory, estimate_rank_state
@@ -139,6 +139,12 @@ def _impl(args: argparse.Namespace) -> str:
     impl = getattr(args, "optimizer_impl", "default")
     return "" if impl == "default" else f" ({impl})"
 
+def _gpu_budget(args: argparse.Namespace) -> MemoryBudget | None:
+    """``memory --gpu``: the budget of one GPU of the flags' layout, NCCL's buffers taken off."""
+    return None if args.gpu is None else layout_budget(args.gpu, get_strategy(args.strategy).layout(
+        args.world_size, args.shard_group_size, tp=args.tp_size, sp=args.sp_size, sp_method="ring"))
+
+
 def _zero_memory(args: argparse.Namespace) -> int:
     """``memory --strategy ZERO1|ZERO2|ZERO3``: DeepSpeed's model state on one rank, as chapter 7
     measures it, the fp32 gradient partition its optimizer step adds, and DeepSpeed's own
@@ -153,7 +159,7 @@ def _zero_memory(args: argparse.Namespace) -> int:
     state = estimate_rank_state(model, args.world_size, args.strategy, args.precision, args.optimizer,
                                 cpu_offload=args.cpu_offload)
     step = 0 if args.cpu_offload else zero_step_gradient_bytes(model, args.world_size, args.strategy, args.precision)
-    theirs = deepspeed_own_estimate(model, args.world_size, args.strategy)
+    theirs, budget = deepspeed_own_estimate(model, args.world_size, args.strategy), _gpu_budget(args)
     parts = {"params": state.params, "master": state.master, "grads": state.grads, "optimizer": state.optimizer,
              "optimizer_step": state.optimizer_step}
     notes = ["activations, the gathered modules and DeepSpeed's buckets are not priced"]
@@ -167,7 +173,8 @@ def _zero_memory(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"model": named.removeprefix("model: "), "parts": parts, "at_rest": state.total,
                           "step_fp32_gradients": step, "at_step": state.total + step,
-                          "deepspeed_estimate": None if args.cpu_offload else theirs, "notes": notes}, indent=2))
+                          "deepspeed_estimate": None if args.cpu_offload else theirs, "notes": notes,
+                          "budget": vars(budget) if budget else None}, indent=2))
         return 0
     _print_model(named, echo)
     print(wrap_line(f"{_assumptions(args, args.optimizer)}; DeepSpeed's layout, model state only", "  "))
@@ -181,6 +188,10 @@ def _zero_memory(args: argparse.Namespace) -> int:
                         f"_model_states_mem_needs, no offload): {format_bytes(theirs)}", "  "))
     for note in notes:
         print(wrap_line(f"note: {note}", "  "))
+    if budget is not None:
+        fits = "fits" if state.total + step <= budget.budget_bytes else "does NOT fit"
+        print(wrap_line(f"budget per GPU on {args.gpu}: {budget.text()}; the model state at the optimizer step "
+                        f"{fits} (activations and DeepSpeed's buckets not priced)", "  "))
     return 0
 
 
@@ -207,8 +218,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     assumes = (f"{_assumptions(args, args.optimizer)}; {tokens}; activation checkpointing "
                f"{args.activation_checkpointing}{every}; CPU offload "
                f"{'on' if args.cpu_offload else 'off'}{axes[1] if axes else ''}")
-    budget = None if args.gpu is None else layout_budget(args.gpu, get_strategy(args.strategy).layout(
-        args.world_size, args.shard_group_size, tp=args.tp_size, sp=args.sp_size, sp_method="ring"))
+    budget = _gpu_budget(args)
     if args.json:
         print(json.dumps({"model": named.removeprefix("model: "), "assumptions": assumes.removeprefix("assumes: "),
                           "components": est.components, "peak": est.peak, "peak_reserved": est.peak_reserved,
