@@ -240,6 +240,10 @@ _DS_RESIDUE = ("a fixed 0.15-0.16 GiB on every row, whatever the model's size, i
                "state it is more than 10 %")
 
 
+_DS_VOCAB, _DS_SEQ = 50_000, 512
+"""The example's vocabulary and sequence length, the same in every row."""
+
+
 @dataclass(frozen=True)
 class PublishedZeroState:
     """A published allocated memory per GPU of a ZeRO-3 job between steps: its model state."""
@@ -258,8 +262,8 @@ class PublishedZeroState:
     def params(self) -> int:
         """The example model's parameters: per layer 12d² + 13d, the token and position embeddings
         and the biased output projection (vocabulary 50,000, 512 positions)."""
-        d, vocab = self.d_model, 50_000
-        return self.layers * (12 * d * d + 13 * d) + vocab * d + 512 * d + vocab * d + vocab
+        d, vocab = self.d_model, _DS_VOCAB
+        return self.layers * (12 * d * d + 13 * d) + vocab * d + _DS_SEQ * d + vocab * d + vocab
 
 
 PUBLISHED_ZERO_STATE: tuple[PublishedZeroState, ...] = (
@@ -283,8 +287,8 @@ def zero_state_rows(rows: tuple[PublishedZeroState, ...] = PUBLISHED_ZERO_STATE)
     out = []
     for r in rows:
         state = estimate_zero_rank_bytes(r.params, r.gpus, "ZERO3", r.precision)
-        tokens = r.micro_batch * 512
-        held = state.total + tokens * (2 * 50_000 + 16)
+        tokens = r.micro_batch * _DS_SEQ
+        held = state.total + tokens * (2 * _DS_VOCAB + 16)
         error = held / 2**30 / r.allocated_gib - 1
         out.append(PeakRow(r.label, r.gpus, r.allocated_gib, held / 2**30, _DS_RESIDUE if abs(error) > 0.10 else ""))
     return out
