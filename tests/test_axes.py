@@ -75,8 +75,9 @@ def test_a_batch_past_what_the_job_can_use_calls_for_tp_inside_a_node():
 
 def test_a_cross_node_ring_that_does_not_hide_goes_to_ulysses():
     # nodes of 2 GPUs: a split of 4 crosses them; blocks of 32,768 / 4 = 8,192 tokens, and a ring
-    # step over one NDR port hides only from ~10.5k tokens for a multi-head 7B (F/B)
-    v = estimate_axes("llama2-7b", "h100-80gb", 64, seq_len=32768, gpus_per_node=2, headroom=0.9)
+    # step over one NDR port hides only from ~10.5k tokens for a multi-head 7B (F/B); 15 % of the
+    # card is the budget that makes a split of 4 the least that fits
+    v = estimate_axes("llama2-7b", "h100-80gb", 64, seq_len=32768, gpus_per_node=2, headroom=0.85)
     by = {c.method: c for c in v.sp}
     assert by["ring"].sp_size == 4 and by["ring"].crosses_nodes and by["ring"].ring_hides is False
     assert (v.sp_method, v.sp_size) == ("ulysses", 4)

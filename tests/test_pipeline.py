@@ -131,11 +131,13 @@ def _first_stage(schedule, activation_checkpointing="none", microbatches=8):
                                pp_schedule=schedule)
 
 
-def test_gpipe_holds_m_micro_batches_where_1f1b_holds_p_korthikanti_per_layer():
+def test_gpipe_holds_m_micro_batches_where_1f1b_holds_p_per_layer():
     """GPipe's first stage keeps 8 micro-batches' activations, 1F1B's 4: the difference is 4 micro-
-    batches of its 8 layers at 34·s·b·h bytes each (no checkpointing) or 2·s·b·h (full)."""
-    sbh = 4096 * 1 * 4096
-    for mode, per_layer in (("none", 34 * sbh), ("full", 2 * sbh)):
+    batches of its 8 layers, each saving per token (bf16) two RMSNorms of 8·h + 4, Q, K, V and
+    the output of 2·h each, 32 heads' fp32 log-sum-exp and the SwiGLU's four 2·f (no
+    checkpointing), or its 2·h input (full)."""
+    s, h, f = 4096, 4096, 11_008
+    for mode, per_layer in (("none", s * (2 * (8 * h + 4) + 8 * h + 4 * 32 + 8 * f)), ("full", s * 2 * h)):
         gpipe, one_f_one_b = _first_stage("GPipe", mode), _first_stage("1F1B", mode)
         assert gpipe.peak - one_f_one_b.peak == 4 * 8 * per_layer
         assert gpipe.components["activations"] - one_f_one_b.components["activations"] == 4 * 8 * per_layer

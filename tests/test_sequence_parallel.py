@@ -116,11 +116,15 @@ def test_refusals():
 def test_one_long_sequence_divides_by_sp():
     s = 131_072
     one = sequence_activation_bytes(LLAMA3_8B, s)
-    # by hand: 32 layers x 34·s·4096 (bf16), plus the head: s·4096·2 + s·128,256·4 + 16·s
-    assert one == 32 * 34 * s * 4096 + s * 4096 * 2 + s * 128_256 * 4 + 16 * s
-    for sp in (2, 8):
-        assert sequence_activation_bytes(LLAMA3_8B, s, sp) * sp == one
-    assert one / 2**30 > 600 > sequence_activation_bytes(LLAMA3_8B, s, 8) / 2**30 * 7
+    # by hand, per token in bf16: a layer's two RMSNorms 2·(4·4096 + 4 + 2·2·4096), Q and the output
+    # 2·2·4096, K and V 2·2·1024, the log-sum-exp 4·32, the SwiGLU's 4·2·14,336; outside the layers
+    # the final norm, RoPE's cos and sin (2·128·2), the fp32 log-softmax, the ids and targets, and
+    # the loss's 4-byte weight total
+    layer = 2 * (4 * 4096 + 4 + 4 * 4096) + 4 * 4096 + 4 * 1024 + 4 * 32 + 8 * 14_336
+    assert one == 32 * s * layer + s * (4 * 4096 + 4 + 4 * 4096 + 2 * 128 * 2 + 128_256 * 4 + 16) + 4
+    for sp in (2, 8):  # every term is per token but the loss's weight total, one per rank
+        assert sequence_activation_bytes(LLAMA3_8B, s, sp) * sp == one + 4 * (sp - 1)
+    assert one / 2**30 > 800 > sequence_activation_bytes(LLAMA3_8B, s, 8) / 2**30 * 7
 
 
 def test_ulysses_sends_4m_over_p_and_megatron_p_times_more():

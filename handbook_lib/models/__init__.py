@@ -18,8 +18,8 @@ from handbook_lib.core.lazy import lazy_exports
 
 if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported on first use
     from handbook_lib.models.activations import (
-        SELECTIVE_SAVE, ActivationBytes, ModelSizes, checkpointed, estimate_activation_bytes,
-        estimate_decoder_activation_bytes,
+        SELECTIVE_SAVE, ActivationBytes, GatedDecoderTensors, ModelSizes, checkpointed, estimate_activation_bytes,
+        estimate_decoder_activation_bytes, gated_decoder_tensors,
     )
     from handbook_lib.models.allocator import (
         RESERVE_FRACTION, RESERVE_MODEL, RESERVE_SOURCE, reserved_bytes,

@@ -5,9 +5,13 @@ Chapter 2 teaches it, with two models:
 - :func:`estimate_activation_bytes` counts, tensor by tensor, what autograd saves for the
   handbook's own :class:`~handbook_lib.runtime.model.SimpleTransformer` (PyTorch's CPU kernels; the
   chapter-2 runs check it against a memory tracker);
+- :func:`gated_decoder_tensors` counts, tensor by tensor, what a Llama-family layer (RMSNorm,
+  grouped-query attention with RoPE, SwiGLU) saves as Transformers writes it, on PyTorch's fused
+  attention; :class:`~handbook_lib.runtime.decoder.Decoder` is that layer as a module the tests
+  build from a Transformers config and measure;
 - :func:`estimate_decoder_activation_bytes` is the published per-layer formula for GPT-style
   decoders (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
-  2022), for the large models of the chapter's scenarios, which we cannot run here.
+  2022), for the GPT-shaped models of the chapter's scenarios.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ __all__ = [
     "estimate_decoder_activation_bytes",
     "checkpointed",
     "kept_products",
+    "GatedDecoderTensors",
+    "gated_decoder_tensors",
 ]
 
 _INDEX_BYTES = 8  # int64 token ids and targets
@@ -165,13 +171,16 @@ def kept_products(widths: tuple[int, ...], every: int = 1, activation_checkpoint
 
 
 def checkpointed(per_layer: int, layer_input: int, kept: dict[str, int], num_layers: int, head: int,
-                  activation_checkpointing: bool | str, every: int = 1) -> ActivationBytes:
+                  activation_checkpointing: bool | str, every: int = 1, *,
+                  shared: dict[str, int] | None = None) -> ActivationBytes:
     """The activations of ``num_layers`` layers of ``per_layer`` bytes each under a checkpointing
     mode: all of them (``none``); each checkpointed layer's input and what the mode keeps
     besides, ``kept[mode]`` (``selective``: the tensors its policy saves; ``full``: 0). With
     ``every`` k > 1 only layers 0, k, 2k, ... are checkpointed (torchtitan's "selective layer"
     checkpointing), the others keep all ``per_layer``. A layer being recomputed in backward
-    holds the rest of its share, ``per_layer - kept[mode]``.
+    holds the rest of its share, ``per_layer - kept[mode]``, or, where only ``shared[mode]``
+    bytes of what the mode keeps are among the layer's saved tensors (a kept product that its
+    next operator does not save), ``per_layer - shared[mode]``.
 
     Raises:
         ValueError: for ``every`` below 1, or above 1 without checkpointing.
@@ -186,8 +195,92 @@ def checkpointed(per_layer: int, layer_input: int, kept: dict[str, int], num_lay
                                by_layer=(per_layer,) * num_layers, checkpointed_layers=(False,) * num_layers)
     marks = tuple(i % every == 0 for i in range(num_layers))
     by_layer = tuple(layer_input + kept[mode] if mark else per_layer for mark in marks)
+    held = (shared or kept).get(mode, kept[mode])
     return ActivationBytes(per_layer=per_layer, layers=sum(by_layer), head=head,
-                           recompute=per_layer - kept[mode], by_layer=by_layer, checkpointed_layers=marks)
+                           recompute=per_layer - held, by_layer=by_layer, checkpointed_layers=marks)
+
+
+@dataclass(frozen=True)
+class GatedDecoderTensors:
+    """What a gated decoder saves for backward in one micro-batch, tensor by tensor, bytes."""
+
+    layer: tuple[tuple[str, int], ...]
+    """One layer's saved tensors, in forward order: (what it is, bytes)."""
+    head: tuple[tuple[str, int], ...]
+    """What the model saves outside its layers: token ids, RoPE's tables, the final norm, the
+    loss's log-softmax and targets."""
+    products: tuple[int, ...]
+    """Per token, the output widths of the layer's seven matrix products in forward order (Q, K,
+    V, output, gate, up, down): what op-level selective checkpointing keeps."""
+    shared_products: tuple[bool, ...]
+    """Which of those products' outputs are also among :attr:`layer`'s tensors (V, the gate and
+    the up projection: their next operators save them)."""
+
+    @property
+    def per_layer(self) -> int:
+        """Bytes one layer saves."""
+        return sum(b for _, b in self.layer)
+
+    @property
+    def outside(self) -> int:
+        """Bytes saved outside the layers."""
+        return sum(b for _, b in self.head)
+
+
+def gated_decoder_tensors(sizes: ModelSizes, micro_batch: int, seq_len: int, compute_dtype: str = "bf16", *,
+                          q_width: int = 0, kv_width: int = 0) -> GatedDecoderTensors:
+    """The tensors a Llama-family decoder (Llama, Mistral, Qwen2: RMSNorm, grouped-query attention
+    with rotary embeddings, a SwiGLU feed-forward) saves for backward, counted operator by
+    operator as Transformers writes the layer and PyTorch's fused attention runs it.
+
+    With T = micro_batch·seq_len tokens, width d, query width q, key/value width k (grouped-query:
+    ``k = q·kv_heads/heads``), feed-forward width f, a heads of width h_d and c bytes per element of
+    the compute dtype, one layer saves:
+
+    - each of its two RMSNorms (computed in fp32 whatever the compute dtype): the input cast to
+      fp32 (``T·d·4``: the input itself in fp32), the fp32 reciprocal RMS (``T·4``), the normalised
+      input cast back (``T·d·c``, for the weight's product) and the output (``T·d·c``, the next
+      projections' input);
+    - attention: Q and K after RoPE (``T·q·c``, ``T·k·c``: RoPE's products save only its cos and
+      sin tables), V (``T·k·c``), the output (``T·q·c``, also the output projection's input) and
+      the fp32 log-sum-exp (``4·a·T``); keys and values are not repeated for the query heads
+      (``enable_gqa``), and no ``s²`` scores are stored;
+    - the SwiGLU feed-forward: the gate projection's output (SiLU's input), SiLU's output, the up
+      projection's output and their product (the down projection's input), ``4·T·f·c``.
+
+    That is ``T·(d·(8 + 4c) + c·(2q + 2k + 4f) + 8 + 4a)`` bytes a layer; biases (``attention_bias``,
+    ``mlp_bias``, Qwen2's Q/K/V biases) save nothing more. Outside the layers: the int64 token ids
+    and targets (``16·T``), RoPE's cos and sin (``2·s·h_d·c``, shared by the batch and every layer),
+    the final norm (as above), the fp32 log-softmax of the loss (``T·V·4``) and its 4-byte weight
+    total. For Llama 3 8B in bf16 a layer is ``49·s·b·h`` bytes (Korthikanti's GPT count, which
+    :func:`estimate_decoder_activation_bytes` gives, is ``34``).
+
+    ``q_width`` and ``kv_width`` default to ``d_model`` and ``q_width``. Exact, to the byte, for
+    the tensors autograd saves on PyTorch's CPU kernels in fp32 and bf16 (the tests measure
+    Transformers' own Llama and :class:`~handbook_lib.runtime.decoder.Decoder`); CUDA's flash
+    attention saves the same tensors and two 8-byte random-number words.
+    """
+    check_int("micro_batch", micro_batch, 1)
+    check_int("seq_len", seq_len, 1)
+    c = dtype_bytes(compute_dtype)
+    tokens = micro_batch * seq_len
+    d, f, a, v = sizes.d_model, sizes.dim_feedforward, sizes.nhead, sizes.vocab_size
+    q = q_width or d
+    k = kv_width or q
+
+    def norm(where: str) -> tuple[tuple[str, int], ...]:
+        return ((f"{where} norm: input in fp32", tokens * d * 4), (f"{where} norm: 1/RMS (fp32)", tokens * 4),
+                (f"{where} norm: normalised", tokens * d * c), (f"{where} norm: output", tokens * d * c))
+
+    layer = (*norm("attention"), ("Q after RoPE", tokens * q * c), ("K after RoPE", tokens * k * c),
+             ("V", tokens * k * c), ("attention output", tokens * q * c), ("log-sum-exp (fp32)", 4 * a * tokens),
+             *norm("feed-forward"), ("gate projection", tokens * f * c), ("SiLU", tokens * f * c),
+             ("up projection", tokens * f * c), ("gate x up", tokens * f * c))
+    head = (("token ids (int64)", _INDEX_BYTES * tokens), ("RoPE cos and sin", 2 * seq_len * (q // a) * c),
+            *norm("final"), ("log-softmax (fp32)", tokens * v * 4), ("targets (int64)", _INDEX_BYTES * tokens),
+            ("loss weight", 4))
+    return GatedDecoderTensors(layer, head, products=(q, k, k, d, f, f, d),
+                               shared_products=(False, False, True, False, True, True, False))
 
 
 def estimate_decoder_activation_bytes(
@@ -200,8 +293,9 @@ def estimate_decoder_activation_bytes(
 ) -> int:
     """Activation bytes of a decoder in 16-bit training (Korthikanti et al., 2022).
 
-    The formula was derived for GPT-style layers (a 4d feed-forward); for Llama's gated
-    feed-forward and grouped-query attention it is an approximation.
+    The formula was derived for GPT-style layers (a 4d feed-forward, LayerNorm in 16 bits,
+    dropout masks); a Llama layer keeps 34-43 % more (:func:`gated_decoder_tensors`, which the
+    layouts use for the Llama family).
 
     Per layer, with s = seq_len, b = micro_batch, h = d_model, a = heads:
 

@@ -11,8 +11,9 @@ built by :func:`model_layout` from what the reader has:
   on PyTorch's CPU kernels (:func:`~handbook_lib.models.activations.estimate_activation_bytes`);
 - a :class:`~handbook_lib.models.presets.DecoderShape` (or a preset's name, ``"llama2-7b"``): a
   large decoder known by its sizes, one flat block per layer and one for the root (embeddings,
-  head, final norm), and the published activation formula
-  (:func:`~handbook_lib.models.activations.estimate_decoder_activation_bytes`);
+  head, final norm), and its activations counted operator by operator for the Llama family
+  (:func:`~handbook_lib.models.activations.gated_decoder_tensors`), by the published formula for
+  GPT's (:func:`~handbook_lib.models.activations.estimate_decoder_activation_bytes`);
 - a parameter count ``P``: the model as one flat block, model state only (no units, no
   activations).
 
@@ -40,6 +41,7 @@ from handbook_lib.models.activations import (
     kept_products,
     estimate_activation_bytes,
     estimate_decoder_activation_bytes,
+    gated_decoder_tensors,
 )
 from handbook_lib.models.presets import DecoderShape, get_shape
 from handbook_lib.models.sharding import (
@@ -189,20 +191,24 @@ class ModelLayout:
         ``seq_len`` tokens, in the compute dtype (``None`` when the layout has no activation
         model, or no tokens are given).
 
-        ``handbook``: counted tensor by tensor. ``decoder``: Korthikanti et al.'s per-layer
-        ``34·s·b·h`` (``2·s·b·h``, the input, with full checkpointing), scaled from 16-bit to the
-        compute dtype, plus the head's input (``T·d·c``), the fp32 log-softmax (``T·V·4``) and the
-        int64 token ids and targets (``16·T``); the layer being recomputed holds the rest of its
-        share. Selective checkpointing keeps, besides the input, what the policy saves: the
-        outputs of the Q, K and V projections (``T·(q + 2k)·c``), of the attention (``T·q·c`` and
-        its fp32 log-sum-exp, ``4·a·T``), of the output projection (``T·d·c``), of the feed-forward's
-        up (and gate) projections (``T·f·c``, twice when gated) and of its down projection
-        (``T·d·c``); for GPT-3's shape that is ``22·s·b·h`` of the ``34``. ``every`` k
-        checkpoints layers 0, k, 2k, ... only (:func:`~handbook_lib.models.activations.checkpointed`).
-        ``matmul_every`` n keeps every n-th matrix product only
-        (:func:`~handbook_lib.models.activations.kept_products`), in forward order: a gated
-        decoder's separate Q, K, V, output, gate, up and down projections (torchtitan's Llama,
-        whose n = 2 keeps Q, V, gate and down), a GPT's fused QKV, output, up and down.
+        ``handbook``: counted tensor by tensor. ``decoder``, gated (the Llama family): counted
+        operator by operator as well
+        (:func:`~handbook_lib.models.activations.gated_decoder_tensors`), the layer being recomputed
+        holding its saved tensors less those the policy kept. Other decoders (GPT's): Korthikanti et
+        al.'s per-layer ``34·s·b·h`` (``2·s·b·h``, the input, with full checkpointing), scaled from
+        16-bit to the compute dtype, plus the head's input (``T·d·c``), the fp32 log-softmax
+        (``T·V·4``) and the int64 token ids and targets (``16·T``); the layer being recomputed holds
+        the rest of its share. Selective checkpointing keeps, besides the input, what the policy
+        saves: the outputs of the Q, K and V projections (``T·(q + 2k)·c``), of the attention
+        (``T·q·c`` and its fp32 log-sum-exp, ``4·a·T``), of the output projection (``T·d·c``), of
+        the feed-forward's up (and gate) projections (``T·f·c``, twice when gated) and of its down
+        projection (``T·d·c``); for GPT-3's shape that is ``22·s·b·h`` of the ``34``. ``every`` k
+        checkpoints layers 0, k, 2k, ... only
+        (:func:`~handbook_lib.models.activations.checkpointed`). ``matmul_every`` n keeps every n-th
+        matrix product only (:func:`~handbook_lib.models.activations.kept_products`), in forward
+        order: a gated decoder's separate Q, K, V, output, gate, up and down projections
+        (torchtitan's Llama, whose n = 2 keeps Q, V, gate and down), a GPT's fused QKV, output, up
+        and down.
         """
         if not micro_batch or self.activation_model == "none":
             return None
@@ -212,13 +218,22 @@ class ModelLayout:
                                              matmul_every=matmul_every)
         c = dtype_bytes(compute_dtype)
         tokens = micro_batch * seq_len
-        per_layer = estimate_decoder_activation_bytes(self, micro_batch, seq_len) * c // 2 // self.num_layers
-        head = tokens * self.d_model * c + tokens * self.vocab_size * 4 + 16 * tokens
         d, f = self.d_model, self.dim_feedforward
         q = self.q_width or d
         k = self.kv_width or q
-        widths = (q, k, k, d, f, f, d) if self.gated_mlp else (q + 2 * k, d, f, d)
-        products = kept_products(widths, matmul_every, activation_checkpointing)
+        if self.gated_mlp:
+            saved = gated_decoder_tensors(self, micro_batch, seq_len, compute_dtype, q_width=q, kv_width=k)
+            products = kept_products(saved.products, matmul_every, activation_checkpointing)
+            shared = kept_products(tuple(w * s for w, s in zip(saved.products, saved.shared_products)),
+                                   matmul_every, activation_checkpointing)
+            attention = tokens * q * c + 4 * self.nhead * tokens  # the fused attention's outputs, always kept
+            kept = tokens * products * c + attention
+            return checkpointed(saved.per_layer, tokens * d * c, {"selective": kept, "full": 0}, self.num_layers,
+                                saved.outside, activation_checkpointing, every,
+                                shared={"selective": tokens * shared * c + attention, "full": 0})
+        per_layer = estimate_decoder_activation_bytes(self, micro_batch, seq_len) * c // 2 // self.num_layers
+        head = tokens * self.d_model * c + tokens * self.vocab_size * 4 + 16 * tokens
+        products = kept_products((q + 2 * k, d, f, d), matmul_every, activation_checkpointing)
         kept = tokens * (products + q) * c + 4 * self.nhead * tokens
         return checkpointed(per_layer, tokens * d * c, {"selective": kept, "full": 0}, self.num_layers,
                             head, activation_checkpointing, every)

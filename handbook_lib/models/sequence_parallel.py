@@ -274,10 +274,11 @@ def estimate_sp_step_traffic(config: ModelConfig, world_size: int, micro_batch: 
 def sequence_activation_bytes(model: ModelLike, seq_len: int, sp_size: int = 1, *, micro_batch: int = 1,
                               dtype: str = "bf16", recompute: str = "none") -> int:
     """Activation bytes per GPU of ``micro_batch`` sequences of ``seq_len`` tokens split over
-    ``sp_size`` ranks: the layout's activation model (for a decoder, Korthikanti et al.'s
-    ``34·s·b·h`` per layer in 16-bit with a fused attention, plus the head) at ``seq_len/sp``
-    tokens. With a fused attention every term is per token, so splitting the sequence divides
-    them all by ``sp``; Ulysses' and the ring's own buffers (a few ``T·d`` per layer, in flight
+    ``sp_size`` ranks: the layout's activation model (for a Llama-family decoder, its saved
+    tensors counted operator by operator; for GPT's, Korthikanti et al.'s ``34·s·b·h`` per layer
+    in 16-bit with a fused attention; plus the head) at ``seq_len/sp`` tokens. With a fused
+    attention every term is per token (but the loss's 4-byte weight total), so splitting the
+    sequence divides them all by ``sp``; Ulysses' and the ring's own buffers (a few ``T·d`` per layer, in flight
     one layer at a time) are left out.
 
     Raises:
