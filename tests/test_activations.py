@@ -153,8 +153,36 @@ def test_torchtitans_op_policy_on_llama_keeps_q_v_gate_and_down():
     assert kept == 2048 * h * 2 + 2048 * (3 * h + 4 * h + h) * 2 + 4 * gpt.nhead * 2048
 
 
+@pytest.mark.parametrize("ac_save", ["matmul+attention", "matmul", "attention"])
+def test_each_selective_policy_leaves_alive_what_the_count_says(ac_save):
+    """The handbook's model checkpointed with each policy: what its forward and loss leave alive,
+    measured by the storages its operators create (parameters and inputs excluded)."""
+    from handbook_lib.runtime.measure import NewBytesPeak
+    from handbook_lib.runtime.recompute import apply_activation_checkpointing
+
+    config = ModelConfig(vocab_size=300, d_model=32, nhead=2, dim_feedforward=64, num_layers=3)
+    model = build_model(config, seed=0)
+    apply_activation_checkpointing(model, "selective", 1, 1, ac_save)
+    gen = torch.Generator().manual_seed(0)
+    with NewBytesPeak() as made:
+        tokens, targets = (torch.randint(0, 300, (2, 16), generator=gen) for _ in range(2))
+        loss = F.cross_entropy(model(tokens).float().flatten(0, 1), targets.flatten())
+        alive = made.live - loss.nbytes
+    loss.backward()
+    assert alive == estimate_activation_bytes(config, 2, 16, activation_checkpointing="selective",
+                                              ac_save=ac_save).total
+
+
 def test_a_thinned_policy_needs_the_selective_mode_by_its_config_key():
     from handbook_lib.core import RunConfig
+
+    with pytest.raises(ValueError, match="config key 'ac_save'='matmul' chooses what the selective policy keeps"):
+        RunConfig(activation_checkpointing="full", ac_save="matmul")
+    with pytest.raises(ValueError, match="'ac_matmul_every'=2 thins the kept matrix products, and ac_save="
+                                         "'attention' keeps none"):
+        RunConfig(activation_checkpointing="selective", ac_save="attention", ac_matmul_every=2)
+    with pytest.raises(ValueError, match="ac_save"):
+        RunConfig(activation_checkpointing="selective", ac_save="products")
 
     with pytest.raises(ValueError, match="config key 'ac_matmul_every'=2 .* needs activation_checkpointing "
                                          "'selective', got 'full'"):

@@ -539,6 +539,21 @@ def test_memory_checkpoints_every_kth_layer(capsys):
     assert every - all_ == 16 * 2048 * (16 * h + 8 + 2 * 4 * h + 4 * 32 + 2 * 4 * f - 2 * h)
 
 
+def test_memory_keeps_the_products_or_the_attention(capsys):
+    """``--ac-save``: keeping the products only drops the attention's output and fp32 log-sum-exp
+    from every layer, ``T·h·2 + 4·a·T``; keeping the attention only drops Q, K, V, O, gate, up and
+    down, ``T·(4h + 2f + h)·2`` (Llama-2 7B: h 4,096, f 11,008, 32 heads, 32 layers)."""
+    base = ["memory", "--model", "llama2-7b", "--micro-batch", "1", "--seq-len", "2048",
+            "--activation-checkpointing", "selective", "--json"]
+    runs = {}
+    for save in ("matmul+attention", "matmul", "attention"):
+        assert main([*base, "--ac-save", save]) == 0
+        runs[save] = json.loads(capsys.readouterr().out)["phases"]["loss_backward"]
+    t, h, f = 2048, 4096, 11_008
+    assert runs["matmul+attention"] - runs["matmul"] == 32 * (t * h * 2 + 4 * 32 * t)
+    assert runs["matmul+attention"] - runs["attention"] == 32 * t * (5 * h + 2 * f) * 2
+
+
 def test_memory_keeps_every_second_matrix_product(capsys):
     """``--ac-matmul-every 2`` on Llama-2 7B: of Q, K, V, O, gate, up and down, K, O and up are
     recomputed instead of kept: (4,096 + 4,096 + 11,008) x 2 bytes a token, in 32 layers."""

@@ -139,7 +139,8 @@ def test_every_run_config_key_is_documented_and_choices_are_literals():
                                    "precision": tuple(PRECISIONS), "optimizer": OPTIMIZERS,
                                    "optimizer_impl": ("default", "for-loop", "foreach", "fused"),
                                    "init": ("meta", "full"), "lr_schedule": ("constant", "cosine", "linear"),
-                                   "activation_checkpointing": ("none", "selective", "full")}
+                                   "activation_checkpointing": ("none", "selective", "full"),
+                                   "ac_save": ("matmul+attention", "matmul", "attention")}
 
 
 def _config_classes():

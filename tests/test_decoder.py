@@ -103,13 +103,23 @@ def test_llama2_70b_layer_is_48_5_sbh_in_bf16_where_korthikanti_counts_34():
 @pytest.mark.parametrize("mode, every, matmul_every", [
     ("none", 1, 1), ("full", 1, 1), ("full", 2, 1), ("selective", 1, 1), ("selective", 1, 2), ("selective", 2, 2),
     ("selective", 1, 3), (True, 3, 1)])
-def test_alive_after_forward_under_each_policy(mode, every, matmul_every):
+@pytest.mark.parametrize("ac_save", ["matmul+attention", "matmul", "attention"])
+def test_alive_after_forward_under_each_policy(mode, every, matmul_every, ac_save):
+    if ac_save != "matmul+attention" and (mode != "selective" or (matmul_every > 1 and ac_save == "attention")):
+        return  # a policy only selective checkpointing has, and a thinning of products it keeps
     shape = decoder_shape_from_hf(CONFIGS["llama, grouped-query"] | {"num_hidden_layers": 3})
     alive = measure_activation_bytes(shape, 2, 16, "bf16", activation_checkpointing=mode, every=every,
-                                     matmul_every=matmul_every)
+                                     matmul_every=matmul_every, ac_save=ac_save)
     expected = model_layout(shape).activations(2, 16, "bf16", activation_checkpointing=mode, every=every,
-                                               matmul_every=matmul_every)
+                                               matmul_every=matmul_every, ac_save=ac_save)
     assert alive == expected.total
+
+
+def test_keeping_the_attention_only_keeps_its_output_and_log_sum_exp_beside_the_inputs():
+    shape = decoder_shape_from_hf(CONFIGS["llama, grouped-query"] | {"num_hidden_layers": 3})
+    full, attention = (measure_activation_bytes(shape, 2, 16, "bf16", activation_checkpointing=mode, ac_save=save)
+                       for mode, save in (("full", "matmul+attention"), ("selective", "attention")))
+    assert attention - full == 3 * (32 * 64 * 2 + 4 * 4 * 32)  # 3 layers: T·q·2 and 4·a·T
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

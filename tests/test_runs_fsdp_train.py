@@ -41,6 +41,8 @@ CASES = {
     "2-FULL_SHARD-fp32-adamw-selective-AC": (2, {"strategy": "FULL_SHARD", "activation_checkpointing": "selective"}),
     "2-FULL_SHARD-fp32-adamw-selective-AC-every-2nd-product": (2, {"strategy": "FULL_SHARD", "ac_matmul_every": 2,
                                                                    "activation_checkpointing": "selective"}),
+    "2-FULL_SHARD-fp32-adamw-selective-AC-keep-products": (2, {"strategy": "FULL_SHARD", "ac_save": "matmul",
+                                                               "activation_checkpointing": "selective"}),
     "2-FSDP1-FULL_SHARD-fp32-adamw-size-wrap": (2, {"api": "fsdp1", "strategy": "FULL_SHARD", "wrap": "size",
                                                     "wrap_min_params": 20_000}),
     "4-FSDP1-HYBRID_SHARD-fp16-scaler": (4, {"api": "fsdp1", "strategy": "HYBRID_SHARD", "shard_group_size": 2,
@@ -354,6 +356,20 @@ def test_every_second_product_keeps_q_k_v_and_linear1_as_torchtitan_s_policy_wou
     assert measured == [kept] * len(measured)
     dropped = [s - t for s, t in zip(selective.metric("activation_bytes"), thinned.metric("activation_bytes"))]
     assert dropped == [model.num_layers * tokens * 2 * d * 4] * len(dropped)  # the output projection's, linear2's
+
+
+def test_a_policy_keeping_the_products_only_recomputes_the_attention(tmp_path_factory):
+    """``ac_save=matmul``: the attention's output and its fp32 log-sum-exp are recomputed, not
+    kept (Korthikanti et al.'s split, at the operators' level): ``T·d·4 + 4·h·T`` bytes a layer
+    fewer than the default policy, measured to the byte; same losses as full recomputation."""
+    _, config, products = _run("2-FULL_SHARD-fp32-adamw-selective-AC-keep-products", tmp_path_factory)
+    _, _, full = _run("2-FULL_SHARD-fp32-adamw-AC", tmp_path_factory)
+    _, _, selective = _run("2-FULL_SHARD-fp32-adamw-selective-AC", tmp_path_factory)
+    assert products.metric("losses") == full.metric("losses") and not products.failed_checks()
+    model = RunConfig.from_mapping(config).model_config()
+    tokens, d, h = config["batch_size"] // 2 * config["seq_len"], model.d_model, model.nhead
+    dropped = [s - p for s, p in zip(selective.metric("activation_bytes"), products.metric("activation_bytes"))]
+    assert dropped == [model.num_layers * (tokens * d * 4 + 4 * h * tokens)] * len(dropped)
 
 
 def test_a_too_large_scale_skips_steps_and_halves(tmp_path_factory):

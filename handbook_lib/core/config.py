@@ -31,6 +31,7 @@ __all__ = [
     "CheckpointingMode",
     "CHECKPOINTING_MODES",
     "checkpointing_mode",
+    "AC_SAVE_POLICIES",
     "APIS",
     "Dtype",
     "DTYPES",
@@ -198,6 +199,12 @@ CheckpointingMode = Literal["none", "selective", "full"]
 (``selective``: the outputs of its matrix products and of its attention are kept), or the whole
 layer from its input (``full``)."""
 CHECKPOINTING_MODES: tuple[str, ...] = get_args(CheckpointingMode)
+AcSave = Literal["matmul+attention", "matmul", "attention"]
+"""What ``selective`` checkpointing keeps of a layer, by operator family: the matrix products'
+and the fused attention's outputs (the default: only the cheap pointwise operators are
+recomputed), the matrix products' only (the attention is recomputed: Korthikanti et al.'s split,
+at the operators' level) or the attention's only (the products are recomputed)."""
+AC_SAVE_POLICIES: tuple[str, ...] = get_args(AcSave)
 _CHECKPOINTING_ALIASES = {True: "full", False: "none", "true": "full", "false": "none"}
 
 
@@ -336,6 +343,10 @@ class LeversConfig(FlatConfig):
     """With ``selective`` checkpointing: of each layer's matrix products keep the 1st, (n+1)-th,
     ... output only (n = ``ac_matmul_every``; torchtitan's op policy is 2), recompute the
     others; the attention's output is kept either way. 1 keeps every product."""
+    ac_save: AcSave = "matmul+attention"
+    """With ``selective`` checkpointing: which operators' outputs the policy keeps
+    (:data:`AC_SAVE_POLICIES`: ``matmul+attention``, ``matmul`` or ``attention``); the others are
+    recomputed in backward."""
     cpu_offload: bool = False
     """Keep the sharded parameters, gradients and optimizer states in host memory (FSDP only)."""
     init: InitName = "meta"
@@ -416,6 +427,12 @@ class RunConfig(FlatConfig):
         if isinstance(n, int) and n > 1 and self.activation_checkpointing != "selective":
             raise ValueError(f"config key 'ac_matmul_every'={n} thins the selective policy's matrix products: "
                              f"it needs activation_checkpointing 'selective', got {self.activation_checkpointing!r}")
+        if self.ac_save != "matmul+attention" and self.activation_checkpointing != "selective":
+            raise ValueError(f"config key 'ac_save'={self.ac_save!r} chooses what the selective policy keeps: it "
+                             f"needs activation_checkpointing 'selective', got {self.activation_checkpointing!r}")
+        if isinstance(n, int) and n > 1 and "matmul" not in self.ac_save:
+            raise ValueError(f"config key 'ac_matmul_every'={n} thins the kept matrix products, and ac_save="
+                             f"{self.ac_save!r} keeps none: give ac_save 'matmul+attention' or 'matmul'")
         zero = get_strategy(self.strategy).wrapper == "deepspeed"  # DeepSpeed keeps bf16 master and states
         if self.precision == "bf16" and not zero and (self.init != "meta" or self.api == "fsdp1"):
             raise ValueError("config key 'precision'='bf16' (the model kept in bf16) builds on the meta device "

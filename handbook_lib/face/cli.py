@@ -52,13 +52,8 @@ from typing import NoReturn
 
 from handbook_lib.core.architecture import MODEL_KEYS
 from handbook_lib.core.checks import BadText, parse_count, parse_float, parse_int
-from handbook_lib.core.config import (
-    CHECKPOINTING_MODES,
-    OPTIMIZER_IMPLS,
-    OPTIMIZERS,
-    PRECISIONS,
-    RunConfig,
-)
+from handbook_lib.core.config import (AC_SAVE_POLICIES, CHECKPOINTING_MODES, OPTIMIZER_IMPLS, OPTIMIZERS,
+                                      PRECISIONS, RunConfig)
 from handbook_lib.core.protocol import PREEMPTED_EXIT
 from handbook_lib.core.strategies import STRATEGIES, strategies_where
 from handbook_lib.core.text import TERMINAL_WIDTH
@@ -237,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "checkpoint layers 0, K, 2K, ... only, the others keep every activation (default 1: all layers)")
     mem.add_argument("--ac-matmul-every", type=_whole(1), default=1, metavar="N", help="with --activation-"
                      "checkpointing selective: keep every N-th matrix product's output only (torchtitan's: 2)")
+    mem.add_argument("--ac-save", default="matmul+attention", choices=AC_SAVE_POLICIES, metavar="S", help="with "
+                     f"--activation-checkpointing selective: what it keeps, {', '.join(AC_SAVE_POLICIES)}")
     mem.add_argument("--cpu-offload", action="store_true", help="keep the model state in host RAM (FSDP only)")
     _add_accumulation(mem)
     _add_axes(mem)

@@ -210,11 +210,13 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         seq_len=args.seq_len, shard_group_size=args.shard_group_size,
         activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload,
         grad_accum_steps=args.grad_accum, sync_every_micro_step=args.sync_every_micro_step,
-        optimizer_impl=args.optimizer_impl, ac_every=args.ac_every, ac_matmul_every=args.ac_matmul_every)
+        optimizer_impl=args.optimizer_impl, ac_every=args.ac_every, ac_matmul_every=args.ac_matmul_every,
+        ac_save=args.ac_save)
     tokens = (f"micro-batch {args.micro_batch} x {args.seq_len} tokens" if args.micro_batch
               else "no activations") + _accum(args, "; ")
     every = (f" (layers 0, {args.ac_every}, {2 * args.ac_every}, ...)" if args.ac_every > 1 else "") + (
-        f", one matrix product in {args.ac_matmul_every} kept" if args.ac_matmul_every > 1 else "")
+        f", one matrix product in {args.ac_matmul_every} kept" if args.ac_matmul_every > 1 else "") + (
+        f", keeping {args.ac_save}" if args.ac_save != "matmul+attention" else "")
     assumes = (f"{_assumptions(args, args.optimizer)}; {tokens}; activation checkpointing "
                f"{args.activation_checkpointing}{every}; CPU offload "
                f"{'on' if args.cpu_offload else 'off'}{axes[1] if axes else ''}")

@@ -30,7 +30,14 @@ def check_memory_flags(args: argparse.Namespace) -> None:
     if args.ac_matmul_every > 1 and args.activation_checkpointing != "selective":
         raise ValueError(f"--ac-matmul-every {args.ac_matmul_every} thins the selective policy's matrix products: "
                          "give --activation-checkpointing selective too")
-    if (args.ac_every > 1 or args.ac_matmul_every > 1) and (args.tp_size > 1 or args.sp_size > 1):
+    if args.ac_save != "matmul+attention" and args.activation_checkpointing != "selective":
+        raise ValueError(f"--ac-save {args.ac_save} chooses what the selective policy keeps: give "
+                         "--activation-checkpointing selective too")
+    if args.ac_matmul_every > 1 and "matmul" not in args.ac_save:
+        raise ValueError(f"--ac-matmul-every {args.ac_matmul_every} thins the kept matrix products, and --ac-save "
+                         f"{args.ac_save} keeps none: give --ac-save matmul+attention or matmul")
+    if (args.ac_every > 1 or args.ac_matmul_every > 1 or args.ac_save != "matmul+attention") and (
+            args.tp_size > 1 or args.sp_size > 1):
         raise ValueError("--ac-every or --ac-matmul-every with --tp-size or --sp-size: the layouts beyond FSDP "
                          "checkpoint every layer, every product")
     if args.precision == "bf16" and args.cpu_offload and get_strategy(args.strategy).wrapper == "deepspeed":

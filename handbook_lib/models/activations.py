@@ -20,11 +20,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from handbook_lib.core.checks import check_int
-from handbook_lib.core.config import checkpointing_mode, dtype_bytes
+from handbook_lib.core.config import AC_SAVE_POLICIES, checkpointing_mode, dtype_bytes
 
 __all__ = [
     "SELECTIVE_SAVE",
     "MATRIX_PRODUCTS",
+    "ATTENTION_OPS",
+    "saved_families",
     "ModelSizes",
     "ActivationBytes",
     "estimate_activation_bytes",
@@ -41,12 +43,29 @@ MATRIX_PRODUCTS = ("mm", "addmm", "bmm")
 """The ``aten`` matrix products a selective policy counts when it keeps every n-th one only
 (``ac_matmul_every``)."""
 
-SELECTIVE_SAVE = (*MATRIX_PRODUCTS, "_scaled_dot_product_flash_attention",
-                  "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-                  "_scaled_dot_product_cudnn_attention")
-"""The ``aten`` operators whose outputs selective activation checkpointing keeps (the matrix
-products and the fused attentions); every other operator of a layer is recomputed in backward.
-The runtime's policy (``handbook_lib.runtime.build``) and the memory model read this one list."""
+ATTENTION_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+"""The ``aten`` fused attentions, whose outputs (the attention's output and its fp32
+log-sum-exp) a selective policy that keeps ``attention`` saves."""
+
+SELECTIVE_SAVE = (*MATRIX_PRODUCTS, *ATTENTION_OPS)
+"""The ``aten`` operators whose outputs selective activation checkpointing keeps by default (the
+matrix products and the fused attentions); every other operator of a layer is recomputed in
+backward. The runtime's policy (``handbook_lib.runtime.recompute``) and the memory model read
+these lists (:func:`saved_families`)."""
+
+
+def saved_families(ac_save: str = "matmul+attention") -> tuple[bool, bool]:
+    """Whether a selective policy ``ac_save`` keeps the matrix products' outputs and the fused
+    attention's: ``(matmul, attention)``.
+
+    Raises:
+        ValueError: for a policy outside :data:`~handbook_lib.core.config.AC_SAVE_POLICIES`.
+    """
+    if ac_save not in AC_SAVE_POLICIES:
+        raise ValueError(f"ac_save must be one of {', '.join(AC_SAVE_POLICIES)}, got {ac_save!r}")
+    families = ac_save.split("+")
+    return "matmul" in families, "attention" in families
 
 
 class ModelSizes(Protocol):
@@ -102,6 +121,7 @@ def estimate_activation_bytes(
     activation_checkpointing: bool | str = False,
     every: int = 1,
     matmul_every: int = 1,
+    ac_save: str = "matmul+attention",
 ) -> ActivationBytes:
     """Bytes that autograd saves in one forward pass of ``SimpleTransformer(config)``.
 
@@ -133,7 +153,9 @@ def estimate_activation_bytes(
     checkpoints layers 0, k, 2k, ... only (:func:`checkpointed`). ``matmul_every`` n keeps only
     the 1st, (n+1)-th, ... of a selective layer's matrix products (:func:`kept_products`: Q/K/V,
     the output projection, linear1, linear2 in forward order; torchtitan's policy is n = 2, which
-    keeps Q/K/V and linear1), the attention's output always.
+    keeps Q/K/V and linear1), the attention's output always. ``ac_save`` ``matmul`` keeps the
+    products only (the attention is recomputed), ``attention`` the attention's output and
+    log-sum-exp only (:func:`saved_families`).
 
     The count is exact for fp32 on PyTorch 2.x's CPU kernels (the tests compare it with the
     tensors autograd saves); in bf16 and on GPUs the kernels save slightly different tensors
@@ -146,28 +168,34 @@ def estimate_activation_bytes(
     tokens = micro_batch * seq_len
     per_layer = tokens * (8 * d + 2 * f) * c + tokens * (16 + 4 * h) + seq_len**2 * c
     head = 2 * tokens * _INDEX_BYTES + tokens * d * c + tokens * v * 4 + 4
-    products = kept_products((3 * d, d, f, d), matmul_every, activation_checkpointing)
-    kept = {"selective": tokens * (products + d) * c + 4 * h * tokens, "full": 0}
+    products = kept_products((3 * d, d, f, d), matmul_every, activation_checkpointing, ac_save)
+    attention = (tokens * d * c + 4 * h * tokens) * saved_families(ac_save)[1]
+    kept = {"selective": tokens * products * c + attention, "full": 0}
     if checkpointing_mode(activation_checkpointing) != "none":
         head += seq_len**2  # the bool mask, an input of every checkpointed layer
     return checkpointed(per_layer, tokens * d * c, kept, config.num_layers, head, activation_checkpointing, every)
 
 
-def kept_products(widths: tuple[int, ...], every: int = 1, activation_checkpointing: bool | str = "selective") -> int:
+def kept_products(widths: tuple[int, ...], every: int = 1, activation_checkpointing: bool | str = "selective",
+                  ac_save: str = "matmul+attention") -> int:
     """The output widths a selective policy that keeps every ``every``-th matrix product saves:
     the products' ``widths`` (per token, in forward order) at positions 0, ``every``,
-    ``2·every``, ... (1 keeps them all).
+    ``2·every``, ... (1 keeps them all); 0 where the policy ``ac_save`` keeps no product.
 
     Raises:
         ValueError: for ``every`` below 1, or above 1 with a checkpointing mode other than
-            ``selective`` (there is no policy to thin).
+            ``selective`` or a policy that keeps no product (there is nothing to thin).
     """
     check_int("matmul_every", every, 1)
     mode = checkpointing_mode(activation_checkpointing)
     if every > 1 and mode != "selective":
         raise ValueError(f"matmul_every={every} keeps every n-th matrix product of the selective policy: it "
                          f"needs activation checkpointing 'selective', got {mode!r}")
-    return sum(widths[::every])
+    matmul, _ = saved_families(ac_save)
+    if every > 1 and not matmul:
+        raise ValueError(f"matmul_every={every} thins the kept matrix products, and ac_save={ac_save!r} keeps "
+                         "none")
+    return sum(widths[::every]) if matmul else 0
 
 
 def checkpointed(per_layer: int, layer_input: int, kept: dict[str, int], num_layers: int, head: int,

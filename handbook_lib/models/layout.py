@@ -39,6 +39,7 @@ from handbook_lib.models.activations import (
     ActivationBytes,
     checkpointed,
     kept_products,
+    saved_families,
     estimate_activation_bytes,
     estimate_decoder_activation_bytes,
     gated_decoder_tensors,
@@ -186,7 +187,7 @@ class ModelLayout:
 
     def activations(self, micro_batch: int, seq_len: int, compute_dtype: str = "fp32", *,
                     activation_checkpointing: bool | str = False, every: int = 1,
-                    matmul_every: int = 1) -> ActivationBytes | None:
+                    matmul_every: int = 1, ac_save: str = "matmul+attention") -> ActivationBytes | None:
         """Bytes of activations one rank keeps for one micro-batch of ``micro_batch`` ×
         ``seq_len`` tokens, in the compute dtype (``None`` when the layout has no activation
         model, or no tokens are given).
@@ -208,14 +209,15 @@ class ModelLayout:
         matrix product only (:func:`~handbook_lib.models.activations.kept_products`), in forward
         order: a gated decoder's separate Q, K, V, output, gate, up and down projections
         (torchtitan's Llama, whose n = 2 keeps Q, V, gate and down), a GPT's fused QKV, output, up
-        and down.
+        and down. ``ac_save`` keeps the products and the attention's outputs (``matmul+attention``),
+        the products only (``matmul``) or the attention's only (``attention``).
         """
         if not micro_batch or self.activation_model == "none":
             return None
         if self.activation_model == "handbook":
             return estimate_activation_bytes(self, micro_batch, seq_len, compute_dtype,
                                              activation_checkpointing=activation_checkpointing, every=every,
-                                             matmul_every=matmul_every)
+                                             matmul_every=matmul_every, ac_save=ac_save)
         c = dtype_bytes(compute_dtype)
         tokens = micro_batch * seq_len
         d, f = self.d_model, self.dim_feedforward
@@ -223,18 +225,18 @@ class ModelLayout:
         k = self.kv_width or q
         if self.gated_mlp:
             saved = gated_decoder_tensors(self, micro_batch, seq_len, compute_dtype, q_width=q, kv_width=k)
-            products = kept_products(saved.products, matmul_every, activation_checkpointing)
+            products = kept_products(saved.products, matmul_every, activation_checkpointing, ac_save)
             shared = kept_products(tuple(w * s for w, s in zip(saved.products, saved.shared_products)),
-                                   matmul_every, activation_checkpointing)
-            attention = tokens * q * c + 4 * self.nhead * tokens  # the fused attention's outputs, always kept
+                                   matmul_every, activation_checkpointing, ac_save)
+            attention = (tokens * q * c + 4 * self.nhead * tokens) * saved_families(ac_save)[1]
             kept = tokens * products * c + attention
             return checkpointed(saved.per_layer, tokens * d * c, {"selective": kept, "full": 0}, self.num_layers,
                                 saved.outside, activation_checkpointing, every,
                                 shared={"selective": tokens * shared * c + attention, "full": 0})
         per_layer = estimate_decoder_activation_bytes(self, micro_batch, seq_len) * c // 2 // self.num_layers
         head = tokens * self.d_model * c + tokens * self.vocab_size * 4 + 16 * tokens
-        products = kept_products((q + 2 * k, d, f, d), matmul_every, activation_checkpointing)
-        kept = tokens * (products + q) * c + 4 * self.nhead * tokens
+        products = kept_products((q + 2 * k, d, f, d), matmul_every, activation_checkpointing, ac_save)
+        kept = tokens * products * c + (tokens * q * c + 4 * self.nhead * tokens) * saved_families(ac_save)[1]
         return checkpointed(per_layer, tokens * d * c, {"selective": kept, "full": 0}, self.num_layers,
                             head, activation_checkpointing, every)
 

@@ -210,6 +210,7 @@ def estimate_memory(
     optimizer_impl: str = "default",
     ac_every: int = 1,
     ac_matmul_every: int = 1,
+    ac_save: str = "matmul+attention",
 ) -> MemoryEstimate:
     """Predict one rank's device memory for a training step, by component and phase.
 
@@ -244,6 +245,8 @@ def estimate_memory(
         ac_matmul_every: With selective checkpointing, keep the output of every n-th matrix
             product of a layer only (n = ``ac_matmul_every``; torchtitan's op policy is 2), the
             attention's always (:func:`~handbook_lib.models.activations.kept_products`).
+        ac_save: With selective checkpointing, what the policy keeps: ``matmul+attention``,
+            ``matmul`` (the attention recomputed) or ``attention`` (the products recomputed).
         cpu_offload: Keep sharded parameters, gradients and optimizer states in host memory
             (FSDP strategies only: refused with ``NONE`` and ``DDP``, as ``fsdp_train`` does).
         reduce_dtype: Gradient-reduction dtype, overriding the precision's (e.g. ``bf16``).
@@ -302,7 +305,7 @@ def estimate_memory(
                    if grad_accum_steps > 1 and not sync_every_micro_step else 0)
     shape = _step_shape(layout, row, state, dtype_bytes(compute), dtype_bytes(reduce_dtype or reduce),
                         world_size, group, units, flat_params, backend, accumulated, optimizer,
-                        micro_batch, seq_len, compute, (activation_checkpointing, ac_every, ac_matmul_every))
+                        micro_batch, seq_len, compute, (activation_checkpointing, ac_every, ac_matmul_every, ac_save))
     if not (cpu_offload and backend == "nccl") and (layout.exact or impl != "for-loop"):
         # not on a GPU's host (offloaded), nor one tensor at a time over unknown tensors
         locals_ = local_numels(layout, row, group, rank % group, units, flat_params)
@@ -325,18 +328,18 @@ def estimate_memory(
 def _step_shape(layout: ModelLayout, row: Strategy, state: dict[str, int], c: int, r: int, world_size: int,
                 group: int, units: Sequence[Unit] | None, flat: bool, backend: str, accumulated: int,
                 optimizer: str, micro_batch: int, seq_len: int, compute: str,
-                checkpointing: tuple[bool | str, int, int]) -> StepShape:
+                checkpointing: tuple[bool | str, int, int, str]) -> StepShape:
     """The :class:`~handbook_lib.models.phases.StepShape` every phase reads, from the layout
-    (``checkpointing``: the mode, ``ac_every`` and ``ac_matmul_every``)."""
+    (``checkpointing``: the mode, ``ac_every``, ``ac_matmul_every`` and ``ac_save``)."""
     units = list(units) if units is not None else layout.units()
     if layout.exact and (not units or not units[0].root):
         raise ValueError("units must start with the root unit (see wrap_units)")
     numels = ([u.flat_padded_numel(group) if flat else u.padded_numel(group) for u in units]
               if layout.units_known else [0])
     layers, root = tuple(numels[1:]), numels[0]
-    mode, every, matmul_every = checkpointing
+    mode, every, matmul_every, ac_save = checkpointing
     acts = layout.activations(micro_batch, seq_len, compute, activation_checkpointing=mode, every=every,
-                              matmul_every=matmul_every)
+                              matmul_every=matmul_every, ac_save=ac_save)
     whole_layers = bool(layers) and len(layers) == layout.num_layers
     saved = acts.by_layer if acts and whole_layers else (0,) * len(layers)
     exact = layout.exact

@@ -96,7 +96,7 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
         activation_checkpointing=config.activation_checkpointing, units=units, flat_params=flat,
         backend=ctx.backend, grad_accum_steps=config.grad_accum_steps,
         sync_every_micro_step=config.sync_every_micro_step, optimizer_impl=config.optimizer_impl,
-        ac_every=config.ac_every, ac_matmul_every=config.ac_matmul_every,
+        ac_every=config.ac_every, ac_matmul_every=config.ac_matmul_every, ac_save=config.ac_save,
     )
     state, checks = _state(config, ctx, layout, units, group, flat, model, optimizer, init_bytes)
     metrics = {

@@ -321,7 +321,8 @@ def parallelize(config: RunConfig, ctx: RankContext, *, init: InitMode = "meta",
     """
     if isinstance(config, ParallelConfig) and config.pp_size * config.inner_size > 1:
         for key, value, usual in (("precision", state_dtype(config.precision), "fp32"),
-                                  ("ac_every", config.ac_every, 1), ("ac_matmul_every", config.ac_matmul_every, 1)):
+                                  ("ac_every", config.ac_every, 1), ("ac_matmul_every", config.ac_matmul_every, 1),
+                                  ("ac_save", config.ac_save, "matmul+attention")):
             if value != usual:  # pure bf16, every k-th layer or product: fsdp_train's only
                 raise ValueError(f"config key {key!r}={getattr(config, key)!r} runs with fsdp_train; the tensor, "
                                  "sequence and pipeline runs keep an fp32 state and checkpoint every layer")
@@ -342,7 +343,8 @@ def parallelize(config: RunConfig, ctx: RankContext, *, init: InitMode = "meta",
     if dtype != "fp32":  # pure bf16: built, filled, sharded and stepped in bf16, no fp32 copy
         model.to(torch_dtype(dtype))
     units = _unit_modules(model, config)
-    apply_activation_checkpointing(model, config.activation_checkpointing, config.ac_every, config.ac_matmul_every)
+    apply_activation_checkpointing(model, config.activation_checkpointing, config.ac_every, config.ac_matmul_every,
+                                   config.ac_save)
     return APPLY[row.wrapper](model, config, ctx, row, units, seeded)
 
 

@@ -157,20 +157,21 @@ class Decoder(nn.Module):
 
 def measure_activation_bytes(shape: DecoderShape, micro_batch: int, seq_len: int, compute_dtype: str = "bf16", *,
                              activation_checkpointing: bool | str = "none", every: int = 1, matmul_every: int = 1,
-                             seed: int = 0) -> int:
-    """Build :class:`Decoder` of ``shape`` in ``compute_dtype`` (``fp32`` or ``bf16``) on the CPU,
-    checkpoint it with the given policy, and measure the bytes its forward pass and loss leave
-    alive for backward, token ids and targets included (made inside the measurement) and the
-    4-byte loss value excluded: what :meth:`~handbook_lib.models.layout.ModelLayout.activations`
-    predicts as ``total``. Measured with :class:`~handbook_lib.runtime.measure.NewBytesPeak`
-    (storages created by the operators and not yet freed), independently of the model."""
+                             ac_save: str = "matmul+attention", seed: int = 0) -> int:
+    """Build :class:`Decoder` of ``shape`` in ``compute_dtype`` (``fp32`` or ``bf16``) on the
+    CPU, checkpoint it with the given policy (``ac_save``: what a selective one keeps), and
+    measure the bytes its forward pass and loss leave alive for backward, token ids and targets
+    included (made inside the measurement) and the 4-byte loss value excluded: what
+    :meth:`~handbook_lib.models.layout.ModelLayout.activations` predicts as ``total``. Measured
+    with :class:`~handbook_lib.runtime.measure.NewBytesPeak` (storages created by the operators
+    and not yet freed), independently of the model."""
     from handbook_lib.runtime.measure import NewBytesPeak
     from handbook_lib.runtime.recompute import apply_activation_checkpointing
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[compute_dtype]
     torch.manual_seed(seed)
     model = Decoder(shape).to(dtype)
-    apply_activation_checkpointing(model, checkpointing_mode(activation_checkpointing), every, matmul_every)
+    apply_activation_checkpointing(model, checkpointing_mode(activation_checkpointing), every, matmul_every, ac_save)
     gen = torch.Generator().manual_seed(seed)
     with NewBytesPeak() as made:
         tokens, targets = (torch.randint(0, shape.vocab_size, (micro_batch, seq_len), generator=gen)
