@@ -31,6 +31,7 @@ BAD = {  # one config each run refuses, and a word of its one-line message
     "deepspeed_zero": ({"strategy": "FULL_SHARD"}, 2, "deepspeed_zero runs strategy"),
     "fault": ({"fail_rank": 5}, 2, "fail_rank must be in [0, 2)"),
     "fsdp_train": ({"strategy": "NONE"}, 2, "one-process baseline"),
+    "hf_weights": ({}, 2, "hf_weights needs save_dir"),
     "pipeline": ({"pp_size": 1}, 2, "the pipeline run needs pp_size >= 2"),
     "sequence_parallel": ({}, 2, "sequence_parallel needs sp_size >= 2"),
     "step_time": ({}, 1, "step_time compares DDP with FSDP"),
@@ -42,7 +43,7 @@ BAD = {  # one config each run refuses, and a word of its one-line message
 def _required(run: str, folder: Path) -> dict:
     """The keys a run's default config lacks to pass (a folder it writes into, the axis it splits;
     ``nproc``: its ranks, 2 unless given)."""
-    return {"checkpoint_resume": {"ckpt_dir": str(folder / "ck")},
+    return {"checkpoint_resume": {"ckpt_dir": str(folder / "ck")}, "hf_weights": {"save_dir": str(folder / "st")},
             "trainer_deepspeed": {"trainer_dir": str(folder / "t"), "nproc": 1},
             "sequence_parallel": {"sp_size": 2}, "tensor_parallel": {"tp_size": 2}}.get(run, {})
 

@@ -15,6 +15,9 @@ from handbook_lib.core.lazy import lazy_exports
 if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported on first use
     from handbook_lib.runtime.recompute import apply_activation_checkpointing, selective_policy
     from handbook_lib.runtime.decoder import Decoder, DecoderLayer, RMSNorm, ROPE_THETA, measure_activation_bytes
+    from handbook_lib.runtime.hf_weights import (
+        SHARDED_DIR, load_safetensors, safetensors_files, save_safetensors, transformers_config,
+    )
     from handbook_lib.runtime.build import (
         APPLY,
         InitMode,

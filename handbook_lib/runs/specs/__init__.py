@@ -19,6 +19,7 @@ from handbook_lib.runs.specs import (
     deepspeed_zero,
     fault,
     fsdp_train,
+    hf_weights,
     pipeline,
     sequence_parallel,
     step_time,
@@ -30,6 +31,6 @@ __all__ = ["SPECS"]
 
 SPECS: dict[str, RunSpec] = {module.SPEC.name: module.SPEC for module in (
     accelerate_fsdp, checkpoint_cost, checkpoint_resume, clinic, comm_bench, deepspeed_zero, fault, fsdp_train,
-    pipeline, sequence_parallel, step_time, tensor_parallel, trainer_deepspeed,
+    hf_weights, pipeline, sequence_parallel, step_time, tensor_parallel, trainer_deepspeed,
 )}
 """Run name -> its spec, sorted by name (a test keeps it equal to the run modules)."""
