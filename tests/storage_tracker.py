@@ -92,3 +92,20 @@ class StorageTracker(TorchDispatchMode):
                     self._record(leaf)
             self._sample()
         return out
+
+
+def saved_bytes(model: torch.nn.Module, forward: Callable[[], object]) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``forward()`` runs,
+    ``model``'s parameters excluded (a saved-tensors hook sees each tensor an op saves)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(seen.values())

@@ -13,27 +13,16 @@ from handbook_lib.models import (
 )
 from handbook_lib.models import model_layout
 from handbook_lib.runtime import build_model
+from tests.storage_tracker import saved_bytes
 
 
 def saved_activation_bytes(config: ModelConfig, micro_batch: int, seq_len: int) -> int:
     """Measure: bytes of the distinct storages autograd saves in one forward + loss, parameters excluded."""
     model = build_model(config, seed=0)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (micro_batch, seq_len), generator=gen)
     targets = torch.randint(0, config.vocab_size, (micro_batch, seq_len), generator=gen)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model(tokens)
-        F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-    return sum(seen.values())
+    return saved_bytes(model, lambda: F.cross_entropy(model(tokens).float().flatten(0, 1), targets.flatten()))
 
 
 @pytest.mark.parametrize("config, micro_batch, seq_len", [

@@ -20,6 +20,7 @@ from handbook_lib.models import decoder_shape_from_hf, get_shape, model_layout  
 from handbook_lib.models.activations import gated_decoder_tensors  # noqa: E402
 from handbook_lib.runtime.decoder import Decoder, measure_activation_bytes  # noqa: E402
 from handbook_lib.runtime.recompute import apply_activation_checkpointing  # noqa: E402
+from tests.storage_tracker import saved_bytes  # noqa: E402
 
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4)
 CONFIGS = {
@@ -38,22 +39,6 @@ def hf_model(config: dict, dtype: torch.dtype) -> torch.nn.Module:
     cfg = transformers.AutoConfig.for_model(family, **kwargs, attn_implementation="sdpa")
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
-
-
-def saved_bytes(model: torch.nn.Module, forward) -> int:
-    """Bytes of the distinct storages autograd saves in ``forward()``, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward()
-    return sum(seen.values())
 
 
 @pytest.mark.parametrize("name", CONFIGS)
