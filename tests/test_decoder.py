@@ -75,6 +75,10 @@ def test_one_layer_by_hand():
                                   q_width=64, kv_width=32)
     assert saved.per_layer == 2 * (32 * 64 * 8 + 128) + 32 * 192 * 2 + 512 + 4 * 32 * 160 * 2 == 86_784
     assert dict(saved.head)["RoPE cos and sin"] == 2 * 16 * 16 * 2
+    # the widths a shape or a layout states are the defaults: grouped-query K and V are not d wide
+    shape = decoder_shape_from_hf(CONFIGS["llama, grouped-query"])
+    assert gated_decoder_tensors(shape, 2, 16, "bf16") == saved
+    assert gated_decoder_tensors(model_layout(shape), 2, 16, "bf16") == saved
 
 
 def test_llama2_70b_layer_is_48_5_sbh_in_bf16_where_korthikanti_counts_34():

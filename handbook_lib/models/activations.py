@@ -283,7 +283,9 @@ def gated_decoder_tensors(sizes: ModelSizes, micro_batch: int, seq_len: int, com
     total. For Llama 3 8B in bf16 a layer is ``49·s·b·h`` bytes (Korthikanti's GPT count, which
     :func:`estimate_decoder_activation_bytes` gives, is ``34``).
 
-    ``q_width`` and ``kv_width`` default to ``d_model`` and ``q_width``. Exact, to the byte, for
+    ``q_width`` and ``kv_width`` default to the widths ``sizes`` states (a layout's ``q_width``
+    and ``kv_width``, a :class:`~handbook_lib.models.presets.DecoderShape`'s heads), else to
+    ``d_model`` and ``q_width``. Exact, to the byte, for
     the tensors autograd saves on PyTorch's CPU kernels in fp32 and bf16 (the tests measure
     Transformers' own Llama and :class:`~handbook_lib.runtime.decoder.Decoder`); CUDA's flash
     attention saves the same tensors and two 8-byte random-number words.
@@ -293,8 +295,9 @@ def gated_decoder_tensors(sizes: ModelSizes, micro_batch: int, seq_len: int, com
     c = dtype_bytes(compute_dtype)
     tokens = micro_batch * seq_len
     d, f, a, v = sizes.d_model, sizes.dim_feedforward, sizes.nhead, sizes.vocab_size
-    q = q_width or d
-    k = kv_width or q
+    q = q_width or getattr(sizes, "q_width", 0) or getattr(sizes, "attention_width", 0) or d
+    shape_kv = getattr(sizes, "kv_heads", 0) * getattr(sizes, "head_width", 0)  # a DecoderShape's
+    k = kv_width or getattr(sizes, "kv_width", 0) or shape_kv or q
 
     def norm(where: str) -> tuple[tuple[str, int], ...]:
         return ((f"{where} norm: input in fp32", tokens * d * 4), (f"{where} norm: 1/RMS (fp32)", tokens * 4),
