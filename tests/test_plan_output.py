@@ -34,6 +34,12 @@ def _page(**fields):
       "--sp-size", "8", "--sp-method", "ring"],
      {"model": "llama2-70b", "gpu": "h100-80gb", "gpus": "64", "seq_len": "131072", "tp_size": "8",
       "sp_size": "8", "sp_method": "ring"}),
+    (["--model", "llama2-70b", "--gpu", "h100-80gb", "--gpus", "64", "--seq-len", "4096", "--ac-matmul-every", "2",
+      "--shard-group-size", "0", "--activation-checkpointing", "selective"],
+     {"model": "llama2-70b", "gpu": "h100-80gb", "gpus": "64", "seq_len": "4096", "shard_group_size": "0",
+      "activation_checkpointing": "selective", "ac_matmul_every": "2"}),
+    (["--model", "llama2-13b", "--gpu", "a100-80gb", "--gpus", "32", "--ac-every", "2", "--shard-group-size", "16"],
+     {"model": "llama2-13b", "gpu": "a100-80gb", "gpus": "32", "ac_every": "2", "shard_group_size": "16"}),
 ])
 def test_the_page_prices_what_the_command_line_prices(capsys, argv, fields):
     page = _page(**fields)
@@ -52,20 +58,24 @@ def test_a_pasted_config_is_the_config_file(capsys):
 @pytest.mark.parametrize("fields, field, message", [
     ({"gpus": "0"}, "gpus", "argument --gpus: must be a whole number >= 1, got 0"),
     ({"gpus": "eight"}, "gpus", "argument --gpus: must be a whole number >= 1, got 'eight'"),
-    ({"gpus": "12"}, None, "--gpus 12 is not a whole number of nodes of --gpus-per-node 8"),
-    ({"gpus": "16", "tp_size": "3"}, None, "--tp-size 3 must divide the GPUs per node (8), --gpus (16)"),
+    ({"gpus": "12"}, "gpus", "--gpus 12 is not a whole number of nodes of --gpus-per-node 8"),
+    ({"gpus": "16", "tp_size": "3"}, "tp_size", "--tp-size 3 must divide the GPUs per node (8), --gpus (16)"),
     ({"gpus": "8", "headroom": "1.5"}, "headroom", "argument --headroom:"),
     ({"gpus": "8", "sp_method": "ring"}, "sp_method", "--sp-method ring applies to the sequence split"),
     ({"gpus": "8", "config": "{oops"}, "config", "--hf-config config.json: not JSON (line 1"),
     ({"gpus": "8", "config": "[1, 2]"}, "config", "--hf-config config.json: a JSON list, not an object"),
     ({"gpus": "16", "optimizer": "sgd", "tp_size": "8"}, None, "--optimizer sgd: the layouts beyond FSDP"),
+    ({"gpus": "64", "shard_group_size": "12"}, "shard_group_size", "--shard-group-size 12: a shard group must"),
+    ({"gpus": "64", "shard_group_size": "x"}, "shard_group_size", "argument --shard-group-size: must be a whole"),
+    ({"gpus": "8", "ac_save": "matmul"}, "ac_save", "--ac-save matmul chooses what the selective policy keeps"),
+    ({"gpus": "8", "ac_every": "0"}, "ac_every", "argument --ac-every: must be a whole number >= 1"),
 ])
 def test_bad_input_gets_the_command_line_s_one_line(capsys, fields, field, message):
     page = _page(model="llama2-70b", gpu="h100-80gb", **fields)
     assert page["field"] == field and page["error"].startswith(message) and "\n" not in page["error"]
-    if field is None and "config" not in fields:  # the same line the command line prints
+    if "config" not in fields and not message.startswith("argument"):  # the same line the command line prints
         argv = ["--model", "llama2-70b", "--gpu", "h100-80gb", "--gpus", fields["gpus"]]
-        argv += ["--tp-size", fields["tp_size"]] if "tp_size" in fields else []
-        argv += ["--optimizer", fields["optimizer"]] if "optimizer" in fields else []
+        for key in ("tp_size", "optimizer", "shard_group_size", "ac_save", "sp_method"):
+            argv += ["--" + key.replace("_", "-"), fields[key]] if key in fields else []
         assert main(["plan", *argv]) == 2
         assert " ".join(capsys.readouterr().err.split()).startswith(f"error: {message}")

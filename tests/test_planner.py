@@ -375,3 +375,81 @@ def test_pure_bf16_halves_the_state_and_changes_the_70b_verdict():
     assert pure.recommended.name == "FULL_SHARD + AC"
     state = {o.name: o.model_state_bytes for o in pure.options}
     assert state["FULL_SHARD + AC"] * 2 == {o.name: o.model_state_bytes for o in mixed.options}["FULL_SHARD + AC"]
+
+
+def test_shard_groups_are_whole_nodes_or_a_node_s_divisors():
+    from handbook_lib.models import shard_groups
+
+    assert shard_groups(64, 8) == [8] and shard_groups(8, 8) == [] and shard_groups(4, 8) == []
+    assert shard_groups(64, 8, 0) == [8, 16, 32]
+    assert shard_groups(48, 8, 0) == [8, 16, 24]
+    assert shard_groups(64, 8, 4) == [4] and shard_groups(64, 8, 16) == [16]
+    for bad in (12, 64, 3, 128, -8, 1):
+        with pytest.raises(ValueError, match=f"shard_group_size={bad}"):
+            shard_groups(64, 8, bad)
+    with pytest.raises(ValueError, match="more than one node"):
+        shard_groups(8, 8, 4)
+
+
+def test_hybrid_shard_at_every_group_size_is_priced_as_the_memory_model_and_nccl_say():
+    from handbook_lib.models import node_preset, reserved_bytes, strategy_nccl
+
+    usual = plan("llama2-70b", "h100-80gb", 64, seq_len=4096)
+    every = plan("llama2-70b", "h100-80gb", 64, seq_len=4096, shard_group_size=0)
+    names = [o.name for o in every.options]
+    assert [n for n in names if n.startswith("HYBRID")] == [
+        "HYBRID_SHARD/8", "HYBRID_SHARD/8 + AC", "HYBRID_SHARD/16", "HYBRID_SHARD/16 + AC",
+        "HYBRID_SHARD/32", "HYBRID_SHARD/32 + AC"]
+    by_name = {o.name: o for o in every.options}
+    for o in usual.options:  # a node's group is the usual HYBRID_SHARD, every figure the same
+        twin = by_name[o.name.replace("HYBRID_SHARD", "HYBRID_SHARD/8")]
+        assert (twin.peak_bytes, twin.comm_s, twin.step_s, twin.budget_bytes) == (o.peak_bytes, o.comm_s, o.step_s,
+                                                                                 o.budget_bytes)
+    node = node_preset("h100-80gb")
+    for group in (16, 32):
+        o = by_name[f"HYBRID_SHARD/{group} + AC"]
+        mem = estimate_memory("llama2-70b", 64, "HYBRID_SHARD", "bf16-mixed", micro_batch=1, seq_len=4096,
+                              shard_group_size=group, activation_checkpointing=True, backend="nccl")
+        assert o.shard_group_size == group and o.peak_bytes == mem.peak
+        assert o.peak_reserved_bytes == reserved_bytes(mem.peak)
+        assert o.nccl_bytes == strategy_nccl(node, "HYBRID_SHARD", 64, group).total
+    # a larger shard group holds less of the model state and sends more over the network
+    sizes = [by_name[f"HYBRID_SHARD/{g}"] for g in (8, 16, 32)]
+    assert sizes[0].model_state_bytes > sizes[1].model_state_bytes > sizes[2].model_state_bytes
+    assert sizes[0].comm_s > sizes[1].comm_s > sizes[2].comm_s > by_name["FULL_SHARD"].comm_s
+
+
+def test_a_checkpointing_policy_prices_its_options_memory_and_recomputation():
+    from handbook_lib.models import CheckpointPolicy, estimate_step_flops, model_layout, recompute_flops
+
+    policy = CheckpointPolicy("selective", matmul_every=2)
+    result = plan("llama2-70b", "h100-80gb", 64, seq_len=4096, checkpointing=policy)
+    assert result.checkpointing == "selective, every 2nd product"
+    lay, acc = model_layout("llama2-70b"), ACCELERATORS["h100-80gb"]
+    step = estimate_step_flops(lay.num_params, 4096, seq_len=4096, num_layers=lay.num_layers,
+                               attention_width=lay.attention_width)
+    by_name = {o.name: o for o in result.options}
+    for strategy in ("SHARD_GRAD_OP", "FULL_SHARD"):
+        o = by_name[strategy + " + AC"]
+        mem = estimate_memory("llama2-70b", 64, strategy, "bf16-mixed", micro_batch=1, seq_len=4096,
+                              activation_checkpointing="selective", ac_matmul_every=2, backend="nccl")
+        assert o.peak_bytes == mem.peak
+        flops = step.model + recompute_flops(lay, 4096, 4096, policy)
+        assert o.compute_s == pytest.approx(flops / (acc.peak_flops("bf16-mixed") * result.utilization), rel=1e-12)
+        assert o.compute_s < by_name[strategy].compute_s * 4 / 3  # less than a forward again
+    assert result.recommended.name == "FULL_SHARD + AC"
+    assert "recomputes 11.1 % of the model's FLOPs" in " ".join(result.reasons)
+    # full, every layer: the plan as it always was
+    assert plan("llama2-70b", "h100-80gb", 64, seq_len=4096, checkpointing=CheckpointPolicy()) == \
+        plan("llama2-70b", "h100-80gb", 64, seq_len=4096)
+
+
+def test_selective_checkpointing_that_recomputes_no_product_says_so():
+    from handbook_lib.models import CheckpointPolicy
+
+    result = plan("llama2-13b", "h100-80gb", 16, seq_len=8192, checkpointing=CheckpointPolicy("selective"))
+    chosen = result.recommended
+    assert chosen is not None and chosen.activation_checkpointing
+    by_name = {o.name: o for o in result.options}
+    assert chosen.compute_s == by_name[chosen.strategy].compute_s  # no FLOPs again
+    assert "recomputes pointwise operators only" in " ".join(result.reasons)

@@ -25,6 +25,8 @@ const FORM = `
     <label>network <select name="inter_link"><option>ib-ndr400</option><option>ib-hdr200</option>
       <option>100gbe</option><option>25gbe</option></select></label>
     <label>ports per node <input name="nics_per_node" inputmode="numeric" size="10" placeholder="one a GPU"></label>
+    <label>HSDP shard group <input name="shard_group_size" inputmode="numeric" size="7" placeholder="a node"></label>
+    <span class="hb-error" data-for="shard_group_size"></span>
   </fieldset>
   <fieldset><legend>Job</legend>
     <label>sequence length <input name="seq_len" value="4096" inputmode="numeric" size="7"></label>
@@ -39,6 +41,14 @@ const FORM = `
       <option>sgd-momentum</option><option>sgd</option></select></label>
     <label>optimizer step <select name="optimizer_impl"><option value="">default</option><option>foreach</option>
       <option>fused</option><option>for-loop</option></select></label>
+    <label>checkpointing (AC) <select name="activation_checkpointing"><option value="">full</option>
+      <option>selective</option></select></label>
+    <label>AC every <input name="ac_every" inputmode="numeric" size="3" placeholder="1"> layers</label>
+    <label>selective keeps <select name="ac_save"><option value="">matmul+attention</option><option>matmul</option>
+      <option>attention</option></select></label>
+    <label>every <input name="ac_matmul_every" inputmode="numeric" size="3" placeholder="1"> products</label>
+    <span class="hb-error" data-for="ac_every"></span><span class="hb-error" data-for="ac_save"></span>
+    <span class="hb-error" data-for="ac_matmul_every"></span>
     <label>headroom <input name="headroom" value="0" size="4"></label>
     <span class="hb-error" data-for="headroom"></span>
     <label><input type="checkbox" name="sensitivity"> sensitivity</label>
@@ -113,6 +123,7 @@ function draw(result) {
     o.step_s.toFixed(3), o.bound === "communication" ? "comm" : "comp"]);
   let html = `<p class="hb-shape">${esc(result.shape)}</p>`;
   html += table(["option", "GPUs", "reserved", "margin", "comm s", "comp s", "step s", "bound"], rows);
+  html += `<p class="hb-legend">AC: activation checkpointing, ${esc(report.checkpointing)}</p>`;
   const pick = view.pick;
   html += `<p><strong>${esc(pick.name)}</strong>${report.recommended ? " (recommended)" : " (nothing fits)"}: ` +
     `${fmtBytes(pick.peak)} allocated at its peak, ${fmtBytes(pick.reserved)} reserved, per GPU</p>`;

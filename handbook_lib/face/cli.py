@@ -47,16 +47,21 @@ import signal
 import sys
 import threading
 import unicodedata
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import NoReturn
 
 from handbook_lib.core.architecture import MODEL_KEYS
-from handbook_lib.core.checks import BadText, parse_count, parse_float, parse_int
 from handbook_lib.core.config import (AC_SAVE_POLICIES, CHECKPOINTING_MODES, OPTIMIZER_IMPLS, OPTIMIZERS,
                                       PRECISIONS, RunConfig)
 from handbook_lib.core.protocol import PREEMPTED_EXIT
 from handbook_lib.core.strategies import STRATEGIES, strategies_where
 from handbook_lib.core.text import TERMINAL_WIDTH
+from handbook_lib.face.arg_types import MAX_PARAMS, MAX_PORT
+from handbook_lib.face.arg_types import endpoint as _endpoint
+from handbook_lib.face.arg_types import fraction as _fraction
+from handbook_lib.face.arg_types import param_count as _param_count
+from handbook_lib.face.arg_types import seconds as _seconds
+from handbook_lib.face.arg_types import whole as _whole
 from handbook_lib.face.commands import COMMANDS
 from handbook_lib.face.plan_axes import wrap_line
 from handbook_lib.launch.errors import RunFailed, RunPreempted
@@ -68,10 +73,6 @@ from handbook_lib.runs import describe_runs, run_config_fields
 
 __all__ = ["MAX_PARAMS", "build_parser", "main"]
 
-MAX_PARAMS = 10**15
-"""Largest ``--params`` accepted: a quadrillion parameters, beyond any model trained so far."""
-MAX_PORT = 65535
-"""The largest TCP port (``--rdzv-endpoint``, ``slurm --port``)."""
 _HYBRID = strategies_where(hybrid=True)
 _SP_METHODS = ("ulysses", "ring")
 
@@ -81,53 +82,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {message}\n(see: {self.prog} --help)\n")
-
-
-def _whole(minimum: int, below: int | None = None) -> Callable[[str], int]:
-    """An argparse type: a whole number in ``[minimum, below)``, written as digits."""
-    def parse(text: str) -> int:
-        try:
-            return parse_int(text, minimum, below)
-        except BadText as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-    return parse
-
-
-def _param_count(text: str) -> int:
-    """An argparse type for ``--params``: a whole number of parameters in [1, MAX_PARAMS]."""
-    try:
-        return parse_count(text, 1, MAX_PARAMS, noun="a whole number of parameters")
-    except BadText as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _fraction(text: str) -> float:
-    """An argparse type: a number in [0, 1)."""
-    try:
-        return parse_float(text, 0.0, below=1.0)
-    except BadText as err:
-        raise argparse.ArgumentTypeError(f"{err} (a fraction, e.g. 0.1)") from None
-
-
-def _seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds > 0."""
-    try:
-        return parse_float(text, above=0.0)
-    except BadText as err:
-        raise argparse.ArgumentTypeError(f"{err} (seconds)") from None
-
-
-def _endpoint(text: str) -> str:
-    """An argparse type for ``--rdzv-endpoint``: ``HOST:PORT`` with a TCP port in [1, 65535]."""
-    host, sep, port = text.rpartition(":")
-    try:
-        if not sep or not host:
-            raise BadText(text, "HOST:PORT")
-        parse_int(port, 1, MAX_PORT + 1)
-    except BadText:
-        raise argparse.ArgumentTypeError(f"must be HOST:PORT with a TCP port from 1 to {MAX_PORT}, "
-                                         f"got {text!r}") from None
-    return text
 
 
 def _add_model_choice(cmd: argparse.ArgumentParser, params_help: str | None, set_help: str) -> None:
@@ -168,6 +122,18 @@ def _add_optimizer_impl(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--optimizer-impl", default="default", choices=OPTIMIZER_IMPLS, metavar="I",
                      help="how the optimizer step runs: for-loop, foreach (one fp32 temporary of every "
                      "local parameter), fused (none) or default (torch's choice: foreach on a GPU)")
+
+
+def _add_checkpointing(cmd: argparse.ArgumentParser, default: str, modes: tuple[str, ...], text: str) -> None:
+    """The checkpointing policy's flags: the mode (``text``) and the policy's three keys."""
+    cmd.add_argument("--activation-checkpointing", nargs="?", const="full", default=default, choices=modes,
+                     metavar="MODE", help=text)
+    cmd.add_argument("--ac-every", type=_whole(1), default=1, metavar="K", help="with --activation-checkpointing: "
+                     "checkpoint layers 0, K, 2K, ... only, the others keep every activation (default 1: all layers)")
+    cmd.add_argument("--ac-matmul-every", type=_whole(1), default=1, metavar="N", help="with --activation-"
+                     "checkpointing selective: keep every N-th matrix product's output only (torchtitan's: 2)")
+    cmd.add_argument("--ac-save", default="matmul+attention", choices=AC_SAVE_POLICIES, metavar="S", help="with "
+                     f"--activation-checkpointing selective: what it keeps, {', '.join(AC_SAVE_POLICIES)}")
 
 
 def _add_axes(cmd: argparse.ArgumentParser) -> None:
@@ -223,17 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--micro-batch", type=_whole(0), default=0, metavar="B", help="sequences per rank (0: no "
                      "activations); needs --seq-len and a model shape")
     mem.add_argument("--seq-len", type=_whole(0), default=0, metavar="T", help="tokens per sequence")
-    mem.add_argument("--activation-checkpointing", nargs="?", const="full", default="none",
-                     choices=CHECKPOINTING_MODES, metavar="MODE",
-                     help="recompute activations in backward: none, selective (keep the matrix products' "
-                     "and attention's outputs) or full (keep each layer's input; the flag alone); needs "
-                     "--micro-batch")
-    mem.add_argument("--ac-every", type=_whole(1), default=1, metavar="K", help="with --activation-checkpointing: "
-                     "checkpoint layers 0, K, 2K, ... only, the others keep every activation (default 1: all layers)")
-    mem.add_argument("--ac-matmul-every", type=_whole(1), default=1, metavar="N", help="with --activation-"
-                     "checkpointing selective: keep every N-th matrix product's output only (torchtitan's: 2)")
-    mem.add_argument("--ac-save", default="matmul+attention", choices=AC_SAVE_POLICIES, metavar="S", help="with "
-                     f"--activation-checkpointing selective: what it keeps, {', '.join(AC_SAVE_POLICIES)}")
+    _add_checkpointing(mem, "none", CHECKPOINTING_MODES, "recompute activations in backward: none, selective (keep "
+                       "the matrix products' and attention's outputs) or full (keep each layer's input; the flag "
+                       "alone); needs --micro-batch")
     mem.add_argument("--cpu-offload", action="store_true", help="keep the model state in host RAM (FSDP only)")
     _add_accumulation(mem)
     _add_axes(mem)
@@ -279,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, metavar="O",
                     help=f"one of {', '.join(OPTIMIZERS)} (default adamw; the layouts beyond FSDP price adamw)")
     _add_optimizer_impl(pl)
+    _add_checkpointing(pl, "full", ("full", "selective"), "the policy of the options marked + AC: full (keep "
+                       "each layer's input; the default) or selective (keep the matrix products' and attention's "
+                       "outputs); options named after it (AC, SAC, SAC every 2nd product)")
+    pl.add_argument("--shard-group-size", type=_whole(0), default=None, metavar="N", help="HYBRID_SHARD's shard "
+                    "group, GPUs: a whole number of nodes (or a divisor of one) that divides --gpus; 0: every "
+                    "whole number of nodes, each an option (default: one node)")
     pl.add_argument("--headroom", type=_fraction, default=0.0,
                     help="fraction of usable GPU memory kept free beyond what the model prices (default 0)")
     pl.add_argument("--sensitivity", action="store_true",

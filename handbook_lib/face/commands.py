@@ -26,8 +26,9 @@ from handbook_lib.face.display import (
     checks_verdict,
     format_bytes,
 )
-from handbook_lib.face.plan_axes import FLAGS, chosen_shape, print_axes, wrap_line
+from handbook_lib.face.plan_axes import FLAGS, chosen_shape, wrap_line
 from handbook_lib.face.flags import check_memory_flags
+from handbook_lib.face.plan_text import accum_text, impl_text, print_plan
 from handbook_lib.face.views import fit_table, step_time_summary, step_time_table
 from handbook_lib.launch.errors import describe_failed_checks
 from handbook_lib.models.allocator import RESERVE_FRACTION, RESERVE_MODEL, RESERVE_SOURCE
@@ -38,9 +39,8 @@ from handbook_lib.models.hf_config import read_hf_config_keys
 from handbook_lib.models.layout import ModelLayout, model_layout
 from handbook_lib.models.memory import PHASE_WORDS, MemoryEstimate, estimate_memory, estimate_rank_state
 from handbook_lib.models.plan_output import plan_report
-from handbook_lib.models.planner import Plan, check_whole_nodes
+from handbook_lib.models.planner import check_whole_nodes
 from handbook_lib.models.presets import describe_shape, get_shape
-from handbook_lib.models.sensitivity import FlipPoints, Sensitivity
 from handbook_lib.models.zero import deepspeed_own_estimate, zero_stage, zero_step_gradient_bytes
 from handbook_lib.models.timing import estimate_compute_time, estimate_step_time, expected_utilization
 from handbook_lib.models.traffic import estimate_step_traffic
@@ -121,23 +121,8 @@ def _check_sharding(args: argparse.Namespace) -> None:
 def _assumptions(args: argparse.Namespace, optimizer: str) -> str:
     group = f" (shard groups of {args.shard_group_size})" if args.shard_group_size else ""
     return (f"assumes: {args.strategy} on {args.world_size} ranks{group}, {args.precision}, "
-            f"optimizer {optimizer}{_impl(args)}")
+            f"optimizer {optimizer}{impl_text(args)}")
 
-
-def _accum(args: argparse.Namespace, lead: str = ", ") -> str:
-    """``, 4 micro-steps a step, gradients reduced in the last`` (after ``lead``), or nothing
-    without accumulation."""
-    if args.grad_accum == 1:
-        return ""
-    return (f"{lead}{args.grad_accum} micro-steps a step, gradients reduced in "
-            f"{'each' if args.sync_every_micro_step else 'the last'}")
-
-
-def _impl(args: argparse.Namespace) -> str:
-    """`` (fused)``: the optimizer's implementation where one is asked for; torch's default
-    (foreach on a GPU) says nothing."""
-    impl = getattr(args, "optimizer_impl", "default")
-    return "" if impl == "default" else f" ({impl})"
 
 def _gpu_budget(args: argparse.Namespace) -> MemoryBudget | None:
     """``memory --gpu``: the budget of one GPU of the flags' layout, NCCL's buffers taken off."""
@@ -213,7 +198,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         optimizer_impl=args.optimizer_impl, ac_every=args.ac_every, ac_matmul_every=args.ac_matmul_every,
         ac_save=args.ac_save)
     tokens = (f"micro-batch {args.micro_batch} x {args.seq_len} tokens" if args.micro_batch
-              else "no activations") + _accum(args, "; ")
+              else "no activations") + accum_text(args, "; ")
     every = (f" (layers 0, {args.ac_every}, {2 * args.ac_every}, ...)" if args.ac_every > 1 else "") + (
         f", one matrix product in {args.ac_matmul_every} kept" if args.ac_matmul_every > 1 else "") + (
         f", keeping {args.ac_save}" if args.ac_save != "matmul+attention" else "")
@@ -339,6 +324,7 @@ def _cmd_comm(args: argparse.Namespace) -> int:
                     "behind it) or communication (the links are the bottleneck)", "  "))
     return 0
 
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     per_node = args.gpus_per_node or node_preset(args.gpu).gpus_per_node
     check_whole_nodes(args.gpus, per_node, names=("--gpus {}", "--gpus-per-node {}"))
@@ -351,76 +337,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                          seq_len=args.seq_len, precision=args.precision, optimizer=args.optimizer,
                          optimizer_impl=args.optimizer_impl, grad_accum=args.grad_accum,
                          sync_every_micro_step=args.sync_every_micro_step, headroom=args.headroom,
-                         sensitivity=args.sensitivity, tp_size=args.tp_size, sp_size=args.sp_size,
-                         sp_method=args.sp_method, pp_size=args.pp_size, batch_tokens=args.batch_tokens)
+                         activation_checkpointing=args.activation_checkpointing, ac_every=args.ac_every,
+                         ac_matmul_every=args.ac_matmul_every, ac_save=args.ac_save,
+                         shard_group_size=args.shard_group_size, sensitivity=args.sensitivity,
+                         tp_size=args.tp_size, sp_size=args.sp_size, sp_method=args.sp_method,
+                         pp_size=args.pp_size, batch_tokens=args.batch_tokens)
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
         return 0
-    result, changes, flips, budget, band = (report.plan, list(report.sensitivity or ()), report.flips, report.budget,
-                                            report.band)
-    axes = (list(report.axes), report.verdict) if report.verdict is not None else None
     _print_model(named, echo)
-    print(wrap_line(f"assumes: {result.gpus} x {result.gpu} ({per_node} per node, "
-                f"{result.nics_per_node} x {args.inter_link} between nodes), {args.precision}, optimizer "
-                f"{args.optimizer}{_impl(args)}, micro-batch {args.micro_batch} x {args.seq_len} tokens"
-                f"{_accum(args)}, utilization {100 * result.utilization:.0f} %, "
-                f"{100 * args.headroom:.0f} % headroom; every strategy priced", "  "))
-    rows = [[o.name, o.gpus, format_bytes(o.peak_reserved_bytes),
-             _margin(o.margin) if o.fits or o.margin < 0 else "host RAM",
-             format_bytes(o.host_bytes) if o.host_bytes else "-", round(o.comm_s, 3), round(o.compute_s, 3),
-             round(o.step_s, 3), "comm" if o.bound == "communication" else "comp"] for o in result.options]
-    print(Table(["option", "GPUs", "reserved", "margin", "host/GPU", "comm s", "comp s", "step s", "bound"],
-                rows))
-    pick = result.recommended or result.options[0]
-    print(wrap_line(f"budget per GPU ({pick.name}): {budget.text()}", "  "))
-    print(wrap_line("reserved = peak per GPU as the allocator holds it; margin = what is left of the "
-                    f"option's budget ({format_bytes(budget.budget_bytes)} for {pick.name}: each option's "
-                    "NCCL buffers differ), "
-                    "negative: does not fit (host RAM: the node's host memory is too small); AC = "
-                    "activation checkpointing; offload = model state in host RAM (host/GPU), its optimizer "
-                    "step on the CPU; comp = compute; bound = what sets the step: compute, or comm "
-                    "(communication not hidden by compute)", "  "))
-    print("how the collectives travel (NCCL's ring or tree, over every rail of a machine):")
-    for o in result.options:
-        if o.name == o.strategy or o.cpu_offload:
-            for route in o.routes:
-                print(wrap_line(f"  {o.name} {route}", "    "))
-    for reason in result.reasons:
-        print(wrap_line(f"- {reason}", "  "))
-    print(wrap_line(f"- Step times: {band.text()}; a lead smaller than that is a tie to time." if band else
-                    f"- Step times: no published run on {args.gpu} tests the model there.", "  "))
-    print(f"(the 16-bytes-per-parameter rule, fp32 model state only, would answer: {result.seed_answer})")
-    if args.sensitivity:
-        _print_sensitivity(result, changes, flips)
-    if axes:
-        print_axes(*axes, band)
+    print_plan(report, args, per_node)
     return 0
 
-
-def _margin(fraction: float) -> str:
-    """A margin as a signed percentage, to 0.1 % near the edge, whole far from it (fits 100 columns)."""
-    return f"{100 * fraction:+.1f} %" if abs(fraction) < 1 else f"{100 * fraction:+.0f} %"
-
-def _print_sensitivity(result: Plan, changes: list[Sensitivity], flips: FlipPoints | None) -> None:
-    print("sensitivity: the plan again with one assumption changed")
-    rows = [[c.assumption, c.planned, c.changed, c.recommended, round(c.step_s, 3),
-             _margin(c.margin) if c.step_s else "-", "FLIPS" if c.flips else "same"] for c in changes]
-    print(Table(["assumption", "planned", "changed to", "recommended", "step s", "margin", "verdict"], rows))
-    if flips is None:
-        return
-    o = result.recommended
-    assert o is not None  # flips are those of the recommended option
-    words = [f"fits up to {100 * flips.headroom:.1f} % headroom",
-             f"on cards of at least {format_bytes(flips.memory_bytes)}"]
-    if flips.utilization is not None:
-        words.append(f"compute-bound up to {100 * flips.utilization:.0f} % utilization")
-    elif o.bound == "compute":
-        words.append("compute-bound at any utilization")
-    else:
-        words.append("communication-bound already")
-    if flips.network_factor is not None:
-        words.append(f"and down to {100 * flips.network_factor:.0f} % of the links' bandwidth")
-    print(wrap_line(f"where {o.name} flips: it {', '.join(words)}", "  "))
 
 def _cmd_runs() -> int:
     for name, doc in describe_runs().items():

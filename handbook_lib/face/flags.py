@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from handbook_lib.core.strategies import get_strategy
+from handbook_lib.models.recompute import check_policy_flags
 
 __all__ = ["check_memory_flags"]
 
@@ -24,18 +25,7 @@ def check_memory_flags(args: argparse.Namespace) -> None:
     if args.activation_checkpointing != "none" and not args.micro_batch:
         raise ValueError("--activation-checkpointing changes activations only: give --micro-batch "
                          "and --seq-len too")
-    if args.ac_every > 1 and args.activation_checkpointing == "none":
-        raise ValueError(f"--ac-every {args.ac_every} checkpoints every K-th layer: give "
-                         "--activation-checkpointing (full or selective) too")
-    if args.ac_matmul_every > 1 and args.activation_checkpointing != "selective":
-        raise ValueError(f"--ac-matmul-every {args.ac_matmul_every} thins the selective policy's matrix products: "
-                         "give --activation-checkpointing selective too")
-    if args.ac_save != "matmul+attention" and args.activation_checkpointing != "selective":
-        raise ValueError(f"--ac-save {args.ac_save} chooses what the selective policy keeps: give "
-                         "--activation-checkpointing selective too")
-    if args.ac_matmul_every > 1 and "matmul" not in args.ac_save:
-        raise ValueError(f"--ac-matmul-every {args.ac_matmul_every} thins the kept matrix products, and --ac-save "
-                         f"{args.ac_save} keeps none: give --ac-save matmul+attention or matmul")
+    check_policy_flags(args.activation_checkpointing, args.ac_every, args.ac_matmul_every, args.ac_save)
     if (args.ac_every > 1 or args.ac_matmul_every > 1 or args.ac_save != "matmul+attention") and (
             args.tp_size > 1 or args.sp_size > 1):
         raise ValueError("--ac-every or --ac-matmul-every with --tp-size or --sp-size: the layouts beyond FSDP "
@@ -45,3 +35,4 @@ def check_memory_flags(args: argparse.Namespace) -> None:
                          "states only to its compiled CPU Adam; give --precision bf16-mixed")
     if args.sync_every_micro_step and args.grad_accum < 2:
         raise ValueError(f"--sync-every-micro-step needs --grad-accum >= 2, got {args.grad_accum}")
+

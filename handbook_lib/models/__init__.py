@@ -73,7 +73,10 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         loss_backward, optimizer_step, root_reduce,
     )
     from handbook_lib.models.planner import (
-        STEP_TIE, Option, Plan, check_whole_nodes, plan, preference, recommend,
+        STEP_TIE, Option, Plan, check_whole_nodes, plan, preference, recommend, shard_groups,
+    )
+    from handbook_lib.models.recompute import (
+        FULL, CheckpointPolicy, check_policy_flags, product_weights, recompute_flops,
     )
     from handbook_lib.models.batch import global_batch_tokens, max_data_parallel
     from handbook_lib.models.presets import DECODER_SHAPES, DecoderShape, describe_shape, get_shape

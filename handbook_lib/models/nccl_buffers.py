@@ -245,8 +245,10 @@ def nccl_buffer_bytes(layout: ParallelLayout, node: Node, *, buffsize: int = NCC
     return NcclBuffers(tuple(_priced(g, node, channels, buffsize) for g in groups), True)
 
 
-def strategy_nccl(node: Node, strategy: str, gpus: int) -> NcclBuffers:
+def strategy_nccl(node: Node, strategy: str, gpus: int, shard_group_size: int | None = None) -> NcclBuffers:
     """NCCL's buffers of a data-parallel ``strategy`` on ``gpus`` GPUs of machines like ``node``,
-    as the planner lays it out: a hybrid strategy shards within a node, replicated across nodes."""
+    as the planner lays it out: a hybrid strategy shards within groups of ``shard_group_size``
+    GPUs (default: a node's), replicated across them."""
     hybrid = get_strategy(strategy).hybrid and gpus > node.gpus_per_node
-    return nccl_buffer_bytes(get_strategy(strategy).layout(gpus, node.gpus_per_node if hybrid else None), node)
+    group = (shard_group_size or node.gpus_per_node) if hybrid else None
+    return nccl_buffer_bytes(get_strategy(strategy).layout(gpus, group), node)

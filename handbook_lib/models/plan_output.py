@@ -27,7 +27,8 @@ from handbook_lib.models.hardware import node_preset
 from handbook_lib.models.hf_config import hf_config_from_text
 from handbook_lib.models.layout import ModelLike
 from handbook_lib.models.nccl_buffers import strategy_nccl
-from handbook_lib.models.planner import Plan, check_whole_nodes, plan
+from handbook_lib.models.planner import Plan, check_whole_nodes, plan, shard_groups
+from handbook_lib.models.recompute import CheckpointPolicy, check_policy_flags
 from handbook_lib.models.presets import DecoderShape, describe_shape, get_shape
 from handbook_lib.models.sensitivity import FlipPoints, Sensitivity, flip_points, plan_sensitivity
 
@@ -85,7 +86,8 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
                 gpus_per_node: int | None = None, inter_link: str = "ib-ndr400", nics_per_node: int | None = None,
                 micro_batch: int = 1, seq_len: int = 2048, precision: str = "bf16-mixed", optimizer: str = "adamw",
                 optimizer_impl: str = "default", grad_accum: int = 1, sync_every_micro_step: bool = False,
-                headroom: float = 0.0,
+                headroom: float = 0.0, activation_checkpointing: str = "full", ac_every: int = 1,
+                ac_matmul_every: int = 1, ac_save: str = "matmul+attention", shard_group_size: int | None = None,
                 sensitivity: bool = False, tp_size: int = 1, sp_size: int = 1, sp_method: str = "ulysses",
                 pp_size: int | None = None, batch_tokens: int | None = None,
                 names: Mapping[str, str] = PLAN_NAMES) -> PlanReport:
@@ -94,7 +96,10 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
     ``tp_size``, ``sp_size``, ``pp_size`` or ``batch_tokens`` ask for them, or, for a ``decoder``'s
     shape, when none of FSDP's options fits. On more than one node, where FSDP and TP alone fall
     short (:func:`short_of_fsdp`), pipelines are priced too (every stage count, the best shown),
-    unless ``pp_size`` says which (1: none).
+    unless ``pp_size`` says which (1: none). ``activation_checkpointing``, ``ac_every``,
+    ``ac_matmul_every`` and ``ac_save`` are the policy of the options with checkpointing
+    (:class:`~handbook_lib.models.recompute.CheckpointPolicy`); ``shard_group_size``
+    HYBRID_SHARD's (:func:`~handbook_lib.models.planner.shard_groups`).
 
     Raises:
         ValueError: one line naming the flag (``names``) and what is accepted.
@@ -103,10 +108,17 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
     check_whole_nodes(gpus, per_node, names=("--gpus {}", "--gpus-per-node {}"))
     if sync_every_micro_step and grad_accum < 2:
         raise ValueError(f"--sync-every-micro-step needs --grad-accum >= 2, got {grad_accum}")
+    if activation_checkpointing not in ("full", "selective"):
+        raise ValueError(f"--activation-checkpointing {activation_checkpointing}: plan prices full or selective "
+                         "(and every option without checkpointing besides)")
+    check_policy_flags(activation_checkpointing, ac_every, ac_matmul_every, ac_save)
+    policy = CheckpointPolicy(activation_checkpointing, ac_every, ac_matmul_every, ac_save)
+    shard_groups(gpus, per_node, shard_group_size, flag="--shard-group-size {}")
     kwargs: dict[str, Any] = {"micro_batch": micro_batch, "seq_len": seq_len, "gpus_per_node": per_node,
                               "inter_link": inter_link, "nics_per_node": nics_per_node, "precision": precision,
                               "optimizer": optimizer, "optimizer_impl": optimizer_impl, "headroom": headroom,
-                              "grad_accum_steps": grad_accum, "sync_every_micro_step": sync_every_micro_step}
+                              "grad_accum_steps": grad_accum, "sync_every_micro_step": sync_every_micro_step,
+                              "checkpointing": policy, "shard_group_size": shard_group_size}
     changes: tuple[Sensitivity, ...] | None = None
     if sensitivity:
         result, listed = plan_sensitivity(model, gpu, gpus, **kwargs)
@@ -115,7 +127,8 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
         result = plan(model, gpu, gpus, **kwargs)
     pick = result.recommended or result.options[0]
     node = node_preset(gpu, inter_link=inter_link, gpus_per_node=min(per_node, pick.gpus), nics_per_node=nics_per_node)
-    report = PlanReport(result, memory_budget(gpu, headroom, strategy_nccl(node, pick.strategy, pick.gpus)),
+    nccl = strategy_nccl(node, pick.strategy, pick.gpus, pick.shard_group_size)
+    report = PlanReport(result, memory_budget(gpu, headroom, nccl),
                         step_time_band(gpu), changes,
                         flip_points(result) if sensitivity else None)
     asked = tp_size > 1 or sp_size > 1 or pp_size is not None or batch_tokens is not None
@@ -127,10 +140,15 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
     if precision == "bf16":
         raise ValueError("--precision bf16: the layouts beyond FSDP are priced with an fp32 state; give "
                          "bf16-mixed, or leave out --tp-size, --sp-size, --pp-size and --batch-tokens")
-    for flag, value, usual in (("--optimizer-impl", optimizer_impl, "default"), ("--grad-accum", grad_accum, 1)):
+    for flag, value, usual in (("--optimizer-impl", optimizer_impl, "default"), ("--grad-accum", grad_accum, 1),
+                               ("--activation-checkpointing", activation_checkpointing, "full"),
+                               ("--ac-every", ac_every, 1)):
         if value != usual:
             raise ValueError(f"{flag} {value}: the layouts beyond FSDP are priced with {flag} {usual}; leave "
                              "it out, or leave out --tp-size, --sp-size, --pp-size and --batch-tokens")
+    if shard_group_size is not None:
+        raise ValueError(f"--shard-group-size {shard_group_size}: the layouts beyond FSDP shard within a node; leave "
+                         "it out, or leave out --tp-size, --sp-size, --pp-size and --batch-tokens")
     if decoder is None:
         flag = "--tp-size" if tp_size > 1 else "--sp-size" if sp_size > 1 else "--pp-size"
         raise ValueError(f"{flag} prices a decoder at scale: give --model (e.g. llama2-70b) or --hf-config, "
@@ -157,7 +175,8 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
 
 
 _PAGE_NUMBERS = {"gpus": 1, "seq_len": 1, "micro_batch": 1, "gpus_per_node": 1, "nics_per_node": 1,
-                 "tp_size": 1, "sp_size": 1, "pp_size": 0, "batch_tokens": 1, "grad_accum": 1}
+                 "tp_size": 1, "sp_size": 1, "pp_size": 0, "batch_tokens": 1, "grad_accum": 1, "ac_every": 1,
+                 "ac_matmul_every": 1, "shard_group_size": 0}
 """The planner page's whole-number fields and their least values (``plan``'s flags')."""
 
 
@@ -199,8 +218,8 @@ def plan_page(request: str) -> str:
             model_flag = f"--model {fields.get('model') or 'llama2-7b'}"
         if "gpus" not in values:
             return json.dumps({"error": "argument --gpus: give the GPUs in the job", "field": "gpus"})
-        options = {k: fields[k] for k in ("inter_link", "precision", "optimizer", "optimizer_impl", "sp_method")
-                   if fields.get(k)}
+        options = {k: fields[k] for k in ("inter_link", "precision", "optimizer", "optimizer_impl", "sp_method",
+                                          "activation_checkpointing", "ac_save") if fields.get(k)}
         if "sp_method" in options and values.get("sp_size", 1) == 1:
             return json.dumps({"error": f"--sp-method {options['sp_method']} applies to the sequence split: give "
                                         "--sp-size N (N >= 2) too, or leave --sp-method out", "field": "sp_method"})
@@ -208,8 +227,11 @@ def plan_page(request: str) -> str:
                              sensitivity=bool(fields.get("sensitivity")),
                              sync_every_micro_step=bool(fields.get("sync_every_micro_step")),
                              **{k: v for k, v in values.items() if k != "gpus"}, gpus=values["gpus"], **options)
-    except ValueError as err:
-        return json.dumps({"error": str(err), "field": None})
+    except ValueError as err:  # the field of the first flag the line names, if the page has it
+        words = str(err).split(":")[0].split()
+        named = [k for k in (*_PAGE_NUMBERS, "sp_method", "ac_save") if _flag(k) in words]
+        first = min(named, key=lambda k: words.index(_flag(k)), default=None)
+        return json.dumps({"error": str(err), "field": first})
     command = ["python -m handbook_lib plan", model_flag, f"--gpu {fields.get('gpu') or 'h100-80gb'}"]
     command += [f"{_flag(k)} {v}" for k, v in values.items() if not (k == "headroom" and v == 0.0)]
     command += [f"{_flag(k)} {v}" for k, v in options.items()]

@@ -29,85 +29,25 @@ from handbook_lib.models.hardware import (
 )
 from handbook_lib.models.budget import memory_budget
 from handbook_lib.models.layout import ModelLayout, ModelLike, model_layout
-from handbook_lib.models.memory import PHASE_WORDS, MemoryEstimate, estimate_memory
+from handbook_lib.models.memory import MemoryEstimate, estimate_memory
 from handbook_lib.models.nccl_buffers import strategy_nccl
 from handbook_lib.models.offload import (
     CPU_ADAM_PARAMS_PER_S_PER_CORE,
-    OffloadCost,
     estimate_offload,
 )
+from handbook_lib.models.plan_option import Option
+from handbook_lib.models.plan_reasons import STEP_TIE, plan_reasons, ties
+from handbook_lib.models.plan_reasons import gb as _gb
+from handbook_lib.models.recompute import FULL, CheckpointPolicy, recompute_flops
 from handbook_lib.models.seed import seed_recommendation
 from handbook_lib.models.timing import (
-    DEFAULT_UTILIZATION, estimate_compute_time, estimate_step_time, expected_utilization,
+    DEFAULT_UTILIZATION, estimate_compute_time, estimate_step_flops, estimate_step_time, expected_utilization,
 )
 from handbook_lib.models.topology import Route, route_collective
 from handbook_lib.models.traffic import CollectiveRecord, estimate_step_traffic
 
-__all__ = ["Option", "Plan", "plan", "preference", "recommend", "STEP_TIE", "check_whole_nodes"]
+__all__ = ["Option", "Plan", "plan", "preference", "recommend", "STEP_TIE", "check_whole_nodes", "shard_groups"]
 _ORDER = ("DDP", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
-
-
-@dataclass(frozen=True)
-class Option:
-    """One way to run the job, priced."""
-
-    name: str
-    strategy: str
-    gpus: int
-    activation_checkpointing: bool = False
-    cpu_offload: bool = False
-    shard_group_size: int | None = None
-    peak_bytes: int = 0
-    """Predicted peak device memory per GPU, bytes: what the tensors hold (``allocated``)."""
-    peak_reserved_bytes: int = 0
-    """The same peak as the caching allocator reserves it, bytes (what ``nvidia-smi`` shows,
-    less the process's context): what must fit."""
-    budget_bytes: int = 0
-    """Bytes of a GPU the plan lets an option reserve: the usable memory
-    (:func:`~handbook_lib.models.hardware.usable_memory_bytes`, less NCCL's buffers for this
-    option's process groups), less the headroom."""
-    fits: bool = False
-    """The reserved peak within the budget, and (offloading) the node's host bytes within its
-    RAM."""
-    comm_s: float = 0.0
-    """Communication per step, seconds (all collectives back to back, plus offload traffic)."""
-    compute_s: float = 0.0
-    """Compute per step, seconds (recomputation included)."""
-    step_s: float = 0.0
-    """Step time with communication overlapped with compute, seconds."""
-    bound: str = ""
-    """``communication`` or ``compute``."""
-    peak_phase: str = ""
-    activation_bytes: int = 0
-    model_state_bytes: int = 0
-    host_bytes: int = 0
-    """Host (CPU) memory per GPU the option needs for what it offloads, bytes (0: none)."""
-    host_node_bytes: int = 0
-    """The same for a whole machine (every GPU of it), bytes, against its RAM."""
-    offload: OffloadCost | None = None
-    """What CPU offload costs it per step (copies and the CPU optimizer step); ``None``: none."""
-    routes: tuple[str, ...] = ()
-    """How its collectives travel, one line per route with the kinds that take it:
-    ``"all_gather, reduce_scatter: ring on NVLink 4 (H100 SXM) at 369 GB/s"``."""
-    nccl_bytes: int = 0
-    """NCCL's buffers for its process groups, bytes, taken off the budget
-    (:func:`~handbook_lib.models.nccl_buffers.nccl_buffer_bytes`)."""
-
-    @property
-    def cpu_step_s(self) -> float:
-        """The optimizer step on the host's CPU (offload), seconds, part of ``step_s`` and never
-        hidden; 0 without offload."""
-        return self.offload.optimizer_s if self.offload else 0.0
-
-    @property
-    def margin_bytes(self) -> int:
-        """Budget less reserved peak, bytes: negative when the option does not fit the GPU."""
-        return self.budget_bytes - self.peak_reserved_bytes
-
-    @property
-    def margin(self) -> float:
-        """:attr:`margin_bytes` as a fraction of the budget."""
-        return self.margin_bytes / self.budget_bytes
 
 
 @dataclass(frozen=True)
@@ -133,6 +73,9 @@ class Plan:
     """Utilization the plan assumed: the executed FLOPs' share of the peak."""
     context_bytes: int = 0
     """Device bytes the plan took off each GPU for a training process's context."""
+    checkpointing: str = "full"
+    """The checkpointing policy of the options marked ``+ AC``, in words
+    (:attr:`~handbook_lib.models.recompute.CheckpointPolicy.label`)."""
 
 
 def check_whole_nodes(gpus: int, gpus_per_node: int, *,
@@ -151,11 +94,6 @@ def check_whole_nodes(gpus: int, gpus_per_node: int, *,
                          f"{names[1].format(gpus_per_node)}")
 
 
-STEP_TIE = 0.01
-"""Step times within this fraction of the fastest count as equal: the time model is not finer
-than that (a latency of a few microseconds never decides a plan)."""
-
-
 def preference(option: Option) -> tuple[bool, bool, float, int]:
     """The planner's tie-break, as a sort key (smaller is better) over options whose step times
     tie (:func:`recommend`): fewer levers (no activation recomputation, then no CPU offload),
@@ -166,21 +104,13 @@ def preference(option: Option) -> tuple[bool, bool, float, int]:
     return (option.activation_checkpointing, option.cpu_offload, round(option.comm_s, 6), option.peak_bytes)
 
 
-def _ties(options: list[Option], step_s: float) -> list[Option]:
-    return [o for o in options if o.step_s <= step_s * (1 + STEP_TIE)]
-
-
 def recommend(options: list[Option]) -> Option | None:
     """The planner's one rule over options that fit: the fastest step, where every step within
     :data:`STEP_TIE` (1 %) of the fastest ties, and a tie goes to :func:`preference`.
     ``None`` for no options."""
     if not options:
         return None
-    return min(_ties(options, min(o.step_s for o in options)), key=preference)
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB"
+    return min(ties(options, min(o.step_s for o in options)), key=preference)
 
 
 def plan(
@@ -204,6 +134,8 @@ def plan(
     memory_bytes: int | None = None,
     cpu_params_per_s_per_core: float = CPU_ADAM_PARAMS_PER_S_PER_CORE,
     reserve_fraction: float = RESERVE_FRACTION,
+    checkpointing: CheckpointPolicy = FULL,
+    shard_group_size: int | None = None,
 ) -> Plan:
     """Price every option for training ``model`` on ``gpus`` GPUs and recommend one.
 
@@ -243,12 +175,19 @@ def plan(
             (:data:`~handbook_lib.models.offload.CPU_ADAM_PARAMS_PER_S_PER_CORE`).
         reserve_fraction: The caching allocator's reserve over the allocated peak
             (:data:`~handbook_lib.models.allocator.RESERVE_FRACTION`).
+        checkpointing: The activation-checkpointing policy the ``+ AC`` options apply, memory
+            and recomputation priced (:class:`~handbook_lib.models.recompute.CheckpointPolicy`;
+            full recomputation of every layer by default).
+        shard_group_size: HYBRID_SHARD's shard group, GPUs (:func:`shard_groups`): ``None``, a
+            node's; 0, every size that is a whole number of nodes, each its own option
+            (``HYBRID_SHARD/16``).
 
     Raises:
         ValueError: for unknown presets or precision, ``gpus < 1``, ``gpus_per_node < 1`` or
             ``gpus`` more than one node and not a whole number of nodes, ``micro_batch``/``seq_len``
             < 1, a headroom or reserve fraction outside [0, 1), a utilization outside (0, 1], a
-            ``memory_bytes`` not above the CUDA context, or a CPU speed not > 0.
+            ``memory_bytes`` not above the CUDA context, a CPU speed not > 0, or a shard group
+            :func:`shard_groups` refuses.
     """
     layout = model_layout(model)
     acc = get_accelerator(gpu) if isinstance(gpu, str) else gpu
@@ -273,15 +212,16 @@ def plan(
     if not cpu_params_per_s_per_core > 0:  # also refuses NaN
         raise ValueError(f"cpu_params_per_s_per_core must be > 0, got {cpu_params_per_s_per_core!r}")
     u = expected_utilization(acc, layout.d_model) if utilization is None else utilization
+    groups = shard_groups(gpus, node.gpus_per_node, shard_group_size)
     job = _Job(layout, node, precision, (optimizer, optimizer_impl), micro_batch, seq_len, u, headroom,
-               cpu_params_per_s_per_core, reserve_fraction, (grad_accum_steps, sync_every_micro_step))
+               cpu_params_per_s_per_core, reserve_fraction, (grad_accum_steps, sync_every_micro_step), checkpointing)
     price = functools.partial(_price, job)
     options = []
     for strategy in _ORDER:
-        if get_strategy(strategy).hybrid and gpus <= node.gpus_per_node:
-            continue  # one node: hybrid is FULL_SHARD
-        for ac in (False, True):
-            options.append(price(strategy, gpus, ac, False, strategy + (" + AC" if ac else "")))
+        for group in groups if get_strategy(strategy).hybrid else [None]:
+            name = f"{strategy}/{group}" if group and shard_group_size is not None else strategy
+            for ac in (False, True):
+                options.append(price(strategy, gpus, ac, False, name + (" + AC" if ac else ""), group))
     if acc.host is not None:
         options.append(price("FULL_SHARD", gpus, True, True, "FULL_SHARD + AC + offload"))
     here = [o for o in options if o.fits and o.gpus == gpus]
@@ -291,12 +231,14 @@ def plan(
         more = next((n for n in counts if _fits(job, "FULL_SHARD", n, True)), counts[-1])
         widest = price("FULL_SHARD", more, True, False, f"FULL_SHARD + AC on {more} GPUs")
         options += [widest] if widest.fits else []
-        fewer = next((n for n in counts if n < more and acc.host and _fits(job, "FULL_SHARD", n, True, True)), 0)
+        fewer = next((n for n in counts if not here and n < more and acc.host
+                      and _fits(job, "FULL_SHARD", n, True, True)), 0)
     recommended = recommend(here)
     if recommended is None:
         bigger = [o for o in options if o.fits]
         recommended = bigger[0] if bigger else None
-    reasons = _reasons(options, recommended, acc, gpus, gpus_per_node)
+    reasons = plan_reasons(options, recommended, acc, gpus, gpus_per_node,
+                           None if checkpointing == FULL else (checkpointing.label, _recompute_share(job)))
     if recommended is None:
         reasons.append(_what_would_fit(job, widest))
     if fewer:
@@ -304,7 +246,7 @@ def plan(
                        "above), its optimizer step on the CPU.")
     return Plan(layout.name, layout.num_params, acc.name, gpus, options, recommended, reasons,
                 seed_recommendation(layout.num_params, datasheet_bytes(acc), gpus), gpus_per_node,
-                node.nics_per_node, headroom, u, acc.context_bytes)
+                node.nics_per_node, headroom, u, acc.context_bytes, checkpointing.label)
 
 
 @dataclass(frozen=True)
@@ -328,20 +270,65 @@ class _Job:
     """The allocator's reserve over the allocated peak, a fraction."""
     accum: tuple[int, bool] = (1, False)
     """Micro-steps per optimizer step, and whether each one reduces its gradients."""
+    policy: CheckpointPolicy = FULL
+    """What the checkpointing options keep and recompute."""
 
 
-def _memory(job: _Job, strategy: str, n: int, ac: bool, offload: bool = False) -> MemoryEstimate:
+def shard_groups(gpus: int, gpus_per_node: int, shard_group_size: int | None = None, *,
+                 flag: str = "shard_group_size={}") -> list[int]:
+    """The shard groups :func:`plan` prices HYBRID_SHARD with, GPUs each: none on one node
+    (there it is FULL_SHARD); ``None``: a node's GPUs; 0: every whole number of nodes that divides
+    ``gpus``, below it; else ``shard_group_size`` itself, which must divide ``gpus``, lie below it
+    and be a whole number of nodes or divide one. ``flag`` names the value in the caller's words
+    (the CLI passes ``"--shard-group-size {}"``).
+
+    Raises:
+        ValueError: for any other ``shard_group_size``, naming what is accepted.
+    """
+    if shard_group_size is None:
+        return [gpus_per_node] if gpus > gpus_per_node else []
+    if not isinstance(shard_group_size, int) or isinstance(shard_group_size, bool) or shard_group_size < 0:
+        raise ValueError(f"{flag.format(repr(shard_group_size))} must be a whole number >= 0")
+    if gpus <= gpus_per_node:
+        raise ValueError(f"{flag.format(shard_group_size)} shapes HYBRID_SHARD, which a plan offers on more than "
+                         f"one node only ({gpus} GPUs, {gpus_per_node} per node)")
+    nodes = [gpus_per_node * k for k in range(1, gpus // gpus_per_node) if gpus % (gpus_per_node * k) == 0]
+    if shard_group_size == 0:
+        return nodes
+    within = [g for g in range(2, gpus_per_node) if gpus_per_node % g == 0]
+    if shard_group_size not in within + nodes:
+        raise ValueError(f"{flag.format(shard_group_size)}: a shard group must divide the {gpus} GPUs, hold fewer "
+                         f"and be a whole number of nodes of {gpus_per_node} or divide one: one of "
+                         f"{', '.join(map(str, within + nodes))}, or 0 for every whole number of nodes")
+    return [shard_group_size]
+
+
+def _recompute_share(job: _Job) -> float:
+    """What the job's checkpointing policy recomputes, as a share of the step's model FLOPs."""
+    lay, tokens = job.layout, job.micro_batch * job.seq_len
+    flops = estimate_step_flops(lay.num_params, tokens, seq_len=job.seq_len, num_layers=lay.num_layers,
+                                attention_width=lay.attention_width)
+    return recompute_flops(lay, tokens, job.seq_len, job.policy) / flops.model
+
+
+def _group(job: _Job, strategy: str, group: int | None) -> int | None:
+    """An option's shard group: ``group`` (else a node's GPUs) under a hybrid strategy, else None."""
+    return (group or job.node.gpus_per_node) if get_strategy(strategy).hybrid else None
+
+
+def _memory(job: _Job, strategy: str, n: int, ac: bool, offload: bool = False,
+            group: int | None = None) -> MemoryEstimate:
     """One option's memory on ``n`` GPUs: chapter 2's model, on the accelerator's own backend."""
-    group = job.node.gpus_per_node if get_strategy(strategy).hybrid else None  # hybrid: a node's GPUs
+    policy = job.policy.memory_args() if ac else {}
     return estimate_memory(job.layout, n, strategy, job.precision, job.optimizer[0], micro_batch=job.micro_batch,
-                           seq_len=job.seq_len, shard_group_size=group, activation_checkpointing=ac,
+                           seq_len=job.seq_len, shard_group_size=_group(job, strategy, group),
                            cpu_offload=offload, backend=job.node.accelerator.backend, optimizer_impl=job.optimizer[1],
-                           grad_accum_steps=job.accum[0], sync_every_micro_step=job.accum[1])
+                           grad_accum_steps=job.accum[0], sync_every_micro_step=job.accum[1], **policy)
 
 
-def _budget(job: _Job, strategy: str, n: int) -> tuple[int, int]:
+def _budget(job: _Job, strategy: str, n: int, group: int | None = None) -> tuple[int, int]:
     """``(budget, nccl)``: what an option may reserve per GPU, after NCCL's buffers and the headroom."""
-    nccl = strategy_nccl(job.node, strategy, n)
+    nccl = strategy_nccl(job.node, strategy, n, group)
     return memory_budget(job.node.accelerator, job.headroom, nccl).budget_bytes, nccl.total
 
 
@@ -354,13 +341,14 @@ def _fits(job: _Job, strategy: str, n: int, ac: bool, offload: bool = False) -> 
             and (not offload or host is not None and mem.host * job.node.gpus_per_node <= host.memory_bytes))
 
 
-def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str) -> Option:
+def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str,
+           group: int | None = None) -> Option:
     """One option on ``n`` GPUs: its peak memory (chapter 2's model, as the allocator reserves
     it), its step's collectives on the links they cross and its compute (chapter 3's),
     overlapped; offload adds its copies to the communication and the CPU optimizer step to the
     step (:func:`~handbook_lib.models.offload.estimate_offload`)."""
-    group = job.node.gpus_per_node if get_strategy(strategy).hybrid else None
-    mem = _memory(job, strategy, n, ac, offload)
+    group = _group(job, strategy, group)
+    mem = _memory(job, strategy, n, ac, offload, group)
     param_dtype, reduce_dtype = get_precision(job.precision)
     traffic = estimate_step_traffic(job.layout.units(), n, strategy, param_dtype=param_dtype,
                                     reduce_dtype=reduce_dtype, shard_group_size=group,
@@ -377,7 +365,8 @@ def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str)
     tokens = job.micro_batch * job.seq_len * job.accum[0]
     compute = estimate_compute_time(lay.num_params, tokens, acc.peak_flops(job.precision),
                                     job.utilization, activation_checkpointing=ac, seq_len=job.seq_len,
-                                    num_layers=lay.num_layers, attention_width=lay.attention_width)
+                                    num_layers=lay.num_layers, attention_width=lay.attention_width,
+                                    recompute_flops=recompute_flops(lay, tokens, job.seq_len, job.policy))
     cost = None
     if offload:
         assert acc.host is not None  # plan() offers offload only with a host
@@ -386,7 +375,7 @@ def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str)
     time = estimate_step_time(traffic, link_of, compute, overlap=True, extra_comm_s=cost.copy_s if cost else 0.0)
     step, per_node = time.total_s, 0
     reserved = reserved_bytes(mem.peak, fraction=job.reserve)
-    budget, nccl = _budget(job, strategy, n)
+    budget, nccl = _budget(job, strategy, n, group)
     fits = reserved <= budget
     if cost is not None:
         assert acc.host is not None
@@ -428,69 +417,3 @@ def _what_would_fit(job: _Job, widest: Option) -> str:
                     "tensor or sequence parallelism (chapter 9), which divide a sequence's activations.")
     return (f"{what} Not even one token fits: a gathered unit and its buffers alone exceed the GPU; a larger "
             "GPU, or tensor parallelism (chapter 9), which splits each layer's weights, is needed.")
-
-
-def _reasons(options: list[Option], chosen: Option | None, acc: Accelerator, gpus: int,
-             gpus_per_node: int) -> list[str]:
-    reasons = []
-    by_name = {o.name: o for o in options}
-    for name in ("DDP", "SHARD_GRAD_OP", "FULL_SHARD"):
-        o = by_name.get(name)
-        if o and not o.fits:
-            if o.peak_phase == "optimizer_step":  # no activations then: Adam's temporary on the state
-                what, parts = "the optimizer step decides", (
-                    f"{_gb(o.model_state_bytes)} model state, "
-                    f"{_gb(o.peak_bytes - o.model_state_bytes)} of Adam's temporaries and buckets")
-            else:
-                what = ("activations decide" if o.activation_bytes > o.model_state_bytes
-                        else "model state decides")
-                parts = f"{_gb(o.activation_bytes)} activations, {_gb(o.model_state_bytes)} model state"
-            reasons.append(f"{name} does not fit: {_gb(o.peak_reserved_bytes)} reserved per GPU against "
-                           f"{_gb(o.budget_bytes)} usable on {acc.name}; {what} ({parts}).")
-    for o in options:
-        if o.cpu_offload and not o.fits and o.margin_bytes >= 0 and acc.host is not None:
-            reasons.append(f"{o.name} fits the GPU ({_gb(o.peak_reserved_bytes)} reserved) but not the host: "
-                           f"{_gb(o.host_node_bytes)} of host RAM per node against {_gb(acc.host.memory_bytes)} "
-                           f"in a {acc.host.name} host.")
-    if chosen is None:
-        return reasons  # plan() says what would fit
-    faster = [o for o in options if o.gpus == gpus and o.fits and o is not chosen]
-    when = PHASE_WORDS.get(chosen.peak_phase, (chosen.peak_phase,))[0]
-    reasons.append(f"Recommended: {chosen.name.removesuffix(f' on {chosen.gpus} GPUs')} on {chosen.gpus} GPUs — "
-                   f"peak {_gb(chosen.peak_reserved_bytes)} reserved per GPU {when}, "
-                   f"margin {_gb(chosen.margin_bytes)} ({100 * chosen.margin:.1f} % of {_gb(chosen.budget_bytes)} "
-                   "usable), "
-                   f"step {chosen.step_s:.3f} s, {chosen.bound}-bound.")
-    if chosen.cpu_offload:
-        host = acc.host
-        assert host is not None
-        per_node = min(gpus_per_node, chosen.gpus)
-        reasons.append(f"CPU offload needs {_gb(chosen.host_bytes)} of host RAM per GPU, "
-                       f"{_gb(chosen.host_node_bytes)} per node of {per_node} GPUs against "
-                       f"{_gb(host.memory_bytes)} in a {host.name} host; its optimizer step runs "
-                       f"on that CPU: {chosen.cpu_step_s:.2f} s of the step, never hidden.")
-    elif acc.host is None:
-        reasons.append(f"CPU offload not priced: the {acc.name} preset names no host machine "
-                       "(its CPU cores, RAM and PCIe).")
-    if chosen.gpus > gpus:
-        reasons.append(f"Nothing fits on {gpus} GPUs; {chosen.gpus} are the fewest on which FULL_SHARD + AC fits "
-                       f"(of the powers of two above {gpus}, each priced as every option is).")
-    plain = by_name.get(chosen.strategy)
-    if chosen.activation_checkpointing and chosen.gpus == gpus and plain is not None and not plain.fits:
-        reasons.append("Activation checkpointing is needed: it trades one more forward pass "
-                       "(a third more compute) for keeping only each layer's input.")
-    tied = [o for o in _ties(faster, chosen.step_s) if (o.activation_checkpointing, o.cpu_offload)
-            == (chosen.activation_checkpointing, chosen.cpu_offload)]
-    for o in tied:
-        if o.comm_s > chosen.comm_s:
-            reasons.append(f"{o.name} takes the same step time (compute hides both), but "
-                           f"{chosen.name} spends {o.comm_s - chosen.comm_s:.3f} s less per step "
-                           "on the links; it wins the tie.")
-    if faster:
-        runner = min(faster, key=lambda o: o.step_s)
-        reasons.append(f"Next best: {runner.name} ({runner.step_s:.3f} s per step, "
-                       f"{_gb(runner.peak_reserved_bytes)} reserved per GPU).")
-    if chosen.bound == "communication":
-        reasons.append("Communication is not hidden by compute on these links: a faster "
-                       "interconnect, HYBRID_SHARD, or a larger micro-batch would help.")
-    return reasons

@@ -11,6 +11,7 @@ utilization published runs reach on the GPU for the model's width; overlap hides
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -239,7 +240,7 @@ def estimate_step_flops(num_params: int, tokens: int, *, seq_len: int = 0, num_l
 def estimate_compute_time(num_params: int, tokens: int, peak_flops: float,
                           utilization: float = DEFAULT_UTILIZATION, *,
                           activation_checkpointing: bool = False, seq_len: int = 0, num_layers: int = 0,
-                          attention_width: int = 0) -> float:
+                          attention_width: int = 0, recompute_flops: int | None = None) -> float:
     """Seconds of one rank's forward + backward: the hardware FLOPs of
     :func:`estimate_step_flops` over ``peak · utilization``. Without the shape (``seq_len``,
     ``num_layers``, ``attention_width`` left 0) that is the 6PT rule, ``6·P·T / (peak ·
@@ -260,6 +261,9 @@ def estimate_compute_time(num_params: int, tokens: int, peak_flops: float,
             utilization, which equals MFU without recomputation.
         seq_len, num_layers, attention_width: The shape that prices attention (see
             :func:`estimate_step_flops`).
+        recompute_flops: With ``activation_checkpointing``, the FLOPs a policy recomputes
+            (:func:`~handbook_lib.models.recompute.recompute_flops`) in place of full
+            recomputation's; ``None``: full recomputation.
     """
     if not peak_flops > 0:
         raise ValueError(f"peak_flops must be > 0 FLOP/s, got {peak_flops!r}")
@@ -268,4 +272,6 @@ def estimate_compute_time(num_params: int, tokens: int, peak_flops: float,
     flops = estimate_step_flops(num_params, tokens, seq_len=seq_len, num_layers=num_layers,
                                 attention_width=attention_width,
                                 activation_checkpointing=activation_checkpointing)
+    if activation_checkpointing and recompute_flops is not None:
+        flops = dataclasses.replace(flops, recompute=recompute_flops)
     return flops.hardware / (peak_flops * utilization)
