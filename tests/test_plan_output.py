@@ -79,3 +79,15 @@ def test_bad_input_gets_the_command_line_s_one_line(capsys, fields, field, messa
             argv += ["--" + key.replace("_", "-"), fields[key]] if key in fields else []
         assert main(["plan", *argv]) == 2
         assert " ".join(capsys.readouterr().err.split()).startswith(f"error: {message}")
+
+
+def test_the_page_draws_every_option_s_peak_both_ways_and_its_budget():
+    page = _page(model="llama2-70b", gpu="h100-80gb", gpus="64", seq_len="4096", shard_group_size="0")
+    options, rows = page["report"]["options"], page["view"]["options"]
+    assert [r["name"] for r in rows] == [o["name"] for o in options]
+    for o, r in zip(options, rows):
+        assert (r["allocated"], r["reserved"], r["budget"]) == (o["peak_bytes"], o["peak_reserved_bytes"],
+                                                               o["budget_bytes"])
+        assert r["margin"] == (o["budget_bytes"] - o["peak_reserved_bytes"]) / o["budget_bytes"]
+        assert r["allocated"] < r["reserved"]  # the allocator's reserve over what the tensors hold
+    assert len({r["budget"] for r in rows}) > 1  # each option's NCCL buffers differ

@@ -118,11 +118,12 @@ function bar(pick) {
 
 function draw(result) {
   const view = result.view, report = result.report;
-  const rows = view.options.map((o) => [o.name, o.gpus, fmtBytes(o.reserved),
-    o.fits || o.margin < 0 ? margin(o.margin) : "host RAM", o.comm_s.toFixed(3), o.compute_s.toFixed(3),
-    o.step_s.toFixed(3), o.bound === "communication" ? "comm" : "comp"]);
+  const rows = view.options.map((o) => [o.name, o.gpus, fmtBytes(o.allocated), fmtBytes(o.reserved),
+    fmtBytes(o.budget), o.fits || o.margin < 0 ? margin(o.margin) : "host RAM", o.comm_s.toFixed(3),
+    o.compute_s.toFixed(3), o.step_s.toFixed(3), o.bound === "communication" ? "comm" : "comp"]);
   let html = `<p class="hb-shape">${esc(result.shape)}</p>`;
-  html += table(["option", "GPUs", "reserved", "margin", "comm s", "comp s", "step s", "bound"], rows);
+  html += table(["option", "GPUs", "allocated", "reserved", "budget", "margin", "comm s", "comp s", "step s",
+    "bound"], rows);
   html += `<p class="hb-legend">AC: activation checkpointing, ${esc(report.checkpointing)}</p>`;
   const pick = view.pick;
   html += `<p><strong>${esc(pick.name)}</strong>${report.recommended ? " (recommended)" : " (nothing fits)"}: ` +

@@ -248,7 +248,8 @@ def _view(report: PlanReport) -> dict[str, Any]:
     pick = plan.recommended or min(plan.options, key=lambda o: o.peak_reserved_bytes)
     state, acts = pick.model_state_bytes, pick.activation_bytes
     return {
-        "options": [{"name": o.name, "gpus": o.gpus, "reserved": o.peak_reserved_bytes, "margin": o.margin,
+        "options": [{"name": o.name, "gpus": o.gpus, "allocated": o.peak_bytes, "reserved": o.peak_reserved_bytes,
+                     "budget": o.budget_bytes, "margin": o.margin,
                      "fits": o.fits, "host": o.host_bytes, "comm_s": o.comm_s, "compute_s": o.compute_s,
                      "step_s": o.step_s, "bound": o.bound} for o in plan.options],
         "pick": {"name": pick.name, "peak": pick.peak_bytes, "reserved": pick.peak_reserved_bytes,
