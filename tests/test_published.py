@@ -143,8 +143,10 @@ def test_the_sources_are_independent_groups():
     assert len(PUBLISHED_SOURCES) >= 3
     from handbook_lib.models import PUBLISHED_ZERO_STATE
 
+    from handbook_lib.models import PUBLISHED_PEAKS
+
     cited = " ".join(p.source for rows in (PUBLISHED_BUS_BANDWIDTH, PUBLISHED_THROUGHPUT, PUBLISHED_MEMORY_CHANGE,
-                                           PUBLISHED_ZERO_STATE) for p in rows)
+                                           PUBLISHED_ZERO_STATE, PUBLISHED_PEAKS) for p in rows)
     for refs in PUBLISHED_SOURCES.values():
         assert any(ref.split("#")[0].split("/")[-1] in cited or ref in cited for ref in refs), refs
 
@@ -223,3 +225,25 @@ def test_deepspeeds_zero3_state_with_and_without_its_bf16_master():
     assert all(r.counted for r in rows.values())
     within = [r for r in rows.values() if abs(r.error) < 0.10]
     assert len(within) == 4 and all(r.why for r in rows.values() if r not in within)
+
+
+def test_published_peaks_are_compared_counter_with_counter():
+    """torchtitan's pull request 165 (percentages of a 95.0396 GiB H100) and torchtune's README:
+    an active peak against the model's allocated peak, a reserved one against its reserved peak."""
+    from handbook_lib.models import PUBLISHED_PEAKS, estimate_memory, published_peak_rows
+
+    rows = {r.label: r for r in published_peak_rows()}
+    assert rows["7B, FSDP2, full AC (active)"].published_gib == pytest.approx(23.92 / 100 * 95.0396)
+    assert rows["7B, FSDP1, SAC (reserved)"].published_gib == pytest.approx(67.23 / 100 * 95.0396)
+    fsdp2 = estimate_memory("llama2-7b", 8, "FULL_SHARD", "bf16-mixed", micro_batch=8, seq_len=2048,
+                            activation_checkpointing="selective", ac_matmul_every=2, backend="nccl",
+                            optimizer_impl="foreach")
+    assert rows["7B, FSDP2, SAC (active)"].model_gib == fsdp2.peak / 2**30
+    assert rows["7B, FSDP2, SAC (reserved)"].model_gib == fsdp2.peak_reserved / 2**30
+    counted = [r for r in rows.values() if r.counted]
+    assert len(counted) == 9 and sum(abs(r.error) < 0.10 for r in counted) == 6
+    assert [r.label for r in rows.values() if not r.counted] == ["7B, FSDP2, full AC, compile (reserved)",
+                                                                 "7B, FSDP2, SAC, compile (reserved)"]
+    # a reserved miss says how far the run's reserved peak stood above its active one
+    assert rows["7B, FSDP2, full AC (reserved)"].why.startswith(f"the run reserved {32.64 / 23.92:.2f}x")
+    assert {p.counter for p in PUBLISHED_PEAKS} == {"active", "reserved"}

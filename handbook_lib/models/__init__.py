@@ -85,8 +85,9 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         PublishedThroughput, ThroughputRow, bus_bandwidth_rows, published_model, throughput_rows,
     )
     from handbook_lib.models.published_memory import (
-        PUBLISHED_MEMORY_CHANGE, PUBLISHED_ZERO_STATE, TORCHTITAN_OP_POLICY, MemoryChangeRow, PeakRow,
-        PublishedMemoryChange, PublishedZeroState, memory_change_rows, peak_rows, zero_state_rows,
+        PUBLISHED_MEMORY_CHANGE, PUBLISHED_PEAKS, PUBLISHED_ZERO_STATE, TORCHTITAN_OP_POLICY, MemoryChangeRow,
+        PeakRow, PublishedMemoryChange, PublishedPeak, PublishedZeroState, memory_change_rows, peak_rows,
+        published_peak_rows, zero_state_rows,
     )
     from handbook_lib.models.roofline import min_tokens_per_gpu, wire_bytes_per_param
     from handbook_lib.models.seed import (

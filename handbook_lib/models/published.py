@@ -309,7 +309,8 @@ PUBLISHED_SOURCES = {
     "NCCL users' clusters": ("NVIDIA/nccl-tests#100", "NVIDIA/nccl-tests#119", "NVIDIA/nccl-tests#283"),
     "Meta (Llama 3 paper)": ("arXiv:2407.21783",),
     "PyTorch and IBM": ("pytorch.org/blog/maximizing-training",),
-    "PyTorch (torchtitan)": ("pytorch/torchtitan",),
+    "PyTorch (torchtitan)": ("pytorch/torchtitan", "pytorch/torchtitan#165"),
+    "PyTorch (torchtune)": ("pytorch/torchtune",),
     "MosaicML (llm-foundry)": ("mosaicml/llm-foundry",),
     "Microsoft (DeepSpeed)": ("deepspeedai/DeepSpeed",),
 }

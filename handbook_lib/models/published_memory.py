@@ -33,6 +33,9 @@ __all__ = [
     "PUBLISHED_ZERO_STATE",
     "PublishedZeroState",
     "zero_state_rows",
+    "PUBLISHED_PEAKS",
+    "PublishedPeak",
+    "published_peak_rows",
 ]
 
 
@@ -291,4 +294,104 @@ def zero_state_rows(rows: tuple[PublishedZeroState, ...] = PUBLISHED_ZERO_STATE)
         held = state.total + tokens * (2 * _DS_VOCAB + 16)
         error = held / 2**30 / r.allocated_gib - 1
         out.append(PeakRow(r.label, r.gpus, r.allocated_gib, held / 2**30, _DS_RESIDUE if abs(error) > 0.10 else ""))
+    return out
+
+
+_H100_95 = 95.0396
+"""The H100 (HBM2e) torchtitan's pull request logged its memory against, GiB."""
+_PR165 = ("pytorch/torchtitan pull request #165, 'Used per-parameter FSDP' (merged 2024-03-28; the eager "
+          "figures first posted in #116 on 2024-03-06): torchtitan's '7B' (Llama-2 7B's shape, the Llama-2 "
+          "tokenizer's 32,000 tokens), 8 H100, local batch 8 x 2,048 tokens, bf16 mixed precision with fp32 "
+          "reduce-scatter, AdamW with foreach; peak active and peak reserved as percentages of 95.0396 GiB "
+          "(torchtitan's metrics.py: active_bytes.all.peak, reserved_bytes.all.peak). SAC is the op-level "
+          "policy of the code when the figures were first posted (parallelize_llama.py: every compute "
+          "operator's output kept but every second aten.mm's, the attention's kept)")
+_TORCHTUNE = ("pytorch/torchtune README, 'Optimization flags' (PR #2003, 2024-11): Llama 3.2 3B "
+              "(config.json: 28 layers, hidden 3,072, 24 heads, 8 KV heads, FFN 8,192, 128,256 tokens, tied), "
+              "full_finetune_single_device, batch 2, packed 4,096-token sequences, pure bf16, "
+              "torch.optim.AdamW, one A100; 'Peak Memory Active (GiB)' (torchtune/training/memory.py: "
+              "active_bytes.all.peak), the row '+ Packed Dataset' (no compile, no checkpointing, the "
+              "standard cross-entropy)")
+_PR165_COMPILE = "torch.compile's fused kernels save other intermediates than the eager operators the model counts"
+_LLAMA32_3B = {"model_type": "llama", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
+               "num_attention_heads": 24, "num_key_value_heads": 8, "vocab_size": 128256,
+               "tie_word_embeddings": True}
+
+
+@dataclass(frozen=True)
+class PublishedPeak:
+    """One published peak per GPU of a run the memory model expresses (or says why not), in the
+    counter the source printed."""
+
+    label: str
+    model: str
+    """A preset name, or ``llama3.2-3b`` (its published ``config.json``)."""
+    gpus: int
+    strategy: str
+    """``FULL_SHARD``, or ``NONE`` for one process without a wrapper."""
+    fsdp1: bool
+    """FSDP1's flat parameters (``False``: FSDP2's per-parameter sharding)."""
+    micro_batch: int
+    seq_len: int
+    precision: str
+    checkpointing: tuple[str, int]
+    """The mode (``none``, ``full``, ``selective``) and, selective, the kept products' stride."""
+    counter: str
+    """``active`` (compared with the model's allocated peak) or ``reserved``."""
+    peak_gib: float
+    source: str
+    why: str = ""
+    """What of the run the model does not express ("": nothing, the row is counted)."""
+
+
+def _pr165(label: str, fsdp1: bool, mode: str, active: float | None, reserved: float,
+           why: str = "") -> list[PublishedPeak]:
+    """The pull request's rows of one run: its active and reserved peaks, as percentages of the
+    95.0396 GiB card (``None``: not published), or a reserved peak in GiB where ``why`` is set."""
+    checkpointing = ("selective", 2) if mode == "SAC" else (mode, 1)
+    common = ("llama2-7b", 8, "FULL_SHARD", fsdp1, 8, 2048, "bf16-mixed", checkpointing)
+    rows = [] if active is None else [PublishedPeak(label, *common, "active", active / 100 * _H100_95, _PR165)]
+    gib = reserved if why else reserved / 100 * _H100_95
+    return rows + [PublishedPeak(label, *common, "reserved", gib, _PR165, why)]
+
+
+PUBLISHED_PEAKS: tuple[PublishedPeak, ...] = (
+    *_pr165("7B, FSDP1, full AC", True, "full", 24.81, 33.82),
+    *_pr165("7B, FSDP1, SAC", True, "SAC", 52.98, 67.23),
+    *_pr165("7B, FSDP2, full AC", False, "full", 23.92, 32.64),
+    *_pr165("7B, FSDP2, SAC", False, "SAC", 52.13, 62.51),
+    *_pr165("7B, FSDP2, full AC, compile", False, "full", None, 28.72, _PR165_COMPILE),
+    *_pr165("7B, FSDP2, SAC, compile", False, "SAC", None, 53.83, _PR165_COMPILE),
+    PublishedPeak("3B, one A100, no AC", "llama3.2-3b", 1, "NONE", False, 2, 4096, "bf16", ("none", 1),
+                  "active", 60.0, _TORCHTUNE),
+)
+"""Published peaks per GPU from torchtitan's FSDP2 pull request and torchtune's README."""
+
+
+def published_peak_rows(rows: tuple[PublishedPeak, ...] = PUBLISHED_PEAKS) -> list[PeakRow]:
+    """Each published peak beside the model's in the same counter: the allocated peak
+    (:attr:`~handbook_lib.models.memory.MemoryEstimate.peak`) against a peak of active bytes, the
+    reserved peak against a reserved one; on a GPU's backend, with torch's default AdamW there
+    (foreach). A counted reserved row that misses by 10 % or more says how far the run's reserved
+    peak stood above its active one, where both were published."""
+    from handbook_lib.core.config import get_precision
+    from handbook_lib.models.allocator import RESERVE_FRACTION
+    from handbook_lib.models.hf_config import decoder_shape_from_hf
+
+    out = []
+    for r in rows:
+        get_precision(r.precision)
+        model = decoder_shape_from_hf(_LLAMA32_3B, "Llama 3.2 3B") if r.model == "llama3.2-3b" else r.model
+        mode, every = r.checkpointing
+        est = estimate_memory(model, r.gpus, r.strategy, r.precision, micro_batch=r.micro_batch, seq_len=r.seq_len,
+                              flat_params=r.fsdp1, activation_checkpointing=mode, ac_matmul_every=every,
+                              backend="nccl", optimizer_impl="foreach")
+        model_gib = (est.peak if r.counter == "active" else est.peak_reserved) / 2**30
+        why = r.why
+        if not why and r.counter == "reserved" and abs(model_gib / r.peak_gib - 1) >= 0.10:
+            active = next((a.peak_gib for a in rows if a.label == r.label and a.counter == "active"), None)
+            if active:
+                why = (f"the run reserved {r.peak_gib / active:.2f}x its active peak; the model's allocator "
+                       f"reserve is {1 + RESERVE_FRACTION:.2f}x")
+        out.append(PeakRow(f"{r.label} ({r.counter})", r.gpus, r.peak_gib, model_gib, why, not r.why))
     return out
