@@ -424,3 +424,29 @@ def test_pure_bf16_keeps_the_state_in_two_bytes():
     assert (2 * pure.params, 2 * pure.grads) == (mixed.params, mixed.grads)
     assert 2 * (pure.optimizer - steps) == mixed.optimizer - steps
     assert pure.forward_activations == mixed.forward_activations  # both compute in bf16
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_the_loss_in_chunks_holds_one_chunk_s_fp32_gradients(precision):
+    """loss_backward, by hand: the loss's two fp32 (T x V) gradients, 2L with L = 4·T·V, whole;
+    in k chunks the largest of one chunk's two (2L/k), the chunks' gradients joined into the
+    logits' (2c·T·V - L), and the forward's end, logits and the last chunk's fp32 copy (c·T·V + L/k)."""
+    config = ModelConfig(vocab_size=32000, d_model=64, nhead=2, dim_feedforward=96, num_layers=2)
+    b, s = 4, 64
+    tv, c = b * s * 32000, 4 if precision == "fp32" else 2
+    whole = estimate_memory(config, 2, "FULL_SHARD", precision, micro_batch=b, seq_len=s, backend="gloo")
+    L = 4 * tv
+    assert whole.peak_phase == "loss_backward"
+    base = whole.phases["loss_backward"] - 2 * L
+    for k in (2, 4, 8):
+        chunked = estimate_memory(config, 2, "FULL_SHARD", precision, micro_batch=b, seq_len=s, backend="gloo",
+                                  loss_chunks=k)
+        assert chunked.phases["loss_backward"] - base == max(2 * L // k, 2 * c * tv - L, c * tv + L // k)
+        assert {n: v for n, v in chunked.phases.items() if n != "loss_backward"} == \
+            {n: v for n, v in whole.phases.items() if n != "loss_backward"}
+    # in fp32 the join (L) and the forward's end (L + L/k) decide; in bf16 2L/k, or 2·T·V + L/k
+    four = estimate_memory(config, 2, "FULL_SHARD", precision, micro_batch=b, seq_len=s, backend="gloo",
+                           loss_chunks=4).phases["loss_backward"] - base
+    assert four == (L + L // 4 if precision == "fp32" else 2 * tv + L // 4)
+    with pytest.raises(ValueError, match="loss_chunks=3 must divide seq_len=64"):
+        estimate_memory(config, 2, "FULL_SHARD", precision, micro_batch=b, seq_len=s, loss_chunks=3)

@@ -33,6 +33,8 @@ const FORM = `
     <span class="hb-error" data-for="seq_len"></span>
     <label>micro-batch <input name="micro_batch" value="1" inputmode="numeric" size="4"></label>
     <label>accumulation <input name="grad_accum" inputmode="numeric" size="3" placeholder="1"></label>
+    <label>loss chunks <input name="loss_chunks" inputmode="numeric" size="3" placeholder="1"></label>
+    <span class="hb-error" data-for="loss_chunks"></span>
     <span class="hb-error" data-for="grad_accum"></span>
     <label><input type="checkbox" name="sync_every_micro_step"> reduce every micro-step</label>
     <label>precision <select name="precision"><option selected>bf16-mixed</option><option>fp32</option>

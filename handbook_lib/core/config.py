@@ -349,6 +349,11 @@ class LeversConfig(FlatConfig):
     recomputed in backward."""
     cpu_offload: bool = False
     """Keep the sharded parameters, gradients and optimizer states in host memory (FSDP only)."""
+    loss_chunks: int = 1
+    """Compute the cross-entropy over the logits in this many chunks along the sequence, each
+    upcast to fp32 and reduced by itself: the fp32 log-softmax's gradients exist one chunk at a
+    time in backward (``2·4·T·V / k`` bytes instead of ``2·4·T·V``). Must divide ``seq_len``; 1:
+    the whole logits at once."""
     init: InitName = "meta"
     """How each rank builds the model: ``meta`` (shapes only, then each rank materialises and
     fills just what it holds) or ``full`` (the whole seeded model on every rank, then wrapped).
@@ -380,7 +385,7 @@ class LeversConfig(FlatConfig):
     on every unit). On by itself whenever one of the four knobs above is set."""
 
     MINIMUMS: ClassVar[Mapping[str, int]] = {"ac_every": 1, "ac_matmul_every": 1, "explicit_prefetch": 0,
-                                             "reshard_after_forward_size": 0}
+                                             "reshard_after_forward_size": 0, "loss_chunks": 1}
 
     def __post_init__(self) -> None:
         ac = self.activation_checkpointing
@@ -438,6 +443,9 @@ class RunConfig(FlatConfig):
             raise ValueError("config key 'precision'='bf16' (the model kept in bf16) builds on the meta device "
                              "with FSDP2, DDP or one process (or ZeRO's bf16 master): it needs init='meta' and "
                              f"api='fsdp2', got init={self.init!r}, api={self.api!r}, {self.strategy}")
+        if isinstance(self.loss_chunks, int) and self.seq_len % self.loss_chunks:
+            raise ValueError(f"config key 'loss_chunks'={self.loss_chunks} must divide seq_len={self.seq_len} (each "
+                             "chunk the same tokens of every sequence)")
         if isinstance(self.warmup_steps, int) and self.warmup_steps >= self.steps:
             raise ValueError(f"config key 'warmup_steps' must be < steps={self.steps} (the steps of "
                              f"warm-up come first), got {self.warmup_steps}")

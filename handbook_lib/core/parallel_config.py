@@ -121,6 +121,9 @@ class ParallelConfig(RunConfig):
                                   sequence_parallel=self.sequence_parallel, names=CONFIG_NAMES)
         if self.pp_size > 1:
             self.check_pipeline()
+        if self.loss_chunks > 1:  # the axes' runs compute their loss themselves (vocabulary-parallel, per stage)
+            raise ValueError(f"config key 'loss_chunks'={self.loss_chunks} chunks the cross-entropy of whole logits; "
+                             "the runs of tensor, sequence and pipeline parallelism compute theirs otherwise: give 1")
 
     @property
     def pp_stages(self) -> int:

@@ -136,6 +136,11 @@ def _add_checkpointing(cmd: argparse.ArgumentParser, default: str, modes: tuple[
                      f"--activation-checkpointing selective: what it keeps, {', '.join(AC_SAVE_POLICIES)}")
 
 
+def _add_loss_chunks(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--loss-chunks", type=_whole(1), default=1, metavar="K", help="the cross-entropy in K chunks "
+                     "of each sequence, one chunk's fp32 gradients at a time (default 1: whole; K divides --seq-len)")
+
+
 def _add_axes(cmd: argparse.ArgumentParser) -> None:
     """Chapter 9's axes beyond FSDP: tensor parallelism inside a node, the sequence split."""
     cmd.add_argument("--tp-size", type=_whole(1), default=1, metavar="N", help="tensor-parallel ranks inside a "
@@ -194,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "alone); needs --micro-batch")
     mem.add_argument("--cpu-offload", action="store_true", help="keep the model state in host RAM (FSDP only)")
     _add_accumulation(mem)
+    _add_loss_chunks(mem)
     _add_axes(mem)
     mem.add_argument("--gpu", default=None, choices=sorted(ACCELERATORS), metavar="G", help="also the budget per "
                      f"GPU (less NCCL's buffers for the layout) and whether the peak fits: {', '.join(ACCELERATORS)}")
@@ -226,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--seq-len", type=_whole(1), default=2048, help="tokens per sequence (default 2048)")
     pl.add_argument("--micro-batch", type=_whole(1), default=1, help="sequences per GPU per step (default 1)")
     _add_accumulation(pl)
+    _add_loss_chunks(pl)
     pl.add_argument("--gpus-per-node", type=_whole(1), default=None,
                     help="GPUs per node (default: the GPU's usual node, 8 for the SXM presets)")
     pl.add_argument("--inter-link", default="ib-ndr400", choices=list(LINKS), metavar="L",

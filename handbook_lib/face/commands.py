@@ -196,7 +196,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload,
         grad_accum_steps=args.grad_accum, sync_every_micro_step=args.sync_every_micro_step,
         optimizer_impl=args.optimizer_impl, ac_every=args.ac_every, ac_matmul_every=args.ac_matmul_every,
-        ac_save=args.ac_save)
+        ac_save=args.ac_save, loss_chunks=args.loss_chunks)
     tokens = (f"micro-batch {args.micro_batch} x {args.seq_len} tokens" if args.micro_batch
               else "no activations") + accum_text(args, "; ")
     every = (f" (layers 0, {args.ac_every}, {2 * args.ac_every}, ...)" if args.ac_every > 1 else "") + (
@@ -339,7 +339,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                          sync_every_micro_step=args.sync_every_micro_step, headroom=args.headroom,
                          activation_checkpointing=args.activation_checkpointing, ac_every=args.ac_every,
                          ac_matmul_every=args.ac_matmul_every, ac_save=args.ac_save,
-                         shard_group_size=args.shard_group_size, sensitivity=args.sensitivity,
+                         shard_group_size=args.shard_group_size, loss_chunks=args.loss_chunks,
+                         sensitivity=args.sensitivity,
                          tp_size=args.tp_size, sp_size=args.sp_size, sp_method=args.sp_method,
                          pp_size=args.pp_size, batch_tokens=args.batch_tokens)
     if args.json:

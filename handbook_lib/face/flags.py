@@ -33,6 +33,11 @@ def check_memory_flags(args: argparse.Namespace) -> None:
     if args.precision == "bf16" and args.cpu_offload and get_strategy(args.strategy).wrapper == "deepspeed":
         raise ValueError("--precision bf16 with --cpu-offload: DeepSpeed offloads a bf16 master and bf16 optimizer "
                          "states only to its compiled CPU Adam; give --precision bf16-mixed")
+    if args.loss_chunks > 1 and (not args.seq_len or args.seq_len % args.loss_chunks):
+        raise ValueError(f"--loss-chunks {args.loss_chunks} cuts each sequence into equal chunks: give --micro-batch "
+                         "and a --seq-len it divides")
+    if args.loss_chunks > 1 and (args.tp_size > 1 or args.sp_size > 1):
+        raise ValueError("--loss-chunks with --tp-size or --sp-size: the layouts beyond FSDP price the whole loss")
     if args.sync_every_micro_step and args.grad_accum < 2:
         raise ValueError(f"--sync-every-micro-step needs --grad-accum >= 2, got {args.grad_accum}")
 

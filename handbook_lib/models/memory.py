@@ -211,6 +211,7 @@ def estimate_memory(
     ac_every: int = 1,
     ac_matmul_every: int = 1,
     ac_save: str = "matmul+attention",
+    loss_chunks: int = 1,
 ) -> MemoryEstimate:
     """Predict one rank's device memory for a training step, by component and phase.
 
@@ -271,6 +272,8 @@ def estimate_memory(
             ``default``: torch's choice on the ``backend``'s device, foreach on CUDA and for-loop
             on the CPU): its temporaries in the ``optimizer_step`` phase
             (:func:`~handbook_lib.models.model_state.optimizer_temporary_bytes`).
+        loss_chunks: The cross-entropy in k chunks of the sequence (must divide ``seq_len``): its
+            backward holds one chunk's fp32 gradients (:func:`~handbook_lib.models.phases.loss_backward`).
 
     The peak is the largest of the step's phases (:data:`PHASE_WORDS`), each a function of
     :mod:`handbook_lib.models.phases` whose docstring gives its formula; the state at rest is
@@ -293,6 +296,8 @@ def estimate_memory(
         raise ValueError("micro_batch and seq_len must be given together (both > 0) or not at all")
     lookup(dict.fromkeys(("nccl", "gloo")), backend, "backend")
     check_int("grad_accum_steps", grad_accum_steps, 1)
+    if seq_len % check_int("loss_chunks", loss_chunks, 1):
+        raise ValueError(f"loss_chunks={loss_chunks} must divide seq_len={seq_len}")
     impl = optimizer_impl_on(optimizer_impl, "cuda" if backend == "nccl" else "cpu")
     element = dtype_bytes(state_dtype(precision))
     layout = model_layout(model)
@@ -306,6 +311,7 @@ def estimate_memory(
     shape = _step_shape(layout, row, state, dtype_bytes(compute), dtype_bytes(reduce_dtype or reduce),
                         world_size, group, units, flat_params, backend, accumulated, optimizer,
                         micro_batch, seq_len, compute, (activation_checkpointing, ac_every, ac_matmul_every, ac_save))
+    shape = replace(shape, loss_chunks=(loss_chunks, micro_batch))
     if not (cpu_offload and backend == "nccl") and (layout.exact or impl != "for-loop"):
         # not on a GPU's host (offloaded), nor one tensor at a time over unknown tensors
         locals_ = local_numels(layout, row, group, rank % group, units, flat_params)

@@ -111,6 +111,9 @@ class StepShape:
     """With CPU offload on a GPU: the bytes each unit's all-gather holds at its worst moment,
     root first, its output and the shards copied to the device included
     (:func:`~handbook_lib.models.offload.estimate_offload_gather_bytes`); empty otherwise."""
+    loss_chunks: tuple[int, int] = (1, 0)
+    """``(k, b)``: the cross-entropy computed in k chunks of the sequence (``loss_chunks``), of a
+    micro-batch of b sequences."""
 
     def alive(self, unsharded: int = 0, grad_buffers: int = 0, activations: int = 0, loss: int = 0,
               accumulating: bool = True) -> Components:
@@ -186,10 +189,20 @@ def layer_forward(s: StepShape) -> Components | None:
 def loss_backward(s: StepShape) -> Components | None:
     """The loss's backward, with every activation still saved and the loss's two fp32 (T × V)
     gradients: ``S + kept + A + 2L`` (sharded: ``kept`` is what stays gathered after forward;
-    DDP adds its buckets ``r·P``)."""
+    DDP adds its buckets ``r·P``). In k > 1 chunks (``loss_chunks``) the largest of three
+    moments: one chunk's two fp32 gradients, ``2L/k``; the chunks' gradients joined into the
+    logits' (``c·T·V`` beside the k chunks' own, the log-softmax freed), ``2c·T·V − L``; and the
+    end of the loss's forward, the logits (``c·T·V``) still held with the last chunk's fp32 copy
+    (``L/k``: an upcast, or in fp32 the flattening of a chunk that more than one sequence makes
+    non-contiguous). In fp32 that is ``L + L/k``, in bf16 ``2·T·V + L/k`` or ``2L/k``."""
+    loss = 2 * s.log_softmax
+    k, micro_batch = s.loss_chunks
+    if k > 1:
+        copy = s.log_softmax // k if s.c != 4 or micro_batch > 1 else 0
+        loss = max(loss // k, 2 * s.c * s.logits - s.log_softmax, s.c * s.logits + copy)
     if s.row.shards_params:
-        return s.alive(s.kept, 0, s.act_total, 2 * s.log_softmax)
-    return s.alive(0, s.buckets, s.act_total, 2 * s.log_softmax)
+        return s.alive(s.kept, 0, s.act_total, loss)
+    return s.alive(0, s.buckets, s.act_total, loss)
 
 
 def backward_start(s: StepShape) -> Components | None:

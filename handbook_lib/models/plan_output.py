@@ -88,6 +88,7 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
                 optimizer_impl: str = "default", grad_accum: int = 1, sync_every_micro_step: bool = False,
                 headroom: float = 0.0, activation_checkpointing: str = "full", ac_every: int = 1,
                 ac_matmul_every: int = 1, ac_save: str = "matmul+attention", shard_group_size: int | None = None,
+                loss_chunks: int = 1,
                 sensitivity: bool = False, tp_size: int = 1, sp_size: int = 1, sp_method: str = "ulysses",
                 pp_size: int | None = None, batch_tokens: int | None = None,
                 names: Mapping[str, str] = PLAN_NAMES) -> PlanReport:
@@ -99,7 +100,8 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
     unless ``pp_size`` says which (1: none). ``activation_checkpointing``, ``ac_every``,
     ``ac_matmul_every`` and ``ac_save`` are the policy of the options with checkpointing
     (:class:`~handbook_lib.models.recompute.CheckpointPolicy`); ``shard_group_size``
-    HYBRID_SHARD's (:func:`~handbook_lib.models.planner.shard_groups`).
+    HYBRID_SHARD's (:func:`~handbook_lib.models.planner.shard_groups`); ``loss_chunks`` the
+    cross-entropy's chunks (:func:`~handbook_lib.models.memory.estimate_memory`).
 
     Raises:
         ValueError: one line naming the flag (``names``) and what is accepted.
@@ -114,11 +116,14 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
     check_policy_flags(activation_checkpointing, ac_every, ac_matmul_every, ac_save)
     policy = CheckpointPolicy(activation_checkpointing, ac_every, ac_matmul_every, ac_save)
     shard_groups(gpus, per_node, shard_group_size, flag="--shard-group-size {}")
+    if seq_len % loss_chunks:
+        raise ValueError(f"--loss-chunks {loss_chunks} must divide --seq-len {seq_len} (equal chunks of each sequence)")
     kwargs: dict[str, Any] = {"micro_batch": micro_batch, "seq_len": seq_len, "gpus_per_node": per_node,
                               "inter_link": inter_link, "nics_per_node": nics_per_node, "precision": precision,
                               "optimizer": optimizer, "optimizer_impl": optimizer_impl, "headroom": headroom,
                               "grad_accum_steps": grad_accum, "sync_every_micro_step": sync_every_micro_step,
-                              "checkpointing": policy, "shard_group_size": shard_group_size}
+                              "checkpointing": policy, "shard_group_size": shard_group_size,
+                              "loss_chunks": loss_chunks}
     changes: tuple[Sensitivity, ...] | None = None
     if sensitivity:
         result, listed = plan_sensitivity(model, gpu, gpus, **kwargs)
@@ -142,7 +147,7 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
                          "bf16-mixed, or leave out --tp-size, --sp-size, --pp-size and --batch-tokens")
     for flag, value, usual in (("--optimizer-impl", optimizer_impl, "default"), ("--grad-accum", grad_accum, 1),
                                ("--activation-checkpointing", activation_checkpointing, "full"),
-                               ("--ac-every", ac_every, 1)):
+                               ("--ac-every", ac_every, 1), ("--loss-chunks", loss_chunks, 1)):
         if value != usual:
             raise ValueError(f"{flag} {value}: the layouts beyond FSDP are priced with {flag} {usual}; leave "
                              "it out, or leave out --tp-size, --sp-size, --pp-size and --batch-tokens")
@@ -176,7 +181,7 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
 
 _PAGE_NUMBERS = {"gpus": 1, "seq_len": 1, "micro_batch": 1, "gpus_per_node": 1, "nics_per_node": 1,
                  "tp_size": 1, "sp_size": 1, "pp_size": 0, "batch_tokens": 1, "grad_accum": 1, "ac_every": 1,
-                 "ac_matmul_every": 1, "shard_group_size": 0}
+                 "ac_matmul_every": 1, "shard_group_size": 0, "loss_chunks": 1}
 """The planner page's whole-number fields and their least values (``plan``'s flags')."""
 
 

@@ -136,6 +136,7 @@ def plan(
     reserve_fraction: float = RESERVE_FRACTION,
     checkpointing: CheckpointPolicy = FULL,
     shard_group_size: int | None = None,
+    loss_chunks: int = 1,
 ) -> Plan:
     """Price every option for training ``model`` on ``gpus`` GPUs and recommend one.
 
@@ -181,6 +182,8 @@ def plan(
         shard_group_size: HYBRID_SHARD's shard group, GPUs (:func:`shard_groups`): ``None``, a
             node's; 0, every size that is a whole number of nodes, each its own option
             (``HYBRID_SHARD/16``).
+        loss_chunks: The cross-entropy in k chunks of each sequence (must divide ``seq_len``), as
+            :func:`~handbook_lib.models.memory.estimate_memory` prices it.
 
     Raises:
         ValueError: for unknown presets or precision, ``gpus < 1``, ``gpus_per_node < 1`` or
@@ -199,6 +202,8 @@ def plan(
     check_int("micro_batch", micro_batch, 1)
     check_int("seq_len", seq_len, 1)
     check_int("grad_accum_steps", grad_accum_steps, 1)
+    if seq_len % check_int("loss_chunks", loss_chunks, 1):
+        raise ValueError(f"loss_chunks={loss_chunks} must divide seq_len={seq_len}")
     if sync_every_micro_step and grad_accum_steps < 2:
         raise ValueError(f"sync_every_micro_step needs grad_accum_steps >= 2, got {grad_accum_steps}")
     if not 0 <= headroom < 1:  # also refuses NaN
@@ -214,7 +219,8 @@ def plan(
     u = expected_utilization(acc, layout.d_model) if utilization is None else utilization
     groups = shard_groups(gpus, node.gpus_per_node, shard_group_size)
     job = _Job(layout, node, precision, (optimizer, optimizer_impl), micro_batch, seq_len, u, headroom,
-               cpu_params_per_s_per_core, reserve_fraction, (grad_accum_steps, sync_every_micro_step), checkpointing)
+               cpu_params_per_s_per_core, reserve_fraction, (grad_accum_steps, sync_every_micro_step), checkpointing,
+               loss_chunks)
     price = functools.partial(_price, job)
     options = []
     for strategy in _ORDER:
@@ -272,6 +278,8 @@ class _Job:
     """Micro-steps per optimizer step, and whether each one reduces its gradients."""
     policy: CheckpointPolicy = FULL
     """What the checkpointing options keep and recompute."""
+    loss_chunks: int = 1
+    """The cross-entropy's chunks of each sequence."""
 
 
 def shard_groups(gpus: int, gpus_per_node: int, shard_group_size: int | None = None, *,
@@ -323,7 +331,8 @@ def _memory(job: _Job, strategy: str, n: int, ac: bool, offload: bool = False,
     return estimate_memory(job.layout, n, strategy, job.precision, job.optimizer[0], micro_batch=job.micro_batch,
                            seq_len=job.seq_len, shard_group_size=_group(job, strategy, group),
                            cpu_offload=offload, backend=job.node.accelerator.backend, optimizer_impl=job.optimizer[1],
-                           grad_accum_steps=job.accum[0], sync_every_micro_step=job.accum[1], **policy)
+                           grad_accum_steps=job.accum[0], sync_every_micro_step=job.accum[1],
+                           loss_chunks=job.loss_chunks, **policy)
 
 
 def _budget(job: _Job, strategy: str, n: int, group: int | None = None) -> tuple[int, int]:
@@ -412,7 +421,9 @@ def _what_would_fit(job: _Job, widest: Option) -> str:
     micro_batch, seq_len = job.micro_batch, job.seq_len
     while micro_batch > 1 or seq_len > 1:
         micro_batch, seq_len = (micro_batch // 2, seq_len) if micro_batch > 1 else (1, seq_len // 2)
-        if _fits(dataclasses.replace(job, micro_batch=micro_batch, seq_len=seq_len), "FULL_SHARD", widest.gpus, True):
+        smaller = dataclasses.replace(job, micro_batch=micro_batch, seq_len=seq_len)
+        whole_chunks = seq_len % job.loss_chunks == 0
+        if whole_chunks and _fits(smaller, "FULL_SHARD", widest.gpus, True):
             return (f"{what} There it fits with a micro-batch of {micro_batch} x {seq_len:,} tokens; or add "
                     "tensor or sequence parallelism (chapter 9), which divide a sequence's activations.")
     return (f"{what} Not even one token fits: a gathered unit and its buffers alone exceed the GPU; a larger "

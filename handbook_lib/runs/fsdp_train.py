@@ -97,6 +97,7 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
         backend=ctx.backend, grad_accum_steps=config.grad_accum_steps,
         sync_every_micro_step=config.sync_every_micro_step, optimizer_impl=config.optimizer_impl,
         ac_every=config.ac_every, ac_matmul_every=config.ac_matmul_every, ac_save=config.ac_save,
+        loss_chunks=config.loss_chunks,
     )
     state, checks = _state(config, ctx, layout, units, group, flat, model, optimizer, init_bytes)
     metrics = {

@@ -11,6 +11,7 @@ batches, forward pass and loss (:func:`train`'s hooks), so their step numbers ar
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -80,10 +81,26 @@ tensor parallelism's ``loss_parallel`` (cross-entropy on logits split by vocabul
 reductions are functional collectives)."""
 
 
-def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The default :data:`LossFn`: the mean next-token cross-entropy (nats per token), computed
-    in fp32 whatever the logits' dtype, backpropagated and reported alike (one tensor, twice)."""
-    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+def next_token_loss(
+    logits: torch.Tensor, targets: torch.Tensor, chunks: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The default :data:`LossFn`: the mean next-token cross-entropy (nats per
+    token), computed in fp32 whatever the logits' dtype, backpropagated and
+    reported alike (one tensor, twice).
+
+    ``chunks`` k > 1 (the ``loss_chunks`` key) cuts the sequence into k equal
+    chunks and sums each chunk's cross-entropy, upcast and reduced by itself,
+    before dividing by the tokens: the same loss, whose backward holds one
+    chunk's fp32 gradients at a time."""
+    if chunks == 1:
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return loss, loss
+    pieces = zip(logits.chunk(chunks, dim=1), targets.chunk(chunks, dim=1))
+    total = sum(
+        F.cross_entropy(part.float().flatten(0, 1), aim.flatten(), reduction="sum")
+        for part, aim in pieces
+    )
+    loss = total / targets.numel()
     return loss, loss
 
 
@@ -305,6 +322,8 @@ def train(
             (the launcher then reports that rank as the cause of the failed run).
     """
     record = _Recorder()
+    if loss_fn is next_token_loss and config.loss_chunks > 1:
+        loss_fn = functools.partial(next_token_loss, chunks=config.loss_chunks)
     if scheduler is None:
         scheduler = build_lr_scheduler(optimizer, config)
     model.train()

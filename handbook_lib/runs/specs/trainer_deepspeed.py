@@ -58,6 +58,8 @@ def validate(config: TrainerRunConfig, world_size: int) -> None:
                          f"the saved model's); got {config.precision!r}")
     if config.init != "full":
         raise ValueError(f"trainer_deepspeed accepts init='full' only; got {config.init!r}")
+    if config.loss_chunks != 1:
+        raise ValueError(f"config key 'loss_chunks'={config.loss_chunks}: the Trainer computes its own loss; give 1")
     config.check_batch(world_size)
 
 
