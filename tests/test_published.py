@@ -241,9 +241,14 @@ def test_published_peaks_are_compared_counter_with_counter():
     assert rows["7B, FSDP2, SAC (active)"].model_gib == fsdp2.peak / 2**30
     assert rows["7B, FSDP2, SAC (reserved)"].model_gib == fsdp2.peak_reserved / 2**30
     counted = [r for r in rows.values() if r.counted]
-    assert len(counted) == 9 and sum(abs(r.error) < 0.10 for r in counted) == 6
+    assert len(counted) == 13 and sum(abs(r.error) < 0.10 for r in counted) == 8
+    # IBM's Mistral rows: where the optimizer step is the peak, the model is within 0.1 %; where the
+    # model puts it at the loss, the Trainer had freed the gradients the model counts there
+    mistral = [r for r in counted if r.label.startswith("Mistral")]
+    assert [abs(r.error) < 0.001 for r in mistral] == [True, False, True, False]
+    assert all("set_to_none" in r.why for r in mistral if abs(r.error) >= 0.10)
     assert [r.label for r in rows.values() if not r.counted] == ["7B, FSDP2, full AC, compile (reserved)",
                                                                  "7B, FSDP2, SAC, compile (reserved)"]
     # a reserved miss says how far the run's reserved peak stood above its active one
     assert rows["7B, FSDP2, full AC (reserved)"].why.startswith(f"the run reserved {32.64 / 23.92:.2f}x")
-    assert {p.counter for p in PUBLISHED_PEAKS} == {"active", "reserved"}
+    assert {p.counter for p in PUBLISHED_PEAKS} == {"active", "allocated", "reserved"}

@@ -311,6 +311,7 @@ PUBLISHED_SOURCES = {
     "PyTorch and IBM": ("pytorch.org/blog/maximizing-training",),
     "PyTorch (torchtitan)": ("pytorch/torchtitan", "pytorch/torchtitan#165"),
     "PyTorch (torchtune)": ("pytorch/torchtune",),
+    "IBM (fms-acceleration)": ("foundation-model-stack/fms-acceleration",),
     "MosaicML (llm-foundry)": ("mosaicml/llm-foundry",),
     "Microsoft (DeepSpeed)": ("deepspeedai/DeepSpeed",),
 }

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from handbook_lib.models.axes import estimate_sp_memory, estimate_tp_fsdp_memory
-from handbook_lib.models.memory import estimate_memory
+from handbook_lib.models.memory import PHASE_WORDS, estimate_memory
 from handbook_lib.models.presets import DecoderShape
 from handbook_lib.models.published import published_model
 
@@ -313,6 +313,15 @@ _TORCHTUNE = ("pytorch/torchtune README, 'Optimization flags' (PR #2003, 2024-11
               "active_bytes.all.peak), the row '+ Packed Dataset' (no compile, no checkpointing, the "
               "standard cross-entropy)")
 _PR165_COMPILE = "torch.compile's fused kernels save other intermediates than the eager operators the model counts"
+_FMS = ("foundation-model-stack/fms-acceleration scripts/benchmarks/refs/a100_80gb.csv (commit 24bdadb, 2025-02-07), "
+        "framework 'none', full fine-tuning: Mistral 7B v0.1 on A100 80GB, the Hugging Face Trainer (transformers "
+        "4.48.1, torch 2.4.1) in pure bf16 (torch_dtype bfloat16, accelerate.yaml mixed_precision 'no'), "
+        "torch.optim.AdamW (the Trainer's default), gradient checkpointing, FlashAttention 2, 4,096-token packed "
+        "sequences; one process on 1 GPU, FSDP1 FULL_SHARD (accelerate) on 2; mem_peak_torch_mem_alloc_in_bytes, "
+        "the Trainer's memory tracker: torch.cuda.max_memory_allocated, rank 0, bytes")
+_MISTRAL_7B = {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+               "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+               "tie_word_embeddings": False}
 _LLAMA32_3B = {"model_type": "llama", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
                "num_attention_heads": 24, "num_key_value_heads": 8, "vocab_size": 128256,
                "tie_word_embeddings": True}
@@ -337,11 +346,21 @@ class PublishedPeak:
     checkpointing: tuple[str, int]
     """The mode (``none``, ``full``, ``selective``) and, selective, the kept products' stride."""
     counter: str
-    """``active`` (compared with the model's allocated peak) or ``reserved``."""
+    """``active`` or ``allocated`` (compared with the model's allocated peak), or ``reserved``."""
     peak_gib: float
     source: str
     why: str = ""
     """What of the run the model does not express ("": nothing, the row is counted)."""
+    frees_grads: bool = False
+    """The job frees its gradients between steps (``zero_grad(set_to_none=True)``, PyTorch's
+    default), where the model keeps them: said when the row misses."""
+
+
+def _fms(gpus: int, micro_batch: int, allocated: int) -> PublishedPeak:
+    """One of the IBM benchmark's Mistral rows: ``allocated`` bytes, published."""
+    return PublishedPeak(f"Mistral 7B, {gpus} A100, batch {micro_batch}", "mistral-7b", gpus,
+                         "FULL_SHARD" if gpus > 1 else "NONE", gpus > 1, micro_batch, 4096, "bf16", ("full", 1),
+                         "allocated", allocated / 2**30, _FMS, frees_grads=True)
 
 
 def _pr165(label: str, fsdp1: bool, mode: str, active: float | None, reserved: float,
@@ -364,13 +383,16 @@ PUBLISHED_PEAKS: tuple[PublishedPeak, ...] = (
     *_pr165("7B, FSDP2, SAC, compile", False, "SAC", None, 53.83, _PR165_COMPILE),
     PublishedPeak("3B, one A100, no AC", "llama3.2-3b", 1, "NONE", False, 2, 4096, "bf16", ("none", 1),
                   "active", 60.0, _TORCHTUNE),
+    _fms(1, 4, 72_434_837_504), _fms(1, 8, 72_435_230_720),
+    _fms(2, 2, 36_225_939_968), _fms(2, 4, 36_226_136_576),
 )
-"""Published peaks per GPU from torchtitan's FSDP2 pull request and torchtune's README."""
+"""Published peaks per GPU from torchtitan's FSDP2 pull request, torchtune's README and IBM's
+fms-acceleration benchmarks."""
 
 
 def published_peak_rows(rows: tuple[PublishedPeak, ...] = PUBLISHED_PEAKS) -> list[PeakRow]:
     """Each published peak beside the model's in the same counter: the allocated peak
-    (:attr:`~handbook_lib.models.memory.MemoryEstimate.peak`) against a peak of active bytes, the
+    (:attr:`~handbook_lib.models.memory.MemoryEstimate.peak`) against a peak of active or allocated bytes, the
     reserved peak against a reserved one; on a GPU's backend, with torch's default AdamW there
     (foreach). A counted reserved row that misses by 10 % or more says how far the run's reserved
     peak stood above its active one, where both were published."""
@@ -381,13 +403,21 @@ def published_peak_rows(rows: tuple[PublishedPeak, ...] = PUBLISHED_PEAKS) -> li
     out = []
     for r in rows:
         get_precision(r.precision)
-        model = decoder_shape_from_hf(_LLAMA32_3B, "Llama 3.2 3B") if r.model == "llama3.2-3b" else r.model
+        hf = {"llama3.2-3b": (_LLAMA32_3B, "Llama 3.2 3B"), "mistral-7b": (_MISTRAL_7B, "Mistral 7B")}
+        model = decoder_shape_from_hf(*hf[r.model]) if r.model in hf else r.model
         mode, every = r.checkpointing
         est = estimate_memory(model, r.gpus, r.strategy, r.precision, micro_batch=r.micro_batch, seq_len=r.seq_len,
                               flat_params=r.fsdp1, activation_checkpointing=mode, ac_matmul_every=every,
                               backend="nccl", optimizer_impl="foreach")
-        model_gib = (est.peak if r.counter == "active" else est.peak_reserved) / 2**30
+        model_gib = (est.peak_reserved if r.counter == "reserved" else est.peak) / 2**30
         why = r.why
+        if r.frees_grads and abs(model_gib / r.peak_gib - 1) >= 0.10:
+            grads = est.components["grads"]
+            step = est.phases["optimizer_step"]
+            why = (f"the job frees its gradients between steps (zero_grad's set_to_none), the model keeps them: its "
+                   f"peak, {PHASE_WORDS[est.peak_phase][0]}, counts {grads / 2**30:.1f} GiB of gradients not yet made; "
+                   f"without them it is {(est.peak - grads) / 2**30:.1f} GiB, below the optimizer step's "
+                   f"{step / 2**30:.1f}")
         if not why and r.counter == "reserved" and abs(model_gib / r.peak_gib - 1) >= 0.10:
             active = next((a.peak_gib for a in rows if a.label == r.label and a.counter == "active"), None)
             if active:
