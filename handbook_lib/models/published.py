@@ -146,21 +146,26 @@ def bus_bandwidth_rows(rows: tuple[PublishedBandwidth, ...] = PUBLISHED_BUS_BAND
     return out
 
 
-_LLAMA3_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-               "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
-               "tie_word_embeddings": False}
-_LLAMA31_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-               "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-               "tie_word_embeddings": False}
+_CONFIG_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "tie_word_embeddings")
+_PUBLISHED_CONFIGS = {  # name: (its config.json's sizes, in _CONFIG_KEYS' order)
+    "llama3-70b": ("Llama 3 70B", ("llama", 8192, 28672, 80, 64, 8, 128256, False)),
+    "llama3.1-8b": ("Llama 3.1 8B", ("llama", 4096, 14336, 32, 32, 8, 128256, False)),
+    "llama3.2-3b": ("Llama 3.2 3B", ("llama", 3072, 8192, 28, 24, 8, 128256, True)),
+    "mistral-7b": ("Mistral 7B", ("mistral", 4096, 14336, 32, 32, 8, 32000, False)),
+}
 
 
 def published_model(model: str | int) -> DecoderShape | int:
-    """A row's model: a preset name, ``"llama3-70b"``/``"llama3.1-8b"`` (their published
-    ``config.json`` sizes), or a parameter count as the source states it."""
+    """A row's model: a preset name, ``"llama3-70b"``, ``"llama3.1-8b"``, ``"llama3.2-3b"`` or
+    ``"mistral-7b"`` (their published ``config.json`` sizes), or a parameter count as the source
+    states it."""
     if isinstance(model, int):
         return model
-    hf = {"llama3-70b": (_LLAMA3_70B, "Llama 3 70B"), "llama3.1-8b": (_LLAMA31_8B, "Llama 3.1 8B")}
-    return decoder_shape_from_hf(*hf[model]) if model in hf else get_shape(model)
+    if model not in _PUBLISHED_CONFIGS:
+        return get_shape(model)
+    name, sizes = _PUBLISHED_CONFIGS[model]
+    return decoder_shape_from_hf(dict(zip(_CONFIG_KEYS, sizes)), name)
 
 
 def _params(model: str | int) -> int:

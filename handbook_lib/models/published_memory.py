@@ -319,14 +319,6 @@ _FMS = ("foundation-model-stack/fms-acceleration scripts/benchmarks/refs/a100_80
         "torch.optim.AdamW (the Trainer's default), gradient checkpointing, FlashAttention 2, 4,096-token packed "
         "sequences; one process on 1 GPU, FSDP1 FULL_SHARD (accelerate) on 2; mem_peak_torch_mem_alloc_in_bytes, "
         "the Trainer's memory tracker: torch.cuda.max_memory_allocated, rank 0, bytes")
-_MISTRAL_7B = {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-               "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
-               "tie_word_embeddings": False}
-_LLAMA32_3B = {"model_type": "llama", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
-               "num_attention_heads": 24, "num_key_value_heads": 8, "vocab_size": 128256,
-               "tie_word_embeddings": True}
-
-
 @dataclass(frozen=True)
 class PublishedPeak:
     """One published peak per GPU of a run the memory model expresses (or says why not), in the
@@ -398,13 +390,11 @@ def published_peak_rows(rows: tuple[PublishedPeak, ...] = PUBLISHED_PEAKS) -> li
     peak stood above its active one, where both were published."""
     from handbook_lib.core.config import get_precision
     from handbook_lib.models.allocator import RESERVE_FRACTION
-    from handbook_lib.models.hf_config import decoder_shape_from_hf
 
     out = []
     for r in rows:
         get_precision(r.precision)
-        hf = {"llama3.2-3b": (_LLAMA32_3B, "Llama 3.2 3B"), "mistral-7b": (_MISTRAL_7B, "Mistral 7B")}
-        model = decoder_shape_from_hf(*hf[r.model]) if r.model in hf else r.model
+        model = published_model(r.model)
         mode, every = r.checkpointing
         est = estimate_memory(model, r.gpus, r.strategy, r.precision, micro_batch=r.micro_batch, seq_len=r.seq_len,
                               flat_params=r.fsdp1, activation_checkpointing=mode, ac_matmul_every=every,
