@@ -60,6 +60,8 @@ CONFIGS: list[dict[str, Any]] = [
     {"model": "llama2-13b", "gpus": "16", "seq_len": "8192", "activation_checkpointing": "selective",
      "ac_save": "matmul"},
     {"model": "llama2-7b", "gpus": "8", "seq_len": "8192", "ac_every": "2"},
+    {"config": "llama3-8b", "gpus": "16", "seq_len": "8192", "loss_chunks": "8"},
+    {"model": "llama2-70b", "gpus": "8", "loss_chunks": "3"},
     {"model": "llama2-70b", "gpus": "64", "shard_group_size": "12"},
     {"model": "llama2-70b", "gpus": "64", "ac_save": "attention"},
     {"model": "llama2-70b", "gpus": "0"},

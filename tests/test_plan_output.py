@@ -65,7 +65,7 @@ def test_a_pasted_config_is_the_config_file(capsys):
     ({"gpus": "8", "config": "{oops"}, "config", "--hf-config config.json: not JSON (line 1"),
     ({"gpus": "8", "config": "[1, 2]"}, "config", "--hf-config config.json: a JSON list, not an object"),
     ({"gpus": "16", "optimizer": "sgd", "tp_size": "8"}, None, "--optimizer sgd: the layouts beyond FSDP"),
-    ({"gpus": "64", "shard_group_size": "12"}, "shard_group_size", "--shard-group-size 12: a shard group must"),
+    ({"gpus": "64", "shard_group_size": "12"}, "shard_group_size", "--shard-group-size 12 must divide the 64 GPUs"),
     ({"gpus": "64", "shard_group_size": "x"}, "shard_group_size", "argument --shard-group-size: must be a whole"),
     ({"gpus": "8", "ac_save": "matmul"}, "ac_save", "--ac-save matmul chooses what the selective policy keeps"),
     ({"gpus": "8", "ac_every": "0"}, "ac_every", "argument --ac-every: must be a whole number >= 1"),

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from handbook_lib.core.checks import check_int
 from handbook_lib.core.config import get_precision
+from handbook_lib.core.parallel_layout import ParallelLayout
 from handbook_lib.core.strategies import get_strategy
 from handbook_lib.models.allocator import RESERVE_FRACTION, reserved_bytes
 from handbook_lib.models.hardware import (
@@ -285,10 +286,11 @@ class _Job:
 def shard_groups(gpus: int, gpus_per_node: int, shard_group_size: int | None = None, *,
                  flag: str = "shard_group_size={}") -> list[int]:
     """The shard groups :func:`plan` prices HYBRID_SHARD with, GPUs each: none on one node
-    (there it is FULL_SHARD); ``None``: a node's GPUs; 0: every whole number of nodes that divides
-    ``gpus``, below it; else ``shard_group_size`` itself, which must divide ``gpus``, lie below it
-    and be a whole number of nodes or divide one. ``flag`` names the value in the caller's words
-    (the CLI passes ``"--shard-group-size {}"``).
+    (there it is FULL_SHARD); ``None``: a node's GPUs; 0: every whole number of nodes that the
+    layout allows (:class:`~handbook_lib.core.parallel_layout.ParallelLayout`), below ``gpus``;
+    else ``shard_group_size`` itself, which the layout must allow and which must be a whole
+    number of nodes or a part of one, below ``gpus``. ``flag`` names the value in the caller's
+    words (the CLI passes ``"--shard-group-size {}"``).
 
     Raises:
         ValueError: for any other ``shard_group_size``, naming what is accepted.
@@ -300,14 +302,16 @@ def shard_groups(gpus: int, gpus_per_node: int, shard_group_size: int | None = N
     if gpus <= gpus_per_node:
         raise ValueError(f"{flag.format(shard_group_size)} shapes HYBRID_SHARD, which a plan offers on more than "
                          f"one node only ({gpus} GPUs, {gpus_per_node} per node)")
-    nodes = [gpus_per_node * k for k in range(1, gpus // gpus_per_node) if gpus % (gpus_per_node * k) == 0]
+    nodes = [gpus_per_node * k for k in range(1, gpus // gpus_per_node)
+             if ParallelLayout.allows(gpus, shard_group=gpus_per_node * k)]
     if shard_group_size == 0:
         return nodes
-    within = [g for g in range(2, gpus_per_node) if gpus_per_node % g == 0]
-    if shard_group_size not in within + nodes:
-        raise ValueError(f"{flag.format(shard_group_size)}: a shard group must divide the {gpus} GPUs, hold fewer "
-                         f"and be a whole number of nodes of {gpus_per_node} or divide one: one of "
-                         f"{', '.join(map(str, within + nodes))}, or 0 for every whole number of nodes")
+    ParallelLayout.for_world(gpus, shard_group=shard_group_size, names={"dp_shard": flag, "world": "the {} GPUs"})
+    parts = [g for g in range(2, gpus_per_node) if ParallelLayout.allows(gpus_per_node, shard_group=g)]
+    if shard_group_size not in parts + nodes:
+        raise ValueError(f"{flag.format(shard_group_size)}: HYBRID_SHARD's groups are whole nodes of {gpus_per_node} "
+                         f"GPUs or a part of one, fewer than the {gpus} GPUs: one of "
+                         f"{', '.join(map(str, parts + nodes))}, or 0 for every whole number of nodes")
     return [shard_group_size]
 
 
