@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from handbook_lib.face import main
+from handbook_lib.models import get_shape
 from handbook_lib.models.plan_output import plan_page
 
 CONFIGS = Path(__file__).parent / "data" / "hf_configs"
@@ -91,3 +92,19 @@ def test_the_page_draws_every_option_s_peak_both_ways_and_its_budget():
         assert r["margin"] == (o["budget_bytes"] - o["peak_reserved_bytes"]) / o["budget_bytes"]
         assert r["allocated"] < r["reserved"]  # the allocator's reserve over what the tensors hold
     assert len({r["budget"] for r in rows}) > 1  # each option's NCCL buffers differ
+
+
+def test_the_plan_says_what_it_does_not_model():
+    from handbook_lib.models import plan_report
+
+    plain = plan_report("llama2-70b", "h100-80gb", 64, seq_len=4096).not_modelled
+    assert any("set_to_none" in line for line in plain) and any("torch.compile" in line for line in plain)
+    assert not any("pointwise" in line or "1F1B" in line for line in plain)
+    selective = plan_report("llama2-70b", "h100-80gb", 64, seq_len=4096,
+                            activation_checkpointing="selective").not_modelled
+    assert any("pointwise" in line for line in selective)
+    shape = get_shape("llama2-70b")
+    axes = plan_report(shape, "h100-80gb", 64, decoder=shape, seq_len=4096, tp_size=8).not_modelled
+    assert any("1F1B" in line for line in axes)
+    assert _page(model="llama2-70b", gpu="h100-80gb", gpus="64")["report"]["not_modelled"] == list(
+        plan_report(shape, "h100-80gb", 64, decoder=shape).not_modelled)

@@ -132,6 +132,7 @@ function draw(result) {
     `${fmtBytes(pick.peak)} allocated at its peak, ${fmtBytes(pick.reserved)} reserved, per GPU</p>`;
   html += bar(pick);
   html += "<ul>" + report.reasons.map((r) => `<li>${esc(r)}</li>`).join("") + "</ul>";
+  html += `<p class="hb-legend">Not modelled: ${report.not_modelled.map(esc).join("; ")}.</p>`;
   if (report.sensitivity) {
     html += table(["assumption", "changed to", "recommended", "step s", "verdict"], report.sensitivity.map((c) =>
       [c.assumption, c.changed, c.recommended, c.step_s.toFixed(3), c.flips ? "FLIPS" : "same"]));

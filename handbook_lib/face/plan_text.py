@@ -69,6 +69,8 @@ def print_plan(report: PlanReport, args: argparse.Namespace, per_node: int) -> N
         print(wrap_line(f"- {reason}", "  "))
     print(wrap_line(f"- Step times: {band.text()}; a lead smaller than that is a tie to time." if band else
                     f"- Step times: no published run on {args.gpu} tests the model there.", "  "))
+    for left in report.not_modelled:
+        print(wrap_line(f"- Not modelled: {left}.", "  "))
     print(f"(the 16-bytes-per-parameter rule, fp32 model state only, would answer: {result.seed_answer})")
     if args.sensitivity:
         _print_sensitivity(result, changes, flips)

@@ -32,7 +32,7 @@ from handbook_lib.models.recompute import CheckpointPolicy, check_policy_flags
 from handbook_lib.models.presets import DecoderShape, describe_shape, get_shape
 from handbook_lib.models.sensitivity import FlipPoints, Sensitivity, flip_points, plan_sensitivity
 
-__all__ = ["PLAN_NAMES", "SCALES", "PlanReport", "plan_report", "short_of_fsdp", "plan_page"]
+__all__ = ["PLAN_NAMES", "SCALES", "PlanReport", "not_modelled", "plan_report", "short_of_fsdp", "plan_page"]
 
 PLAN_NAMES = {"world": "--gpus ({})", "dp_shard": "--shard-group-size {}", "tp": "--tp-size {}",
               "sp": "--sp-size {}", "sp_method": "--sp-method {}", "gpus_per_node": "the GPUs per node ({})",
@@ -58,11 +58,14 @@ class PlanReport:
     axes: tuple[AxisOption, ...] = ()
     """The layouts beyond FSDP (empty: not asked, and not needed)."""
     verdict: AxesVerdict | None = None
+    not_modelled: tuple[str, ...] = ()
+    """What the plan leaves out, in words (:func:`not_modelled`)."""
 
     def to_json(self) -> dict[str, Any]:
         """``plan --json``'s object."""
         data = dataclasses.asdict(self.plan) | {"budget": dataclasses.asdict(self.budget),
-                                                "step_time_band": dataclasses.asdict(self.band) if self.band else None}
+                                                "step_time_band": dataclasses.asdict(self.band) if self.band else None,
+                                                "not_modelled": list(self.not_modelled)}
         if self.sensitivity is not None:
             data["sensitivity"] = [dataclasses.asdict(c) for c in self.sensitivity]
             data["flip_points"] = dataclasses.asdict(self.flips) if self.flips else None
@@ -70,6 +73,22 @@ class PlanReport:
             data["axes"] = {"options": [dataclasses.asdict(r) for r in self.axes],
                             "why": axes_reason(list(self.axes), self.band), "verdict": dataclasses.asdict(self.verdict)}
         return data
+
+
+def not_modelled(policy: CheckpointPolicy, axes: bool) -> tuple[str, ...]:
+    """What a plan leaves out, in words, for a reader to weigh: always the gradients a job frees
+    between steps, the allocator's fragmentation beyond its priced reserve, ``torch.compile``
+    and Float8; the pointwise recomputation's time under a selective ``policy``; with the
+    layouts beyond FSDP (``axes``), the pipeline schedules other than 1F1B."""
+    out = ["gradients freed between steps (zero_grad's set_to_none, PyTorch's default): the plan keeps them, as "
+           "the book's runs do, so a peak before the end of backward counts gradients not yet made",
+           "the caching allocator's fragmentation beyond the reserve priced (the published page measures more)",
+           "torch.compile's fusions, and Float8's casts and all-gathers"]
+    if policy.mode == "selective":
+        out.append("the time of the pointwise operators selective checkpointing recomputes (no FLOPs counted)")
+    if axes:
+        out.append("pipeline schedules other than 1F1B (interleaved, zero-bubble)")
+    return tuple(out)
 
 
 def short_of_fsdp(result: Plan, rows: list[AxisOption]) -> bool:
@@ -135,7 +154,7 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
     nccl = strategy_nccl(node, pick.strategy, pick.gpus, pick.shard_group_size)
     report = PlanReport(result, memory_budget(gpu, headroom, nccl),
                         step_time_band(gpu), changes,
-                        flip_points(result) if sensitivity else None)
+                        flip_points(result) if sensitivity else None, not_modelled=not_modelled(policy, False))
     asked = tp_size > 1 or sp_size > 1 or pp_size is not None or batch_tokens is not None
     if not asked and (decoder is None or any(o.fits for o in result.options)):
         return report
@@ -176,7 +195,7 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
                                              kv_heads=decoder.kv_heads, ffn=decoder.ffn):
             tp = per_node  # a pipeline across nodes, TP inside each (where the heads allow a node's)
         rows = compare_axes(decoder, gpu, gpus, tp_size=tp, pp_size=0, **axes)
-    return dataclasses.replace(report, axes=tuple(rows), verdict=verdict)
+    return dataclasses.replace(report, axes=tuple(rows), verdict=verdict, not_modelled=not_modelled(policy, True))
 
 
 _PAGE_NUMBERS = {"gpus": 1, "seq_len": 1, "micro_batch": 1, "gpus_per_node": 1, "nics_per_node": 1,
