@@ -108,3 +108,12 @@ def test_the_plan_says_what_it_does_not_model():
     assert any("1F1B" in line for line in axes)
     assert _page(model="llama2-70b", gpu="h100-80gb", gpus="64")["report"]["not_modelled"] == list(
         plan_report(shape, "h100-80gb", 64, decoder=shape).not_modelled)
+
+
+@pytest.mark.parametrize("chunks, words", [(0, "--loss-chunks must be a whole number >= 1, got 0"),
+                                           (3, "--loss-chunks 3 must divide --seq-len 2048")])
+def test_loss_chunks_are_refused_by_the_flag_s_name(chunks, words):
+    from handbook_lib.models import plan_report
+
+    with pytest.raises(ValueError, match=words):
+        plan_report("llama2-7b", "h100-80gb", 8, loss_chunks=chunks)

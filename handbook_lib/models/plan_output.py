@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from handbook_lib.core.checks import BadText, parse_float, parse_int
+from handbook_lib.core.checks import BadText, check_int, parse_float, parse_int
 from handbook_lib.core.parallel_layout import ParallelLayout
 from handbook_lib.models.axes import AxesVerdict, estimate_axes
 from handbook_lib.models.axes_table import AxisOption, axes_reason, compare_axes, recommend_axes
@@ -135,7 +135,7 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
     check_policy_flags(activation_checkpointing, ac_every, ac_matmul_every, ac_save)
     policy = CheckpointPolicy(activation_checkpointing, ac_every, ac_matmul_every, ac_save)
     shard_groups(gpus, per_node, shard_group_size, flag="--shard-group-size {}")
-    if seq_len % loss_chunks:
+    if seq_len % check_int("--loss-chunks", loss_chunks, 1, noun="a whole number"):
         raise ValueError(f"--loss-chunks {loss_chunks} must divide --seq-len {seq_len} (equal chunks of each sequence)")
     kwargs: dict[str, Any] = {"micro_batch": micro_batch, "seq_len": seq_len, "gpus_per_node": per_node,
                               "inter_link": inter_link, "nics_per_node": nics_per_node, "precision": precision,
