@@ -208,6 +208,17 @@ def test_reshard_two_to_four_ranks(grown, reference):
     assert all(c.exact for c in result.checks)
 
 
+def test_resharding_reads_each_stored_piece_whole(resumed, grown):
+    """DCP's file reader loads every stored item a rank needs whole, then narrows it: from 2 ranks
+    to 4 each rank's quarter lies in a half the first job saved (or straddles two, and reads
+    both), so every rank of 4 reads about what a rank of 2 read, and the 4 at least twice as
+    much, of checkpoints of the same size."""
+    _, result = grown
+    two, four = resumed.metric("read_bytes"), result.metric("read_bytes")
+    assert len(two) == 2 and len(four) == 4
+    assert sum(four) >= 1.95 * sum(two) and min(four) > 0.95 * min(two)
+
+
 def test_reshard_four_to_two_ranks(shrunk, grown, reference):
     assert shrunk.extra["loaded"]["saved_world_size"] == 4 and shrunk.extra["start_step"] == 4
     assert shrunk.metric("steps")[0] == [5, 6]

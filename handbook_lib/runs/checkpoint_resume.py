@@ -193,7 +193,8 @@ def _resume(config: CheckpointRunConfig, ctx: RankContext, model: torch.nn.Modul
         print(f"resumed from {info.path.name} (saved by {info.world_size} ranks) in {info.seconds:.2f} s",
               flush=True)
     return info.step, {"name": info.path.name, "step": info.step, "saved_world_size": info.world_size,
-                       "rng_restored": info.rng_restored, "load_s": info.seconds, "epoch": loader.epoch}
+                       "rng_restored": info.rng_restored, "load_s": info.seconds, "epoch": loader.epoch,
+                       "read_bytes": sum(info.read.values())}
 
 
 def _count_checks(config: CheckpointRunConfig, root: Path, newest: str, exported: dict | None,
@@ -263,6 +264,7 @@ def run(config: CheckpointRunConfig, ctx: RankContext) -> RankReport:
         "save_blocked_s": [s["blocked_s"] for s in saves.records],
         "load_s": loaded["load_s"] if loaded else None,
         "rng_restored": loaded["rng_restored"] if loaded else None,
+        "read_bytes": loaded["read_bytes"] if loaded else None,
         "lr": log.lr, "grad_scale": log.grad_scale,
     }
     extra = {"start_step": start_step, "loaded": loaded, "epochs_begun": loader.epoch + 1, "saves": saves.records,
