@@ -388,12 +388,10 @@ def published_peak_rows(rows: tuple[PublishedPeak, ...] = PUBLISHED_PEAKS) -> li
     reserved peak against a reserved one; on a GPU's backend, with torch's default AdamW there
     (foreach). A counted reserved row that misses by 10 % or more says how far the run's reserved
     peak stood above its active one, where both were published."""
-    from handbook_lib.core.config import get_precision
     from handbook_lib.models.allocator import RESERVE_FRACTION
 
     out = []
     for r in rows:
-        get_precision(r.precision)
         model = published_model(r.model)
         mode, every = r.checkpointing
         est = estimate_memory(model, r.gpus, r.strategy, r.precision, micro_batch=r.micro_batch, seq_len=r.seq_len,
