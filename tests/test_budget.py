@@ -101,16 +101,16 @@ def test_memory_of_a_zero_stage_takes_the_gpu_too(capsys):
     """``memory --strategy ZERO3 --gpu``: DeepSpeed's model state at the step against the budget
     (8 GPUs of a node: NCCL's ring of 24 channels, 12 MiB each), not a flag silently dropped."""
     from handbook_lib.models import estimate_rank_state
-    from handbook_lib.models.zero import zero_step_gradient_bytes
+    from handbook_lib.models.zero_peak import zero_step_bytes
 
     args = ["memory", "--model", "llama2-70b", "--strategy", "ZERO3", "--world-size", "8", "--gpu", "h100-80gb"]
     usable = usable_memory_bytes("h100-80gb") - 24 * 12 * 2**20
     at_step = (estimate_rank_state("llama2-70b", 8, "ZERO3", "bf16-mixed").total
-               + zero_step_gradient_bytes("llama2-70b", 8, "ZERO3", "bf16-mixed"))
+               + zero_step_bytes("llama2-70b", 8, "ZERO3", "bf16-mixed"))
     assert at_step > usable  # 70B's state over 8 GPUs: about 18 bytes x 8.6e9 parameters
     assert main(args) == 0
     assert " ".join(capsys.readouterr().out.split()).endswith(
-        "the model state at the optimizer step does NOT fit (activations and DeepSpeed's buckets not priced)")
+        "the model state at the optimizer step (activations not priced) does NOT fit")
     assert main([*args, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["budget"]["usable_bytes"] == usable and data["at_step"] == at_step

@@ -516,11 +516,50 @@ def test_memory_prices_deepspeeds_zero_stages_beside_deepspeeds_own_estimate(cap
     part = p // n  # 6,738,415,616 is a multiple of 16: no padding
     assert data["parts"] == {"params": 2 * p, "master": 4 * part, "grads": 2 * part, "optimizer": 8 * part,
                              "optimizer_step": 4}
-    assert data["step_fp32_gradients"] == 4 * part
-    assert data["at_step"] - 4 == data["deepspeed_estimate"] == 2 * p + 18 * p // n
+    # the step: the 16-bit gradients (2), flattened in 16 bits (2) and cast to fp32 (4) at once,
+    # as the CPU runs measure it; DeepSpeed's own 18 bytes over N count the fp32 copy only
+    assert data["step_bytes"] == (2 + 2 + 4) * part
+    assert data["at_step"] - 4 - 4 * part == data["deepspeed_estimate"] == 2 * p + 18 * p // n
     assert main(["memory", "--model", "llama2-7b", "--strategy", "ZERO3", "--world-size", "8"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "at the optimizer step 16,846,039,044" in text and "15.69 GB" in text
+
+
+def test_memory_of_a_zero_stage_with_a_micro_batch_prices_each_moment_of_the_step(capsys):
+    """``--micro-batch``: the ZeRO-2 moments of Llama-2 7B on 8 GPUs, the gradient bucket as the
+    flag sizes it (Accelerate's auto: hidden squared), and ZeRO-3's bucket held at rest."""
+    base = ["memory", "--model", "llama2-7b", "--world-size", "8", "--micro-batch", "1", "--seq-len", "4096",
+            "--json"]
+    assert main([*base, "--strategy", "ZERO2", "--reduce-bucket-size", str(4096**2)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["phases"]) == {"forward_backward", "gradient_buckets", "optimizer_step"}
+    assert data["buckets"] == 2 * 4096**2
+    at_rest = sum(data["parts"].values()) - data["parts"]["grads"]  # freed after each step
+    assert data["phases"]["gradient_buckets"] - at_rest == 2 * 4096**2 + (2 + 4) * 4096**2
+    assert data["peak"] == max(data["phases"].values()) and data["peak_reserved"] > data["peak"]
+    assert main([*base, "--strategy", "ZERO3"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["buckets"] == 4 * 500_000_000 and "gradient_buckets" not in data["phases"]
+    assert main([*base, "--strategy", "ZERO3", "--cpu-offload"]) == 2
+    assert "--cpu-offload with --strategy ZERO3 and --micro-batch" in capsys.readouterr().err
+    assert main([*base, "--reduce-bucket-size", "100"]) == 2
+    assert "--reduce-bucket-size 100 sizes DeepSpeed's gradient buckets" in capsys.readouterr().err
+
+
+def test_plan_prices_one_strategy_deepspeeds_stages_among_them(capsys):
+    """``plan --strategy ZERO3``: ZeRO-3 with and without checkpointing, nothing else; too few GPUs
+    and the fewest that fit are ZeRO-3's own."""
+    base = ["plan", "--model", "llama2-70b", "--gpu", "h100-80gb", "--seq-len", "4096"]
+    assert main([*base, "--gpus", "16", "--strategy", "ZERO3", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    names = [o["name"] for o in data["options"]]
+    assert names[:2] == ["ZERO3", "ZERO3 + AC"] and all(name.startswith("ZERO3") for name in names)
+    assert data["recommended"]["name"] == "ZERO3 + AC on 32 GPUs"
+    assert main([*base, "--gpus", "32", "--strategy", "ZERO2"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "ZERO2 alone priced, DeepSpeed's defaults (gradient buckets of 5e8 elements)" in text
+    assert main([*base, "--gpus", "32", "--strategy", "ZERO3", "--tp-size", "2"]) == 2
+    assert "--strategy ZERO3 prices one strategy alone" in capsys.readouterr().err
 
 
 def test_memory_checkpoints_every_kth_layer(capsys):

@@ -145,7 +145,7 @@ def test_deepspeed_own_estimate_is_deepspeeds_functions(params, world):
     stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
     stage12 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
     from handbook_lib.models.memory import estimate_rank_state
-    from handbook_lib.models.zero import deepspeed_own_estimate, largest_module_params, zero_step_gradient_bytes
+    from handbook_lib.models.zero import deepspeed_own_estimate, largest_module_params
 
     theirs2 = stage12.estimate_zero2_model_states_mem_needs(params, world, 1, cpu_offload=False)[1]
     assert deepspeed_own_estimate(params, world, "ZERO2") == theirs2
@@ -153,7 +153,7 @@ def test_deepspeed_own_estimate_is_deepspeeds_functions(params, world):
     theirs3 = stage3.estimate_zero3_model_states_mem_needs(params, largest, world, 1, cpu_offload=False)[1]
     assert deepspeed_own_estimate(params, world, "ZERO3") == theirs3
     ours = estimate_rank_state(params, world, "ZERO2", "bf16-mixed").total
-    ours += zero_step_gradient_bytes(params, world, "ZERO2", "bf16-mixed")
+    ours += 4 * flat_partition(params, world)[1]  # the step's fp32 copy of the partition's gradients
     padding = flat_partition(params, world)[0] - params
     assert 0 <= ours - 4 - theirs2 <= 2 * padding + 18 * padding / world + 1  # padding: 2 whole, 18 over N
 
@@ -166,13 +166,15 @@ def test_the_largest_module_of_a_decoder_is_its_embedding_or_a_projection():
     assert largest_module_params(ModelConfig()) == max(math.prod(s) for _, s in param_shapes(ModelConfig()))
 
 
-def test_zero_step_gradient_partition_is_fp32_of_the_partition_in_16_bits_only():
-    from handbook_lib.models.zero import zero_step_gradient_bytes
+def test_zero3_step_copies_its_gradient_partition_in_every_precision_one_sub_group_at_a_time():
+    """DeepSpeed flattens the partition into the master's dtype even in fp32 (a new tensor, which
+    the CPU runs measure); with its fused Adam nothing else."""
+    from handbook_lib.models.zero_peak import zero_step_bytes
 
-    assert zero_step_gradient_bytes(8_000_000, 8, "ZERO2", "bf16-mixed") == 4 * flat_partition(8_000_000, 8)[1]
-    assert zero_step_gradient_bytes(8_000_000, 8, "ZERO3", "fp16-mixed") == 4 * 1_000_000
-    assert zero_step_gradient_bytes(8_000_000, 8, "ZERO3", "fp32") == 0
-    assert zero_step_gradient_bytes(16 * 10**9, 8, "ZERO3") == 4 * 10**9  # one sub-group at a time
+    assert zero_step_bytes(8_000_000, 8, "ZERO3", "fp16-mixed") == 4 * 1_000_000
+    assert zero_step_bytes(8_000_000, 8, "ZERO3", "fp32") == 4 * 1_000_000
+    assert zero_step_bytes(16 * 10**9, 8, "ZERO3") == 4 * 10**9  # one sub-group of 1e9 at a time
+    assert zero_step_bytes(8_000_000, 8, "ZERO3", "fp32", optimizer_impl="for-loop") == 3 * 4 * 1_000_000
 
 
 def test_bf16_keeps_a_bf16_master_gradients_and_states_ten_bytes_a_parameter():
@@ -180,7 +182,7 @@ def test_bf16_keeps_a_bf16_master_gradients_and_states_ten_bytes_a_parameter():
     ``bf16_optimizer_states``, 2 + 2 + 2 + 4 bytes an element of the partition (18 with the fp32
     master: 2 + 4 + 4 + 8); the step's gradient copy in bf16 too."""
     from handbook_lib.models import estimate_zero_rank_bytes
-    from handbook_lib.models.zero import zero_step_gradient_bytes
+    from handbook_lib.models.zero_peak import zero_step_bytes
 
     p, n = 6_738_415_616, 8
     part = -(-p // n)
@@ -188,6 +190,6 @@ def test_bf16_keeps_a_bf16_master_gradients_and_states_ten_bytes_a_parameter():
     mixed = estimate_zero_rank_bytes("llama2-7b", n, "ZERO3", "bf16-mixed")
     assert (bf16.params, bf16.master, bf16.grads, bf16.optimizer) == (2 * part, 2 * part, 2 * part, 4 * part)
     assert (mixed.params, mixed.master, mixed.grads, mixed.optimizer) == (2 * part, 4 * part, 2 * part, 8 * part)
-    assert zero_step_gradient_bytes("llama2-7b", n, "ZERO3", "bf16") == 2 * part
+    assert zero_step_bytes("llama2-7b", n, "ZERO3", "bf16") == 2 * part
     with pytest.raises(ValueError, match="precision 'bf16'.*compiled CPU Adam"):
         estimate_zero_rank_bytes("llama2-7b", n, "ZERO3", "bf16", cpu_offload=True)

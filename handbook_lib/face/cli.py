@@ -68,6 +68,7 @@ from handbook_lib.launch.errors import RunFailed, RunPreempted
 from handbook_lib.launch.preflight import RANKS_PER_CORE
 from handbook_lib.models.hardware import ACCELERATORS, LINKS
 from handbook_lib.models.hf_config import HF_FAMILIES
+from handbook_lib.models.planner import PLAN_STRATEGIES
 from handbook_lib.models.presets import DECODER_SHAPES
 from handbook_lib.runs import describe_runs, run_config_fields
 
@@ -141,6 +142,12 @@ def _add_loss_chunks(cmd: argparse.ArgumentParser) -> None:
                      "of each sequence, one chunk's fp32 gradients at a time (default 1: whole; K divides --seq-len)")
 
 
+def _add_reduce_bucket(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--reduce-bucket-size", type=_whole(1), default=None, metavar="N", help="with a ZeRO "
+                     "strategy: elements of DeepSpeed's gradient bucket (default DeepSpeed's 5e8; Accelerate's and "
+                     "the Trainer's auto: hidden size squared)")
+
+
 def _add_axes(cmd: argparse.ArgumentParser) -> None:
     """Chapter 9's axes beyond FSDP: tensor parallelism inside a node, the sequence split."""
     cmd.add_argument("--tp-size", type=_whole(1), default=1, metavar="N", help="tensor-parallel ranks inside a "
@@ -200,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--cpu-offload", action="store_true", help="keep the model state in host RAM (FSDP only)")
     _add_accumulation(mem)
     _add_loss_chunks(mem)
+    _add_reduce_bucket(mem)
     _add_axes(mem)
     mem.add_argument("--gpu", default=None, choices=sorted(ACCELERATORS), metavar="G", help="also the budget per "
                      f"GPU (less NCCL's buffers for the layout) and whether the peak fits: {', '.join(ACCELERATORS)}")
@@ -233,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--micro-batch", type=_whole(1), default=1, help="sequences per GPU per step (default 1)")
     _add_accumulation(pl)
     _add_loss_chunks(pl)
+    pl.add_argument("--strategy", default=None, choices=PLAN_STRATEGIES, metavar="S", help="price this strategy "
+                    f"alone: {', '.join(PLAN_STRATEGIES)} (default: every FSDP option, and CPU offload)")
+    _add_reduce_bucket(pl)
     pl.add_argument("--gpus-per-node", type=_whole(1), default=None,
                     help="GPUs per node (default: the GPU's usual node, 8 for the SXM presets)")
     pl.add_argument("--inter-link", default="ib-ndr400", choices=list(LINKS), metavar="L",

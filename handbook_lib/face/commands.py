@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from handbook_lib.core.architecture import MODEL_KEYS, ModelConfig
-from handbook_lib.core.config import PRECISIONS, RunConfig, check_optimizer_impl, parse_overrides, state_dtype
+from handbook_lib.core.config import PRECISIONS, RunConfig, check_optimizer_impl, parse_overrides
 from handbook_lib.core.parallel_layout import ParallelLayout
 from handbook_lib.core.results import RunResult
 from handbook_lib.core.strategies import get_strategy, strategies_where
@@ -31,17 +31,18 @@ from handbook_lib.face.flags import check_memory_flags
 from handbook_lib.face.plan_text import accum_text, impl_text, print_plan
 from handbook_lib.face.views import fit_table, step_time_summary, step_time_table
 from handbook_lib.launch.errors import describe_failed_checks
-from handbook_lib.models.allocator import RESERVE_FRACTION, RESERVE_MODEL, RESERVE_SOURCE
+from handbook_lib.models.allocator import RESERVE_FRACTION, RESERVE_MODEL, RESERVE_SOURCE, reserved_bytes
 from handbook_lib.models.axes import estimate_job_memory
 from handbook_lib.models.hardware import get_accelerator, get_link, node_preset
 from handbook_lib.models.budget import MemoryBudget, layout_budget
 from handbook_lib.models.hf_config import read_hf_config_keys
 from handbook_lib.models.layout import ModelLayout, model_layout
 from handbook_lib.models.memory import PHASE_WORDS, MemoryEstimate, estimate_memory, estimate_rank_state
-from handbook_lib.models.plan_output import plan_report
+from handbook_lib.models.plan_output import plan_report, zero_knobs
 from handbook_lib.models.planner import check_whole_nodes
 from handbook_lib.models.presets import describe_shape, get_shape
-from handbook_lib.models.zero import deepspeed_own_estimate, zero_stage, zero_step_gradient_bytes
+from handbook_lib.models.zero import deepspeed_own_estimate, zero_stage
+from handbook_lib.models.zero_peak import estimate_zero_peak, zero_step_bytes
 from handbook_lib.models.timing import estimate_compute_time, estimate_step_time, expected_utilization
 from handbook_lib.models.traffic import estimate_step_traffic
 from handbook_lib.runs import describe_runs
@@ -132,51 +133,69 @@ def _gpu_budget(args: argparse.Namespace) -> MemoryBudget | None:
 
 def _zero_memory(args: argparse.Namespace) -> int:
     """``memory --strategy ZERO1|ZERO2|ZERO3``: DeepSpeed's model state on one rank, as chapter 7
-    measures it, the fp32 gradient partition its optimizer step adds, and DeepSpeed's own
-    estimate beside them."""
-    asked = [flag for flag, on in (("--micro-batch", args.micro_batch), ("--grad-accum", args.grad_accum > 1),
-                                   ("--optimizer-impl", args.optimizer_impl != "default"),
-                                   ("--tp-size", args.tp_size > 1), ("--sp-size", args.sp_size > 1)) if on]
+    measures it, and DeepSpeed's own estimate beside it; what its optimizer step adds, or with
+    ``--micro-batch`` each moment of a step (:func:`~handbook_lib.models.zero_peak.estimate_zero_peak`)."""
+    asked = [flag for flag, on in (("--grad-accum", args.grad_accum > 1), ("--tp-size", args.tp_size > 1),
+                                   ("--sp-size", args.sp_size > 1),
+                                   ("--cpu-offload", args.cpu_offload and args.micro_batch)) if on]
     if asked:
-        raise ValueError(f"{asked[0]} with --strategy {args.strategy}: DeepSpeed's memory is priced as its "
-                         "model state only (chapter 7); leave it out, or use an FSDP strategy")
+        also = " and --micro-batch" if asked[0] == "--cpu-offload" else ""
+        raise ValueError(f"{asked[0]} with --strategy {args.strategy}{also}: DeepSpeed's step is priced without it "
+                         "(chapter 7); leave it out, or use an FSDP strategy")
     model, named, echo = _chosen_model(args)
     state = estimate_rank_state(model, args.world_size, args.strategy, args.precision, args.optimizer,
                                 cpu_offload=args.cpu_offload)
-    step = 0 if args.cpu_offload else zero_step_gradient_bytes(model, args.world_size, args.strategy, args.precision)
+    knobs = zero_knobs(args.reduce_bucket_size, True)
+    impl = "fused" if args.optimizer_impl == "default" else args.optimizer_impl  # DeepSpeed's own Adam on a GPU
+    peak = estimate_zero_peak(
+        model, args.world_size, args.strategy, args.precision, args.optimizer, micro_batch=args.micro_batch,
+        seq_len=args.seq_len, optimizer_impl=args.optimizer_impl, knobs=knobs,
+        activation_checkpointing=args.activation_checkpointing, ac_every=args.ac_every,
+        ac_matmul_every=args.ac_matmul_every, ac_save=args.ac_save, loss_chunks=args.loss_chunks,
+    ) if args.micro_batch else None
+    step = 0 if args.cpu_offload else zero_step_bytes(model, args.world_size, args.strategy, args.precision,
+                                                      args.optimizer, impl)
     theirs, budget = deepspeed_own_estimate(model, args.world_size, args.strategy), _gpu_budget(args)
     parts = {"params": state.params, "master": state.master, "grads": state.grads, "optimizer": state.optimizer,
              "optimizer_step": state.optimizer_step}
-    notes = ["activations, the gathered modules and DeepSpeed's buckets are not priced"]
-    stage = zero_stage(args.strategy)
-    if stage == 3 and not args.cpu_offload:
-        notes.append("DeepSpeed's 18 bytes a parameter over N leave out the 16-bit gradient partition "
-                     "still alive while it is copied to fp32, and add the largest module gathered in fp32")
+    notes = ([] if peak else ["activations and DeepSpeed's buckets are not priced: give --micro-batch and "
+                              "--seq-len"]) + (list(peak.notes) if peak else [])
     if not model.exact:
         notes.append("tensors unknown: the parameters are one flat block (ZeRO-1/2's gradients are the "
                      "partition's own; ZeRO-3 keeps no small tensor whole)")
+    total = peak.peak if peak else state.total + step
     if args.json:
         print(json.dumps({"model": named.removeprefix("model: "), "parts": parts, "at_rest": state.total,
-                          "step_fp32_gradients": step, "at_step": state.total + step,
+                          "step_bytes": step, "at_step": state.total + step,
+                          "phases": peak.phases if peak else None, "buckets": peak.buckets if peak else None,
+                          "peak": total, "peak_reserved": reserved_bytes(total) if peak else None,
                           "deepspeed_estimate": None if args.cpu_offload else theirs, "notes": notes,
                           "budget": vars(budget) if budget else None}, indent=2))
         return 0
     _print_model(named, echo)
-    print(wrap_line(f"{_assumptions(args, args.optimizer)}; DeepSpeed's layout, model state only", "  "))
+    tokens = f"micro-batch {args.micro_batch} x {args.seq_len} tokens" if peak else "model state only"
+    print(wrap_line(f"{_assumptions(args, args.optimizer)}; DeepSpeed's layout, {tokens}; gradient bucket "
+                    f"{knobs.reduce_bucket_size:,} elements", "  "))
     rows = [[name, b, format_bytes(b)] for name, b in parts.items()]
-    rows += [["at rest", state.total, format_bytes(state.total)],
-             [f"+ {state_dtype(args.precision)} gradient partition", step, format_bytes(step)],
-             ["at the optimizer step", state.total + step, format_bytes(state.total + step)]]
+    if peak is None:
+        rows += [["at rest", state.total, format_bytes(state.total)],
+                 ["+ the optimizer step's", step, format_bytes(step)],
+                 ["at the optimizer step", total, format_bytes(total)]]
+    else:
+        rows += [["buckets", peak.buckets, format_bytes(peak.buckets)]]
+        rows += [[f"{'peak: ' * (name == peak.peak_phase)}{name}", b, format_bytes(b)]
+                 for name, b in peak.phases.items()]
+        rows += [["peak reserved (CUDA)", reserved_bytes(total), format_bytes(reserved_bytes(total))]]
     print(Table(["part", "bytes", "human"], rows))
     if not args.cpu_offload:
-        print(wrap_line(f"DeepSpeed's own estimate (estimate_zero{max(stage, 2)}"
-                        f"_model_states_mem_needs, no offload): {format_bytes(theirs)}", "  "))
+        print(wrap_line(f"DeepSpeed's own estimate (estimate_zero{max(zero_stage(args.strategy), 2)}"
+                        f"_model_states_mem_needs, no offload): {format_bytes(theirs)}, model state only", "  "))
     for note in notes:
         print(wrap_line(f"note: {note}", "  "))
     if budget is not None:
-        fits = "fits" if state.total + step <= budget.budget_bytes else "does NOT fit"
-        print(wrap_line(f"budget per GPU on {args.gpu}: {budget.text()}; the model state at the optimizer step "
-                        f"{fits} (activations and DeepSpeed's buckets not priced)", "  "))
+        fits = "fits" if (reserved_bytes(total) if peak else total) <= budget.budget_bytes else "does NOT fit"
+        what = "the peak reserved" if peak else "the model state at the optimizer step (activations not priced)"
+        print(wrap_line(f"budget per GPU on {args.gpu}: {budget.text()}; {what} {fits}", "  "))
     return 0
 
 
@@ -186,6 +205,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     check_memory_flags(args)
     if get_strategy(args.strategy).wrapper == "deepspeed":
         return _zero_memory(args)
+    zero_knobs(args.reduce_bucket_size, False)  # refuses the flag without a ZeRO strategy
     check_optimizer_impl(args.optimizer, args.optimizer_impl, args.strategy,
                          names=("--optimizer-impl {}", "--optimizer {}"))
     model, named, echo = _chosen_model(args)
@@ -340,6 +360,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                          activation_checkpointing=args.activation_checkpointing, ac_every=args.ac_every,
                          ac_matmul_every=args.ac_matmul_every, ac_save=args.ac_save,
                          shard_group_size=args.shard_group_size, loss_chunks=args.loss_chunks,
+                         strategy=args.strategy, reduce_bucket_size=args.reduce_bucket_size,
                          sensitivity=args.sensitivity,
                          tp_size=args.tp_size, sp_size=args.sp_size, sp_method=args.sp_method,
                          pp_size=args.pp_size, batch_tokens=args.batch_tokens)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from handbook_lib.core.strategies import get_strategy
 from handbook_lib.face.display import Table, format_bytes
 from handbook_lib.face.plan_axes import print_axes, wrap_line
 from handbook_lib.models.plan_output import PlanReport
@@ -31,6 +32,18 @@ def impl_text(args: argparse.Namespace) -> str:
     return "" if impl == "default" else f" ({impl})"
 
 
+def _priced(args: argparse.Namespace) -> str:
+    """Which strategies the plan priced, in words (``--strategy`` and DeepSpeed's bucket)."""
+    strategy = getattr(args, "strategy", None)
+    if strategy is None:
+        return "every strategy priced"
+    if get_strategy(strategy).wrapper != "deepspeed":
+        return f"{strategy} alone priced"
+    bucket = getattr(args, "reduce_bucket_size", None)
+    return (f"{strategy} alone priced, DeepSpeed's defaults but a gradient bucket of {bucket:,} elements" if bucket
+            else f"{strategy} alone priced, DeepSpeed's defaults (gradient buckets of 5e8 elements)")
+
+
 def print_plan(report: PlanReport, args: argparse.Namespace, per_node: int) -> None:
     """Print ``report`` as ``plan`` does, ``args`` its flags, ``per_node`` the GPUs per node."""
     result, changes, flips, budget, band = (report.plan, list(report.sensitivity or ()), report.flips, report.budget,
@@ -40,7 +53,7 @@ def print_plan(report: PlanReport, args: argparse.Namespace, per_node: int) -> N
                 f"{result.nics_per_node} x {args.inter_link} between nodes), {args.precision}, optimizer "
                 f"{args.optimizer}{impl_text(args)}, micro-batch {args.micro_batch} x {args.seq_len} tokens"
                 f"{accum_text(args)}, utilization {100 * result.utilization:.0f} %, "
-                f"{100 * args.headroom:.0f} % headroom; every strategy priced", "  "))
+                f"{100 * args.headroom:.0f} % headroom; {_priced(args)}", "  "))
     rows = [[o.name, o.gpus, format_bytes(o.peak_reserved_bytes),
              _margin(o.margin) if o.fits or o.margin < 0 else "host RAM",
              format_bytes(o.host_bytes) if o.host_bytes else "-", round(o.comm_s, 3), round(o.compute_s, 3),

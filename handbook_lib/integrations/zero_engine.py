@@ -33,10 +33,12 @@ from handbook_lib.models.model_state import RankState
 from handbook_lib.models.zero import gather_units
 from handbook_lib.runtime.distributed import RankContext
 from handbook_lib.runtime.collectives import tensors_in
+from handbook_lib.runtime.measure import NewBytesPeak, smallest_soon
 from handbook_lib.runtime.model import build_model
+from handbook_lib.runtime.training import train_step
 
 __all__ = ["set_ds_accelerator", "import_deepspeed", "EngineOptimizer", "build_engine", "measure_zero_bytes",
-           "measure_zero_grad_bytes", "deepspeed_estimates", "parse_deepspeed_config"]
+           "measure_zero_grad_bytes", "measure_zero_step", "deepspeed_estimates", "parse_deepspeed_config"]
 
 
 def set_ds_accelerator(environ: MutableMapping[str, str], cuda: bool) -> str | None:
@@ -155,6 +157,44 @@ def measure_zero_grad_bytes(engine: nn.Module) -> int:
         return _storage_bytes(tensors_in(opt.grad_partitions_flat_buffer))
     held = _storage_bytes(tensors_in(opt.averaged_gradients))
     return held + _storage_bytes(p.grad for p in opt.single_partition_of_fp32_groups)
+
+
+def measure_zero_step(engine: nn.Module, optimizer: EngineOptimizer, inputs: torch.Tensor,
+                      targets: torch.Tensor) -> dict[str, int]:
+    """Train one more step on ``(inputs, targets)`` and measure what it allocates beyond what
+    existed before it, bytes (:class:`~handbook_lib.runtime.measure.NewBytesPeak`, independent
+    of the model that predicts it):
+
+    - ``buckets_at_rest``: DeepSpeed's gradient buckets held as the step begins (ZeRO-3 keeps
+      its bucket from the engine's start; ZeRO-1/2 allocate theirs in each backward);
+    - ``backward``: the most bytes alive from the forward's start to the optimizer step;
+    - ``optimizer_step``: the most bytes alive during ``engine.step()``, counted from the
+      step's start as well (ZeRO-1/2's gradients, made in backward, are among them), read once
+      gloo's worker thread has let go of the last reduction's buffer
+      (:func:`~handbook_lib.runtime.measure.smallest_soon`).
+
+    Only new storage counts: a tensor that existed before the step and is replaced during it
+    (ZeRO-3's persistent tensors, gathered anew after the optimizer step) counts as new while
+    its old storage's release is not seen.
+    """
+    buckets = getattr(engine.optimizer, "ipg_buckets", {}).values()
+    at_rest = _storage_bytes(b.buffer for b in buckets if isinstance(b.buffer, torch.Tensor))
+    readings: dict[str, int] = {"buckets_at_rest": at_rest}
+    mode, step = NewBytesPeak(), optimizer.step
+
+    def measured_step() -> None:
+        readings["backward"] = mode.peak
+        mode.peak = smallest_soon(lambda: mode.live)
+        step()
+        readings["optimizer_step"] = mode.peak
+
+    optimizer.step = measured_step  # type: ignore[method-assign]
+    try:
+        with mode:
+            train_step(engine, optimizer, inputs, targets)
+    finally:
+        optimizer.step = step  # type: ignore[method-assign]
+    return readings
 
 
 def deepspeed_estimates(model: ModelConfig, world_size: int) -> dict[str, int]:

@@ -19,6 +19,7 @@ from typing import Any
 
 from handbook_lib.core.checks import BadText, check_int, parse_float, parse_int
 from handbook_lib.core.parallel_layout import ParallelLayout
+from handbook_lib.core.strategies import get_strategy
 from handbook_lib.models.axes import AxesVerdict, estimate_axes
 from handbook_lib.models.axes_table import AxisOption, axes_reason, compare_axes, recommend_axes
 from handbook_lib.models.bands import StepTimeBand, step_time_band
@@ -31,8 +32,10 @@ from handbook_lib.models.planner import Plan, check_whole_nodes, plan, shard_gro
 from handbook_lib.models.recompute import CheckpointPolicy, check_policy_flags
 from handbook_lib.models.presets import DecoderShape, describe_shape, get_shape
 from handbook_lib.models.sensitivity import FlipPoints, Sensitivity, flip_points, plan_sensitivity
+from handbook_lib.models.zero_peak import DEEPSPEED_DEFAULTS, ZeroKnobs
 
-__all__ = ["PLAN_NAMES", "SCALES", "PlanReport", "not_modelled", "plan_report", "short_of_fsdp", "plan_page"]
+__all__ = ["PLAN_NAMES", "SCALES", "PlanReport", "not_modelled", "plan_report", "short_of_fsdp", "plan_page",
+           "zero_knobs"]
 
 PLAN_NAMES = {"world": "--gpus ({})", "dp_shard": "--shard-group-size {}", "tp": "--tp-size {}",
               "sp": "--sp-size {}", "sp_method": "--sp-method {}", "gpus_per_node": "the GPUs per node ({})",
@@ -75,11 +78,12 @@ class PlanReport:
         return data
 
 
-def not_modelled(policy: CheckpointPolicy, axes: bool) -> tuple[str, ...]:
+def not_modelled(policy: CheckpointPolicy, axes: bool, deepspeed: bool = False) -> tuple[str, ...]:
     """What a plan leaves out, in words, for a reader to weigh: always the gradients a job frees
     between steps, the allocator's fragmentation beyond its priced reserve, ``torch.compile``
     and Float8; the pointwise recomputation's time under a selective ``policy``; with the
-    layouts beyond FSDP (``axes``), the pipeline schedules other than 1F1B."""
+    layouts beyond FSDP (``axes``), the pipeline schedules other than 1F1B; with DeepSpeed's
+    stages, what its peak model approximates."""
     out = ["gradients freed between steps (zero_grad's set_to_none, PyTorch's default): the plan keeps them, as "
            "the book's runs do, so a peak before the end of backward counts gradients not yet made",
            "the caching allocator's fragmentation beyond the reserve priced (the published page measures more)",
@@ -88,6 +92,11 @@ def not_modelled(policy: CheckpointPolicy, axes: bool) -> tuple[str, ...]:
         out.append("the time of the pointwise operators selective checkpointing recomputes (no FLOPs counted)")
     if axes:
         out.append("pipeline schedules other than 1F1B (interleaved, zero-bubble)")
+    if deepspeed:
+        out.append("DeepSpeed's own hooks in forward and backward (ZeRO-3's moment there is the unsharded model's "
+                   "plus a gathered module and its gradient: 25 % high to 2 % low on the CPU runs), its "
+                   "prefetching's timing, and a bucket's worth of gradients for a model larger than a bucket "
+                   "(read from its source; the runs' models fit in one)")
     return tuple(out)
 
 
@@ -101,13 +110,28 @@ def short_of_fsdp(result: Plan, rows: list[AxisOption]) -> bool:
     return best is None or best.step_s > (1 + SCALES) * best.compute_s
 
 
+def zero_knobs(reduce_bucket_size: int | None, deepspeed: bool) -> ZeroKnobs:
+    """DeepSpeed's keys as ``--reduce-bucket-size`` sets them (its defaults where ``None``).
+
+    Raises:
+        ValueError: for a bucket size without a ZeRO strategy (``deepspeed``), or below 1.
+    """
+    if reduce_bucket_size is None:
+        return DEEPSPEED_DEFAULTS
+    if not deepspeed:
+        raise ValueError(f"--reduce-bucket-size {reduce_bucket_size} sizes DeepSpeed's gradient buckets: give "
+                         "--strategy ZERO1, ZERO2 or ZERO3 too")
+    return ZeroKnobs(reduce_bucket_size=check_int("--reduce-bucket-size", reduce_bucket_size, 1,
+                                                  noun="a whole number of elements"))
+
+
 def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape | None = None,
                 gpus_per_node: int | None = None, inter_link: str = "ib-ndr400", nics_per_node: int | None = None,
                 micro_batch: int = 1, seq_len: int = 2048, precision: str = "bf16-mixed", optimizer: str = "adamw",
                 optimizer_impl: str = "default", grad_accum: int = 1, sync_every_micro_step: bool = False,
                 headroom: float = 0.0, activation_checkpointing: str = "full", ac_every: int = 1,
                 ac_matmul_every: int = 1, ac_save: str = "matmul+attention", shard_group_size: int | None = None,
-                loss_chunks: int = 1,
+                loss_chunks: int = 1, strategy: str | None = None, reduce_bucket_size: int | None = None,
                 sensitivity: bool = False, tp_size: int = 1, sp_size: int = 1, sp_method: str = "ulysses",
                 pp_size: int | None = None, batch_tokens: int | None = None,
                 names: Mapping[str, str] = PLAN_NAMES) -> PlanReport:
@@ -120,7 +144,9 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
     ``ac_matmul_every`` and ``ac_save`` are the policy of the options with checkpointing
     (:class:`~handbook_lib.models.recompute.CheckpointPolicy`); ``shard_group_size``
     HYBRID_SHARD's (:func:`~handbook_lib.models.planner.shard_groups`); ``loss_chunks`` the
-    cross-entropy's chunks (:func:`~handbook_lib.models.memory.estimate_memory`).
+    cross-entropy's chunks (:func:`~handbook_lib.models.memory.estimate_memory`); ``strategy``
+    one strategy's options only (DeepSpeed's ZeRO stages among them, with
+    ``reduce_bucket_size`` elements a gradient bucket, DeepSpeed's default where ``None``).
 
     Raises:
         ValueError: one line naming the flag (``names``) and what is accepted.
@@ -137,12 +163,14 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
     shard_groups(gpus, per_node, shard_group_size, flag="--shard-group-size {}")
     if seq_len % check_int("--loss-chunks", loss_chunks, 1, noun="a whole number"):
         raise ValueError(f"--loss-chunks {loss_chunks} must divide --seq-len {seq_len} (equal chunks of each sequence)")
+    deepspeed = strategy is not None and get_strategy(strategy).wrapper == "deepspeed"
+    zero = zero_knobs(reduce_bucket_size, deepspeed)
     kwargs: dict[str, Any] = {"micro_batch": micro_batch, "seq_len": seq_len, "gpus_per_node": per_node,
                               "inter_link": inter_link, "nics_per_node": nics_per_node, "precision": precision,
                               "optimizer": optimizer, "optimizer_impl": optimizer_impl, "headroom": headroom,
                               "grad_accum_steps": grad_accum, "sync_every_micro_step": sync_every_micro_step,
                               "checkpointing": policy, "shard_group_size": shard_group_size,
-                              "loss_chunks": loss_chunks}
+                              "loss_chunks": loss_chunks, "strategy": strategy, "zero": zero}
     changes: tuple[Sensitivity, ...] | None = None
     if sensitivity:
         result, listed = plan_sensitivity(model, gpu, gpus, **kwargs)
@@ -154,9 +182,13 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
     nccl = strategy_nccl(node, pick.strategy, pick.gpus, pick.shard_group_size)
     report = PlanReport(result, memory_budget(gpu, headroom, nccl),
                         step_time_band(gpu), changes,
-                        flip_points(result) if sensitivity else None, not_modelled=not_modelled(policy, False))
+                        flip_points(result) if sensitivity else None,
+                        not_modelled=not_modelled(policy, False, deepspeed))
     asked = tp_size > 1 or sp_size > 1 or pp_size is not None or batch_tokens is not None
-    if not asked and (decoder is None or any(o.fits for o in result.options)):
+    if asked and strategy is not None:
+        raise ValueError(f"--strategy {strategy} prices one strategy alone: leave out --tp-size, --sp-size, "
+                         "--pp-size and --batch-tokens, or --strategy")
+    if not asked and (decoder is None or strategy is not None or any(o.fits for o in result.options)):
         return report
     if optimizer != "adamw":
         raise ValueError(f"--optimizer {optimizer}: the layouts beyond FSDP are priced with adamw only; give "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from handbook_lib.models.hardware import Accelerator
 from handbook_lib.models.memory import PHASE_WORDS
+from handbook_lib.models.zero_peak import ZERO_PHASE_WORDS
 from handbook_lib.models.plan_option import Option
 
 __all__ = ["STEP_TIE", "gb", "plan_reasons", "ties"]
@@ -26,14 +27,15 @@ def ties(options: list[Option], step_s: float) -> list[Option]:
 
 def plan_reasons(options: list[Option], chosen: Option | None, acc: Accelerator, gpus: int,
                  gpus_per_node: int, policy: tuple[str, float] | None = None) -> list[str]:
-    """Why: each of DDP, SHARD_GRAD_OP and FULL_SHARD that does not fit, and what decides it; an
-    offload option the host cannot hold; the recommended option ``chosen`` with its margin and
-    step, what it needs (offload, more GPUs, checkpointing), the tie it wins and the runner-up.
+    """Why: each of DDP, SHARD_GRAD_OP, FULL_SHARD and DeepSpeed's ZeRO stages that does not fit,
+    and what decides it; an offload option the host cannot hold; the recommended option
+    ``chosen`` with its margin and step, what it needs (offload, more GPUs, checkpointing), the
+    tie it wins and the runner-up.
     ``policy``: the checkpointing policy's label and the share of the model's FLOPs it
     recomputes, where it is not full recomputation of every layer (``None``)."""
     reasons = []
     by_name = {o.name: o for o in options}
-    for name in ("DDP", "SHARD_GRAD_OP", "FULL_SHARD"):
+    for name in ("DDP", "SHARD_GRAD_OP", "FULL_SHARD", "ZERO1", "ZERO2", "ZERO3"):
         o = by_name.get(name)
         if o and not o.fits:
             if o.peak_phase == "optimizer_step":  # no activations then: Adam's temporary on the state
@@ -54,7 +56,7 @@ def plan_reasons(options: list[Option], chosen: Option | None, acc: Accelerator,
     if chosen is None:
         return reasons  # plan() says what would fit
     faster = [o for o in options if o.gpus == gpus and o.fits and o is not chosen]
-    when = PHASE_WORDS.get(chosen.peak_phase, (chosen.peak_phase,))[0]
+    when = {**PHASE_WORDS, **ZERO_PHASE_WORDS}.get(chosen.peak_phase, (chosen.peak_phase,))[0]
     reasons.append(f"Recommended: {chosen.name.removesuffix(f' on {chosen.gpus} GPUs')} on {chosen.gpus} GPUs — "
                    f"peak {gb(chosen.peak_reserved_bytes)} reserved per GPU {when}, "
                    f"margin {gb(chosen.margin_bytes)} ({100 * chosen.margin:.1f} % of {gb(chosen.budget_bytes)} "
@@ -72,8 +74,8 @@ def plan_reasons(options: list[Option], chosen: Option | None, acc: Accelerator,
         reasons.append(f"CPU offload not priced: the {acc.name} preset names no host machine "
                        "(its CPU cores, RAM and PCIe).")
     if chosen.gpus > gpus:
-        reasons.append(f"Nothing fits on {gpus} GPUs; {chosen.gpus} are the fewest on which FULL_SHARD + AC fits "
-                       f"(of the powers of two above {gpus}, each priced as every option is).")
+        reasons.append(f"Nothing fits on {gpus} GPUs; {chosen.gpus} are the fewest on which {chosen.strategy} + AC "
+                       f"fits (of the powers of two above {gpus}, each priced as every option is).")
     plain = next((o for o in options if (o.strategy, o.shard_group_size, o.gpus) == (
         chosen.strategy, chosen.shard_group_size, chosen.gpus) and not o.activation_checkpointing
         and not o.cpu_offload), None)

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from handbook_lib.core.checks import check_int
+from handbook_lib.core.checks import check_int, lookup
 from handbook_lib.core.config import get_precision
 from handbook_lib.core.parallel_layout import ParallelLayout
 from handbook_lib.core.strategies import get_strategy
@@ -46,9 +46,14 @@ from handbook_lib.models.timing import (
 )
 from handbook_lib.models.topology import Route, route_collective
 from handbook_lib.models.traffic import CollectiveRecord, estimate_step_traffic
+from handbook_lib.models.zero_peak import DEEPSPEED_DEFAULTS, ZeroKnobs, ZeroPeak, estimate_zero_peak, zero_plan_traffic
 
 __all__ = ["Option", "Plan", "plan", "preference", "recommend", "STEP_TIE", "check_whole_nodes", "shard_groups"]
 _ORDER = ("DDP", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
+
+PLAN_STRATEGIES = (*_ORDER, "ZERO1", "ZERO2", "ZERO3")
+"""What :func:`plan` prices when asked for one strategy: PyTorch's (every one by default) and
+DeepSpeed's ZeRO stages."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,8 @@ def plan(
     checkpointing: CheckpointPolicy = FULL,
     shard_group_size: int | None = None,
     loss_chunks: int = 1,
+    strategy: str | None = None,
+    zero: ZeroKnobs = DEEPSPEED_DEFAULTS,
 ) -> Plan:
     """Price every option for training ``model`` on ``gpus`` GPUs and recommend one.
 
@@ -185,14 +192,21 @@ def plan(
             (``HYBRID_SHARD/16``).
         loss_chunks: The cross-entropy in k chunks of each sequence (must divide ``seq_len``), as
             :func:`~handbook_lib.models.memory.estimate_memory` prices it.
+        strategy: Price this strategy's options only: one of :data:`PLAN_STRATEGIES`, PyTorch's
+            or DeepSpeed's ZeRO stages (priced by
+            :func:`~handbook_lib.models.zero_peak.estimate_zero_peak` with ``zero``'s keys and
+            :func:`~handbook_lib.models.zero_peak.zero_plan_traffic`; gradients reduced while
+            backward runs only with ``overlap_comm``); ``None``: PyTorch's, and CPU offload.
+        zero: DeepSpeed's ``zero_optimization`` keys for the ZeRO options (its defaults).
 
     Raises:
         ValueError: for unknown presets or precision, ``gpus < 1``, ``gpus_per_node < 1`` or
             ``gpus`` more than one node and not a whole number of nodes, ``micro_batch``/``seq_len``
             < 1, a headroom or reserve fraction outside [0, 1), a utilization outside (0, 1], a
             ``memory_bytes`` not above the CUDA context, a CPU speed not > 0, or a shard group
-            :func:`shard_groups` refuses.
+            :func:`shard_groups` refuses, or a strategy not in :data:`PLAN_STRATEGIES`.
     """
+    order = _ORDER if strategy is None else (lookup({s: s for s in PLAN_STRATEGIES}, strategy, "strategy"),)
     layout = model_layout(model)
     acc = get_accelerator(gpu) if isinstance(gpu, str) else gpu
     check_int("gpus", gpus, 1)
@@ -221,24 +235,25 @@ def plan(
     groups = shard_groups(gpus, node.gpus_per_node, shard_group_size)
     job = _Job(layout, node, precision, (optimizer, optimizer_impl), micro_batch, seq_len, u, headroom,
                cpu_params_per_s_per_core, reserve_fraction, (grad_accum_steps, sync_every_micro_step), checkpointing,
-               loss_chunks)
+               loss_chunks, zero)
     price = functools.partial(_price, job)
     options = []
-    for strategy in _ORDER:
-        for group in groups if get_strategy(strategy).hybrid else [None]:
-            name = f"{strategy}/{group}" if group and shard_group_size is not None else strategy
+    for row in order:
+        for group in groups if get_strategy(row).hybrid else [None]:
+            name = f"{row}/{group}" if group and shard_group_size is not None else row
             for ac in (False, True):
-                options.append(price(strategy, gpus, ac, False, name + (" + AC" if ac else ""), group))
-    if acc.host is not None:
+                options.append(price(row, gpus, ac, False, name + (" + AC" if ac else ""), group))
+    if acc.host is not None and strategy is None:
         options.append(price("FULL_SHARD", gpus, True, True, "FULL_SHARD + AC + offload"))
     here = [o for o in options if o.fits and o.gpus == gpus]
-    widest, fewer = next(o for o in options if o.name == "FULL_SHARD + AC"), 0
+    base = strategy or "FULL_SHARD"
+    widest, fewer = next(o for o in options if o.strategy == base and o.activation_checkpointing), 0
     if not widest.fits:  # more GPUs, their memory priced as every option's: the fewest that fit
         counts = _more_gpus(gpus)
-        more = next((n for n in counts if _fits(job, "FULL_SHARD", n, True)), counts[-1])
-        widest = price("FULL_SHARD", more, True, False, f"FULL_SHARD + AC on {more} GPUs")
+        more = next((n for n in counts if _fits(job, base, n, True)), counts[-1])
+        widest = price(base, more, True, False, f"{base} + AC on {more} GPUs")
         options += [widest] if widest.fits else []
-        fewer = next((n for n in counts if not here and n < more and acc.host
+        fewer = next((n for n in counts if not here and n < more and acc.host and strategy is None
                       and _fits(job, "FULL_SHARD", n, True, True)), 0)
     recommended = recommend(here)
     if recommended is None:
@@ -247,7 +262,7 @@ def plan(
     reasons = plan_reasons(options, recommended, acc, gpus, gpus_per_node,
                            None if checkpointing == FULL else (checkpointing.label, _recompute_share(job)))
     if recommended is None:
-        reasons.append(_what_would_fit(job, widest))
+        reasons.append(_what_would_fit(job, widest, base))
     if fewer:
         reasons.append(f"With CPU offload, FULL_SHARD + AC would fit {fewer} GPUs (GPU and host memory priced as "
                        "above), its optimizer step on the CPU.")
@@ -281,6 +296,8 @@ class _Job:
     """What the checkpointing options keep and recompute."""
     loss_chunks: int = 1
     """The cross-entropy's chunks of each sequence."""
+    zero: ZeroKnobs = DEEPSPEED_DEFAULTS
+    """DeepSpeed's keys for the ZeRO options."""
 
 
 def shard_groups(gpus: int, gpus_per_node: int, shard_group_size: int | None = None, *,
@@ -339,6 +356,26 @@ def _memory(job: _Job, strategy: str, n: int, ac: bool, offload: bool = False,
                            loss_chunks=job.loss_chunks, **policy)
 
 
+def _zero_memory(job: _Job, strategy: str, n: int, ac: bool) -> ZeroPeak:
+    """One ZeRO option's memory on ``n`` GPUs (:func:`~handbook_lib.models.zero_peak.estimate_zero_peak`)."""
+    policy = job.policy.memory_args() if ac else {}
+    return estimate_zero_peak(job.layout, n, strategy, job.precision, job.optimizer[0], micro_batch=job.micro_batch,
+                              seq_len=job.seq_len, optimizer_impl=job.optimizer[1],
+                              backend=job.node.accelerator.backend, knobs=job.zero, loss_chunks=job.loss_chunks,
+                              **policy)
+
+
+def _peak(job: _Job, strategy: str, n: int, ac: bool, offload: bool = False,
+          group: int | None = None) -> tuple[int, str, int, int, int]:
+    """``(peak, peak phase, activations, model state, host bytes)`` of one option, PyTorch's
+    (:func:`_memory`) or DeepSpeed's (:func:`_zero_memory`)."""
+    if get_strategy(strategy).wrapper == "deepspeed":
+        zero = _zero_memory(job, strategy, n, ac)
+        return zero.peak, zero.peak_phase, zero.activations, zero.model_state, 0
+    mem = _memory(job, strategy, n, ac, offload, group)
+    return mem.peak, mem.peak_phase, mem.components["activations"], mem.model_state, mem.host
+
+
 def _budget(job: _Job, strategy: str, n: int, group: int | None = None) -> tuple[int, int]:
     """``(budget, nccl)``: what an option may reserve per GPU, after NCCL's buffers and the headroom."""
     nccl = strategy_nccl(job.node, strategy, n, group)
@@ -348,10 +385,10 @@ def _budget(job: _Job, strategy: str, n: int, group: int | None = None) -> tuple
 def _fits(job: _Job, strategy: str, n: int, ac: bool, offload: bool = False) -> bool:
     """Whether the option fits, as :func:`_price` judges it: the reserved peak within the
     budget, and (offloading) a machine's host bytes within its RAM."""
-    mem = _memory(job, strategy, n, ac, offload)
+    peak, *_, host_bytes = _peak(job, strategy, n, ac, offload)
     host = job.node.accelerator.host
-    return (reserved_bytes(mem.peak, fraction=job.reserve) <= _budget(job, strategy, n)[0]
-            and (not offload or host is not None and mem.host * job.node.gpus_per_node <= host.memory_bytes))
+    return (reserved_bytes(peak, fraction=job.reserve) <= _budget(job, strategy, n)[0]
+            and (not offload or host is not None and host_bytes * job.node.gpus_per_node <= host.memory_bytes))
 
 
 def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str,
@@ -361,11 +398,14 @@ def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str,
     overlapped; offload adds its copies to the communication and the CPU optimizer step to the
     step (:func:`~handbook_lib.models.offload.estimate_offload`)."""
     group = _group(job, strategy, group)
-    mem = _memory(job, strategy, n, ac, offload, group)
+    peak, peak_phase, activations, model_state, host_bytes = _peak(job, strategy, n, ac, offload, group)
     param_dtype, reduce_dtype = get_precision(job.precision)
-    traffic = estimate_step_traffic(job.layout.units(), n, strategy, param_dtype=param_dtype,
-                                    reduce_dtype=reduce_dtype, shard_group_size=group,
-                                    grad_accum_steps=job.accum[0], sync_every_micro_step=job.accum[1])
+    row = get_strategy(strategy)
+    traffic = (zero_plan_traffic(job.layout, n, strategy, job.precision) if row.wrapper == "deepspeed" else
+               estimate_step_traffic(job.layout.units(), n, strategy, param_dtype=param_dtype,
+                                     reduce_dtype=reduce_dtype, shard_group_size=group,
+                                     grad_accum_steps=job.accum[0], sync_every_micro_step=job.accum[1]))
+    overlap = row.wrapper != "deepspeed" or job.zero.overlaps(row.zero_stage or 0)
 
     routes: dict[str, dict[str, None]] = {}  # description -> the kinds that take it
 
@@ -385,20 +425,20 @@ def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str,
         assert acc.host is not None  # plan() offers offload only with a host
         cost = estimate_offload(traffic, job.layout.num_params, acc.host, job.node.gpus_per_node,
                                 shard_group_size=group, params_per_s_per_core=job.cpu_speed)
-    time = estimate_step_time(traffic, link_of, compute, overlap=True, extra_comm_s=cost.copy_s if cost else 0.0)
+    time = estimate_step_time(traffic, link_of, compute, overlap=overlap, extra_comm_s=cost.copy_s if cost else 0.0)
     step, per_node = time.total_s, 0
-    reserved = reserved_bytes(mem.peak, fraction=job.reserve)
+    reserved = reserved_bytes(peak, fraction=job.reserve)
     budget, nccl = _budget(job, strategy, n, group)
     fits = reserved <= budget
     if cost is not None:
         assert acc.host is not None
         routes.setdefault(f"host copies over {cost.link}", {})["offload"] = None
         step += cost.optimizer_s  # between the last reduce-scatter and the next forward: never hidden
-        per_node = mem.host * job.node.gpus_per_node
+        per_node = host_bytes * job.node.gpus_per_node
         fits = fits and per_node <= acc.host.memory_bytes
-    return Option(name, strategy, n, ac, offload, group, mem.peak, reserved, budget, fits,
+    return Option(name, strategy, n, ac, offload, group, peak, reserved, budget, fits,
                   time.comm_s, compute, step, time.bound,
-                  mem.peak_phase, mem.components["activations"], mem.model_state, mem.host, per_node,
+                  peak_phase, activations, model_state, host_bytes, per_node,
                   cost, tuple(f"{', '.join(kinds)}: {d}" for d, kinds in routes.items()), nccl)
 
 
@@ -413,10 +453,10 @@ def _more_gpus(gpus: int) -> list[int]:
     return counts or [1 << gpus.bit_length()]
 
 
-def _what_would_fit(job: _Job, widest: Option) -> str:
-    """Why no option fits, and what would: ``widest`` is FULL_SHARD with activation
-    checkpointing on the most GPUs tried; the micro-batch, then the sequence, halved until
-    it fits there."""
+def _what_would_fit(job: _Job, widest: Option, base: str = "FULL_SHARD") -> str:
+    """Why no option fits, and what would: ``widest`` is ``base`` (FULL_SHARD, or the one strategy
+    asked for) with activation checkpointing on the most GPUs tried; the micro-batch, then the
+    sequence, halved until it fits there."""
     what = (f"No option fits: even {widest.name.removesuffix(f' on {widest.gpus} GPUs')} on {widest.gpus:,} GPUs "
             f"reserves {_gb(widest.peak_reserved_bytes)} per GPU against {_gb(widest.budget_bytes)} usable "
             f"({_gb(widest.activation_bytes)} of it activations, {_gb(widest.model_state_bytes)} model state, "
@@ -427,7 +467,7 @@ def _what_would_fit(job: _Job, widest: Option) -> str:
         micro_batch, seq_len = (micro_batch // 2, seq_len) if micro_batch > 1 else (1, seq_len // 2)
         smaller = dataclasses.replace(job, micro_batch=micro_batch, seq_len=seq_len)
         whole_chunks = seq_len % job.loss_chunks == 0
-        if whole_chunks and _fits(smaller, "FULL_SHARD", widest.gpus, True):
+        if whole_chunks and _fits(smaller, base, widest.gpus, True):
             return (f"{what} There it fits with a micro-batch of {micro_batch} x {seq_len:,} tokens; or add "
                     "tensor or sequence parallelism (chapter 9), which divide a sequence's activations.")
     return (f"{what} Not even one token fits: a gathered unit and its buffers alone exceed the GPU; a larger "

@@ -50,7 +50,6 @@ __all__ = [
     "estimate_zero_rank_bytes",
     "bookkeeping_reductions",
     "estimate_zero_step_traffic",
-    "zero_step_gradient_bytes",
     "largest_module_params",
     "deepspeed_own_estimate",
 ]
@@ -265,24 +264,6 @@ def estimate_zero_step_traffic(
         if x <= persistence_threshold:
             record("all_gather", c * padded_numel([x]), "persistent tensor", "step", compute)
     return StepTraffic(strategy, n, 1, tuple(records))
-
-
-def zero_step_gradient_bytes(model: ModelLike, world_size: int, strategy: str, precision: str = "bf16-mixed") -> int:
-    """The fp32 copy of a rank's gradient partition that DeepSpeed makes for the optimizer step
-    when it computes in 16 bits, bytes: ``4·partition`` (ZeRO-1/2: ``stage_1_and_2.py``,
-    ``flat_grad_partition.to(fp32)`` in ``step``; ZeRO-3: ``stage3.py``,
-    ``_prepare_fp32_grad_for_sub_group``, per sub-group of up to ``sub_group_size`` elements,
-    10^9 by default); 0 in fp32 or with ``offload_optimizer`` (its gradient is already an fp32
-    partition, :func:`estimate_zero_rank_bytes`). With precision ``bf16`` (a bf16 master) the
-    copy is the flattened bf16 partition, ``2·partition``. Read from DeepSpeed's source
-    (release 0.19), not measured by this book's CPU runs, which hold no step's peak."""
-    stage = zero_stage(strategy)
-    check_world(world_size)
-    if lookup(PRECISIONS, precision, "precision").compute == "fp32":
-        return 0
-    total, master = model_layout(model).num_params, DTYPES[state_dtype(precision)].bytes
-    part = flat_partition(total, world_size)[1] if stage < 3 else -(-total // world_size)
-    return master * min(part, 10**9) if stage == 3 else master * part
 
 
 def largest_module_params(model: ModelLike) -> int:

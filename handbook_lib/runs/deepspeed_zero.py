@@ -23,7 +23,7 @@ import sys
 from typing import Any
 
 from handbook_lib.core.architecture import param_count
-from handbook_lib.core.config import RunConfig
+from handbook_lib.core.config import RunConfig, optimizer_impl_on
 from handbook_lib.core.results import Check
 from handbook_lib.core.strategies import get_strategy
 from handbook_lib.models.memory import estimate_rank_state
@@ -32,9 +32,11 @@ from handbook_lib.models.zero import (
     estimate_zero_step_traffic,
     gather_units,
 )
+from handbook_lib.models.zero_peak import ZeroKnobs, estimate_zero_peak
 from handbook_lib.runs.entry import RankReport, main
 from handbook_lib.runs.specs.deepspeed_zero import CONFIG as CONFIG, LOSS_TOLERANCE, ZeroRunConfig, validate
 from handbook_lib.runtime.build import parallelize
+from handbook_lib.runtime.data import local_batch
 from handbook_lib.runtime.distributed import RankContext
 from handbook_lib.runtime.collectives import collective_totals
 from handbook_lib.runtime.measure import (
@@ -44,6 +46,17 @@ from handbook_lib.runtime.measure import (
 )
 from handbook_lib.runtime.optimization import build_optimizer
 from handbook_lib.runtime.training import train
+
+
+STEP_TOLERANCE = 2e-4
+"""Relative tolerance of the optimizer step's bytes: DeepSpeed's scalars (its overflow flag,
+step count, the norm's sum: 8 to 28 B, 1e-4 of the smallest step measured) sit beside the
+priced tensors."""
+
+BUCKET_MOMENT_TOLERANCE = 1e-3
+"""Relative tolerance of ZeRO-1/2's backward peak, the moment the gradient bucket (98 % of it on
+the book's models) is full: ZeRO-1 holds up to 0.4 MB more there (8 kB to 423 kB measured, by
+rank), activations of the backward still alive when its bucket is allocated, not priced."""
 
 
 def fsdp_twin(strategy: str) -> str:
@@ -68,12 +81,42 @@ def _train_fsdp2(config: ZeroRunConfig, ctx: RankContext) -> dict:
             "optimizer": sharded, "optimizer_step": other, "collectives": collective_totals(log.collectives)}
 
 
+def _peak_checks(config: ZeroRunConfig, ctx: RankContext, measured: dict[str, int]) -> tuple[list[Check], dict]:
+    """One more step's bytes beyond the state it starts from, against
+    :func:`~handbook_lib.models.zero_peak.estimate_zero_peak`, as ``(checks, readings)``:
+    DeepSpeed's buckets held at rest, ZeRO-1/2's backward peak (the bucket moment) and the
+    optimizer step's, each priced from DeepSpeed's own allocations (:data:`BUCKET_MOMENT_TOLERANCE`,
+    :data:`STEP_TOLERANCE`).
+    ZeRO-3's forward and backward, which the model approximates, are reported beside the
+    prediction, not checked; so is ZeRO-3's step with persistent tensors, whose regathered
+    copies the measurement counts without their freed originals. Nothing with ``cpu_offload``,
+    which the peak model does not price."""
+    if config.cpu_offload:
+        return [], {}
+    knobs = ZeroKnobs(prefetch_bucket_size=0, persistence_threshold=config.persistence_threshold)
+    zero = estimate_zero_peak(config.model_config(), ctx.world_size, config.strategy, config.precision,
+                              config.optimizer, micro_batch=config.batch_size // ctx.world_size,
+                              seq_len=config.seq_len, backend=ctx.backend, knobs=knobs, rank=ctx.rank,
+                              optimizer_impl=optimizer_impl_on(config.optimizer_impl, ctx.device.type))
+    stage3 = get_strategy(config.strategy).zero_stage == 3
+    predicted = {"buckets_at_rest": zero.buckets if stage3 else 0,
+                 "backward": max(v for k, v in zero.phases.items() if k != "optimizer_step") - zero.at_rest,
+                 "optimizer_step": zero.phases["optimizer_step"] - zero.at_rest}
+    checked = ["buckets_at_rest"] + ([] if stage3 else ["backward"]) + \
+        ([] if stage3 and config.persistence_threshold else ["optimizer_step"])
+    tolerance = {"buckets_at_rest": 0.0, "backward": BUCKET_MOMENT_TOLERANCE, "optimizer_step": STEP_TOLERANCE}
+    checks = [Check(f"{name}_peak_bytes" if name != "buckets_at_rest" else "buckets_at_rest_bytes", ctx.rank,
+                    predicted[name], measured[name], "bytes", tolerance[name]) for name in checked]
+    return checks, {name: {"predicted": predicted[name], "measured": measured[name]} for name in predicted}
+
+
 def run(config: ZeroRunConfig, ctx: RankContext) -> RankReport:
     validate(config, ctx.world_size)
     from handbook_lib.integrations.zero_engine import (
         build_engine,
         deepspeed_estimates,
         measure_zero_bytes,
+        measure_zero_step,
     )
 
     fsdp = _train_fsdp2(config, ctx)
@@ -92,6 +135,9 @@ def run(config: ZeroRunConfig, ctx: RankContext) -> RankReport:
                                rank=ctx.rank)  # the same model's other row: FSDP2
     checks += [Check(f"fsdp2_{name}_bytes", ctx.rank, getattr(twin, name), fsdp.get(name, 0), "bytes")
                for name in parts]
+    peak_checks, step_bytes = _peak_checks(config, ctx, measure_zero_step(engine, optimizer,
+                                                                          *local_batch(config, config.steps, ctx)))
+    checks += peak_checks
     tolerance = LOSS_TOLERANCE[config.precision]
     checks += [Check(f"loss_step{i + 1}_vs_fsdp2", ctx.rank, a, b, "nats", tolerance)
                for i, (a, b) in enumerate(zip(fsdp["losses"], log.losses))]
@@ -113,6 +159,7 @@ def run(config: ZeroRunConfig, ctx: RankContext) -> RankReport:
         "step_time_s": log.step_time_s,
         **{f"{name}_bytes": getattr(held, name) for name in parts},
         "collectives": counted,
+        "step_bytes": step_bytes,
         "fsdp2": fsdp,
     }
     extra = {"num_params": param_count(model), "deepspeed_config": ds_config,

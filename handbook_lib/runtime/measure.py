@@ -29,6 +29,7 @@ __all__ = [
     "measure_param_bytes",
     "measure_grad_bytes",
     "measure_optimizer_bytes",
+    "smallest_soon",
     "measure_fsdp_units",
     "DeviceMemory",
     "measure_device_memory",
@@ -139,7 +140,7 @@ def measure_fsdp_units(model: nn.Module) -> list[str]:
     return names
 
 
-def _smallest_soon(read: Callable[[], int], readings: int = 11, pause_s: float = 0.003) -> int:
+def smallest_soon(read: Callable[[], int], readings: int = 11, pause_s: float = 0.003) -> int:
     """The smallest of ``readings`` values of ``read()``, ``pause_s`` apart (about 30 ms): bytes
     alive while nothing is allocated can only fall as the backend's thread frees a finished
     collective's buffers, so the smallest is what the step itself holds."""
@@ -370,7 +371,7 @@ class StepMemoryTracker:
         allocated while the loop waits here, so the bytes alive can only fall: the smallest of
         a few readings over about 30 ms is what the step itself holds.
         """
-        self._between = _smallest_soon(self._current_total)
+        self._between = smallest_soon(self._current_total)
 
     def next_micro_step(self) -> None:
         """Let the next forward of the same modules be tracked (gradient accumulation): the
@@ -411,7 +412,7 @@ class StepMemoryTracker:
         collectives run inside DTensor's dispatch (chapter 9's ``loss_parallel``): gloo's worker
         thread may still hold a finished one's buffer (64 B in the tests, filed as an
         activation) when the loss returns (see :meth:`mark_between_micro_steps`)."""
-        self._activations = _smallest_soon(self._current_activations) if settle else self._current_activations()
+        self._activations = smallest_soon(self._current_activations) if settle else self._current_activations()
 
     def __exit__(self, *exc: object) -> None:
         for hook in self._hooks:
