@@ -128,6 +128,9 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         estimate_zero_memory, estimate_zero_rank_bytes, estimate_zero_step_traffic, flat_partition,
         gather_units, zero_stage,
     )
+    from handbook_lib.models.zero_peak import (
+        BOOK_RUNS, DEEPSPEED_DEFAULTS, ZeroKnobs, ZeroPeak, estimate_zero_peak, zero_plan_traffic, zero_step_bytes,
+    )
     from handbook_lib.models.tensor_parallel import (
         DecoderTPMemory, TPCollective, TPLayerTraffic, TPParam, TPStateBytes, decoder_tp_units,
         estimate_decoder_tp_activation_bytes, estimate_decoder_tp_memory,

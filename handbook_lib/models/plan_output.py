@@ -94,7 +94,7 @@ def not_modelled(policy: CheckpointPolicy, axes: bool, deepspeed: bool = False) 
         out.append("pipeline schedules other than 1F1B (interleaved, zero-bubble)")
     if deepspeed:
         out.append("DeepSpeed's own hooks in forward and backward (ZeRO-3's moment there is the unsharded model's "
-                   "plus a gathered module and its gradient: 25 % high to 2 % low on the CPU runs), its "
+                   "plus a gathered module and its gradient: 24 % low to 45 % high on the CPU runs' small models), its "
                    "prefetching's timing, and a bucket's worth of gradients for a model larger than a bucket "
                    "(read from its source; the runs' models fit in one)")
     return tuple(out)

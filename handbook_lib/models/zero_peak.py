@@ -21,20 +21,21 @@ measured on CPU ranks by the ``deepspeed_zero`` run:
   source, not measured.)
   ZeRO-3 allocates its bucket once, when the engine is built, in the reduce dtype, and keeps
   it: it is part of the state at rest.
-- **the optimizer step**: DeepSpeed flattens the rank's gradient partition into a new tensor of
-  the master's dtype (``e·partition``, in fp32 too; ZeRO-3 one sub-group of at most
-  ``sub_group_size`` elements at a time), frees the gradients it copied (ZeRO-1/2: the whole
-  tensors that overlap the partition, alive with the copy for a moment) and steps the
-  optimizer on that flat partition, whose temporaries are PyTorch's for one tensor of that size
+- **the optimizer step**: ZeRO-1/2 first copy each piece of the partition to float64 for the
+  gradient norm (computed even without clipping). DeepSpeed flattens the rank's gradient
+  partition into a new tensor of the master's dtype (``e·partition``, in fp32 too; ZeRO-3 one
+  sub-group of at most ``sub_group_size`` elements at a time), frees the gradients it copied
+  (ZeRO-1/2: the whole tensors that overlap the partition) and steps the optimizer on that flat
+  partition, whose temporaries are PyTorch's for one tensor of that size
   (:func:`~handbook_lib.models.model_state.optimizer_temporary_bytes`; DeepSpeed's own fused
-  Adam on a GPU holds none).
+  Adam on a GPU holds none). :func:`zero_step_bytes` gives the moments.
 
-Measured (``deepspeed_zero``, 2 CPU ranks, the book's 9.9-million-parameter model, 4 × 64
-tokens a rank): the step's bytes and the ZeRO-1/2 bucket moment within 0.02 %; the forward and
-backward moment 25 % high under ZeRO-3 in fp32 (the model counts the 10 MB output head gathered
-and its gradient on top of the loss's backward; DeepSpeed's hooks free the loss's buffers first)
-and within 2 % in bf16. A real model's modules are small beside its activations, and the error
-shrinks with them.
+Measured (``deepspeed_zero``, CPU ranks): the buckets at rest exactly; the step within DeepSpeed's
+few scalars (8 to 28 B); the ZeRO-1/2 bucket moment within one gradient tensor (0.001 % to
+0.013 %). ZeRO-3's forward and backward is the approximate moment: 25 % high in fp32 and 1 % low
+in bf16 on the book's 9.9-million-parameter model, from 24 % low to 45 % high on the tests'
+0.2-million-parameter one, whose output head is half of it. A real model's modules are small
+beside its activations, and the error shrinks with them; the runs report it, not check it.
 """
 
 from __future__ import annotations
