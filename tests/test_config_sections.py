@@ -27,7 +27,7 @@ def test_run_config_composes_five_sections():
         2, 3, "SHARD_GRAD_OP", 0.01, True)
     # each key once: the sections' keys, in order, are the flat keys
     flat = [key for keys in RunConfig.sections().values() for key in keys]
-    assert flat == list(RunConfig.keys()) and len(set(flat)) == len(flat) == 36
+    assert flat == list(RunConfig.keys()) and len(set(flat)) == len(flat) == 37
 
 
 def test_a_key_by_its_section_name_is_the_same_key():
@@ -53,7 +53,7 @@ def test_an_axes_run_extends_the_layout_section():
     config = ParallelConfig(tp_size=2, strategy="FULL_SHARD")
     assert isinstance(config.layout, AxesLayoutConfig) and config.layout.tp_size == 2
     assert config.parallel_layout(4).tp == 2
-    assert list(ParallelConfig.keys())[:36] == list(RunConfig.keys())  # the shared keys first, in order
+    assert list(ParallelConfig.keys())[:37] == list(RunConfig.keys())  # the shared keys first, in order
 
 
 def test_config_round_trips_and_pickles():

@@ -237,16 +237,21 @@ def test_published_peaks_are_compared_counter_with_counter():
     assert rows["7B, FSDP1, SAC (reserved)"].published_gib == pytest.approx(67.23 / 100 * 95.0396)
     fsdp2 = estimate_memory("llama2-7b", 8, "FULL_SHARD", "bf16-mixed", micro_batch=8, seq_len=2048,
                             activation_checkpointing="selective", ac_matmul_every=2, backend="nccl",
-                            optimizer_impl="foreach")
+                            optimizer_impl="foreach", set_to_none=True)  # torchtitan's zero_grad() frees them
     assert rows["7B, FSDP2, SAC (active)"].model_gib == fsdp2.peak / 2**30
     assert rows["7B, FSDP2, SAC (reserved)"].model_gib == fsdp2.peak_reserved / 2**30
     counted = [r for r in rows.values() if r.counted]
-    assert len(counted) == 13 and sum(abs(r.error) < 0.10 for r in counted) == 8
-    # IBM's Mistral rows: where the optimizer step is the peak, the model is within 0.1 %; where the
-    # model puts it at the loss, the Trainer had freed the gradients the model counts there
-    mistral = [r for r in counted if r.label.startswith("Mistral")]
-    assert [abs(r.error) < 0.001 for r in mistral] == [True, False, True, False]
-    assert all("set_to_none" in r.why for r in mistral if abs(r.error) >= 0.10)
+    assert len(counted) == 21 and sum(abs(r.error) < 0.10 for r in counted) == 13
+    # torchtitan's active peaks hold the gradients its loop frees: kept, the model is within 3 %
+    titan = [r for r in counted if r.label.endswith("(active)") and r.gpus == 8 and abs(r.error) >= 0.10]
+    assert len(titan) == 2 and all("with them kept the model is" in r.why for r in titan)
+    # IBM's rows, the Trainer freeing its gradients after each step: Mistral's and PowerLM's within
+    # 1.2 %; SantaCoder's misses say its loss is taken on the bf16 logits
+    ibm = [r for r in counted if r.label.startswith(("Mistral", "PowerLM"))]
+    assert sum(abs(r.error) < 0.012 for r in ibm) == 8 and all(abs(r.error) < 0.10 for r in ibm)
+    santacoder = [r for r in counted if r.label.startswith("SantaCoder")]
+    assert all("bf16 logits" in r.why for r in santacoder if abs(r.error) >= 0.10)
+    assert all(r.error > 0 for r in santacoder)
     assert [r.label for r in rows.values() if not r.counted] == ["7B, FSDP2, full AC, compile (reserved)",
                                                                  "7B, FSDP2, SAC, compile (reserved)"]
     # a reserved miss says how far the run's reserved peak stood above its active one

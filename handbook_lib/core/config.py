@@ -354,6 +354,11 @@ class LeversConfig(FlatConfig):
     upcast to fp32 and reduced by itself: the fp32 log-softmax's gradients exist one chunk at a
     time in backward (``2·4·T·V / k`` bytes instead of ``2·4·T·V``). Must divide ``seq_len``; 1:
     the whole logits at once."""
+    set_to_none: bool = False
+    """Free the gradients after each optimizer step (``optimizer.zero_grad(set_to_none=True)``,
+    PyTorch's default and most training loops'), instead of zeroing them in place (the book's
+    runs, whose model state at rest then holds them): until backward makes them again, none
+    exist (chapter 2)."""
     init: InitName = "meta"
     """How each rank builds the model: ``meta`` (shapes only, then each rank materialises and
     fills just what it holds) or ``full`` (the whole seeded model on every rank, then wrapped).

@@ -124,6 +124,9 @@ class ParallelConfig(RunConfig):
         if self.loss_chunks > 1:  # the axes' runs compute their loss themselves (vocabulary-parallel, per stage)
             raise ValueError(f"config key 'loss_chunks'={self.loss_chunks} chunks the cross-entropy of whole logits; "
                              "the runs of tensor, sequence and pipeline parallelism compute theirs otherwise: give 1")
+        if self.set_to_none:  # their checks price the gradients at rest, kept
+            raise ValueError("config key 'set_to_none'=True frees the gradients between steps; the runs of tensor, "
+                             "sequence and pipeline parallelism price them kept: give False")
 
     @property
     def pp_stages(self) -> int:

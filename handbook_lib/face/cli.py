@@ -206,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "alone); needs --micro-batch")
     mem.add_argument("--cpu-offload", action="store_true", help="keep the model state in host RAM (FSDP only)")
     _add_accumulation(mem)
+    mem.add_argument("--set-to-none", action="store_true", help="the gradients freed after each step "
+                     "(zero_grad's default): none until backward makes them (the reserved peak keeps their blocks)")
     _add_loss_chunks(mem)
     _add_reduce_bucket(mem)
     _add_axes(mem)

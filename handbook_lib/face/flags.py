@@ -36,6 +36,8 @@ def check_memory_flags(args: argparse.Namespace) -> None:
     if args.loss_chunks > 1 and (not args.seq_len or args.seq_len % args.loss_chunks):
         raise ValueError(f"--loss-chunks {args.loss_chunks} cuts each sequence into equal chunks: give --micro-batch "
                          "and a --seq-len it divides")
+    if getattr(args, "set_to_none", False) and (args.tp_size > 1 or args.sp_size > 1):
+        raise ValueError("--set-to-none with --tp-size or --sp-size: the layouts beyond FSDP price the gradients kept")
     if args.loss_chunks > 1 and (args.tp_size > 1 or args.sp_size > 1):
         raise ValueError("--loss-chunks with --tp-size or --sp-size: the layouts beyond FSDP price the whole loss")
     if args.sync_every_micro_step and args.grad_accum < 2:

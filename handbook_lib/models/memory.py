@@ -36,51 +36,12 @@ from handbook_lib.models.model_state import (
     optimizer_step_bytes,
     optimizer_temporary_bytes,
 )
-from handbook_lib.models.phases import PHASES, StepShape, late_free_bound
+from handbook_lib.models.phases import PHASE_WORDS, PHASES, StepShape, late_free_bound
 from handbook_lib.models.sharding import ShardBytes, Unit, shard_rows
 from handbook_lib.models.zero import estimate_zero_rank_bytes
 
 __all__ = ["COMPONENTS", "PHASE_WORDS", "MemoryEstimate", "estimate_state_at_rest", "estimate_memory",
            "min_gpus_to_fit", "estimate_rank_state", "local_numels"]
-
-
-PHASE_WORDS: dict[str, tuple[str, str]] = {
-    "forward_start": ("as forward starts",
-                      "forward begins: the root and the first layer gathered, each with its "
-                      "all-gather buffer"),
-    "layer_forward": ("as a layer is gathered in forward",
-                      "a layer's all-gather in forward: its parameters copied out of the all-gather "
-                      "buffer, the previous unit's buffer still kept, the activations so far "
-                      "(SHARD_GRAD_OP: every unit gathered before it)"),
-    "loss_backward": ("in the loss's backward",
-                      "the loss's backward, with every activation still saved"),
-    "backward_start": ("as backward starts",
-                       "backward begins: the logits' gradient alive, the root unit gathered again"),
-    "layer_backward": ("in a layer's backward",
-                       "a layer's backward: that layer and the root gathered, the next layer's "
-                       "all-gather buffer, the previous layer's reduce-scatter input kept"),
-    "layer_reduce": ("in a layer's reduce-scatter",
-                     "a layer's reduce-scatter: its gradients copied into the reduce-scatter input, "
-                     "then the input and its output (HSDP: the earlier layers' all-reduce buffers kept)"),
-    "root_reduce": ("at the end of backward",
-                    "end of backward: the root's gradients cast and reduce-scattered"),
-    "layer_recompute": ("while a layer is recomputed",
-                        "a layer's activations recomputed (activation checkpointing)"),
-    "head_backward": ("in the output head's backward",
-                      "the output head's backward: the logits' gradient, the head's weight gradients "
-                      "and the hidden states' gradient alive together"),
-    "optimizer_step": ("in the optimizer step",
-                       "the optimizer step: Adam's temporaries (foreach: one of every local "
-                       "parameter; for-loop: two of one tensor, the previous one's still bound; "
-                       "fused: none)"),
-    "offload_gather": ("as offloaded shards are copied in",
-                       "CPU offload on a GPU: a unit's shards copied to the device for its "
-                       "all-gather, beside its output"),
-}
-"""Each phase of :func:`estimate_memory` in plain words: ``(when, what)`` — when it happens, to
-end a sentence ("peak 34.0 GB per GPU in a layer's backward"), and what is alive then, for a
-legend under a table. Each phase's formula is the docstring of its function in
-:mod:`handbook_lib.models.phases`."""
 
 
 COMPONENTS = ("params", "grads", "optimizer", "unsharded_params", "grad_buffers",
@@ -107,6 +68,12 @@ class MemoryEstimate:
     """On gloo, with sharded parameters: the peak if a finished collective's buffers are freed
     late by gloo's worker thread (see :func:`estimate_memory`), bytes; 0 where that cannot raise
     the peak. A bound for a run under load, not a prediction for an idle one."""
+    kept_grads_peak: int = 0
+    """With the gradients freed after each step (``set_to_none``): the peak had they been kept,
+    bytes (0 otherwise). The caching allocator keeps a freed block reserved until a tensor that
+    fits in it comes, and a step's activations and logits are larger than a layer's gradients:
+    :attr:`peak_reserved` prices this peak (torchtitan's published peaks at 8 and 128 GPUs differ
+    by the whole state's 16 bytes a parameter over N, gradients included)."""
 
     @property
     def peak(self) -> int:
@@ -117,8 +84,9 @@ class MemoryEstimate:
     @property
     def peak_reserved(self) -> int:
         """The peak as PyTorch's CUDA caching allocator reserves it, bytes
-        (``torch.cuda.max_memory_reserved``: :func:`~handbook_lib.models.allocator.reserved_bytes`)."""
-        return reserved_bytes(self.peak)
+        (``torch.cuda.max_memory_reserved``: :func:`~handbook_lib.models.allocator.reserved_bytes`;
+        freed gradients' blocks still reserved, :attr:`kept_grads_peak`)."""
+        return reserved_bytes(max(self.peak, self.kept_grads_peak))
 
     @property
     def model_state(self) -> int:
@@ -212,6 +180,7 @@ def estimate_memory(
     ac_matmul_every: int = 1,
     ac_save: str = "matmul+attention",
     loss_chunks: int = 1,
+    set_to_none: bool = False,
 ) -> MemoryEstimate:
     """Predict one rank's device memory for a training step, by component and phase.
 
@@ -274,6 +243,11 @@ def estimate_memory(
             (:func:`~handbook_lib.models.model_state.optimizer_temporary_bytes`).
         loss_chunks: The cross-entropy in k chunks of the sequence (must divide ``seq_len``): its
             backward holds one chunk's fp32 gradients (:func:`~handbook_lib.models.phases.loss_backward`).
+        set_to_none: The gradients are freed after each step (``zero_grad(set_to_none=True)``,
+            PyTorch's default; the book's loop zeroes them in place): with one micro-step a step,
+            the phases before backward makes a gradient (forward, the loss's and the head's
+            backward) hold none, and a layer's backward those of the layers reduced before it;
+            with accumulation every phase keeps them.
 
     The peak is the largest of the step's phases (:data:`PHASE_WORDS`), each a function of
     :mod:`handbook_lib.models.phases` whose docstring gives its formula; the state at rest is
@@ -311,7 +285,8 @@ def estimate_memory(
     shape = _step_shape(layout, row, state, dtype_bytes(compute), dtype_bytes(reduce_dtype or reduce),
                         world_size, group, units, flat_params, backend, accumulated, optimizer,
                         micro_batch, seq_len, compute, (activation_checkpointing, ac_every, ac_matmul_every, ac_save))
-    shape = replace(shape, loss_chunks=(loss_chunks, micro_batch))
+    shape = replace(shape, loss_chunks=(loss_chunks, micro_batch),
+                    grads_freed=bool(set_to_none) and grad_accum_steps == 1)
     if not (cpu_offload and backend == "nccl") and (layout.exact or impl != "for-loop"):
         # not on a GPU's host (offloaded), nor one tensor at a time over unknown tensors
         locals_ = local_numels(layout, row, group, rank % group, units, flat_params)
@@ -320,6 +295,7 @@ def estimate_memory(
         shape = _on_gpu(shape, layout, units, cpu_offload)
     phases = {fn.__name__: parts for fn in PHASES if (parts := fn(shape)) is not None}
     totals = {name: sum(parts.values()) for name, parts in phases.items()}
+    kept = shape.grads_freed and max(sum(p.values()) for fn in PHASES if (p := fn(replace(shape, grads_freed=False))))
     peak_phase = max(totals, key=totals.__getitem__)
     late_free = late_free_bound(shape, totals[peak_phase], totals.get("backward_start", 0))
     notes = _notes(shape, row, totals[peak_phase], late_free)
@@ -328,7 +304,7 @@ def estimate_memory(
                      "the tensors are unknown")
     return MemoryEstimate(components=phases[peak_phase], phases=totals, peak_phase=peak_phase,
                           forward_activations=shape.act_total, host=host, notes=tuple(notes),
-                          late_free_peak=late_free)
+                          late_free_peak=late_free, kept_grads_peak=int(kept))
 
 
 def _step_shape(layout: ModelLayout, row: Strategy, state: dict[str, int], c: int, r: int, world_size: int,

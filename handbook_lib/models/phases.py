@@ -42,9 +42,47 @@ from handbook_lib.models.activations import ActivationBytes
 
 __all__ = ["StepShape", "Moment", "backward_walk", "forward_start", "layer_forward", "loss_backward",
            "backward_start", "head_backward", "layer_backward", "layer_reduce", "root_reduce",
-           "layer_recompute", "optimizer_step", "offload_gather", "PHASES", "late_free_bound"]
+           "layer_recompute", "optimizer_step", "offload_gather", "PHASES", "PHASE_WORDS", "late_free_bound"]
 
 Components = dict[str, int]
+
+PHASE_WORDS: dict[str, tuple[str, str]] = {
+    "forward_start": ("as forward starts",
+                      "forward begins: the root and the first layer gathered, each with its "
+                      "all-gather buffer"),
+    "layer_forward": ("as a layer is gathered in forward",
+                      "a layer's all-gather in forward: its parameters copied out of the all-gather "
+                      "buffer, the previous unit's buffer still kept, the activations so far "
+                      "(SHARD_GRAD_OP: every unit gathered before it)"),
+    "loss_backward": ("in the loss's backward",
+                      "the loss's backward, with every activation still saved"),
+    "backward_start": ("as backward starts",
+                       "backward begins: the logits' gradient alive, the root unit gathered again"),
+    "layer_backward": ("in a layer's backward",
+                       "a layer's backward: that layer and the root gathered, the next layer's "
+                       "all-gather buffer, the previous layer's reduce-scatter input kept"),
+    "layer_reduce": ("in a layer's reduce-scatter",
+                     "a layer's reduce-scatter: its gradients copied into the reduce-scatter input, "
+                     "then the input and its output (HSDP: the earlier layers' all-reduce buffers kept)"),
+    "root_reduce": ("at the end of backward",
+                    "end of backward: the root's gradients cast and reduce-scattered"),
+    "layer_recompute": ("while a layer is recomputed",
+                        "a layer's activations recomputed (activation checkpointing)"),
+    "head_backward": ("in the output head's backward",
+                      "the output head's backward: the logits' gradient, the head's weight gradients "
+                      "and the hidden states' gradient alive together"),
+    "optimizer_step": ("in the optimizer step",
+                       "the optimizer step: Adam's temporaries (foreach: one of every local "
+                       "parameter; for-loop: two of one tensor, the previous one's still bound; "
+                       "fused: none)"),
+    "offload_gather": ("as offloaded shards are copied in",
+                       "CPU offload on a GPU: a unit's shards copied to the device for its "
+                       "all-gather, beside its output"),
+}
+"""Each phase of :func:`estimate_memory` in plain words: ``(when, what)`` — when it happens, to
+end a sentence ("peak 34.0 GB per GPU in a layer's backward"), and what is alive then, for a
+legend under a table. Each phase's formula is the docstring of its function in
+:mod:`handbook_lib.models.phases`."""
 
 
 @dataclass(frozen=True)
@@ -114,12 +152,23 @@ class StepShape:
     loss_chunks: tuple[int, int] = (1, 0)
     """``(k, b)``: the cross-entropy computed in k chunks of the sequence (``loss_chunks``), of a
     micro-batch of b sequences."""
+    grads_freed: bool = False
+    """The gradients are freed after each optimizer step (``zero_grad(set_to_none=True)``,
+    PyTorch's default) and one micro-step makes the step: none exist until backward makes them."""
 
     def alive(self, unsharded: int = 0, grad_buffers: int = 0, activations: int = 0, loss: int = 0,
-              accumulating: bool = True) -> Components:
+              accumulating: bool = True, early: bool = False, after: int | None = None) -> Components:
         """The components alive at a moment: the state at rest, plus what is given, plus the
-        gradients held between micro-steps (unless ``accumulating`` is False: they are gone)."""
-        return {**self.state, "unsharded_params": unsharded,
+        gradients held between micro-steps (unless ``accumulating`` is False: they are gone).
+        With the gradients freed (:attr:`grads_freed`), the state holds only those backward has
+        made: none ``early`` (the forward, the loss's backward, the head's), or ``after`` the
+        layer of that index, those of the layers after it (-1: every layer, the root not yet)."""
+        state = self.state
+        if self.grads_freed and (early or after is not None):
+            total, done = sum(self.layers) + self.root, sum(self.layers[after + 1:]) if after is not None else 0
+            grads = self.state["grads"] * done // total if self.known and total else 0
+            state = {**state, "grads": grads if not early else 0}
+        return {**state, "unsharded_params": unsharded,
                 "grad_buffers": grad_buffers + (self.accumulated if accumulating else 0),
                 "activations": activations, "loss_buffers": loss}
 
@@ -166,7 +215,7 @@ def forward_start(s: StepShape) -> Components | None:
     if not s.row.shards_params or not s.acts:
         return None
     first = s.layers[0] if s.layers else 0
-    return s.alive(s.copies * s.c * (s.root + first), 0, s.c * s.hidden + s.mask, 0)
+    return s.alive(s.copies * s.c * (s.root + first), 0, s.c * s.hidden + s.mask, 0, early=True)
 
 
 def layer_forward(s: StepShape) -> Components | None:
@@ -182,7 +231,7 @@ def layer_forward(s: StepShape) -> Components | None:
         prev = s.layers[i - 1] if i else s.root
         gathered = s.c * s.root + (0 if reshard else s.c * sum(s.layers[:i]))
         moments.append(s.alive(gathered + s.c * prev + 2 * s.c * unit, 0,
-                               s.c * s.hidden + s.mask + sum(s.saved[:i]), 0))
+                               s.c * s.hidden + s.mask + sum(s.saved[:i]), 0, early=True))
     return _largest(moments)
 
 
@@ -201,8 +250,8 @@ def loss_backward(s: StepShape) -> Components | None:
         copy = s.log_softmax // k if s.c != 4 or micro_batch > 1 else 0
         loss = max(loss // k, 2 * s.c * s.logits - s.log_softmax, s.c * s.logits + copy)
     if s.row.shards_params:
-        return s.alive(s.kept, 0, s.act_total, loss)
-    return s.alive(0, s.buckets, s.act_total, loss)
+        return s.alive(s.kept, 0, s.act_total, loss, early=True)
+    return s.alive(0, s.buckets, s.act_total, loss, early=True)
 
 
 def backward_start(s: StepShape) -> Components | None:
@@ -211,8 +260,8 @@ def backward_start(s: StepShape) -> Components | None:
     loss = s.c * s.logits
     if s.row.shards_params:
         gathered = s.copies * s.c * s.root if s.row.reshard_after_forward else s.kept
-        return s.alive(gathered, 0, s.act_total - s.log_softmax, loss)
-    return s.alive(s.root_copy, s.buckets, s.act_total - s.log_softmax, loss)
+        return s.alive(gathered, 0, s.act_total - s.log_softmax, loss, early=True)
+    return s.alive(s.root_copy, s.buckets, s.act_total - s.log_softmax, loss, early=True)
 
 
 def head_backward(s: StepShape) -> Components | None:
@@ -224,8 +273,8 @@ def head_backward(s: StepShape) -> Components | None:
     loss = s.c * s.logits
     if s.row.shards_params:
         gathered = s.c * s.root if s.row.reshard_after_forward else s.kept
-        return s.alive(gathered, grads, s.act_total - s.log_softmax, loss)
-    return s.alive(s.root_copy, s.buckets + grads, s.act_total - s.log_softmax, loss)
+        return s.alive(gathered, grads, s.act_total - s.log_softmax, loss, early=True)
+    return s.alive(s.root_copy, s.buckets + grads, s.act_total - s.log_softmax, loss, early=True)
 
 
 @dataclass(frozen=True)
@@ -295,8 +344,8 @@ def layer_backward(s: StepShape) -> Components | None:
     moments = backward_walk(s)
     if not moments:
         return None
-    return _largest([s.alive(m.others + s.c * m.unit, m.held + _new_grads(s, m) - m.done, m.left, 0)
-                     for m in moments])
+    return _largest([s.alive(m.others + s.c * m.unit, m.held + _new_grads(s, m) - m.done, m.left, 0,
+                             after=m.index) for m in moments])
 
 
 def layer_reduce(s: StepShape) -> Components | None:
@@ -308,7 +357,8 @@ def layer_reduce(s: StepShape) -> Components | None:
     if not moments or s.flat:
         return None
     return _largest([s.alive(m.others, m.held - m.held_rs + _reduce_buffers(s, m.unit, s.lasts[m.index + 1])
-                             - m.done_after, m.left - (s.saved[m.index] if s.saved else 0), 0) for m in moments])
+                             - m.done_after, m.left - (s.saved[m.index] if s.saved else 0), 0, after=m.index)
+                     for m in moments])
 
 
 def root_reduce(s: StepShape) -> Components | None:
@@ -318,7 +368,7 @@ def root_reduce(s: StepShape) -> Components | None:
     reduce dtype when larger (``root_copy + c·R + max(c·R, r·R)``)."""
     if s.row.shards_params:
         held_ar = sum(s.r * unit // s.group for unit in s.layers) if s.replicas > 1 else 0
-        return s.alive(0, held_ar + _reduce_buffers(s, s.root, s.lasts[0]), 0, 0, accumulating=False)
+        return s.alive(0, held_ar + _reduce_buffers(s, s.root, s.lasts[0]), 0, 0, accumulating=False, after=-1)
     if s.row.wrapper != "fsdp" or not s.root:
         return None
     cast = s.r * s.root if s.root_copy else 0
@@ -335,8 +385,8 @@ def layer_recompute(s: StepShape) -> Components | None:
     marks = s.acts.checkpointed_layers
     if len(marks) == len(s.layers):  # the units are the layers: only the checkpointed recompute
         moments = [m for m in moments if marks[m.index]]
-    return _largest([s.alive(m.others + s.c * m.unit, m.held - m.done, m.left + s.acts.recompute, 0)
-                     for m in moments])
+    return _largest([s.alive(m.others + s.c * m.unit, m.held - m.done, m.left + s.acts.recompute, 0,
+                             after=m.index) for m in moments])
 
 
 def optimizer_step(s: StepShape) -> Components | None:
@@ -418,7 +468,7 @@ def late_free_bound(s: StepShape, peak: int, backward_start_bytes: int) -> int:
     for j, m in enumerate(backward_walk(s)):
         if j:
             start = s.c * s.root + 2 * s.c * m.unit if reshard else m.others + s.c * m.unit
-            late.append(sum(s.alive(start, m.held + m.held_rs, m.left, 0).values()))
+            late.append(sum(s.alive(start, m.held + m.held_rs, m.left, 0, after=m.index).values()))
     if reshard:
         late.append(backward_start_bytes + s.c * s.layers[-1])
     worst = max(late, default=0)

@@ -79,13 +79,14 @@ class PlanReport:
 
 
 def not_modelled(policy: CheckpointPolicy, axes: bool, deepspeed: bool = False) -> tuple[str, ...]:
-    """What a plan leaves out, in words, for a reader to weigh: always the gradients a job frees
-    between steps, the allocator's fragmentation beyond its priced reserve, ``torch.compile``
+    """What a plan leaves out, in words, for a reader to weigh: always the reuse of the blocks a
+    job's freed gradients leave, the allocator's fragmentation beyond its priced reserve, ``torch.compile``
     and Float8; the pointwise recomputation's time under a selective ``policy``; with the
     layouts beyond FSDP (``axes``), the pipeline schedules other than 1F1B; with DeepSpeed's
     stages, what its peak model approximates."""
-    out = ["gradients freed between steps (zero_grad's set_to_none, PyTorch's default): the plan keeps them, as "
-           "the book's runs do, so a peak before the end of backward counts gradients not yet made",
+    out = ["which of the blocks a job's freed gradients leave (zero_grad's set_to_none, PyTorch's default) the "
+           "caching allocator reuses: the reserved peak the verdicts use keeps them all (memory --set-to-none prices "
+           "the allocated peak without them)",
            "the caching allocator's fragmentation beyond the reserve priced (the published page measures more)",
            "torch.compile's fusions, and Float8's casts and all-gathers"]
     if policy.mode == "selective":

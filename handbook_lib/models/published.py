@@ -153,15 +153,25 @@ _PUBLISHED_CONFIGS = {  # name: (its config.json's sizes, in _CONFIG_KEYS' order
     "llama3.1-8b": ("Llama 3.1 8B", ("llama", 4096, 14336, 32, 32, 8, 128256, False)),
     "llama3.2-3b": ("Llama 3.2 3B", ("llama", 3072, 8192, 28, 24, 8, 128256, True)),
     "mistral-7b": ("Mistral 7B", ("mistral", 4096, 14336, 32, 32, 8, 32000, False)),
+    # ibm/PowerLM-3b (GraniteForCausalLM, Llama's layer): the sizes of arXiv 2408.13359's Table 4; the vocabulary
+    # of its tokenizer (StarCoder's, 49,152), tied as its 14.05 GB fp32 checkpoint (3.51e9 parameters) says
+    "powerlm-3b": ("PowerLM 3B", ("llama", 2304, 9216, 40, 36, 36, 49152, True)),
+}
+_PUBLISHED_SHAPES = {  # shapes no covered config.json family spells: GPT-2's layer with one key/value head
+    "santacoder": DecoderShape("SantaCoder 1.1B", num_layers=24, d_model=2048, nhead=16, vocab_size=49280,
+                               dim_feedforward=8192, num_kv_heads=1, bias=True, max_positions=2048,
+                               source="bigcode/gpt_bigcode-santacoder config.json (multi_query: one key/value head)"),
 }
 
 
 def published_model(model: str | int) -> DecoderShape | int:
-    """A row's model: a preset name, ``"llama3-70b"``, ``"llama3.1-8b"``, ``"llama3.2-3b"`` or
-    ``"mistral-7b"`` (their published ``config.json`` sizes), or a parameter count as the source
-    states it."""
+    """A row's model: a preset name, ``"llama3-70b"``, ``"llama3.1-8b"``, ``"llama3.2-3b"``,
+    ``"mistral-7b"`` or ``"powerlm-3b"`` (their published sizes), ``"santacoder"`` (a GPT-2 layer
+    with one key/value head), or a parameter count as the source states it."""
     if isinstance(model, int):
         return model
+    if model in _PUBLISHED_SHAPES:
+        return _PUBLISHED_SHAPES[model]
     if model not in _PUBLISHED_CONFIGS:
         return get_shape(model)
     name, sizes = _PUBLISHED_CONFIGS[model]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from handbook_lib.models.axes import estimate_sp_memory, estimate_tp_fsdp_memory
-from handbook_lib.models.memory import PHASE_WORDS, estimate_memory
+from handbook_lib.models.memory import estimate_memory
 from handbook_lib.models.presets import DecoderShape
 from handbook_lib.models.published import published_model
 
@@ -111,11 +111,12 @@ class MemoryChangeRow:
 
 def _reserved_peak(row: PublishedMemoryChange, gpus: int, mode: str, matmul_every: int = 1) -> int:
     """The model's reserved peak per GPU for ``row``'s run on ``gpus`` GPUs (bf16 mixed
-    precision, FULL_SHARD, AdamW, activation checkpointing ``mode``), bytes."""
+    precision, FULL_SHARD, AdamW, activation checkpointing ``mode``, the gradients freed after
+    each step as torchtitan's loop does), bytes."""
     model = published_model(row.model)
     return estimate_memory(model, gpus, "FULL_SHARD", "bf16-mixed", micro_batch=row.micro_batch,
                            seq_len=row.seq_len, activation_checkpointing=mode,
-                           ac_matmul_every=matmul_every).peak_reserved
+                           ac_matmul_every=matmul_every, set_to_none=True).peak_reserved
 
 
 @dataclass(frozen=True)
@@ -319,6 +320,15 @@ _FMS = ("foundation-model-stack/fms-acceleration scripts/benchmarks/refs/a100_80
         "torch.optim.AdamW (the Trainer's default), gradient checkpointing, FlashAttention 2, 4,096-token packed "
         "sequences; one process on 1 GPU, FSDP1 FULL_SHARD (accelerate) on 2; mem_peak_torch_mem_alloc_in_bytes, "
         "the Trainer's memory tracker: torch.cuda.max_memory_allocated, rank 0, bytes")
+_FMS_GRANITE = ("foundation-model-stack/fms-acceleration scripts/benchmarks/refs/a100_80gb_granite.csv (commit "
+                "fc78b55, 2024-10-18), framework 'none', full fine-tuning of ibm/PowerLM-3b, set up as the Mistral "
+                "rows (transformers 4.45.2, torch 2.4.1, the Trainer's bf16 autocast over bf16 weights), 4,096-token "
+                "packed sequences (tokens per second x runtime = 100 steps x batch x 4,096)")
+_FMS_SANTACODER = ("foundation-model-stack/fms-acceleration scripts/benchmarks/refs/a100_80gb.csv (commit 24bdadb), "
+                   "framework 'none', full fine-tuning of bigcode/gpt_bigcode-santacoder, set up as the Mistral rows, "
+                   "2,048-token packed sequences (its n_positions; tokens per second x runtime = 100 x batch x 2,048)")
+
+
 @dataclass(frozen=True)
 class PublishedPeak:
     """One published peak per GPU of a run the memory model expresses (or says why not), in the
@@ -343,16 +353,21 @@ class PublishedPeak:
     source: str
     why: str = ""
     """What of the run the model does not express ("": nothing, the row is counted)."""
-    frees_grads: bool = False
-    """The job frees its gradients between steps (``zero_grad(set_to_none=True)``, PyTorch's
-    default), where the model keeps them: said when the row misses."""
+    miss: str = ""
+    """What of the run the model prices otherwise, said when the row misses by 10 % or more."""
 
 
-def _fms(gpus: int, micro_batch: int, allocated: int) -> PublishedPeak:
-    """One of the IBM benchmark's Mistral rows: ``allocated`` bytes, published."""
-    return PublishedPeak(f"Mistral 7B, {gpus} A100, batch {micro_batch}", "mistral-7b", gpus,
-                         "FULL_SHARD" if gpus > 1 else "NONE", gpus > 1, micro_batch, 4096, "bf16", ("full", 1),
-                         "allocated", allocated / 2**30, _FMS, frees_grads=True)
+def _fms(gpus: int, micro_batch: int, allocated: int, model: str = "mistral-7b", seq_len: int = 4096,
+         source: str = _FMS, miss: str = "") -> PublishedPeak:
+    """One of the IBM benchmark's rows: ``allocated`` bytes, published (Mistral 7B by default)."""
+    name = {"mistral-7b": "Mistral 7B", "powerlm-3b": "PowerLM 3B", "santacoder": "SantaCoder 1.1B"}[model]
+    return PublishedPeak(f"{name}, {gpus} A100, batch {micro_batch}", model, gpus,
+                         "FULL_SHARD" if gpus > 1 else "NONE", gpus > 1, micro_batch, seq_len, "bf16", ("full", 1),
+                         "allocated", allocated / 2**30, source, miss=miss)
+
+
+_BF16_LOSS = ("transformers 4.48's GPTBigCode takes its cross-entropy on the bf16 logits (a shifted bf16 copy, no "
+              "upcast), where the model prices an fp32 log-softmax and its fp32 gradient")
 
 
 def _pr165(label: str, fsdp1: bool, mode: str, active: float | None, reserved: float,
@@ -377,6 +392,10 @@ PUBLISHED_PEAKS: tuple[PublishedPeak, ...] = (
                   "active", 60.0, _TORCHTUNE),
     _fms(1, 4, 72_434_837_504), _fms(1, 8, 72_435_230_720),
     _fms(2, 2, 36_225_939_968), _fms(2, 4, 36_226_136_576),
+    *(_fms(g, b, peak, "powerlm-3b", source=_FMS_GRANITE) for g, b, peak in (
+        (1, 4, 35_134_836_736), (1, 8, 47_059_390_976), (2, 2, 17_626_672_128), (2, 4, 23_781_051_904))),
+    *(_fms(g, b, peak, "santacoder", 2048, _FMS_SANTACODER, _BF16_LOSS) for g, b, peak in (
+        (1, 4, 11_267_745_280), (1, 8, 15_193_274_880), (2, 2, 5_716_304_896), (2, 4, 7_819_433_984))),
 )
 """Published peaks per GPU from torchtitan's FSDP2 pull request, torchtune's README and IBM's
 fms-acceleration benchmarks."""
@@ -386,8 +405,11 @@ def published_peak_rows(rows: tuple[PublishedPeak, ...] = PUBLISHED_PEAKS) -> li
     """Each published peak beside the model's in the same counter: the allocated peak
     (:attr:`~handbook_lib.models.memory.MemoryEstimate.peak`) against a peak of active or allocated bytes, the
     reserved peak against a reserved one; on a GPU's backend, with torch's default AdamW there
-    (foreach). A counted reserved row that misses by 10 % or more says how far the run's reserved
-    peak stood above its active one, where both were published."""
+    (foreach), the gradients freed after each step as every source's loop does
+    (``zero_grad()``: torchtitan's, torchtune's, the Trainer's). A counted row that misses by 10 % or
+    more says why: its ``miss``; for a reserved peak, how far the run's stood above its active one,
+    where both were published; for another, the model with the gradients kept, where the run's
+    peak holds them all the same."""
     from handbook_lib.models.allocator import RESERVE_FRACTION
 
     out = []
@@ -396,20 +418,17 @@ def published_peak_rows(rows: tuple[PublishedPeak, ...] = PUBLISHED_PEAKS) -> li
         mode, every = r.checkpointing
         est = estimate_memory(model, r.gpus, r.strategy, r.precision, micro_batch=r.micro_batch, seq_len=r.seq_len,
                               flat_params=r.fsdp1, activation_checkpointing=mode, ac_matmul_every=every,
-                              backend="nccl", optimizer_impl="foreach")
+                              backend="nccl", optimizer_impl="foreach", set_to_none=True)
         model_gib = (est.peak_reserved if r.counter == "reserved" else est.peak) / 2**30
-        why = r.why
-        if r.frees_grads and abs(model_gib / r.peak_gib - 1) >= 0.10:
-            grads = est.components["grads"]
-            step = est.phases["optimizer_step"]
-            why = (f"the job frees its gradients between steps (zero_grad's set_to_none), the model keeps them: its "
-                   f"peak, {PHASE_WORDS[est.peak_phase][0]}, counts {grads / 2**30:.1f} GiB of gradients not yet made; "
-                   f"without them it is {(est.peak - grads) / 2**30:.1f} GiB, below the optimizer step's "
-                   f"{step / 2**30:.1f}")
+        why = r.why or (r.miss if abs(model_gib / r.peak_gib - 1) >= 0.10 else "")
         if not why and r.counter == "reserved" and abs(model_gib / r.peak_gib - 1) >= 0.10:
             active = next((a.peak_gib for a in rows if a.label == r.label and a.counter == "active"), None)
             if active:
                 why = (f"the run reserved {r.peak_gib / active:.2f}x its active peak; the model's allocator "
                        f"reserve is {1 + RESERVE_FRACTION:.2f}x")
+        kept = est.kept_grads_peak / 2**30
+        if not why and r.counter != "reserved" and abs(model_gib / r.peak_gib - 1) >= 0.10 and kept:
+            why = (f"the run's peak holds the gradients its loop frees at each step (zero_grad()): with them "
+                   f"kept the model is {100 * (kept / r.peak_gib - 1):+.1f} %")
         out.append(PeakRow(f"{r.label} ({r.counter})", r.gpus, r.peak_gib, model_gib, why, not r.why))
     return out

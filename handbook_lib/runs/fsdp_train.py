@@ -97,7 +97,7 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
         backend=ctx.backend, grad_accum_steps=config.grad_accum_steps,
         sync_every_micro_step=config.sync_every_micro_step, optimizer_impl=config.optimizer_impl,
         ac_every=config.ac_every, ac_matmul_every=config.ac_matmul_every, ac_save=config.ac_save,
-        loss_chunks=config.loss_chunks,
+        loss_chunks=config.loss_chunks, set_to_none=config.set_to_none,
     )
     state, checks = _state(config, ctx, layout, units, group, flat, model, optimizer, init_bytes)
     metrics = {
@@ -152,7 +152,7 @@ def _state(config: RunConfig, ctx: RankContext, layout: ModelLayout, units: list
     checks = [
         _bytes(ctx, "param_shard_bytes", shard.shard_bytes, params.shard_bytes),
         _bytes(ctx, "param_padding_bytes", shard.padding_bytes, params.padding_bytes),
-        _bytes(ctx, "grad_shard_bytes", state, grads),
+        _bytes(ctx, "grad_shard_bytes", 0 if config.set_to_none else state, grads),  # freed: none at rest
         _bytes(ctx, "optimizer_state_bytes", optimizer_states(config.optimizer) * state, opt_sharded),
         _bytes(ctx, "optimizer_step_bytes", optimizer_step_bytes(layout, config.optimizer, units if flat else None),
                opt_other),

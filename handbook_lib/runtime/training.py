@@ -146,9 +146,10 @@ def _forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, k: 
 
 def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler | None, max_grad_norm: float,
-                    grad_norms: list[float] | None, full_norms: list[float] | None) -> None:
+                    grad_norms: list[float] | None, full_norms: list[float] | None,
+                    set_to_none: bool = False) -> None:
     """The end of :func:`train_step`: clip (after unscaling), step through the scaler if any,
-    zero the gradients."""
+    zero the gradients (free them with ``set_to_none``)."""
     if max_grad_norm > 0:
         if scaler is not None:
             scaler.unscale_(optimizer)
@@ -162,7 +163,7 @@ def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         scaler.update()
     else:
         optimizer.step()
-    optimizer.zero_grad(set_to_none=False)
+    optimizer.zero_grad(set_to_none=set_to_none)
 
 
 def train_step(
@@ -186,6 +187,7 @@ def train_step(
     unshard_first: bool = False,
     loss_context: LossContext | None = None,
     settle: bool = False,
+    set_to_none: bool = False,
 ) -> torch.Tensor:
     """One optimizer step: forward, loss, backward, optimizer step. Returns this rank's reported
     loss over ``inputs`` (by default the mean next-token cross-entropy, nats per token).
@@ -200,9 +202,10 @@ def train_step(
     is appended to ``grad_norms`` (and, if ``full_norms`` is given, :func:`full_grad_norm` to it,
     first).
 
-    Gradients are zeroed, not freed (``set_to_none=False``), so their memory is part of the model
-    state at rest, as the memory model of chapter 2 assumes (a zeroed gradient plus the next one
-    is that gradient exactly, so the numbers are those of freed gradients). With a ``scaler``
+    Gradients are zeroed, not freed, so their memory is part of the model state at rest, as the
+    memory model of chapter 2 assumes by default (a zeroed gradient plus the next one is that
+    gradient exactly, so the numbers are those of freed gradients); ``set_to_none`` frees them
+    instead, as PyTorch's ``zero_grad()`` does by default (the ``set_to_none`` key). With a ``scaler``
     (fp16), the backward pass runs on the scaled loss and the scaler unscales, checks and steps.
     ``after_backward(model)`` is called between the last backward and the optimizer step.
     ``sync_every_micro_step`` reduces in every micro-step; ``reshard_after_backward=False``
@@ -242,7 +245,7 @@ def train_step(
             tracker.mark_between_micro_steps()
     if after_backward is not None:
         after_backward(model)
-    _optimizer_step(model, optimizer, scaler, max_grad_norm, grad_norms, full_norms)
+    _optimizer_step(model, optimizer, scaler, max_grad_norm, grad_norms, full_norms, set_to_none)
     if k > 1:
         total = torch.tensor(total, device=inputs.device)
     check_loss_finite(float(total), step)
@@ -333,7 +336,7 @@ def train(
                  "loss_fn": loss_fn, "max_grad_norm": config.max_grad_norm, "grad_norms": record.norms,
                  "sync_every_micro_step": config.sync_every_micro_step, "unshard_first": config.explicit_prefetch > 0,
                  "reshard_after_backward": config.reshard_after_backward, "loss_context": loss_context,
-                 "settle": loss_context is not None or functional_collectives}
+                 "settle": loss_context is not None or functional_collectives, "set_to_none": config.set_to_none}
     for step in range(start_step, config.steps):
         batch = local_batch(config, step, ctx, batches)
         tracked = (track_memory or count_collectives) and config.steps >= 2 and step == config.steps - 1

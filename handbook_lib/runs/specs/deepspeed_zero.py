@@ -55,6 +55,9 @@ def validate(config: ZeroRunConfig, world_size: int) -> None:
         raise ValueError(f"deepspeed_zero needs >= 2 ranks to shard anything, got {world_size}")
     if config.precision not in LOSS_TOLERANCE:
         raise ValueError(f"deepspeed_zero runs precision {', '.join(LOSS_TOLERANCE)}; got {config.precision!r}")
+    if config.set_to_none:
+        raise ValueError("config key 'set_to_none'=True: DeepSpeed's engine frees the gradients itself (its step "
+                         "releases them); give False")
     if config.precision == "bf16" and config.cpu_offload:
         raise ValueError("config key 'precision'='bf16' with 'cpu_offload'=True: DeepSpeed offloads a bf16 master "
                          "and bf16 optimizer states only to its compiled CPU Adam; use precision bf16-mixed")

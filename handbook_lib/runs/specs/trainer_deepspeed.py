@@ -60,6 +60,9 @@ def validate(config: TrainerRunConfig, world_size: int) -> None:
         raise ValueError(f"trainer_deepspeed accepts init='full' only; got {config.init!r}")
     if config.loss_chunks != 1:
         raise ValueError(f"config key 'loss_chunks'={config.loss_chunks}: the Trainer computes its own loss; give 1")
+    if config.set_to_none:
+        raise ValueError("config key 'set_to_none'=True: the Trainer and DeepSpeed free the gradients themselves; "
+                         "give False")
     config.check_batch(world_size)
 
 
