@@ -450,3 +450,47 @@ def test_the_loss_in_chunks_holds_one_chunk_s_fp32_gradients(precision):
     assert four == (L + L // 4 if precision == "fp32" else 2 * tv + L // 4)
     with pytest.raises(ValueError, match="loss_chunks=3 must divide seq_len=64"):
         estimate_memory(config, 2, "FULL_SHARD", precision, micro_batch=b, seq_len=s, loss_chunks=3)
+
+
+def test_float8_all_gather_gathers_each_layer_in_one_byte_an_element():
+    """torchao's Float8 all-gather: SHARD_GRAD_OP keeps every unit gathered from forward to
+    backward, so at the loss's backward the gathered bytes are the layers in 1 B an element plus
+    the root (embedding and head) in bf16; without it every element is 2 B."""
+    from handbook_lib.models.layout import model_layout
+
+    layout = model_layout("llama2-70b")
+    units = layout.units()
+    layers = sum(u.padded_numel(64) for u in units[1:])
+    root = units[0].padded_numel(64)
+    kwargs = {"micro_batch": 1, "seq_len": 4096, "activation_checkpointing": "full"}
+    plain = estimate_memory("llama2-70b", 64, "SHARD_GRAD_OP", "bf16-mixed", **kwargs)
+    float8 = estimate_memory("llama2-70b", 64, "SHARD_GRAD_OP", "bf16-mixed", **kwargs, float8_all_gather=True)
+    # the loss's backward: every unit still gathered, the layers at 1 B instead of 2, the root at 2
+    assert plain.phases["loss_backward"] - float8.phases["loss_backward"] == (2 - 1) * layers
+    assert plain.peak_phase == float8.peak_phase == "layer_backward"
+    assert float8.unsharded_params < plain.unsharded_params and root > 0
+    for bad in ({"strategy": "DDP"}, {"precision": "fp32"}, {"cpu_offload": True}):
+        args = {"strategy": "FULL_SHARD", "precision": "bf16-mixed", **bad}
+        with pytest.raises(ValueError, match="float8_all_gather gathers float8 weights"):
+            estimate_memory("llama2-7b", 8, args.pop("strategy"), args.pop("precision"), **kwargs, **args,
+                            float8_all_gather=True)
+
+
+def test_freed_gradients_leave_the_early_phases_and_come_back_layer_by_layer():
+    """``set_to_none``: the forward and the loss's backward hold no gradient of the state; a
+    layer's backward holds those of the layers reduced before it; the optimizer step all of them.
+    The reserved peak keeps them (the allocator does not reuse their blocks)."""
+    kwargs = {"micro_batch": 2, "seq_len": 64, "backend": "gloo"}
+    kept = estimate_memory(ModelConfig(), 2, "FULL_SHARD", **kwargs)
+    freed = estimate_memory(ModelConfig(), 2, "FULL_SHARD", **kwargs, set_to_none=True)
+    grads = kept.components["grads"]
+    assert grads > 0
+    for phase in ("forward_start", "layer_forward", "loss_backward", "backward_start", "head_backward"):
+        assert kept.phases[phase] - freed.phases[phase] == grads, phase
+    assert kept.phases["optimizer_step"] == freed.phases["optimizer_step"]
+    assert 0 < kept.phases["layer_backward"] - freed.phases["layer_backward"] < grads
+    assert freed.peak < kept.peak and freed.peak_reserved == kept.peak_reserved
+    accumulating = estimate_memory(ModelConfig(), 2, "FULL_SHARD", micro_batch=1, seq_len=64, backend="gloo",
+                                   grad_accum_steps=2, set_to_none=True)
+    assert accumulating.phases == estimate_memory(ModelConfig(), 2, "FULL_SHARD", micro_batch=1, seq_len=64,
+                                                  backend="gloo", grad_accum_steps=2).phases

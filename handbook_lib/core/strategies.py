@@ -34,6 +34,7 @@ __all__ = [
     "Strategy",
     "STRATEGY_TABLE",
     "STRATEGIES",
+    "PLAN_STRATEGIES",
     "runnable_strategy",
     "run_shard_group",
     "FSDP2_SPELLING",
@@ -237,6 +238,11 @@ STRATEGY_TABLE: dict[str, Strategy] = {s.name: s for s in (
 
 STRATEGIES: tuple[str, ...] = tuple(STRATEGY_TABLE)
 """The names, in table order (the run config's accepted ``strategy`` values)."""
+
+PLAN_STRATEGIES: tuple[str, ...] = ("DDP", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "ZERO1", "ZERO2", "ZERO3")
+"""What the planner prices (:func:`handbook_lib.models.planner.plan`): PyTorch's strategies a job
+on many GPUs chooses among (every one by default, in this order), and DeepSpeed's ZeRO stages
+when asked for one strategy."""
 
 if STRATEGIES != get_args(StrategyName):  # pragma: no cover - caught at import and by a test
     raise AssertionError("StrategyName and STRATEGY_TABLE list different strategies")

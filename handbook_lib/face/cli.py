@@ -54,7 +54,7 @@ from handbook_lib.core.architecture import MODEL_KEYS
 from handbook_lib.core.config import (AC_SAVE_POLICIES, CHECKPOINTING_MODES, OPTIMIZER_IMPLS, OPTIMIZERS,
                                       PRECISIONS, RunConfig)
 from handbook_lib.core.protocol import PREEMPTED_EXIT
-from handbook_lib.core.strategies import STRATEGIES, strategies_where
+from handbook_lib.core.strategies import PLAN_STRATEGIES, STRATEGIES, strategies_where
 from handbook_lib.core.text import TERMINAL_WIDTH
 from handbook_lib.face.arg_types import MAX_PARAMS, MAX_PORT
 from handbook_lib.face.arg_types import endpoint as _endpoint
@@ -68,7 +68,6 @@ from handbook_lib.launch.errors import RunFailed, RunPreempted
 from handbook_lib.launch.preflight import RANKS_PER_CORE
 from handbook_lib.models.hardware import ACCELERATORS, LINKS
 from handbook_lib.models.hf_config import HF_FAMILIES
-from handbook_lib.models.planner import PLAN_STRATEGIES
 from handbook_lib.models.presets import DECODER_SHAPES
 from handbook_lib.runs import describe_runs, run_config_fields
 
@@ -208,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_accumulation(mem)
     mem.add_argument("--set-to-none", action="store_true", help="the gradients freed after each step "
                      "(zero_grad's default): none until backward makes them (the reserved peak keeps their blocks)")
+    mem.add_argument("--float8-all-gather", action="store_true", help="torchao's Float8 training: each layer's "
+                     "weights gathered in 1 byte an element (unverified on CPU ranks)")
     _add_loss_chunks(mem)
     _add_reduce_bucket(mem)
     _add_axes(mem)

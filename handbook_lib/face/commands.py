@@ -137,6 +137,7 @@ def _zero_memory(args: argparse.Namespace) -> int:
     ``--micro-batch`` each moment of a step (:func:`~handbook_lib.models.zero_peak.estimate_zero_peak`)."""
     asked = [flag for flag, on in (("--grad-accum", args.grad_accum > 1), ("--tp-size", args.tp_size > 1),
                                    ("--sp-size", args.sp_size > 1), ("--set-to-none", args.set_to_none),
+                                   ("--float8-all-gather", args.float8_all_gather),
                                    ("--cpu-offload", args.cpu_offload and args.micro_batch)) if on]
     if asked:
         also = " and --micro-batch" if asked[0] == "--cpu-offload" else ""
@@ -216,7 +217,8 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload,
         grad_accum_steps=args.grad_accum, sync_every_micro_step=args.sync_every_micro_step,
         optimizer_impl=args.optimizer_impl, ac_every=args.ac_every, ac_matmul_every=args.ac_matmul_every,
-        ac_save=args.ac_save, loss_chunks=args.loss_chunks, set_to_none=args.set_to_none)
+        ac_save=args.ac_save, loss_chunks=args.loss_chunks, set_to_none=args.set_to_none,
+        float8_all_gather=args.float8_all_gather)
     tokens = (f"micro-batch {args.micro_batch} x {args.seq_len} tokens" if args.micro_batch
               else "no activations") + accum_text(args, "; ")
     every = (f" (layers 0, {args.ac_every}, {2 * args.ac_every}, ...)" if args.ac_every > 1 else "") + (
@@ -225,7 +227,8 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     assumes = (f"{_assumptions(args, args.optimizer)}; {tokens}; activation checkpointing "
                f"{args.activation_checkpointing}{every}; CPU offload "
                f"{'on' if args.cpu_offload else 'off'}{axes[1] if axes else ''}"
-               f"{'; gradients freed after each step' if args.set_to_none else ''}")
+               f"{'; gradients freed after each step' if args.set_to_none else ''}"
+               f"{'; Float8 all-gather of the layers (unverified on CPU ranks)' if args.float8_all_gather else ''}")
     budget = _gpu_budget(args)
     if args.json:
         print(json.dumps({"model": named.removeprefix("model: "), "assumptions": assumes.removeprefix("assumes: "),

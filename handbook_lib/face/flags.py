@@ -36,8 +36,16 @@ def check_memory_flags(args: argparse.Namespace) -> None:
     if args.loss_chunks > 1 and (not args.seq_len or args.seq_len % args.loss_chunks):
         raise ValueError(f"--loss-chunks {args.loss_chunks} cuts each sequence into equal chunks: give --micro-batch "
                          "and a --seq-len it divides")
-    if getattr(args, "set_to_none", False) and (args.tp_size > 1 or args.sp_size > 1):
-        raise ValueError("--set-to-none with --tp-size or --sp-size: the layouts beyond FSDP price the gradients kept")
+    for flag, on in (("--set-to-none", getattr(args, "set_to_none", False)),
+                     ("--float8-all-gather", getattr(args, "float8_all_gather", False))):
+        if on and (args.tp_size > 1 or args.sp_size > 1):
+            raise ValueError(f"{flag} with --tp-size or --sp-size: the layouts beyond FSDP price neither")
+    row = get_strategy(args.strategy)
+    if getattr(args, "float8_all_gather", False) and row.wrapper != "deepspeed" and (
+            args.precision == "fp32" or not row.shards_params or args.cpu_offload):
+        raise ValueError("--float8-all-gather gathers float8 weights for bf16 compute: it needs a sharding "
+                         f"--strategy, a 16-bit --precision and no --cpu-offload (got {args.strategy}, "
+                         f"{args.precision})")
     if args.loss_chunks > 1 and (args.tp_size > 1 or args.sp_size > 1):
         raise ValueError("--loss-chunks with --tp-size or --sp-size: the layouts beyond FSDP price the whole loss")
     if args.sync_every_micro_step and args.grad_accum < 2:

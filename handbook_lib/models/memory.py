@@ -36,7 +36,8 @@ from handbook_lib.models.model_state import (
     optimizer_step_bytes,
     optimizer_temporary_bytes,
 )
-from handbook_lib.models.phases import PHASE_WORDS, PHASES, StepShape, late_free_bound
+from handbook_lib.models.phase_words import PHASE_WORDS
+from handbook_lib.models.phases import PHASES, StepShape, late_free_bound
 from handbook_lib.models.sharding import ShardBytes, Unit, shard_rows
 from handbook_lib.models.zero import estimate_zero_rank_bytes
 
@@ -181,6 +182,7 @@ def estimate_memory(
     ac_save: str = "matmul+attention",
     loss_chunks: int = 1,
     set_to_none: bool = False,
+    float8_all_gather: bool = False,
 ) -> MemoryEstimate:
     """Predict one rank's device memory for a training step, by component and phase.
 
@@ -248,6 +250,11 @@ def estimate_memory(
             the phases before backward makes a gradient (forward, the loss's and the head's
             backward) hold none, and a layer's backward those of the layers reduced before it;
             with accumulation every phase keeps them.
+        float8_all_gather: torchao's Float8 training with FSDP2's float8 all-gather: every
+            layer unit's gathered weights and all-gather buffer in 1 B an element (the root's in
+            the compute dtype). A 16-bit compute dtype and a sharding strategy without CPU
+            offload only. Read from torchao's design, unverified on CPU ranks (no float8
+            matmuls there); the float8 casts of activations are not priced.
 
     The peak is the largest of the step's phases (:data:`PHASE_WORDS`), each a function of
     :mod:`handbook_lib.models.phases` whose docstring gives its formula; the state at rest is
@@ -273,6 +280,10 @@ def estimate_memory(
     if seq_len % check_int("loss_chunks", loss_chunks, 1):
         raise ValueError(f"loss_chunks={loss_chunks} must divide seq_len={seq_len}")
     impl = optimizer_impl_on(optimizer_impl, "cuda" if backend == "nccl" else "cpu")
+    if float8_all_gather and (compute == "fp32" or not row.shards_params or cpu_offload):
+        raise ValueError("float8_all_gather gathers float8 weights for bf16 compute: it needs a sharding strategy, "
+                         f"a 16-bit precision and no CPU offload, got {strategy}, {precision}, "
+                         f"cpu_offload={cpu_offload}")
     element = dtype_bytes(state_dtype(precision))
     layout = model_layout(model)
     group = row.shard_group(world_size, shard_group_size if row.hybrid else None)
@@ -286,7 +297,7 @@ def estimate_memory(
                         world_size, group, units, flat_params, backend, accumulated, optimizer,
                         micro_batch, seq_len, compute, (activation_checkpointing, ac_every, ac_matmul_every, ac_save))
     shape = replace(shape, loss_chunks=(loss_chunks, micro_batch),
-                    grads_freed=bool(set_to_none) and grad_accum_steps == 1)
+                    grads_freed=bool(set_to_none) and grad_accum_steps == 1, float8_gather=float8_all_gather)
     if not (cpu_offload and backend == "nccl") and (layout.exact or impl != "for-loop"):
         # not on a GPU's host (offloaded), nor one tensor at a time over unknown tensors
         locals_ = local_numels(layout, row, group, rank % group, units, flat_params)

@@ -42,48 +42,9 @@ from handbook_lib.models.activations import ActivationBytes
 
 __all__ = ["StepShape", "Moment", "backward_walk", "forward_start", "layer_forward", "loss_backward",
            "backward_start", "head_backward", "layer_backward", "layer_reduce", "root_reduce",
-           "layer_recompute", "optimizer_step", "offload_gather", "PHASES", "PHASE_WORDS", "late_free_bound"]
+           "layer_recompute", "optimizer_step", "offload_gather", "PHASES", "late_free_bound"]
 
 Components = dict[str, int]
-
-PHASE_WORDS: dict[str, tuple[str, str]] = {
-    "forward_start": ("as forward starts",
-                      "forward begins: the root and the first layer gathered, each with its "
-                      "all-gather buffer"),
-    "layer_forward": ("as a layer is gathered in forward",
-                      "a layer's all-gather in forward: its parameters copied out of the all-gather "
-                      "buffer, the previous unit's buffer still kept, the activations so far "
-                      "(SHARD_GRAD_OP: every unit gathered before it)"),
-    "loss_backward": ("in the loss's backward",
-                      "the loss's backward, with every activation still saved"),
-    "backward_start": ("as backward starts",
-                       "backward begins: the logits' gradient alive, the root unit gathered again"),
-    "layer_backward": ("in a layer's backward",
-                       "a layer's backward: that layer and the root gathered, the next layer's "
-                       "all-gather buffer, the previous layer's reduce-scatter input kept"),
-    "layer_reduce": ("in a layer's reduce-scatter",
-                     "a layer's reduce-scatter: its gradients copied into the reduce-scatter input, "
-                     "then the input and its output (HSDP: the earlier layers' all-reduce buffers kept)"),
-    "root_reduce": ("at the end of backward",
-                    "end of backward: the root's gradients cast and reduce-scattered"),
-    "layer_recompute": ("while a layer is recomputed",
-                        "a layer's activations recomputed (activation checkpointing)"),
-    "head_backward": ("in the output head's backward",
-                      "the output head's backward: the logits' gradient, the head's weight gradients "
-                      "and the hidden states' gradient alive together"),
-    "optimizer_step": ("in the optimizer step",
-                       "the optimizer step: Adam's temporaries (foreach: one of every local "
-                       "parameter; for-loop: two of one tensor, the previous one's still bound; "
-                       "fused: none)"),
-    "offload_gather": ("as offloaded shards are copied in",
-                       "CPU offload on a GPU: a unit's shards copied to the device for its "
-                       "all-gather, beside its output"),
-}
-"""Each phase of :func:`estimate_memory` in plain words: ``(when, what)`` — when it happens, to
-end a sentence ("peak 34.0 GB per GPU in a layer's backward"), and what is alive then, for a
-legend under a table. Each phase's formula is the docstring of its function in
-:mod:`handbook_lib.models.phases`."""
-
 
 @dataclass(frozen=True)
 class StepShape:
@@ -152,6 +113,10 @@ class StepShape:
     loss_chunks: tuple[int, int] = (1, 0)
     """``(k, b)``: the cross-entropy computed in k chunks of the sequence (``loss_chunks``), of a
     micro-batch of b sequences."""
+    float8_gather: bool = False
+    """torchao's Float8 all-gather (``enable_fsdp_float8_all_gather``): each layer unit's weights
+    are cast to float8 before their all-gather, so the buffer and the gathered weights hold 1 B an
+    element (:attr:`g`); the root (embedding and output head) stays in the compute dtype."""
     grads_freed: bool = False
     """The gradients are freed after each optimizer step (``zero_grad(set_to_none=True)``,
     PyTorch's default) and one micro-step makes the step: none exist until backward makes them."""
@@ -171,6 +136,12 @@ class StepShape:
         return {**state, "unsharded_params": unsharded,
                 "grad_buffers": grad_buffers + (self.accumulated if accumulating else 0),
                 "activations": activations, "loss_buffers": loss}
+
+    @property
+    def g(self) -> int:
+        """Bytes per element of a gathered layer unit: 1 with the Float8 all-gather (its norms
+        too, under 0.1 % of a layer), else the compute dtype's ``c``."""
+        return 1 if self.float8_gather else self.c
 
     @property
     def act_total(self) -> int:
@@ -194,7 +165,7 @@ class StepShape:
         root too, in our FSDP2 wrapping), else every unit, ``c·(ΣU_i + R)`` (``c·P`` for a bare count)."""
         if self.row.reshard_after_forward:
             return 0
-        return self.c * (sum(self.layers) + self.root) if self.known else self.c * self.params
+        return self.g * sum(self.layers) + self.c * self.root if self.known else self.c * self.params
 
     @property
     def buckets(self) -> int:
@@ -215,7 +186,7 @@ def forward_start(s: StepShape) -> Components | None:
     if not s.row.shards_params or not s.acts:
         return None
     first = s.layers[0] if s.layers else 0
-    return s.alive(s.copies * s.c * (s.root + first), 0, s.c * s.hidden + s.mask, 0, early=True)
+    return s.alive(s.copies * (s.c * s.root + s.g * first), 0, s.c * s.hidden + s.mask, 0, early=True)
 
 
 def layer_forward(s: StepShape) -> Components | None:
@@ -228,9 +199,9 @@ def layer_forward(s: StepShape) -> Components | None:
     reshard = s.row.reshard_after_forward
     moments = []
     for i, unit in enumerate(s.layers):
-        prev = s.layers[i - 1] if i else s.root
-        gathered = s.c * s.root + (0 if reshard else s.c * sum(s.layers[:i]))
-        moments.append(s.alive(gathered + s.c * prev + 2 * s.c * unit, 0,
+        prev = s.g * s.layers[i - 1] if i else s.c * s.root
+        gathered = s.c * s.root + (0 if reshard else s.g * sum(s.layers[:i]))
+        moments.append(s.alive(gathered + prev + 2 * s.g * unit, 0,
                                s.c * s.hidden + s.mask + sum(s.saved[:i]), 0, early=True))
     return _largest(moments)
 
@@ -321,9 +292,9 @@ def backward_walk(s: StepShape) -> list[Moment]:
         unit = s.layers[i]
         following = s.layers[order[j + 1]] if j + 1 < len(order) else 0
         if s.row.reshard_after_forward:
-            others = s.c * s.root + (s.c * following if s.group > 1 else 0)
+            others = s.c * s.root + (s.g * following if s.group > 1 else 0)
         else:
-            others = s.kept - freed - s.c * unit
+            others = s.kept - freed - s.g * unit
         held = (0 if s.accumulated else s.c * s.head) + held_rs + held_ar
         after = done + s.plain[i] * s.r
         moments.append(Moment(i, unit, others, held, held_rs, s.act_total - s.log_softmax - released,
@@ -332,7 +303,7 @@ def backward_walk(s: StepShape) -> list[Moment]:
         done = after
         held_rs = s.r * unit if not s.flat else 0
         held_ar += s.r * unit // s.group if s.replicas > 1 else 0
-        freed += s.c * unit
+        freed += s.g * unit
     return moments
 
 
@@ -344,7 +315,7 @@ def layer_backward(s: StepShape) -> Components | None:
     moments = backward_walk(s)
     if not moments:
         return None
-    return _largest([s.alive(m.others + s.c * m.unit, m.held + _new_grads(s, m) - m.done, m.left, 0,
+    return _largest([s.alive(m.others + s.g * m.unit, m.held + _new_grads(s, m) - m.done, m.left, 0,
                              after=m.index) for m in moments])
 
 
@@ -385,7 +356,7 @@ def layer_recompute(s: StepShape) -> Components | None:
     marks = s.acts.checkpointed_layers
     if len(marks) == len(s.layers):  # the units are the layers: only the checkpointed recompute
         moments = [m for m in moments if marks[m.index]]
-    return _largest([s.alive(m.others + s.c * m.unit, m.held - m.done, m.left + s.acts.recompute, 0,
+    return _largest([s.alive(m.others + s.g * m.unit, m.held - m.done, m.left + s.acts.recompute, 0,
                              after=m.index) for m in moments])
 
 
@@ -467,10 +438,10 @@ def late_free_bound(s: StepShape, peak: int, backward_start_bytes: int) -> int:
     late = []
     for j, m in enumerate(backward_walk(s)):
         if j:
-            start = s.c * s.root + 2 * s.c * m.unit if reshard else m.others + s.c * m.unit
+            start = s.c * s.root + 2 * s.g * m.unit if reshard else m.others + s.g * m.unit
             late.append(sum(s.alive(start, m.held + m.held_rs, m.left, 0, after=m.index).values()))
     if reshard:
-        late.append(backward_start_bytes + s.c * s.layers[-1])
+        late.append(backward_start_bytes + s.g * s.layers[-1])
     worst = max(late, default=0)
     return worst if worst > peak else 0
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from handbook_lib.core.checks import check_int, lookup
 from handbook_lib.core.config import get_precision
 from handbook_lib.core.parallel_layout import ParallelLayout
-from handbook_lib.core.strategies import get_strategy
+from handbook_lib.core.strategies import PLAN_STRATEGIES, get_strategy
 from handbook_lib.models.allocator import RESERVE_FRACTION, reserved_bytes
 from handbook_lib.models.hardware import (
     Accelerator,
@@ -49,11 +49,8 @@ from handbook_lib.models.traffic import CollectiveRecord, estimate_step_traffic
 from handbook_lib.models.zero_peak import DEEPSPEED_DEFAULTS, ZeroKnobs, ZeroPeak, estimate_zero_peak, zero_plan_traffic
 
 __all__ = ["Option", "Plan", "plan", "preference", "recommend", "STEP_TIE", "check_whole_nodes", "shard_groups"]
-_ORDER = ("DDP", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
-
-PLAN_STRATEGIES = (*_ORDER, "ZERO1", "ZERO2", "ZERO3")
-"""What :func:`plan` prices when asked for one strategy: PyTorch's (every one by default) and
-DeepSpeed's ZeRO stages."""
+_ORDER = tuple(s for s in PLAN_STRATEGIES if get_strategy(s).wrapper != "deepspeed")
+"""PyTorch's strategies, each priced by default."""
 
 
 @dataclass(frozen=True)
@@ -192,8 +189,8 @@ def plan(
             (``HYBRID_SHARD/16``).
         loss_chunks: The cross-entropy in k chunks of each sequence (must divide ``seq_len``), as
             :func:`~handbook_lib.models.memory.estimate_memory` prices it.
-        strategy: Price this strategy's options only: one of :data:`PLAN_STRATEGIES`, PyTorch's
-            or DeepSpeed's ZeRO stages (priced by
+        strategy: Price this strategy's options only: one of
+            :data:`~handbook_lib.core.strategies.PLAN_STRATEGIES`, PyTorch's or DeepSpeed's ZeRO stages (priced by
             :func:`~handbook_lib.models.zero_peak.estimate_zero_peak` with ``zero``'s keys and
             :func:`~handbook_lib.models.zero_peak.zero_plan_traffic`; gradients reduced while
             backward runs only with ``overlap_comm``); ``None``: PyTorch's, and CPU offload.
@@ -204,7 +201,7 @@ def plan(
             ``gpus`` more than one node and not a whole number of nodes, ``micro_batch``/``seq_len``
             < 1, a headroom or reserve fraction outside [0, 1), a utilization outside (0, 1], a
             ``memory_bytes`` not above the CUDA context, a CPU speed not > 0, or a shard group
-            :func:`shard_groups` refuses, or a strategy not in :data:`PLAN_STRATEGIES`.
+            :func:`shard_groups` refuses, or another strategy.
     """
     order = _ORDER if strategy is None else (lookup({s: s for s in PLAN_STRATEGIES}, strategy, "strategy"),)
     layout = model_layout(model)
