@@ -29,6 +29,14 @@ def test_four_ranks_write_what_transformers_loads_and_read_it_back(tmp_path):
     assert {("elements_differing_after_reload", r) for r in range(4)} <= checks
     assert ("logits_max_abs_diff_vs_transformers", None) in checks
     shape = HFWeightsConfig(**ODD).shape()
+    # each rank's activations of the sharded Llama (one key/value head), exact, as one process counts them
+    from handbook_lib.models.layout import model_layout
+    from handbook_lib.runs.hf_weights import ACTIVATION_BATCH
+    from handbook_lib.runtime.decoder import measure_activation_bytes
+
+    expected = model_layout(shape).activations(*ACTIVATION_BATCH, "fp32").total
+    assert expected == measure_activation_bytes(shape, *ACTIVATION_BATCH, "fp32")
+    assert [r["activation_bytes"] for r in result.ranks] == [expected] * 4
     files = safetensors_files(save)
     assert sum(t.numel() for t in files.values()) == shape.num_params  # no padding row written
     assert files["model.embed_tokens.weight"].shape == (257, 64)

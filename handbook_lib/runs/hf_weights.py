@@ -14,7 +14,10 @@ pretrained weights builds it, reads the files back
 Checks, each exact: the files hold ``4·P`` bytes of fp32 tensors; their names are the names
 Transformers gives the same config's parameters; no element of the files differs from the model
 that was saved; no element of the model loaded back differs (every rank, each gathering the whole
-state); Transformers' logits on a seeded batch equal the saved model's, to the bit.
+state); Transformers' logits on a seeded batch equal the saved model's, to the bit; and each
+rank's activations of one forward of the sharded Llama (grouped-query attention, SwiGLU, RMSNorm
+in fp32) are what :meth:`~handbook_lib.models.layout.ModelLayout.activations` counts, operator by
+operator.
 
 Keys: the model's size by its ``config.json`` names (``vocab_size``, ``hidden_size``,
 ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``),
@@ -31,14 +34,17 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from handbook_lib.core.files import write_json_atomic
 from handbook_lib.core.results import Check
+from handbook_lib.models.layout import model_layout
 from handbook_lib.models.presets import DecoderShape
 from handbook_lib.runs.entry import RankReport, main
 from handbook_lib.runs.specs.hf_weights import CONFIG as CONFIG, HFWeightsConfig
 from handbook_lib.runtime.decoder import Decoder
 from handbook_lib.runtime.distributed import RankContext
+from handbook_lib.runtime.measure import StepMemoryTracker
 from handbook_lib.runtime.hf_weights import (
     SHARDED_DIR,
     load_safetensors,
@@ -68,6 +74,33 @@ def _sharded(config: HFWeightsConfig, ctx: RankContext, seed: int | None) -> tor
     return model
 
 
+ACTIVATION_BATCH = (2, 32)
+"""Sequences and tokens of the forward whose saved bytes the run measures on each rank."""
+
+
+def _activation_bytes(model: torch.nn.Module, shape: DecoderShape, ctx: RankContext, seed: int) -> int:
+    """What one forward and its loss leave saved for backward on this rank of the sharded
+    ``model``, bytes: the activations of FSDP2's memory tracker
+    (:class:`~handbook_lib.runtime.measure.StepMemoryTracker`, which files parameters, gathered
+    or not, apart), token ids and targets included and the 4-byte loss value not, as
+    :meth:`~handbook_lib.models.layout.ModelLayout.activations` prices them."""
+    micro_batch, seq_len = ACTIVATION_BATCH
+    gen = torch.Generator().manual_seed(seed + 1 + ctx.rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    tracker = StepMemoryTracker(model, optimizer, ctx.device)
+    with tracker:
+        tokens, targets = (torch.randint(0, shape.vocab_size, (micro_batch, seq_len), generator=gen).to(ctx.device)
+                           for _ in range(2))
+        loss = F.cross_entropy(model(tokens).float().flatten(0, 1), targets.flatten())
+        tracker.after_forward(settle=True)
+        value = loss.nbytes  # the loss itself, which the tracker files with the activations
+        loss.backward()
+        optimizer.step()
+    model.zero_grad(set_to_none=True)
+    assert tracker.result is not None
+    return tracker.result.activation_bytes - value
+
+
 def _differing(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> int:
     """Elements of ``want`` that ``got`` does not hold bit for bit (all of a missing or misshapen tensor's)."""
     return sum(want[k].numel() if k not in got or got[k].shape != want[k].shape
@@ -91,7 +124,11 @@ def run(config: HFWeightsConfig, ctx: RankContext) -> RankReport:
     load_safetensors(fresh, out)
     reloaded = get_model_state_dict(fresh, options=StateDictOptions(full_state_dict=True))
     checks = [Check("elements_differing_after_reload", ctx.rank, 0, _differing(reloaded, saved), "elements")]
-    metrics: dict[str, object] = {"params": shape.num_params}
+    activations = model_layout(shape).activations(*ACTIVATION_BATCH, "fp32")
+    assert activations is not None  # a decoder's shape prices its activations
+    measured = _activation_bytes(fresh, shape, ctx, config.seed)
+    checks.append(Check("activation_bytes", ctx.rank, activations.total, measured, "bytes"))
+    metrics: dict[str, object] = {"params": shape.num_params, "activation_bytes": measured}
     if ctx.is_main:
         files = safetensors_files(out)
         checks += [Check("safetensors_tensor_bytes", None, 4 * shape.num_params,
