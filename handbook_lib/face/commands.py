@@ -42,7 +42,7 @@ from handbook_lib.models.plan_output import plan_report, zero_knobs
 from handbook_lib.models.planner import check_whole_nodes
 from handbook_lib.models.presets import describe_shape, get_shape
 from handbook_lib.models.zero import deepspeed_own_estimate, zero_stage
-from handbook_lib.models.zero_peak import estimate_zero_peak, zero_step_bytes
+from handbook_lib.models.zero_peak import estimate_zero_peak, zero_optimizer_impl, zero_step_bytes
 from handbook_lib.models.timing import estimate_compute_time, estimate_step_time, expected_utilization
 from handbook_lib.models.traffic import estimate_step_traffic
 from handbook_lib.runs import describe_runs
@@ -147,7 +147,7 @@ def _zero_memory(args: argparse.Namespace) -> int:
     state = estimate_rank_state(model, args.world_size, args.strategy, args.precision, args.optimizer,
                                 cpu_offload=args.cpu_offload)
     knobs = zero_knobs(args.reduce_bucket_size, True)
-    impl = "fused" if args.optimizer_impl == "default" else args.optimizer_impl  # DeepSpeed's own Adam on a GPU
+    impl = zero_optimizer_impl(args.optimizer_impl)  # default: DeepSpeed's own fused Adam on a GPU
     peak = estimate_zero_peak(
         model, args.world_size, args.strategy, args.precision, args.optimizer, micro_batch=args.micro_batch,
         seq_len=args.seq_len, optimizer_impl=args.optimizer_impl, knobs=knobs,

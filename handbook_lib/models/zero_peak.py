@@ -59,7 +59,7 @@ from handbook_lib.models.zero import (
 )
 
 __all__ = ["ZeroKnobs", "DEEPSPEED_DEFAULTS", "BOOK_RUNS", "ZeroPeak", "estimate_zero_peak",
-           "zero_step_bytes", "ZERO_PHASES", "ZERO_PHASE_WORDS",
+           "zero_step_bytes", "zero_optimizer_impl", "ZERO_PHASES", "ZERO_PHASE_WORDS",
            "zero_plan_traffic"]
 
 
@@ -165,6 +165,20 @@ def _partition_pieces(model: ModelLike, world_size: int, rank: int) -> list[int]
     return pieces
 
 
+def zero_optimizer_impl(optimizer_impl: str, backend: str = "nccl") -> str:
+    """The implementation of the optimizer DeepSpeed steps: ``default`` is its own choice, its
+    fused Adam on a GPU (``backend`` ``nccl``) and PyTorch's optimizer, one tensor at a time, on
+    the CPU (``torch_adam``, as the book's runs configure it); else ``optimizer_impl`` itself.
+
+    Raises:
+        ValueError: for an implementation outside ``for-loop``, ``foreach``, ``fused``, ``default``.
+    """
+    lookup(dict.fromkeys(("nccl", "gloo")), backend, "backend")
+    if optimizer_impl == "default":
+        return "fused" if backend == "nccl" else "for-loop"
+    return optimizer_impl_on(optimizer_impl, "cpu")
+
+
 def zero_step_bytes(model: ModelLike, world_size: int, strategy: str, precision: str = "bf16-mixed",
                     optimizer: str = "adamw", optimizer_impl: str = "fused", *, rank: int = 0,
                     sub_group_size: int = DEEPSPEED_DEFAULTS.sub_group_size) -> int:
@@ -252,12 +266,10 @@ def estimate_zero_peak(
     stage = zero_stage(strategy)
     check_int("micro_batch", micro_batch, 1)
     check_int("seq_len", seq_len, 1)
-    lookup(dict.fromkeys(("nccl", "gloo")), backend, "backend")
     layout = model_layout(model)
     compute, reduce = lookup(PRECISIONS, precision, "precision")
     c, r = DTYPES[compute].bytes, DTYPES[reduce_dtype or reduce].bytes
-    impl = ("fused" if backend == "nccl" else "for-loop") if optimizer_impl == "default" else \
-        optimizer_impl_on(optimizer_impl, "cpu")
+    impl = zero_optimizer_impl(optimizer_impl, backend)
     state = estimate_zero_rank_bytes(layout, world_size, strategy, precision, optimizer, rank=rank,
                                      persistence_threshold=knobs.persistence_threshold)
     unsharded = estimate_memory(layout, 1, "NONE", precision, optimizer, micro_batch=micro_batch, seq_len=seq_len,
