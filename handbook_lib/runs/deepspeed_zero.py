@@ -55,8 +55,9 @@ priced tensors."""
 
 BUCKET_MOMENT_TOLERANCE = 1e-3
 """Relative tolerance of ZeRO-1/2's backward peak, the moment the gradient bucket (98 % of it on
-the book's models) is full: ZeRO-1 holds up to 0.4 MB more there (8 kB to 423 kB measured, by
-rank), activations of the backward still alive when its bucket is allocated, not priced."""
+the book's models) is full: up to one gradient tensor more is alive there (8 kB to 423 kB
+measured, by rank and run), a reduction's buffer that gloo frees a moment late or, under ZeRO-1,
+a tensor still alive when its bucket is allocated; not priced."""
 
 
 def fsdp_twin(strategy: str) -> str:
