@@ -129,10 +129,12 @@ class StepShape:
         made: none ``early`` (the forward, the loss's backward, the head's), or ``after`` the
         layer of that index, those of the layers after it (-1: every layer, the root not yet)."""
         state = self.state
-        if self.grads_freed and (early or after is not None):
-            total, done = sum(self.layers) + self.root, sum(self.layers[after + 1:]) if after is not None else 0
-            grads = self.state["grads"] * done // total if self.known and total else 0
-            state = {**state, "grads": grads if not early else 0}
+        if self.grads_freed and early:
+            state = {**state, "grads": 0}
+        elif self.grads_freed and after is not None:  # each unit's share of the shards: U_j of ΣU + R
+            total = sum(self.layers) + self.root
+            made = self.state["grads"] * sum(self.layers[after + 1:]) // total if self.known and total else 0
+            state = {**state, "grads": made}
         return {**state, "unsharded_params": unsharded,
                 "grad_buffers": grad_buffers + (self.accumulated if accumulating else 0),
                 "activations": activations, "loss_buffers": loss}
