@@ -157,6 +157,7 @@ def _zero_memory(args: argparse.Namespace) -> int:
     step = 0 if args.cpu_offload else zero_step_bytes(model, args.world_size, args.strategy, args.precision,
                                                       args.optimizer, impl)
     theirs, budget = deepspeed_own_estimate(model, args.world_size, args.strategy), _gpu_budget(args)
+    state = peak.state if peak else state  # the peak's layout: DeepSpeed's persistence threshold applied
     parts = {"params": state.params, "master": state.master, "grads": state.grads, "optimizer": state.optimizer,
              "optimizer_step": state.optimizer_step}
     notes = ([] if peak else ["activations and DeepSpeed's buckets are not priced: give --micro-batch and "
