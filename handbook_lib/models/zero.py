@@ -46,6 +46,7 @@ __all__ = [
     "DEFAULT_PERSISTENCE_THRESHOLD",
     "zero_stage",
     "flat_partition",
+    "partition_overlaps",
     "gather_units",
     "estimate_zero_rank_bytes",
     "bookkeeping_reductions",
@@ -125,6 +126,19 @@ def flat_partition(num_params: int, world_size: int) -> tuple[int, int]:
     return padded, padded // world_size
 
 
+def partition_overlaps(numels: list[int], world_size: int, rank: int) -> list[tuple[int, int]]:
+    """ZeRO-1/2: the parameter tensors of ``numels`` elements (in order) that overlap ``rank``'s
+    partition of the flat buffer, each as ``(its elements, its elements inside the partition)``;
+    the last rank's padding is none of them."""
+    part = flat_partition(sum(numels), world_size)[1]
+    start, end, offset, out = rank * part, (rank + 1) * part, 0, []
+    for n in numels:
+        if offset < end and offset + n > start:
+            out.append((n, min(end, offset + n) - max(start, offset)))
+        offset += n
+    return out
+
+
 def gather_units(model: ModelLike) -> list[tuple[str, list[int]]]:
     """The modules ZeRO-3 gathers one by one, in forward order, with their tensors' element
     counts: every module that owns parameters — but ``nn.MultiheadAttention`` reads its
@@ -185,11 +199,7 @@ def estimate_zero_rank_bytes(
         elif numels is None:
             grads = compute * part
         else:
-            start, end, offset, held = rank * part, (rank + 1) * part, 0, 0
-            for n in numels:
-                if offset < end and offset + n > start:
-                    held += n
-                offset += n
+            held = sum(n for n, _ in partition_overlaps(numels, world_size, rank))
             if rank == world_size - 1:
                 held += padded - sum(numels)
             grads = compute * held

@@ -55,6 +55,7 @@ from handbook_lib.models.zero import (
     flat_partition,
     gather_units,
     largest_module_params,
+    partition_overlaps,
     zero_stage,
 )
 
@@ -147,24 +148,6 @@ class ZeroPeak:
         return self.phases[self.peak_phase]
 
 
-def _partition_pieces(model: ModelLike, world_size: int, rank: int) -> list[int] | None:
-    """ZeRO-1/2: the elements of each parameter tensor inside ``rank``'s partition of the flat
-    buffer, in order, the last rank's padding as a piece of its own; ``None`` for a model known
-    by its sizes only."""
-    layout = model_layout(model)
-    if not layout.exact:
-        return None
-    padded, part = flat_partition(layout.num_params, world_size)
-    start, end, offset, pieces = rank * part, (rank + 1) * part, 0, []
-    for n in (prod(shape) for _, shape in layout.tensors):
-        if offset < end and offset + n > start:
-            pieces.append(min(end, offset + n) - max(start, offset))
-        offset += n
-    if rank == world_size - 1 and padded > offset:
-        pieces.append(padded - offset)
-    return pieces
-
-
 def zero_optimizer_impl(optimizer_impl: str, backend: str = "nccl") -> str:
     """The implementation of the optimizer DeepSpeed steps: ``default`` is its own choice, its
     fused Adam on a GPU (``backend`` ``nccl``) and PyTorch's optimizer, one tensor at a time, on
@@ -209,13 +192,14 @@ def zero_step_bytes(model: ModelLike, world_size: int, strategy: str, precision:
         return e * part + optimizer_temporary_bytes([part], optimizer, optimizer_impl, e)
     padded, part = flat_partition(layout.num_params, world_size)
     held = estimate_zero_rank_bytes(layout, world_size, strategy, precision, optimizer, rank=rank).grads
-    pieces = _partition_pieces(layout, world_size, rank)
+    numels = [prod(shape) for _, shape in layout.tensors] if layout.exact else None
+    pieces = [inside for _, inside in partition_overlaps(numels, world_size, rank)] if numels else None
+    padding = padded - layout.num_params if rank == world_size - 1 else 0
     if pieces is None:
         norm = 8 * min(part, largest_module_params(layout))
     else:  # piece i in float64, beside the i norms (float64 scalars) computed before it; not the padding
-        tensors = pieces[:-1] if rank == world_size - 1 and padded > layout.num_params else pieces
-        norm = max(8 * n + 8 * i for i, n in enumerate(tensors))
-    one_piece = pieces is not None and len(pieces) == 1
+        norm = max(8 * n + 8 * i for i, n in enumerate(pieces))
+    one_piece = pieces is not None and len(pieces) + (padding > 0) == 1
     flattened, cast = (0 if one_piece else compute * part), (e * part if compute != e else 0)
     flat = cast or flattened  # what the optimizer steps on: a new tensor, or a view of the gradients
     temporaries = optimizer_temporary_bytes([part], optimizer, optimizer_impl, e)
