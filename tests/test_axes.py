@@ -127,10 +127,11 @@ def test_the_table_at_8k_keeps_fsdp_and_at_128k_needs_another_axis():
     assert set(short) == {"FULL_SHARD", "FULL_SHARD + AC", "HYBRID_SHARD", "HYBRID_SHARD + AC",
                           "TP 8 x FSDP 8", "TP 8 x FSDP 8 + AC"}
     # FSDP fits only with full recomputation (a third more compute); TP 8 fits without it, its
-    # collectives exposed: about what the recomputation costs, a near tie that FSDP wins by 2 %
+    # collectives exposed, and FSDP's backward over the nodes no longer hidden whole behind an
+    # eighth of the compute: about what the recomputation costs, a near tie that FSDP wins by 5 %
     assert recommend_axes(list(short.values())).name == "FULL_SHARD + AC"
     ratio = short["FULL_SHARD + AC"].tokens_per_s_per_gpu / short["TP 8 x FSDP 8"].tokens_per_s_per_gpu
-    assert 1.0 < ratio < 1.05 and short["FULL_SHARD + AC"].fits and not short["FULL_SHARD"].fits
+    assert 1.0 < ratio < 1.08 and short["FULL_SHARD + AC"].fits and not short["FULL_SHARD"].fits
     # inside the model's median error on H100s: said to be a tie to time, only with the band
     band = step_time_band("h100-80gb")
     assert band.tie(short["FULL_SHARD + AC"].tokens_per_s_per_gpu, short["TP 8 x FSDP 8"].tokens_per_s_per_gpu)
@@ -154,8 +155,11 @@ def test_tp_collectives_are_exposed_and_sized_as_the_layer_model_says():
     # ranks: 7 ring steps and 7/8 B each, on NVLink 4; 80 layers, none hidden
     link, b = get_link("nvlink4"), 8192 * 8192 * 2
     tp_s = 80 * 8 * (7 * link.latency_s + 7 * (b // 8) / link.achievable_bytes_per_s)
-    assert tp_s < row.exposed_s < tp_s + 0.05  # + FSDP's first all-gather (the root's 1/8)
-    assert row.step_s == pytest.approx(row.exposed_s + max(row.compute_s, row.comm_s - row.exposed_s))
+    # + FSDP's own: its first all-gather, its last reduce-scatter, and what backward's 2/3 of the
+    # compute does not hide of its backward collectives (FSDP over 8 nodes, one rank on each)
+    assert tp_s < row.exposed_s < row.comm_s
+    assert row.step_s == pytest.approx(row.compute_s + row.exposed_s)
+    assert row.comm_s - tp_s > 2 / 3 * row.compute_s
     with pytest.raises(ValueError, match="tp_size=3 must divide the GPUs per node"):
         compare_axes(LLAMA3_70B, "h100-80gb", 64, seq_len=8192, tp_size=3)
 

@@ -9,6 +9,7 @@ from handbook_lib.models import (
     TRANSFER_KINDS,
     ATTENTION_FLOPS_SOURCE,
     UTILIZATION_MAX,
+    compute_forward_share,
     estimate_step_flops,
     expected_utilization,
     fit_utilization,
@@ -28,6 +29,8 @@ from handbook_lib.models import (
     estimate_step_traffic,
     wrap_units,
 )
+
+from handbook_lib.models.topology import Route
 
 SMALL = ModelConfig(vocab_size=101, d_model=8, nhead=2, dim_feedforward=16, num_layers=4)
 
@@ -285,26 +288,78 @@ def test_alpha_beta_by_hand():
 
 
 def test_step_time_with_and_without_overlap_by_hand():
-    # FULL_SHARD, one 8-element fp32 unit on 2 ranks: three collectives of 16 bytes and 1 step
-    # each; at 16 bytes/s and 1 s latency each takes 2 s, so comm = 6 s, the first gather 2 s
+    # FULL_SHARD, one 8-element fp32 unit on 2 ranks: forward's all-gather, backward's all-gather
+    # and reduce-scatter, 16 bytes and 1 step each; at 16 bytes/s and 1 s latency each takes 2 s
     link = Link("toy", bandwidth_bytes_per_s=16.0, latency_s=1.0, source="test")
     traffic = estimate_step_traffic([flat(8)], 2, "FULL_SHARD")
-    serial = estimate_step_time(traffic, link, compute_s=10.0, overlap=False)
-    assert (serial.comm_s, serial.total_s, serial.bound) == (6.0, 16.0, "compute")
-    hidden = estimate_step_time(traffic, link, compute_s=10.0, overlap=True)
-    assert (hidden.exposed_comm_s, hidden.total_s) == (2.0, 2.0 + 10.0)
-    starved = estimate_step_time(traffic, link, compute_s=1.0, overlap=True)
-    assert (starved.total_s, starved.bound) == (2.0 + 4.0, "communication")
-    # two micro-steps: two first gathers exposed
+    serial = estimate_step_time(traffic, link, compute_s=12.0, overlap=False)
+    assert (serial.comm_s, serial.total_s, serial.bound) == (6.0, 18.0, "compute")
+    # forward (4 s of compute): its first gather exposed, 2 + 4; backward (8 s): the gather hides,
+    # the last reduce-scatter has nothing after it, 8 + 2
+    hidden = estimate_step_time(traffic, link, compute_s=12.0, overlap=True)
+    assert (hidden.exposed_comm_s, hidden.total_s, hidden.bound) == (4.0, 16.0, "compute")
+    assert [(p.phase, p.compute_s, p.edge_s, p.total_s) for p in hidden.phases] == [
+        ("forward", 4.0, 2.0, 6.0), ("backward", 8.0, 2.0, 10.0)]
+    # 1.2 s of compute: backward's gather (2 s) outlasts its 0.8 s
+    starved = estimate_step_time(traffic, link, compute_s=1.2, overlap=True)
+    assert (starved.total_s, starved.bound) == pytest.approx((2.4 + 4.0, "communication"))
+    # how far compute may shrink before a phase waits: backward's 8 s over its 2 s hidden gather
+    # (forward hides nothing: its one gather is the edge); 0.8 / 2 once starved
+    assert [p.hidden_s for p in hidden.phases] == [0.0, 2.0]
+    assert hidden.compute_margin == 4.0 and starved.compute_margin == pytest.approx(0.4)
+    assert serial.compute_margin == 12.0 / 6.0
+    # recomputation runs in backward: a quarter of the compute forward, 3 + 2 and 9 + 2
+    ac = estimate_step_time(traffic, link, compute_s=12.0, overlap=True, forward_share=0.25)
+    assert ac.total_s == 16.0 and ac.phases[0].total_s == 5.0
+    # two micro-steps, each reducing: each pays its first gather and its last reduce-scatter
     twice = estimate_step_traffic([flat(8)], 2, "FULL_SHARD", grad_accum_steps=2)
-    assert estimate_step_time(twice, link, compute_s=20.0, overlap=True).exposed_comm_s == 4.0
+    assert estimate_step_time(twice, link, compute_s=24.0, overlap=True).exposed_comm_s == 8.0
     with pytest.raises(ValueError, match="compute_s"):
         estimate_step_time(traffic, link, compute_s=-1.0, overlap=True)
-    # other transfers on the collectives' streams (offload's copies) join the communication
+    with pytest.raises(ValueError, match="forward_share"):
+        estimate_step_time(traffic, link, compute_s=1.0, overlap=True, forward_share=1.5)
+    # offload's copies run on the host link beside the collectives, spread as compute is: 4/3 s
+    # forward, 8/3 s backward; forward 2 + max(1, 0, 4/3), backward 2 + max(2, 2, 8/3)
     copies = estimate_step_time(traffic, link, compute_s=3.0, overlap=True, extra_comm_s=4.0)
-    assert (copies.comm_s, copies.total_s, copies.bound) == (10.0, 2.0 + 8.0, "communication")
+    assert (copies.comm_s, copies.total_s, copies.bound) == pytest.approx((2.0 + 4.0, 2 + 4 / 3 + 2 + 8 / 3,
+                                                                           "communication"))
     with pytest.raises(ValueError, match="extra_comm_s"):
         estimate_step_time(traffic, link, compute_s=1.0, overlap=True, extra_comm_s=-1.0)
+
+
+def test_hsdp_all_reduce_runs_beside_the_shard_groups_collectives():
+    # HYBRID_SHARD, two units on 4 ranks in shard groups of 2: the replicas' all-reduce crosses
+    # machines (3 s each), the shard group's collectives stay inside one (2 s each)
+    traffic = estimate_step_traffic([flat(8), flat(8)], 4, "HYBRID_SHARD", shard_group_size=2)
+    backward = [r for r in traffic.records if r.phase == "backward"]
+    assert [r.kind for r in backward][-2:] == ["reduce_scatter", "all_reduce"]
+
+    def route(record, machines_for_all=False):
+        net = record.kind == "all_reduce" or machines_for_all
+        return Route("net" if net else "nvl", "ring", 1.0, 0.0, 3 if record.kind == "all_reduce" else 2, "",
+                     2 if net else 1)
+
+    intra = sum(2 for r in backward if r.kind != "all_reduce")
+    net = sum(3 for r in backward if r.kind == "all_reduce")
+    edge = 2 + 3  # the last unit's reduce-scatter, then its all-reduce
+    apart = estimate_step_time(traffic, route, compute_s=3.0, overlap=True)
+    assert apart.phases[1].edge_s == edge
+    assert apart.phases[1].total_s == edge + max(2.0, intra - 2, net - 3)
+    one_link = estimate_step_time(traffic, lambda r: route(r, True), compute_s=3.0, overlap=True)
+    assert one_link.phases[1].total_s == edge + max(2.0, intra + net - edge)
+    assert apart.total_s < one_link.total_s
+    # the links' time: each phase's busiest, not their sum
+    assert apart.comm_s == 2 * 2 + max(intra, net)
+
+
+def test_ddp_waits_for_its_last_bucket_only():
+    link = Link("toy", bandwidth_bytes_per_s=1e9, latency_s=0.0, source="test")
+    traffic = estimate_step_traffic([flat(100 * 2**20)], 2, "DDP")  # 400 MiB of fp32 gradients
+    (record,) = traffic.records
+    t = estimate_collective_time(record, link)
+    step = estimate_step_time(traffic, link, compute_s=10.0, overlap=True)
+    assert step.phases[1].edge_s == pytest.approx(t * 25 / 400)
+    assert step.total_s == pytest.approx(10.0 + t / 16)
 
 
 def test_six_p_t_rule_by_hand():
@@ -335,6 +390,12 @@ def test_attention_and_recomputation_flops_by_hand():
                                  activation_checkpointing=True) == pytest.approx(ac.hardware / 5e14)
     with pytest.raises(ValueError, match="seq_len"):
         estimate_step_flops(p, t, seq_len=-1)
+    # forward runs a third of the model FLOPs; backward the rest and the recomputed forward
+    assert plain.forward_share == pytest.approx(1 / 3)
+    assert ac.forward_share == pytest.approx(plain.model / 3 / (plain.model + plain.model / 3)) == pytest.approx(0.25)
+    assert compute_forward_share(p, t, seq_len=s, num_layers=layers, attention_width=w,
+                                 activation_checkpointing=True, recompute_flops=0) == pytest.approx(1 / 3)
+    assert estimate_step_flops(0, 0).forward_share == pytest.approx(1 / 3)
 
 
 def test_expected_utilization_grows_with_the_width_toward_the_gpus_own():

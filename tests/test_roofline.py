@@ -14,7 +14,12 @@ from handbook_lib.models import (
     get_link,
     wrap_units,
 )
-from handbook_lib.models.roofline import min_tokens_per_gpu, wire_bytes_per_param
+from handbook_lib.models.roofline import (
+    min_tokens_by_phase,
+    min_tokens_per_gpu,
+    phase_wire_bytes,
+    wire_bytes_per_param,
+)
 
 
 def test_wire_bytes_per_param_counts_each_collective():
@@ -48,16 +53,42 @@ def test_at_the_threshold_compute_equals_communication():
     link = dataclasses.replace(get_link("nvlink4"), latency_s=0.0)  # the bound leaves alpha out
     traffic = estimate_step_traffic(wrap_units(shape), n, "FULL_SHARD", param_dtype="bf16",
                                     reduce_dtype="fp32")
-    # the bytes this traffic puts on the wire per parameter (its root stays gathered: < 8)
-    b = traffic.sent_bytes / (shape.num_params * (n - 1) / n)
-    t_min = min_tokens_per_gpu(link.achievable_bytes_per_s, h100.peak_flops_bf16, 0.41,
-                               wire_bytes=b, ranks=n)
-    comm = estimate_step_time(traffic, link, 0.0, overlap=False).comm_s
-    compute = 6 * shape.num_params * t_min / (h100.peak_flops_bf16 * 0.41)
-    assert compute == pytest.approx(comm, rel=1e-9)
-    for tokens, bound in ((math.floor(t_min), "communication"), (math.ceil(t_min), "compute")):
+    serial = estimate_step_time(traffic, link, 0.0, overlap=False).comm_s
+    rate = h100.peak_flops_bf16 * 0.41
+    # the whole step's bound: 6PT of compute against every byte of the step
+    b = traffic.sent_bytes / (shape.num_params * (n - 1) / n)  # the root stays gathered: < 8
+    t_min = min_tokens_per_gpu(link.achievable_bytes_per_s, h100.peak_flops_bf16, 0.41, wire_bytes=b, ranks=n)
+    assert 6 * shape.num_params * t_min / rate == pytest.approx(serial, rel=1e-9)
+    # backward's bound: its bytes against its 4PT, higher; the model hides backward's collectives
+    # but the last reduce-scatter, which nothing follows
+    backward = [r for r in traffic.records if r.phase == "backward"]
+    comm_b = sum(r.sent_bytes for r in backward) / link.achievable_bytes_per_s
+    per_phase = min_tokens_by_phase(link.achievable_bytes_per_s, h100.peak_flops_bf16, 0.41, ranks=n,
+                                    wire_bytes={"forward": 2, "backward": round(
+                                        sum(r.sent_bytes for r in backward) / (shape.num_params * (n - 1) / n))})
+    assert per_phase["backward"] > t_min > per_phase["forward"]
+    edge = backward[-1].sent_bytes / link.achievable_bytes_per_s
+    t_star = (comm_b - edge) * rate / (4 * shape.num_params)
+    assert t_min < t_star < per_phase["backward"]
+    for tokens, bound in ((math.ceil(t_min), "communication"), (math.floor(t_star), "communication"),
+                          (math.ceil(t_star), "compute")):
         c = estimate_compute_time(shape.num_params, tokens, h100.peak_flops_bf16, 0.41)
-        assert estimate_step_time(traffic, link, c, overlap=True).bound == bound
+        assert estimate_step_time(traffic, link, c, overlap=True).bound == bound, tokens
+
+
+def test_backward_needs_an_eighth_more_tokens_than_the_whole_step():
+    assert phase_wire_bytes() == {"forward": 2, "backward": 6}
+    assert phase_wire_bytes("SHARD_GRAD_OP") == {"forward": 2, "backward": 4}
+    assert phase_wire_bytes("DDP", "bf16", "fp32") == {"forward": 0, "backward": 8}
+    whole = min_tokens_per_gpu(100e9, 1e15, 0.5, ranks=8)
+    phases = min_tokens_by_phase(100e9, 1e15, 0.5, ranks=8)
+    assert phases["backward"] == pytest.approx(whole * 9 / 8)  # 6/4 against 8/6
+    assert phases["forward"] == pytest.approx(whole * 6 / 8)  # 2/2
+    # with the forward recomputed in backward both phases need the whole step's 8/8
+    ac = min_tokens_by_phase(100e9, 1e15, 0.5, ranks=8, activation_checkpointing=True)
+    assert ac["backward"] == pytest.approx(ac["forward"]) == pytest.approx(
+        min_tokens_per_gpu(100e9, 1e15, 0.5, ranks=8, activation_checkpointing=True))
+    assert min_tokens_by_phase(100e9, 1e15, 0.5, wire_bytes=phase_wire_bytes("DDP"))["forward"] == 0.0
 
 
 def test_threshold_scales_as_the_formula_says():

@@ -9,7 +9,8 @@ import argparse
 from handbook_lib.core.strategies import get_strategy
 from handbook_lib.face.display import Table, format_bytes
 from handbook_lib.face.plan_axes import print_axes, wrap_line
-from handbook_lib.models.plan_output import PlanReport
+from handbook_lib.models.plan_output import SEARCH_ROWS, PlanReport
+from handbook_lib.models.plan_search import PlanSearch
 from handbook_lib.models.planner import Plan
 from handbook_lib.models.sensitivity import FlipPoints, Sensitivity
 
@@ -85,10 +86,25 @@ def print_plan(report: PlanReport, args: argparse.Namespace, per_node: int) -> N
     for left in report.not_modelled:
         print(wrap_line(f"- Not modelled: {left}.", "  "))
     print(f"(the 16-bytes-per-parameter rule, fp32 model state only, would answer: {result.seed_answer})")
+    if report.search is not None:
+        _print_search(report.search)
     if args.sensitivity:
         _print_sensitivity(result, changes, flips)
     if axes:
         print_axes(*axes, band)
+
+
+def _print_search(search: PlanSearch) -> None:
+    """The search's fastest layouts that fit, and its verdict."""
+    print(wrap_line(f"searched {search.searched}", "  "))
+    best = search.winner
+    if best is not None:
+        rows = [[c.name, format_bytes(c.peak_reserved_bytes), round(c.step_s, 3), f"{c.tokens_per_s_per_gpu:,.0f}",
+                 "best" if c is best else "tie" if c in search.tied else
+                 _margin(c.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu - 1)]
+                for c in search.fitting[:SEARCH_ROWS]]
+        print(Table(["fastest that fit", "reserved", "step s", "tok/s/GPU", "vs best"], rows))
+    print(wrap_line(f"- {search.verdict()}", "  "))
 
 
 def _margin(fraction: float) -> str:

@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     from handbook_lib.models.hardware import (
         ACCELERATORS, CUDA_CONTEXT_BYTES, GIB, TRAINING_CONTEXT_BYTES, LINKS, Accelerator, Host, Link, Node,
         datasheet_bytes, default_intra_link, get_accelerator, get_link, node_preset,
-        usable_memory_bytes,
+        usable_memory_bytes, NVLINK_RING_STEP_S,
     )
     from handbook_lib.models.hf_config import (
         HF_BOUNDS, HF_DEFAULTS, HF_FAMILIES, MAX_CONFIG_BYTES, decoder_shape_from_hf, read_hf_config,
@@ -89,7 +89,9 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         PeakRow, PublishedMemoryChange, PublishedPeak, PublishedZeroState, memory_change_rows, peak_rows,
         published_peak_rows, zero_state_rows,
     )
-    from handbook_lib.models.roofline import min_tokens_per_gpu, wire_bytes_per_param
+    from handbook_lib.models.roofline import (
+        min_tokens_by_phase, min_tokens_per_gpu, phase_wire_bytes, wire_bytes_per_param,
+    )
     from handbook_lib.models.seed import (
         SEED_SCENARIOS, SEED_STRATEGIES, SeedScenario, estimate_seed_model_state,
         seed_recommendation,
@@ -111,8 +113,9 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         estimate_axes_state_bytes, per_step_calls, tp_step_calls,
     )
     from handbook_lib.models.timing import (
-        ATTENTION_FLOPS_SOURCE, DEFAULT_UTILIZATION, UTILIZATION_SOURCE, StepFlops, StepTime,
-        UTILIZATION_HALF_WIDTH, UTILIZATION_MAX, bytes_by_link, estimate_compute_time, estimate_step_flops,
+        ATTENTION_FLOPS_SOURCE, DEFAULT_UTILIZATION, UTILIZATION_SOURCE, PhaseTime, StepFlops, StepTime,
+        UTILIZATION_HALF_WIDTH, UTILIZATION_MAX, bytes_by_link, compute_forward_share, estimate_compute_time,
+        estimate_step_flops,
         estimate_step_time, expected_utilization, fit_utilization, fit_utilizations, width_utilization,
     )
     from handbook_lib.models.cluster import ClusterLayout, compare_cluster_layouts, hsdp_groups
@@ -152,6 +155,10 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         AxisOption, axes_reason, compare_axes, pipeline_microbatches, price_layout, recommend_axes,
     )
     from handbook_lib.models.plan_output import PLAN_NAMES, PlanReport, plan_page, plan_report
+    from handbook_lib.models.plan_search import SEARCH_POLICIES, Candidate, PlanSearch, search_plan
+    from handbook_lib.models.published_async_tp import (
+        ASYNC_TP_BENCHMARK, PUBLISHED_ASYNC_TP, AsyncTPRow, PublishedAsyncTP, async_tp_rows,
+    )
     from handbook_lib.models.published_pipeline import (
         PUBLISHED_PIPELINES, PipelineRow, PublishedPipeline, pipeline_rows,
     )

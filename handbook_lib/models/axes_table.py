@@ -65,13 +65,16 @@ from handbook_lib.models.tensor_parallel import (
 )
 from handbook_lib.models.timing import (
     StepTime,
+    compute_forward_share,
     estimate_compute_time,
     estimate_step_time,
 )
 from handbook_lib.models.topology import route_collective
 from handbook_lib.models.traffic import StepTraffic, estimate_step_traffic
 
-__all__ = ["AxisOption", "axes_reason", "compare_axes", "pipeline_microbatches", "price_layout", "recommend_axes"]
+__all__ = ["ASYNC_TP_SOURCE", "AxisOption", "axes_reason", "compare_axes", "pipeline_microbatches", "price_layout",
+           "recommend_axes",
+           "tp_rows"]
 
 _FROM_PLAN = ("FULL_SHARD", "FULL_SHARD + AC", "HYBRID_SHARD", "HYBRID_SHARD + AC")
 
@@ -142,6 +145,12 @@ class _Job:
                                      seq_len=self.seq_len, num_layers=self.shape.num_layers,
                                      attention_width=self.shape.attention_width)
 
+    def forward_share(self, ac: bool) -> float:
+        """The forward's share of :meth:`compute` (a quarter with full recomputation, else a third)."""
+        return compute_forward_share(self.shape.num_params, self.micro_batch * self.seq_len,
+                                     activation_checkpointing=ac, seq_len=self.seq_len,
+                                     num_layers=self.shape.num_layers, attention_width=self.shape.attention_width)
+
     def mode(self, ac: bool) -> str:
         return "full" if ac else "none"
 
@@ -162,20 +171,35 @@ def _attention_slice(shape: DecoderShape, tp: int) -> DecoderShape:
     return dataclasses.replace(shape, nhead=shape.nhead // tp, num_kv_heads=shape.kv_heads // tp, head_dim=head)
 
 
-def _tp_seconds(job: _Job, tokens: int, tp: int, layers: int, ac: bool) -> float:
-    """TP's collectives for ``tokens`` tokens through ``layers`` layers on the node's link (0 without
-    TP), not hidden (each sits between two matrix products); with checkpointing the forward's are
-    issued again when a layer is recomputed."""
+ASYNC_TP_SOURCE = ("torch's micro-pipelined TP (torch.distributed._symmetric_memory, torchtitan's "
+                   "enable_async_tensor_parallel): each all-gather is cut into the TP group's chunks and fed to "
+                   "the matrix product chunk by chunk, and each reduce-scatter likewise, so a layer's transfers "
+                   "run under its products; torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md "
+                   "measures 1.09x and 1.10x over plain TP on Llama 3 70B and 8B (bf16)")
+"""How asynchronous TP hides its collectives, and the published speed-up it is checked against."""
+
+
+def _tp_seconds(job: _Job, tokens: int, tp: int, layers: int, ac: bool, async_tp: bool = False) -> float:
+    """TP's exposed collectives for ``tokens`` tokens through ``layers`` layers on the node's link
+    (0 without TP); with checkpointing the forward's are issued again when a layer is recomputed.
+    Plain TP hides none of them (each sits between two matrix products). Asynchronous TP
+    (:data:`ASYNC_TP_SOURCE`) runs a layer's transfers under its products: what outlasts the
+    layer's compute is exposed, and the first of a collective's ``tp`` chunks, which has no
+    product before it."""
     if tp == 1:
         return 0.0
     layer = estimate_tp_layer_traffic(job.shape.d_model, tokens, tp, 4 if job.precision == "fp32" else 2,
                                       sequence_parallel=True)
     per_layer = [estimate_collective_time(x, job.node.intra_link) for x in layer.collectives]
     half = len(per_layer) // 2  # forward first: recomputed with checkpointing
-    return layers * (sum(per_layer) + (sum(per_layer[:half]) if ac else 0.0))
+    comm = sum(per_layer) + (sum(per_layer[:half]) if ac else 0.0)
+    if not async_tp:
+        return layers * comm
+    compute = job.compute(tokens, ac) / tp / job.shape.num_layers  # one layer's, on one TP rank
+    return layers * (max(0.0, comm - compute) + comm / tp)
 
 
-def _fsdp_time(job: _Job, traffic: StepTraffic, tp: int, fsdp_ranks: int, compute_s: float, *,
+def _fsdp_time(job: _Job, traffic: StepTraffic, tp: int, fsdp_ranks: int, compute_s: float, ac: bool, *,
                extra_comm_s: float = 0.0) -> StepTime:
     """FSDP2's step over ``fsdp_ranks`` ranks, one per TP slice: each node holds ``gpus_per_node / tp``
     of the group's ranks and as many of its network ports, hidden behind ``compute_s`` as chapter 3
@@ -185,10 +209,11 @@ def _fsdp_time(job: _Job, traffic: StepTraffic, tp: int, fsdp_ranks: int, comput
     lane = dataclasses.replace(node, gpus_per_node=slots, nics_per_node=max(1, node.nics_per_node * slots
                                                                            // node.gpus_per_node))
     return estimate_step_time(traffic, lambda r: route_collective(r, lane, fsdp_ranks, "FULL_SHARD"), compute_s,
-                              overlap=True, extra_comm_s=extra_comm_s)
+                              overlap=True, extra_comm_s=extra_comm_s, forward_share=job.forward_share(ac))
 
 
-def price_layout(job: _Job, layout: ParallelLayout, ac: bool, microbatches: int = 1) -> AxisOption:
+def price_layout(job: _Job, layout: ParallelLayout, ac: bool, microbatches: int = 1,
+                 async_tp: bool = False) -> AxisOption:
     """One layout's row, the one time entry point for every layout of the job's GPUs: a pipeline
     (``layout.pp`` > 1, ``microbatches`` a step) by :func:`_price_pipeline`; otherwise TP over
     ``tp`` GPUs of a node, the sequence split over ``sp`` ranks, FSDP2 over the ``gpus / tp`` ranks
@@ -203,7 +228,7 @@ def price_layout(job: _Job, layout: ParallelLayout, ac: bool, microbatches: int 
                               precision=job.precision, activation_checkpointing=job.mode(ac))
     compute = job.compute(tokens, ac) / tp
     node, sp_s, hidden = job.node, 0.0, False
-    tp_s = _tp_seconds(job, tokens, tp, job.shape.num_layers, ac)
+    tp_s = _tp_seconds(job, tokens, tp, job.shape.num_layers, ac, async_tp)
     if sp > 1:
         link: Link = node.intra_link if sp * tp <= node.gpus_per_node else node.inter_link
         local = _attention_slice(job.shape, tp)
@@ -217,9 +242,10 @@ def price_layout(job: _Job, layout: ParallelLayout, ac: bool, microbatches: int 
     param_dtype, reduce_dtype = get_precision(job.precision)
     units = decoder_tp_units(job.shape, tp) if tp > 1 else model_layout(job.shape).units()
     traffic = estimate_step_traffic(units, fsdp_ranks, "FULL_SHARD", param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    fsdp = _fsdp_time(job, traffic, tp, fsdp_ranks, compute, extra_comm_s=sp_s if hidden else 0.0)
+    fsdp = _fsdp_time(job, traffic, tp, fsdp_ranks, compute, ac, extra_comm_s=sp_s if hidden else 0.0)
     exposed = tp_s + (0.0 if hidden else sp_s)
-    parts = ([f"TP {tp}"] if tp > 1 else []) + ([f"SP {sp} ({method})"] if sp > 1 else [])
+    parts = ([f"TP {tp}" + (" (async)" if async_tp else "")] if tp > 1 else []) + (
+        [f"SP {sp} ({method})"] if sp > 1 else [])
     return AxisOption(" x ".join([*parts, f"FSDP {dp}"]) + (" + AC" if ac else ""), tp, sp, dp, ac, mem.peak_reserved,
                       job.budget(layout), fsdp.comm_s + exposed, fsdp.exposed_comm_s + exposed, compute,
                       fsdp.total_s + exposed, dp * job.micro_batch * job.seq_len)
@@ -261,7 +287,7 @@ def _price_pipeline(job: _Job, layout: ParallelLayout, microbatches: int, ac: bo
     traffic = estimate_step_traffic(units, fsdp_ranks, "FULL_SHARD", param_dtype=compute_dtype,
                                     reduce_dtype=reduce_dtype, grad_accum_steps=m, sync_every_micro_step=False,
                                     reshard_after_backward=False)
-    fsdp = _fsdp_time(job, traffic, tp, fsdp_ranks, m * compute_micro)
+    fsdp = _fsdp_time(job, traffic, tp, fsdp_ranks, m * compute_micro, ac)
     bubble = (pp - 1) * (compute_micro + tp_micro)
     exposed = m * tp_micro + p2p_s
     name = f"{f'TP {tp} x ' if tp > 1 else ''}PP {pp} (m {m}) x FSDP {fsdp_ranks}" + (" + AC" if ac else "")
@@ -331,6 +357,18 @@ def compare_axes(model: DecoderShape | str, gpu: Accelerator | str, gpus: int, *
     if batch_tokens is not None:
         rows = [dataclasses.replace(r, within_batch=r.tokens_per_step <= batch_tokens) for r in rows]
     return rows
+
+
+def tp_rows(shape: DecoderShape, gpu: Accelerator, gpus: int, sizes: list[int], *, seq_len: int, micro_batch: int,
+            gpus_per_node: int, inter_link: str, precision: str, utilization: float,
+            headroom: float) -> list[AxisOption]:
+    """TP over each of ``sizes`` GPUs of a node x FSDP2 across, plain and asynchronous, without and
+    with full checkpointing (:func:`price_layout`), at ``utilization``: the planner's search
+    (:func:`~handbook_lib.models.plan_search.search_plan`). Arguments as :func:`compare_axes`."""
+    node = node_preset(gpu, inter_link=inter_link, gpus_per_node=min(gpus_per_node, gpus))
+    job = _Job(shape, node, gpus, micro_batch, seq_len, precision, utilization, headroom)
+    return [price_layout(job, ParallelLayout.for_world(gpus, tp=t), ac, async_tp=a)
+            for t in sizes for a in (False, True) for ac in (False, True)]
 
 
 def pipeline_microbatches(gpus: int, tp: int, pp: int, tokens_per_micro_batch: int,

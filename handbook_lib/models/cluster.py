@@ -26,7 +26,12 @@ from handbook_lib.models.hardware import Node, usable_memory_bytes
 from handbook_lib.models.layout import wrap_units
 from handbook_lib.models.memory import estimate_memory
 from handbook_lib.models.presets import DecoderShape
-from handbook_lib.models.timing import estimate_compute_time, estimate_step_time, expected_utilization
+from handbook_lib.models.timing import (
+    compute_forward_share,
+    estimate_compute_time,
+    estimate_step_time,
+    expected_utilization,
+)
 from handbook_lib.models.topology import network_share, route_collective
 from handbook_lib.models.traffic import estimate_step_traffic
 
@@ -102,6 +107,9 @@ def compare_cluster_layouts(
                                       node.accelerator.peak_flops_bf16, u,
                                       activation_checkpointing=full, seq_len=seq_len,
                                       num_layers=shape.num_layers, attention_width=shape.attention_width)
+    forward_share = compute_forward_share(shape.num_params, micro_batch * seq_len, activation_checkpointing=full,
+                                          seq_len=seq_len, num_layers=shape.num_layers,
+                                          attention_width=shape.attention_width)
     usable = usable_memory_bytes(node.accelerator)
     rows = []
     for group in shard_group_sizes:
@@ -117,7 +125,7 @@ def compare_cluster_layouts(
         network = sum(round(route(r).sent_bytes * network_share(r, node, gpus, strategy))
                       for r in traffic.records)
         total = sum(route(r).sent_bytes for r in traffic.records)
-        step = estimate_step_time(traffic, route, compute_s, overlap=True)
+        step = estimate_step_time(traffic, route, compute_s, overlap=True, forward_share=forward_share)
         peak = estimate_memory(shape, gpus, strategy, precision, micro_batch=micro_batch,
                                seq_len=seq_len, shard_group_size=group,
                                activation_checkpointing=activation_checkpointing).peak_reserved

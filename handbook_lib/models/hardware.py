@@ -44,23 +44,9 @@ from dataclasses import dataclass
 
 from handbook_lib.core.checks import check_int, is_int, lookup
 
-__all__ = [
-    "Link",
-    "Host",
-    "Accelerator",
-    "Node",
-    "LINKS",
-    "ACCELERATORS",
-    "get_link",
-    "get_accelerator",
-    "default_intra_link",
-    "node_preset",
-    "usable_memory_bytes",
-    "datasheet_bytes",
-    "CUDA_CONTEXT_BYTES",
-    "TRAINING_CONTEXT_BYTES",
-    "GIB",
-]
+__all__ = ["Link", "Host", "Accelerator", "Node", "LINKS", "ACCELERATORS", "get_link", "get_accelerator",
+           "default_intra_link", "node_preset", "usable_memory_bytes", "datasheet_bytes", "CUDA_CONTEXT_BYTES",
+           "TRAINING_CONTEXT_BYTES", "GIB", "NVLINK_RING_STEP_S"]
 
 GIB = 2**30
 """Bytes in a GiB."""
@@ -84,6 +70,9 @@ class Link:
     one_per_gpu: bool = False
     """A network link that machines carry one port of per GPU (InfiniBand rails in a DGX);
     ``False``: one port per machine, shared by its GPUs (or a link inside a machine)."""
+    upper_bound: bool = False
+    """Priced at its line rate for want of a published measurement: a bound no collective
+    reaches (``source`` says so)."""
 
     def __post_init__(self) -> None:
         if not self.bandwidth_bytes_per_s > 0:
@@ -245,6 +234,13 @@ class Node:
 
 
 _TYPICAL = "latency is a typical published figure for one hop, not a datasheet value"
+NVLINK_RING_STEP_S = 7.7e-6
+"""NVLink's alpha per ring step, seconds: :func:`~handbook_lib.models.collectives.fit_alpha_beta`
+on NCCL's ring reduce-scatters of 128 MiB and 8 GiB on 8 H100 (NVIDIA/nccl#1047: 311 and 362
+GB/s of bus bandwidth; the published page checks the sizes between). Every NVLink takes it."""
+_NVLINK_STEP = ("latency per ring step fitted to NCCL's reduce-scatter on 8 H100 from 128 MiB to 8 GiB "
+                "(NVIDIA/nccl#1047), taken for every NVLink generation")
+_LINE_RATE = "line rate: no measured fraction published, so an upper bound"
 _NVLINK_EFF = ("efficiency 0.82: NCCL's maintainer, 2024 (NVIDIA/nccl-tests#212): of H100 "
                "NVLink's 450 GB/s line rate, 'NCCL can get an effective NVLink bandwidth of 370GB/s' "
                "(about 20 % protocol overhead), taken for every NVLink generation")
@@ -252,19 +248,21 @@ _IB_EFF = ("efficiency 0.94: NCCL's maintainers, 2025 (NVIDIA/nccl-tests#290): '
            "you should see 46-48GB/s per NIC', 47 of 50 GB/s, taken for HDR too")
 
 LINKS: dict[str, Link] = {
-    "nvlink4": Link("NVLink 4 (H100 SXM)", 450e9, 2e-6,
+    "nvlink4": Link("NVLink 4 (H100 SXM)", 450e9, NVLINK_RING_STEP_S,
                     "NVIDIA H100 Tensor Core GPU datasheet (2022): 900 GB/s NVLink per GPU, "
-                    f"bidirectional, so 450 GB/s each way; {_TYPICAL}; {_NVLINK_EFF}", 0.82),
-    "nvlink3": Link("NVLink 3 (A100 SXM)", 300e9, 2e-6,
+                    f"bidirectional, so 450 GB/s each way; {_NVLINK_STEP}; {_NVLINK_EFF}", 0.82),
+    "nvlink3": Link("NVLink 3 (A100 SXM)", 300e9, NVLINK_RING_STEP_S,
                     "NVIDIA A100 Tensor Core GPU datasheet (2020): 600 GB/s NVLink per GPU, "
-                    f"bidirectional, so 300 GB/s each way; {_TYPICAL}; {_NVLINK_EFF}", 0.82),
+                    f"bidirectional, so 300 GB/s each way; {_NVLINK_STEP}; {_NVLINK_EFF}", 0.82),
     "pcie4": Link("PCIe 4.0 x16", 32e9, 3e-6,
                   "PCI-SIG PCIe 4.0 specification (2017): 16 GT/s x 16 lanes, about 32 GB/s raw "
                   f"each way; about 25 GB/s is achievable in practice (efficiency 0.78); {_TYPICAL}",
                   25 / 32),
     "pcie5": Link("PCIe 5.0 x16", 64e9, 3e-6,
                   "PCI-SIG PCIe 5.0 specification (2019): 32 GT/s x 16 lanes, about 64 GB/s raw "
-                  f"each way; {_TYPICAL}"),
+                  "each way; efficiency 0.81: Microsoft Azure's ND H200 v5 results (Azure/AI-benchmarking-"
+                  "guide, 2024), nvbandwidth host to device and device to host 52 GB/s each; "
+                  f"{_TYPICAL}", 52 / 64),
     "ib-ndr400": Link("InfiniBand NDR 400 Gb/s", 50e9, 5e-6,
                       "NVIDIA ConnectX-7 / InfiniBand NDR (2021): 400 Gb/s per port = 50e9 bytes/s "
                       f"each way, one port per GPU as in a DGX H100; {_TYPICAL}; {_IB_EFF}", 0.94,
@@ -276,21 +274,21 @@ LINKS: dict[str, Link] = {
     "100gbe": Link("100 Gigabit Ethernet (TCP)", 12.5e9, 20e-6,
                    "IEEE 802.3 100GbE line rate: 100 Gb/s = 12.5e9 bytes/s each way for one port; "
                    "divide by the GPUs that share the port; latency is a typical TCP figure, "
-                   "not a datasheet value"),
+                   f"not a datasheet value; {_LINE_RATE}", upper_bound=True),
     "25gbe": Link("25 Gigabit Ethernet (TCP)", 3.125e9, 30e-6,
                   "IEEE 802.3 25GbE line rate: 25 Gb/s = 3.125e9 bytes/s each way for one port; "
                   "divide by the GPUs that share the port; latency is a typical TCP figure, "
-                  "not a datasheet value"),
-    "nvlink5": Link("NVLink 5 (B200 SXM)", 900e9, 2e-6,
+                  f"not a datasheet value; {_LINE_RATE}", upper_bound=True),
+    "nvlink5": Link("NVLink 5 (B200 SXM)", 900e9, NVLINK_RING_STEP_S,
                     "NVIDIA DGX B200 datasheet (2024): fifth-generation NVLink, 1.8 TB/s per GPU, "
-                    f"bidirectional (14.4 TB/s for 8 GPUs), so 900 GB/s each way; {_TYPICAL}; {_NVLINK_EFF}",
-                    0.82),
+                    f"bidirectional (14.4 TB/s for 8 GPUs), so 900 GB/s each way; {_NVLINK_STEP}; "
+                    f"{_NVLINK_EFF}", 0.82),
     "infinity-fabric": Link("AMD Infinity Fabric (MI300X platform)", 448e9, 2e-6,
                             "AMD Instinct MI300X datasheet (2023): 7 Infinity Fabric links per GPU, one "
                             "to each peer of an 8-GPU board, 128 GB/s bidirectional each, 896 GB/s in "
                             "all, so 448 GB/s each way per GPU; one link alone carries 64 GB/s each "
                             "way, so the 448 assume the collective library (RCCL) runs rings over "
-                            f"all 7 peer links at once; {_TYPICAL}"),
+                            f"all 7 peer links at once; {_LINE_RATE}; {_TYPICAL}", upper_bound=True),
     "loopback": Link("TCP loopback (gloo, one host)", 1e9, 20e-6,
                      "nominal figures for the book's CPU runs, whose ranks are processes of one host "
                      "talking through gloo's TCP transport: 1 GB/s each way, as chapter 3 measures a "

@@ -3,6 +3,8 @@ Pure."""
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from handbook_lib.models.offload import OffloadCost
@@ -33,7 +35,8 @@ class Option:
     """The reserved peak within the budget, and (offloading) the node's host bytes within its
     RAM."""
     comm_s: float = 0.0
-    """Communication per step, seconds (all collectives back to back, plus offload traffic)."""
+    """Communication per step, seconds: in each phase the busiest link's collectives (and offload's
+    copies on the host link), summed over the phases (:attr:`~handbook_lib.models.timing.StepTime.comm_s`)."""
     compute_s: float = 0.0
     """Compute per step, seconds (recomputation included)."""
     step_s: float = 0.0
@@ -55,6 +58,10 @@ class Option:
     nccl_bytes: int = 0
     """NCCL's buffers for its process groups, bytes, taken off the budget
     (:func:`~handbook_lib.models.nccl_buffers.nccl_buffer_bytes`)."""
+    compute_margin: float = math.inf
+    """How far compute may shrink before a phase waits on its links
+    (:attr:`~handbook_lib.models.timing.StepTime.compute_margin`): the utilization at which the
+    bound flips is the planned one times this."""
 
     @property
     def cpu_step_s(self) -> float:

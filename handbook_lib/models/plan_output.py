@@ -28,20 +28,25 @@ from handbook_lib.models.hardware import node_preset
 from handbook_lib.models.hf_config import hf_config_from_text
 from handbook_lib.models.layout import ModelLike
 from handbook_lib.models.nccl_buffers import strategy_nccl
+from handbook_lib.models.plan_search import PlanSearch, search_plan
 from handbook_lib.models.planner import Plan, check_whole_nodes, plan, shard_groups
-from handbook_lib.models.recompute import CheckpointPolicy, check_policy_flags
+from handbook_lib.models.recompute import FULL, CheckpointPolicy, check_policy_flags
 from handbook_lib.models.presets import DecoderShape, describe_shape, get_shape
 from handbook_lib.models.sensitivity import FlipPoints, Sensitivity, flip_points, plan_sensitivity
 from handbook_lib.models.zero_peak import DEEPSPEED_DEFAULTS, ZeroKnobs
 
-__all__ = ["PLAN_NAMES", "SCALES", "PlanReport", "not_modelled", "plan_report", "short_of_fsdp", "plan_page",
-           "zero_knobs"]
+__all__ = ["PLAN_NAMES", "SCALES", "SEARCH_ROWS", "PlanReport", "not_modelled", "plan_report", "short_of_fsdp",
+           "plan_page", "zero_knobs"]
 
 PLAN_NAMES = {"world": "--gpus ({})", "dp_shard": "--shard-group-size {}", "tp": "--tp-size {}",
               "sp": "--sp-size {}", "sp_method": "--sp-method {}", "gpus_per_node": "the GPUs per node ({})",
               "nhead": "the heads ({})", "kv_heads": "the KV heads ({})", "seq_len": "--seq-len ({})",
               "pp": "--pp-size {}", "layers": "the layers ({})"}
 """How a plan's refusals name the layout's quantities: by ``plan``'s flags, or in words."""
+
+SEARCH_ROWS = 8
+"""The fastest layouts that fit, shown by ``plan``'s search on the terminal and the page (``--json`` lists
+every one)."""
 
 SCALES = 0.10
 """Exposed communication, as a fraction of compute, past which a layout is said not to scale: the
@@ -63,6 +68,9 @@ class PlanReport:
     verdict: AxesVerdict | None = None
     not_modelled: tuple[str, ...] = ()
     """What the plan leaves out, in words (:func:`not_modelled`)."""
+    search: PlanSearch | None = None
+    """Every layout searched and the fastest that fits (:func:`~handbook_lib.models.plan_search.search_plan`;
+    ``None`` for one strategy asked alone)."""
 
     def to_json(self) -> dict[str, Any]:
         """``plan --json``'s object."""
@@ -72,6 +80,10 @@ class PlanReport:
         if self.sensitivity is not None:
             data["sensitivity"] = [dataclasses.asdict(c) for c in self.sensitivity]
             data["flip_points"] = dataclasses.asdict(self.flips) if self.flips else None
+        if self.search is not None:
+            data["search"] = {"searched": self.search.searched, "verdict": self.search.verdict(),
+                              "lead": self.search.lead,
+                              "candidates": [dataclasses.asdict(c) for c in self.search.candidates]}
         if self.verdict is not None:
             data["axes"] = {"options": [dataclasses.asdict(r) for r in self.axes],
                             "why": axes_reason(list(self.axes), self.band), "verdict": dataclasses.asdict(self.verdict)}
@@ -178,13 +190,16 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
         changes = tuple(listed)
     else:
         result = plan(model, gpu, gpus, **kwargs)
+    searched = None if strategy is not None else search_plan(
+        decoder or model, gpu, gpus, first=result if policy == FULL and shard_group_size is None else None,
+        **{k: v for k, v in kwargs.items() if k not in ("checkpointing", "shard_group_size", "strategy", "zero")})
     pick = result.recommended or result.options[0]
     node = node_preset(gpu, inter_link=inter_link, gpus_per_node=min(per_node, pick.gpus), nics_per_node=nics_per_node)
     nccl = strategy_nccl(node, pick.strategy, pick.gpus, pick.shard_group_size)
     report = PlanReport(result, memory_budget(gpu, headroom, nccl),
                         step_time_band(gpu), changes,
                         flip_points(result) if sensitivity else None,
-                        not_modelled=not_modelled(policy, False, deepspeed))
+                        not_modelled=not_modelled(policy, False, deepspeed), search=searched)
     asked = tp_size > 1 or sp_size > 1 or pp_size is not None or batch_tokens is not None
     if asked and strategy is not None:
         raise ValueError(f"--strategy {strategy} prices one strategy alone: leave out --tp-size, --sp-size, "
@@ -313,6 +328,12 @@ def _view(report: PlanReport) -> dict[str, Any]:
                  "budget": pick.budget_bytes, "fits": pick.fits,
                  "parts": {"model state": state, "activations": acts,
                            "gathered units, buffers, logits": max(0, pick.peak_bytes - state - acts)}},
+        "search": [] if report.search is None or report.search.winner is None else [
+            {"name": c.name, "reserved": c.peak_reserved_bytes, "step_s": c.step_s,
+             "tokens_per_s_per_gpu": c.tokens_per_s_per_gpu,
+             "vs_best": c.tokens_per_s_per_gpu / report.search.winner.tokens_per_s_per_gpu - 1,
+             "tie": c in report.search.tied}
+            for c in report.search.fitting[:SEARCH_ROWS]],
         "axes": [{"name": r.name, "reserved": r.peak_reserved_bytes, "margin": r.margin_bytes / r.budget_bytes,
                   "fits": r.fits, "within_batch": r.within_batch, "bubble_s": r.bubble_s, "step_s": r.step_s,
                   "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu} for r in report.axes],

@@ -42,7 +42,12 @@ from handbook_lib.models.plan_reasons import gb as _gb
 from handbook_lib.models.recompute import FULL, CheckpointPolicy, recompute_flops
 from handbook_lib.models.seed import seed_recommendation
 from handbook_lib.models.timing import (
-    DEFAULT_UTILIZATION, estimate_compute_time, estimate_step_flops, estimate_step_time, expected_utilization,
+    DEFAULT_UTILIZATION,
+    compute_forward_share,
+    estimate_compute_time,
+    estimate_step_flops,
+    estimate_step_time,
+    expected_utilization,
 )
 from handbook_lib.models.topology import Route, route_collective
 from handbook_lib.models.traffic import CollectiveRecord, estimate_step_traffic
@@ -142,6 +147,7 @@ def plan(
     loss_chunks: int = 1,
     strategy: str | None = None,
     zero: ZeroKnobs = DEEPSPEED_DEFAULTS,
+    checkpointed_only: bool = False,
 ) -> Plan:
     """Price every option for training ``model`` on ``gpus`` GPUs and recommend one.
 
@@ -195,6 +201,10 @@ def plan(
             :func:`~handbook_lib.models.zero_peak.zero_plan_traffic`; gradients reduced while
             backward runs only with ``overlap_comm``); ``None``: PyTorch's, and CPU offload.
         zero: DeepSpeed's ``zero_optimization`` keys for the ZeRO options (its defaults).
+        checkpointed_only: Price the options with checkpointing only, and nothing beyond them
+            (no more GPUs when none fits, no counsel on what would fit): a search of policies
+            prices those without once and reads the options alone
+            (:func:`~handbook_lib.models.plan_search.search_plan`).
 
     Raises:
         ValueError: for unknown presets or precision, ``gpus < 1``, ``gpus_per_node < 1`` or
@@ -211,9 +221,8 @@ def plan(
         gpus_per_node = node_preset(acc).gpus_per_node
     check_whole_nodes(gpus, gpus_per_node)
     get_precision(precision)
-    check_int("micro_batch", micro_batch, 1)
-    check_int("seq_len", seq_len, 1)
-    check_int("grad_accum_steps", grad_accum_steps, 1)
+    for name, value in (("micro_batch", micro_batch), ("seq_len", seq_len), ("grad_accum_steps", grad_accum_steps)):
+        check_int(name, value, 1)
     if seq_len % check_int("loss_chunks", loss_chunks, 1):
         raise ValueError(f"loss_chunks={loss_chunks} must divide seq_len={seq_len}")
     if sync_every_micro_step and grad_accum_steps < 2:
@@ -238,14 +247,14 @@ def plan(
     for row in order:
         for group in groups if get_strategy(row).hybrid else [None]:
             name = f"{row}/{group}" if group and shard_group_size is not None else row
-            for ac in (False, True):
+            for ac in (True,) if checkpointed_only else (False, True):
                 options.append(price(row, gpus, ac, False, name + (" + AC" if ac else ""), group))
     if acc.host is not None and strategy is None:
         options.append(price("FULL_SHARD", gpus, True, True, "FULL_SHARD + AC + offload"))
     here = [o for o in options if o.fits and o.gpus == gpus]
     base = strategy or "FULL_SHARD"
     widest, fewer = next(o for o in options if o.strategy == base and o.activation_checkpointing), 0
-    if not widest.fits:  # more GPUs, their memory priced as every option's: the fewest that fit
+    if not widest.fits and not checkpointed_only:  # more GPUs, their memory priced alike: the fewest that fit
         counts = _more_gpus(gpus)
         more = next((n for n in counts if _fits(job, base, n, True)), counts[-1])
         widest = price(base, more, True, False, f"{base} + AC on {more} GPUs")
@@ -258,7 +267,7 @@ def plan(
         recommended = bigger[0] if bigger else None
     reasons = plan_reasons(options, recommended, acc, gpus, gpus_per_node,
                            None if checkpointing == FULL else (checkpointing.label, _recompute_share(job)))
-    if recommended is None:
+    if recommended is None and not checkpointed_only:
         reasons.append(_what_would_fit(job, widest, base))
     if fewer:
         reasons.append(f"With CPU offload, FULL_SHARD + AC would fit {fewer} GPUs (GPU and host memory priced as "
@@ -405,24 +414,32 @@ def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str,
     overlap = row.wrapper != "deepspeed" or job.zero.overlaps(row.zero_stage or 0)
 
     routes: dict[str, dict[str, None]] = {}  # description -> the kinds that take it
+    priced: dict[tuple[str, int, int], Route] = {}  # one route per collective and buffer: units repeat
 
     def link_of(record: CollectiveRecord) -> Route:
-        route = route_collective(record, job.node, n, strategy)
-        routes.setdefault(route.description, {})[record.kind] = None
+        key = (record.kind, record.buffer_bytes, record.group_size)
+        route = priced.get(key)
+        if route is None:
+            route = priced[key] = route_collective(record, job.node, n, strategy)
+            routes.setdefault(route.description, {})[record.kind] = None
         return route
 
     acc, lay = job.node.accelerator, job.layout
     tokens = job.micro_batch * job.seq_len * job.accum[0]
-    compute = estimate_compute_time(lay.num_params, tokens, acc.peak_flops(job.precision),
-                                    job.utilization, activation_checkpointing=ac, seq_len=job.seq_len,
-                                    num_layers=lay.num_layers, attention_width=lay.attention_width,
-                                    recompute_flops=recompute_flops(lay, tokens, job.seq_len, job.policy))
+    recompute = recompute_flops(lay, tokens, job.seq_len, job.policy)
+    compute = estimate_compute_time(lay.num_params, tokens, acc.peak_flops(job.precision), job.utilization,
+                                    activation_checkpointing=ac, seq_len=job.seq_len, num_layers=lay.num_layers,
+                                    attention_width=lay.attention_width, recompute_flops=recompute)
+    forward_share = compute_forward_share(lay.num_params, tokens, activation_checkpointing=ac, seq_len=job.seq_len,
+                                          num_layers=lay.num_layers, attention_width=lay.attention_width,
+                                          recompute_flops=recompute)
     cost = None
     if offload:
         assert acc.host is not None  # plan() offers offload only with a host
         cost = estimate_offload(traffic, job.layout.num_params, acc.host, job.node.gpus_per_node,
                                 shard_group_size=group, params_per_s_per_core=job.cpu_speed)
-    time = estimate_step_time(traffic, link_of, compute, overlap=overlap, extra_comm_s=cost.copy_s if cost else 0.0)
+    time = estimate_step_time(traffic, link_of, compute, overlap=overlap, extra_comm_s=cost.copy_s if cost else 0.0,
+                              forward_share=forward_share)
     step, per_node = time.total_s, 0
     reserved = reserved_bytes(peak, fraction=job.reserve)
     budget, nccl = _budget(job, strategy, n, group)
@@ -436,7 +453,7 @@ def _price(job: _Job, strategy: str, n: int, ac: bool, offload: bool, name: str,
     return Option(name, strategy, n, ac, offload, group, peak, reserved, budget, fits,
                   time.comm_s, compute, step, time.bound,
                   peak_phase, activations, model_state, host_bytes, per_node,
-                  cost, tuple(f"{', '.join(kinds)}: {d}" for d, kinds in routes.items()), nccl)
+                  cost, tuple(f"{', '.join(kinds)}: {d}" for d, kinds in routes.items()), nccl, time.compute_margin)
 
 
 MAX_GPUS = 4096

@@ -54,7 +54,7 @@ class PublishedBandwidth:
 
     label: str
     kind: str
-    """``all_reduce`` or ``all_gather``."""
+    """``all_reduce``, ``all_gather`` or ``reduce_scatter``."""
     strategy: str
     """The strategy whose group the benchmark's collective is (one group of every GPU: DDP's
     all-reduce, FULL_SHARD's all-gather), for :func:`~handbook_lib.models.topology.route_collective`."""
@@ -82,6 +82,14 @@ _AZURE = ("Microsoft Azure, github.com/Azure/AI-benchmarking-guide, Azure_Result
           "nccl-tests all_reduce, in place, 8 GB message, NCCL 2.18.5")
 _NVLS = ("NCCL ran NVLink SHARP (NVLS): the NVSwitch adds the buffers, so each GPU sends its data "
          "once instead of a ring's twice; the model knows only ring and tree")
+
+_NCCL_1047 = ("NVIDIA/nccl#1047 (2023): reduce_scatter_perf on one server of 8 H100 80GB HBM3, NCCL's ring, "
+              "out of place")
+_RAMP = ((128, 311.34), (256, 330.94), (512, 340.94), (1024, 349.36), (2048, 354.81), (4096, 357.76),
+         (8192, 362.16))
+"""NVIDIA/nccl#1047's reduce-scatter: (MiB, bus bandwidth GB/s), from 128 MiB to 8 GiB. The
+smallest and the largest set NVLink's latency per ring step
+(:data:`~handbook_lib.models.hardware.NVLINK_RING_STEP_S`)."""
 
 PUBLISHED_BUS_BANDWIDTH: tuple[PublishedBandwidth, ...] = (
     PublishedBandwidth("1 x 8 H100, ring", "all_gather", "FULL_SHARD", "h100-80gb", 8, "ib-ndr400", 8 * 2**30, 370e9,
@@ -113,6 +121,15 @@ PUBLISHED_BUS_BANDWIDTH: tuple[PublishedBandwidth, ...] = (
                        "NVIDIA/nccl-tests#283 (2025): 1,984 ranks on 248 nodes of 8 H200 with 8 HCAs "
                        "each, all_reduce of 512 MB 'typically measuring around 350G' (the HCAs' speed "
                        "is not stated; priced as NDR 400 Gb/s)"),
+    *(PublishedBandwidth(f"{nodes} x 8 H100", "reduce_scatter", "FULL_SHARD", "h100-80gb",
+                         8 * nodes, "ib-ndr400", 8 * 2**30, gbs * 1e9,
+                         "NVIDIA/nccl#1229 (2024): reduce-scatter on H100 clusters of 4 to 128 nodes, bus bandwidth "
+                         "'just like 360,345,320,300,280,260' (GB/s, rounded by its author; message size not "
+                         "stated, priced at 8 GiB, where a ring's bus bandwidth peaks)")
+      for nodes, gbs in ((4, 360), (8, 345), (16, 320), (32, 300), (64, 280), (128, 260))),
+    *(PublishedBandwidth(f"1 x 8 H100, {mib:,} MiB", "reduce_scatter", "FULL_SHARD", "h100-80gb", 8,
+                         "ib-ndr400", mib * 2**20, gbs * 1e9, _NCCL_1047, calibration=mib in (128, 8192))
+      for mib, gbs in _RAMP),
 )
 """Published bus bandwidths, with their configurations and sources."""
 

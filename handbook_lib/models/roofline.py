@@ -16,6 +16,13 @@ bandwidth each GPU's ring gets each way. ``P`` cancels: the threshold depends on
 on how fast the GPU computes, not on the model's size, and on ``N`` only through ``(N-1)/N``.
 The latency term (``alpha`` per ring step) is left out: it matters for small buffers and many
 ranks, not for a layer's gigabytes.
+
+**Per phase.** Overlap happens inside a phase, not across the step: forward's all-gathers hide
+behind forward's ``2PT`` only, backward's all-gathers and reduce-scatters behind backward's
+``4PT`` (``6PT`` with the forward recomputed). FULL_SHARD in bf16 with fp32 reduction carries 2
+of its 8 bytes per parameter in forward and 6 in backward: backward needs
+``T >= 6/4 · (N-1)/N · F·MFU/beta``, an eighth more than the whole step's ``8/6``
+(:func:`min_tokens_by_phase`); with full recomputation both phases need ``1·(N-1)/N·F·MFU/beta``.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from handbook_lib.core.config import dtype_bytes
 from handbook_lib.core.strategies import get_strategy
 from handbook_lib.models.timing import DEFAULT_UTILIZATION
 
-__all__ = ["min_tokens_per_gpu", "wire_bytes_per_param"]
+__all__ = ["min_tokens_per_gpu", "min_tokens_by_phase", "phase_wire_bytes", "wire_bytes_per_param"]
 
 def wire_bytes_per_param(strategy: str = "FULL_SHARD", param_dtype: str = "bf16",
                          reduce_dtype: str = "fp32") -> int:
@@ -79,3 +86,31 @@ def min_tokens_per_gpu(bandwidth_bytes_per_s: float, peak_flops: float,
     flops_per_token_param = 8 if activation_checkpointing else 6
     return (wire_bytes * ring * peak_flops * utilization
             / (flops_per_token_param * bandwidth_bytes_per_s))
+
+
+def phase_wire_bytes(strategy: str = "FULL_SHARD", param_dtype: str = "bf16",
+                     reduce_dtype: str = "fp32") -> dict[str, int]:
+    """:func:`wire_bytes_per_param` by phase: ``{"forward": p, "backward": p + r}`` for
+    FULL_SHARD (the all-gather for forward; backward's all-gather again and the reduce-scatter),
+    ``{"forward": p, "backward": r}`` for SHARD_GRAD_OP, ``{"forward": 0, "backward": 2·r}`` for
+    DDP (hybrid strategies: their shard group's, as :func:`wire_bytes_per_param`)."""
+    total = wire_bytes_per_param(strategy, param_dtype, reduce_dtype)
+    row = get_strategy(strategy)
+    forward = dtype_bytes(param_dtype, "param_dtype") if row.shards_params else 0
+    return {"forward": forward, "backward": total - forward}
+
+
+def min_tokens_by_phase(bandwidth_bytes_per_s: float, peak_flops: float,
+                        utilization: float = DEFAULT_UTILIZATION, *,
+                        wire_bytes: dict[str, float] | None = None, ranks: int | None = None,
+                        activation_checkpointing: bool = False) -> dict[str, float]:
+    """:func:`min_tokens_per_gpu` for each phase, ``{"forward": ..., "backward": ...}``: the
+    tokens each GPU needs per micro-step for the phase's compute (2PT forward; 4PT backward,
+    6PT with the forward recomputed) to hide its collectives' bytes (``wire_bytes``, by
+    default :func:`phase_wire_bytes` of FULL_SHARD in bf16 with fp32 reduction). Compute hides
+    the step's communication above the larger of the two."""
+    wire: dict[str, float] = {**phase_wire_bytes()} if wire_bytes is None else wire_bytes
+    flops = {"forward": 2, "backward": 6 if activation_checkpointing else 4}
+    return {phase: min_tokens_per_gpu(bandwidth_bytes_per_s, peak_flops, utilization, wire_bytes=wire[phase],
+                                      ranks=ranks) * 6 / flops[phase] if wire[phase] else 0.0
+            for phase in ("forward", "backward")}

@@ -10,6 +10,8 @@ compute-bound).
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +78,8 @@ def flip_points(result: Plan) -> FlipPoints | None:
     Fitting: the option fits while ``reserved peak <= (capacity - context - NCCL's buffers) x
     (1 - headroom)``.
     Bound: compute scales as 1/utilization and the collectives' time about as 1/bandwidth (their
-    latency ignored), so the step stays compute-bound while ``compute > comm``.
+    latency ignored), so the step stays compute-bound while each phase's compute outlasts its
+    busiest link's hidden collectives (:attr:`~handbook_lib.models.plan_option.Option.compute_margin`).
     """
     o = result.recommended
     if o is None:
@@ -84,10 +87,11 @@ def flip_points(result: Plan) -> FlipPoints | None:
     usable = o.budget_bytes / (1 - result.headroom)
     headroom = 1 - o.peak_reserved_bytes / usable
     memory = o.peak_reserved_bytes / (1 - result.headroom) + result.context_bytes + o.nccl_bytes
-    compute_bound = o.compute_s > o.comm_s
-    mfu = result.utilization * o.compute_s / o.comm_s if compute_bound and o.comm_s else None
+    margin = o.compute_margin
+    compute_bound = margin > 1
+    mfu = result.utilization * margin if compute_bound and math.isfinite(margin) else None
     return FlipPoints(headroom, int(memory), mfu if mfu is not None and mfu < 1 else None,
-                      o.comm_s / o.compute_s if compute_bound else None)
+                      1 / margin if compute_bound else None)
 
 
 def plan_sensitivity(model: ModelLike, gpu: str, gpus: int, **kwargs: Any) -> tuple[Plan, list[Sensitivity]]:

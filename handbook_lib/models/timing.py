@@ -12,19 +12,21 @@ utilization published runs reach on the GPU for the model's width; overlap hides
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from handbook_lib.core.checks import check_int
 from handbook_lib.models.collectives import estimate_collective_time
 from handbook_lib.models.hardware import Accelerator, Link
+from handbook_lib.models.init_bytes import DDP_BUCKET_CAPS
 from handbook_lib.models.topology import Route
 from handbook_lib.models.traffic import CollectiveRecord, StepTraffic
 
-__all__ = ["StepTime", "StepFlops", "bytes_by_link", "estimate_step_time", "estimate_compute_time",
-           "estimate_step_flops", "DEFAULT_UTILIZATION", "UTILIZATION_SOURCE", "ATTENTION_FLOPS_SOURCE",
-           "UTILIZATION_HALF_WIDTH", "UTILIZATION_MAX", "expected_utilization", "width_utilization",
-           "fit_utilization", "fit_utilizations"]
+__all__ = ["StepTime", "PhaseTime", "FORWARD_SHARE", "NETWORK", "HOST", "StepFlops", "bytes_by_link",
+           "estimate_step_time", "estimate_compute_time", "estimate_step_flops", "compute_forward_share",
+           "DEFAULT_UTILIZATION", "UTILIZATION_SOURCE", "ATTENTION_FLOPS_SOURCE", "UTILIZATION_HALF_WIDTH",
+           "UTILIZATION_MAX", "expected_utilization", "width_utilization", "fit_utilization", "fit_utilizations"]
 
 DEFAULT_UTILIZATION = 0.41
 """Utilization assumed for a GPU with no published run (:func:`expected_utilization`) and by
@@ -79,15 +81,69 @@ class StepTime:
     """Predicted time of one optimizer step, seconds."""
 
     comm_s: float
-    """All collectives, back to back."""
+    """The collectives' time: back to back without overlap; with it, each phase's busiest link
+    (collectives on different links run at once), summed over the phases."""
     compute_s: float
     """Forward and backward compute, as given."""
     exposed_comm_s: float
-    """Communication that no compute hides."""
+    """Communication that no compute hides: ``total_s - compute_s``."""
     total_s: float
     """The step."""
     bound: str
-    """``"communication"`` if ``comm_s > compute_s``, else ``"compute"``."""
+    """``"communication"`` where a phase's collectives on one link outlast its compute (the
+    step waits on the link beyond its unavoidable first all-gather and last reduction), else
+    ``"compute"``."""
+    phases: tuple[PhaseTime, ...] = ()
+    """Each micro-step's forward and backward, in order (with overlap; empty without)."""
+
+    @property
+    def compute_margin(self) -> float:
+        """The factor compute may shrink by (a faster GPU, a higher utilization) before a phase
+        waits on its links: the least of each phase's compute over its busiest link's hidden
+        time. Above 1 the step is compute-bound, below 1 communication-bound; infinite with no
+        collective to hide. Without overlap (no phases), compute over all communication."""
+        if not self.phases:
+            return self.compute_s / self.comm_s if self.comm_s else math.inf
+        return min((p.compute_s / p.hidden_s for p in self.phases if p.hidden_s > 0), default=math.inf)
+
+
+@dataclass(frozen=True)
+class PhaseTime:
+    """One phase of one micro-step with overlap: its compute, each link's collectives, and what
+    nothing hides, seconds."""
+
+    micro_step: int
+    phase: str
+    """``"forward"`` or ``"backward"``."""
+    compute_s: float
+    streams: tuple[tuple[str, float], ...]
+    """``(link, seconds)`` of the collectives on each link (NVLink inside a machine, the
+    network, the host link), which run at the same time as each other."""
+    edge_s: float
+    """The collective nothing can hide: forward's first all-gather (nothing computes before it),
+    backward's last reduction (nothing computes after it: the last reduce-scatter, and under
+    HYBRID_SHARD the all-reduce that follows it; DDP's last bucket of 25 MiB, the rest of its
+    buckets reduced while backward runs)."""
+    total_s: float
+    """``edge + max(compute, each link's time less its part of the edge)``."""
+    hidden_s: float = 0.0
+    """The busiest link's time less its part of the edge: what compute must outlast to hide it."""
+
+    @property
+    def bound(self) -> str:
+        """``"communication"`` if a link's collectives outlast the phase's compute."""
+        return "communication" if self.total_s > self.edge_s + self.compute_s * (1 + 1e-12) else "compute"
+
+
+FORWARD_SHARE = 1 / 3
+"""The forward's share of a step's compute under the 6PT rule (2PT of 6PT), the default of
+:func:`estimate_step_time`; :attr:`StepFlops.forward_share` gives it for a shape and a policy."""
+
+NETWORK = "network"
+"""The stream key of a collective whose route leaves its machine (:attr:`Route.machines` > 1)."""
+HOST = "host link"
+"""The stream key of CPU offload's copies (``extra_comm_s``)."""
+
 
 def bytes_by_link(traffic: StepTraffic, link_of: Callable[[CollectiveRecord], LinkOrRoute]) -> dict[str, int]:
     """Bytes one rank sends per step on each link (by the link's name; a route's slowest link),
@@ -99,6 +155,42 @@ def bytes_by_link(traffic: StepTraffic, link_of: Callable[[CollectiveRecord], Li
         sent[name] = sent.get(name, 0) + record.sent_bytes
     return sent
 
+
+def _stream(chosen: LinkOrRoute) -> str:
+    """Which link a collective occupies: the network if its route leaves the machine, else the
+    link it runs on (one link, or the intra-node one)."""
+    return NETWORK if isinstance(chosen, Route) and chosen.machines > 1 else chosen.name
+
+
+def _phase(micro_step: int, phase: str, timed: list[tuple[CollectiveRecord, str, float]], compute_s: float,
+           host_s: float) -> PhaseTime:
+    """One phase with overlap (:func:`estimate_step_time`): its collectives ``timed`` (record,
+    stream, seconds) in execution order."""
+    streams: dict[str, float] = {}
+    for _, stream, t in timed:
+        streams[stream] = streams.get(stream, 0.0) + t
+    if host_s:
+        streams[HOST] = streams.get(HOST, 0.0) + host_s
+    edge: list[tuple[str, float]] = []
+    if phase == "forward" and timed and timed[0][0].kind == "all_gather":
+        edge = [timed[0][1:]]
+    elif phase == "backward" and timed and timed[-1][0].kind in ("reduce_scatter", "all_reduce"):
+        last = timed[-1]
+        edge = [last[1:]]
+        if (last[0].kind == "all_reduce" and len(timed) > 1 and timed[-2][0].kind == "reduce_scatter"
+                and timed[-2][0].unit == last[0].unit):  # HSDP: the last unit's reduce-scatter, then its all-reduce
+            edge.insert(0, timed[-2][1:])
+    if edge and timed[-1][0].unit == "model":  # DDP's one record: only its last bucket waits for nothing
+        edge = [(edge[0][0], edge[0][1] * min(1.0, DDP_BUCKET_CAPS[1] / max(timed[-1][0].buffer_bytes, 1)))]
+    hidden = dict(streams)
+    for stream, t in edge:
+        hidden[stream] -= t
+    edge_s = sum(t for _, t in edge)
+    busiest = max(hidden.values(), default=0.0)
+    return PhaseTime(micro_step, phase, compute_s, tuple(streams.items()), edge_s, edge_s + max(compute_s, busiest),
+                     busiest)
+
+
 def estimate_step_time(
     traffic: StepTraffic,
     link: Link | Callable[[CollectiveRecord], LinkOrRoute],
@@ -106,6 +198,7 @@ def estimate_step_time(
     overlap: bool,
     *,
     extra_comm_s: float = 0.0,
+    forward_share: float = FORWARD_SHARE,
 ) -> StepTime:
     """Time of one step: its collectives on ``link`` plus ``compute_s`` seconds of compute.
 
@@ -113,35 +206,57 @@ def estimate_step_time(
     NVLink inside a node, InfiniBand for HSDP's all-reduce across nodes) or its
     :class:`~handbook_lib.models.topology.Route` on a cluster.
 
-    Without overlap, ``total = comm + compute``. With overlap, FSDP prefetches each unit's
-    all-gather while the previous unit computes and reduce-scatters while the next one does;
-    only the first forward all-gather of each micro-step has nothing to hide behind. So
-    ``total = exposed + max(compute, comm - exposed)``, exposed being those first all-gathers.
+    Without overlap, ``total = comm + compute``. With overlap the step is priced phase by
+    phase (each micro-step's forward, then its backward; :class:`PhaseTime`), as FSDP2 runs it:
 
-    ``extra_comm_s`` is other transfer time on the collectives' streams, hidden as they are
-    (CPU offload's copies to and from the host, :mod:`handbook_lib.models.offload`).
+    - **forward:** each unit's all-gather is prefetched while the previous unit computes; the
+      first has nothing to hide behind (its *edge*);
+    - **backward:** all-gathers (where forward resharded) and reduce-scatters run while the
+      next unit computes; the last reduction has nothing after it to hide behind (the edge);
+    - **streams:** collectives on one link share it (their times add), but collectives on
+      different links run at once: FSDP2 issues HYBRID_SHARD's all-reduce between replicas on
+      a stream of its own, "concurrently with all-gather/reduce-scatter since collectives use
+      different network resources" (torch 2.13,
+      ``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``). A collective is on the
+      network if its route leaves the machine, else on the link it runs on;
+
+    so a phase takes ``edge + max(compute, each link's time less its part of the edge)``,
+    compute split between the phases by ``forward_share`` (2PT of 6PT: 1/3;
+    :attr:`StepFlops.forward_share` for attention and recomputation, which runs in backward)
+    and evenly between micro-steps. NCCL's kernels also take some of the GPU's SMs while they
+    overlap compute; that slowdown is in the measured utilizations the compute is priced at,
+    not added here.
+
+    ``extra_comm_s`` is other transfer time beside the collectives, on the host link (CPU
+    offload's copies to and from the host, :mod:`handbook_lib.models.offload`), spread over the
+    phases as their compute is.
     """
     if not compute_s >= 0:
         raise ValueError(f"compute_s must be >= 0, got {compute_s!r}")
     if not extra_comm_s >= 0:
         raise ValueError(f"extra_comm_s must be >= 0, got {extra_comm_s!r}")
+    if not 0 <= forward_share <= 1:
+        raise ValueError(f"forward_share must be in [0, 1], got {forward_share!r}")
     choose = link if callable(link) else (lambda record: link)
-    comm = exposed = 0.0
-    started: set[int] = set()
+    timed = []
     for r in traffic.records:
         chosen = choose(r)
-        t = chosen.seconds if isinstance(chosen, Route) else estimate_collective_time(r, chosen)
-        comm += t
-        if r.kind == "all_gather" and r.phase == "forward" and r.micro_step not in started:
-            started.add(r.micro_step)
-            exposed += t
-    comm += extra_comm_s
-    if overlap:
-        total = exposed + max(compute_s, comm - exposed)
-    else:
-        exposed, total = comm, comm + compute_s
-    bound = "communication" if comm > compute_s else "compute"
-    return StepTime(comm, compute_s, exposed, total, bound)
+        timed.append((r, _stream(chosen), chosen.seconds if isinstance(chosen, Route)
+                      else estimate_collective_time(r, chosen)))
+    comm = sum(t for *_, t in timed) + extra_comm_s
+    if not overlap:
+        return StepTime(comm, compute_s, comm, comm + compute_s,
+                        "communication" if comm > compute_s else "compute")
+    k = traffic.grad_accum_steps
+    phases = []
+    for m in range(k):
+        for phase, share in (("forward", forward_share), ("backward", 1 - forward_share)):
+            mine = [x for x in timed if x[0].micro_step == m and x[0].phase == phase]
+            phases.append(_phase(m, phase, mine, compute_s * share / k, extra_comm_s * share / k))
+    total = sum(p.total_s for p in phases)
+    busiest = sum(max((t for _, t in p.streams), default=0.0) for p in phases)
+    bound = "communication" if any(p.bound == "communication" for p in phases) else "compute"
+    return StepTime(busiest, compute_s, total - compute_s, total, bound, tuple(phases))
 
 
 def width_utilization(u_max: float, d0: int, d_model: int) -> float:
@@ -215,6 +330,12 @@ class StepFlops:
         """The FLOPs the GPU executes, hardware FLOPs utilization's (HFU) count: model + recompute."""
         return self.model + self.recompute
 
+    @property
+    def forward_share(self) -> float:
+        """The forward's share of :attr:`hardware`: a third of :attr:`model` (the rest, and the
+        recomputed forward, run in backward); :data:`FORWARD_SHARE` for no FLOPs."""
+        return self.model / 3 / self.hardware if self.hardware else FORWARD_SHARE
+
 
 def estimate_step_flops(num_params: int, tokens: int, *, seq_len: int = 0, num_layers: int = 0,
                         attention_width: int = 0, activation_checkpointing: bool = False) -> StepFlops:
@@ -269,9 +390,24 @@ def estimate_compute_time(num_params: int, tokens: int, peak_flops: float,
         raise ValueError(f"peak_flops must be > 0 FLOP/s, got {peak_flops!r}")
     if not 0 < utilization <= 1:
         raise ValueError(f"utilization must be in (0, 1], got {utilization!r}")
+    flops = _flops(num_params, tokens, activation_checkpointing, seq_len, num_layers, attention_width, recompute_flops)
+    return flops.hardware / (peak_flops * utilization)
+
+
+def _flops(num_params: int, tokens: int, activation_checkpointing: bool, seq_len: int, num_layers: int,
+           attention_width: int, recompute_flops: int | None) -> StepFlops:
     flops = estimate_step_flops(num_params, tokens, seq_len=seq_len, num_layers=num_layers,
                                 attention_width=attention_width,
                                 activation_checkpointing=activation_checkpointing)
     if activation_checkpointing and recompute_flops is not None:
         flops = dataclasses.replace(flops, recompute=recompute_flops)
-    return flops.hardware / (peak_flops * utilization)
+    return flops
+
+
+def compute_forward_share(num_params: int, tokens: int, *, activation_checkpointing: bool = False,
+                          seq_len: int = 0, num_layers: int = 0, attention_width: int = 0,
+                          recompute_flops: int | None = None) -> float:
+    """The forward's share of the compute :func:`estimate_compute_time` prices with the same
+    arguments (:attr:`StepFlops.forward_share`): 1/3 without recomputation, 1/4 with full."""
+    return _flops(num_params, tokens, activation_checkpointing, seq_len, num_layers, attention_width,
+                  recompute_flops).forward_share

@@ -23,12 +23,18 @@ as one machine's NVLink ring; HSDP's replica all-reduce, one rank per machine an
 sharing the 8 ports, gets one port: 47 GB/s.
 
 **The algorithm.** All-gather and reduce-scatter run as rings: ``steps`` latencies of the
-network hop (every step waits for it). An all-reduce may also run as NCCL's double binary tree:
+slower hop, the network's or NVLink's per ring step (every step waits for it;
+:data:`~handbook_lib.models.hardware.NVLINK_RING_STEP_S` is fitted on NCCL's own rings and is
+the larger on H100 machines). NVLink SHARP (NVLS) would send less for an all-reduce but is
+slower for all-gather and reduce-scatter (each GPU sends its whole buffer, or receives it,
+where a ring sends (N-1)/N of it each way: NCCL's maintainer in NVIDIA/nccl#1083), so FSDP's
+two collectives run rings. An all-reduce may also run as NCCL's double binary tree:
 a chain of the ``c`` ranks inside each machine and a binary tree of the ``M`` machines, up
-(reduce) and down (broadcast): latency ``2·(ceil(log2 M)·alpha_net + (c-1)·alpha_intra)``,
+(reduce) and down (broadcast): latency ``2·(ceil(log2 M)·alpha_step + (c-1)·alpha_intra)``,
 each rank sending its buffer twice (``2B``) instead of the ring's ``2(N-1)/N·B``. The model
 takes the faster of the two and names it: the tree for small buffers or many ranks, the ring
-for large buffers on few. NVLink SHARP (NVLS) and PAT are not modelled.
+for large buffers on few. NVLS for the all-reduce (the Azure row of the published page) and PAT
+are not modelled.
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ class Route:
     """Bytes one rank sends with this algorithm (the ring's count, or 2B for the tree)."""
     description: str
     """One line a reader can check: the links, the rails and the algorithm."""
+    machines: int = 1
+    """Machines the group spans: more than one, and the collective occupies the network."""
 
     @property
     def seconds(self) -> float:
@@ -117,14 +125,15 @@ def route_collective(cost: CollectiveCost, node: Node, gpus: int, strategy: str)
         ports += f", shared by {groups} groups at once"
     bound = f"{intra.name} bound" if bw == intra.achievable_bytes_per_s and c > 1 else "network bound"
     rails = f"{ports}; {bound}"
-    ring = Route(nic.name, "ring", bw, cost.steps * nic.latency_s, cost.sent_bytes,
-                 f"ring over {machines} machines at {bw / 1e9:.3g} GB/s per GPU ({rails})")
+    step = max(nic.latency_s, intra.latency_s)  # each step waits for its slowest hop
+    ring = Route(nic.name, "ring", bw, cost.steps * step, cost.sent_bytes,
+                 f"ring over {machines} machines at {bw / 1e9:.3g} GB/s per GPU ({rails})", machines)
     if cost.kind != "all_reduce":
         return ring
     depth = math.ceil(math.log2(machines))
-    tree = Route(nic.name, "tree", bw, 2 * (depth * nic.latency_s + (c - 1) * intra.latency_s),
+    tree = Route(nic.name, "tree", bw, 2 * (depth * step + (c - 1) * intra.latency_s),
                  2 * cost.buffer_bytes,
-                 f"tree over {machines} machines at {bw / 1e9:.3g} GB/s per GPU ({rails})")
+                 f"tree over {machines} machines at {bw / 1e9:.3g} GB/s per GPU ({rails})", machines)
     return tree if tree.seconds < ring.seconds else ring
 
 

@@ -10,7 +10,7 @@ plus the root); :func:`estimate_step_traffic` lists it, and
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from math import prod
 
 from handbook_lib.core.checks import check_int
@@ -175,8 +175,9 @@ def estimate_step_traffic(
         return u.flat_padded_numel(group) if flat_params else u.padded_numel(group)
 
     def add(kind: str, unit: str, phase: str, dtype: str, buffer: int, size: int) -> None:
-        cost = asdict(estimate_collective(kind, buffer, size))
-        records.append(CollectiveRecord(**cost, unit=unit, phase=phase, dtype=dtype, micro_step=m))
+        cost = estimate_collective(kind, buffer, size)
+        records.append(CollectiveRecord(cost.kind, cost.buffer_bytes, cost.group_size, cost.sent_bytes,
+                                        cost.received_bytes, cost.steps, unit, phase, dtype, m))
 
     for m in range(grad_accum_steps):
         sync = sync_every_micro_step or m == grad_accum_steps - 1
