@@ -137,6 +137,13 @@ function draw(result) {
     html += table(["assumption", "changed to", "recommended", "step s", "verdict"], report.sensitivity.map((c) =>
       [c.assumption, c.changed, c.recommended, c.step_s.toFixed(3), c.flips ? "FLIPS" : "same"]));
   }
+  if (report.search) {
+    html += `<p><strong>Searched</strong> ${esc(report.search.searched)}</p>`;
+    html += table(["fastest that fit", "reserved", "step s", "tok/s/GPU", "vs best"], view.search.map((c) =>
+      [c.name, fmtBytes(c.reserved), c.step_s.toFixed(3), Math.round(c.tokens_per_s_per_gpu).toLocaleString("en"),
+       c.vs_best === 0 ? "best" : c.tie ? "tie" : margin(c.vs_best)]));
+    html += `<p>${esc(report.search.verdict)}</p>`;
+  }
   if (report.axes) {
     html += "<p><strong>Beyond FSDP</strong> (chapter 9)</p>";
     html += table(["layout", "reserved", "margin", "bubble s", "step s", "tok/s/GPU"], view.axes.map((r) =>
