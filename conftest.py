@@ -30,48 +30,64 @@ _OWN_LOG = "handbook_results_log"
 
 def pytest_configure(config: pytest.Config) -> None:
     """Give every process of the session one results log: the first process (the controller
-    under xdist) creates it; workers and notebook kernels inherit the variable. And start each
-    notebook's kernel again if it dies before it answers (:func:`_retrying_kernel_start`)."""
+    under xdist) creates it; workers and notebook kernels inherit the variable."""
     if not os.environ.get(RESULTS_LOG_ENV):
         fd, path = tempfile.mkstemp(prefix="handbook-results-", suffix=".jsonl")
         os.close(fd)
         os.environ[RESULTS_LOG_ENV] = path
         setattr(config, _OWN_LOG, path)
-    try:
-        import nbval.kernel
-    except ImportError:  # the suite without nbval: no notebooks to run
-        return
-    if not getattr(nbval.kernel.start_new_kernel, "_retries", False):
-        nbval.kernel.start_new_kernel = _retrying_kernel_start(nbval.kernel.start_new_kernel)
 
 
 KERNEL_STARTS = 3
-"""Tries to start a notebook's kernel before its cells fail."""
+"""Tries to start the warm-up kernel of a process that runs notebooks."""
 
 
-def _retrying_kernel_start(start: Callable[..., Any]) -> Callable[..., Any]:
-    """nbval's ``start_new_kernel``, tried up to :data:`KERNEL_STARTS` times. Two workers start
-    their first kernels at the same moment; jupyter_client picks each kernel's five ports by
-    binding and releasing them, and a kernel that finds one taken by the other's dies before it
-    answers ("Kernel died before replying to kernel_info"), which fails every cell of a notebook
-    that never ran. A kernel that dies again is a real failure; the dead one's stderr (which
-    nbval sends to /dev/null) is printed for it."""
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """In a process that runs notebooks (``--nbval``), start and stop one kernel before the first
+    notebook's: twice a notebook lost every cell to "Kernel died before replying to
+    kernel_info" when both workers started their first kernels at once, at the start of a
+    run. The warm-up kernel takes that start, tried up to :data:`KERNEL_STARTS` times with what
+    a dead one printed shown, so the notebooks' kernels start on a warm machine."""
+    option = session.config.option
+    notebooks = getattr(option, "nbval", False) or getattr(option, "nbval_lax", False)
+    controller = getattr(option, "numprocesses", None) and not hasattr(session.config, "workerinput")
+    if notebooks and not controller:  # each process that runs notebooks: xdist's workers, or this one
+        warm_kernel(_start_kernel)
 
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        for attempt in range(1, KERNEL_STARTS + 1):
-            with tempfile.TemporaryFile(mode="w+") as err:
-                try:
-                    return start(*args, **{**kwargs, "stderr": err})
-                except RuntimeError as failure:
-                    err.seek(0)
-                    print(f"notebook kernel start {attempt} of {KERNEL_STARTS} failed ({failure}); its stderr:\n"
-                          f"{err.read()[-2000:]}", file=sys.stderr)
-                    if attempt == KERNEL_STARTS:
-                        raise
-        raise AssertionError("unreachable")
 
-    wrapped._retries = True  # type: ignore[attr-defined]
-    return wrapped
+def warm_kernel(start: Callable[[Any], Any], tries: int = KERNEL_STARTS) -> int:
+    """Call ``start(stderr)`` until it returns, up to ``tries`` times, printing the stderr of
+    each start that raised ``RuntimeError``; return the tries it took. Raises the last error."""
+    for attempt in range(1, tries + 1):
+        with tempfile.TemporaryFile(mode="w+") as err:
+            try:
+                start(err)
+                return attempt
+            except RuntimeError as failure:
+                err.seek(0)
+                print(f"warm-up kernel start {attempt} of {tries} failed ({failure}); its stderr:\n"
+                      f"{err.read()[-2000:]}", file=sys.stderr)
+                if attempt == tries:
+                    raise
+    raise AssertionError("unreachable")
+
+
+def _start_kernel(err: Any) -> int:
+    """Start a ``python3`` kernel as nbval does (jupyter_client's manager and client), wait for
+    its first answer, then shut it down; return its process id."""
+    from jupyter_client import KernelManager
+
+    manager = KernelManager(kernel_name="python3")
+    manager.start_kernel(stderr=err)
+    pid = int(getattr(manager.provisioner, "pid", 0) or 0)  # the local provisioner's process
+    client = manager.client()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=60)
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+    return pid
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
