@@ -13,13 +13,21 @@ from handbook_lib.models.plan_output import plan_page
 CONFIGS = Path(__file__).parent / "data" / "hf_configs"
 
 
+def _strict(text: str):
+    """JSON as a browser parses it: ``NaN`` and ``Infinity`` refused."""
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
 def _cli(capsys, argv):
     assert main(["plan", *argv, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
+    return _strict(capsys.readouterr().out)
 
 
 def _page(**fields):
-    return json.loads(plan_page(json.dumps(fields)))
+    return _strict(plan_page(json.dumps(fields)))
 
 
 @pytest.mark.parametrize("argv, fields", [
@@ -117,3 +125,15 @@ def test_loss_chunks_are_refused_by_the_flag_s_name(chunks, words):
 
     with pytest.raises(ValueError, match=words):
         plan_report("llama2-7b", "h100-80gb", 8, loss_chunks=chunks)
+
+
+def test_the_search_reaches_the_page_as_strict_json():
+    """A layout with no collective to hide has an infinite compute margin, a TP row none (NaN):
+    both are written as null, which a browser's JSON parser takes."""
+    page = _page(model="llama2-70b", gpu="h100-80gb", gpus="512", seq_len="4096")
+    search = page["report"]["search"]
+    assert search["verdict"].startswith("Fastest of the ") and len(page["view"]["search"]) == 8
+    assert {c["compute_margin"] for c in search["candidates"] if c["tp_size"] > 1} == {None}
+    assert page["view"]["search"][0]["vs_best"] == 0 and page["view"]["search"][1]["tie"] is True
+    one = _page(model="llama2-7b", gpu="h100-80gb", gpus="1")  # one GPU: nothing to hide
+    assert any(o["compute_margin"] is None for o in one["report"]["options"])

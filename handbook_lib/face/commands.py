@@ -370,7 +370,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                          tp_size=args.tp_size, sp_size=args.sp_size, sp_method=args.sp_method,
                          pp_size=args.pp_size, batch_tokens=args.batch_tokens)
     if args.json:
-        print(json.dumps(report.to_json(), indent=2))
+        print(json.dumps(report.to_json(), indent=2, allow_nan=False))
         return 0
     _print_model(named, echo)
     print_plan(report, args, per_node)

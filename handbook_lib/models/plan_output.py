@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +74,11 @@ class PlanReport:
     ``None`` for one strategy asked alone)."""
 
     def to_json(self) -> dict[str, Any]:
-        """``plan --json``'s object."""
+        """``plan --json``'s object: strict JSON, a number that is not finite (an option with no
+        collective to hide has an infinite compute margin) written as ``null``."""
+        return _finite(self._data())
+
+    def _data(self) -> dict[str, Any]:
         data = dataclasses.asdict(self.plan) | {"budget": dataclasses.asdict(self.budget),
                                                 "step_time_band": dataclasses.asdict(self.band) if self.band else None,
                                                 "not_modelled": list(self.not_modelled)}
@@ -88,6 +93,18 @@ class PlanReport:
             data["axes"] = {"options": [dataclasses.asdict(r) for r in self.axes],
                             "why": axes_reason(list(self.axes), self.band), "verdict": dataclasses.asdict(self.verdict)}
         return data
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every float that is not finite (inf, NaN) replaced by ``None``, through
+    dicts and lists: JSON has no such numbers, and a browser's parser refuses them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def not_modelled(policy: CheckpointPolicy, axes: bool, deepspeed: bool = False) -> tuple[str, ...]:
@@ -309,8 +326,8 @@ def plan_page(request: str) -> str:
     command += [f"{_flag(k)} {v}" for k, v in options.items()]
     command += ["--sync-every-micro-step"] if fields.get("sync_every_micro_step") else []
     command += ["--sensitivity"] if fields.get("sensitivity") else []
-    return json.dumps({"report": report.to_json(), "view": _view(report), "shape": describe_shape(decoder),
-                       "command": " ".join(command)})
+    return json.dumps({"report": report.to_json(), "view": _finite(_view(report)), "shape": describe_shape(decoder),
+                       "command": " ".join(command)}, allow_nan=False)
 
 
 def _view(report: PlanReport) -> dict[str, Any]:
