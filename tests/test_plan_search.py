@@ -124,3 +124,19 @@ def test_one_node_searches_no_hybrid_groups_and_the_handbook_model_no_tp():
     assert {c.tp_size for c in tiny.candidates} == {1}
     selective = plan(ModelConfig(), "h100-80gb", 8, seq_len=256, checkpointing=CheckpointPolicy("selective"))
     assert any(c.step_s == o.step_s for c in tiny.candidates for o in selective.options)
+
+
+def test_an_accumulated_batch_is_also_searched_in_fewer_larger_micro_batches():
+    """The same 4 sequences a step on each GPU: 4 micro-steps of 1 (gradients held unsharded
+    between them: nothing fits 64 H100s), or 2 of 2, or 1 of 4, priced as plan() prices each."""
+    found = search_plan(LLAMA70, "h100-80gb", 64, seq_len=4096, grad_accum_steps=4)
+    assert found.searched.endswith("the batch also as micro-batches of 2, 4 with fewer micro-steps")
+    names = {c.name for c in found.candidates}
+    assert {"FULL_SHARD + AC (micro-batch 2 x 2)", "FULL_SHARD + AC (micro-batch 4 x 1)"} <= names
+    assert not any(c.fits for c in found.candidates if "micro-batch" not in c.name)
+    assert found.winner.name == "FULL_SHARD + AC (micro-batch 4 x 1)"
+    alone = next(o for o in plan(LLAMA70, "h100-80gb", 64, seq_len=4096, micro_batch=4).options
+                 if o.name == "FULL_SHARD + AC")
+    assert (found.winner.step_s, found.winner.peak_reserved_bytes) == (alone.step_s, alone.peak_reserved_bytes)
+    assert found.winner.tokens_per_s_per_gpu == pytest.approx(4 * 4096 / alone.step_s)
+    assert not any("micro-batch" in c.name for c in search_plan(LLAMA70, "h100-80gb", 64, seq_len=4096).candidates)
