@@ -28,6 +28,22 @@ def test_full_shard_copies_each_shard_up_per_all_gather_and_each_gradient_down()
     assert cost.link == "PCIe 4.0 x16"
 
 
+def test_the_cpu_step_is_capped_by_the_hosts_memory_bandwidth():
+    """Adam moves 28 B a parameter at the least (read p, g, m, v; write p, m, v): 4 ranks on a
+    host of 16 cores at 1e6 parameters/s each would step 4e6 a second; with 56 MB/s of memory,
+    14 MB/s a rank streams only 5e5 parameters a second."""
+    from handbook_lib.models import ADAM_BYTES_PER_PARAM
+
+    assert ADAM_BYTES_PER_PARAM == 4 * 4 + 3 * 4
+    traffic = estimate_step_traffic(_units(), 4, "FULL_SHARD", param_dtype="bf16", reduce_dtype="fp32")
+    slow = Host("test", 16, 10**12, "pcie4", "test", memory_bandwidth_bytes_per_s=56e6)
+    cost = estimate_offload(traffic, 9000, slow, 4, params_per_s_per_core=1e6)
+    assert cost.optimizer_s == pytest.approx(2250 / 5e5) and cost.optimizer_limit == "memory bandwidth"
+    fast = Host("test", 16, 10**12, "pcie4", "test", memory_bandwidth_bytes_per_s=56e9)
+    cost = estimate_offload(traffic, 9000, fast, 4, params_per_s_per_core=1e6)
+    assert cost.optimizer_s == pytest.approx(2250 / 4e6) and cost.optimizer_limit == "cores"
+
+
 def test_shard_grad_op_copies_each_shard_up_once():
     traffic = estimate_step_traffic(_units(), 4, "SHARD_GRAD_OP")
     cost = estimate_offload(traffic, 9000, Host("t", 8, 10**12, "pcie5", "t"), 8)

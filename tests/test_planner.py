@@ -169,7 +169,12 @@ def test_offload_is_priced_as_fsdp2_runs_it():
     assert o.offload.copy_s == pytest.approx(copy_s, rel=1e-3)
     # on the host link, beside NVLink's collectives: in each phase the busier of the two, the host's
     assert o.comm_s == pytest.approx(copy_s, rel=1e-3) and plain.comm_s < copy_s / 2
-    assert o.cpu_step_s == pytest.approx(-(-p // 8) / (16 * 1.5e8))
+    # 16 cores would step 2.4e9 parameters/s; the machine's two EPYC 7742 stream 409.6 GB/s, 28 B
+    # a parameter over 8 ranks: 1.83e9 a second, the lower of the two
+    assert o.cpu_step_s == pytest.approx(-(-p // 8) / (409.6e9 / 8 / 28))
+    assert o.offload.optimizer_limit == "memory bandwidth" and 409.6e9 / 8 / 28 < 16 * 1.5e8
+    h100 = next(x for x in plan("llama2-70b", "h100-80gb", 8, seq_len=4096).options if x.cpu_offload)
+    assert h100.offload.optimizer_limit == "cores"  # 614.4 GB/s: 2.74e9 a second per rank, above 14 x 1.5e8
     assert o.step_s > o.compute_s + o.cpu_step_s  # the CPU step is never hidden
     assert o.host_node_bytes == 8 * o.host_bytes < 2 * 2**40  # fits a 2 TB DGX A100 80GB
 

@@ -65,7 +65,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     )
     from handbook_lib.models.offload import (
         estimate_offload_gather_bytes,
-        CPU_ADAM_PARAMS_PER_S_PER_CORE, CPU_ADAM_SOURCE, OffloadCost, estimate_offload,
+        ADAM_BYTES_PER_PARAM, CPU_ADAM_PARAMS_PER_S_PER_CORE, CPU_ADAM_SOURCE, OffloadCost, estimate_offload,
     )
     from handbook_lib.models.phases import (
         PHASES, Moment, StepShape, backward_start, backward_walk, forward_start, head_backward,

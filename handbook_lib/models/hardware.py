@@ -120,6 +120,9 @@ class Host:
     """Key in :data:`LINKS` of the link between one GPU and host memory (``"pcie5"``)."""
     source: str
     """Where the figures come from, in words."""
+    memory_bandwidth_bytes_per_s: float | None = None
+    """The machine's DRAM bandwidth, all sockets, bytes/s, at its channels' peak (an upper
+    bound); ``None``: not given, and the CPU optimizer is priced on its cores alone."""
 
     def __post_init__(self) -> None:
         check_int("cores", self.cores, 1)
@@ -335,13 +338,15 @@ RUNTIME_MEMORY_SOURCES = {
 def _dgx_a100_host(memory_tb: int) -> Host:
     return Host("2 x AMD EPYC 7742", 128, memory_tb * 2**40, "pcie4",
                 f"NVIDIA DGX A100 datasheet (2020): dual AMD Rome 7742, 128 cores in all, {memory_tb} TB "
-                "of system memory (the 320 GB system 1 TB, the 640 GB system 2 TB); PCIe 4.0")
+                "of system memory (the 320 GB system 1 TB, the 640 GB system 2 TB); PCIe 4.0; AMD's EPYC "
+                "7742 specifications: 8 channels of DDR4-3200 a socket, 204.8 GB/s", 2 * 204.8e9)
 
 
 _DGX_H_HOST = Host("2 x Intel Xeon Platinum 8480C", 112, 2 * 2**40, "pcie5",
                    "NVIDIA DGX BasePOD reference architecture, core components (DGX H100 / H200): "
                    "'Dual Intel Xeon Platinum 8480C processors, 112 cores total ... with PCIe 5.0 "
-                   "support', '2 TB of DDR5 system memory'")
+                   "support', '2 TB of DDR5 system memory'; Intel's Xeon Platinum 8480+ specifications: "
+                   "8 channels of DDR5-4800 a socket, 307.2 GB/s", 2 * 307.2e9)
 
 ACCELERATORS: dict[str, Accelerator] = {
     "a100-40gb": Accelerator("NVIDIA A100 40GB", 40_960 * _MIB, 312e12, 19.5e12,
@@ -381,7 +386,8 @@ ACCELERATORS: dict[str, Accelerator] = {
                                    "NVIDIA DGX B200 user guide, hardware overview: '2 x Intel Xeon "
                                    "8570 PCIe Gen5 CPUs with 56 cores each', '2 TB using 32 x DIMMs "
                                    "(upgradable to 4 TB)'; the B200's own PCIe 6 runs at the "
-                                   "host's Gen5"), datasheet_gb=180),
+                                   "host's Gen5; Intel's Xeon Platinum 8570 specifications: 8 "
+                                   "channels of DDR5-5600 a socket, 358.4 GB/s", 2 * 358.4e9), datasheet_gb=180),
     "mi300x-192gb": Accelerator("AMD Instinct MI300X 192GB", 192 * GIB, 1307.4e12, 163.4e12,
                                 f"AMD Instinct MI300X datasheet (2023): 192 GB HBM3{_GIB}, 1307.4 TFLOP/s "
                                 "bf16 dense (2614.9 with sparsity), 163.4 TFLOP/s fp32 vector",

@@ -18,7 +18,9 @@ communication (which compute may hide); the CPU step is added to the step. On th
 unit's shards copied in before its all-gather hold memory for a moment
 (:func:`estimate_offload_gather_bytes`, the memory model's ``offload_gather`` phase). The CPU speed is
 :data:`CPU_ADAM_PARAMS_PER_S_PER_CORE`, measured on this book's machine, times the cores a rank
-gets: the host's cores shared by its GPUs.
+gets: the host's cores shared by its GPUs; at most the rank's share of the host's memory
+bandwidth over the :data:`ADAM_BYTES_PER_PARAM` an Adam step moves per parameter (a DGX A100's
+two EPYC 7742 stream 409.6 GB/s: 1.83 G parameters/s per GPU, below its 16 cores' 2.4 G).
 """
 
 from __future__ import annotations
@@ -30,8 +32,14 @@ from handbook_lib.core.config import dtype_bytes
 from handbook_lib.models.hardware import LINKS, Host
 from handbook_lib.models.traffic import StepTraffic
 
-__all__ = ["OffloadCost", "CPU_ADAM_PARAMS_PER_S_PER_CORE", "CPU_ADAM_SOURCE", "estimate_offload",
-           "estimate_offload_gather_bytes"]
+__all__ = ["OffloadCost", "ADAM_BYTES_PER_PARAM", "CPU_ADAM_PARAMS_PER_S_PER_CORE", "CPU_ADAM_SOURCE",
+           "estimate_offload", "estimate_offload_gather_bytes"]
+
+ADAM_BYTES_PER_PARAM = 28
+"""Bytes of host memory an fp32 Adam(W) step moves per parameter at the least: it reads the
+parameter, its gradient and the two moments (16 B) and writes the parameter and the moments
+(12 B). A machine's CPUs step at most its memory bandwidth over this many parameters a second,
+whatever their cores (the for-loop implementation's temporaries move more: a bound)."""
 
 CPU_ADAM_PARAMS_PER_S_PER_CORE = 1.5e8
 """fp32 parameters per second one CPU core steps through ``torch.optim.AdamW`` (its default
@@ -42,8 +50,8 @@ CPU_ADAM_SOURCE = (
     "measured on this book's build machine (AMD EPYC, 1 thread, torch 2.13.0+cpu) with "
     "handbook_lib.runtime.measure.measure_cpu_adam over 16 Mi fp32 parameters in 16 tensors: "
     "134 to 177 M parameters/s for AdamW's default (for-loop) implementation, 510 to 617 M with "
-    "fused=True; 1.5e8 taken per core, and per rank the host's cores divided by its GPUs. The "
-    "host's memory bandwidth, not modelled, caps it below that on a full node")
+    "fused=True; 1.5e8 taken per core, and per rank the host's cores divided by its GPUs, capped by "
+    "the rank's share of the host's memory bandwidth (ADAM_BYTES_PER_PARAM a parameter)")
 """Where :data:`CPU_ADAM_PARAMS_PER_S_PER_CORE` comes from."""
 
 
@@ -60,9 +68,12 @@ class OffloadCost:
     optimizer_params: int
     """Parameters the rank's CPU optimizer step updates (its shard)."""
     optimizer_s: float
-    """That step on the rank's share of the host's cores, seconds."""
+    """That step on the rank's share of the host's cores, or of its memory bandwidth where that
+    is less (:data:`ADAM_BYTES_PER_PARAM`), seconds."""
     link: str
     """The host link's name."""
+    optimizer_limit: str = "cores"
+    """What sets the CPU step's speed: ``"cores"`` or ``"memory bandwidth"``."""
 
 
 def estimate_offload(traffic: StepTraffic, num_params: int, host: Host, gpus_per_node: int, *,
@@ -95,9 +106,13 @@ def estimate_offload(traffic: StepTraffic, num_params: int, host: Host, gpus_per
             down += shard
     link = LINKS[host.link]
     mine = -(-num_params // (shard_group_size or traffic.world_size))
-    cores = host.cores / gpus_per_node
-    return OffloadCost(up, down, (up + down) / link.achievable_bytes_per_s, mine,
-                       mine / (cores * params_per_s_per_core), link.name)
+    rate = host.cores / gpus_per_node * params_per_s_per_core
+    limit = "cores"
+    if host.memory_bandwidth_bytes_per_s is not None:
+        streamed = host.memory_bandwidth_bytes_per_s / gpus_per_node / ADAM_BYTES_PER_PARAM
+        if streamed < rate:
+            rate, limit = streamed, "memory bandwidth"
+    return OffloadCost(up, down, (up + down) / link.achievable_bytes_per_s, mine, mine / rate, link.name, limit)
 
 
 def estimate_offload_gather_bytes(shards: tuple[int, ...], compute_bytes: int, group: int) -> int:
