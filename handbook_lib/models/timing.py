@@ -224,8 +224,9 @@ def estimate_step_time(
     compute split between the phases by ``forward_share`` (2PT of 6PT: 1/3;
     :attr:`StepFlops.forward_share` for attention and recomputation, which runs in backward)
     and evenly between micro-steps. NCCL's kernels also take some of the GPU's SMs while they
-    overlap compute; that slowdown is in the measured utilizations the compute is priced at,
-    not added here.
+    overlap compute (``NCCL_MIN_CTAS``/``NCCL_MAX_CTAS`` set how many): that slowdown is not
+    added here but is in the utilizations compute is priced at, fitted on FSDP runs whose
+    collectives overlapped their compute (:data:`UTILIZATION_MAX`).
 
     ``extra_comm_s`` is other transfer time beside the collectives, on the host link (CPU
     offload's copies to and from the host, :mod:`handbook_lib.models.offload`), spread over the
