@@ -248,11 +248,18 @@ def test_a_pipeline_row_idles_the_bubble_share_of_its_stage_time():
     the busy and idle time together, 3/19 for p = 4 and m = 16; the step takes dp·m sequences."""
     rows = compare_axes("llama2-7b", "h100-80gb", 32, seq_len=4096, tp_size=1, pp_size=4)
     pipes = [r for r in rows if r.pp_size == 4]
-    assert [r.name for r in pipes] == ["PP 4 (m 16) x FSDP 8", "PP 4 (m 16) x FSDP 8 + AC"]
+    assert [r.name for r in pipes] == ["PP 4 (m 16) x FSDP 8", "PP 4x2 (m 16) x FSDP 8",
+                                       "PP 4 (m 16) x FSDP 8 + AC", "PP 4x2 (m 16) x FSDP 8 + AC"]
     for r in pipes:
-        assert r.bubble_s / (r.compute_s + r.bubble_s) == pytest.approx(3 / 19)
+        # interleaved 1F1B, two stages a GPU: (p − 1)/(v·m + p − 1) = 3/35
+        share = 3 / 19 if r.stages_per_rank == 1 else 3 / 35
+        assert r.bubble_s / (r.compute_s + r.bubble_s) == pytest.approx(share)
         assert r.tokens_per_step == 8 * 16 * 4096 and r.dp_size == 8 and r.microbatches == 16
         assert r.tokens_per_s_per_gpu == pytest.approx(r.tokens_per_step / r.step_s / 32)
+    one, two = pipes[2], pipes[3]
+    assert two.compute_s == one.compute_s and two.bubble_s == pytest.approx(one.bubble_s / 2)
+    # rank 0 holds (v − 1)·p + 2(p − 1) + 1 = 11 chunks of half its layers against 1F1B's 4 stages' worth
+    assert two.peak_reserved_bytes > one.peak_reserved_bytes
 
 
 def test_pipeline_micro_batches_keep_the_bubble_small_or_the_batch():
@@ -278,15 +285,15 @@ def test_every_stage_count_is_priced_and_the_best_kept():
         best = (max(fits, key=lambda r: r.tokens_per_s_per_gpu) if fits
                 else min(every, key=lambda r: r.peak_reserved_bytes))
         assert kept == best
-    assert auto[1].name == "TP 8 x PP 8 (m 32) x FSDP 16 + AC" and auto[1].fits
+    assert auto[1].name == "TP 8 x PP 8x2 (m 32) x FSDP 16 + AC" and auto[1].fits  # interleaved wins
 
 
 def test_the_reason_weighs_the_pipeline_against_the_pick():
     rows = compare_axes("llama3-405b", "h100-80gb", 1024, seq_len=8192, tp_size=8, pp_size=0)
     text = axes_reason(rows)
-    assert "A pipeline of 8 stages (TP 8 x PP 8 (m 32) x FSDP 16 + AC) shards each stage over 16 GPUs, " \
+    assert "A pipeline of 8 stages (TP 8 x PP 8x2 (m 32) x FSDP 16 + AC) shards each stage over 16 GPUs, " \
            "not 128, and gathers each unit 33 times for 32 micro-batches" in text
-    assert "((p - 1)/(m + p - 1) = 18%)" in text  # 7/39
+    assert "((p - 1)/(v m + p - 1) = 10%)" in text  # 7/71
 
 
 def test_a_stage_count_that_does_not_divide_is_refused_by_name():

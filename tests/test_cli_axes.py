@@ -150,9 +150,9 @@ def test_plan_offers_a_pipeline_for_405b_on_1024_h100_and_says_why(capsys, monke
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 100
     table = out[out.index("beyond FSDP"):]
-    assert "TP 8 x PP 8 (m 32) x FSDP 16 + AC" in table and "bubble" in table
+    assert "TP 8 x PP 8x2 (m 32) x FSDP 16 + AC" in table and "bubble" in table  # interleaved, 2 a GPU
     joined = " ".join(table.split())
-    assert "A pipeline of 8 stages (TP 8 x PP 8 (m 32) x FSDP 16 + AC) shards each stage over 16 GPUs" in joined
+    assert "A pipeline of 8 stages (TP 8 x PP 8x2 (m 32) x FSDP 16 + AC) shards each stage over 16 GPUs" in joined
     assert main([*PLAN_405B, "--json"]) == 0
     options = json.loads(capsys.readouterr().out)["axes"]["options"]
     piped = [o for o in options if o["pp_size"] > 1]

@@ -249,3 +249,17 @@ def test_the_zero_bubble_v_refuses_what_its_unsharded_stages_cannot_run(change, 
 def test_the_zero_bubble_v_takes_two_stages_a_rank():
     with pytest.raises(ValueError, match="ZBVZeroBubble 2"):
         PipelineConfig.from_mapping({**ZBV, "pp_size": 2, "pp_stages_per_rank": 3})
+
+
+def test_interleaved_in_flight_counts_warm_up_chunks_as_torch_schedules_them():
+    """(v − 1)·m_r + 2(p − 1 − r) + 1 chunks, at most v·m. On 4 ranks of 2 stages with 8
+    micro-batches (2 rounds of 4) a real run's orders held 11, 9, 7, 5 (this book's pipeline
+    run, torch 2.13's ScheduleInterleaved1F1B); with 4 micro-batches rank 0 is capped at 8."""
+    from handbook_lib.models.pipeline import interleaved_in_flight
+
+    assert [interleaved_in_flight(4, 8, r, 2) for r in range(4)] == [11, 9, 7, 5]
+    assert interleaved_in_flight(4, 4, 0, 2) == 8 and interleaved_in_flight(4, 4, 3, 2) == 5
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 4\)"):
+        interleaved_in_flight(4, 8, 4, 2)
+    with pytest.raises(ValueError, match="stages_per_rank"):
+        interleaved_in_flight(4, 8, 0, 0)

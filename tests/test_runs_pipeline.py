@@ -91,6 +91,22 @@ def test_each_schedule_runs_its_order_holds_its_micro_batches_and_idles_its_bubb
     assert all(r["simulated_bubble"] == pytest.approx(1 / 9) for r in results[(2, "interleaved")].ranks)
 
 
+def test_interleaved_ranks_hold_the_chunks_the_planner_prices(results):
+    """Interleaved 1F1B, 2 stages a rank, 4 micro-batches: the chunks (a stage's forward of one
+    micro-batch) alive at once on each rank of the orders it ran are what
+    ``interleaved_in_flight`` prices the pipeline's memory with, (v − 1)·m_r + 2(p − 1 − r) + 1:
+    5 and 3 on a pipeline of 2, alone and under FSDP's data-parallel pairs."""
+    from handbook_lib.models.pipeline import interleaved_in_flight
+
+    for key in ((2, "interleaved"), (4, "interleaved_x_fsdp")):
+        for rank in results[key].ranks:
+            live = most = 0
+            for kind, *_ in rank["timeline"]:
+                live += {"F": 1, "I": 0}.get(kind, -1)
+                most = max(most, live)
+            assert most == interleaved_in_flight(rank["pp_size"], 4, rank["pp_rank"], 2) == (5, 3)[rank["pp_rank"]]
+
+
 def test_the_zero_bubble_v_splits_each_backward_and_passes_the_middle_in_memory(results):
     """ZBVZeroBubble on 2 ranks: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2 (the V), so
     stages 1 and 2 meet on rank 1 and pass activations without a send; each backward is split

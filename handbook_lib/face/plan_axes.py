@@ -45,7 +45,8 @@ def print_axes(rows: list[AxisOption], verdict: AxesVerdict, band: StepTimeBand 
     """The layouts' table, its legend, the pick and why, and the verdict with its reasons."""
     pipes = any(r.pp_size > 1 for r in rows)
     print(wrap_line("beyond FSDP (chapter 9): the same job as TP inside a node x FSDP across, or the sequence "
-                    "split" + (", or a pipeline across nodes (PP p (m micro-batches), 1F1B)" if pipes else ""),
+                    "split" + (", or a pipeline across nodes (PP p (m micro-batches), 1F1B; PP pxv: interleaved "
+                               "1F1B, v stages a GPU)" if pipes else ""),
                     "  "))
     print(axes_table(rows))
     print(wrap_line("exposed = communication no compute hides (TP's collectives and Ulysses' all-to-alls sit "

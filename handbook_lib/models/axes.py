@@ -143,7 +143,8 @@ def estimate_job_memory(model: ModelLike, layout: ParallelLayout, *, micro_batch
                         strategy: str = "FULL_SHARD", precision: str = "bf16-mixed", optimizer: str = "adamw",
                         activation_checkpointing: bool | str = "full", cpu_offload: bool = False,
                         grad_accum_steps: int = 1, sync_every_micro_step: bool = False,
-                        pp_microbatches: int = 1, pp_schedule: str = "1F1B") -> MemoryEstimate:
+                        pp_microbatches: int = 1, pp_schedule: str = "1F1B",
+                        pp_stages_per_rank: int = 1) -> MemoryEstimate:
     """One GPU's memory, by component, for a job laid out as ``layout`` (its degrees: data
     parallel, tensor, sequence, pipeline): the one memory entry point for any combination of the
     axes.
@@ -194,7 +195,7 @@ def estimate_job_memory(model: ModelLike, layout: ParallelLayout, *, micro_batch
             raise ValueError(f"a pipeline (pp {layout.pp}) is priced without offload or accumulation: its "
                              "micro-batches are the accumulation (pp_microbatches)")
         return pipeline_memory(model, layout, micro_batch, seq_len, pp_microbatches, pp_schedule, levers,
-                               estimate=estimate_job_memory)
+                               estimate=estimate_job_memory, stages_per_rank=pp_stages_per_rank)
     sizes = model_layout(model) if not isinstance(model, DecoderShape) else model
     kv = sizes.kv_heads if isinstance(sizes, DecoderShape) else None
     layout.check_shape(nhead=sizes.nhead, kv_heads=kv, seq_len=seq_len, names=_GPUS)

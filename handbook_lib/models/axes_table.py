@@ -51,7 +51,7 @@ from handbook_lib.models.hardware import (
 )
 from handbook_lib.models.layout import model_layout
 from handbook_lib.models.nccl_buffers import nccl_buffer_bytes
-from handbook_lib.models.pipeline import stage_layers
+from handbook_lib.models.pipeline import bubble_fraction, stage_layers
 from handbook_lib.models.planner import STEP_TIE, Option, plan
 from handbook_lib.models.presets import DecoderShape, get_shape
 from handbook_lib.models.sequence_parallel import (
@@ -108,6 +108,8 @@ class AxisOption:
     bubble_s: float = 0.0
     """Seconds a step's stages idle while the pipeline fills and drains: ``(p − 1)`` micro-batches'
     stage time (:func:`~handbook_lib.models.pipeline.bubble_fraction` of the step's stage time)."""
+    stages_per_rank: int = 1
+    """Pipeline stages a GPU holds (interleaved 1F1B above 1)."""
 
     @property
     def fits(self) -> bool:
@@ -213,14 +215,14 @@ def _fsdp_time(job: _Job, traffic: StepTraffic, tp: int, fsdp_ranks: int, comput
 
 
 def price_layout(job: _Job, layout: ParallelLayout, ac: bool, microbatches: int = 1,
-                 async_tp: bool = False) -> AxisOption:
+                 async_tp: bool = False, stages_per_rank: int = 1) -> AxisOption:
     """One layout's row, the one time entry point for every layout of the job's GPUs: a pipeline
     (``layout.pp`` > 1, ``microbatches`` a step) by :func:`_price_pipeline`; otherwise TP over
     ``tp`` GPUs of a node, the sequence split over ``sp`` ranks, FSDP2 over the ``gpus / tp`` ranks
     of each TP slice (module docstring); ``tp`` = ``sp`` = 1 is FULL_SHARD priced the same way.
     Memory: :func:`~handbook_lib.models.axes.estimate_job_memory`."""
     if layout.pp > 1:
-        return _price_pipeline(job, layout, microbatches, ac)
+        return _price_pipeline(job, layout, microbatches, ac, stages_per_rank)
     tp, sp, method = layout.tp, layout.sp, layout.sp_method
     fsdp_ranks, dp = job.gpus // tp, job.gpus // (tp * sp)
     tokens = job.micro_batch * job.seq_len // sp  # one GPU's (one TP group's)
@@ -251,9 +253,12 @@ def price_layout(job: _Job, layout: ParallelLayout, ac: bool, microbatches: int 
                       fsdp.total_s + exposed, dp * job.micro_batch * job.seq_len)
 
 
-def _price_pipeline(job: _Job, layout: ParallelLayout, microbatches: int, ac: bool) -> AxisOption:
+def _price_pipeline(job: _Job, layout: ParallelLayout, microbatches: int, ac: bool, v: int = 1) -> AxisOption:
     """A pipeline's row: ``pp`` stages (the outermost axis, one stage per GPU of a pipeline,
-    1F1B), TP over ``tp`` GPUs of a node inside each, FSDP2 over the ``gpus / (tp · pp)``
+    1F1B; with ``v`` > 1, interleaved 1F1B, ``v`` stages a GPU: the bubble ``v`` times shorter,
+    ``v`` times the sends, more chunks in flight,
+    :func:`~handbook_lib.models.pipeline.interleaved_in_flight`), TP over ``tp`` GPUs of a node
+    inside each, FSDP2 over the ``gpus / (tp · pp)``
     data-parallel ranks of each stage; each pipeline runs ``microbatches`` micro-batches of
     ``micro_batch`` sequences a step. What it pays, beside :func:`price_layout`'s terms:
 
@@ -272,7 +277,8 @@ def _price_pipeline(job: _Job, layout: ParallelLayout, microbatches: int, ac: bo
     shape, node, m, tp, pp = job.shape, job.node, microbatches, layout.tp, layout.pp
     fsdp_ranks = job.gpus // (tp * pp)
     mem = estimate_job_memory(shape, layout, micro_batch=job.micro_batch, seq_len=job.seq_len, precision=job.precision,
-                              activation_checkpointing=job.mode(ac), pp_microbatches=m)
+                              activation_checkpointing=job.mode(ac), pp_microbatches=m,
+                              pp_schedule="Interleaved1F1B" if v > 1 else "1F1B", pp_stages_per_rank=v)
     layers = stage_layers(shape.num_layers, pp)[0].layers
     tokens = job.micro_batch * job.seq_len
     compute_micro = job.compute(tokens, ac) / tp * layers / shape.num_layers
@@ -288,13 +294,14 @@ def _price_pipeline(job: _Job, layout: ParallelLayout, microbatches: int, ac: bo
                                     reduce_dtype=reduce_dtype, grad_accum_steps=m, sync_every_micro_step=False,
                                     reshard_after_backward=False)
     fsdp = _fsdp_time(job, traffic, tp, fsdp_ranks, m * compute_micro, ac)
-    bubble = (pp - 1) * (compute_micro + tp_micro)
+    bubble = (pp - 1) * (compute_micro + tp_micro) / v  # each of the fill's steps a chunk, 1/v of a stage
     exposed = m * tp_micro + p2p_s
-    name = f"{f'TP {tp} x ' if tp > 1 else ''}PP {pp} (m {m}) x FSDP {fsdp_ranks}" + (" + AC" if ac else "")
+    stages = f"{pp}x{v}" if v > 1 else f"{pp}"  # 8x2: 8 ranks of 2 interleaved stages each
+    name = f"{f'TP {tp} x ' if tp > 1 else ''}PP {stages} (m {m}) x FSDP {fsdp_ranks}" + (" + AC" if ac else "")
     return AxisOption(name, tp, 1, fsdp_ranks, ac, mem.peak_reserved, job.budget(layout),
-                      fsdp.comm_s + m * tp_micro + 2 * m * transfer, fsdp.exposed_comm_s + exposed,
+                      fsdp.comm_s + m * tp_micro + 2 * v * m * transfer, fsdp.exposed_comm_s + exposed,
                       m * compute_micro, fsdp.total_s + exposed + bubble, fsdp_ranks * m * tokens,
-                      pp_size=pp, microbatches=m, bubble_s=bubble)
+                      pp_size=pp, microbatches=m, bubble_s=bubble, stages_per_rank=v)
 
 
 _NAMES = {"world": "the GPUs ({})", "gpus_per_node": "the GPUs per node ({})", "nhead": "the heads ({})",
@@ -385,9 +392,10 @@ def pipeline_microbatches(gpus: int, tp: int, pp: int, tokens_per_micro_batch: i
 
 
 def _pipeline_rows(job: _Job, tp: int, pp_size: int, batch_tokens: int | None) -> list[AxisOption]:
-    """The pipeline rows of :func:`compare_axes`: ``pp_size``'s, or with 0 the best stage count's
-    (the most tokens per second per GPU among those that fit, within the batch; else the smallest
-    peak), with and without checkpointing."""
+    """The pipeline rows of :func:`compare_axes`, 1F1B and interleaved 1F1B (two stages a GPU,
+    where the layers allow): ``pp_size``'s, or with 0 the best stage count and schedule (the most
+    tokens per second per GPU among those that fit, within the batch; else the smallest peak),
+    with and without checkpointing."""
     groups = job.gpus // tp
     sizes = [pp_size] if pp_size > 1 else [p for p in (2, 4, 8, 16, 32, 64)
                                            if p <= min(groups, job.shape.num_layers) and groups % p == 0]
@@ -396,8 +404,14 @@ def _pipeline_rows(job: _Job, tp: int, pp_size: int, batch_tokens: int | None) -
     tokens = job.micro_batch * job.seq_len
     rows = []
     for ac in (False, True):
-        priced = [price_layout(job, ParallelLayout.for_world(job.gpus, tp=tp, pp=p), ac,
-                               pipeline_microbatches(job.gpus, tp, p, tokens, batch_tokens)) for p in sizes]
+        priced = []
+        for p in sizes:
+            m = pipeline_microbatches(job.gpus, tp, p, tokens, batch_tokens)
+            layout = ParallelLayout.for_world(job.gpus, tp=tp, pp=p)
+            priced.append(price_layout(job, layout, ac, m))
+            # interleaved 1F1B, two stages a GPU, where the layers fill 2p stages and the rounds divide m
+            if job.shape.num_layers >= 2 * p and m % max(1, m // p) == 0:
+                priced.append(price_layout(job, layout, ac, m, stages_per_rank=2))
         if pp_size > 1:
             rows += priced
             continue
@@ -462,11 +476,12 @@ def _pipeline_reason(pipes: list[AxisOption], chosen: AxisOption) -> str:
                 f"first stage keeps {least.pp_size} micro-batches in flight, and its units gathered with their "
                 "gradients unsharded through the micro-batches).")
     best = max(good, key=lambda r: r.tokens_per_s_per_gpu)
-    p, m = best.pp_size, best.microbatches
+    p, m, v = best.pp_size, best.microbatches, best.stages_per_rank
+    formula = "(p - 1)/(v m + p - 1)" if v > 1 else "(p - 1)/(m + p - 1)"
     text = (f"A pipeline of {p} stages ({best.name}) shards each stage over {best.dp_size:,} GPUs, not "
             f"{best.dp_size * p:,}, and gathers each unit {m + 1} times for {m} micro-batches; it idles "
-            f"{best.bubble_s:.2f} s of its {best.step_s:.2f} s step in the bubble ((p - 1)/(m + p - 1) = "
-            f"{(p - 1) / (m + p - 1):.0%})")
+            f"{best.bubble_s:.2f} s of its {best.step_s:.2f} s step in the bubble ({formula} = "
+            f"{bubble_fraction(p, m, v):.0%})")
     if best is chosen:
         return text + ": the fastest that fits."
     return text + (f": {best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "

@@ -50,9 +50,8 @@ from handbook_lib.models.tensor_parallel import (
 
 __all__ = ["stage_layers", "rank_stages", "stage_param_shapes", "estimate_pipeline_state_bytes",
            "estimate_pipeline_p2p", "estimate_pipeline_fsdp_calls", "estimate_pipeline_tp_calls", "bubble_fraction",
-           "StageSpan", "in_flight", "pipeline_memory", "Action", "UNIT_COST", "schedule_actions", "most_in_flight",
-           "stage_rank",
-           "simulate_schedule", "idle_fraction"]
+           "StageSpan", "in_flight", "interleaved_in_flight", "pipeline_memory", "Action", "UNIT_COST",
+           "schedule_actions", "most_in_flight", "stage_rank", "simulate_schedule", "idle_fraction"]
 
 
 @dataclass(frozen=True)
@@ -233,9 +232,24 @@ def in_flight(schedule: str, pp_size: int, microbatches: int, stage: int) -> int
     return min(microbatches, pp_size - stage)
 
 
+def interleaved_in_flight(pp_size: int, microbatches: int, rank: int, stages_per_rank: int) -> int:
+    """Chunks (a stage's forward of one micro-batch) whose activations rank ``rank`` holds at
+    once under interleaved 1F1B with ``stages_per_rank`` stages a rank: its warm-up forwards and
+    the one its first backward waits on, ``(v − 1)·m_r + 2·(p − 1 − rank) + 1`` (``m_r``
+    micro-batches a round, ``m`` over ``max(1, m // p)`` rounds), at most ``v·m``. Read from
+    torch 2.13's ``ScheduleInterleaved1F1B`` (``torch/distributed/pipelining/schedules.py``,
+    ``_get_warmup_ops``); the ``pipeline`` run's own orders count the same (its tests)."""
+    for name, value in (("pp_size", pp_size), ("microbatches", microbatches), ("stages_per_rank", stages_per_rank)):
+        check_int(name, value, 1)
+    if not 0 <= rank < pp_size:
+        raise ValueError(f"rank must be in [0, {pp_size}), got {rank!r}")
+    per_round = microbatches // max(1, microbatches // pp_size)
+    return min((stages_per_rank - 1) * per_round + 2 * (pp_size - 1 - rank) + 1, stages_per_rank * microbatches)
+
+
 def pipeline_memory(model: ModelLike, layout: ParallelLayout, micro_batch: int, seq_len: int, microbatches: int,
                     schedule: str, levers: dict[str, Any], *,
-                    estimate: Callable[..., MemoryEstimate]) -> MemoryEstimate:
+                    estimate: Callable[..., MemoryEstimate], stages_per_rank: int = 1) -> MemoryEstimate:
     """The pipeline's worst stage, first or last (:func:`~handbook_lib.models.pipeline.stage_layers`:
     the first holds one more layer when they do not divide evenly, and the embedding; the last the
     head, its logits and the loss). Each stage is priced as a decoder of its own layers, one
@@ -270,14 +284,21 @@ def pipeline_memory(model: ModelLike, layout: ParallelLayout, micro_batch: int, 
         acts = model_layout(stage).activations(micro_batch, seq_len // layout.sp, compute,
                                                activation_checkpointing=levers["activation_checkpointing"])
         layers = acts.layers if acts else 0
-        flying = in_flight(schedule, layout.pp, microbatches, span.index)
-        extra_acts = (flying - 1) * layers // layout.tp
+        if stages_per_rank > 1:  # its chunks, each 1/v of the rank's layers: in stage-equivalents
+            chunks = interleaved_in_flight(layout.pp, microbatches, span.index, stages_per_rank)
+            flying = -(-chunks // stages_per_rank)
+            extra_acts = (chunks - stages_per_rank) * layers // (stages_per_rank * layout.tp)
+        else:
+            flying = in_flight(schedule, layout.pp, microbatches, span.index)
+            extra_acts = (flying - 1) * layers // layout.tp
         components = dict(mem.components)
         components["activations"] += extra_acts
         components["unsharded_params"] += extra_units
         phases = {k: v + extra_acts + extra_units for k, v in mem.phases.items()}
+        flight = (f"{chunks} chunks of 1/{stages_per_rank} of its layers" if stages_per_rank > 1
+                  else str(flying))
         note = (f"pipeline stage {span.index} of {layout.pp} ({span.layers} layers, {schedule}, "
-                f"{microbatches} micro-batches): {flying} in "
+                f"{microbatches} micro-batches): {flight} in "
                 "flight; its units gathered and their gradients unsharded from the first backward to the last")
         priced = MemoryEstimate(components, phases, mem.peak_phase, forward_activations=mem.forward_activations
                                 + extra_acts, notes=(*mem.notes, note))

@@ -111,7 +111,7 @@ def not_modelled(policy: CheckpointPolicy, axes: bool, deepspeed: bool = False) 
     """What a plan leaves out, in words, for a reader to weigh: always the reuse of the blocks a
     job's freed gradients leave, the allocator's fragmentation beyond its priced reserve, ``torch.compile``
     and Float8; the pointwise recomputation's time under a selective ``policy``; with the
-    layouts beyond FSDP (``axes``), the pipeline schedules other than 1F1B; with DeepSpeed's
+    layouts beyond FSDP (``axes``), the zero-bubble pipeline schedules; with DeepSpeed's
     stages, what its peak model approximates."""
     out = ["which of the blocks a job's freed gradients leave (zero_grad's set_to_none, PyTorch's default) the "
            "caching allocator reuses: the reserved peak the verdicts use keeps them all (memory --set-to-none prices "
@@ -121,7 +121,7 @@ def not_modelled(policy: CheckpointPolicy, axes: bool, deepspeed: bool = False) 
     if policy.mode == "selective":
         out.append("the time of the pointwise operators selective checkpointing recomputes (no FLOPs counted)")
     if axes:
-        out.append("pipeline schedules other than 1F1B (interleaved, zero-bubble)")
+        out.append("zero-bubble pipeline schedules (1F1B and interleaved 1F1B are priced)")
     if deepspeed:
         out.append("DeepSpeed's own hooks in forward and backward (ZeRO-3's moment there is the unsharded model's "
                    "plus a gathered module and its gradient: 24 % low to 45 % high on the CPU runs' small models), its "

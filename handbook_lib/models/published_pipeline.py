@@ -101,8 +101,8 @@ def pipeline_rows(rows: tuple[PublishedPipeline, ...] = PUBLISHED_PIPELINES) -> 
         replicas = row.gpus // (row.tp * row.pp)
         options = compare_axes(row.model, row.gpu, row.gpus, seq_len=row.seq_len, tp_size=row.tp, pp_size=row.pp,
                                batch_tokens=replicas * row.microbatches * row.seq_len)
-        match = next(o for o in options if o.pp_size == row.pp and o.activation_checkpointing
-                     == row.activation_checkpointing)
+        match = next(o for o in options if o.pp_size == row.pp and o.stages_per_rank == 1
+                     and o.activation_checkpointing == row.activation_checkpointing)
         assert match.microbatches == row.microbatches, (row.label, match.microbatches)
         out.append(PipelineRow(row, match))
     return out
