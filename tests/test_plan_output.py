@@ -137,3 +137,10 @@ def test_the_search_reaches_the_page_as_strict_json():
     assert page["view"]["search"][0]["vs_best"] == 0 and page["view"]["search"][1]["tie"] is True
     one = _page(model="llama2-7b", gpu="h100-80gb", gpus="1")  # one GPU: nothing to hide
     assert any(o["compute_margin"] is None for o in one["report"]["options"])
+
+
+def test_the_cpu_preset_and_one_strategy_are_not_searched():
+    """The search ranks GPU layouts: the nominal cpu preset (this machine's gloo ranks) and a
+    strategy asked alone get their table and no search."""
+    assert _page(model="llama2-7b", gpu="cpu", gpus="2")["report"].get("search") is None
+    assert _page(model="llama2-7b", gpu="h100-80gb", gpus="8")["report"]["search"]["candidates"]

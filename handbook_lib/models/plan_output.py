@@ -25,7 +25,7 @@ from handbook_lib.models.axes import AxesVerdict, estimate_axes
 from handbook_lib.models.axes_table import AxisOption, axes_reason, compare_axes, recommend_axes
 from handbook_lib.models.bands import StepTimeBand, step_time_band
 from handbook_lib.models.budget import MemoryBudget, memory_budget
-from handbook_lib.models.hardware import node_preset
+from handbook_lib.models.hardware import get_accelerator, node_preset
 from handbook_lib.models.hf_config import hf_config_from_text
 from handbook_lib.models.layout import ModelLike
 from handbook_lib.models.nccl_buffers import strategy_nccl
@@ -71,7 +71,8 @@ class PlanReport:
     """What the plan leaves out, in words (:func:`not_modelled`)."""
     search: PlanSearch | None = None
     """Every layout searched and the fastest that fits (:func:`~handbook_lib.models.plan_search.search_plan`;
-    ``None`` for one strategy asked alone)."""
+    ``None`` for one strategy asked alone, or the nominal ``cpu`` preset, whose ranks are this
+    machine's processes)."""
 
     def to_json(self) -> dict[str, Any]:
         """``plan --json``'s object: strict JSON, a number that is not finite (an option with no
@@ -207,9 +208,7 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
         changes = tuple(listed)
     else:
         result = plan(model, gpu, gpus, **kwargs)
-    searched = None if strategy is not None else search_plan(
-        decoder or model, gpu, gpus, first=result if policy == FULL and shard_group_size is None else None,
-        **{k: v for k, v in kwargs.items() if k not in ("checkpointing", "shard_group_size", "strategy", "zero")})
+    searched = _search(result, model, decoder, gpu, gpus, policy, shard_group_size, strategy, kwargs)
     pick = result.recommended or result.options[0]
     node = node_preset(gpu, inter_link=inter_link, gpus_per_node=min(per_node, pick.gpus), nics_per_node=nics_per_node)
     nccl = strategy_nccl(node, pick.strategy, pick.gpus, pick.shard_group_size)
@@ -261,6 +260,19 @@ def plan_report(model: ModelLike, gpu: str, gpus: int, *, decoder: DecoderShape 
             tp = per_node  # a pipeline across nodes, TP inside each (where the heads allow a node's)
         rows = compare_axes(decoder, gpu, gpus, tp_size=tp, pp_size=0, **axes)
     return dataclasses.replace(report, axes=tuple(rows), verdict=verdict, not_modelled=not_modelled(policy, True))
+
+
+def _search(result: Plan, model: ModelLike, decoder: DecoderShape | None, gpu: str, gpus: int,
+            policy: CheckpointPolicy, shard_group_size: int | None, strategy: str | None,
+            kwargs: dict[str, Any]) -> PlanSearch | None:
+    """:func:`plan_report`'s search, with ``result`` (its own plan) reused where it is the search's
+    first plan: none for one strategy asked alone, nor for the nominal ``cpu`` preset (the search
+    ranks GPU layouts)."""
+    if strategy is not None or get_accelerator(gpu).backend != "nccl":
+        return None
+    return search_plan(decoder or model, gpu, gpus, first=result if policy == FULL and shard_group_size is None
+                       else None, **{k: v for k, v in kwargs.items()
+                                     if k not in ("checkpointing", "shard_group_size", "strategy", "zero")})
 
 
 _PAGE_NUMBERS = {"gpus": 1, "seq_len": 1, "micro_batch": 1, "gpus_per_node": 1, "nics_per_node": 1,
