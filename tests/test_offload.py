@@ -44,6 +44,23 @@ def test_the_cpu_step_is_capped_by_the_hosts_memory_bandwidth():
     assert cost.optimizer_s == pytest.approx(2250 / 4e6) and cost.optimizer_limit == "cores"
 
 
+def test_gpus_behind_one_pcie_uplink_share_it():
+    """Every rank copies in the same phase: two GPUs behind one switch's x16 uplink each get half
+    of it, four a quarter; the bytes and the CPU step do not change."""
+    traffic = estimate_step_traffic(_units(), 4, "FULL_SHARD", param_dtype="bf16", reduce_dtype="fp32")
+    alone = estimate_offload(traffic, 9000, Host("t", 16, 10**12, "pcie4", "t"), 4)
+    for shared in (2, 4):
+        cost = estimate_offload(traffic, 9000, Host("t", 16, 10**12, "pcie4", "t", gpus_per_uplink=shared), 4)
+        assert cost.copy_s == pytest.approx(26_000 / (25e9 / shared))
+        assert (cost.host_to_device_bytes, cost.optimizer_s) == (alone.host_to_device_bytes, alone.optimizer_s)
+    with pytest.raises(ValueError, match="gpus_per_uplink"):
+        Host("t", 16, 10**12, "pcie4", "t", gpus_per_uplink=0)
+    from handbook_lib.models import get_accelerator
+
+    assert get_accelerator("a100-80gb").host.gpus_per_uplink == 2
+    assert get_accelerator("h100-80gb").host.gpus_per_uplink == 1
+
+
 def test_shard_grad_op_copies_each_shard_up_once():
     traffic = estimate_step_traffic(_units(), 4, "SHARD_GRAD_OP")
     cost = estimate_offload(traffic, 9000, Host("t", 8, 10**12, "pcie5", "t"), 8)

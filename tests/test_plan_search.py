@@ -7,7 +7,7 @@ import pytest
 
 from handbook_lib.models import CheckpointPolicy, compare_axes, get_shape, plan
 from handbook_lib.models.bands import StepTimeBand, step_time_band
-from handbook_lib.models.plan_search import SEARCH_POLICIES, Candidate, PlanSearch, search_plan
+from handbook_lib.models.plan_search import SEARCH_POLICIES, Candidate, PlanSearch, batch_splits, search_plan
 
 LLAMA70 = get_shape("llama2-70b")
 
@@ -130,9 +130,10 @@ def test_an_accumulated_batch_is_also_searched_in_fewer_larger_micro_batches():
     """The same 4 sequences a step on each GPU: 4 micro-steps of 1 (gradients held unsharded
     between them: nothing fits 64 H100s), or 2 of 2, or 1 of 4, priced as plan() prices each."""
     found = search_plan(LLAMA70, "h100-80gb", 64, seq_len=4096, grad_accum_steps=4)
-    assert found.searched.endswith("the batch also as micro-batches of 2, 4 with fewer micro-steps")
+    assert found.searched.endswith("the batch also as micro-batch x micro-steps 2 x 2, 4 x 1, 1 x 4 reduced each")
     names = {c.name for c in found.candidates}
-    assert {"FULL_SHARD + AC (micro-batch 2 x 2)", "FULL_SHARD + AC (micro-batch 4 x 1)"} <= names
+    assert {"FULL_SHARD + AC (micro-batch 2 x 2)", "FULL_SHARD + AC (micro-batch 4 x 1)",
+            "FULL_SHARD + AC (micro-batch 1 x 4, reduced each)"} <= names
     assert not any(c.fits for c in found.candidates if "micro-batch" not in c.name)
     assert found.winner.name == "FULL_SHARD + AC (micro-batch 4 x 1)"
     alone = next(o for o in plan(LLAMA70, "h100-80gb", 64, seq_len=4096, micro_batch=4).options
@@ -140,3 +141,32 @@ def test_an_accumulated_batch_is_also_searched_in_fewer_larger_micro_batches():
     assert (found.winner.step_s, found.winner.peak_reserved_bytes) == (alone.step_s, alone.peak_reserved_bytes)
     assert found.winner.tokens_per_s_per_gpu == pytest.approx(4 * 4096 / alone.step_s)
     assert not any("micro-batch" in c.name for c in search_plan(LLAMA70, "h100-80gb", 64, seq_len=4096).candidates)
+
+
+def test_the_batch_cuts_keep_the_sequences_a_step_and_reduce_each_micro_step_when_smaller():
+    assert batch_splits(1, 1, False) == []
+    assert batch_splits(1, 4, False) == [(2, 2, False), (4, 1, False), (1, 4, True)]
+    assert batch_splits(1, 4, True) == [(2, 2, True), (4, 1, False)]
+    assert batch_splits(8, 1, False) == [(4, 2, True), (2, 4, True), (1, 8, True)]
+    assert batch_splits(6, 2, True) == [(12, 1, False), (3, 4, True)]
+    for m, a, sync in batch_splits(4, 8, False):
+        assert m * a == 32 and (a > 1 or not sync)
+    with pytest.raises(ValueError, match="micro_batch"):
+        batch_splits(0, 1, False)
+
+
+def test_a_micro_batch_that_does_not_fit_is_searched_as_smaller_ones_reduced_each_micro_step():
+    """Eight 4,096-token sequences a step on each of 64 H100s: as one micro-batch only offload
+    (or tensor parallelism) fits; as 4 x 2, 2 x 4 or 1 x 8 with gradients reduce-scattered every micro-step (they stay
+    sharded), FULL_SHARD + AC fits, priced as plan() prices that cut."""
+    found = search_plan(LLAMA70, "h100-80gb", 64, seq_len=4096, micro_batch=8)
+    whole = [c for c in found.candidates if c.fits and c.tp_size == 1 and "micro-batch" not in c.name]
+    assert whole and all(c.cpu_offload for c in whole)
+    assert found.winner.name.startswith("FULL_SHARD + AC (micro-batch ")
+    assert found.winner.name.endswith(", reduced each)") and not found.winner.cpu_offload
+    m, a = (int(x) for x in found.winner.name.split("micro-batch ")[1].split(",")[0].split(" x "))
+    assert m * a == 8 and a > 1
+    cut = next(o for o in plan(LLAMA70, "h100-80gb", 64, seq_len=4096, micro_batch=m, grad_accum_steps=a,
+                               sync_every_micro_step=True).options if o.name == "FULL_SHARD + AC")
+    assert (found.winner.step_s, found.winner.peak_reserved_bytes) == (cut.step_s, cut.peak_reserved_bytes)
+    assert found.winner.tokens_per_s_per_gpu == pytest.approx(8 * 4096 / cut.step_s)

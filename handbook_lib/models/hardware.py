@@ -1,13 +1,11 @@
 """Hardware presets: the links between GPUs and the GPUs themselves. Pure: no ``torch``.
 
-Chapter 3 introduces the links (bandwidth and latency feed the alpha-beta time model of
-``handbook_lib.models.traffic``); chapter 4 uses the accelerators (memory to fit the model state, peak
-FLOP/s to estimate compute time).
+Chapter 3 introduces the links (bandwidth and latency feed :mod:`handbook_lib.models.traffic`'s
+alpha-beta model); chapter 4 the accelerators (memory for the state, peak FLOP/s for compute time).
 
 A node preset is a GPU plus its intra-node link: every accelerator preset names the link between
-two of its GPUs in one machine (``intra_link``, a key of :data:`LINKS`) and the usual number of
-GPUs per machine, so :func:`node_preset` builds a :class:`Node` without guessing from the GPU's
-name; an accelerator that states no link is refused with an error, never given PCIe by default.
+two of its GPUs in one machine (``intra_link``, a key of :data:`LINKS`) and the usual GPUs per
+machine, so :func:`node_preset` never guesses from the GPU's name (no link: refused, not PCIe).
 
 Conventions, so that every figure reads the same way:
 
@@ -25,17 +23,14 @@ Conventions, so that every figure reads the same way:
   (rails): 8 in a DGX, one per GPU. How a collective spread over them is priced is
   :mod:`handbook_lib.models.topology`'s.
 - An accelerator's memory is the total its driver reports (``nvidia-smi``: 81,559 MiB on an
-  H100 80GB, 81,920 MiB on an A100 80GB), where that is published, else the datasheet's "GB"
-  read as GiB, as the HBM stacks hold it (an MI300X carries 8 stacks of 24 GiB): either way
-  about 7 % more than the datasheet's figure read as decimal GB (:func:`datasheet_bytes`, the
-  convention this book used before). What a program can allocate is less: CUDA reports the total
-  less the driver's share (``runtime_memory_bytes``, where measured or published), and
-  :func:`usable_memory_bytes` takes off what a training process holds outside its tensors
-  (:data:`TRAINING_CONTEXT_BYTES`, measured on an H200); the caching allocator's own reserve is
-  the memory model's (:mod:`handbook_lib.models.allocator`).
-- A machine's host (:class:`Host`): its CPU cores, RAM and the link a GPU reaches it over
-  (PCIe), from the server's datasheet: what CPU offload leans on.
-- Peak FLOP/s are dense (no 2:4 sparsity), from the vendor's datasheet.
+  H100 80GB, 81,920 MiB on an A100 80GB) where published, else the datasheet's "GB" read as GiB,
+  as the HBM stacks hold it (an MI300X has 8 stacks of 24 GiB): about 7 % over the datasheet's
+  decimal GB (:func:`datasheet_bytes`). A program can allocate less: CUDA reports the total less
+  the driver's share (``runtime_memory_bytes``, where measured or published);
+  :func:`usable_memory_bytes` also takes off what a training process holds outside its tensors
+  (:data:`TRAINING_CONTEXT_BYTES`); the allocator's reserve is :mod:`handbook_lib.models.allocator`'s.
+- A machine's host (:class:`Host`): cores, RAM, DRAM bandwidth, the PCIe link a GPU reaches it
+  over and the GPUs behind one uplink: what CPU offload leans on. Peak FLOP/s: dense, datasheets'.
 """
 
 from __future__ import annotations
@@ -123,9 +118,13 @@ class Host:
     memory_bandwidth_bytes_per_s: float | None = None
     """The machine's DRAM bandwidth, all sockets, bytes/s, at its channels' peak (an upper
     bound); ``None``: not given, and the CPU optimizer is priced on its cores alone."""
+    gpus_per_uplink: int = 1
+    """GPUs whose host traffic shares one ``link`` to the CPU (behind one PCIe switch; ``source``
+    says whose figure); 1 where each GPU has its own or none is published (a bound)."""
 
     def __post_init__(self) -> None:
         check_int("cores", self.cores, 1)
+        check_int("gpus_per_uplink", self.gpus_per_uplink, 1)
         check_int("memory_bytes", self.memory_bytes, 1)
         if self.link not in LINKS:
             raise ValueError(f"host link of {self.name!r} must be one of {', '.join(LINKS)}, got {self.link!r}")
@@ -339,7 +338,10 @@ def _dgx_a100_host(memory_tb: int) -> Host:
     return Host("2 x AMD EPYC 7742", 128, memory_tb * 2**40, "pcie4",
                 f"NVIDIA DGX A100 datasheet (2020): dual AMD Rome 7742, 128 cores in all, {memory_tb} TB "
                 "of system memory (the 320 GB system 1 TB, the 640 GB system 2 TB); PCIe 4.0; AMD's EPYC "
-                "7742 specifications: 8 channels of DDR4-3200 a socket, 204.8 GB/s", 2 * 204.8e9)
+                "7742 specifications: 8 channels of DDR4-3200 a socket, 204.8 GB/s; NVIDIA's DGX A100 "
+                "system architecture white paper (WP-10083-001, its block diagram): four PCIe Gen4 "
+                "switches, each with two A100s and two ConnectX-6 HCAs behind one x16 uplink to a CPU",
+                2 * 204.8e9, gpus_per_uplink=2)
 
 
 _DGX_H_HOST = Host("2 x Intel Xeon Platinum 8480C", 112, 2 * 2**40, "pcie5",

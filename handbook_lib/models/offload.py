@@ -14,7 +14,8 @@ sharded fp32 parameters, their gradients and the optimizer state live in (pinned
   last reduce-scatter and the next forward.
 
 The copies run on the same streams as the collectives that need them, so they join the step's
-communication (which compute may hide); the CPU step is added to the step. On the device, a
+communication (which compute may hide); every rank copies in the same phase, so GPUs behind one
+PCIe switch share its uplink (a DGX A100's pairs: half the link each); the CPU step is added. On the device, a
 unit's shards copied in before its all-gather hold memory for a moment
 (:func:`estimate_offload_gather_bytes`, the memory model's ``offload_gather`` phase). The CPU speed is
 :data:`CPU_ADAM_PARAMS_PER_S_PER_CORE`, measured on this book's machine, times the cores a rank
@@ -64,7 +65,9 @@ class OffloadCost:
     device_to_host_bytes: int
     """Reduced gradient shards copied back, bytes."""
     copy_s: float
-    """Both copies over the host link, back to back, seconds."""
+    """Both copies over the host link, back to back, seconds: at the link's achievable rate over
+    the GPUs sharing its uplink (:attr:`~handbook_lib.models.hardware.Host.gpus_per_uplink`), all
+    of them copying in the same phase of the step."""
     optimizer_params: int
     """Parameters the rank's CPU optimizer step updates (its shard)."""
     optimizer_s: float
@@ -112,7 +115,8 @@ def estimate_offload(traffic: StepTraffic, num_params: int, host: Host, gpus_per
         streamed = host.memory_bandwidth_bytes_per_s / gpus_per_node / ADAM_BYTES_PER_PARAM
         if streamed < rate:
             rate, limit = streamed, "memory bandwidth"
-    return OffloadCost(up, down, (up + down) / link.achievable_bytes_per_s, mine, mine / rate, link.name, limit)
+    copy_s = (up + down) * host.gpus_per_uplink / link.achievable_bytes_per_s  # every GPU copies at once
+    return OffloadCost(up, down, copy_s, mine, mine / rate, link.name, limit)
 
 
 def estimate_offload_gather_bytes(shards: tuple[int, ...], compute_bytes: int, group: int) -> int:

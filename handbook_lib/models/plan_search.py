@@ -10,8 +10,9 @@ it is given. :func:`search_plan` prices, on the same GPUs and batch:
   every 2nd layer; selective; selective keeping every 2nd matrix product, torchtitan's);
 - tensor parallelism over 2, 4, ... GPUs of a node with FSDP2 across, plain and asynchronous
   (:func:`~handbook_lib.models.axes_table.tp_rows`), without and with full checkpointing;
-- with gradient accumulation, the same batch in fewer, larger micro-batches (every FSDP option,
-  full checkpointing: fewer gathers, more activations);
+- the same batch cut another way (:func:`batch_splits`): fewer, larger micro-batches where it is
+  accumulated, more, smaller ones reduced every micro-step where a micro-batch holds several
+  sequences (every FSDP option, full checkpointing);
 
 and ranks those that fit by tokens per second per GPU (one rate for layouts whose batches
 differ: a TP group shares its sequences). The winner's lead over the next is read against the
@@ -28,6 +29,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from handbook_lib.core.checks import check_int
 from handbook_lib.core.parallel_layout import ParallelLayout
 from handbook_lib.core.strategies import get_strategy
 from handbook_lib.models.axes_table import AxisOption, tp_rows
@@ -40,7 +42,7 @@ from handbook_lib.models.planner import Plan, plan
 from handbook_lib.models.presets import DecoderShape, get_shape
 from handbook_lib.models.recompute import FULL, CheckpointPolicy
 
-__all__ = ["SEARCH_POLICIES", "Candidate", "PlanSearch", "search_plan"]
+__all__ = ["SEARCH_POLICIES", "Candidate", "PlanSearch", "batch_splits", "search_plan"]
 
 SEARCH_POLICIES: tuple[CheckpointPolicy, ...] = (
     FULL, CheckpointPolicy(every=2), CheckpointPolicy("selective"), CheckpointPolicy("selective", matmul_every=2))
@@ -176,6 +178,27 @@ def _order(candidates: list[Candidate]) -> tuple[Candidate, ...]:
     return (*ordered, *rest)
 
 
+def batch_splits(micro_batch: int, grad_accum_steps: int, sync_every_micro_step: bool) -> list[tuple[int, int, bool]]:
+    """The other ways :func:`search_plan` cuts a step's batch, each ``(micro-batch, micro-steps,
+    reduce every micro-step)``, the sequences per GPU a step (their product) kept:
+
+    - fewer, larger micro-batches (2, 4 or 8 times, where the micro-steps divide): fewer gathers,
+      more activations;
+    - more, smaller micro-batches (where the micro-batch divides), their gradients
+      reduce-scattered every micro-step (FSDP2's default), so they stay sharded: less activation
+      memory, a gather and a reduction more per micro-step;
+    - the micro-steps given, reduced every micro-step, where they were to be held unsharded.
+    """
+    check_int("micro_batch", micro_batch, 1)
+    check_int("grad_accum_steps", grad_accum_steps, 1)
+    cuts = [(micro_batch * k, grad_accum_steps // k, sync_every_micro_step and k < grad_accum_steps)
+            for k in (2, 4, 8) if grad_accum_steps % k == 0]
+    if grad_accum_steps > 1 and not sync_every_micro_step:
+        cuts.append((micro_batch, grad_accum_steps, True))
+    cuts += [(micro_batch // k, grad_accum_steps * k, True) for k in (2, 4, 8) if micro_batch % k == 0]
+    return cuts
+
+
 def _from_option(o: Option, policy: CheckpointPolicy, tokens: int) -> Candidate:
     label = policy.label if o.activation_checkpointing else "none"
     name = o.name if label in ("none", "full") else o.name.replace(" + AC", f" + AC ({label})")
@@ -220,19 +243,15 @@ def search_plan(model: ModelLike, gpu: Accelerator | str, gpus: int, *, micro_ba
                 checkpointed_only=again, **common).options  # type: ignore[arg-type]
         candidates += [_from_option(o, policy, tokens) for o in priced
                        if o.gpus == gpus and (not again or (o.activation_checkpointing and not o.cpu_offload))]
-    splits = ""
-    larger = [k for k in (2, 4, 8) if grad_accum_steps % k == 0]
-    for k in larger:  # the same tokens a step in fewer, larger micro-batches: fewer gathers, more activations
-        split = {**common, "micro_batch": micro_batch * k, "grad_accum_steps": grad_accum_steps // k}
-        if split["grad_accum_steps"] == 1:
-            split["sync_every_micro_step"] = False
-        bigger = plan(model, acc, gpus, shard_group_size=0 if several else None, **split)  # type: ignore[arg-type]
-        label = f"micro-batch {micro_batch * k} x {grad_accum_steps // k}"
+    splits = batch_splits(micro_batch, grad_accum_steps, sync_every_micro_step)
+    for m, a, sync in splits:  # the same tokens a step, cut another way (module docstring)
+        split = {**common, "micro_batch": m, "grad_accum_steps": a, "sync_every_micro_step": sync}
+        other = plan(model, acc, gpus, shard_group_size=0 if several else None, **split)  # type: ignore[arg-type]
+        label = f"micro-batch {m} x {a}" + (", reduced each" if sync and a > 1 else "")
         candidates += [dataclasses.replace(_from_option(o, FULL, tokens), name=f"{o.name} ({label})")
-                       for o in bigger.options if o.gpus == gpus]
-    if larger:
-        splits = ("; the batch also as micro-batches of " + ", ".join(str(micro_batch * k) for k in larger)
-                  + " with fewer micro-steps")
+                       for o in other.options if o.gpus == gpus]
+    cuts = ("; the batch also as micro-batch x micro-steps " + ", ".join(
+        f"{m} x {a}" + (" reduced each" if s and a > 1 else "") for m, a, s in splits)) if splits else ""
     tps = ""
     if (isinstance(model, DecoderShape) and optimizer == "adamw" and precision in ("bf16-mixed", "fp32")
             and grad_accum_steps == 1 and loss_chunks == 1):
@@ -245,5 +264,5 @@ def search_plan(model: ModelLike, gpu: Accelerator | str, gpus: int, *, micro_ba
         tps = f"; TP {', '.join(map(str, sizes))} (plain and async) x FSDP" if sizes else ""
     groups = "HYBRID_SHARD at every shard group of whole nodes, " if several else ""
     searched = (f"{len(candidates)} layouts: DDP, SHARD_GRAD_OP, FULL_SHARD, {groups}CPU offload{tps}; "
-                "checkpointing none | " + " | ".join(p.label for p in SEARCH_POLICIES) + splits)
+                "checkpointing none | " + " | ".join(p.label for p in SEARCH_POLICIES) + cuts)
     return PlanSearch(_order(candidates), searched, step_time_band(acc), base.utilization)
