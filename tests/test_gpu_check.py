@@ -614,7 +614,7 @@ def test_axes_configs_split_what_the_gpus_allow():
     from handbook_lib.core.parallel_config import ParallelConfig
 
     assert axes_configs(1) == {}
-    assert set(axes_configs(2)) == {"tp", "tp_sp", "ulysses", "ring"}
+    assert set(axes_configs(2)) == {"tp", "tp_sp", "ulysses", "ring", "pipeline"}
     assert set(axes_configs(3)) == set()  # TP needs an even count, and 3 does not divide 16 tokens
     four = axes_configs(4)
     assert four["ring"][1]["sp_size"] == 4 and four["tp"][1]["batch_size"] == 4  # 2 per dp rank
@@ -626,7 +626,8 @@ def test_axes_part_runs_chapter_9_on_two_gpus_and_skips_on_one(fake_gpus, tmp_pa
     fake_gpus(2)
     launch = FakeLaunch()
     data = _run_parts(tmp_path, "axes", launch)
-    assert [(c[0], c[1]) for c in launch.calls] == [("tensor_parallel", 2)] * 2 + [("sequence_parallel", 2)] * 2
+    assert [(c[0], c[1]) for c in launch.calls] == ([("tensor_parallel", 2)] * 2 + [("sequence_parallel", 2)]
+                                                    + [("pipeline", 2), ("sequence_parallel", 2)])
     assert data["axes"]["ring"]["config"]["sp_method"] == "ring" and data["axes"]["tp"]["checks"]
     fake_gpus(1)
     one = _run_parts(tmp_path, "axes", FakeLaunch(), name="one.json")

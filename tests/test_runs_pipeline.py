@@ -40,7 +40,8 @@ def test_every_check_passes(results, key):
     assert result.checks and not result.failed_checks()
     names = {c.quantity for c in result.checks}
     for quantity in ("stage_layers", "param_shard_bytes", "optimizer_state_bytes", "collectives_matched",
-                     "sent_bytes", "loss_step3", "schedule_order", "bubble_fraction"):
+                     "sent_bytes", "loss_step3", "schedule_order", "bubble_fraction", "recv_buffers_activations",
+                     "recv_buffers_grads", "recv_buffers_activation_grads"):
         assert quantity in names
     # the sends and receives, by the pipeline's group size
     pp = result.ranks[0]["pp_size"]
@@ -119,3 +120,32 @@ def test_the_zero_bubble_v_splits_each_backward_and_passes_the_middle_in_memory(
     sends = [sum(c["kind"] == "send" for c in r["collectives"]) for r in result.ranks]
     assert sends == [8, 8]  # stage 0 out, stage 3 in (gradient): 4 + 4; stage 1 in, stage 2 out
     assert all(r["simulated_bubble"] == pytest.approx(1 / 25) for r in result.ranks)
+
+
+def test_the_stages_keep_a_receive_buffer_per_micro_batch_and_each_forward_its_activations(results):
+    """4 stages of one layer, 4 micro-batches of 2 sequences of 8 tokens (T = 16), d 32, f 64,
+    h 4, V 50, fp32. A boundary activation is T·d·4 = 2,048 B; torch's stages keep one buffer per
+    micro-batch for it on every stage but the first and one for its gradient on every stage but
+    the last, whatever the schedule: 8,192 B each way. A layer's forward keeps (the run's own
+    model, ``estimate_axes_activation_bytes``) T·(2d + 4d + 2f)·4 + 4·T·h + 2·T·d·4 + 4·T·4 =
+    25,088 B; the first stage adds its output (2,048), a middle stage's input is the buffer and
+    its output is new, the last stage keeps its head's input and the logits, T·V·4 = 3,200 B.
+    GPipe holds 4 micro-batches on every stage, 1F1B 4, 3, 2, 1."""
+    boundary, layer = 16 * 32 * 4, 16 * (2 * 32 + 4 * 32 + 2 * 64) * 4 + 4 * 16 * 4 + 2 * 16 * 32 * 4 + 4 * 16 * 4
+    assert (boundary, layer) == (2_048, 25_088)
+    per = [layer + boundary, layer, layer, layer - boundary + boundary + 16 * 50 * 4]
+    for label, flying in (("gpipe", [4, 4, 4, 4]), ("1f1b", [4, 3, 2, 1])):
+        checks = {(c.quantity, c.rank): c for c in results[(4, label)].checks}
+        for r in range(4):
+            assert checks[(f"activations_per_microbatch_stage_{r}", r)].measured == per[r]
+            assert checks[(f"activations_held_stage_{r}", r)].measured == flying[r] * per[r]
+            assert checks[("recv_buffers_activations", r)].measured == (4 * boundary if r else 0)
+            assert checks[("recv_buffers_grads", r)].measured == (4 * boundary if r < 3 else 0)
+            assert checks[("recv_buffers_activation_grads", r)].measured == 0
+    # the zero-bubble V: each stage fed from the other rank keeps its inputs' gradients too (stage
+    # 3 on rank 0, stage 1 on rank 1); stage 2's buffers are stage 1's outputs, passed in memory
+    zbv = {(c.quantity, c.rank): c.measured for c in results[(2, "zbv_ac")].checks}
+    assert [zbv[("recv_buffers_activation_grads", r)] for r in (0, 1)] == [4 * boundary] * 2
+    assert [zbv[("recv_buffers_activations", r)] for r in (0, 1)] == [4 * boundary, 8 * boundary]
+    # where the model is not exact (FSDP's resized storages, bf16, TP) the activations go unchecked
+    assert not any(c.quantity.startswith("activations_") for c in results[(4, "pp_x_tp_sp_bf16_ac")].checks)

@@ -154,7 +154,8 @@ every byte and collective still matches on NCCL, not speed)."""
 def axes_configs(world_size: int) -> dict[str, tuple[str, dict[str, Any]]]:
     """Chapter 9's runs for ``world_size`` GPUs, ``label -> (run, config)``: TP over 2 GPUs with
     and without sequence parallelism, Ulysses over 2 and a ring over every GPU, each with FSDP2
-    over the rest and 2 sequences per data-parallel rank. Empty below 2 GPUs (a group of one
+    over the rest and 2 sequences per data-parallel rank; a 1F1B pipeline of 2 stages, FSDP2
+    over the rest, 4 micro-batches of one sequence. Empty below 2 GPUs (a group of one
     splits nothing); TP needs an even count."""
     check_int("world_size", world_size, 1)
     if world_size < 2:
@@ -167,6 +168,7 @@ def axes_configs(world_size: int) -> dict[str, tuple[str, dict[str, Any]]]:
         out["tp_sp"] = ("tensor_parallel", {**tp, "sequence_parallel": True})
         out["ulysses"] = ("sequence_parallel", {**AXES_MODEL, "sp_size": 2, "sp_method": "ulysses",
                                                 "batch_size": 2 * dp})
+        out["pipeline"] = ("pipeline", {**AXES_MODEL, "pp_size": 2, "schedule": "1F1B", "batch_size": 4 * dp})
     if AXES_MODEL["seq_len"] % world_size == 0:
         out["ring"] = ("sequence_parallel", {**AXES_MODEL, "sp_size": world_size, "sp_method": "ring",
                                              "batch_size": 2})

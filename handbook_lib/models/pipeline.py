@@ -12,6 +12,10 @@ into ``m`` micro-batches; a stage passes each micro-batch's activations (b/m seq
 - :func:`estimate_pipeline_state_bytes`: parameters, gradients and optimizer state of one rank's
   stages, sharded by FSDP2 over its data-parallel group (chapter 2's rule on the stage's tensors);
 - :func:`estimate_pipeline_p2p`: every send and receive of one step on one rank;
+- :func:`estimate_pipeline_recv_buffers`: the receive buffers torch's stages keep, one per
+  micro-batch each way (:func:`recv_buffers`), whatever the schedule;
+- :func:`stage_activation_bytes`: what one micro-batch's forward keeps on a stage until its
+  backward (times the micro-batches in flight: the stage's activations);
 - :func:`estimate_pipeline_fsdp_calls`: FSDP2's collectives over a stage's data-parallel group;
 - :func:`estimate_pipeline_tp_calls`: tensor parallelism's inside each stage;
 - :func:`bubble_fraction`: the share of a step a rank idles, ``(p − 1) / (v·m + p − 1)``;
@@ -37,7 +41,7 @@ from handbook_lib.core.parallel_layout import ParallelLayout
 from handbook_lib.models.layout import ModelLike, model_layout
 from handbook_lib.models.memory import MemoryEstimate
 from handbook_lib.models.presets import DecoderShape
-from handbook_lib.models.axes_run import AxesCall, per_step_calls, tp_step_calls
+from handbook_lib.models.axes_run import AxesCall, estimate_axes_activation_bytes, per_step_calls, tp_step_calls
 from handbook_lib.core.strategies import get_strategy
 from handbook_lib.models.sharding import policy_units
 from handbook_lib.models.tensor_parallel import (
@@ -51,7 +55,9 @@ from handbook_lib.models.tensor_parallel import (
 __all__ = ["stage_layers", "rank_stages", "stage_param_shapes", "estimate_pipeline_state_bytes",
            "estimate_pipeline_p2p", "estimate_pipeline_fsdp_calls", "estimate_pipeline_tp_calls", "bubble_fraction",
            "StageSpan", "in_flight", "interleaved_in_flight", "pipeline_memory", "Action", "UNIT_COST",
-           "schedule_actions", "most_in_flight", "stage_rank", "simulate_schedule", "idle_fraction"]
+           "schedule_actions", "most_in_flight", "stage_rank", "simulate_schedule", "idle_fraction",
+           "boundary_bytes", "SPLIT_BACKWARD", "RecvBuffers", "recv_buffers", "estimate_pipeline_recv_buffers",
+           "stage_activation_bytes"]
 
 
 @dataclass(frozen=True)
@@ -144,11 +150,7 @@ def estimate_pipeline_p2p(config: ParallelConfig, world_size: int, pp_rank: int)
     its copy; 1/tp of it, its sequence shard, with Megatron SP). A neighbour on the same rank
     (the V's middle two stages, :func:`stage_rank`) is passed in memory: no send."""
     layout = config.parallel_layout(world_size)
-    compute, _ = get_precision(config.precision)
-    rows = config.batch_size // (layout.dp * config.pp_microbatches)
-    buffer = rows * config.seq_len * config.d_model * dtype_bytes(compute)
-    if config.sequence_parallel:  # Megatron SP: a stage's output is its tensor rank's sequence shard
-        buffer //= config.tp_size
+    buffer = boundary_bytes(config, world_size)
     out: list[AxesCall] = []
     last = config.pp_stages - 1
 
@@ -164,6 +166,94 @@ def estimate_pipeline_p2p(config: ParallelConfig, world_size: int, pp_rank: int)
                 out += [AxesCall("recv", "pp", buffer, layout.pp, f"stage {span.index}"),
                         AxesCall("send", "pp", buffer, layout.pp, f"stage {span.index}")]
     return out
+
+
+def boundary_bytes(config: ParallelConfig, world_size: int) -> int:
+    """Bytes of one micro-batch's activation at a stage boundary on one rank: (b/m, s, d) in the
+    compute dtype, ``b`` the rank's data-parallel share of the batch; 1/tp of it with Megatron SP
+    (a stage's output is then its tensor rank's sequence shard)."""
+    compute, _ = get_precision(config.precision)
+    rows = config.batch_size // (config.parallel_layout(world_size).dp * config.pp_microbatches)
+    buffer = rows * config.seq_len * config.d_model * dtype_bytes(compute)
+    return buffer // config.tp_size if config.sequence_parallel else buffer
+
+
+SPLIT_BACKWARD = ("ZBVZeroBubble",)
+"""Schedules that split a backward into the input's gradient and the weights' (zero-bubble)."""
+
+
+@dataclass(frozen=True)
+class RecvBuffers:
+    """Bytes of the receive buffers one rank's ``PipelineStage`` objects keep from the first step
+    on (torch 2.13's ``torch/distributed/pipelining/stage.py``)."""
+
+    activations: int
+    """One buffer per micro-batch for the activation each stage but the first receives
+    (``_setup_forward_recv_info``: allocated once, reused every step; a V's local neighbour
+    replaces them with its own outputs, ``set_local_fwd_input``, which they keep alive)."""
+    activation_grads: int
+    """Under a split backward (:data:`SPLIT_BACKWARD`), the input gradient each such buffer holds
+    as ``.grad`` (``stage_backward_input``) until the next step's ``clear_runtime_states``: per
+    micro-batch, on every stage whose previous stage is on another rank (a V's middle stage's is
+    the buffer its neighbour already holds). A full backward drops it (``stage_backward``)."""
+    grads: int
+    """One buffer per micro-batch for the gradient each stage but the last receives back
+    (``_setup_backward_recv_info``)."""
+
+    @property
+    def total(self) -> int:
+        """All three, bytes."""
+        return self.activations + self.activation_grads + self.grads
+
+
+def recv_buffers(stages: list[int], num_stages: int, microbatches: int, buffer: int, *,
+                 split_backward: bool = False) -> RecvBuffers:
+    """:class:`RecvBuffers` of the rank holding ``stages`` (indices) of ``num_stages``, with
+    ``microbatches`` micro-batches whose boundary activation is ``buffer`` bytes: ``m·B`` per
+    stage but the first, ``m·B`` per stage but the last, and under a split backward ``m·B`` per
+    stage fed from another rank."""
+    check_int("microbatches", microbatches, 1)
+    check_int("buffer", buffer, 0)
+    fed = [s for s in stages if s > 0]
+    remote = [s for s in fed if s - 1 not in stages] if split_backward else []
+    per = microbatches * buffer
+    return RecvBuffers(per * len(fed), per * len(remote), per * sum(1 for s in stages if s < num_stages - 1))
+
+
+def estimate_pipeline_recv_buffers(config: ParallelConfig, world_size: int, pp_rank: int) -> RecvBuffers:
+    """:func:`recv_buffers` of pipeline rank ``pp_rank`` in the run ``config`` describes
+    (:func:`boundary_bytes` each). Measured to the byte on 2 and 4 CPU ranks: GPipe, 1F1B,
+    interleaved 1F1B, the zero-bubble V, with TP and SP."""
+    stages = [span.index for span in rank_stages(config, pp_rank)]
+    return recv_buffers(stages, config.pp_stages, config.pp_microbatches, boundary_bytes(config, world_size),
+                        split_backward=config.schedule in SPLIT_BACKWARD)
+
+
+def stage_activation_bytes(config: ParallelConfig, world_size: int, span: StageSpan) -> int | None:
+    """Bytes one micro-batch's forward leaves alive on stage ``span`` until its backward: what its
+    layers save (:func:`~handbook_lib.models.axes_run.estimate_axes_activation_bytes`, ``b/m``
+    sequences, under the run's checkpointing) less the first layer's input on a stage that
+    receives it (the receive buffer, :func:`estimate_pipeline_recv_buffers`), plus its output,
+    which the stage keeps for the backward (``fwd_cache``): the boundary activation, or on the
+    last stage the logits (``T·V·c``), whose projection also saves its input (``T·d·c``). The
+    loss's log-softmax comes after, outside the stage's forward. Token ids and targets are the
+    batch's, not new.
+
+    Exact on CPU ranks in fp32 with neither FSDP nor TP (measured for every schedule); ``None``
+    for a run with either, in bf16, or with ``ac_every``/``ac_matmul_every`` > 1 or another
+    ``ac_save``: FSDP2 frees gathered parameters by resizing their storage, which a count of new
+    storages cannot follow, and TP's and bf16's kernels save other tensors (not measured here)."""
+    layout = config.parallel_layout(world_size)
+    if (layout.fsdp_size > 1 or config.tp_size > 1 or config.precision != "fp32" or config.ac_every != 1
+            or config.ac_matmul_every != 1 or config.ac_save != "matmul+attention"):
+        return None
+    rows = config.batch_size // (layout.dp * config.pp_microbatches)
+    layers = sum(estimate_axes_activation_bytes(config, rows).by_layer[span.first_layer:span.last_layer])
+    boundary = boundary_bytes(config, world_size)
+    held = layers - (0 if span.embedding else boundary)
+    if not span.head:
+        return held + boundary
+    return held + rows * config.seq_len * (config.d_model + config.padded_vocab_size) * 4
 
 
 def estimate_pipeline_fsdp_calls(config: ParallelConfig, world_size: int, pp_rank: int) -> list[AxesCall]:
@@ -259,7 +349,9 @@ def pipeline_memory(model: ModelLike, layout: ParallelLayout, micro_batch: int, 
     - the layers' activations of every micro-batch in flight (:func:`in_flight`) beyond the one
       priced (the stage's layers as :meth:`~handbook_lib.models.layout.ModelLayout.activations`
       counts them under the run's checkpointing policy, 1/tp of them with sequence parallelism,
-      at ``seq_len / sp`` tokens);
+      at ``seq_len / sp`` tokens), and the receive buffers torch's stages keep for every
+      micro-batch (:func:`recv_buffers`: a boundary activation of ``micro_batch·seq_len/sp·d``
+      elements, 1/tp with sequence parallelism, each way), counted with the activations;
     - the stage's units stay gathered from the first micro-batch's backward to the last one's
       (compute dtype), and
     - their gradients stay unsharded until the last micro-batch reduces them (reduce dtype),
@@ -291,6 +383,9 @@ def pipeline_memory(model: ModelLike, layout: ParallelLayout, micro_batch: int, 
         else:
             flying = in_flight(schedule, layout.pp, microbatches, span.index)
             extra_acts = (flying - 1) * layers // layout.tp
+        ranks = [span.index + k * layout.pp for k in range(stages_per_rank)]  # the rank's stages
+        width = micro_batch * (seq_len // layout.sp) * model.d_model * dtype_bytes(compute) // layout.tp
+        extra_acts += recv_buffers(ranks, layout.pp * stages_per_rank, microbatches, width).total
         components = dict(mem.components)
         components["activations"] += extra_acts
         components["unsharded_params"] += extra_units

@@ -15,7 +15,8 @@ Checks, beside :mod:`handbook_lib.models.pipeline`: each rank's layers; its para
 padding, gradients and optimizer state (exact: the embedding and the head make the first and
 last ranks heavier); every send and receive of the last step, tensor parallelism's collectives
 inside each stage and FSDP2's over its data-parallel ranks (count, buffer bytes, each call
-matched, bytes sent: exact); the schedule (each rank's order of work, the micro-batches each
+matched, bytes sent: exact); the receive buffers torch's stages keep between steps, one per
+micro-batch each way (exact); the schedule (each rank's order of work, the micro-batches each
 stage held at once, the bubble of the ranks' orders on a grid of unit times: exact); the
 losses against one process training the book's model on the whole batch (1e-5 in fp32, 1e-3 in
 bf16).
@@ -37,6 +38,7 @@ from handbook_lib.models.pipeline import (
     bubble_fraction,
     estimate_pipeline_fsdp_calls,
     estimate_pipeline_p2p,
+    estimate_pipeline_recv_buffers,
     estimate_pipeline_state_bytes,
     estimate_pipeline_tp_calls,
     idle_fraction,
@@ -45,6 +47,9 @@ from handbook_lib.models.pipeline import (
     rank_stages,
     schedule_actions,
     simulate_schedule,
+    SPLIT_BACKWARD,
+    StageSpan,
+    stage_activation_bytes,
 )
 from handbook_lib.runs.axes_checks import LOSS_TOLERANCE, collective_checks, state_checks
 from handbook_lib.runs.entry import RankReport, main, one_process_loss_checks
@@ -57,12 +62,6 @@ from handbook_lib.runtime.mesh import build_layout_mesh
 from handbook_lib.runtime.optimization import build_optimizer
 from handbook_lib.runtime.pipeline import PipelinedModel
 from handbook_lib.runtime.training import train
-
-
-ZERO_BUBBLE = ("ZBVZeroBubble",)
-"""Schedules whose bubble on the grid is checked against their own list's, not a formula: their
-split backwards fill it in ways no closed form here prices (the zero-bubble papers' assume tuned
-costs per kind)."""
 
 
 def run(config: PipelineConfig, ctx: RankContext) -> RankReport:
@@ -87,18 +86,53 @@ def run(config: PipelineConfig, ctx: RankContext) -> RankReport:
     assert isinstance(model, PipelinedModel)
     schedule, timeline = schedule_checks(config, ctx, model, mesh.pp_group)
     checks += schedule
+    buffers, expected = model.recv_buffer_bytes(), estimate_pipeline_recv_buffers(config, ctx.world_size, mesh.pp_rank)
+    checks += [Check(f"recv_buffers_{kind}", ctx.rank, getattr(expected, kind), buffers[kind], "bytes")
+               for kind in buffers]
+    checks += activation_checks(config, ctx, model, spans)
     sent = sum(k["sent_bytes"] for k in collective_totals(log.collectives).values())
     metrics = {"losses": log.losses, "step_time_s": log.step_time_s, "lr": log.lr,
                "pp_rank": mesh.pp_rank, "dp_rank": mesh.dp_rank, "pp_size": config.pp_size,
                "stages": [s.index for s in spans], "layers": layers, "embedding": spans[0].embedding,
                "head": spans[-1].head, "param_shard_bytes": params.shard_bytes,
-               "collectives": [vars(c) for c in log.collectives], "sent_bytes": sent, **timeline}
+               "collectives": [vars(c) for c in log.collectives], "sent_bytes": sent, **timeline,
+               "recv_buffers": buffers, "held": model.held}
     if ctx.is_main:
         compute, _ = get_precision(config.precision)
         metrics["reference_losses"], loss_checks = one_process_loss_checks(
             config, log.losses, LOSS_TOLERANCE[compute], str(ctx.device))  # the reference on the rank's device
         checks += loss_checks
     return RankReport(metrics=metrics, checks=checks, extra={"pp_size": config.pp_size})
+
+
+def activation_checks(config: PipelineConfig, ctx: RankContext, model: PipelinedModel,
+                      spans: list[StageSpan]) -> list[Check]:
+    """For each stage of this rank, in the last step (:attr:`PipelinedModel.held`): the bytes one
+    micro-batch's forward left alive (the first forward's) against
+    :func:`~handbook_lib.models.pipeline.stage_activation_bytes`, and the most the stage held at
+    once, the measured bytes of the micro-batches it had in flight at each moment of its measured
+    order, against that times :func:`~handbook_lib.models.pipeline.in_flight` (an interleaved
+    schedule: its list's). None where the model is not exact (FSDP, TP, bf16)."""
+    if ctx.device.type != "cpu":  # a GPU's kernels save other tensors (unmeasured)
+        return []
+    checks: list[Check] = []
+    planned = most_in_flight(model.schedule_order()) if config.pp_stages_per_rank > 1 else {}
+    for span in spans:
+        per = stage_activation_bytes(config, ctx.world_size, span)
+        if per is None:
+            continue
+        forwards = {mb: after - before for kind, stage, mb, before, after in model.held
+                    if kind == "F" and stage == span.index}
+        flying, most = 0, 0
+        for kind, stage, mb, _, _ in model.held:
+            if stage == span.index and kind != "I":  # a split backward frees it with its weights' half
+                flying += forwards[mb] if kind == "F" else -forwards[mb]
+                most = max(most, flying)
+        count = (planned[span.index] if config.pp_stages_per_rank > 1
+                 else in_flight(config.schedule, config.pp_size, config.pp_microbatches, span.index))
+        checks += [Check(f"activations_per_microbatch_stage_{span.index}", ctx.rank, per, forwards[0], "bytes"),
+                   Check(f"activations_held_stage_{span.index}", ctx.rank, count * per, most, "bytes")]
+    return checks
 
 
 def schedule_checks(config: PipelineConfig, ctx: RankContext, model: PipelinedModel,
@@ -130,7 +164,7 @@ def schedule_checks(config: PipelineConfig, ctx: RankContext, model: PipelinedMo
     grid = simulate_schedule(orders, config.pp_stages)
     span = max(end for line in grid.values() for _, _, end in line)
     here = dist.get_rank(group)
-    if config.schedule in ZERO_BUBBLE:  # no closed form here: the schedule's own orders on the grid
+    if config.schedule in SPLIT_BACKWARD:  # zero-bubble: no closed form here: the schedule's own orders on the grid
         planned_grid = simulate_schedule({r: model.schedule_order(r) for r in orders}, config.pp_stages)
         bubble = idle_fraction(planned_grid[here], max(end for line in planned_grid.values() for _, _, end in line))
     else:

@@ -24,6 +24,7 @@ from torch import nn
 
 from handbook_lib.core.parallel_config import ParallelConfig
 from handbook_lib.models.pipeline import StageSpan, rank_stages
+from handbook_lib.runtime.measure import NewBytesPeak
 from handbook_lib.runtime.parallel_model import ParallelTransformer
 from handbook_lib.runtime.train_log import check_loss_finite
 
@@ -97,6 +98,15 @@ class PipelinedModel(nn.Module):
         ``(kind, stage, micro-batch, start, end)``, ``kind`` one of
         :data:`~handbook_lib.models.pipeline.Action`'s (``"F"``, ``"B"``, ``"I"``, ``"W"``), the times in seconds
         of this host's monotonic clock (comparable between the ranks of one host)."""
+        self.memory_step = config.steps
+        """The step (1-based) whose new bytes :meth:`run` follows: the last."""
+        self.held: list[tuple[str, int, int, int, int]] = []
+        """That step's bytes allocated since it began and still alive before and after each forward
+        and backward, in order: ``(kind, stage, micro-batch, before, after)`` (what the
+        micro-batches in flight keep, their saved activations, outputs and loss, and what the step
+        allocates for good, such as gradients set to ``None`` before it; nothing older, such as
+        parameters or the receive buffers, counts)."""
+        self._tracker: NewBytesPeak | None = None
         for stage in self.pipeline_stages:
             self._record(stage)
 
@@ -108,10 +118,13 @@ class PipelinedModel(nn.Module):
             method = getattr(stage, name)
 
             def timed(chunk: int, *args: Any, _method: Any = method, _kind: str = kind, **kwargs: Any) -> Any:
-                start = time.monotonic()
+                start, before = time.monotonic(), self._tracker.live if self._tracker is not None else 0
                 out = _method(chunk, *args, **kwargs)
                 split = _kind == "B" and kwargs.get("full_backward", args[1] if len(args) > 1 else True) is False
-                self.timeline.append(("I" if split else _kind, stage.stage_index, chunk, start, time.monotonic()))
+                action = ("I" if split else _kind, stage.stage_index, chunk)
+                self.timeline.append((*action, start, time.monotonic()))
+                if self._tracker is not None:
+                    self.held.append((*action, before, self._tracker.live))
                 return out
 
             setattr(stage, name, timed)
@@ -127,8 +140,37 @@ class PipelinedModel(nn.Module):
         return [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in order
                 if a is not None and a.computation_type.value in ("F", "B", "I", "W")]
 
-    def run(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """One step's forwards and backwards over the micro-batches, in the schedule's order.
+    def recv_buffer_bytes(self) -> dict[str, int]:
+        """Bytes of the receive buffers this rank's ``PipelineStage`` objects keep between steps:
+        ``activations``, one per micro-batch on every stage but the first, allocated once and reused
+        (leaves that require grad); ``activation_grads``, the gradients autograd accumulated into
+        them in the last backward (dropped at the next step's start); ``grads``, one per micro-batch
+        on every stage but the last, for the gradient the next stage sends back. Each storage once."""
+        seen: set[int] = set()
+        out = {"activations": 0, "activation_grads": 0, "grads": 0}
+
+        def count(kind: str, t: torch.Tensor | None) -> None:
+            if t is None:
+                return
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen and storage.nbytes():
+                seen.add(storage.data_ptr())
+                out[kind] += storage.nbytes()
+
+        for stage in self.pipeline_stages:
+            for infos in stage.args_recv_info.values():
+                for info in infos:
+                    if not info.is_root_arg and info.buffer is not None:
+                        count("activations", info.buffer)
+                        count("activation_grads", info.buffer.grad)
+            for infos in stage.grad_recv_info.values():
+                for info in infos:
+                    count("grads", info.buffer)
+        return out
+
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, *, measure: bool = False) -> torch.Tensor:
+        """One step's forwards and backwards over the micro-batches, in the schedule's order
+        (``measure``: the new bytes alive after each, into :attr:`held`).
         Returns the loss this rank contributes to the loop's mean over ranks: ``pp`` times the mean
         of its micro-batches' losses on the rank of the last stage, 0 elsewhere (so the mean over
         a data-parallel group's ``pp`` ranks is its share's mean loss)."""
@@ -136,8 +178,10 @@ class PipelinedModel(nn.Module):
         self.timeline = []
         args = (inputs,) if self.first else ()
         kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self.last else {}
-        with self.loss_context():
+        self._tracker = NewBytesPeak() if measure else None
+        with self.loss_context(), self._tracker or contextlib.nullcontext():
             self.schedule.step(*args, **kwargs)
+        self._tracker = None
         if not self.last:
             return torch.zeros((), device=inputs.device)
         local = [loss.to_local() if hasattr(loss, "to_local") else loss for loss in losses]
@@ -155,7 +199,7 @@ def pipeline_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: to
     ``after_backward`` hook, the optimizer step, gradients zeroed (kept, not freed, as the loop's
     own step does). Returns the loss to average over ranks (:meth:`PipelinedModel.run`)."""
     assert isinstance(model, PipelinedModel)
-    loss = model.run(inputs, targets)
+    loss = model.run(inputs, targets, measure=step == model.memory_step)
     if model.last:
         check_loss_finite(float(loss), step)
     if after_backward is not None:
