@@ -132,15 +132,16 @@ def test_an_accumulated_batch_is_also_searched_in_fewer_larger_micro_batches():
     found = search_plan(LLAMA70, "h100-80gb", 64, seq_len=4096, grad_accum_steps=4)
     assert found.searched.endswith("the batch also as micro-batch x micro-steps 2 x 2, 4 x 1, 1 x 4 reduced each")
     names = {c.name for c in found.candidates}
-    assert {"FULL_SHARD + AC (micro-batch 2 x 2)", "FULL_SHARD + AC (micro-batch 4 x 1)",
-            "FULL_SHARD + AC (micro-batch 1 x 4, reduced each)"} <= names
-    assert not any(c.fits for c in found.candidates if "micro-batch" not in c.name)
-    assert found.winner.name == "FULL_SHARD + AC (micro-batch 4 x 1)"
+    assert {"FULL_SHARD + AC (2 x 2)", "FULL_SHARD + AC (4 x 1)",
+            "FULL_SHARD + AC (1 x 4, reduced each)"} <= names
+    assert not any(c.fits for c in found.candidates if " x " not in c.name)
+    assert found.winner.name == "FULL_SHARD + AC (4 x 1)"
     alone = next(o for o in plan(LLAMA70, "h100-80gb", 64, seq_len=4096, micro_batch=4).options
                  if o.name == "FULL_SHARD + AC")
     assert (found.winner.step_s, found.winner.peak_reserved_bytes) == (alone.step_s, alone.peak_reserved_bytes)
     assert found.winner.tokens_per_s_per_gpu == pytest.approx(4 * 4096 / alone.step_s)
-    assert not any("micro-batch" in c.name for c in search_plan(LLAMA70, "h100-80gb", 64, seq_len=4096).candidates)
+    assert not any(" x " in c.name and "TP" not in c.name
+                   for c in search_plan(LLAMA70, "h100-80gb", 64, seq_len=4096).candidates)
 
 
 def test_the_batch_cuts_keep_the_sequences_a_step_and_reduce_each_micro_step_when_smaller():
@@ -160,11 +161,11 @@ def test_a_micro_batch_that_does_not_fit_is_searched_as_smaller_ones_reduced_eac
     (or tensor parallelism) fits; as 4 x 2, 2 x 4 or 1 x 8 with gradients reduce-scattered every micro-step (they stay
     sharded), FULL_SHARD + AC fits, priced as plan() prices that cut."""
     found = search_plan(LLAMA70, "h100-80gb", 64, seq_len=4096, micro_batch=8)
-    whole = [c for c in found.candidates if c.fits and c.tp_size == 1 and "micro-batch" not in c.name]
+    whole = [c for c in found.candidates if c.fits and c.tp_size == 1 and " x " not in c.name]
     assert whole and all(c.cpu_offload for c in whole)
-    assert found.winner.name.startswith("FULL_SHARD + AC (micro-batch ")
+    assert found.winner.name.startswith("FULL_SHARD + AC (")
     assert found.winner.name.endswith(", reduced each)") and not found.winner.cpu_offload
-    m, a = (int(x) for x in found.winner.name.split("micro-batch ")[1].split(",")[0].split(" x "))
+    m, a = (int(x) for x in found.winner.name.split("(")[1].split(",")[0].split(" x "))
     assert m * a == 8 and a > 1
     cut = next(o for o in plan(LLAMA70, "h100-80gb", 64, seq_len=4096, micro_batch=m, grad_accum_steps=a,
                                sync_every_micro_step=True).options if o.name == "FULL_SHARD + AC")

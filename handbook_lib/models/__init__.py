@@ -105,9 +105,10 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     )
     from handbook_lib.models.pipeline import (
         Action, StageSpan, bubble_fraction, estimate_pipeline_fsdp_calls, estimate_pipeline_p2p,
-        estimate_pipeline_state_bytes, idle_fraction, in_flight, most_in_flight, pipeline_memory, rank_stages,
+        estimate_pipeline_state_bytes, idle_fraction, in_flight, most_in_flight, rank_stages,
         schedule_actions, simulate_schedule, stage_layers, stage_param_shapes,
     )
+    from handbook_lib.models.stage_memory import pipeline_memory
     from handbook_lib.models.axes_run import (
         AxesCall, axes_micro_batch, axes_units, estimate_axes_activation_bytes, estimate_axes_collectives,
         estimate_axes_state_bytes, per_step_calls, tp_step_calls,

@@ -55,7 +55,7 @@ from handbook_lib.models.sequence_parallel import (
     sequence_activation_bytes,
     ulysses_layer_bytes,
 )
-from handbook_lib.models.pipeline import pipeline_memory
+from handbook_lib.models.stage_memory import pipeline_memory
 from handbook_lib.models.tensor_parallel import estimate_decoder_tp_memory
 
 __all__ = ["AxesVerdict", "SpChoice", "estimate_axes", "estimate_job_memory", "estimate_sp_memory",
@@ -150,7 +150,7 @@ def estimate_job_memory(model: ModelLike, layout: ParallelLayout, *, micro_batch
     axes.
 
     - **A pipeline** (``pp``, a :class:`~handbook_lib.models.presets.DecoderShape`): the worst of
-      its first and last stages (:func:`~handbook_lib.models.pipeline.pipeline_memory`), each
+      its first and last stages (:func:`~handbook_lib.models.stage_memory.pipeline_memory`), each
       priced as a model of its own
       layers on the other axes, with ``pp_microbatches`` micro-batches of ``micro_batch``
       sequences in flight as ``pp_schedule`` keeps them.

@@ -247,7 +247,7 @@ def search_plan(model: ModelLike, gpu: Accelerator | str, gpus: int, *, micro_ba
     for m, a, sync in splits:  # the same tokens a step, cut another way (module docstring)
         split = {**common, "micro_batch": m, "grad_accum_steps": a, "sync_every_micro_step": sync}
         other = plan(model, acc, gpus, shard_group_size=0 if several else None, **split)  # type: ignore[arg-type]
-        label = f"micro-batch {m} x {a}" + (", reduced each" if sync and a > 1 else "")
+        label = f"{m} x {a}" + (", reduced each" if sync and a > 1 else "")  # micro-batch x micro-steps
         candidates += [dataclasses.replace(_from_option(o, FULL, tokens), name=f"{o.name} ({label})")
                        for o in other.options if o.gpus == gpus]
     cuts = ("; the batch also as micro-batch x micro-steps " + ", ".join(

@@ -38,7 +38,6 @@ from handbook_lib.models.pipeline import (
     bubble_fraction,
     estimate_pipeline_fsdp_calls,
     estimate_pipeline_p2p,
-    estimate_pipeline_recv_buffers,
     estimate_pipeline_state_bytes,
     estimate_pipeline_tp_calls,
     idle_fraction,
@@ -49,8 +48,8 @@ from handbook_lib.models.pipeline import (
     simulate_schedule,
     SPLIT_BACKWARD,
     StageSpan,
-    stage_activation_bytes,
 )
+from handbook_lib.models.stage_memory import estimate_pipeline_recv_buffers, stage_activation_bytes
 from handbook_lib.runs.axes_checks import LOSS_TOLERANCE, collective_checks, state_checks
 from handbook_lib.runs.entry import RankReport, main, one_process_loss_checks
 from handbook_lib.runs.specs.pipeline import CONFIG as CONFIG, PipelineConfig, validate
@@ -109,7 +108,7 @@ def activation_checks(config: PipelineConfig, ctx: RankContext, model: Pipelined
                       spans: list[StageSpan]) -> list[Check]:
     """For each stage of this rank, in the last step (:attr:`PipelinedModel.held`): the bytes one
     micro-batch's forward left alive (the first forward's) against
-    :func:`~handbook_lib.models.pipeline.stage_activation_bytes`, and the most the stage held at
+    :func:`~handbook_lib.models.stage_memory.stage_activation_bytes`, and the most the stage held at
     once, the measured bytes of the micro-batches it had in flight at each moment of its measured
     order, against that times :func:`~handbook_lib.models.pipeline.in_flight` (an interleaved
     schedule: its list's). None where the model is not exact (FSDP, TP, bf16)."""
