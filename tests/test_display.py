@@ -437,3 +437,23 @@ def test_checks_by_run_counts_the_ranks_that_pass():
         Check("peak_bytes", 0, 100, 104, "bytes", 0.1), Check("peak_bytes", 1, 100, 104, "bytes", 0.1)])
     rows = checks_by_run({"r": result}, ("issue_order", "peak_bytes", "absent")).rows
     assert rows == [["r", "issue_order", "12", "12", "1/2"], ["r", "peak", "100 B", "104 B", "2/2"]]
+
+
+def test_checks_halves_puts_a_cases_broken_and_fixed_checks_side_by_side():
+    from handbook_lib.face import checks_halves
+
+    import dataclasses
+
+    checks = [Check("broken.units", r, 1, 1, "units") for r in range(2)] + [
+        Check("fixed.units", r, 3, 3, "units") for r in range(2)] + [
+        Check("broken.state_dict_bytes", 0, 280, 280, "bytes"), Check("broken.state_dict_bytes", 1, 0, 0, "bytes"),
+        Check("fixed.grad", 0, 10, 10, "bytes"), Check("broken.symptom", None, 1, 1, "flag")]
+    run = dataclasses.replace(_run(2, [1.0], 1, 1), checks=checks)
+    table = checks_halves(run)
+    assert list(table.columns) == ["quantity", "broken", "fixed", "unit"]
+    assert table.rows == [["units", "1 / 1", "3 / 3", "units"], ["state_dict", "280 / 280; 0 / 0", "-", "bytes"],
+                          ["grad", "-", "10 / 10", "bytes"], ["symptom", "1 / 1", "-", "flag"]]
+    assert table.note == "model / run; 8 checks, every one within its tolerance (all exact)"
+    off = dataclasses.replace(run, checks=[*checks, Check("fixed.units", 0, 3, 4, "units")])
+    assert checks_halves(off).note == "model / run; outside their tolerance: fixed.units"
+    assert checks_halves(off).rows[0] == ["units", "1 / 1", "3 / 3; 3 / 4", "units"]

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         SourceCode,
         Table,
         checks_legend,
+        checks_halves,
         checks_summary,
         checks_table,
         checks_verdict,

@@ -20,10 +20,9 @@ from typing import Any
 from handbook_lib.core.results import Check, RunResult
 from handbook_lib.core.text import BOOK_WIDTH, wrap
 
-__all__ = ["format_bytes", "format_loss", "format_losses", "format_bound", "LOSS_DECIMALS", "Table",
-           "checks_table", "checks_summary", "checks_bound", "checks_verdict", "checks_legend", "format_tolerance",
-           "ranks_table",
-           "Definitions", "definitions", "ErrorText", "show_exception", "SourceCode", "show_source"]
+__all__ = ["format_bytes", "format_loss", "format_losses", "format_bound", "LOSS_DECIMALS", "Table", "checks_table",
+           "checks_summary", "checks_halves", "checks_bound", "checks_verdict", "checks_legend", "format_tolerance",
+           "ranks_table", "Definitions", "definitions", "ErrorText", "show_exception", "SourceCode", "show_source"]
 
 _DECIMAL = [("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)]
 _BINARY = [("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)]
@@ -221,6 +220,31 @@ def checks_summary(checks: RunResult | Iterable[Check], *, only: tuple[str, ...]
     table = checks_table([groups[k][0] for k in keys])
     rows = [[row[0], ranks(groups[k]), *row[2:]] for row, k in zip(table.rows, keys)]
     return Table(["quantity", "ranks", *table.columns[2:]], rows, table.note)
+
+
+def checks_halves(checks: RunResult | Iterable[Check], halves: tuple[str, ...] = ("broken", "fixed")) -> Table:
+    """A run's checks named ``half.quantity`` (the clinic's ``broken.units``, ``fixed.units``),
+    one row per quantity (its ``_bytes`` suffix dropped, as :func:`checks_table` does) and a
+    column per half, each ``model / run``; where a half's ranks
+    measure different values, each pair once, in rank order, joined by ``;``. Rows keep the
+    order in which their quantity first appears; the note says how many checks passed and
+    their tolerance (``exact`` when every one is 0), or which failed."""
+    items = checks.checks if isinstance(checks, RunResult) else list(checks)
+    pairs: dict[str, dict[str, list[str]]] = {}
+    units: dict[str, str] = {}
+    for c in items:
+        half, _, quantity = c.quantity.partition(".")
+        quantity = quantity.removesuffix("_bytes") if c.unit == "bytes" else quantity
+        if half in halves:
+            said = pairs.setdefault(quantity, {}).setdefault(half, [])
+            pair = f"{_cell(c.predicted)} / {_cell(c.measured)}"
+            said.extend([pair] if pair not in said else [])
+            units.setdefault(quantity, _UNIT_SHORT.get(c.unit, c.unit))
+    rows = [[q, *("; ".join(by.get(h, ["-"])) for h in halves), units[q]] for q, by in pairs.items()]
+    failed, exact = sorted({c.quantity for c in items if not c.ok}), all(c.tolerance == 0 for c in items)
+    note = (f"model / run; {len(items)} checks, every one within its tolerance{' (all exact)' * exact}"
+            if not failed else f"model / run; outside their tolerance: {', '.join(failed)}")
+    return Table(["quantity", *halves, "unit"], rows, note)
 
 
 def checks_bound(checks: RunResult | Iterable[Check], prefixes: tuple[str, ...], *, below: float) -> str:

@@ -1,0 +1,60 @@
+"""Every page of the book stays readable in one sitting: at most 40 KB of text, code and
+plain-text output (each cell's source and what it prints as text, the way a reader scrolls
+through it; figures and a table's HTML twin are not counted).
+
+The chapters still longer than that are listed with the size they may not grow past, so that a
+page can only shrink toward the limit; a page that reaches it leaves the list."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+LIMIT = 40_000
+"""Bytes of text, code and plain-text output a page may hold."""
+
+NOT_YET_CUT = {
+    "02_memory_model": 56_000,
+    "03_communication_model": 55_000,
+    "04_choosing_a_strategy": 68_000,
+    "05_fsdp_in_practice": 87_000,
+    "06_checkpointing": 71_000,
+    "07_accelerate_trainer_deepspeed": 57_000,
+    "09_tensor_sequence_context_parallelism": 80_000,
+    "10_the_fsdp_clinic": 48_000,
+}
+"""The chapters over :data:`LIMIT`, each with the bytes it may not grow past."""
+
+
+def page_bytes(path: Path) -> int:
+    """UTF-8 bytes of a notebook's cell sources and of the text its cells print (streams and the
+    ``text/plain`` of displayed values)."""
+    total = 0
+    for cell in json.loads(path.read_text())["cells"]:
+        total += len("".join(cell["source"]).encode())
+        for out in cell.get("outputs", []):
+            text = out.get("text") or out.get("data", {}).get("text/plain", "")
+            total += len("".join(text).encode())
+    return total
+
+
+def test_the_measure_counts_sources_and_printed_text(tmp_path):
+    page = {"cells": [{"cell_type": "markdown", "source": ["# é\n", "ab"]},
+                      {"cell_type": "code", "source": ["print(1)"],
+                       "outputs": [{"output_type": "stream", "text": ["1\n"]},
+                                   {"output_type": "display_data",
+                                    "data": {"text/plain": ["x"], "text/html": ["<b>x</b>"]}}]}]}
+    path = tmp_path / "p.ipynb"
+    path.write_text(json.dumps(page))
+    assert page_bytes(path) == len("# é\nab".encode()) + len("print(1)") + len("1\n") + len("x") == 18
+
+
+@pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.stem)
+def test_each_page_is_at_most_40_kb_or_shrinking_toward_it(path):
+    size = page_bytes(path)
+    if path.stem in NOT_YET_CUT:
+        assert LIMIT < size <= NOT_YET_CUT[path.stem], (
+            f"{path.name}: {size:,} B (at most {NOT_YET_CUT[path.stem]:,}; at {LIMIT:,} or less it leaves the list)")
+    else:
+        assert size <= LIMIT, f"{path.name}: {size:,} B, over the {LIMIT:,} B a page may hold"
