@@ -111,7 +111,7 @@ def activation_checks(config: PipelineConfig, ctx: RankContext, model: Pipelined
     :func:`~handbook_lib.models.stage_memory.stage_activation_bytes`, and the most the stage held at
     once, the measured bytes of the micro-batches it had in flight at each moment of its measured
     order, against that times :func:`~handbook_lib.models.pipeline.in_flight` (an interleaved
-    schedule: its list's). None where the model is not exact (FSDP, TP, bf16)."""
+    schedule: its list's). None where the model is not exact (a GPU, FSDP, TP, bf16)."""
     if ctx.device.type != "cpu":  # a GPU's kernels save other tensors (unmeasured)
         return []
     checks: list[Check] = []
@@ -163,7 +163,7 @@ def schedule_checks(config: PipelineConfig, ctx: RankContext, model: PipelinedMo
     grid = simulate_schedule(orders, config.pp_stages)
     span = max(end for line in grid.values() for _, _, end in line)
     here = dist.get_rank(group)
-    if config.schedule in SPLIT_BACKWARD:  # zero-bubble: no closed form here: the schedule's own orders on the grid
+    if config.schedule in SPLIT_BACKWARD:  # zero-bubble: no closed form, its own orders on the grid
         planned_grid = simulate_schedule({r: model.schedule_order(r) for r in orders}, config.pp_stages)
         bubble = idle_fraction(planned_grid[here], max(end for line in planned_grid.values() for _, _, end in line))
     else:
