@@ -31,8 +31,6 @@ class RunSpec:
         preemptible: The run saves and stops on SIGTERM or SIGUSR1: the launcher forwards them.
         host_bytes: ``host_bytes(config, world_size) -> int``: host bytes one rank holds, for a run
             the memory model does not price (the benchmark's buffers), checked before launch.
-        check_devices: ``check_devices(config, world_size, cuda)``: the one check that depends on
-            whether the ranks see GPUs (``cuda``); the launcher calls it once it knows.
     """
 
     name: str
@@ -41,7 +39,6 @@ class RunSpec:
     validate: Callable[[Any, int], None] | None = None
     preemptible: bool = False
     host_bytes: Callable[[Any, int], int] | None = None
-    check_devices: Callable[[Any, int, bool], None] | None = None
 
     @property
     def summary(self) -> str:

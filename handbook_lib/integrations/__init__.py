@@ -13,9 +13,11 @@ from handbook_lib.core.lazy import lazy_exports
 
 if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported on first use
     from handbook_lib.integrations.accelerate_job import (
+        AccelerateJob,
         accelerate_launch_env,
         fsdp_plugin,
         launch_env,
+        train_with_accelerate,
         what_accelerate_did,
     )
     from handbook_lib.integrations.frameworks import (
@@ -35,10 +37,12 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         RecordingTrainer,
         SyntheticLM,
         build_gpt2,
+        deepspeed_state_over_gloo,
         gpt2_config,
         probe_batch,
         probe_logits,
         training_arguments,
+        zero3_partition_elements,
     )
     from handbook_lib.integrations.zero_engine import (
         set_ds_accelerator,

@@ -1,6 +1,7 @@
 """What a rank does to train through Hugging Face Accelerate, and to find out what Accelerate did.
 
-Chapter 7 uses it through the ``accelerate_fsdp`` run. :func:`launch_env` turns the run config
+Chapter 7 uses it through the ``accelerate_fsdp`` run, and shows :func:`train_with_accelerate`,
+the ``train.py`` that ``accelerate launch`` starts on every rank. :func:`launch_env` turns the run config
 into the environment ``accelerate launch --config_file`` would give each process: it writes
 :func:`handbook_lib.integrations.frameworks.accelerate_config` to a file and passes it through Accelerate's
 own launch code. :func:`what_accelerate_did` then reports what ``Accelerator.prepare`` really
@@ -11,18 +12,26 @@ sharded (DTensors for FSDP2, flat shards for FSDP1), and the parameter bytes thi
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from handbook_lib.core.config import RunConfig
 from handbook_lib.integrations.frameworks import accelerate_config
-from handbook_lib.runtime.measure import measure_param_bytes
+from handbook_lib.runtime.distributed import RankContext
+from handbook_lib.runtime.measure import local_tensor, measure_param_bytes
+from handbook_lib.runtime.model import build_model
+from handbook_lib.runtime.optimization import build_optimizer
+from handbook_lib.runtime.train_log import TrainLog
+from handbook_lib.runtime.training import train
 
-__all__ = ["launch_env", "accelerate_launch_env", "fsdp_plugin", "what_accelerate_did"]
+__all__ = ["launch_env", "accelerate_launch_env", "fsdp_plugin", "what_accelerate_did", "train_with_accelerate",
+           "AccelerateJob"]
 
 
 def accelerate_launch_env(file: dict[str, Any], *flags: str) -> dict[str, str]:
@@ -64,7 +73,6 @@ def fsdp_plugin(config: RunConfig) -> Any:
     keeps this policy (``set_mixed_precision`` replaces only a policy left unset), where
     ``mixed_precision: bf16`` in the file reduces in bf16. Wrapping, resharding, offload and
     state-dict type as :func:`accelerate_config` writes them."""
-    import torch
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     from handbook_lib.core.config import DTYPES, PRECISIONS
@@ -103,3 +111,55 @@ def what_accelerate_did(accelerator: Any, model: nn.Module) -> dict[str, Any]:
         "sharded": flat or any(isinstance(p, DTensor) for p in params),
         "param_bytes": measure_param_bytes(model).shard_bytes,
     }
+
+
+@dataclass
+class AccelerateJob:
+    """What :func:`train_with_accelerate` did on this rank."""
+
+    log: TrainLog
+    """The training steps' losses and times."""
+    did: dict[str, Any]
+    """:func:`what_accelerate_did` after ``prepare``."""
+    moved_max_abs_diff: float
+    """Largest change the step after ``save_state`` made to this rank's parameters (> 0)."""
+    reload_max_abs_diff: float
+    """Largest difference between this rank's parameters as saved by ``save_state`` and as
+    ``load_state`` brought them back after that step (0: restored)."""
+    exported_elements: int
+    """Elements of ``get_state_dict``'s whole model on the main process (0 elsewhere)."""
+
+
+def train_with_accelerate(config: RunConfig, ctx: RankContext,
+                          folder: Path) -> AccelerateJob:
+    """``train.py`` under ``accelerate launch``: FSDP's settings come from the
+    environment the launcher sets (:func:`launch_env`), so the script names none. It
+    trains in the book's loop, saves the sharded state (``save_state``), takes one
+    more step, restores (``load_state``) and exports the whole model on the main
+    process. On a CPU it asks for ``cpu=True``, else each process trains alone."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=ctx.device.type != "cuda")
+    model = build_model(config.model_config(), seed=config.seed)
+    optimizer = build_optimizer(model.parameters(), config.optimizer, config.lr,
+                                config.optimizer_impl)
+    model, optimizer = accelerator.prepare(model.to(accelerator.device), optimizer)
+    log = train(model, optimizer, config, ctx)
+    did = what_accelerate_did(accelerator, model)
+
+    accelerator.save_state(str(folder / "state"))  # model, optimizer, RNG: per rank
+    saved = [local_tensor(p).detach().clone() for p in model.parameters()]
+    train(model, optimizer, config, ctx, start_step=config.steps - 1, progress=False)
+    moved = _max_abs_diff(model, saved)  # the extra step changed them
+    accelerator.load_state(str(folder / "state"))
+    restored = _max_abs_diff(model, saved)
+
+    whole = accelerator.get_state_dict(model)  # gathered on the main process
+    exported = sum(t.numel() for t in whole.values())
+    accelerator.wait_for_everyone()
+    return AccelerateJob(log, did, moved, restored, exported if ctx.is_main else 0)
+
+
+def _max_abs_diff(model: nn.Module, saved: list[torch.Tensor]) -> float:
+    """Largest difference between this rank's parameters and ``saved`` (the same order)."""
+    return max(float((local_tensor(p).detach() - s).abs().max()) for p, s in zip(model.parameters(), saved))

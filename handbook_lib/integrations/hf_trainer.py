@@ -23,7 +23,7 @@ from handbook_lib.core.config import RunConfig  # noqa: E402
 from handbook_lib.runtime.data import make_batch  # noqa: E402
 
 __all__ = ["probe_logits_on_cpu", "gpt2_config", "build_gpt2", "SyntheticLM", "RecordingTrainer", "probe_batch",
-           "probe_logits", "training_arguments"]
+           "probe_logits", "training_arguments", "deepspeed_state_over_gloo", "zero3_partition_elements"]
 
 
 def gpt2_config(config: RunConfig) -> GPT2Config:
@@ -73,6 +73,38 @@ class RecordingTrainer(Trainer):
         (``gradient_accumulation_steps`` of them), summed."""
         k = self.args.gradient_accumulation_steps
         return [sum(self.losses[i:i + k]) for i in range(0, len(self.losses), k)]
+
+
+def deepspeed_state_over_gloo() -> dict:
+    """Make Accelerate's process state a DeepSpeed state of the whole torchrun world over gloo,
+    for a Trainer on ranks without a GPU; returns the ``TrainingArguments`` keywords that make
+    the Trainer use it (``accelerator_config={"use_configured_state": True}``).
+
+    Left to itself, the Trainer asks Accelerate for a DeepSpeed state, and Accelerate chooses a
+    distributed backend only for an accelerator device. On CPU ranks it finds none and counts
+    one process, while DeepSpeed counts them all, and DeepSpeed's batch check stops the job.
+    Naming the backend (``PartialState(backend="gloo")``, with ``ACCELERATE_USE_DEEPSPEED`` set
+    as the Trainer sets it) gives the whole world. Call it before each Trainer: an
+    ``Accelerator``'s DeepSpeed plugin is set once per state.
+    """
+    import os
+
+    from accelerate import PartialState
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    try:
+        PartialState(backend="gloo")
+    finally:
+        del os.environ["ACCELERATE_USE_DEEPSPEED"]
+    return {"accelerator_config": {"use_configured_state": True}}
+
+
+def zero3_partition_elements(model: torch.nn.Module) -> int:
+    """Elements of the parameters this rank holds under ZeRO-3: each parameter's partition
+    (``ds_tensor``), or the whole tensor where DeepSpeed keeps it (no partition)."""
+    return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
 
 
 def probe_batch(config: RunConfig) -> torch.Tensor:

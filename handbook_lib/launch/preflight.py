@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = ["SHM_MIN_BYTES", "shm_warning", "RANKS_PER_CORE", "check_resources", "check_job_resources",
-           "check_run_config", "check_run_devices",
+           "check_run_config",
            "predicted_rank_bytes", "host_cores", "available_memory"]
 
 SHM_MIN_BYTES = 256 * 1024 * 1024
@@ -203,28 +203,3 @@ def check_run_config(run: str, config: Mapping[str, Any] | None, world_size: int
         if not label:
             raise
         raise ValueError(f"config {label!r}: {err}") from None
-
-
-def check_run_devices(run: str, configs: Mapping[str, Any], world_size: int, env: Mapping[str, str] | None) -> None:
-    """The one check of a run that depends on whether its ranks see GPUs (its spec's
-    ``check_devices``; trainer_deepspeed's only), once the launcher knows where they run. Ranks
-    whose ``env`` hides the GPUs see none; otherwise this counts them (imports torch), and only
-    for a run with such a check.
-
-    Raises:
-        ValueError: what the run refuses on those devices (``config 'label': ...`` in a batch).
-    """
-    from handbook_lib.launch.gpus import gpus_hidden, visible_gpus
-    from handbook_lib.runs import run_spec
-
-    check = run_spec(run).check_devices
-    if check is None:
-        return
-    cuda = not gpus_hidden(env) and visible_gpus() > 0
-    for label, cfg in configs.items():
-        try:
-            check(cfg, world_size, cuda)
-        except ValueError as err:
-            if not label:
-                raise
-            raise ValueError(f"config {label!r}: {err}") from None

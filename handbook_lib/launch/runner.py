@@ -73,7 +73,7 @@ from handbook_lib.launch.errors import (
 from handbook_lib.launch.gpus import gpus_hidden, rank_env
 from handbook_lib.launch.nodes import Nodes, check_nodes
 from handbook_lib.launch.outdir import OutDir, prepare_out_dir
-from handbook_lib.launch.preflight import check_job_resources, check_run_config, check_run_devices, shm_warning
+from handbook_lib.launch.preflight import check_job_resources, check_run_config, shm_warning
 from handbook_lib.launch.preempt import TORCHRUN_SIGNALS, forward_signals, raise_if_preempted
 from handbook_lib.launch.processes import Agents, drain, exit_words, pump, start_agents, stop, sweep
 from handbook_lib.launch.show import Show, Streamer, config_defaults
@@ -285,7 +285,6 @@ def _job(run: str, nproc: int, configs: dict[str, dict[str, Any] | None], *, out
         _check_gpus(nnodes * nproc, f"nnodes x nproc = {nnodes} x {nproc} ranks on this machine", env)
     else:
         _check_gpus(nproc, env=env)
-    check_run_devices(run, cfgs, nnodes * nproc, env)
     _warn_small_shm(nproc, env)
     check_job_resources(spec, list(cfgs.values()), nproc, world_size=nnodes * nproc,
                         local_ranks=nproc * nodes.local_agents, env=env, force=force_resources)

@@ -31,7 +31,6 @@ import json
 import random
 import shutil
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from statistics import median
@@ -51,7 +50,7 @@ from handbook_lib.runtime.build import parallelize
 from handbook_lib.runtime.checkpoint import PendingCheckpoint, load_checkpoint, save_checkpoint
 from handbook_lib.runtime.checkpoint_verify import METADATA, CheckpointError, read_metadata, validate_checkpoint
 from handbook_lib.runtime.data import local_batch
-from handbook_lib.runtime.distributed import RankContext
+from handbook_lib.runtime.distributed import RankContext, shared_temp_dir
 from handbook_lib.runtime.measure import local_tensor
 from handbook_lib.runtime.training import build_optimizer, train_step
 
@@ -64,11 +63,7 @@ def _root(config: CheckpointCostConfig, ctx: RankContext) -> Path:
     """``ckpt_dir``, or a temporary directory made by rank 0 and named to every rank."""
     if config.ckpt_dir:
         return Path(config.ckpt_dir)
-    name = [tempfile.mkdtemp(prefix="handbook-ckcost-") if ctx.is_main else None]
-    if ctx.world_size > 1:
-        dist.broadcast_object_list(name, src=0)
-    assert name[0] is not None  # rank 0's, broadcast
-    return Path(name[0])
+    return Path(shared_temp_dir("handbook-ckcost-", ctx))
 
 
 def _tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -78,6 +78,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         RankContext,
         init_distributed,
         pick_device,
+        shared_temp_dir,
         shutdown_distributed,
     )
     from handbook_lib.runtime.grads import (

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,8 @@ import torch.distributed as dist
 
 from handbook_lib.core.protocol import COLLECTIVE_TIMEOUT_ENV
 
-__all__ = ["RankContext", "pick_device", "resolve_device", "init_distributed", "shutdown_distributed"]
+__all__ = ["RankContext", "pick_device", "resolve_device", "init_distributed", "shutdown_distributed",
+           "shared_temp_dir"]
 
 
 @dataclass(frozen=True)
@@ -114,3 +116,13 @@ def shutdown_distributed() -> None:
     """Destroy the process group if one exists (safe to call twice, or after a failure)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def shared_temp_dir(prefix: str, ctx: RankContext) -> str:
+    """A new temporary folder made by rank 0 and named to every rank (one machine's ranks, or a
+    shared ``TMPDIR``); the caller removes it."""
+    name = [tempfile.mkdtemp(prefix=prefix) if ctx.is_main else None]
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(name, src=0)
+    assert name[0] is not None  # rank 0's, broadcast
+    return name[0]

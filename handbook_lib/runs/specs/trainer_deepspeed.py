@@ -1,9 +1,7 @@
 """Train a Transformers model with the Trainer and DeepSpeed ZeRO, save it whole, load it back, and resume.
 
 The torch-free half of :mod:`handbook_lib.runs.trainer_deepspeed`: its config and the checks the
-launcher makes before any process starts (:class:`~handbook_lib.core.run_spec.RunSpec`). The one
-check that depends on the ranks' devices, :func:`check_devices`, is made by the launcher once it
-knows whether the ranks see GPUs, and again by each rank on its own device.
+launcher makes before any process starts (:class:`~handbook_lib.core.run_spec.RunSpec`).
 """
 
 from __future__ import annotations
@@ -34,8 +32,7 @@ CONFIG = TrainerRunConfig
 
 
 def validate(config: TrainerRunConfig, world_size: int) -> None:
-    """Reject, before any process starts, what this run cannot do (on the ranks' devices:
-    :func:`check_devices`).
+    """Reject, before any process starts, what this run cannot do.
 
     Raises:
         ValueError: naming the key and what is accepted.
@@ -66,17 +63,4 @@ def validate(config: TrainerRunConfig, world_size: int) -> None:
     config.check_batch(world_size)
 
 
-def check_devices(config: TrainerRunConfig, world_size: int, cuda: bool) -> None:
-    """Refuse several processes on ranks without GPUs (``cuda``: the ranks see GPUs).
-
-    Raises:
-        ValueError: one line saying why, and to launch it with ``--nproc 1`` here.
-    """
-    if world_size > 1 and not cuda:
-        raise ValueError(
-            f"trainer_deepspeed needs a GPU per process for {world_size} processes: on a CPU, Accelerate "
-            "finds no distributed backend, the Trainer counts 1 process while DeepSpeed counts "
-            f"{world_size}, and DeepSpeed's batch check stops the job; launch it with --nproc 1 here")
-
-
-SPEC = RunSpec("trainer_deepspeed", __doc__, CONFIG, validate, check_devices=check_devices)
+SPEC = RunSpec("trainer_deepspeed", __doc__, CONFIG, validate)
