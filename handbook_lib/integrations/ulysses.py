@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from handbook_lib.integrations.zero_engine import import_deepspeed
 from handbook_lib.runtime.parallel_model import causal_attention
@@ -25,25 +25,33 @@ from handbook_lib.runtime.parallel_model import causal_attention
 __all__ = ["ulysses_core"]
 
 
-def ulysses_core(group: dist.ProcessGroup) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """An :data:`~handbook_lib.runtime.parallel_model.AttentionCore` for ``model.set_core``:
-    DeepSpeed's ``DistributedAttention`` over ``group`` (the sequence-parallel ranks, chunk i on
-    its rank i) around the book's causal SDPA. DeepSpeed's communication layer is pointed at the
-    process group this job already has (``deepspeed.comm.init_distributed``, no MPI discovery).
+Core = Callable[[Tensor, Tensor, Tensor], Tensor]
+"""An attention core: ``core(q, k, v)``, each (batch, seq, heads, head_dim)."""
 
-    The ``nhead`` of the tensors it is given must be divisible by the group's size (refused by
-    :class:`~handbook_lib.core.config.ParallelConfig` before the run starts).
+
+def ulysses_core(group: dist.ProcessGroup) -> Core:
+    """An :data:`~handbook_lib.runtime.parallel_model.AttentionCore` for
+    ``model.set_core``: DeepSpeed's ``DistributedAttention`` over ``group`` (the
+    sequence-parallel ranks, chunk i on its rank i) around the book's causal SDPA.
+    DeepSpeed's communication layer is pointed at the process group this job already
+    has (``deepspeed.comm.init_distributed``, no MPI discovery).
+
+    The ``nhead`` of the tensors it is given must be divisible by the group's size
+    (refused by :class:`~handbook_lib.core.config.ParallelConfig` before any run).
     """
     import_deepspeed()
     import deepspeed.comm as ds_comm
     from deepspeed.sequence.layer import DistributedAttention
 
-    if not ds_comm.is_initialized():
-        backend = "nccl" if "nccl" in dist.get_backend() else dist.get_backend()  # not "cpu:gloo,cuda:nccl"
-        ds_comm.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
-    attention = DistributedAttention(causal_attention, group, scatter_idx=2, gather_idx=1)
+    if not ds_comm.is_initialized():  # nccl, not "cpu:gloo,cuda:nccl"
+        backend = "nccl" if "nccl" in dist.get_backend() else dist.get_backend()
+        ds_comm.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
+                                 verbose=False)
+    # all-to-all: (a chunk of the sequence, all heads) -> (the sequence, 1/P of them)
+    attention = DistributedAttention(causal_attention, group,
+                                     scatter_idx=2, gather_idx=1)
 
-    def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def core(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return attention(q, k, v, 0)
 
     return core

@@ -53,27 +53,30 @@ class Nodes:
     def commands(self, nproc: int, out_dir: Path, tail: list[str]) -> list[list[str]]:
         """One torchrun command per agent this machine starts.
 
-        Each agent's ``--node-rank`` names its log folder (``logs/nodeK``) only: with the c10d
-        rendezvous torchrun ignores it (with a warning). When every agent has joined, the
-        rendezvous numbers them by sorting their descriptors (host name, process id, local id;
-        ``_mark_rendezvous_complete`` in ``torch.distributed.elastic.rendezvous.
-        dynamic_rendezvous``), not in the order they joined: on a cluster node 0 is the
-        smallest host name, here the agent with the smallest process id. Each rank records
-        the node torchrun gave it (``GROUP_RANK``), which is what :meth:`where` reports."""
+        Each agent's ``--node-rank`` names its log folder (``logs/nodeK``) only: with
+        the c10d rendezvous torchrun ignores it (with a warning). When every agent has
+        joined, the rendezvous numbers them by sorting their descriptors (host name,
+        process id, local id; ``_mark_rendezvous_complete`` in ``torch.distributed.
+        elastic.rendezvous.dynamic_rendezvous``), not in the order they joined: on a
+        cluster node 0 is the smallest host name, here the agent with the smallest
+        process id. Each rank records the node torchrun gave it (``GROUP_RANK``), which
+        is what :meth:`where` reports."""
         def agent(node: int | None, conf: list[str], logs: Path) -> list[str]:
             rank = [] if node is None else ["--node-rank", str(node)]
-            return [sys.executable, "-c", AGENT, "--nnodes", str(self.count),
-                    *rank, "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.rdzv_id(out_dir), *conf,
+            return [sys.executable, "-c", AGENT, "--nnodes", str(self.count), *rank,
+                    "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", self.endpoint,
+                    "--rdzv-id", self.rdzv_id(out_dir), *conf,
                     "--max-restarts", "0", "--tee", "3", "--log-dir", str(logs), *tail]
 
+        logs = out_dir / LOGS_DIR
         if self.count == 1:
-            return [agent(None, [], out_dir / LOGS_DIR)]
+            return [agent(None, [], logs)]
         if self.node_rank is not None:
-            return [agent(self.node_rank, [], out_dir / LOGS_DIR / f"node{self.node_rank}")]
+            return [agent(self.node_rank, [], logs / f"node{self.node_rank}")]
         # every node here: node 0's agent hosts the rendezvous store, the others join it
         return [agent(k, ["--rdzv-conf", f"is_host={'true' if k == 0 else 'false'}"],
-                      out_dir / LOGS_DIR / f"node{k}") for k in range(self.count)]
+                      logs / f"node{k}") for k in range(self.count)]
 
     @property
     def local_agents(self) -> int:

@@ -111,13 +111,6 @@ _CASES = (
         "keep sync on (the shards accumulate in place) and pay one reduce-scatter per unit "
         "per micro-step"),
     ClinicCase(
-        "zero3_small_model", "memory", 15, "ZeRO-3 above ZeRO-2 on a small model",
-        ("deepspeedai/DeepSpeed#1069", "deepspeedai/DeepSpeed#5305"),
-        "ZeRO-3 holds more bytes per rank than ZeRO-2",
-        "stage3_param_persistence_threshold (100,000 elements) keeps every small tensor whole on "
-        "every rank, on top of its partition",
-        "a threshold of 0 for a small model (or leave it: at scale those tensors are a rounding)"),
-    ClinicCase(
         "tied_weights_split", "correctness", 4, "tied weights in two units",
         ("Lightning-AI/pytorch-lightning!21613", "linkedin/Liger-Kernel#332"),
         "the tie is lost when wrapping, and the first forward raises",

@@ -3,8 +3,8 @@
 Chapter 10 launches it, all cases in one job (``handbook_lib.launch.torchrun_batch``, one config
 per case). The ``case`` key names one of :data:`handbook_lib.models.clinic_cases.CLINIC_CASES`;
 every rank runs its *broken* half, then its *fixed* half (the cases live in
-``runtime.clinic_memory``, ``clinic_correctness``, ``clinic_hangs``, ``clinic_checkpoints`` and,
-for DeepSpeed, ``integrations.clinic_zero``). Each half's checks put what it measured beside the
+``runtime.clinic_memory``, ``clinic_correctness``, ``clinic_hangs`` and ``clinic_checkpoints``).
+Each half's checks put what it measured beside the
 book's model (bytes, units, collectives, norms) or beside what its symptom means (an error
 raised, a timeout); two job-wide checks say that the broken half showed its symptom on some rank
 (``broken.symptom`` = 1) and the fixed half on none (``fixed.symptom`` = 0). The cases run on the
@@ -42,13 +42,12 @@ def case_function(name: str) -> CaseFn:
     Raises:
         ValueError: for a name that is not a case, naming the accepted ones.
     """
-    from handbook_lib.integrations.clinic_zero import ZERO_CASES
     from handbook_lib.runtime.clinic_checkpoints import CHECKPOINT_CASES
     from handbook_lib.runtime.clinic_correctness import CORRECTNESS_CASES
     from handbook_lib.runtime.clinic_hangs import HANG_CASES
     from handbook_lib.runtime.clinic_memory import MEMORY_CASES
 
-    table = {**MEMORY_CASES, **ZERO_CASES, **CORRECTNESS_CASES, **HANG_CASES, **CHECKPOINT_CASES}
+    table = {**MEMORY_CASES, **CORRECTNESS_CASES, **HANG_CASES, **CHECKPOINT_CASES}
     if name not in table:
         raise ValueError(f"case must be one of {', '.join(CLINIC_CASES)}, got {name!r}")
     return table[name]

@@ -105,14 +105,16 @@ def build_mesh(config: RunConfig, ctx: RankContext) -> DeviceMesh:
 def build_mp_policy(precision: str) -> MixedPrecisionPolicy | None:
     """FSDP2 mixed-precision policy for a ``precision`` value (``None`` for fp32).
 
-    ``bf16-mixed`` / ``fp16-mixed`` compute in bf16 / fp16 (parameters are all-gathered in that
-    dtype) and reduce gradients in fp32; the sharded parameters and the optimizer stay fp32.
-    fp16 also needs a gradient scaler (:func:`handbook_lib.runtime.training.build_grad_scaler`).
+    ``bf16-mixed`` / ``fp16-mixed`` compute in bf16 / fp16 (parameters all-gathered
+    in that dtype) and reduce gradients in fp32; the sharded parameters and the
+    optimizer stay fp32. fp16 also needs a gradient scaler
+    (:func:`handbook_lib.runtime.training.build_grad_scaler`).
     """
     compute, reduce = get_precision(precision)
     if compute == reduce:
         return None
-    return MixedPrecisionPolicy(param_dtype=torch_dtype(compute), reduce_dtype=torch_dtype(reduce))
+    return MixedPrecisionPolicy(param_dtype=torch_dtype(compute),
+                                reduce_dtype=torch_dtype(reduce))
 
 
 def apply_fsdp2(
@@ -214,19 +216,26 @@ def _apply_ddp(model, config, ctx, row, units, seeded) -> nn.Module:
 
 
 def _apply_fsdp(model, config, ctx, row, units, seeded) -> nn.Module:
-    """FSDP: FSDP2's ``fully_shard`` per unit and root, or FSDP1's wrapper."""
+    """FSDP: FSDP2's ``fully_shard`` per unit and root, or FSDP1's wrapper. A model
+    built on the meta device (``seeded``) is sharded first, then given memory and its
+    seeded weights: each rank only ever allocates its shards."""
     if config.api == "fsdp1":
         return _apply_fsdp1(model, config, ctx, row, seeded)
-    # The output head returns a view (nn.Linear on a 3-D input); FSDP2 warns that an in-place op
-    # on it would skip a hook. Nothing here modifies the logits in place, so silence that warning.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if config.cpu_offload else None
+    # The output head returns a view (nn.Linear on a 3-D input), so FSDP2 warns that
+    # an in-place op on it would skip a hook; nothing here alters the logits in place.
+    view = r"FSDP2-wrapped module .* returned a view tensor"
+    warnings.filterwarnings("ignore", message=view)
+    offload = None
+    if config.cpu_offload:  # shards, gradients and the optimizer step on the CPU
+        offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")
     home = torch.device("cpu") if offload is not None else ctx.device
     if seeded is None and offload is None:
         model.to(ctx.device)
-    reshard = config.reshard_after_forward_size or row.reshard_after_forward  # an int: that group
+    # True, False, or an int: reshard after forward to groups of that many ranks
+    reshard = config.reshard_after_forward_size or row.reshard_after_forward
     apply_fsdp2(model, build_mesh(config, ctx), reshard_after_forward=reshard,
-                mp_policy=build_mp_policy(config.precision), offload_policy=offload, units=units)
+                mp_policy=build_mp_policy(config.precision), offload_policy=offload,
+                units=units)
     apply_explicit_prefetch(units, config.explicit_prefetch)
     if seeded is not None:
         _materialise(model, home, seeded)

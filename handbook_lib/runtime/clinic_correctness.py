@@ -54,12 +54,13 @@ def _tie(model: SimpleTransformer) -> SimpleTransformer:
 
 
 def tied_weights_split(setup: CaseSetup) -> tuple[Half, Half]:
-    """The embedding and the output head share one weight; the user wraps each top-level
-    module (as a size-based policy would). FSDP2 shards each unit's copy: after wrapping the
-    model has one parameter tensor more than it should, and the first forward raises. Fixed:
-    both in the root unit. Checked: the parameter tensors (the layout's, less the tied one) and
-    the root's shard bytes (:func:`~handbook_lib.models.sharding.estimate_tensor_shards`),
-    exact; :func:`diagnose_tied_weights` before wrapping."""
+    """The embedding and the output head share one weight; the user wraps each
+    top-level module (as a size-based policy would). FSDP2 shards each unit's copy:
+    after wrapping the model has one parameter tensor more than it should, and the
+    first forward raises. Fixed: both in the root unit. Checked: the parameter tensors
+    (the layout's, less the tied one) and the root's shard bytes
+    (:func:`~handbook_lib.models.sharding.estimate_tensor_shards`), exact;
+    :func:`diagnose_tied_weights` before wrapping."""
     tensors = setup.layout.tensors
     halves = []
     for broken in (True, False):
@@ -69,21 +70,26 @@ def tied_weights_split(setup: CaseSetup) -> tuple[Half, Half]:
         finding = diagnose_tied_weights(model, units)
         shard_model(model, setup.mesh(), units)
         params = len(list(model.parameters()))
-        half.check("parameter_tensors", len(tensors) - (0 if broken else 1), params, "tensors")
+        expected = len(tensors) - (0 if broken else 1)
+        half.check("parameter_tensors", expected, params, "tensors")
         half.flag("diagnosed", broken, finding is not None)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=setup.config.lr)
-        err = raised(lambda: [step_loss(model, setup.batch(s), optimizer) for s in range(2)])  # noqa: B023 - called here
+        opt = torch.optim.AdamW(model.parameters(), lr=setup.config.lr)
+        steps = [setup.batch(s) for s in range(2)]  # step 1 raises if split
+        err = raised(lambda: [step_loss(model, b, opt) for b in steps])  # noqa: B023
         half.flag("raised", broken, err is not None)
         if not broken:
             half.flag("tie_kept", True, model.output.weight is model.embedding.weight)
             shapes = [s for n, s in tensors if n != "output.weight"]
-            half.check("param_shard_bytes", estimate_tensor_shards(shapes, setup.world, setup.rank).shard_bytes,
+            shards = estimate_tensor_shards(shapes, setup.world, setup.rank)
+            half.check("param_shard_bytes", shards.shard_bytes,
                        measure_param_bytes(model).shard_bytes, "bytes")
         half.symptom = err is not None
-        half.metrics.update(parameter_tensors=params, error=first_line(err) if err else None,
+        half.metrics.update(parameter_tensors=params,
+                            error=first_line(err) if err else None,
                             diagnosis=finding.message if finding else None)
-        half.finding = (f"{'embedding and head in two units' if broken else 'both in the root'}: "
-                        f"{params} parameter tensors; " + (first_line(err) if err else "trains"))
+        wrapped = "embedding and head in two units" if broken else "both in the root"
+        half.finding = (f"{wrapped}: {params} parameter tensors; "
+                        + (first_line(err) if err else "trains"))
         halves.append(half)
     return halves[0], halves[1]
 

@@ -251,5 +251,4 @@ MEMORY_CASES: dict[str, CaseFn] = {
     "frozen_params": frozen_params,
     "accumulation_unsharded_grads": accumulation_unsharded_grads,
 }
-"""The memory cases of this module, by name (the ZeRO-3 case is DeepSpeed's:
-:mod:`handbook_lib.integrations.clinic_zero`)."""
+"""The memory cases of this module, by name."""
