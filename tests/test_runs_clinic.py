@@ -134,6 +134,13 @@ def _unit_numels() -> list[int]:
     return [sizes[0] + sum(sizes[-2:]), sum(sizes[1:13]), sum(sizes[13:25])]
 
 
+def test_a_forward_that_skips_the_hooks_meets_sharded_parameters(results):
+    skips = results["forward_skips_hooks"]
+    assert _by_rank(skips, "broken.all_gathers") == [0, 0]  # the root's hook never ran
+    assert "mixed torch.Tensor and DTensor" in _half(skips, "broken")["error"]
+    assert _by_rank(skips, "fixed.all_gathers") == [3, 3]  # 2 layers and the root
+
+
 def test_hangs_are_cut_by_the_timeout_on_the_waiting_rank(results):
     for name in ("rank0_only_forward", "rank0_only_state_dict"):
         result = results[name]
@@ -143,6 +150,13 @@ def test_hangs_are_cut_by_the_timeout_on_the_waiting_rank(results):
         assert waiting["error"].startswith("RuntimeError: Timed out waiting 500ms")
         assert 0.5 <= waiting["waited_s"] < 30
     assert _by_rank(results["rank0_only_forward"], "fixed.all_gathers") == [3, 3]
+    uneven = results["uneven_batches"]  # 5 batches sliced [rank::2]; padded to 3 each when fixed
+    assert _by_rank(uneven, "broken.batches") == [3, 2]
+    assert _by_rank(uneven, "broken.forwards_done") == [2, 2]
+    assert _by_rank(uneven, "broken.timed_out") == [1, 0]
+    assert _half(uneven, "broken")["error"].startswith("RuntimeError: Timed out waiting 500ms")
+    assert _by_rank(uneven, "fixed.batches") == _by_rank(uneven, "fixed.forwards_done") == [3, 3]
+    assert _by_rank(uneven, "fixed.all_gathers") == [3 * 3, 3 * 3]  # 3 forwards, 3 units each
     sd = results["rank0_only_state_dict"]
     assert _by_rank(sd, "fixed.all_gathers") == [len(SHAPES)] * 2
     assert _by_rank(sd, "fixed.state_dict_bytes") == [4 * P, 0]

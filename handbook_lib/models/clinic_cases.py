@@ -64,7 +64,7 @@ class ClinicCase:
     group: str
     """One of :data:`CLINIC_GROUPS`."""
     note: int | None
-    """The pain point of :data:`FIELD_NOTES` it reproduces (``None``: a rule of chapter 5)."""
+    """The pain point of :data:`FIELD_NOTES` it reproduces (``None``: none of them)."""
     title: str
     """A few words for a table row."""
     threads: tuple[str, ...]
@@ -149,12 +149,26 @@ _CASES = (
         "one unit all-gathers one flat buffer, of one dtype",
         "keep the parameters fp32 and let MixedPrecisionPolicy cast them to bf16"),
     ClinicCase(
+        "forward_skips_hooks", "correctness", None, "a forward that skips FSDP's hooks",
+        ("pytorch/pytorch!125394",),
+        "'got mixed torch.Tensor and DTensor' at the first operation",
+        "FSDP2 gathers a unit in its module's forward hooks; model.forward(x), a submodule of the "
+        "root called alone, or generate() skip them",
+        "call the module (model(x)), or register_fsdp_forward_method(model, 'generate')"),
+    ClinicCase(
         "rank0_only_forward", "hangs", 10, "a forward on rank 0 only",
         ("deepspeedai/DeepSpeed#8262", "deepspeedai/DeepSpeed#7998"),
         "the job hangs until the collective timeout",
         "FSDP gathers each unit before it runs: a forward on one rank waits in an all-gather "
         "the other ranks never join",
         "run the forward on every rank (each evaluates its share), or on an unsharded copy"),
+    ClinicCase(
+        "uneven_batches", "hangs", 10, "ranks with different numbers of batches",
+        ("pytorch/torchtitan#1618", "PrimeIntellect-ai/prime-rl#2515"),
+        "an evaluation loop hangs at its end",
+        "each rank reads its own slice of a finite set, and one gets a batch more: its last "
+        "forward all-gathers with ranks that have left the loop",
+        "give every rank as many batches (DistributedSampler pads the set, or a fixed step count)"),
     ClinicCase(
         "rank0_only_state_dict", "hangs", 7, "full state dict gathered on rank 0 only",
         ("pytorch/pytorch#80581", "huggingface/accelerate!1181"),
@@ -164,7 +178,8 @@ _CASES = (
     ClinicCase(
         "full_state_dict_every_rank", "checkpoints", 7, "full state dict on every rank",
         ("axolotl-ai-cloud/axolotl!1828", "pytorch/pytorch#104143"),
-        "host memory of every rank holds the whole model at save time",
+        "every rank holds the whole model at save time (on the device, or on the host with FSDP1's "
+        "offload_to_cpu alone)",
         "full_state_dict=True without cpu_offload leaves the gathered copy on every rank",
         "cpu_offload=True (rank 0 keeps it), or save sharded with DCP"),
     ClinicCase(

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from handbook_lib.core.results import Check
+from handbook_lib.core.strategies import get_strategy
 from handbook_lib.runs.entry import RankReport, main
 from handbook_lib.runs.specs.trainer_deepspeed import CONFIG as CONFIG, TrainerRunConfig, validate
 from handbook_lib.runtime.distributed import RankContext
@@ -80,7 +81,7 @@ def run(config: TrainerRunConfig, ctx: RankContext) -> RankReport:
     resumed = second.step_losses()
 
     checks = [Check("trainer_world_size", ctx.rank, ctx.world_size, first.args.world_size, "processes")]
-    if config.strategy == "ZERO3":  # each tensor's partition, padded to a multiple of the ranks
+    if get_strategy(config.strategy).shards_params:  # ZeRO-3: each tensor's partition, padded to N
         checks.append(Check("param_elements", ctx.rank, sum(math.ceil(n / ctx.world_size) for n in numels), held,
                             "elements"))
     checks += [Check(f"resumed_loss_step{config.save_every + i + 1}", ctx.rank, a, b, "nats")

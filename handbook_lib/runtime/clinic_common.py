@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from handbook_lib.core.config import RunConfig
 from handbook_lib.core.results import Check
 from handbook_lib.models.layout import ModelLayout, model_layout
+from handbook_lib.models.traffic import estimate_step_traffic
 from handbook_lib.runtime.build import apply_fsdp2
 from handbook_lib.runtime.collectives import CollectiveCall, CollectiveCounter
 from handbook_lib.runtime.data import local_batch
@@ -38,7 +39,7 @@ from handbook_lib.runtime.model import SimpleTransformer, build_model
 from handbook_lib.runtime.training import next_token_loss
 
 __all__ = ["Half", "CaseSetup", "CaseFn", "first_line", "raised", "counted", "shard_model",
-           "units_of_class", "step_loss", "GROUP_TIMEOUT_S"]
+           "units_of_class", "step_loss", "forward_all_gathers", "GROUP_TIMEOUT_S"]
 
 GROUP_TIMEOUT_S = 120.0
 """Seconds a collective of a case's own gloo group may wait (the hang cases use a shorter one)."""
@@ -209,6 +210,15 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, units: list[nn.Module] | Non
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     apply_fsdp2(model, mesh, units=units, **kwargs)
     return model
+
+
+def forward_all_gathers(setup: CaseSetup) -> int:
+    """All-gathers of one forward of the case's model, one unit per layer and the root
+    resharded after forward, as :func:`shard_model` wraps it
+    (:func:`~handbook_lib.models.traffic.estimate_step_traffic`)."""
+    records = estimate_step_traffic(setup.layout.units("layer"), setup.world, "FULL_SHARD",
+                                    root_reshard_after_forward=True).records
+    return sum(r.phase == "forward" for r in records)
 
 
 def step_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],

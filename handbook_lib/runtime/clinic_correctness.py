@@ -28,6 +28,7 @@ from handbook_lib.runtime.clinic_common import (
     CaseSetup,
     Half,
     counted,
+    forward_all_gathers,
     first_line,
     raised,
     shard_model,
@@ -39,8 +40,8 @@ from handbook_lib.runtime.measure import local_tensor, measure_optimizer_bytes, 
 from handbook_lib.runtime.model import SimpleTransformer, TransformerLayer
 
 __all__ = ["tied_weights_split", "local_grad_norm", "meta_buffer_uninit", "optimizer_before_wrap",
-           "ac_nondeterministic", "mixed_dtype", "CORRECTNESS_CASES", "PositionalTransformer",
-           "uninitialised_as_nan", "CLIP_NORM", "DROPOUT"]
+           "ac_nondeterministic", "mixed_dtype", "forward_skips_hooks", "CORRECTNESS_CASES",
+           "PositionalTransformer", "uninitialised_as_nan", "CLIP_NORM", "DROPOUT"]
 
 CLIP_NORM = 0.01
 """``max_norm`` of the clipping case: below every rank's shard norm, so every rank clips."""
@@ -376,6 +377,34 @@ def mixed_dtype(setup: CaseSetup) -> tuple[Half, Half]:
     return halves[0], halves[1]
 
 
+def forward_skips_hooks(setup: CaseSetup) -> tuple[Half, Half]:
+    """``model.forward(x)`` instead of ``model(x)``: FSDP2 gathers a unit in its module's
+    forward hooks, which ``forward`` (like a root's submodule called alone, or ``generate``)
+    skips. The root's parameters are still sharded DTensors when the embedding uses them, and
+    the first operation raises. Fixed: call the module, or register the method
+    (``register_fsdp_forward_method(model, "generate")``). Checked: the error and the
+    forward's all-gathers (none broken; one per unit fixed,
+    :func:`~handbook_lib.models.traffic.estimate_step_traffic`), exact."""
+    x, _ = setup.batch(0)
+    per_forward = forward_all_gathers(setup)
+    halves = []
+    for broken in (True, False):
+        half = setup.half()
+        model = shard_model(setup.model(), setup.mesh())
+        call = model.forward if broken else model
+        with torch.no_grad(), counted() as calls:
+            err = raised(lambda: call(x))  # noqa: B023 - called here
+        all_gathers = sum(c.kind == "all_gather" for c in calls)
+        half.check("all_gathers", 0 if broken else per_forward, all_gathers, "collectives")
+        half.flag("raised", broken, err is not None)
+        half.symptom = err is not None
+        half.metrics.update(all_gathers=all_gathers, error=first_line(err) if err else None)
+        half.finding = ("model.forward(x): " if broken else "model(x): ") + (
+            first_line(err) if err else f"{all_gathers} all-gathers, one per unit")
+        halves.append(half)
+    return halves[0], halves[1]
+
+
 CORRECTNESS_CASES: dict[str, CaseFn] = {
     "tied_weights_split": tied_weights_split,
     "local_grad_norm": local_grad_norm,
@@ -383,5 +412,6 @@ CORRECTNESS_CASES: dict[str, CaseFn] = {
     "optimizer_before_wrap": optimizer_before_wrap,
     "ac_nondeterministic": ac_nondeterministic,
     "mixed_dtype": mixed_dtype,
+    "forward_skips_hooks": forward_skips_hooks,
 }
 """The correctness cases of this module, by name."""

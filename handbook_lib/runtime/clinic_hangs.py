@@ -7,7 +7,8 @@ its own with a timeout of :attr:`~handbook_lib.runtime.clinic_common.CaseSetup.h
 seconds (:meth:`~handbook_lib.runtime.clinic_common.CaseSetup.hang_group`), so the hang becomes an
 error the case records: the waiting rank, the collectives it issued (counted), the message.
 Each fixed half calls the same collectives on every rank, and checks them against the book's
-models (:func:`~handbook_lib.models.traffic.estimate_step_traffic`, the bytes of a full state dict).
+models (:func:`~handbook_lib.runtime.clinic_common.forward_all_gathers`, the bytes of a full state
+dict).
 """
 
 from __future__ import annotations
@@ -16,21 +17,25 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from handbook_lib.models.traffic import estimate_step_traffic
 from handbook_lib.runtime.clinic_common import (
     CaseFn,
     CaseSetup,
     Half,
     counted,
+    forward_all_gathers,
     first_line,
     raised,
     shard_model,
 )
 from handbook_lib.runtime.measure import nbytes
 
-__all__ = ["rank0_only_forward", "rank0_only_state_dict", "HANG_CASES"]
+__all__ = ["rank0_only_forward", "rank0_only_state_dict", "uneven_batches", "HANG_CASES", "UNEVEN_ITEMS"]
+
+UNEVEN_ITEMS = 5
+"""Evaluation batches of the uneven case: on 2 ranks, sliced ``items[rank::2]``, 3 and 2."""
 
 
 def _hang(setup: CaseSetup, half: Half, call: Callable[[nn.Module], object]) -> None:
@@ -76,10 +81,8 @@ def rank0_only_forward(setup: CaseSetup) -> tuple[Half, Half]:
     model = shard_model(setup.model(), setup.mesh())
     with counted() as calls:
         err = raised(lambda: _eval_forward(setup)(model))
-    units = setup.layout.units("layer")
-    forward = [r for r in estimate_step_traffic(units, setup.world, "FULL_SHARD", root_reshard_after_forward=True)
-               .records if r.phase == "forward"]
-    fixed.check("all_gathers", len(forward), sum(c.kind == "all_gather" for c in calls), "collectives")
+    fixed.check("all_gathers", forward_all_gathers(setup), sum(c.kind == "all_gather" for c in calls),
+                "collectives")
     fixed.flag("timed_out", False, err is not None)
     fixed.metrics.update(all_gathers=len(calls))
     fixed.finding = f"every rank: {len(calls)} all-gathers, one per unit; done"
@@ -113,8 +116,66 @@ def rank0_only_state_dict(setup: CaseSetup) -> tuple[Half, Half]:
     return broken, fixed
 
 
+def _evaluate(setup: CaseSetup, model: nn.Module, items: list[int],
+              in_step: int = 0) -> tuple[int, BaseException | None, list]:
+    """Forwards of batches ``items`` (``setup.batch(i)``, no gradients) until one raises: the
+    forwards done, the error, the collectives issued. The first ``in_step`` forwards, which
+    every rank runs, start together (a barrier on the job's group), so that a short timeout
+    catches the rank left alone, not a rank the machine ran late."""
+    done = 0
+
+    def loop() -> None:
+        nonlocal done
+        for k, i in enumerate(items):
+            if k < in_step:
+                dist.barrier(group=setup.group)
+            with torch.no_grad():
+                model(setup.batch(i)[0])
+            done += 1
+
+    with counted() as calls:
+        err = raised(loop)
+    return done, err, calls
+
+
+def uneven_batches(setup: CaseSetup) -> tuple[Half, Half]:
+    """An evaluation loop over each rank's own slice of a finite set (``items[rank::world]``):
+    :data:`UNEVEN_ITEMS` batches give rank 0 one more than rank 1. Every FSDP forward
+    all-gathers, so rank 0's last forward waits for a rank that has left the loop, until the
+    group's timeout. Fixed: every rank gets as many batches (``DistributedSampler`` pads the
+    set with its first items; a fixed step count does too). Checked: the batches each rank got
+    (``ceil((n - rank) / world)`` broken, ``ceil(n / world)`` fixed), the forwards done,
+    rank 0's timeout, and the fixed half's all-gathers (one per unit a forward), exact."""
+    from torch.utils.data import DistributedSampler
+
+    n, world, rank = UNEVEN_ITEMS, setup.world, setup.rank
+    per_forward = forward_all_gathers(setup)
+    halves = []
+    for broken in (True, False):
+        half = setup.half()
+        group = setup.hang_group() if broken else None
+        model = shard_model(setup.model(), setup.mesh(group) if broken else setup.mesh())
+        items = list(range(n))[rank::world] if broken else list(
+            DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=False))
+        done, err, calls = _evaluate(setup, model, items, in_step=n // world if broken else 0)
+        given = -(-(n - rank) // world) if broken else -(-n // world)
+        half.check("batches", given, len(items), "batches")
+        half.check("forwards_done", n // world if broken else given, done, "forwards")
+        half.flag("timed_out", broken and given > n // world, err is not None)
+        if not broken:
+            all_gathers = sum(c.kind == "all_gather" for c in calls)
+            half.check("all_gathers", given * per_forward, all_gathers, "collectives")
+        half.symptom = err is not None
+        half.metrics.update(batches=len(items), forwards_done=done, error=first_line(err) if err else None)
+        half.finding = (f"{len(items)} batches, {done} forwards: "
+                        + (first_line(err) if err else "done"))
+        halves.append(half)
+    return halves[0], halves[1]
+
+
 HANG_CASES: dict[str, CaseFn] = {
     "rank0_only_forward": rank0_only_forward,
     "rank0_only_state_dict": rank0_only_state_dict,
+    "uneven_batches": uneven_batches,
 }
 """The hang cases of this module, by name."""

@@ -17,8 +17,9 @@ from handbook_lib.models.clinic_cases import CLINIC_CASES
 CaseName = Literal[
     "wrap_class_missing", "init_full_copy", "frozen_params", "accumulation_unsharded_grads",
     "tied_weights_split", "local_grad_norm", "meta_buffer_uninit",
-    "optimizer_before_wrap", "ac_nondeterministic", "mixed_dtype", "rank0_only_forward",
-    "rank0_only_state_dict", "full_state_dict_every_rank", "resume_other_world_size",
+    "optimizer_before_wrap", "ac_nondeterministic", "mixed_dtype", "forward_skips_hooks",
+    "rank0_only_forward", "uneven_batches", "rank0_only_state_dict", "full_state_dict_every_rank",
+    "resume_other_world_size",
 ]
 
 
