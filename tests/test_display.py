@@ -452,7 +452,7 @@ def test_checks_halves_puts_a_cases_broken_and_fixed_checks_side_by_side():
     table = checks_halves(run)
     assert list(table.columns) == ["quantity", "broken", "fixed", "unit"]
     assert table.rows == [["units", "1 / 1", "3 / 3", "units"], ["state_dict", "280 / 280; 0 / 0", "-", "bytes"],
-                          ["grad", "-", "10 / 10", "bytes"], ["symptom", "1 / 1", "-", "flag"]]
+                          ["grad", "-", "10 / 10", "bytes"]]  # the job-wide symptom: counted, no row
     assert table.note == "model / run; 8 checks, every one within its tolerance (all exact)"
     off = dataclasses.replace(run, checks=[*checks, Check("fixed.units", 0, 3, 4, "units")])
     assert checks_halves(off).note == "model / run; outside their tolerance: fixed.units"

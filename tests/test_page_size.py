@@ -22,7 +22,6 @@ NOT_YET_CUT = {
     "06_checkpointing": 70_500,
     "07_accelerate_trainer_deepspeed": 57_000,
     "09_tensor_sequence_context_parallelism": 80_000,
-    "10_the_fsdp_clinic": 46_000,
 }
 """The chapters over :data:`LIMIT`, each with the bytes it may not grow past."""
 

@@ -227,15 +227,17 @@ def checks_halves(checks: RunResult | Iterable[Check], halves: tuple[str, ...] =
     one row per quantity (its ``_bytes`` suffix dropped, as :func:`checks_table` does) and a
     column per half, each ``model / run``; where a half's ranks
     measure different values, each pair once, in rank order, joined by ``;``. Rows keep the
-    order in which their quantity first appears; the note says how many checks passed and
-    their tolerance (``exact`` when every one is 0), or which failed."""
+    order in which their quantity first appears; a job-wide check (no rank: the clinic's
+    ``broken.symptom`` and ``fixed.symptom``) has no row, the same in every case. The note says
+    how many checks passed, those included, and their tolerance (``exact`` when every one is
+    0), or which failed."""
     items = checks.checks if isinstance(checks, RunResult) else list(checks)
     pairs: dict[str, dict[str, list[str]]] = {}
     units: dict[str, str] = {}
     for c in items:
         half, _, quantity = c.quantity.partition(".")
         quantity = quantity.removesuffix("_bytes") if c.unit == "bytes" else quantity
-        if half in halves:
+        if half in halves and c.rank is not None:
             said = pairs.setdefault(quantity, {}).setdefault(half, [])
             pair = f"{_cell(c.predicted)} / {_cell(c.measured)}"
             said.extend([pair] if pair not in said else [])

@@ -55,13 +55,9 @@ def _tie(model: SimpleTransformer) -> SimpleTransformer:
 
 
 def tied_weights_split(setup: CaseSetup) -> tuple[Half, Half]:
-    """The embedding and the output head share one weight; the user wraps each
-    top-level module (as a size-based policy would). FSDP2 shards each unit's copy:
-    after wrapping the model has one parameter tensor more than it should, and the
-    first forward raises. Fixed: both in the root unit. Checked: the parameter tensors
-    (the layout's, less the tied one) and the root's shard bytes
-    (:func:`~handbook_lib.models.sharding.estimate_tensor_shards`), exact;
-    :func:`diagnose_tied_weights` before wrapping."""
+    """The embedding and the head share one weight, wrapped as two units: each shards
+    its own copy and the first forward raises. Fixed: both in the root unit. Checked:
+    the parameter tensors, the root's shard bytes, the diagnosis before wrapping."""
     tensors = setup.layout.tensors
     halves = []
     for broken in (True, False):
