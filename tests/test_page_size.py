@@ -16,7 +16,6 @@ LIMIT = 40_000
 
 NOT_YET_CUT = {
     "02_memory_model": 48_000,
-    "03_communication_model": 54_500,
     "04_choosing_a_strategy": 67_000,
     "05_fsdp_in_practice": 87_000,
     "06_checkpointing": 70_500,
