@@ -10,8 +10,10 @@
     tip.style.left = "";
     var column = link.closest("article") || document.body;
     var bounds = column.getBoundingClientRect();
-    var header = document.querySelector(".bd-header-article, .bd-header");
-    var top = header ? Math.max(0, header.getBoundingClientRect().bottom) : 0;
+    var top = 0; // below every sticky header: the site's bar and the article's own
+    document.querySelectorAll(".bd-header-article, .bd-header").forEach(function (header) {
+      top = Math.max(top, header.getBoundingClientRect().bottom);
+    });
     var box = tip.getBoundingClientRect();
     if (box.width === 0) return; // not shown (e.g. focus without :focus-visible)
     var right = Math.min(bounds.right, document.documentElement.clientWidth);
