@@ -85,7 +85,9 @@ def deepspeed_state_over_gloo() -> dict:
     one process, while DeepSpeed counts them all, and DeepSpeed's batch check stops the job.
     Naming the backend (``PartialState(backend="gloo")``, with ``ACCELERATE_USE_DEEPSPEED`` set
     as the Trainer sets it) gives the whole world. Call it before each Trainer: an
-    ``Accelerator``'s DeepSpeed plugin is set once per state.
+    ``Accelerator``'s DeepSpeed plugin is set once per state, so the old state is dropped first
+    with ``AcceleratorState._reset_state``, Accelerate's private reset that ``TrainingArguments``
+    itself calls.
     """
     import os
 

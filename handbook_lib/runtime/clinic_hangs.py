@@ -153,8 +153,7 @@ def uneven_batches(setup: CaseSetup) -> tuple[Half, Half]:
     halves = []
     for broken in (True, False):
         half = setup.half()
-        group = setup.hang_group() if broken else None
-        model = shard_model(setup.model(), setup.mesh(group) if broken else setup.mesh())
+        model = shard_model(setup.model(), setup.mesh(setup.hang_group()) if broken else setup.mesh())
         items = list(range(n))[rank::world] if broken else list(
             DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=False))
         done, err, calls = _evaluate(setup, model, items, in_step=n // world if broken else 0)
