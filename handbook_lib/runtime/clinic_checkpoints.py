@@ -10,7 +10,6 @@ state dict holds are checked against the book's model state
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ from handbook_lib.runtime.clinic_common import (
     step_loss,
 )
 from handbook_lib.runtime.collectives import tensors_in
+from handbook_lib.runtime.distributed import shared_temp_dir
 from handbook_lib.runtime.measure import local_tensor, nbytes
 
 __all__ = ["full_state_dict_every_rank", "resume_other_world_size", "CHECKPOINT_CASES"]
@@ -81,10 +81,7 @@ def _size_mismatch(err: BaseException | None) -> str:
 
 def _folder(setup: CaseSetup) -> Path:
     """A temporary folder made by rank 0 and named to every rank (one machine: ``/tmp``)."""
-    name = [tempfile.mkdtemp(prefix="handbook-clinic-") if setup.rank == 0 else None]
-    dist.broadcast_object_list(name, src=0, group=setup.group)
-    assert name[0] is not None  # rank 0's, broadcast
-    return Path(name[0])
+    return Path(shared_temp_dir("handbook-clinic-", setup.ctx, setup.group))
 
 
 def resume_other_world_size(setup: CaseSetup) -> tuple[Half, Half]:

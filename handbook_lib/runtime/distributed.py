@@ -118,11 +118,11 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def shared_temp_dir(prefix: str, ctx: RankContext) -> str:
-    """A new temporary folder made by rank 0 and named to every rank (one machine's ranks, or a
-    shared ``TMPDIR``); the caller removes it."""
+def shared_temp_dir(prefix: str, ctx: RankContext, group: dist.ProcessGroup | None = None) -> str:
+    """A new temporary folder made by rank 0 and named to every rank of ``group`` (the job's by
+    default; one machine's ranks, or a shared ``TMPDIR``); the caller removes it."""
     name = [tempfile.mkdtemp(prefix=prefix) if ctx.is_main else None]
     if ctx.world_size > 1:
-        dist.broadcast_object_list(name, src=0)
+        dist.broadcast_object_list(name, src=0, group=group)
     assert name[0] is not None  # rank 0's, broadcast
     return name[0]
