@@ -11,6 +11,7 @@ from handbook_lib.core.lazy import lazy_exports
 
 if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported on first use
     from handbook_lib.face.cli import build_parser, main
+    from handbook_lib.face.case_diff import CaseDiff, show_case
     from handbook_lib.face.diagrams import (
         fsdp_step_slots,
         plot_collective_timeline,

@@ -57,8 +57,8 @@ def full_state_dict_every_rank(setup: CaseSetup) -> tuple[Half, Half]:
     for broken in (True, False):
         half = setup.half()
         model, optimizer = _trained(setup)
-        options = StateDictOptions(full_state_dict=True, cpu_offload=not broken)
-        state = get_state_dict(model, optimizer, options=options)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=not broken)  # clinic: both
+        state = get_state_dict(model, optimizer, options=options)  # clinic: both
         held = sum(nbytes(t) for t in tensors_in(state))
         keeps = broken or setup.rank == 0
         half.check("state_dict_bytes", whole if keeps else 0, held, "bytes")
@@ -99,17 +99,18 @@ def resume_other_world_size(setup: CaseSetup) -> tuple[Half, Half]:
     folder = _folder(setup)
     model, _ = _trained(setup)
     truth = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    local = {k: local_tensor(v).clone() for k, v in model.state_dict().items()}
-    torch.save(local, folder / f"rank{setup.rank}.pt")
-    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=folder / "dcp", process_group=setup.group)
+    local = {k: local_tensor(v).clone() for k, v in model.state_dict().items()}  # clinic: broken
+    torch.save(local, folder / f"rank{setup.rank}.pt")  # clinic: broken
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=folder / "dcp",  # clinic: fixed
+             process_group=setup.group)
     dist.barrier(group=setup.group)
     broken, fixed = setup.half(), setup.half()
     if setup.rank == 0:
         one = setup.model(seed_offset=1)  # a fresh model, on 1 rank
-        saved = torch.load(folder / "rank0.pt")
+        saved = torch.load(folder / "rank0.pt")  # clinic: broken
         wrong = sum(saved[k].shape != t.shape for k, t in one.state_dict().items())
         rows = sum(shard_rows(shape[0], setup.world, 0)[0] != shape[0] for _, shape in setup.layout.tensors)
-        err = raised(lambda: one.load_state_dict(saved))
+        err = raised(lambda: one.load_state_dict(saved))  # clinic: broken
         broken.check("wrong_shapes", rows, wrong, "tensors")
         broken.flag("raised", True, err is not None)
         broken.symptom = err is not None
@@ -118,8 +119,8 @@ def resume_other_world_size(setup: CaseSetup) -> tuple[Half, Half]:
         broken.finding = f"rank 0's own shards into 1 rank: {wrong} tensors of another shape; {mismatch}"
         one = setup.model(seed_offset=1)
         state = {"model": one.state_dict()}
-        dcp.load(state, checkpoint_id=folder / "dcp", no_dist=True)
-        one.load_state_dict(state["model"])
+        dcp.load(state, checkpoint_id=folder / "dcp", no_dist=True)  # clinic: fixed
+        one.load_state_dict(state["model"])  # clinic: fixed
         diff = max(float((one.state_dict()[k] - v).abs().max()) for k, v in truth.items())
         fixed.check("tensors_loaded", len(setup.layout.tensors), len(state["model"]), "tensors")
         fixed.check("max_difference", 0.0, diff, "weight")

@@ -63,9 +63,9 @@ def tied_weights_split(setup: CaseSetup) -> tuple[Half, Half]:
     for broken in (True, False):
         half = setup.half()
         model = _tie(setup.model())
-        units = [*([model.embedding, model.output] if broken else []), *model.layers]
+        units = [model.embedding, model.output, *model.layers] if broken else list(model.layers)  # clinic: both
         finding = diagnose_tied_weights(model, units)
-        shard_model(model, setup.mesh(), units)
+        shard_model(model, setup.mesh(), units)  # clinic: both
         params = len(list(model.parameters()))
         expected = len(tensors) - (0 if broken else 1)
         half.check("parameter_tensors", expected, params, "tensors")
@@ -111,18 +111,21 @@ def local_grad_norm(setup: CaseSetup) -> tuple[Half, Half]:
         model = shard_model(setup.model(), setup.mesh())
         step_loss(model, setup.batch(0))
         whole = full_grad_norm(model)
-        if broken:
-            logged = _local_norm(model)
-            finding = diagnose_grad_norm(model, logged)
-            scale = CLIP_NORM / (logged + 1e-6)
-            for p in model.parameters():
-                local_tensor(p.grad).mul_(min(1.0, scale))
-            half.check("logged_sq_sum", whole ** 2, setup.all_sum(logged ** 2), "norm^2", 1e-5)
+        if broken:  # clinic: both
+            logged = _local_norm(model)  # this rank's shards only
         else:  # clip_grad_norm_'s two halves: the norm of the DTensor gradients, then the clip
             norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
             logged = float(norm.full_tensor())
-            finding = diagnose_grad_norm(model, logged)
+        finding = diagnose_grad_norm(model, logged)
+        if broken:  # clinic: both
+            scale = CLIP_NORM / (logged + 1e-6)
+            for p in model.parameters():
+                local_tensor(p.grad).mul_(min(1.0, scale))
+        else:
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), CLIP_NORM, norm)
+        if broken:
+            half.check("logged_sq_sum", whole ** 2, setup.all_sum(logged ** 2), "norm^2", 1e-5)
+        else:
             half.check("logged_norm", whole, logged, "norm", 1e-5)
         half.flag("diagnosed", broken, finding is not None)
         clipped = full_grad_norm(model)
@@ -211,8 +214,8 @@ def meta_buffer_uninit(setup: CaseSetup) -> tuple[Half, Half]:
         with uninitialised_as_nan():
             model.to_empty(device="cpu")
         torch.manual_seed(setup.config.seed)
-        _reset_parameters(model)
-        if not broken:
+        _reset_parameters(model)  # clinic: both
+        if not broken:  # clinic: both
             model.init_buffers()
         loss = step_loss(model, setup.batch(0))
         bad = int((~torch.isfinite(model.positions)).sum())
@@ -257,7 +260,7 @@ def optimizer_before_wrap(setup: CaseSetup) -> tuple[Half, Half]:
         model = setup.model()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            if broken:
+            if broken:  # clinic: both
                 optimizer = torch.optim.AdamW(model.parameters(), lr=setup.config.lr)
                 model = _fsdp1(model, setup)
             else:
@@ -292,15 +295,15 @@ class _Dropped(nn.Module):
         return self.drop(self.layer(x, attn_mask=attn_mask))
 
 
-def _dropout_grads(setup: CaseSetup, preserve: bool | None) -> list[torch.Tensor]:
+def _dropout_grads(setup: CaseSetup, preserve_rng_state: bool | None) -> list[torch.Tensor]:
     """This rank's gradient shards after one seeded step of the model with dropout, each layer
-    checkpointed with ``preserve_rng_state=preserve`` (``None``: no checkpointing)."""
+    checkpointed with ``preserve_rng_state`` (``None``: no checkpointing)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     model = setup.model()
     for i, layer in enumerate(model.layers):
-        model.layers[i] = _Dropped(layer) if preserve is None else \
-            checkpoint_wrapper(_Dropped(layer), preserve_rng_state=preserve)
+        model.layers[i] = _Dropped(layer) if preserve_rng_state is None else \
+            checkpoint_wrapper(_Dropped(layer), preserve_rng_state=preserve_rng_state)
     shard_model(model, setup.mesh(), list(model.layers))
     torch.manual_seed(setup.config.seed + 1)  # the same masks in every forward pass
     step_loss(model, setup.batch(0))
@@ -318,7 +321,7 @@ def ac_nondeterministic(setup: CaseSetup) -> tuple[Half, Half]:
     halves = []
     for broken in (True, False):
         half = setup.half()
-        grads = _dropout_grads(setup, not broken)
+        grads = _dropout_grads(setup, preserve_rng_state=not broken)  # clinic: both
         diff_sq = sum(float(torch.linalg.vector_norm(g - r, dtype=torch.float64)) ** 2
                       for g, r in zip(grads, reference))
         relative = math.sqrt(setup.all_sum(diff_sq) / ref_sq)
@@ -352,10 +355,10 @@ def mixed_dtype(setup: CaseSetup) -> tuple[Half, Half]:
     for broken in (True, False):
         half = setup.half()
         model = setup.model()
-        if broken:
-            model.output.to(torch.bfloat16)
+        if broken:  # clinic: both
+            model.output.to(torch.bfloat16)  # the head loaded in bf16
         dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
-        shard_model(model, setup.mesh(), mp_policy=policy)
+        shard_model(model, setup.mesh(), mp_policy=policy)  # clinic: both
         with counted() as calls:
             err = raised(lambda: step_loss(model, setup.batch(0)))  # noqa: B023 - called here
         half.flag("raised", broken, err is not None)
@@ -387,7 +390,7 @@ def forward_skips_hooks(setup: CaseSetup) -> tuple[Half, Half]:
     for broken in (True, False):
         half = setup.half()
         model = shard_model(setup.model(), setup.mesh())
-        call = model.forward if broken else model
+        call = model.forward if broken else model  # clinic: both
         with torch.no_grad(), counted() as calls:
             err = raised(lambda: call(x))  # noqa: B023 - called here
         all_gathers = sum(c.kind == "all_gather" for c in calls)

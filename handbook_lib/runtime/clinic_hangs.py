@@ -38,7 +38,7 @@ UNEVEN_ITEMS = 5
 """Evaluation batches of the uneven case: on 2 ranks, sliced ``items[rank::2]``, 3 and 2."""
 
 
-def _hang(setup: CaseSetup, half: Half, call: Callable[[nn.Module], object]) -> None:
+def _rank0_alone(setup: CaseSetup, half: Half, call: Callable[[nn.Module], object]) -> None:
     """The broken half of a hang case: a model sharded over a short-timeout group; rank 0 alone
     calls ``call(model)``, which waits in its first collective until the timeout; the others
     skip it. Records, per rank, the collectives issued (1 on rank 0, 0 elsewhere), whether it
@@ -76,11 +76,11 @@ def rank0_only_forward(setup: CaseSetup) -> tuple[Half, Half]:
     issued (1 on the waiting rank, 0 on the others, broken; one all-gather per unit on every
     rank, fixed: :func:`~handbook_lib.models.traffic.estimate_step_traffic`'s forward), exact."""
     broken = setup.half()
-    _hang(setup, broken, _eval_forward(setup))
+    _rank0_alone(setup, broken, _eval_forward(setup))  # clinic: broken
     fixed = setup.half()
     model = shard_model(setup.model(), setup.mesh())
     with counted() as calls:
-        err = raised(lambda: _eval_forward(setup)(model))
+        err = raised(lambda: _eval_forward(setup)(model))  # every rank  # clinic: fixed
     fixed.check("all_gathers", forward_all_gathers(setup), sum(c.kind == "all_gather" for c in calls),
                 "collectives")
     fixed.flag("timed_out", False, err is not None)
@@ -102,11 +102,11 @@ def rank0_only_state_dict(setup: CaseSetup) -> tuple[Half, Half]:
     Checked: the collectives issued (broken), one all-gather per parameter tensor and the bytes
     each rank keeps (4P on rank 0, 0 elsewhere; fixed), exact."""
     broken = setup.half()
-    _hang(setup, broken, lambda model: _state_dict(model, cpu_offload=False))
+    _rank0_alone(setup, broken, lambda m: _state_dict(m, cpu_offload=False))  # clinic: broken
     fixed = setup.half()
     model = shard_model(setup.model(), setup.mesh())
     with counted() as calls:
-        state = _state_dict(model, cpu_offload=True)
+        state = _state_dict(model, cpu_offload=True)  # every rank  # clinic: fixed
     held = sum(nbytes(t) for t in state.values())
     fixed.check("all_gathers", len(setup.layout.tensors), sum(c.kind == "all_gather" for c in calls),
                 "collectives")
@@ -154,8 +154,10 @@ def uneven_batches(setup: CaseSetup) -> tuple[Half, Half]:
     for broken in (True, False):
         half = setup.half()
         model = shard_model(setup.model(), setup.mesh(setup.hang_group()) if broken else setup.mesh())
-        items = list(range(n))[rank::world] if broken else list(
-            DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=False))
+        if broken:  # clinic: both
+            items = list(range(n))[rank::world]
+        else:
+            items = list(DistributedSampler(range(n), world, rank, shuffle=False))
         done, err, calls = _evaluate(setup, model, items, in_step=n // world if broken else 0)
         given = -(-(n - rank) // world) if broken else -(-n // world)
         half.check("batches", given, len(items), "batches")

@@ -65,12 +65,13 @@ def wrap_class_missing(setup: CaseSetup) -> tuple[Half, Half]:
     (:meth:`ModelLayout.units` of ``model`` / ``layer``) and the largest all-gather (a unit's
     padded bytes), exact; :func:`diagnose_wrapping`."""
     halves = []
-    for broken, names in ((True, (USER_LAYER_CLASS,)), (False, (TransformerLayer.__name__,))):
+    for broken in (True, False):
         half = setup.half()
         model = setup.model()
-        units = units_of_class(model, names)
+        names = (USER_LAYER_CLASS,) if broken else (TransformerLayer.__name__,)  # clinic: both
+        units = units_of_class(model, names)  # clinic: both
         expected = [u for u in setup.layout.units("layer" if units else "model") if u.numel]
-        shard_model(model, setup.mesh(), units)
+        shard_model(model, setup.mesh(), units)  # clinic: both
         optimizer = _adamw(model, setup)
         step_loss(model, setup.batch(0), optimizer)
         with counted() as calls:
@@ -101,11 +102,11 @@ def init_full_copy(setup: CaseSetup) -> tuple[Half, Half]:
     :func:`~handbook_lib.models.init_bytes.estimate_init_bytes`, exact."""
     halves = []
     full = 4 * setup.layout.num_params
-    modes: tuple[InitMode, ...] = ("full", "meta")  # broken, then fixed
-    for init in modes:
+    for broken in (True, False):
         half = setup.half()
+        init: InitMode = "full" if broken else "meta"  # clinic: both
         config = setup.config.replace(init=init)
-        _, measured = measure_init_bytes(config, setup.ctx, init)
+        _, measured = measure_init_bytes(config, setup.ctx, init)  # clinic: both
         predicted = estimate_init_bytes(setup.layout, setup.world, "FULL_SHARD", init, rank=setup.rank)
         half.check("init_bytes", predicted, measured, "bytes")
         half.symptom = measured >= full
@@ -154,8 +155,9 @@ def frozen_params(setup: CaseSetup) -> tuple[Half, Half]:
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerLayer})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        err = raised(lambda: FSDP1(model, process_group=setup.group, auto_wrap_policy=policy,
-                                   device_id=torch.device("cpu"), use_orig_params=False))
+        err = raised(lambda: FSDP1(model, process_group=setup.group,  # clinic: broken
+                                   auto_wrap_policy=policy, device_id=torch.device("cpu"),
+                                   use_orig_params=False))
     broken.flag("raised", True, err is not None)
     broken.symptom = err is not None
     broken.metrics.update(error=first_line(err) if err else None, mixed_units=mixed)
@@ -165,7 +167,7 @@ def frozen_params(setup: CaseSetup) -> tuple[Half, Half]:
     fixed = setup.half()
     model = setup.model()
     _freeze(model)
-    shard_model(model, setup.mesh())
+    shard_model(model, setup.mesh())  # clinic: fixed
     optimizer = _adamw(model, setup)
     frozen_before = [p.detach().to_local().clone() for n, p in model.named_parameters() if _frozen(n)]
     step_loss(model, setup.batch(0), optimizer)
@@ -216,7 +218,7 @@ def accumulation_unsharded_grads(setup: CaseSetup) -> tuple[Half, Half]:
             # cut under the tracker, before the start mark: the batch's storage is not the step's
             pieces = list(zip(x.chunk(2), y.chunk(2)))
             tracker.mark_start()
-            model.set_requires_gradient_sync(not broken)
+            model.set_requires_gradient_sync(not broken)  # clinic: both
             _micro_step(model, *pieces[0], 2)
             tracker.mark_between_micro_steps()
             finding = diagnose_accumulation(model)
