@@ -46,7 +46,7 @@ CAUSALITY_SETUP: dict[str, int | float | str] = {
 """The run config of the demonstration (the book's vocabulary): a one-layer handbook model,
 a fresh batch of 32 random sequences of 8 tokens per step (nothing to memorise), 300 steps."""
 
-MASK_VARIANTS = {"causal": True, "no mask (seed)": False}
+MASK_VARIANTS = {"causal": True, "no mask": False}
 """The two runs of :func:`measure_causality`: label and the model's ``causal`` flag."""
 
 
