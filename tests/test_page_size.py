@@ -15,11 +15,8 @@ LIMIT = 40_000
 """Bytes of text, code and plain-text output a page may hold."""
 
 NOT_YET_CUT = {
-    "02_memory_model": 48_000,
-    "04_choosing_a_strategy": 67_000,
     "05_fsdp_in_practice": 64_500,
     "06_checkpointing": 70_500,
-    "07_accelerate_trainer_deepspeed": 53_500,
     "09_tensor_sequence_context_parallelism": 80_000,
 }
 """The chapters over :data:`LIMIT`, each with the bytes it may not grow past."""
