@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
+from handbook_lib.core import param_count  # noqa: E402
 from handbook_lib.launch import torchrun_batch  # noqa: E402
 from handbook_lib.models import estimate_zero_step_traffic  # noqa: E402
 from handbook_lib.runs.deepspeed_zero import ZeroRunConfig, fsdp_twin, validate  # noqa: E402
@@ -70,6 +71,13 @@ def test_zero1_sgd_momentum_bf16(results):
     assert rank0["optimizer_step_bytes"] == 0  # SGD keeps no step counter
     assert rank0["optimizer_bytes"] == rank0["master_bytes"]  # one momentum buffer
     assert rank0["fsdp2"]["strategy"] == "FULL_SHARD"  # FSDP has no ZeRO-1
+    # PyTorch's ZeRO-1 beside it: whole tensors per rank, so the 4 ranks' momentum shares differ,
+    # where DeepSpeed's flat partitions are equal; together they hold the model's once
+    own = [rank["torch_zero1"] for rank in result.ranks]
+    assert {c.quantity for c in result.checks} >= {"torch_zero1_optimizer_bytes", "loss_step2_torch_zero1_vs_deepspeed"}
+    model = ZeroRunConfig.from_mapping(result.config).model_config()
+    assert sum(o["optimizer"] for o in own) == 4 * param_count(model)  # one fp32 momentum a parameter
+    assert len({o["optimizer"] for o in own}) > 1 and len({rank["optimizer_bytes"] for rank in result.ranks}) == 1
     assert result.extra["deepspeed_config"]["zero_optimization"]["stage"] == 1
 
 

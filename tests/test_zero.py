@@ -15,9 +15,11 @@ from handbook_lib.models import (
     bookkeeping_reductions,
     estimate_collective,
     estimate_zero_rank_bytes,
+    estimate_zero_redundancy_rank_bytes,
     estimate_zero_step_traffic,
     flat_partition,
     gather_units,
+    zero_redundancy_partition,
     zero_stage,
 )
 from handbook_lib.runtime import build_model
@@ -193,3 +195,33 @@ def test_bf16_keeps_a_bf16_master_gradients_and_states_ten_bytes_a_parameter():
     assert zero_step_bytes("llama2-7b", n, "ZERO3", "bf16") == 2 * part
     with pytest.raises(ValueError, match="precision 'bf16'.*compiled CPU Adam"):
         estimate_zero_rank_bytes("llama2-7b", n, "ZERO3", "bf16", cpu_offload=True)
+
+
+def test_zero_redundancy_partition_gives_whole_tensors_largest_first_to_the_lightest_rank():
+    # sorted 10, 7, 5, 5, 3: 10 -> rank 0; 7 -> rank 1 (7 < 10); 5 -> rank 1 (12);
+    # the second 5 -> rank 0 (15); 3 -> rank 1 (15): the lowest rank wins a tie
+    assert zero_redundancy_partition([10, 7, 5, 5, 3], 2) == [[0, 3], [1, 2, 4]]
+    assert zero_redundancy_partition([4, 4, 4], 2) == [[0, 2], [1]]
+    assert zero_redundancy_partition([1], 3) == [[0], [], []]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_zero_redundancy_shares_cover_the_model_once_within_its_largest_tensor(world):
+    numels = [math.prod(s) for _, s in param_shapes(ModelConfig())]
+    ranks = zero_redundancy_partition(numels, world)
+    assert sorted(i for r in ranks for i in r) == list(range(len(numels)))
+    sizes = [sum(numels[i] for i in r) for r in ranks]
+    assert max(sizes) - min(sizes) <= max(numels)
+
+
+def test_zero_redundancy_rank_bytes_keep_the_model_whole_and_split_the_optimizer():
+    config = ModelConfig(num_layers=2)
+    numels = [math.prod(s) for _, s in param_shapes(config)]
+    states = [estimate_zero_redundancy_rank_bytes(config, 2, rank=r) for r in (0, 1)]
+    assert all(s.params == s.grads == 4 * sum(numels) and s.master == 0 for s in states)
+    assert sum(s.optimizer for s in states) == 8 * sum(numels)  # AdamW: two fp32 moments, each once
+    assert sum(s.optimizer_step for s in states) == 4 * len(numels)  # one step counter a tensor
+    sgd = estimate_zero_redundancy_rank_bytes(config, 2, "bf16", "sgd", rank=0)
+    assert (sgd.params, sgd.optimizer, sgd.optimizer_step) == (2 * sum(numels), 0, 0)
+    with pytest.raises(ValueError, match="need the model's tensors"):
+        estimate_zero_redundancy_rank_bytes(1_000_000, 2)

@@ -133,7 +133,8 @@ def fit_table(result: RunResult) -> Table:
 
 def zero_vs_fsdp_table(results: Mapping[str, RunResult], what: str = "bytes", rank: int = 0) -> Table:
     """One rank of each ``deepspeed_zero`` run, DeepSpeed's row above its FSDP2 twin's (both
-    measured in the same job, on the same batches).
+    measured in the same job, on the same batches) and, for ZeRO-1, PyTorch's own ZeRO-1
+    (DDP + ``ZeroRedundancyOptimizer``, in the bytes table).
 
     ``what="bytes"``: the bytes of parameters, fp32 master copy, gradients (after backward),
     optimizer state (moments and step counters), and their total. ``what="collectives"``: the
@@ -150,10 +151,14 @@ def zero_vs_fsdp_table(results: Mapping[str, RunResult], what: str = "bytes", ra
     for label, result in results.items():
         r = result.ranks[rank]
         twin = r["fsdp2"]
-        sides = ((label, [r["params_bytes"], r["master_bytes"], r["grads_bytes"],
+        sides = [(label, [r["params_bytes"], r["master_bytes"], r["grads_bytes"],
                           r["optimizer_bytes"] + r["optimizer_step_bytes"]], r["collectives"]),
                  (f"  FSDP2 {twin['strategy']}", [twin["params"], 0, twin["grads"],
-                                                  twin["optimizer"] + twin["optimizer_step"]], twin["collectives"]))
+                                                  twin["optimizer"] + twin["optimizer_step"]], twin["collectives"])]
+        if "torch_zero1" in r and what == "bytes":  # PyTorch's ZeRO-1, bytes only (its collectives uncounted)
+            own = r["torch_zero1"]
+            sides.append(("  DDP + ZeroRedundancyOpt.", [own["params"], 0, own["grads"],
+                                                        own["optimizer"] + own["optimizer_step"]], {}))
         for who, values, calls in sides:
             if what == "bytes":
                 rows.append([who, *values, sum(values)])

@@ -30,13 +30,14 @@ Every stage also all-reduces a few bytes of bookkeeping (:func:`bookkeeping_redu
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from handbook_lib.core.checks import check_int, check_world, lookup
 from handbook_lib.core.config import DTYPES, PRECISIONS, state_dtype
 from handbook_lib.core.strategies import STRATEGY_TABLE, get_strategy
 from handbook_lib.models.collectives import estimate_collective
 from handbook_lib.models.layout import ModelLike, model_layout
-from handbook_lib.models.model_state import ModelStateBytes, RankState, optimizer_states
+from handbook_lib.models.model_state import ModelStateBytes, RankState, optimizer_states, optimizer_step_bytes
 from handbook_lib.models.traffic import CollectiveRecord, StepTraffic
 
 __all__ = [
@@ -53,6 +54,8 @@ __all__ = [
     "estimate_zero_step_traffic",
     "largest_module_params",
     "deepspeed_own_estimate",
+    "zero_redundancy_partition",
+    "estimate_zero_redundancy_rank_bytes",
 ]
 
 ALIGNMENT = 2
@@ -302,3 +305,40 @@ def deepspeed_own_estimate(model: ModelLike, world_size: int, strategy: str) -> 
         return 4 * largest_module_params(model) + int(18 * total / world_size)
     return 2 * total + int(18 * total / world_size)
 
+
+
+def zero_redundancy_partition(numels: Sequence[int], world_size: int) -> list[list[int]]:
+    """PyTorch's own ZeRO-1 (``torch.distributed.optim.ZeroRedundancyOptimizer``): the tensors
+    each rank keeps optimizer state for and updates, as indices into ``numels`` (elements of
+    each parameter tensor, in the model's order). Whole tensors, largest first (a stable sort),
+    each to the rank that holds the fewest elements so far, the lowest such rank on a tie, as
+    its ``_partition_parameters`` does: the ranks' shares differ by up to the largest tensor,
+    where DeepSpeed's ZeRO-1 splits one flat buffer evenly (:func:`flat_partition`)."""
+    check_world(world_size)
+    sizes = [0] * world_size
+    ranks: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(numels)), key=lambda k: numels[k], reverse=True):
+        owner = sizes.index(min(sizes))
+        ranks[owner].append(i)
+        sizes[owner] += numels[i]
+    return [sorted(r) for r in ranks]
+
+
+def estimate_zero_redundancy_rank_bytes(model: ModelLike, world_size: int, precision: str = "fp32",
+                                        optimizer: str = "adamw", *, rank: int = 0) -> RankState:
+    """Predict one rank's state under DDP + ``ZeroRedundancyOptimizer``: the whole model's
+    parameters and gradients (DDP replicas, in the precision's state dtype), the optimizer state
+    of this rank's tensors only (:func:`zero_redundancy_partition`) and their step counters; no
+    master copy (the optimizer updates the parameters)."""
+    check_world(world_size, rank)
+    numels = _numels(model)
+    if numels is None:
+        raise ValueError("ZeroRedundancyOptimizer's shares need the model's tensors: pass a ModelConfig, "
+                         "not a parameter count")
+    element = DTYPES[state_dtype(precision)].bytes
+    mine = zero_redundancy_partition(numels, world_size)[rank]
+    whole = element * sum(numels)
+    steps = optimizer_step_bytes(model, optimizer) * len(mine) // len(numels)
+    return RankState(params=whole, master=0, grads=whole,
+                     optimizer=optimizer_states(optimizer) * element * sum(numels[i] for i in mine),
+                     optimizer_step=steps)

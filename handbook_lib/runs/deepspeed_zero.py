@@ -29,6 +29,7 @@ from handbook_lib.core.strategies import get_strategy
 from handbook_lib.models.memory import estimate_rank_state
 from handbook_lib.models.zero import (
     ZERO_STAGES,
+    estimate_zero_redundancy_rank_bytes,
     estimate_zero_step_traffic,
     gather_units,
 )
@@ -44,7 +45,7 @@ from handbook_lib.runtime.measure import (
     measure_optimizer_bytes,
     measure_param_bytes,
 )
-from handbook_lib.runtime.optimization import build_optimizer
+from handbook_lib.runtime.optimization import build_optimizer, build_zero_redundancy_optimizer
 from handbook_lib.runtime.training import train
 
 
@@ -80,6 +81,20 @@ def _train_fsdp2(config: ZeroRunConfig, ctx: RankContext) -> dict:
     return {"strategy": twin.strategy, "losses": log.losses,
             "params": params.storage_bytes, "grads": measure_grad_bytes(model),
             "optimizer": sharded, "optimizer_step": other, "collectives": collective_totals(log.collectives)}
+
+
+def _train_torch_zero1(config: ZeroRunConfig, ctx: RankContext) -> dict:
+    """PyTorch's own ZeRO-1 on the same seeded model and batches: DDP replicas, the optimizer
+    state split by ``ZeroRedundancyOptimizer`` (whole tensors per rank); its losses and bytes."""
+    twin = RunConfig.from_mapping({k: v for k, v in config.to_dict().items() if k in RunConfig.keys()})
+    twin = twin.replace(strategy="DDP", init="full")
+    model = parallelize(twin, ctx)
+    optimizer = build_zero_redundancy_optimizer(model.parameters(), twin.optimizer, twin.lr, twin.optimizer_impl)
+    log = train(model, optimizer, twin, ctx, progress=False)
+    sharded, other = measure_optimizer_bytes(optimizer.optim)  # its local optimizer
+    return {"strategy": "DDP + ZeroRedundancyOptimizer", "losses": log.losses,
+            "params": measure_param_bytes(model).storage_bytes, "grads": measure_grad_bytes(model),
+            "optimizer": sharded, "optimizer_step": other, "tensors": len(optimizer.optim.state)}
 
 
 def _peak_checks(config: ZeroRunConfig, ctx: RankContext, measured: dict[str, int]) -> tuple[list[Check], dict]:
@@ -136,12 +151,21 @@ def run(config: ZeroRunConfig, ctx: RankContext) -> RankReport:
                                rank=ctx.rank)  # the same model's other row: FSDP2
     checks += [Check(f"fsdp2_{name}_bytes", ctx.rank, getattr(twin, name), fsdp.get(name, 0), "bytes")
                for name in parts]
+    torch_zero1 = _train_torch_zero1(config, ctx) if get_strategy(config.strategy).zero_stage == 1 else None
+    if torch_zero1 is not None:  # PyTorch's ZeRO-1 beside DeepSpeed's
+        mine = estimate_zero_redundancy_rank_bytes(model, ctx.world_size, config.precision, config.optimizer,
+                                                   rank=ctx.rank)
+        checks += [Check(f"torch_zero1_{name}_bytes", ctx.rank, getattr(mine, name), torch_zero1[name], "bytes")
+                   for name in ("params", "grads", "optimizer", "optimizer_step")]
     peak_checks, step_bytes = _peak_checks(config, ctx, measure_zero_step(engine, optimizer,
                                                                           *local_batch(config, config.steps, ctx)))
     checks += peak_checks
     tolerance = LOSS_TOLERANCE[config.precision]
     checks += [Check(f"loss_step{i + 1}_vs_fsdp2", ctx.rank, a, b, "nats", tolerance)
                for i, (a, b) in enumerate(zip(fsdp["losses"], log.losses))]
+    if torch_zero1 is not None:
+        checks += [Check(f"loss_step{i + 1}_torch_zero1_vs_deepspeed", ctx.rank, a, b, "nats", tolerance)
+                   for i, (a, b) in enumerate(zip(log.losses, torch_zero1["losses"]))]
     traffic = estimate_zero_step_traffic(model, ctx.world_size, config.strategy, config.precision, **kwargs)
     counted = collective_totals(log.collectives)
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
@@ -162,6 +186,7 @@ def run(config: ZeroRunConfig, ctx: RankContext) -> RankReport:
         "collectives": counted,
         "step_bytes": step_bytes,
         "fsdp2": fsdp,
+        **({"torch_zero1": torch_zero1} if torch_zero1 is not None else {}),
     }
     extra = {"num_params": param_count(model), "deepspeed_config": ds_config,
              "gather_units": len(gather_units(model)),

@@ -115,6 +115,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         build_grad_scaler,
         build_lr_scheduler,
         build_optimizer,
+        build_zero_redundancy_optimizer,
     )
     from handbook_lib.runtime.training import (
         ForwardFn,

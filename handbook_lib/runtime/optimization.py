@@ -16,7 +16,8 @@ from handbook_lib.core.strategies import get_strategy
 from handbook_lib.models.lr_schedule import lr_factor
 from handbook_lib.runtime.distributed import RankContext
 
-__all__ = ["IMPL_KWARGS", "build_optimizer", "build_lr_scheduler", "build_grad_scaler"]
+__all__ = ["IMPL_KWARGS", "build_optimizer", "build_zero_redundancy_optimizer", "build_lr_scheduler",
+           "build_grad_scaler"]
 
 
 IMPL_KWARGS: dict[str, dict[str, bool]] = {
@@ -26,21 +27,39 @@ IMPL_KWARGS: dict[str, dict[str, bool]] = {
 so torch picks: foreach on CUDA, the for-loop on the CPU)."""
 
 
+def _optimizer_class(name: str, impl: str) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The ``torch.optim`` class and keywords (learning rate aside) of optimizer ``name`` run as
+    ``impl``."""
+    if impl not in IMPL_KWARGS:
+        raise ValueError(f"optimizer_impl must be one of {', '.join(IMPL_KWARGS)}; got {impl!r}")
+    how: dict = dict(IMPL_KWARGS[impl])
+    table: dict[str, tuple[type[torch.optim.Optimizer], dict]] = {
+        "adamw": (torch.optim.AdamW, how), "adam": (torch.optim.Adam, how), "sgd": (torch.optim.SGD, how),
+        "sgd-momentum": (torch.optim.SGD, {"momentum": 0.9, **how})}
+    if name not in table:
+        raise ValueError(f"optimizer must be one of {', '.join(table)}; got {name!r}")
+    return table[name]
+
+
 def build_optimizer(params, name: str, lr: float, impl: str = "default") -> torch.optim.Optimizer:
     """The optimizer named by the run config (``adamw``, ``adam``, ``sgd``, ``sgd-momentum``),
     run as ``impl`` says (:data:`IMPL_KWARGS`)."""
-    if impl not in IMPL_KWARGS:
-        raise ValueError(f"optimizer_impl must be one of {', '.join(IMPL_KWARGS)}; got {impl!r}")
-    how = IMPL_KWARGS[impl]
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, **how)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, **how)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, **how)
-    if name == "sgd-momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, **how)
-    raise ValueError(f"optimizer must be one of adamw, adam, sgd, sgd-momentum; got {name!r}")
+    cls, kwargs = _optimizer_class(name, impl)
+    return cls(params, lr=lr, **kwargs)
+
+
+def build_zero_redundancy_optimizer(params, name: str, lr: float, impl: str = "default",
+                                    group: torch.distributed.ProcessGroup | None = None) -> torch.optim.Optimizer:
+    """PyTorch's ZeRO-1: the optimizer of :func:`build_optimizer` under
+    ``torch.distributed.optim.ZeroRedundancyOptimizer`` over ``group`` (default: the world).
+    Each rank keeps the state of, and updates, only its share of the parameter tensors (whole
+    tensors: :func:`~handbook_lib.models.zero.zero_redundancy_partition`), then broadcasts
+    them to the others; the model stays whole on every rank (DDP). Its local optimizer is
+    ``.optim``."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    cls, kwargs = _optimizer_class(name, impl)
+    return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=group, lr=lr, **kwargs)
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: RunConfig,
