@@ -36,6 +36,7 @@ BAD = {  # one config each run refuses, and a word of its one-line message
     "sequence_parallel": ({}, 2, "sequence_parallel needs sp_size >= 2"),
     "step_time": ({}, 1, "step_time compares DDP with FSDP"),
     "tensor_parallel": ({}, 2, "tensor_parallel needs tp_size >= 2"),
+    "trace_step": ({"strategy": "DDP"}, 2, "trace_step runs api='fsdp2'"),
     "trainer_deepspeed": ({}, 1, "trainer_deepspeed needs trainer_dir"),
 }
 

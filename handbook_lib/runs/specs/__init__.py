@@ -24,6 +24,7 @@ from handbook_lib.runs.specs import (
     sequence_parallel,
     step_time,
     tensor_parallel,
+    trace_step,
     trainer_deepspeed,
 )
 
@@ -31,6 +32,6 @@ __all__ = ["SPECS"]
 
 SPECS: dict[str, RunSpec] = {module.SPEC.name: module.SPEC for module in (
     accelerate_fsdp, checkpoint_cost, checkpoint_resume, clinic, comm_bench, deepspeed_zero, fault, fsdp_train,
-    hf_weights, pipeline, sequence_parallel, step_time, tensor_parallel, trainer_deepspeed,
+    hf_weights, pipeline, sequence_parallel, step_time, tensor_parallel, trace_step, trainer_deepspeed,
 )}
 """Run name -> its spec, sorted by name (a test keeps it equal to the run modules)."""
