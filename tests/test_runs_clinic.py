@@ -171,6 +171,11 @@ def test_checkpoint_symptoms_measured(results):
     assert _by_rank(resume, "broken.wrong_shapes") == [len(SHAPES)]  # every tensor has 2+ rows
     assert "size mismatch for embedding.weight" in _half(resume, "broken")["error"]
     assert _by_rank(resume, "fixed.max_difference") == [0.0]
+    compiled = results["compiled_key_prefix"]  # every tensor named '_orig_mod.<name>': none loads
+    assert _by_rank(compiled, "broken.prefixed_keys") == [len(SHAPES)]
+    assert _by_rank(compiled, "broken.tensors_loaded") == [0]
+    assert _by_rank(compiled, "fixed.tensors_loaded") == [len(SHAPES)]
+    assert _half(compiled, "broken", rank=1)["finding"] == "gathered; the load runs on rank 0"
 
 
 def test_the_config_refuses_what_the_cases_set_themselves():

@@ -188,6 +188,13 @@ _CASES = (
         "'size mismatch' when resuming on a different number of ranks",
         "each rank saved its own shards; another world size cuts them differently",
         "save with DCP, which records each tensor's global shape and reshards on load"),
+    ClinicCase(
+        "compiled_key_prefix", "checkpoints", 14, "a compiled model's keys, loaded non-strict",
+        ("FareedKhan-dev/train-llm-from-scratch#36", "meta-pytorch/float8_experimental!190"),
+        "the resumed or exported model has its initial weights, and nothing was raised",
+        "torch.compile's wrapper prefixes every key with '_orig_mod.': a strict=False load "
+        "matches none",
+        "get_model_state_dict, which names each tensor without its wrappers' prefixes"),
 )
 
 CLINIC_CASES: dict[str, ClinicCase] = {case.name: case for case in _CASES}

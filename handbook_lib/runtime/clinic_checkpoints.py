@@ -30,7 +30,7 @@ from handbook_lib.runtime.collectives import tensors_in
 from handbook_lib.runtime.distributed import shared_temp_dir
 from handbook_lib.runtime.measure import local_tensor, nbytes
 
-__all__ = ["full_state_dict_every_rank", "resume_other_world_size", "CHECKPOINT_CASES"]
+__all__ = ["full_state_dict_every_rank", "resume_other_world_size", "compiled_key_prefix", "CHECKPOINT_CASES"]
 
 
 def _trained(setup: CaseSetup) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -134,8 +134,52 @@ def resume_other_world_size(setup: CaseSetup) -> tuple[Half, Half]:
     return broken, fixed
 
 
+def compiled_key_prefix(setup: CaseSetup) -> tuple[Half, Half]:
+    """A compiled FSDP2 model's state dict gathered whole, then loaded into the plain model with
+    ``strict=False``, as resume and export scripts often do: ``torch.compile`` wraps the model in
+    an ``OptimizedModule`` whose keys all begin ``_orig_mod.``, so no tensor matches and nothing
+    is raised (the model is not run, so nothing is compiled). Fixed: ``get_model_state_dict``,
+    which names each tensor without its wrappers' prefixes (compile's, DDP's, activation
+    checkpointing's). Checked on rank 0: the keys with the prefix (every tensor broken, none
+    fixed), the tensors loaded, whether the weights are the ones saved."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model = torch.compile(shard_model(setup.model(), setup.mesh()))
+    truth = {k: local_tensor(v) for k, v in _full(model).items()}
+    tensors = len(setup.layout.tensors)
+    halves = []
+    for broken in (True, False):
+        half = setup.half()
+        if broken:  # clinic: both
+            state = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        else:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state = get_model_state_dict(model, options=options)
+        if setup.rank == 0:
+            plain = setup.model(seed_offset=1)  # a fresh model, another seed
+            missing = plain.load_state_dict(state, strict=False).missing_keys  # clinic: both
+            same = all(torch.equal(plain.state_dict()[k], v) for k, v in truth.items())
+            prefixed = sum(k.startswith("_orig_mod.") for k in state)
+            half.check("prefixed_keys", tensors if broken else 0, prefixed, "tensors")
+            half.check("tensors_loaded", 0 if broken else tensors, tensors - len(missing), "tensors")
+            half.flag("weights_as_saved", not broken, same)
+            half.symptom = bool(missing)
+            half.finding = f"{prefixed} keys begin '_orig_mod.'; {tensors - len(missing)} of {tensors} tensors loaded"
+        else:
+            half.finding = "gathered; the load runs on rank 0"
+        halves.append(half)
+    return halves[0], halves[1]
+
+
+def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights, whole, by their plain names (every rank joins the all-gathers)."""
+    inner = getattr(model, "_orig_mod", model)
+    return {k: v.full_tensor() for k, v in inner.state_dict().items()}
+
+
 CHECKPOINT_CASES: dict[str, CaseFn] = {
     "full_state_dict_every_rank": full_state_dict_every_rank,
     "resume_other_world_size": resume_other_world_size,
+    "compiled_key_prefix": compiled_key_prefix,
 }
 """The checkpoint cases of this module, by name."""

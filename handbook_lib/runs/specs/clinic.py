@@ -19,7 +19,7 @@ CaseName = Literal[
     "tied_weights_split", "local_grad_norm", "meta_buffer_uninit",
     "optimizer_before_wrap", "ac_nondeterministic", "mixed_dtype", "forward_skips_hooks",
     "rank0_only_forward", "uneven_batches", "rank0_only_state_dict", "full_state_dict_every_rank",
-    "resume_other_world_size",
+    "resume_other_world_size", "compiled_key_prefix",
 ]
 
 
