@@ -145,7 +145,7 @@ def compiled_key_prefix(setup: CaseSetup) -> tuple[Half, Half]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     model = torch.compile(shard_model(setup.model(), setup.mesh()))
-    truth = {k: local_tensor(v) for k, v in _full(model).items()}
+    truth = _full(model)
     tensors = len(setup.layout.tensors)
     halves = []
     for broken in (True, False):
