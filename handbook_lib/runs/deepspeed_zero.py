@@ -68,9 +68,14 @@ def fsdp_twin(strategy: str) -> str:
     return (ZERO_STAGES.get(stage) if stage is not None else None) or "FULL_SHARD"
 
 
+def _book_config(config: ZeroRunConfig) -> RunConfig:
+    """The run config of ``config`` without ZeRO's own keys: what the twins train."""
+    return RunConfig.from_mapping({k: v for k, v in config.to_dict().items() if k in RunConfig.keys()})
+
+
 def _train_fsdp2(config: ZeroRunConfig, ctx: RankContext) -> dict:
     """The FSDP2 twin's losses, bytes and collectives (its own checks are fsdp_train's)."""
-    twin = RunConfig.from_mapping({k: v for k, v in config.to_dict().items() if k in RunConfig.keys()})
+    twin = _book_config(config)
     twin = twin.replace(strategy=fsdp_twin(config.strategy), api="fsdp2", init="meta")
     model = parallelize(twin, ctx)
     optimizer = build_optimizer(model.parameters(), twin.optimizer, twin.lr, twin.optimizer_impl)
@@ -86,7 +91,7 @@ def _train_fsdp2(config: ZeroRunConfig, ctx: RankContext) -> dict:
 def _train_torch_zero1(config: ZeroRunConfig, ctx: RankContext) -> dict:
     """PyTorch's own ZeRO-1 on the same seeded model and batches: DDP replicas, the optimizer
     state split by ``ZeroRedundancyOptimizer`` (whole tensors per rank); its losses and bytes."""
-    twin = RunConfig.from_mapping({k: v for k, v in config.to_dict().items() if k in RunConfig.keys()})
+    twin = _book_config(config)
     twin = twin.replace(strategy="DDP", init="full")
     model = parallelize(twin, ctx)
     optimizer = build_zero_redundancy_optimizer(model.parameters(), twin.optimizer, twin.lr, twin.optimizer_impl)
