@@ -41,6 +41,7 @@ from handbook_lib.models.model_state import (
 )
 from handbook_lib.models.sharding import Unit, estimate_flat_shard_bytes, post_forward_shard_bytes
 from handbook_lib.models.traffic import (
+    StepTraffic,
     estimate_gathered_units,
     estimate_held_between_micro_steps,
     estimate_step_traffic,
@@ -115,11 +116,11 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
         probe.close()
         checks += _gathered_checks(config, ctx, group, units, probe.passes[-1], metrics)
     if log.collectives is not None and probe is not None:
-        checks += _order_checks(config, ctx, group, units, log.collectives, metrics)
+        checks += _order_checks(config, ctx, units, log.collectives, metrics)
     if log.collectives is not None:
         # the ring model applied to what was counted (kinds, buffers, group sizes)
         sent = sum(kind["sent_bytes"] for kind in collective_totals(log.collectives).values())
-        checks += _collective_checks(config, ctx, group, units, flat, log.collectives, sent)
+        checks += _collective_checks(config, ctx, units, flat, log.collectives, sent)
         metrics["collectives"] = [vars(c) for c in log.collectives]
         metrics["sent_bytes"] = sent
     return RankReport(metrics=metrics, checks=checks,
@@ -242,9 +243,31 @@ def _scaler_group(config: RunConfig, world_size: int) -> int | None:
     return world_size
 
 
-def _collective_checks(config: RunConfig, ctx: RankContext, group: int, units: list[Unit], flat: bool,
+def step_traffic(config: RunConfig, world_size: int, units: list[Unit], *, flat: bool = False,
+                 issue_order: int | None = None) -> StepTraffic:
+    """The collectives of one step of a run of ``config`` on ``world_size`` ranks, as the
+    communication model lists them (:func:`~handbook_lib.models.traffic.estimate_step_traffic`):
+    its units, dtypes, shard group, accumulation and resharding knobs, the root resharded after
+    forward as :func:`~handbook_lib.runtime.build.apply_fsdp2` wraps it (FSDP1, ``flat``: kept
+    gathered, each unit's flat parameter padded once). ``issue_order``: in the order FSDP2
+    issues them (``None``: unit by unit)."""
+    row = STRATEGY_TABLE[config.strategy]
+    param_dtype, reduce_dtype = get_precision(config.precision)
+    return estimate_step_traffic(
+        units, world_size, config.strategy,
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, root_reshard_after_forward=not flat,
+        shard_group_size=shard_group(config, world_size) if row.hybrid else None, flat_params=flat,
+        grad_accum_steps=config.grad_accum_steps, sync_every_micro_step=config.sync_every_micro_step,
+        grad_scaler_group=_scaler_group(config, world_size),
+        reshard_after_forward_size=config.reshard_after_forward_size or None,
+        reshard_after_backward=config.reshard_after_backward, issue_order=issue_order,
+    )
+
+
+def _collective_checks(config: RunConfig, ctx: RankContext, units: list[Unit], flat: bool,
                        calls: list[CollectiveCall], sent: int) -> list[Check]:
-    """Counted collectives of the step beside the communication model's schedule.
+    """Counted collectives of the step beside the communication model's schedule
+    (:func:`step_traffic`).
 
     In our FSDP2 wrapping the root is resharded after forward too (``fully_shard(model,
     reshard_after_forward=True)``), so FULL_SHARD gathers it again in backward; FSDP1 keeps its
@@ -255,16 +278,7 @@ def _collective_checks(config: RunConfig, ctx: RankContext, group: int, units: l
     row = STRATEGY_TABLE[config.strategy]
     if not row.distributed:
         return [Check("collective_count", ctx.rank, 0, len(calls), "collectives")]
-    param_dtype, reduce_dtype = get_precision(config.precision)
-    traffic = estimate_step_traffic(
-        units, ctx.world_size, config.strategy,
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, root_reshard_after_forward=not flat,
-        shard_group_size=group if row.hybrid else None, flat_params=flat,
-        grad_accum_steps=config.grad_accum_steps, sync_every_micro_step=config.sync_every_micro_step,
-        grad_scaler_group=_scaler_group(config, ctx.world_size),
-        reshard_after_forward_size=config.reshard_after_forward_size or None,
-        reshard_after_backward=config.reshard_after_backward,
-    )
+    traffic = step_traffic(config, ctx.world_size, units, flat=flat)
     checks = []
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
         predicted = [r for r in traffic.records if r.kind == kind]
@@ -321,20 +335,12 @@ def _gathered_checks(config: RunConfig, ctx: RankContext, group: int, units: lis
     return checks
 
 
-def _order_checks(config: RunConfig, ctx: RankContext, group: int, units: list[Unit],
+def _order_checks(config: RunConfig, ctx: RankContext, units: list[Unit],
                   calls: list[CollectiveCall], metrics: dict) -> list[Check]:
     """The order in which the last micro-step's collectives were issued, beside FSDP2's
     schedule (:func:`estimate_step_traffic` with ``issue_order``): how many of them are in the
     predicted place (exact: all of them)."""
-    row = STRATEGY_TABLE[config.strategy]
-    param_dtype, reduce_dtype = get_precision(config.precision)
-    k = config.grad_accum_steps
-    traffic = estimate_step_traffic(
-        units, ctx.world_size, config.strategy, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-        root_reshard_after_forward=True, shard_group_size=group if row.hybrid else None,
-        grad_accum_steps=k, sync_every_micro_step=config.sync_every_micro_step,
-        reshard_after_forward_size=config.reshard_after_forward_size or None,
-        reshard_after_backward=config.reshard_after_backward, issue_order=config.explicit_prefetch)
+    traffic = step_traffic(config, ctx.world_size, units, issue_order=config.explicit_prefetch)
     predicted = [(r.kind, r.unit, r.phase) for r in traffic.records]
     # the counter names a phase after the first backward "optimizer": an all-gather there is
     # the next micro-step's forward (FSDP gathers nothing in the optimizer step)

@@ -5,10 +5,11 @@ the last under ``torch.profiler`` (:func:`handbook_lib.runtime.trace.profiled`),
 its events the ranges FSDP2 names (:func:`handbook_lib.runtime.trace.fsdp_ranges`): each unit's
 pre-forward and all-gather, the backward prefetches, each unit's reduce, with their start and
 duration. The checks count the trace's all-gathers and reduce-scatters against the step the
-communication model predicts (:func:`handbook_lib.models.traffic.estimate_step_traffic`, the
-root resharded after forward as in the book's runs), exactly: a trace read by the same rules as
-a counter. The ranges go to each rank's metrics; the trace file itself stays with the
-profiler (``export_chrome_trace``), where a learner's own job would write it.
+communication model predicts for the run's config
+(:func:`handbook_lib.runs.fsdp_train.step_traffic`, as ``fsdp_train`` checks its counter),
+exactly: a trace read by the same rules as a counter. The ranges go to each rank's metrics;
+the trace file itself stays with the profiler (``export_chrome_trace``), where a learner's own
+job would write it.
 
 Launch::
 
@@ -20,11 +21,11 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict
 
-from handbook_lib.core.config import RunConfig, get_precision
+from handbook_lib.core.config import RunConfig
 from handbook_lib.core.results import Check
 from handbook_lib.models.layout import model_layout
-from handbook_lib.models.traffic import estimate_step_traffic
 from handbook_lib.runs.entry import RankReport, main
+from handbook_lib.runs.fsdp_train import step_traffic
 from handbook_lib.runs.specs.trace_step import CONFIG as CONFIG, validate  # the spec: one home
 from handbook_lib.runtime.build import parallelize
 from handbook_lib.runtime.distributed import RankContext
@@ -46,10 +47,8 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
         log = train(model, optimizer, config, ctx, start_step=config.steps - 1, progress=False)
     events = list(prof.events())
     ranges = fsdp_ranges(events)
-    units = model_layout(config.model_config()).units(config.wrap, config.wrap_min_params)
-    param_dtype, reduce_dtype = get_precision(config.precision)
-    traffic = estimate_step_traffic(units, ctx.world_size, config.strategy, param_dtype=param_dtype,
-                                    reduce_dtype=reduce_dtype, root_reshard_after_forward=True)
+    traffic = step_traffic(config, ctx.world_size,
+                           model_layout(config.model_config()).units(config.wrap, config.wrap_min_params))
     checks = [Check(f"traced_{kind}_count", ctx.rank, traffic.counts.get(kind, 0),
                     sum(r.kind == name for r in ranges), "collectives")
               for name, kind in TRACED.items()]
