@@ -246,9 +246,8 @@ def _collective_checks(config: RunConfig, ctx: RankContext, group: int, units: l
                        calls: list[CollectiveCall], sent: int) -> list[Check]:
     """Counted collectives of the step beside the communication model's schedule.
 
-    In our FSDP2 wrapping the root is resharded after forward too (``fully_shard(model,
-    reshard_after_forward=True)``), so FULL_SHARD gathers it again in backward; FSDP1 keeps its
-    root unsharded between forward and backward, and pads each unit's flat parameter once.
+    FSDP2 and FSDP1 both keep the root unsharded between forward and backward (FULL_SHARD
+    gathers it once a step); FSDP1 pads each unit's flat parameter once.
     DDP's bucket count depends on its 25 MB bucketing, so only its bytes are checked. One plain
     process (``NONE``) must issue no collective at all.
     """
@@ -258,7 +257,7 @@ def _collective_checks(config: RunConfig, ctx: RankContext, group: int, units: l
     param_dtype, reduce_dtype = get_precision(config.precision)
     traffic = estimate_step_traffic(
         units, ctx.world_size, config.strategy,
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, root_reshard_after_forward=not flat,
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         shard_group_size=group if row.hybrid else None, flat_params=flat,
         grad_accum_steps=config.grad_accum_steps, sync_every_micro_step=config.sync_every_micro_step,
         grad_scaler_group=_scaler_group(config, ctx.world_size),
@@ -331,7 +330,7 @@ def _order_checks(config: RunConfig, ctx: RankContext, group: int, units: list[U
     k = config.grad_accum_steps
     traffic = estimate_step_traffic(
         units, ctx.world_size, config.strategy, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-        root_reshard_after_forward=True, shard_group_size=group if row.hybrid else None,
+        shard_group_size=group if row.hybrid else None,
         grad_accum_steps=k, sync_every_micro_step=config.sync_every_micro_step,
         reshard_after_forward_size=config.reshard_after_forward_size or None,
         reshard_after_backward=config.reshard_after_backward, issue_order=config.explicit_prefetch)

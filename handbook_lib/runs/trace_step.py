@@ -6,7 +6,7 @@ its events the ranges FSDP2 names (:func:`handbook_lib.runtime.trace.fsdp_ranges
 pre-forward and all-gather, the backward prefetches, each unit's reduce, with their start and
 duration. The checks count the trace's all-gathers and reduce-scatters against the step the
 communication model predicts (:func:`handbook_lib.models.traffic.estimate_step_traffic`, the
-root resharded after forward as in the book's runs), exactly: a trace read by the same rules as
+root kept gathered into backward, FSDP2's default), exactly: a trace read by the same rules as
 a counter. The ranges go to each rank's metrics; the trace file itself stays with the
 profiler (``export_chrome_trace``), where a learner's own job would write it.
 
@@ -49,7 +49,7 @@ def run(config: RunConfig, ctx: RankContext) -> RankReport:
     units = model_layout(config.model_config()).units(config.wrap, config.wrap_min_params)
     param_dtype, reduce_dtype = get_precision(config.precision)
     traffic = estimate_step_traffic(units, ctx.world_size, config.strategy, param_dtype=param_dtype,
-                                    reduce_dtype=reduce_dtype, root_reshard_after_forward=True)
+                                    reduce_dtype=reduce_dtype)
     checks = [Check(f"traced_{kind}_count", ctx.rank, traffic.counts.get(kind, 0),
                     sum(r.kind == name for r in ranges), "collectives")
               for name, kind in TRACED.items()]
