@@ -245,6 +245,7 @@ class GpuCheck:
         usable = capacity["capacity_bytes"]
         return {
             "config": {k: v for k, v in SWEEP_CONFIG.items() if k != "batch_size"},
+            "root_reshard_after_forward": False,  # FSDP2's default: the root kept gathered
             "sweep": sweep.to_dict(),
             "measured_largest_fit": sweep.largest_fit,
             "measured_first_oom": sweep.first_oom,

@@ -88,7 +88,7 @@ def predictions() -> tuple[int, dict[str, object]]:
                                 seq_len=32, rank=1, units=units, flat_params=flat, backend="gloo"))
             n += 1
             tr = call(estimate_step_traffic, units, world, strategy, param_dtype="bf16" if precision != "fp32" else "fp32",
-                      reduce_dtype="fp32", root_reshard_after_forward=not flat, flat_params=flat, grad_accum_steps=2,
+                      reduce_dtype="fp32", flat_params=flat, grad_accum_steps=2,
                       sync_every_micro_step=False, grad_scaler_group=world if flat else None)
             out[f"traffic|{key}"] = tr if isinstance(tr, str) else [vars(r) for r in tr.records]
             out[f"flatshard|{key}"] = vars(estimate_flat_shard_bytes(units, world, 1))

@@ -14,6 +14,7 @@ from handbook_lib.face.gpu_results import (
     gpu_mfu_table,
     gpu_smoke_table,
     read_gpu_results,
+    root_resharded,
 )
 from handbook_lib.launch.gpu_check import RESULT_SET_SCHEMA, SWEEP_CONFIG, WRITER
 from handbook_lib.launch.gpu_smoke import SMOKE_SCHEMA, SMOKE_WRITER
@@ -48,7 +49,8 @@ def _check_set(world=2):
                      "memory": {"ranks": [_rank(2 * 10**9, 2 * 10**9 + 7, 2 * 10**9 + 200, 21 * 10**8)],
                                 "failed_checks": []}},
                     {"micro_batch": 64, "error": "RunFailed: CUDA out of memory"}]},
-        "max_micro_batch": {"config": SWEEP_CONFIG | {"steps": 2}, "measured_largest_fit": 40,
+        "max_micro_batch": {"config": SWEEP_CONFIG | {"steps": 2}, "root_reshard_after_forward": False,
+                            "measured_largest_fit": 40,
                             "measured_first_oom": 41, "predicted_largest_fit": 44, "capacity_bytes": 80 * 10**9,
                             "device_memory_bytes": 81 * 10**9,
                             "sweep": {"exact": True, "tries": [{"micro_batch": m} for m in (16, 32, 64, 48, 40, 44, 42, 41)]}},
@@ -161,8 +163,11 @@ def test_stored_sweeps_agree_with_todays_memory_model(stored):
         if not sweep or "predicted_largest_fit" not in sweep:
             continue
         config, world = sweep["config"], data["world_size"]
-        assert sweep["predicted_largest_fit"] == _largest(lambda m, c=config, w=world: sweep_peak_bytes(c, w, m),
-                                                          sweep["capacity_bytes"]), name
+        again = root_resharded(sweep)  # the sets measured so far resharded their root
+        assert again == ("root_reshard_after_forward" not in sweep)
+        assert sweep["predicted_largest_fit"] == _largest(
+            lambda m, c=config, w=world, r=again: sweep_peak_bytes(c, w, m, root_reshard_after_forward=r),
+            sweep["capacity_bytes"]), name
         tries = {t["micro_batch"]: t["outcome"] for t in sweep["sweep"]["tries"]}
         assert tries.get(sweep["measured_first_oom"]) == "oom", name
         if sweep["sweep"].get("exact"):
@@ -182,6 +187,10 @@ def test_fit_curve_takes_the_exact_sweep_and_the_runs_of_its_model():
     assert curve["measured"] == [(8, 10**9 - 5, 11 * 10**8), (16, 2 * 10**9 + 7, 21 * 10**8)]
     assert (curve["capacity"], curve["largest_fit"], curve["first_oom"]) == (80 * 10**9, 40, 41)
     assert curve["title"].startswith("What fits on one NVIDIA H200: 18x2048 in bf16-mixed")
+    del data["max_micro_batch"]["root_reshard_after_forward"]  # a set from runs that resharded the root
+    again = gpu_fit_curve({"x": data}, step=10)["model_peak"]
+    assert again == [sweep_peak_bytes(SWEEP_CONFIG, 1, m, root_reshard_after_forward=True)
+                     for m in curve["micro_batches"]] != curve["model_peak"]
     data["max_micro_batch"]["sweep"]["exact"] = False
     assert gpu_fit_curve({"x": data}) is None
 

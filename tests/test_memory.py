@@ -123,8 +123,19 @@ def test_precision_changes_transients_not_the_sharded_state():
     assert fp32.model_state == bf16.model_state
     assert bf16.forward_activations < fp32.forward_activations
     root = 2 * 256 * 10_000 + 10_000  # embedding + head, even split at 2 ranks: no padding
-    assert fp32.phases["backward_start"] - fp32.model_state - fp32.components["activations"] \
-        - fp32.components["loss_buffers"] == 2 * 4 * root  # all-gather buffer + unsharded root
+    parts = fp32.phases["loss_backward"] - fp32.model_state - fp32.components["activations"] \
+        - fp32.components["loss_buffers"]
+    assert fp32.peak_phase == "loss_backward" and parts == 4 * root  # the root kept gathered from forward
+    # backward starts with the root still gathered; FSDP2 freed its all-gather buffer in forward
+    logits = 4 * 4 * 64 * 10_000  # the logits' gradient, fp32
+    acts = fp32.forward_activations - 4 * 4 * 64 * 10_000  # A - L: the log-softmax freed
+    assert fp32.phases["backward_start"] - fp32.model_state == 4 * root + acts + logits
+    again = estimate_memory(config, 2, "FULL_SHARD", "fp32", micro_batch=4, seq_len=64,
+                            root_reshard_after_forward=True)
+    assert again.phases["backward_start"] - fp32.phases["backward_start"] == 4 * root  # gathered again: + buffer
+    # forward ends with the last layer's all-gather buffer still held (freed in the root's post-forward)
+    layer = 3 * 256 * 256 + 3 * 256 + 256 * 256 + 256 + 2 * 1024 * 256 + 1024 + 256 + 4 * 256
+    assert fp32.phases["forward_end"] - fp32.phases["backward_start"] == 4 * layer
 
 
 def test_shard_grad_op_keeps_every_parameter_unsharded_after_forward():

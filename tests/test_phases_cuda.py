@@ -134,13 +134,21 @@ def test_offloaded_root_copied_in_on_one_gpu():
     """One GPU, fp32, the book's model: the root (embedding 10000 x 256, head 10000 x 256 and its
     bias) copied tensor by tensor. At the head's weight the embedding's output (4s), its input
     (4s, still bound) and the head's input (4s) are alive: 12s = 30.72 MB, plus the bias's
-    40 kB at the next, against the root's 4R = 20.52 MB gathered at backward's start."""
+    40 kB at the next. FSDP2 keeps the root gathered into backward, so it is copied in once, before
+    the embedding; resharded after forward, it is copied in again as backward starts, beside the
+    activations, against the root's 4R = 20.52 MB gathered then."""
     config = ModelConfig()
     est = estimate_memory(config, 1, "FULL_SHARD", "fp32", micro_batch=4, seq_len=64, cpu_offload=True)
+    again = estimate_memory(config, 1, "FULL_SHARD", "fp32", micro_batch=4, seq_len=64, cpu_offload=True,
+                            root_reshard_after_forward=True)
     s, bias = 10_000 * 256, 10_000
     assert max(12 * s, 4 * (2 * s + s + bias)) == 30_760_000
-    assert est.phases["offload_gather"] - est.phases["backward_start"] == 30_760_000 - 4 * (2 * s + bias)
-    assert est.peak_phase == "head_backward"  # the head's gradients still lead, by 0.3 MB
+    assert again.phases["offload_gather"] - again.phases["backward_start"] == 30_760_000 - 4 * (2 * s + bias)
+    assert est.phases["offload_gather"] < again.phases["offload_gather"]  # no copy beside the activations
+    assert again.peak_phase == "head_backward"  # the head's gradients still lead, by 0.3 MB
+    # kept, the root adds its 4R to the loss's backward, which then leads
+    assert est.phases["loss_backward"] - again.phases["loss_backward"] == 4 * (2 * s + bias)
+    assert est.peak_phase == "loss_backward"
     gloo = estimate_memory(config, 1, "FULL_SHARD", "fp32", micro_batch=4, seq_len=64, cpu_offload=True,
                            backend="gloo")
     assert "offload_gather" not in gloo.phases  # ``.to(cpu)`` copies nothing on a CPU run

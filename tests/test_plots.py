@@ -468,7 +468,7 @@ def test_collective_timeline_one_row_per_unit_in_forward_order(figs: list[Figure
     from handbook_lib.models import estimate_step_traffic, wrap_units
 
     units = wrap_units(ModelConfig(num_layers=3))
-    records = estimate_step_traffic(units, 2, "FULL_SHARD", root_reshard_after_forward=True).records
+    records = estimate_step_traffic(units, 2, "FULL_SHARD").records
     # one call per ms, each all-gather 0.5 ms long; reduce-scatters without an end, as on gloo
     calls = [{"kind": r.kind, "unit": r.unit, "phase": r.phase, "start_s": i * 1e-3,
               "end_s": i * 1e-3 + 5e-4 if r.kind == "all_gather" else None} for i, r in enumerate(records)]
@@ -576,7 +576,7 @@ def test_step_phases_stack_the_state_and_each_phase_in_step_order(figs: list[Fig
     assert totals == pytest.approx([v / 1e6 for v in est.phases.values()])
     colours = {name: p.get_facecolor() for p, name in zip(added.patches, est.phases)}
     peak = colours.pop(est.peak_phase)
-    assert est.peak_phase == "root_reduce" and all(c != peak for c in colours.values())
+    assert est.peak_phase == "loss_backward" and all(c != peak for c in colours.values())
     line = [ln for ln in ax.get_lines() if ln.get_linestyle() == "--"]
     assert list(line[0].get_xdata()) == pytest.approx([est.peak / 1e6] * 2)
 

@@ -86,7 +86,7 @@ import json
 
 from tests.prediction_grid import GOLDEN, canonical, predictions
 
-GOLDEN_SHA256 = "ebaa501b9dddac83340434f1e89b4b908eacbbe246667d1d5b089c647fff2177"
+GOLDEN_SHA256 = "e34dd198269e333822dfa3024c90439bf6b0ca920dd32b43b9d754a5e0d08d09"
 """SHA-256 of the golden file's canonical text (a change to it must be deliberate)."""
 
 

@@ -241,7 +241,7 @@ def test_the_eager_torchtitan_peaks_are_compared_in_absolute_terms_with_its_own_
     assert TORCHTITAN_OP_POLICY == 2 and len(rows) == 6
     counted = [r for r in rows if r.counted]
     assert [(r.gpus, r.published_gib) for r in counted] == [(8, 82.4), (128, 67.0)]
-    assert all(-0.10 < r.error < -0.05 for r in counted)  # 7.0 % and 8.7 % low
+    assert all(-0.06 < r.error < -0.03 for r in counted)  # 3.9 % and 4.9 % low
     assert all("torch.compile" in r.why for r in rows if not r.counted)
     shape = published_model("llama3.1-8b")
     whole = estimate_memory(shape, 8, "FULL_SHARD", "bf16-mixed", micro_batch=2, seq_len=8192,
@@ -283,7 +283,7 @@ def test_published_peaks_are_compared_counter_with_counter():
     assert rows["7B, FSDP2, SAC (active)"].model_gib == fsdp2.peak / 2**30
     assert rows["7B, FSDP2, SAC (reserved)"].model_gib == fsdp2.peak_reserved / 2**30
     counted = [r for r in rows.values() if r.counted]
-    assert len(counted) == 21 and sum(abs(r.error) < 0.10 for r in counted) == 13
+    assert len(counted) == 21 and sum(abs(r.error) < 0.10 for r in counted) == 12
     # torchtitan's active peaks hold the gradients its loop frees: kept, the model is within 3 %
     titan = [r for r in counted if r.label.endswith("(active)") and r.gpus == 8 and abs(r.error) >= 0.10]
     assert len(titan) == 2 and all("with them kept the model is" in r.why for r in titan)

@@ -240,7 +240,7 @@ def test_counted_collectives_follow_the_strategy(case):
     else:
         units = _units(config)
         gathers = [c for c in calls if c["kind"] == "all_gather"]
-        regathered = len(units) - (1 if _fsdp1(config) and units[0].root else 0)  # FSDP1 keeps its root
+        regathered = len(units) - (1 if units[0].root else 0)  # FSDP2 and FSDP1 keep the root gathered
         again = regathered if config["strategy"] in ("FULL_SHARD", "HYBRID_SHARD") else 0
         assert len(gathers) == (len(units) + again) * config.get("grad_accum_steps", 1)  # every micro-step
         dtype = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}.get(config.get("precision"), "fp32")
@@ -314,6 +314,24 @@ def test_one_unit_holds_the_whole_model_at_once(tmp_path_factory):
     assert one.metric("param_shard_bytes") == layered.metric("param_shard_bytes")  # same state at rest
     assert min(one.metric("peak_bytes")) >= max(layered.metric("peak_bytes")) + layers_bytes // 2
     assert max(one.metric("peak_bytes")) >= 4 * param_count(model)  # the whole model, unsharded
+
+
+def test_the_root_stays_gathered_into_backward(tmp_path_factory):
+    """FSDP2's default for the root (``reshard_after_forward=None``): it is not resharded after
+    forward, so backward does not gather it again. With one unit the step peaks as forward ends,
+    the root's parameters and its all-gather's buffer (freed in the root's post-forward) both
+    alive: ``2·4·R`` bytes, R its padded elements; the model's ``forward_end`` within 0.1 %."""
+    nproc, config, result = _run("2-FULL_SHARD-fp32-adamw-one-unit", tmp_path_factory)
+    (root,) = _units(config)
+    gathered = 4 * root.padded_numel(nproc)
+    run = RunConfig.from_mapping(config)
+    predicted = estimate_memory(run.model_config(), nproc, "FULL_SHARD", micro_batch=run.batch_size // nproc,
+                                seq_len=run.seq_len, backend="gloo", units=[root])
+    assert predicted.peak_phase == "forward_end"
+    for rank in result.ranks:
+        assert [c["kind"] for c in rank["collectives"]].count("all_gather") == 1
+        assert rank["peak_breakdown"]["Unsharded Param"] == rank["peak_breakdown"]["All Gather"] == gathered
+        assert abs(rank["peak_bytes"] - predicted.peak) <= 1e-3 * predicted.peak
 
 
 def test_activation_checkpointing_keeps_only_layer_inputs(tmp_path_factory):

@@ -96,7 +96,7 @@ def test_ring_collectives_per_layer():
 def test_step_traffic_is_fsdp_over_the_world_beside_sp():
     traffic = estimate_sp_step_traffic(CFG, 4, 2, 16, 2, "ulysses")
     units = parallel_layout(CFG).units("layer")
-    fsdp = estimate_step_traffic(units, 4, "FULL_SHARD", root_reshard_after_forward=True)
+    fsdp = estimate_step_traffic(units, 4, "FULL_SHARD")
     assert traffic.fsdp == fsdp
     counts = traffic.counts()
     assert counts[("all_gather", "forward", 4)][0] == 3 and counts[("reduce_scatter", "backward", 4)][0] == 3

@@ -28,39 +28,40 @@ def _key(records):
 
 @pytest.mark.parametrize("ahead", [0, 1, 2, 5])
 def test_issue_order_is_a_permutation_of_the_unit_by_unit_schedule(ahead):
-    plain = estimate_step_traffic(UNITS, 4, "FULL_SHARD", root_reshard_after_forward=True)
-    ordered = estimate_step_traffic(UNITS, 4, "FULL_SHARD", root_reshard_after_forward=True, issue_order=ahead)
+    plain = estimate_step_traffic(UNITS, 4, "FULL_SHARD")
+    ordered = estimate_step_traffic(UNITS, 4, "FULL_SHARD", issue_order=ahead)
     assert Counter(_key(plain.records)) == Counter(_key(ordered.records))
     assert ordered.sent_bytes == plain.sent_bytes
 
 
 def test_implicit_order_prefetches_one_unit_in_backward():
+    """The root stays gathered into backward (FSDP2's default): backward opens with the last
+    layer's all-gather and the one before it, prefetched."""
     order = [(r.kind[:2], r.unit, r.phase[0]) for r in estimate_step_traffic(
-        UNITS, 2, "FULL_SHARD", root_reshard_after_forward=True, issue_order=0).records]
+        UNITS, 2, "FULL_SHARD", issue_order=0).records]
     last, third, second, first = LAYERS[::-1]
     assert order == [("al", "root", "f"), *[("al", n, "f") for n in LAYERS],
-                     ("al", "root", "b"), ("al", last, "b"), ("al", third, "b"), ("re", last, "b"),
+                     ("al", last, "b"), ("al", third, "b"), ("re", last, "b"),
                      ("al", second, "b"), ("re", third, "b"), ("al", first, "b"), ("re", second, "b"),
                      ("re", first, "b"), ("re", "root", "b")]
 
 
 def test_explicit_forward_prefetch_issues_the_next_units_before_they_run():
     order = [(r.kind, r.unit) for r in estimate_step_traffic(
-        UNITS, 2, "FULL_SHARD", root_reshard_after_forward=True, issue_order=2).records if r.phase == "forward"]
+        UNITS, 2, "FULL_SHARD", issue_order=2).records if r.phase == "forward"]
     # all of them issued once, in forward order: prefetching moves when, not what
     assert order == [("all_gather", "root"), *[("all_gather", n) for n in LAYERS]]
     back = [(r.kind[:2], r.unit) for r in estimate_step_traffic(
-        UNITS, 2, "FULL_SHARD", root_reshard_after_forward=True, issue_order=2).records if r.phase == "backward"]
+        UNITS, 2, "FULL_SHARD", issue_order=2).records if r.phase == "backward"]
     # the last layer's pre-backward gathers the two before it: three gathered before a reduce-scatter
-    assert back[:5] == [("al", "root"), ("al", LAYERS[3]), ("al", LAYERS[2]), ("al", LAYERS[1]), ("re", LAYERS[3])]
+    assert back[:4] == [("al", LAYERS[3]), ("al", LAYERS[2]), ("al", LAYERS[1]), ("re", LAYERS[3])]
 
 
 def test_int_reshard_gathers_backward_within_the_smaller_group():
-    full = estimate_step_traffic(UNITS, 4, "FULL_SHARD", root_reshard_after_forward=True)
-    pairs = estimate_step_traffic(UNITS, 4, "FULL_SHARD", root_reshard_after_forward=True,
-                                  reshard_after_forward_size=2)
+    full = estimate_step_traffic(UNITS, 4, "FULL_SHARD")
+    pairs = estimate_step_traffic(UNITS, 4, "FULL_SHARD", reshard_after_forward_size=2)
     back = [r for r in pairs.records if r.kind == "all_gather" and r.phase == "backward"]
-    assert {r.group_size for r in back} == {2} and len(back) == len(UNITS)
+    assert {r.group_size for r in back} == {2} and len(back) == len(LAYERS)  # the root stays gathered
     assert all(r.sent_bytes == r.buffer_bytes // 2 for r in back)  # (g-1)/g of the buffer, g = 2
     forward = [r for r in pairs.records if r.kind == "all_gather" and r.phase == "forward"]
     assert {r.group_size for r in forward} == {4}
@@ -79,12 +80,12 @@ def test_int_reshard_must_divide_a_resharding_group(size, strategy):
 def test_keeping_units_after_backward_skips_the_next_forward_gathers(strategy, per_unit):
     k = 3
     counts = {keep: Counter((r.kind, r.phase) for r in estimate_step_traffic(
-        UNITS, 2, strategy, root_reshard_after_forward=True, grad_accum_steps=k, sync_every_micro_step=False,
+        UNITS, 2, strategy, grad_accum_steps=k, sync_every_micro_step=False,
         reshard_after_backward=not keep).records) for keep in (False, True)}
     assert counts[False][("all_gather", "forward")] == k * len(UNITS)
     assert counts[True][("all_gather", "forward")] == len(UNITS)  # only the first micro-step's
     assert counts[True][("all_gather", "backward")] == counts[False][("all_gather", "backward")] \
-        == (k * len(UNITS) if per_unit == 2 else 0)
+        == (k * len(LAYERS) if per_unit == 2 else 0)
     assert counts[True][("reduce_scatter", "backward")] == len(UNITS)
 
 

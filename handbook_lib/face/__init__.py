@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         gpu_utilization_table,
         plot_utilization,
         read_gpu_results,
+        root_resharded,
     )
     from handbook_lib.face.published_views import (
         plot_throughput_errors,

@@ -36,7 +36,7 @@ from handbook_lib.models.timing import estimate_compute_time, fit_utilization, w
 
 __all__ = ["read_gpu_results", "gpu_memory_rows", "gpu_memory_table", "gpu_mfu_table", "gpu_fit_table",
            "gpu_fit_curve", "gpu_smoke_table", "gpu_sets_table", "gpu_budget_table", "gpu_utilization_rows",
-           "gpu_utilization_fit", "gpu_utilization_table", "plot_utilization"]
+           "gpu_utilization_fit", "gpu_utilization_table", "plot_utilization", "root_resharded"]
 
 ResultSets = Mapping[str, Mapping[str, Any]]
 """Result sets by file name (without ``.json``), as :func:`read_gpu_results` returns them."""
@@ -167,7 +167,8 @@ def gpu_fit_table(sets: ResultSets) -> Table:
         config, world, usable = sweep["config"], data["world_size"], sweep["capacity_bytes"]
         bracket = (f"{sweep['measured_largest_fit']}" if sweep["sweep"].get("exact")
                    else f"[{sweep['measured_largest_fit']}, {sweep['measured_first_oom']})")
-        reserved = predict_max_micro_batch(functools.partial(_reserved_peak, config, world), usable)
+        reserved = predict_max_micro_batch(functools.partial(_reserved_peak, config, world, root_resharded(sweep)),
+                                           usable)
         rows.append([name, bracket, sweep["predicted_largest_fit"], reserved, format_bytes(usable),
                      format_bytes(sweep["device_memory_bytes"]), len(sweep["sweep"]["tries"])])
     return Table(["result set", "largest\nthat ran", "model:\nallocated", "model:\nreserved", "usable\nmemory",
@@ -192,8 +193,10 @@ def gpu_fit_curve(sets: ResultSets, *, step: int = 1) -> dict[str, Any] | None:
         xs = list(range(1, top + 1, step))
         runs = [r for r in gpu_memory_rows({k: v for k, v in sets.items() if v.get("world_size") == world})
                 if r["model"] == _model_label(config) and r["precision"] == config["precision"]]
-        return {"micro_batches": xs, "model_peak": [sweep_peak_bytes(config, world, m) for m in xs],
-                "model_reserved": [_reserved_peak(config, world, m) for m in xs],
+        again = root_resharded(sweep)
+        return {"micro_batches": xs,
+                "model_peak": [sweep_peak_bytes(config, world, m, root_reshard_after_forward=again) for m in xs],
+                "model_reserved": [_reserved_peak(config, world, again, m) for m in xs],
                 "measured": [(r["micro_batch"], r["measured"], r["reserved"]) for r in runs],
                 "capacity": sweep["capacity_bytes"], "largest_fit": sweep["measured_largest_fit"],
                 "first_oom": sweep["measured_first_oom"],
@@ -229,8 +232,15 @@ def gpu_budget_table(sets: ResultSets) -> Table:
                  "inside a rank once CUDA, cuBLAS and NCCL were set up")
 
 
-def _reserved_peak(config: Mapping[str, Any], world: int, micro: int) -> int:
-    return sweep_peak_bytes(config, world, micro, reserved=True)
+def root_resharded(sweep: Mapping[str, Any]) -> bool:
+    """Whether a stored micro-batch sweep's runs resharded their root after forward: sets written
+    before the runs kept FSDP2's default say nothing, and did (``fully_shard(model,
+    reshard_after_forward=True)``); the model predicts each set as it was wrapped."""
+    return bool(sweep.get("root_reshard_after_forward", True))
+
+
+def _reserved_peak(config: Mapping[str, Any], world: int, root: bool, micro: int) -> int:
+    return sweep_peak_bytes(config, world, micro, reserved=True, root_reshard_after_forward=root)
 
 
 def gpu_smoke_table(sets: ResultSets) -> Table:

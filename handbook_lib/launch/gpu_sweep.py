@@ -144,17 +144,20 @@ def sweep_micro_batch(try_size: Callable[[int], None], *, start: int = 1, known_
     return Sweep(largest, first_oom, "oom", tries)
 
 
-def sweep_peak_bytes(config: Mapping[str, Any], world_size: int, micro_batch: int, *, reserved: bool = False) -> int:
+def sweep_peak_bytes(config: Mapping[str, Any], world_size: int, micro_batch: int, *, reserved: bool = False,
+                     root_reshard_after_forward: bool = False) -> int:
     """The memory model's peak per rank, in bytes, of an ``fsdp_train`` run of the micro-batch
     sweep (:data:`SWEEP_CONFIG`, or a result set's ``max_micro_batch.config``) at ``micro_batch``
     sequences per rank: the allocated peak, or with ``reserved`` the caching allocator's reserve
-    on top (:func:`handbook_lib.models.allocator.reserved_bytes`)."""
+    on top (:func:`handbook_lib.models.allocator.reserved_bytes`). ``root_reshard_after_forward``:
+    the run resharded its root after forward (sets measured before the runs kept FSDP2's
+    default, :func:`handbook_lib.face.gpu_results.root_resharded`)."""
     from handbook_lib.models import estimate_memory, reserved_bytes
 
     model = ModelConfig(**{k: config[k] for k in ModelConfig.__dataclass_fields__ if k in config})
     peak = estimate_memory(model, world_size, config["strategy"], config["precision"], "adamw",
                            micro_batch=micro_batch, seq_len=config["seq_len"], units=wrap_units(model, "layer"),
-                           backend="nccl").peak
+                           backend="nccl", root_reshard_after_forward=root_reshard_after_forward).peak
     return reserved_bytes(peak) if reserved else peak
 
 

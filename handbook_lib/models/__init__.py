@@ -68,7 +68,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
         ADAM_BYTES_PER_PARAM, CPU_ADAM_PARAMS_PER_S_PER_CORE, CPU_ADAM_SOURCE, OffloadCost, estimate_offload,
     )
     from handbook_lib.models.phases import (
-        PHASES, Moment, StepShape, backward_start, backward_walk, forward_start, head_backward,
+        PHASES, Moment, StepShape, backward_start, backward_walk, forward_end, forward_start, head_backward,
         late_free_bound, layer_backward, layer_forward, layer_recompute, layer_reduce,
         loss_backward, optimizer_step, root_reduce,
     )

@@ -247,7 +247,7 @@ def _layers_holding(phase: str, checkpointing: bool | str, layers: int) -> int:
     """Layers whose gathered inputs are alive in ``phase``: every layer from the last forward to
     the first backward without checkpointing; the one recomputed with it."""
     if checkpointing_mode(checkpointing) == "none":
-        return layers if phase in ("layer_forward", "loss_backward", "backward_start", "head_backward",
+        return layers if phase in ("layer_forward", "forward_end", "loss_backward", "backward_start", "head_backward",
                                    "layer_backward", "layer_reduce") else 0
     return 1 if phase in ("layer_recompute", "layer_backward", "layer_reduce") else 0
 

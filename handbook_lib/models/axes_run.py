@@ -180,7 +180,7 @@ def _fsdp_calls(config: ParallelConfig, world_size: int) -> list[AxesCall]:
     row = get_strategy(config.strategy)
     traffic = estimate_step_traffic(
         units, layout.dp_replicate * layout.fsdp_size, config.strategy, param_dtype=compute, reduce_dtype=reduce,
-        root_reshard_after_forward=True, grad_accum_steps=config.grad_accum_steps,
+        grad_accum_steps=config.grad_accum_steps,
         sync_every_micro_step=config.sync_every_micro_step,
         shard_group_size=layout.fsdp_size if row.hybrid else None,
         reshard_after_forward_size=config.reshard_after_forward_size or None,

@@ -183,6 +183,7 @@ def estimate_memory(
     loss_chunks: int = 1,
     set_to_none: bool = False,
     float8_all_gather: bool = False,
+    root_reshard_after_forward: bool = False,
 ) -> MemoryEstimate:
     """Predict one rank's device memory for a training step, by component and phase.
 
@@ -255,6 +256,9 @@ def estimate_memory(
             the compute dtype). A 16-bit compute dtype and a sharding strategy without CPU
             offload only. Read from torchao's design, unverified on CPU ranks (no float8
             matmuls there); the float8 casts of activations are not priced.
+        root_reshard_after_forward: The root unit resharded after forward too
+            (``fully_shard(model, reshard_after_forward=True)``) and gathered again in backward.
+            Default ``False``: FSDP2's default (and FSDP1's) keeps it gathered into backward.
 
     The peak is the largest of the step's phases (:data:`PHASE_WORDS`), each a function of
     :mod:`handbook_lib.models.phases` whose docstring gives its formula; the state at rest is
@@ -297,7 +301,8 @@ def estimate_memory(
                         world_size, group, units, flat_params, backend, accumulated, optimizer,
                         micro_batch, seq_len, compute, (activation_checkpointing, ac_every, ac_matmul_every, ac_save))
     shape = replace(shape, loss_chunks=(loss_chunks, micro_batch),
-                    grads_freed=bool(set_to_none) and grad_accum_steps == 1, float8_gather=float8_all_gather)
+                    grads_freed=bool(set_to_none) and grad_accum_steps == 1, float8_gather=float8_all_gather,
+                    root_resharded=root_reshard_after_forward)
     if not (cpu_offload and backend == "nccl") and (layout.exact or impl != "for-loop"):
         # not on a GPU's host (offloaded), nor one tensor at a time over unknown tensors
         locals_ = local_numels(layout, row, group, rank % group, units, flat_params)

@@ -14,10 +14,13 @@ PHASE_WORDS: dict[str, tuple[str, str]] = {
                       "a layer's all-gather in forward: its parameters copied out of the all-gather "
                       "buffer, the previous unit's buffer still kept, the activations so far "
                       "(SHARD_GRAD_OP: every unit gathered before it)"),
+    "forward_end": ("as forward ends",
+                    "forward ends: the logits just computed, the root gathered, the last "
+                    "all-gather's buffer not yet freed"),
     "loss_backward": ("in the loss's backward",
                       "the loss's backward, with every activation still saved"),
     "backward_start": ("as backward starts",
-                       "backward begins: the logits' gradient alive, the root unit gathered again"),
+                       "backward begins: the logits' gradient alive, the root still gathered"),
     "layer_backward": ("in a layer's backward",
                        "a layer's backward: that layer and the root gathered, the next layer's "
                        "all-gather buffer, the previous layer's reduce-scatter input kept"),

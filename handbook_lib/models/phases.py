@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from handbook_lib.core.strategies import Strategy
 from handbook_lib.models.activations import ActivationBytes
 
-__all__ = ["StepShape", "Moment", "backward_walk", "forward_start", "layer_forward", "loss_backward",
+__all__ = ["StepShape", "Moment", "backward_walk", "forward_start", "layer_forward", "forward_end", "loss_backward",
            "backward_start", "head_backward", "layer_backward", "layer_reduce", "root_reduce",
            "layer_recompute", "optimizer_step", "offload_gather", "PHASES", "late_free_bound"]
 
@@ -117,6 +117,9 @@ class StepShape:
     """torchao's Float8 all-gather (``enable_fsdp_float8_all_gather``): each layer unit's weights
     are cast to float8 before their all-gather, so the buffer and the gathered weights hold 1 B an
     element (:attr:`g`); the root (embedding and output head) stays in the compute dtype."""
+    root_resharded: bool = False
+    """The root resharded after forward too (``fully_shard(model, reshard_after_forward=True)``)
+    and gathered again as backward starts; FSDP2's default keeps it gathered."""
     grads_freed: bool = False
     """The gradients are freed after each optimizer step (``zero_grad(set_to_none=True)``,
     PyTorch's default) and one micro-step makes the step: none exist until backward makes them."""
@@ -163,10 +166,11 @@ class StepShape:
 
     @property
     def kept(self) -> int:
-        """Bytes gathered in forward and kept to backward: 0 when resharded after forward (the
-        root too, in our FSDP2 wrapping), else every unit, ``c·(ΣU_i + R)`` (``c·P`` for a bare count)."""
+        """Bytes gathered in forward and kept to backward: the root's, ``c·R``, when the layers
+        are resharded after forward (FSDP2's default keeps the root gathered, as FSDP1 does; 0
+        for a bare count), else every unit, ``c·(ΣU_i + R)`` (``c·P`` for a bare count)."""
         if self.row.reshard_after_forward:
-            return 0
+            return 0 if self.root_resharded else self.c * self.root
         return self.g * sum(self.layers) + self.c * self.root if self.known else self.c * self.params
 
     @property
@@ -208,10 +212,23 @@ def layer_forward(s: StepShape) -> Components | None:
     return _largest(moments)
 
 
+def forward_end(s: StepShape) -> Components | None:
+    """Forward ends, the logits just computed (``c·T·V``) beside the activations saved so far
+    (``A - L``), the root gathered and the last all-gather's buffer, which FSDP2 frees in the
+    root's post-forward (the last layer's, ``c·U_last``; one unit: the root's own, ``c·R``):
+    ``S + c·(R + U_last) + A - L + c·T·V`` (SHARD_GRAD_OP: every unit gathered)."""
+    if not s.row.shards_params or not s.acts:
+        return None
+    buffer = 0 if s.group == 1 else s.g * s.layers[-1] if s.layers else s.c * s.root
+    gathered = s.c * s.root if s.row.reshard_after_forward else s.kept
+    return s.alive(gathered + buffer, 0, s.act_total - s.log_softmax + s.c * s.logits, 0, early=True)
+
+
 def loss_backward(s: StepShape) -> Components | None:
     """The loss's backward, with every activation still saved and the loss's two fp32 (T × V)
     gradients: ``S + kept + A + 2L`` (sharded: ``kept`` is what stays gathered after forward;
-    DDP adds its buckets ``r·P``). In k > 1 chunks (``loss_chunks``) the largest of three
+    DDP adds its buckets ``r·P``; FULL_SHARD keeps the root, ``c·R``). In k > 1 chunks
+    (``loss_chunks``) the largest of three
     moments: one chunk's two fp32 gradients, ``2L/k``; the chunks' gradients joined into the
     logits' (``c·T·V`` beside the k chunks' own, the log-softmax freed), ``2c·T·V − L``; and the
     end of the loss's forward, the logits (``c·T·V``) still held with the last chunk's fp32 copy
@@ -228,12 +245,14 @@ def loss_backward(s: StepShape) -> Components | None:
 
 
 def backward_start(s: StepShape) -> Components | None:
-    """Backward begins: the log-softmax freed, the logits' gradient alive (``c·T·V``), and
-    FULL_SHARD gathers the root again (``2c·R``): ``S + 2c·R + A - L + c·T·V``."""
+    """Backward begins: the log-softmax freed, the logits' gradient alive (``c·T·V``), the
+    root still gathered from forward (FULL_SHARD: ``c·R``): ``S + c·R + A - L + c·T·V``; with
+    the root resharded after forward, gathered again, its buffer too (``2c·R``)."""
     loss = s.c * s.logits
     if s.row.shards_params:
-        gathered = s.copies * s.c * s.root if s.row.reshard_after_forward else s.kept
-        return s.alive(gathered, 0, s.act_total - s.log_softmax, loss, early=True)
+        again = s.row.reshard_after_forward and s.root_resharded
+        return s.alive(s.copies * s.c * s.root if again else s.kept, 0, s.act_total - s.log_softmax, loss,
+                       early=True)
     return s.alive(s.root_copy, s.buckets, s.act_total - s.log_softmax, loss, early=True)
 
 
@@ -382,9 +401,10 @@ def offload_gather(s: StepShape) -> Components | None:
     - forward, the root before the embedding: ``S + G_R``; a layer: the root (SHARD_GRAD_OP:
       every unit so far) gathered, the previous unit's all-gather buffer kept (N > 1), the
       activations so far: ``S + c·R + c·U_{i-1} + G_i + c·T·d + mask + i·a``;
-    - backward (units resharded after forward): the root gathered again with the logits'
-      gradient alive, ``S + G_R + A - L + c·T·V``, then the last layer's all-gather
-      prefetched (N > 1), ``S + c·R + G_last + A - L + c·T·V``; in a layer's backward, before
+    - backward (units resharded after forward; the root stays gathered from forward, else it
+      is copied in again, ``S + G_R + A - L + c·T·V``): the last layer's all-gather prefetched
+      (N > 1) with the logits' gradient alive,
+      ``S + c·R + G_last + A - L + c·T·V``; in a layer's backward, before
       its gradients, the next unit's prefetched all-gather, ``S + c·R + c·U_i + G_next + held
       + left`` (N = 1: the layer's own copy, ``S + c·R + G_i + held + left``).
 
@@ -405,7 +425,8 @@ def offload_gather(s: StepShape) -> Components | None:
             moments.append(s.alive(gathered + prev + gather, 0, s.c * s.hidden + s.mask + sum(s.saved[:i]), 0))
     if reshard:
         loss, left = s.c * s.logits, s.act_total - s.log_softmax
-        moments.append(s.alive(root, 0, left, loss))
+        if s.root_resharded:  # the root copied in again as backward starts
+            moments.append(s.alive(root, 0, left, loss))
         walk = backward_walk(s)
         if layers and not one:
             moments.append(s.alive(s.c * s.root + layers[-1], 0, left, loss))
@@ -419,7 +440,7 @@ def offload_gather(s: StepShape) -> Components | None:
 
 
 PHASES: tuple[Callable[[StepShape], Components | None], ...] = (
-    forward_start, layer_forward, loss_backward, backward_start, head_backward, layer_backward,
+    forward_start, layer_forward, forward_end, loss_backward, backward_start, head_backward, layer_backward,
     layer_reduce, root_reduce, layer_recompute, optimizer_step, offload_gather,
 )
 """Every phase, in the order they are evaluated (a tie goes to the first)."""
@@ -429,7 +450,7 @@ def late_free_bound(s: StepShape, peak: int, backward_start_bytes: int) -> int:
     """On gloo with sharded parameters: the peak if a finished collective's buffers are freed
     late by gloo's worker thread (bytes; 0 where that cannot raise the peak above ``peak``).
 
-    Under load the root's all-gather buffer can meet the first layer's as backward starts
+    Under load a layer's all-gather buffer freed late can meet backward's start
     (``backward_start + c·U_last``), or a unit's flattened reduce-scatter copy the next unit's
     start (``S + c·R + 2c·U_i + held + held_rs + left``, or ``others + c·U_i`` with everything
     gathered). A bound for a run under load, not a prediction for an idle one.

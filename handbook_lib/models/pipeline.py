@@ -176,7 +176,8 @@ def estimate_pipeline_fsdp_calls(config: ParallelConfig, world_size: int, pp_ran
     the first micro-batch's backward to the last's and reduces gradients once, after the last
     (``torch.distributed.pipelining`` sets FSDP2's resharding and gradient sync so): with a
     strategy that reshards after forward, ``m`` all-gathers in forward and one for the
-    backwards, ``m + 1``; with SHARD_GRAD_OP one; and one reduce-scatter. Measured on 4 ranks,
+    backwards, ``m + 1``; with SHARD_GRAD_OP one; and one reduce-scatter. The stage's root
+    (FSDP2's default: not resharded after forward) is gathered once. Measured on 4 ranks,
     m = 2, 4, 8, GPipe, 1F1B and interleaved."""
     layout = config.parallel_layout(world_size)
     group = layout.fsdp_size
@@ -190,7 +191,8 @@ def estimate_pipeline_fsdp_calls(config: ParallelConfig, world_size: int, pp_ran
             if not unit.numel:
                 continue
             elements = unit.padded_numel(group)
-            out += [AxesCall("all_gather", "fsdp", elements * dtype_bytes(compute), group, unit.name)] * gathers
+            out += [AxesCall("all_gather", "fsdp", elements * dtype_bytes(compute), group, unit.name)] \
+                * (1 if unit.root else gathers)
             out.append(AxesCall("reduce_scatter", "fsdp", elements * dtype_bytes(reduce), group, unit.name))
     return out
 

@@ -259,12 +259,12 @@ def estimate_sp_step_traffic(config: ModelConfig, world_size: int, micro_batch: 
     own tokens), so FSDP2 shards them over all ``world_size`` ranks (dp × sp flattened, as
     torchtitan folds its context-parallel axis into FSDP's mesh): FULL_SHARD's schedule of
     :func:`~handbook_lib.models.traffic.estimate_step_traffic` on :func:`parallel_layout`'s
-    units (one per layer and the root, root resharded after forward too), beside
+    units (one per layer and the root, kept gathered into backward), beside
     :func:`estimate_sp_collectives`.
     """
     units = parallel_layout(config).units("layer")
     fsdp = estimate_step_traffic(units, world_size, "FULL_SHARD", param_dtype=compute_dtype,
-                                 reduce_dtype=compute_dtype, root_reshard_after_forward=True)
+                                 reduce_dtype=compute_dtype)
     return SpStepTraffic(fsdp, estimate_sp_collectives(config, micro_batch, seq_len, sp_size, method, compute_dtype))
 
 

@@ -226,12 +226,12 @@ def estimate_flat_shard_bytes(
 def post_forward_shard_bytes(units: Iterable[Unit], group: int, reshard_after_forward_size: int,
                              param_dtype: str = "fp32") -> int:
     """With FSDP2's ``reshard_after_forward`` = g ranks (``reshard_after_forward_size``): the 1/g
-    shards of every unit's gathered buffer (padded for ``group`` ranks, in ``param_dtype``) kept
-    from forward to backward (``_sharded_post_forward_param_data``, a clone made in forward,
+    shards of every layer unit's gathered buffer (padded for ``group`` ranks, in ``param_dtype``)
+    kept from forward to backward (``_sharded_post_forward_param_data``, a clone made in forward,
     which the memory tracker files with the activations), bytes; 0 for g = 0 (the strategy's
-    own resharding)."""
+    own resharding). The root is not resharded after forward: it stays gathered."""
     if not reshard_after_forward_size:
         return 0
     check_int("reshard_after_forward_size", reshard_after_forward_size, 1)
-    total = sum(u.padded_numel(group) for u in units if u.numel)
+    total = sum(u.padded_numel(group) for u in units if u.numel and not u.root)
     return total * dtype_bytes(param_dtype) // reshard_after_forward_size

@@ -263,14 +263,14 @@ def estimate_tp_step_collectives(config: ModelConfig, tp_size: int, dp_size: int
     """Every collective one rank issues in a step of chapter 9's run: TP's
     (:func:`estimate_tp_collectives`, T = ``micro_batch · seq_len``, the rows of its dp group) and
     FSDP2's over the dp group — per unit (:func:`tp_units`: its TP-local tensors, padded along
-    dim 0 to a multiple of dp) an all-gather in forward and again in backward (every unit, the
-    root too, is resharded after forward) and a reduce-scatter of its gradients, as
+    dim 0 to a multiple of dp) an all-gather in forward and again in backward (every unit but
+    the root, which stays gathered into backward) and a reduce-scatter of its gradients, as
     :func:`~handbook_lib.models.traffic.estimate_step_traffic` lists them for FULL_SHARD over
     ``dp_size`` ranks (reused as it is: it takes any unit shapes). ``dp_size`` 1: no FSDP.
     """
     out = estimate_tp_collectives(config, tp_size, micro_batch * seq_len, sequence_parallel, compute_dtype)
     if dp_size > 1:
-        fsdp = estimate_step_traffic(tp_units(config, tp_size), dp_size, "FULL_SHARD", root_reshard_after_forward=True)
+        fsdp = estimate_step_traffic(tp_units(config, tp_size), dp_size, "FULL_SHARD")
         out += [TPCollective(r.kind, r.buffer_bytes, r.group_size, r.sent_bytes, r.received_bytes, r.steps,
                              axis="dp", phase=r.phase, site=r.unit) for r in fsdp.records]
     return out

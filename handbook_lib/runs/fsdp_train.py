@@ -247,15 +247,15 @@ def step_traffic(config: RunConfig, world_size: int, units: list[Unit], *, flat:
                  issue_order: int | None = None) -> StepTraffic:
     """The collectives of one step of a run of ``config`` on ``world_size`` ranks, as the
     communication model lists them (:func:`~handbook_lib.models.traffic.estimate_step_traffic`):
-    its units, dtypes, shard group, accumulation and resharding knobs, the root resharded after
-    forward as :func:`~handbook_lib.runtime.build.apply_fsdp2` wraps it (FSDP1, ``flat``: kept
-    gathered, each unit's flat parameter padded once). ``issue_order``: in the order FSDP2
-    issues them (``None``: unit by unit)."""
+    its units, dtypes, shard group, accumulation and resharding knobs, the root kept gathered
+    from forward into backward as :func:`~handbook_lib.runtime.build.apply_fsdp2` wraps it
+    (FSDP2's default; FSDP1's too, ``flat``, which pads each unit's flat parameter once).
+    ``issue_order``: in the order FSDP2 issues them (``None``: unit by unit)."""
     row = STRATEGY_TABLE[config.strategy]
     param_dtype, reduce_dtype = get_precision(config.precision)
     return estimate_step_traffic(
         units, world_size, config.strategy,
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, root_reshard_after_forward=not flat,
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         shard_group_size=shard_group(config, world_size) if row.hybrid else None, flat_params=flat,
         grad_accum_steps=config.grad_accum_steps, sync_every_micro_step=config.sync_every_micro_step,
         grad_scaler_group=_scaler_group(config, world_size),
@@ -269,9 +269,8 @@ def _collective_checks(config: RunConfig, ctx: RankContext, units: list[Unit], f
     """Counted collectives of the step beside the communication model's schedule
     (:func:`step_traffic`).
 
-    In our FSDP2 wrapping the root is resharded after forward too (``fully_shard(model,
-    reshard_after_forward=True)``), so FULL_SHARD gathers it again in backward; FSDP1 keeps its
-    root unsharded between forward and backward, and pads each unit's flat parameter once.
+    FSDP2 and FSDP1 both keep the root unsharded between forward and backward (FULL_SHARD
+    gathers it once a step); FSDP1 pads each unit's flat parameter once.
     DDP's bucket count depends on its 25 MB bucketing, so only its bytes are checked. One plain
     process (``NONE``) must issue no collective at all.
     """

@@ -135,11 +135,12 @@ def apply_fsdp2(
     leaves one unit, the root, holding every parameter. Works on a model on the meta
     device too.
 
-    ``reshard_after_forward`` goes to every unit, the root included, as the runs
-    count it: ``True`` here. ``fully_shard``'s own default (``None``) means ``True``
-    for every unit but the root, and ``False`` for the root (kept gathered into
-    backward: one all-gather fewer). An ``int`` g reshards each unit after forward
-    to groups of g ranks.
+    ``reshard_after_forward`` goes to every unit but the root: ``True`` frees each
+    layer's gathered parameters after its forward (all-gathered again in backward),
+    ``False`` keeps them to backward, an ``int`` g reshards them to groups of g ranks.
+    The root gets ``fully_shard``'s own default (``None``): kept gathered from forward
+    into backward, which needs it first (one all-gather fewer), unless ``False`` keeps
+    everything.
     """
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
@@ -153,7 +154,7 @@ def apply_fsdp2(
     depth = {id(m): name.count(".") for name, m in model.named_modules() if name}
     for module in sorted(units, key=lambda m: -depth[id(m)]):
         fully_shard(module, **kwargs)
-    fully_shard(model, **kwargs)
+    fully_shard(model, **{**kwargs, "reshard_after_forward": None if reshard_after_forward is not False else False})
 
 
 def check_runnable(config: RunConfig, world_size: int) -> Strategy:

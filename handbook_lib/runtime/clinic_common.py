@@ -213,11 +213,9 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, units: list[nn.Module] | Non
 
 
 def forward_all_gathers(setup: CaseSetup) -> int:
-    """All-gathers of one forward of the case's model, one unit per layer and the root
-    resharded after forward, as :func:`shard_model` wraps it
-    (:func:`~handbook_lib.models.traffic.estimate_step_traffic`)."""
-    records = estimate_step_traffic(setup.layout.units("layer"), setup.world, "FULL_SHARD",
-                                    root_reshard_after_forward=True).records
+    """All-gathers of one forward of the case's model, one unit per layer and the root, as
+    :func:`shard_model` wraps it (:func:`~handbook_lib.models.traffic.estimate_step_traffic`)."""
+    records = estimate_step_traffic(setup.layout.units("layer"), setup.world, "FULL_SHARD").records
     return sum(r.phase == "forward" for r in records)
 
 

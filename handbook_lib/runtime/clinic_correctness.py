@@ -364,7 +364,7 @@ def mixed_dtype(setup: CaseSetup) -> tuple[Half, Half]:
         half.flag("raised", broken, err is not None)
         if not broken:
             traffic = estimate_step_traffic(setup.layout.units("layer"), setup.world, "FULL_SHARD",
-                                            param_dtype="bf16", reduce_dtype="fp32", root_reshard_after_forward=True)
+                                            param_dtype="bf16", reduce_dtype="fp32")
             for kind in ("all_gather", "reduce_scatter"):
                 half.check(f"{kind}_bytes", sum(r.buffer_bytes for r in traffic.records if r.kind == kind),
                            sum(c.buffer_bytes for c in calls if c.kind == kind), "bytes")

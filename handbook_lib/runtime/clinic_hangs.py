@@ -145,7 +145,9 @@ def uneven_batches(setup: CaseSetup) -> tuple[Half, Half]:
     group's timeout. Fixed: every rank gets as many batches (``DistributedSampler`` pads the
     set with its first items; a fixed step count does too). Checked: the batches each rank got
     (``ceil((n - rank) / world)`` broken, ``ceil(n / world)`` fixed), the forwards done,
-    rank 0's timeout, and the fixed half's all-gathers (one per unit a forward), exact."""
+    rank 0's timeout, and the fixed half's all-gathers, exact: one per layer a forward, and the
+    root's once (FSDP2 keeps the root gathered after forward; without a backward, nothing
+    reshards it between the forwards)."""
     from torch.utils.data import DistributedSampler
 
     n, world, rank = UNEVEN_ITEMS, setup.world, setup.rank
@@ -165,7 +167,7 @@ def uneven_batches(setup: CaseSetup) -> tuple[Half, Half]:
         half.flag("timed_out", broken and given > n // world, err is not None)
         if not broken:
             all_gathers = sum(c.kind == "all_gather" for c in calls)
-            half.check("all_gathers", given * per_forward, all_gathers, "collectives")
+            half.check("all_gathers", given * (per_forward - 1) + 1, all_gathers, "collectives")
         half.symptom = err is not None
         half.metrics.update(batches=len(items), forwards_done=done, error=first_line(err) if err else None)
         half.finding = (f"{len(items)} batches, {done} forwards: "

@@ -233,8 +233,8 @@ def accumulation_unsharded_grads(setup: CaseSetup) -> tuple[Half, Half]:
                                                       sync_every_micro_step=not broken)
         half.check("held_after_micro1_bytes", predicted, held, "bytes")
         half.check("unsharded_grads_bytes", predicted, finding.measured if finding else 0, "bytes")
-        traffic = estimate_step_traffic(units, setup.world, "FULL_SHARD", root_reshard_after_forward=True,
-                                        grad_accum_steps=2, sync_every_micro_step=not broken)
+        traffic = estimate_step_traffic(units, setup.world, "FULL_SHARD", grad_accum_steps=2,
+                                        sync_every_micro_step=not broken)
         scatters = sum(c.kind == "reduce_scatter" for c in calls)
         half.check("reduce_scatters", traffic.counts.get("reduce_scatter", 0), scatters, "collectives")
         half.flag("diagnosed", broken, finding is not None)
