@@ -505,3 +505,12 @@ def test_freed_gradients_leave_the_early_phases_and_come_back_layer_by_layer():
                                    grad_accum_steps=2, set_to_none=True)
     assert accumulating.phases == estimate_memory(ModelConfig(), 2, "FULL_SHARD", micro_batch=1, seq_len=64,
                                                   backend="gloo", grad_accum_steps=2).phases
+
+
+def test_each_phase_keeps_its_components():
+    """``by_phase``: every phase's components, summing to its total; the peak's are ``components``."""
+    est = estimate_memory(ModelConfig(), 2, "FULL_SHARD", "bf16-mixed", micro_batch=4, seq_len=64, backend="gloo")
+    assert set(est.by_phase) == set(est.phases)
+    assert all(sum(parts.values()) == est.phases[name] for name, parts in est.by_phase.items())
+    assert est.by_phase[est.peak_phase] == est.components
+    assert est.by_phase["layer_backward"]["grad_buffers"] > est.by_phase["loss_backward"]["grad_buffers"] == 0

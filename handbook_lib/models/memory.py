@@ -69,6 +69,8 @@ class MemoryEstimate:
     """On gloo, with sharded parameters: the peak if a finished collective's buffers are freed
     late by gloo's worker thread (see :func:`estimate_memory`), bytes; 0 where that cannot raise
     the peak. A bound for a run under load, not a prediction for an idle one."""
+    by_phase: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Each phase's components, as :attr:`components` holds the peak's (bytes)."""
     kept_grads_peak: int = 0
     """With the gradients freed after each step (``set_to_none``): the peak had they been kept,
     bytes (0 otherwise). The caching allocator keeps a freed block reserved until a tensor that
@@ -320,7 +322,7 @@ def estimate_memory(
                      "the tensors are unknown")
     return MemoryEstimate(components=phases[peak_phase], phases=totals, peak_phase=peak_phase,
                           forward_activations=shape.act_total, host=host, notes=tuple(notes),
-                          late_free_peak=late_free, kept_grads_peak=int(kept))
+                          late_free_peak=late_free, kept_grads_peak=int(kept), by_phase=phases)
 
 
 def _step_shape(layout: ModelLayout, row: Strategy, state: dict[str, int], c: int, r: int, world_size: int,

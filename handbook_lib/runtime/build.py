@@ -154,7 +154,9 @@ def apply_fsdp2(
     depth = {id(m): name.count(".") for name, m in model.named_modules() if name}
     for module in sorted(units, key=lambda m: -depth[id(m)]):
         fully_shard(module, **kwargs)
-    fully_shard(model, **{**kwargs, "reshard_after_forward": None if reshard_after_forward is not False else False})
+    # the root: fully_shard's default (None) keeps it gathered into backward
+    root_reshard = False if reshard_after_forward is False else None
+    fully_shard(model, **{**kwargs, "reshard_after_forward": root_reshard})
 
 
 def check_runnable(config: RunConfig, world_size: int) -> Strategy:
