@@ -7,6 +7,7 @@ import torch
 
 from handbook_lib.core import (
     ModelConfig,
+    forward_modules,
     param_count,
     param_count_breakdown,
     param_shapes,
@@ -39,6 +40,17 @@ def test_param_count_matches_module(config):
 def test_param_shapes_match_named_parameters(config):
     model = SimpleTransformer(config)
     assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == param_shapes(config)
+
+
+@pytest.mark.parametrize("num_layers", [1, 3])
+def test_forward_modules_is_the_order_hooks_see(num_layers):
+    model = SimpleTransformer(ModelConfig(vocab_size=50, d_model=16, nhead=2, dim_feedforward=40,
+                                          num_layers=num_layers))
+    seen = []
+    for name, module in model.named_modules():
+        module.register_forward_pre_hook(lambda *_, name=name: seen.append(name))
+    model(torch.zeros(2, 5, dtype=torch.long))
+    assert seen == forward_modules(num_layers)
 
 
 def test_breakdown_components_sum_to_total_and_match_submodules():

@@ -2,7 +2,8 @@
 
 Chapter 7 runs stages 1–3 in fp32 on 2 ranks (with DeepSpeed's default persistence threshold
 and with CPU offload); these runs cover what it does not: 4 ranks, bf16, offload with bf16,
-SGD with momentum, plain Adam and a threshold that keeps some tensors whole. Every check of a run
+SGD with momentum, plain Adam, a threshold that keeps some tensors whole, and a prefetch bucket
+and reuse distance small enough to cut the step's gathers mid-model. Every check of a run
 must hold (exact bytes and collectives; losses within the run's tolerance of FSDP2's).
 """
 
@@ -26,6 +27,8 @@ RUNS = {
     "zero3-adam-bf16-persistent": {"strategy": "ZERO3", "optimizer": "adam", "precision": "bf16-mixed",
                                    "persistence_threshold": 10_000, "steps": 3},
     "zero3-bf16-master-and-states": {"strategy": "ZERO3", "precision": "bf16", "steps": 3},
+    "zero3-bf16-prefetch-reuse": {"strategy": "ZERO3", "precision": "bf16-mixed", "steps": 3,
+                                  "prefetch_bucket_size": 30_000, "max_reuse_distance": 100_000},
 }
 
 
@@ -99,6 +102,24 @@ def test_zero3_adam_bf16_with_some_tensors_persistent(results):
     assert result.extra["deepspeed_config"]["optimizer"]["params"]["adam_w_mode"] is False
 
 
+def test_zero3_prefetch_and_reuse_gather_what_the_replayed_trace_says(results):
+    """A 30,000-element prefetch bucket and a 100,000-element reuse distance: fewer all-gathers
+    than a module at a time, all in forward (a prefetch passes each tensor's backward use in the
+    queue, so forward releases nothing), and the run's exact checks hold them."""
+    result = results["zero3-bf16-prefetch-reuse"]
+    model = ZeroRunConfig.from_mapping(TINY).model_config()
+    kwargs = {"prefetch_bucket_size": 30_000, "max_reuse_distance": 100_000}
+    traffic = estimate_zero_step_traffic(model, 4, "ZERO3", "bf16-mixed", **kwargs)
+    one_by_one = estimate_zero_step_traffic(model, 4, "ZERO3", "bf16-mixed")
+    gathers = [r for r in traffic.records if r.kind == "all_gather"]
+    assert len(gathers) < sum(r.kind == "all_gather" for r in one_by_one.records)
+    assert {r.phase for r in gathers} == {"forward"}
+    counted = result.ranks[0]["collectives"]["all_gather"]
+    assert (counted["count"], counted["buffer_bytes"]) == (len(gathers), sum(r.buffer_bytes for r in gathers))
+    assert {"stage3_prefetch_bucket_size": 30_000, "stage3_max_reuse_distance": 100_000}.items() <= \
+        result.extra["deepspeed_config"]["zero_optimization"].items()
+
+
 def test_zero3_holds_its_gradient_bucket_at_rest_and_reports_its_backward_beside_the_model(results):
     """ZeRO-3 allocates its reduce bucket (5e8 elements, fp32 here: the run reduces in fp32) as the
     engine starts and keeps it; its forward-and-backward peak, which the model approximates, is
@@ -126,6 +147,8 @@ def test_the_fsdp_twin_has_the_same_sharding_at_rest_where_fsdp_has_one():
     ({"steps": 2}, 2, "steps >= 3 with ZeRO-3"),
     ({"batch_size": 9}, 2, "batch_size=9 must be divisible"),
     ({"persistence_threshold": -1}, 2, "persistence_threshold"),
+    ({"prefetch_bucket_size": -1}, 2, "prefetch_bucket_size"),
+    ({"strategy": "ZERO2", "max_reuse_distance": 10}, 2, "are ZeRO-3's; with strategy 'ZERO2' leave them 0"),
 ])
 def test_validate_refuses(changes, world, match):
     with pytest.raises(ValueError, match=match):

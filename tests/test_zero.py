@@ -19,6 +19,7 @@ from handbook_lib.models import (
     estimate_zero_step_traffic,
     flat_partition,
     gather_units,
+    zero3_gathers,
     zero_redundancy_partition,
     zero_stage,
 )
@@ -126,6 +127,44 @@ def test_zero3_traffic_gathers_every_module_twice():
     assert len(gathers) == len(NUMELS) and {r.phase for r in gathers} == {"step"}
 
 
+WIDE = ModelConfig(vocab_size=1001, d_model=128, nhead=2, dim_feedforward=1024, num_layers=2)
+"""Tensors on both sides of DeepSpeed's default persistence threshold (1e5): the embedding,
+output head and linear weights above it, the attention matrices, norms and biases below."""
+
+# (threshold, prefetch, reuse) -> the all-gathers (elements, padded for 2 ranks) DeepSpeed 0.19
+# issued in the third step of a 2-rank run of WIDE (chapter 7's production run is the last row)
+MEASURED_GATHERS = {
+    (0, 0, 300_000): [128_128, 66_048, 256, 132_096, 131_200, 256, 66_048, 256, 132_096, 131_200, 256,
+                      129_130, 132_096, 256, 66_048, 256, 131_200, 132_096, 256, 66_048, 128_128],
+    (0, 100_000, 0): [128_128, 197_376, 132_096, 197_760, 132_096, 128_512, 132_074, 195_456],
+    (0, 200_000, 0): [325_504, 329_856, 260_608, 129_130],
+    (0, 200_000, 10**9): [325_504, 329_856, 260_608, 1_002],
+    (100_000, 100_000, 0): [128_128, 131_072, 131_072, 131_072, 131_072, 128_128, 131_072, 128_128],
+    (100_000, 50_000_000, 10**9): [780_544],
+}
+
+
+@pytest.mark.parametrize("knobs", list(MEASURED_GATHERS))
+def test_zero3_gathers_replay_what_deepspeed_gathered(knobs):
+    threshold, prefetch, reuse = knobs
+    gathers = zero3_gathers(WIDE, persistence_threshold=threshold, prefetch_bucket_size=prefetch,
+                            max_reuse_distance=reuse)
+    assert [sum(-(-x // 2) * 2 for x in sizes) for _, sizes, _ in gathers] == MEASURED_GATHERS[knobs]
+
+
+def test_zero3_gathers_each_tensor_once_when_every_reuse_is_near():
+    """A reuse distance past the whole step keeps every tensor from its forward into its backward,
+    and a prefetch bucket past the whole model takes it all in the root's fetch: one call."""
+    sharded = [x for x in NUMELS if x > 0]
+    reuse = zero3_gathers(SMALL, max_reuse_distance=10 * sum(NUMELS))
+    assert sorted(x for _, sizes, _ in reuse for x in sizes) == sorted(sharded)
+    assert {phase for *_, phase in reuse} == {"forward"} and len(reuse) == len(gather_units(SMALL))
+    (whole,) = zero3_gathers(SMALL, prefetch_bucket_size=sum(NUMELS))
+    assert sorted(whole[1]) == sorted(NUMELS) and whole[2] == "forward"
+    kept = zero3_gathers(SMALL, persistence_threshold=max(NUMELS), prefetch_bucket_size=10)
+    assert kept == []
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: estimate_zero_rank_bytes(SMALL, 0, "ZERO3"), "world_size must be an int >= 1"),
     (lambda: estimate_zero_rank_bytes(SMALL, 2, "ZERO3", rank=2), r"rank must be in \[0, 2\), got 2"),
@@ -133,6 +172,8 @@ def test_zero3_traffic_gathers_every_module_twice():
     (lambda: estimate_zero_rank_bytes(SMALL, 2, "ZERO3", "fp8"), "precision must be one of"),
     (lambda: estimate_zero_rank_bytes(SMALL, 2, "ZERO3", optimizer="lion"), "optimizer must be one of"),
     (lambda: estimate_zero_step_traffic(SMALL, 2, "DDP"), "must be a DeepSpeed ZeRO row"),
+    (lambda: zero3_gathers(SMALL, prefetch_bucket_size=-1), "prefetch_bucket_size"),
+    (lambda: zero3_gathers(1000, max_reuse_distance=10), "needs the model.s tensors"),
 ])
 def test_bad_inputs(call, match):
     with pytest.raises(ValueError, match=match):

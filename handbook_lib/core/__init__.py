@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     from handbook_lib.core.architecture import (
         MODEL_KEYS,
         ModelConfig,
+        forward_modules,
         param_count,
         param_count_breakdown,
         param_shapes,

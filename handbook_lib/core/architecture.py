@@ -14,7 +14,8 @@ from typing import ClassVar
 
 from handbook_lib.core.checks import check_int, is_int
 
-__all__ = ["ModelConfig", "MODEL_KEYS", "MAX_LAYERS", "param_shapes", "param_count", "param_count_breakdown"]
+__all__ = ["ModelConfig", "MODEL_KEYS", "MAX_LAYERS", "param_shapes", "forward_modules", "param_count",
+           "param_count_breakdown"]
 
 MAX_LAYERS = 256
 """The most layers a model may have here (the deepest published dense decoders have about 130):
@@ -125,6 +126,18 @@ def param_count_breakdown(config: ModelConfig) -> dict[str, int]:
         "norms": n * 4 * d,
         "output": d * v + v,
     }
+
+
+def forward_modules(num_layers: int) -> list[str]:
+    """The modules ``SimpleTransformer.forward`` calls, by name, in the order it enters them: a
+    block before the modules it calls, ``""`` the root. A layer runs its attention, ``norm1``,
+    its two linear layers, then ``norm2``; the attention reads ``out_proj``'s tensors itself
+    (``out_proj`` is never called). Hooks on every module see this order (the tests check it);
+    DeepSpeed's ZeRO-3 records it to prefetch (:func:`handbook_lib.models.zero.zero3_gathers`)."""
+    layer = ("self_attn", "norm1", "linear1", "linear2", "norm2")
+    return ["", "embedding",
+            *(name for i in range(num_layers) for name in (f"layers.{i}", *(f"layers.{i}.{m}" for m in layer))),
+            "output"]
 
 
 def param_count(model: object) -> int:

@@ -356,22 +356,20 @@ _BF16_STATE = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": T
 
 
 def deepspeed_config(config: RunConfig, world_size: int, *, persistence_threshold: int = 0,
+                     prefetch_bucket_size: int = 0, max_reuse_distance: int = 0,
                      production: bool = False, reduce_in_compute_dtype: bool = False) -> dict[str, Any]:
     """A DeepSpeed config with the run's sharding, batch, precision, optimizer and clipping.
 
     By default the config of the book's *measurement* runs (:data:`MEASUREMENT_OVERRIDES`): with ZeRO-3, no
-    prefetch, no reuse and every tensor of at least ``persistence_threshold`` elements sharded.
-    ``production=True`` writes the config to run a job with: DeepSpeed's own ZeRO-3 defaults
-    (:data:`DEEPSPEED_STAGE3_DEFAULTS`, written out so that they show) and ``overlap_comm: true``;
-    ``persistence_threshold`` is then ignored. With ``reduce_in_compute_dtype=True`` no
+    prefetch, no reuse, every tensor sharded, or the three keys given (elements). ``production=True`` writes:
+    DeepSpeed's own ZeRO-3 defaults (:data:`DEEPSPEED_STAGE3_DEFAULTS`, written out so that they show)
+    and ``overlap_comm: true``; the three keys are then ignored. With ``reduce_in_compute_dtype=True`` no
     ``communication_data_type`` is written: a bf16 job reduces in bf16, as Accelerate's and the Trainer's do.
 
     ``zero_optimization`` comes from the strategy table (``Strategy.deepspeed_config``: ZERO1/2/3 their own
-    stage; DDP → 0, SHARD_GRAD_OP → 2, FULL_SHARD → 3; the hybrid strategies have none). With stage 3,
-    parameters are gathered module by module in forward and again in backward (no prefetch, no reuse across the
-    two: ``stage3_prefetch_bucket_size`` and ``stage3_max_reuse_distance`` 0, as FSDP's
-    ``reshard_after_forward``), and every tensor of at least ``persistence_threshold`` elements is sharded
-    (``stage3_param_persistence_threshold``; DeepSpeed's default 100000 keeps smaller ones whole on every rank).
+    stage; DDP → 0, SHARD_GRAD_OP → 2, FULL_SHARD → 3; the hybrid strategies have none). With stage 3 and the
+    three keys 0, each module is gathered when it runs, in forward and again in backward, as FSDP's
+    ``reshard_after_forward`` (:func:`handbook_lib.models.zero.zero3_gathers` replays the others).
 
     ``cpu_offload`` offloads the optimizer (master weights, gradients, optimizer state: ``offload_optimizer``)
     and, with stage 3, the parameters (``offload_param``); PyTorch's optimizer then runs on the offloaded state
@@ -390,21 +388,23 @@ def deepspeed_config(config: RunConfig, world_size: int, *, persistence_threshol
 
     Raises:
         ValueError: for a strategy with no ZeRO stage, a world size the batch does not divide,
-            or a negative ``persistence_threshold``.
+            or a negative threshold, bucket or distance.
     """
     row = get_strategy(config.strategy)
     section = row.deepspeed_config()
     if section is None or not row.distributed:
         raise ValueError(f"strategy {row.name!r} has no DeepSpeed ZeRO counterpart ({row.zero_note or 'none'})")
     config.check_batch(check_int("world_size", world_size, 1))
-    check_int("persistence_threshold", persistence_threshold, 0, noun="a whole number of elements")
+    for key, value in (("persistence_threshold", persistence_threshold),
+                       ("prefetch_bucket_size", prefetch_bucket_size), ("max_reuse_distance", max_reuse_distance)):
+        check_int(key, value, 0, noun="a whole number of elements")
     if production:
         if section["stage"] == 3:
             section.update(DEEPSPEED_STAGE3_DEFAULTS)
         section["overlap_comm"] = True
     elif section["stage"] == 3:
         section.update(stage3_param_persistence_threshold=persistence_threshold,
-                       stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0)
+                       stage3_prefetch_bucket_size=prefetch_bucket_size, stage3_max_reuse_distance=max_reuse_distance)
     if config.cpu_offload:
         section["offload_optimizer"] = {"device": "cpu"}
         if section["stage"] == 3:

@@ -31,6 +31,7 @@ from handbook_lib.core.config import RunConfig
 from handbook_lib.integrations.frameworks import deepspeed_config
 from handbook_lib.models.model_state import RankState
 from handbook_lib.models.zero import gather_units
+from handbook_lib.models.zero_peak import BOOK_RUNS, ZeroKnobs
 from handbook_lib.runtime.distributed import RankContext
 from handbook_lib.runtime.collectives import tensors_in
 from handbook_lib.runtime.measure import NewBytesPeak, smallest_soon
@@ -102,14 +103,18 @@ class EngineOptimizer:
         pass
 
 
-def build_engine(config: RunConfig, ctx: RankContext, *, persistence_threshold: int = 0
+def build_engine(config: RunConfig, ctx: RankContext, knobs: ZeroKnobs = BOOK_RUNS
                  ) -> tuple[nn.Module, EngineOptimizer, dict[str, Any]]:
-    """``(engine, optimizer, ds_config)``: the seeded model of ``config`` under DeepSpeed ZeRO.
+    """``(engine, optimizer, ds_config)``: the seeded model of ``config`` under DeepSpeed ZeRO,
+    with ZeRO-3's persistence threshold, prefetch bucket and reuse distance from ``knobs``
+    (:func:`~handbook_lib.integrations.frameworks.deepspeed_config`).
 
     The process group must exist (the run's); DeepSpeed joins it.
     """
     deepspeed = import_deepspeed()
-    ds_config = deepspeed_config(config, ctx.world_size, persistence_threshold=persistence_threshold)
+    ds_config = deepspeed_config(config, ctx.world_size, persistence_threshold=knobs.persistence_threshold,
+                                 prefetch_bucket_size=knobs.prefetch_bucket_size,
+                                 max_reuse_distance=knobs.max_reuse_distance)
     deepspeed.init_distributed(dist_backend=ctx.backend, dist_init_required=False)
     model = build_model(config.model_config(), seed=config.seed).to(ctx.device)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,

@@ -19,10 +19,13 @@ and confirmed by those runs:
   fp32 master partition, a gradient partition (kept between steps) and the optimizer state.
   A tensor of at most ``persistence_threshold`` elements is *persistent*: kept whole on every
   rank as well (DeepSpeed's default threshold, 100000, keeps every tensor of a small model
-  whole — nothing is saved). The others are all-gathered module by module, in forward and
-  again in backward (with prefetching and reuse off, as :func:`handbook_lib.integrations.frameworks.
-  deepspeed_config` sets them); the gradients are reduce-scattered; the persistent tensors are
-  all-gathered once after the optimizer step.
+  whole — nothing is saved). The others are all-gathered when their module runs: module by
+  module in forward and again in backward with prefetching and reuse off (the book's
+  measurement config); with them on, as a production config has them, a module's fetch also
+  gathers the next tensors of the step's trace, up to ``stage3_prefetch_bucket_size`` elements,
+  in one call, and a tensor used again within ``stage3_max_reuse_distance`` elements stays
+  gathered (:func:`zero3_gathers`). The gradients are reduce-scattered; the persistent tensors
+  are all-gathered once after the optimizer step.
 
 Every stage also all-reduces a few bytes of bookkeeping (:func:`bookkeeping_reductions`).
 """
@@ -30,8 +33,10 @@ Every stage also all-reduces a few bytes of bookkeeping (:func:`bookkeeping_redu
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 
+from handbook_lib.core.architecture import forward_modules
 from handbook_lib.core.checks import check_int, check_world, lookup
 from handbook_lib.core.config import DTYPES, PRECISIONS, state_dtype
 from handbook_lib.core.strategies import STRATEGY_TABLE, get_strategy
@@ -51,6 +56,7 @@ __all__ = [
     "gather_units",
     "estimate_zero_rank_bytes",
     "bookkeeping_reductions",
+    "zero3_gathers",
     "estimate_zero_step_traffic",
     "largest_module_params",
     "deepspeed_own_estimate",
@@ -64,6 +70,9 @@ ALIGNMENT = 2
 DEFAULT_PERSISTENCE_THRESHOLD = 100_000
 """DeepSpeed's ``stage3_param_persistence_threshold``: tensors of at most this many elements
 stay whole on every rank under ZeRO-3 unless the config says otherwise."""
+MAX_LIVE_PARAMETERS = 1_000_000_000
+"""DeepSpeed's ``stage3_max_live_parameters`` (elements): prefetching stops short of holding
+more gathered than this."""
 
 
 ZERO_STAGES: dict[int, str | None] = {
@@ -230,15 +239,102 @@ def bookkeeping_reductions(strategy: str, precision: str = "fp32", *, cpu_offloa
     return [4] + ([1] if DTYPES[compute].bytes == 2 else [])
 
 
+def _step_trace(model: ModelLike) -> list[tuple[str, str]]:
+    """ZeRO-3's trace of one step, ``(module, phase)`` each: the modules in the order forward
+    enters them (:func:`~handbook_lib.core.architecture.forward_modules`), then in the order
+    backward reaches them, the reverse of the order forward leaves them (a block before the
+    modules it called)."""
+    layout = model_layout(model)
+    entered = forward_modules(layout.num_layers or 0)
+    left: list[str] = []
+    open_: list[str] = []
+    for name in entered:
+        while open_ and not name.startswith(f"{open_[-1]}." if open_[-1] else ""):
+            left.append(open_.pop())
+        open_.append(name)
+    left.extend(reversed(open_))
+    return [(m, "forward") for m in entered] + [(m, "backward") for m in reversed(left)]
+
+
+def zero3_gathers(model: ModelLike, *, persistence_threshold: int = 0, prefetch_bucket_size: int = 0,
+                  max_reuse_distance: int = 0) -> list[tuple[str, list[int], str]]:
+    """ZeRO-3's all-gathers of one training step, in order: ``(modules, tensors' elements, phase)``
+    each, phase ``forward`` or ``backward``.
+
+    DeepSpeed's ``PartitionedParameterCoordinator`` (release 0.19) replayed on the step's trace
+    (:func:`_step_trace`: every module called, those without tensors of their own too), each
+    tensor queued once per use. A module's fetch gathers its tensors that are not gathered yet,
+    in one call; then (``prefetch_bucket_size`` > 0) it pops the queue until it has taken that
+    many elements, and gathers the popped tensors that are not gathered in one more call. After
+    a module runs its tensors are released, unless persistent, queued for a later use that a
+    prefetch has already passed, or used again within ``max_reuse_distance`` elements of the
+    trace. The trace is DeepSpeed's from its third step on (it records it in the first two).
+
+    Raises:
+        ValueError: for a negative threshold, bucket or distance (elements), or a model not known
+            tensor by tensor.
+    """
+    for name, value in (("persistence_threshold", persistence_threshold),
+                        ("prefetch_bucket_size", prefetch_bucket_size), ("max_reuse_distance", max_reuse_distance)):
+        check_int(name, value, 0)
+    units = dict(gather_units(model))
+    trace = _step_trace(model)
+    tensors = {name: [(name, j) for j in range(len(sizes))] for name, sizes in units.items()}
+    numel = {(name, j): x for name, sizes in units.items() for j, x in enumerate(sizes)}
+    queue = deque((t, step) for step, (m, _) in enumerate(trace) for t in tensors.get(m, []))
+    gathered = {t for t, x in numel.items() if x <= persistence_threshold}  # persistent: always whole
+    fetched_for: dict[tuple[str, int], int] = {}  # the last queued use a fetch or prefetch passed
+    live, out = 0, []  # elements gathered; the gathers
+
+    def gather(taken: list[tuple[str, int]], phase: str) -> None:
+        nonlocal live
+        if taken:
+            names = list(dict.fromkeys(m for m, _ in taken))
+            out.append((" + ".join(names), [numel[t] for t in taken], phase))
+            gathered.update(taken)
+            live += sum(numel[t] for t in taken)
+
+    for step, (module, phase) in enumerate(trace):
+        mine = tensors.get(module, [])
+        gather([t for t in mine if t not in gathered], phase)
+        for _ in [t for t in mine if fetched_for.get(t, -1) < step]:  # its own uses, off the queue
+            t, use = queue.popleft()
+            fetched_for[t] = use
+        if prefetch_bucket_size:
+            limit = min(MAX_LIVE_PARAMETERS - live, prefetch_bucket_size)
+            taken: list[tuple[str, int]] = []
+            while queue and sum(numel[t] for t in taken) < limit:
+                t, use = queue.popleft()
+                fetched_for[t] = max(fetched_for.get(t, -1), use)
+                if t not in gathered and t not in taken:
+                    taken.append(t)
+            gather(taken, phase)
+        release = {t for t in mine if numel[t] > persistence_threshold and fetched_for.get(t, -1) <= step + 1}
+        passed = 0
+        for later, _ in trace[step + 1:]:
+            if passed >= max_reuse_distance:
+                break
+            release -= set(tensors.get(later, []))
+            passed += sum(units.get(later, []))
+        freed = release & gathered
+        gathered -= freed
+        live -= sum(numel[t] for t in freed)
+    return out
+
+
 def estimate_zero_step_traffic(
     model: ModelLike, world_size: int, strategy: str, precision: str = "fp32",
-    *, persistence_threshold: int = 0, cpu_offload: bool = False,
+    *, persistence_threshold: int = 0, cpu_offload: bool = False, prefetch_bucket_size: int = 0,
+    max_reuse_distance: int = 0,
 ) -> StepTraffic:
     """The collectives of one ZeRO optimizer step (one micro-step), in order, per rank.
 
     DeepSpeed cuts its gradient reductions into buckets (``reduce_bucket_size``, 5e8 elements by
     default: one bucket for the book's models); the records give one collective per reduction
-    and the bytes are exact — count only what the bucketing does not change.
+    and the bytes are exact — count only what the bucketing does not change. ZeRO-3's
+    all-gathers are :func:`zero3_gathers`' (``prefetch_bucket_size`` and ``max_reuse_distance``
+    in elements; 0, the book's measurement config, gathers every module in forward and again
+    in backward).
 
     Raises:
         ValueError: as :func:`estimate_zero_rank_bytes`.
@@ -263,13 +359,11 @@ def estimate_zero_step_traffic(
             record("all_reduce", size, "bookkeeping", "step", "fp32" if size == 4 else "flag")
         record("all_gather", c * padded, "flat parameters", "step", compute)
         return StepTraffic(strategy, n, 1, tuple(records))
-    units = [(name, [x for x in sizes if x > persistence_threshold]) for name, sizes in gather_units(model)]
-    units = [(name, sizes) for name, sizes in units if sizes]
     padded_numel = lambda sizes: sum(-(-x // n) * n for x in sizes)  # noqa: E731
-    for name, sizes in units:
-        record("all_gather", c * padded_numel(sizes), name, "forward", compute)
-    for name, sizes in reversed(units):
-        record("all_gather", c * padded_numel(sizes), name, "backward", compute)
+    for name, sizes, phase in zero3_gathers(model, persistence_threshold=persistence_threshold,
+                                            prefetch_bucket_size=prefetch_bucket_size,
+                                            max_reuse_distance=max_reuse_distance):
+        record("all_gather", c * padded_numel(sizes), name, phase, compute)
     record("reduce_scatter", r * padded_numel(numels), "gradients", "backward", reduce)
     for size in bookkeeping_reductions(strategy, precision, cpu_offload=cpu_offload):
         record("all_reduce", size, "bookkeeping", "step", "fp64" if size == 8 else "fp32")

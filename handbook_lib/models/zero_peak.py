@@ -78,11 +78,15 @@ class ZeroKnobs:
     """ZeRO-3: elements of the modules gathered ahead of their use."""
     persistence_threshold: int = 100_000
     """ZeRO-3: tensors of at most this many elements stay whole on every rank."""
+    max_reuse_distance: int = 1_000_000_000
+    """ZeRO-3: a module's tensors stay gathered if the step's trace uses them again within this
+    many elements (:func:`~handbook_lib.models.zero.zero3_gathers`)."""
     sub_group_size: int = 1_000_000_000
     """ZeRO-3: the optimizer steps its partition in sub-groups of at most this many elements."""
 
     def __post_init__(self) -> None:
-        for name in ("reduce_bucket_size", "prefetch_bucket_size", "persistence_threshold", "sub_group_size"):
+        for name in ("reduce_bucket_size", "prefetch_bucket_size", "persistence_threshold", "max_reuse_distance",
+                     "sub_group_size"):
             check_int(name, getattr(self, name), 1 if name in ("reduce_bucket_size", "sub_group_size") else 0)
 
     def overlaps(self, stage: int) -> bool:
@@ -93,9 +97,9 @@ class ZeroKnobs:
 DEEPSPEED_DEFAULTS = ZeroKnobs()
 """A config that names none of the keys: what ``plan`` and ``memory`` price."""
 
-BOOK_RUNS = ZeroKnobs(prefetch_bucket_size=0, persistence_threshold=0)
-"""The ``deepspeed_zero`` runs' config (:func:`handbook_lib.integrations.frameworks.deepspeed_config`):
-no prefetching, every tensor sharded (the run's ``persistence_threshold``, 0 by default)."""
+BOOK_RUNS = ZeroKnobs(prefetch_bucket_size=0, persistence_threshold=0, max_reuse_distance=0)
+"""The ``deepspeed_zero`` runs' measurement config (:func:`handbook_lib.integrations.frameworks.deepspeed_config`):
+no prefetching, no reuse, every tensor sharded (the run's ``persistence_threshold``, 0 by default)."""
 
 ZERO_PHASES = ("forward_backward", "gradient_buckets", "optimizer_step")
 """The moments :func:`estimate_zero_peak` prices, in step order."""

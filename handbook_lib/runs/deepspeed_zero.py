@@ -33,7 +33,7 @@ from handbook_lib.models.zero import (
     estimate_zero_step_traffic,
     gather_units,
 )
-from handbook_lib.models.zero_peak import ZeroKnobs, estimate_zero_peak
+from handbook_lib.models.zero_peak import estimate_zero_peak
 from handbook_lib.runs.entry import RankReport, main
 from handbook_lib.runs.specs.deepspeed_zero import CONFIG as CONFIG, LOSS_TOLERANCE, ZeroRunConfig, validate
 from handbook_lib.runtime.build import parallelize
@@ -114,7 +114,7 @@ def _peak_checks(config: ZeroRunConfig, ctx: RankContext, measured: dict[str, in
     which the peak model does not price."""
     if config.cpu_offload:
         return [], {}
-    knobs = ZeroKnobs(prefetch_bucket_size=0, persistence_threshold=config.persistence_threshold)
+    knobs = config.zero3_knobs()
     zero = estimate_zero_peak(config.model_config(), ctx.world_size, config.strategy, config.precision,
                               config.optimizer, micro_batch=config.batch_size // ctx.world_size,
                               seq_len=config.seq_len, backend=ctx.backend, knobs=knobs, rank=ctx.rank,
@@ -124,7 +124,7 @@ def _peak_checks(config: ZeroRunConfig, ctx: RankContext, measured: dict[str, in
                  "backward": max(v for k, v in zero.phases.items() if k != "optimizer_step") - zero.at_rest,
                  "optimizer_step": zero.phases["optimizer_step"] - zero.at_rest}
     checked = ["buckets_at_rest"] + ([] if stage3 else ["backward"]) + \
-        ([] if stage3 and config.persistence_threshold else ["optimizer_step"])
+        ([] if stage3 and knobs.persistence_threshold else ["optimizer_step"])
     tolerance = {"buckets_at_rest": 0.0, "backward": BUCKET_MOMENT_TOLERANCE, "optimizer_step": STEP_TOLERANCE}
     checks = [Check(f"{name}_peak_bytes" if name != "buckets_at_rest" else "buckets_at_rest_bytes", ctx.rank,
                     predicted[name], measured[name], "bytes", tolerance[name]) for name in checked]
@@ -141,12 +141,13 @@ def run(config: ZeroRunConfig, ctx: RankContext) -> RankReport:
     )
 
     fsdp = _train_fsdp2(config, ctx)
-    engine, optimizer, ds_config = build_engine(config, ctx, persistence_threshold=config.persistence_threshold)
+    knobs = config.zero3_knobs()
+    engine, optimizer, ds_config = build_engine(config, ctx, knobs)
     log = train(engine, optimizer, config, ctx, count_collectives=True)
     assert log.collectives is not None  # counted on the last step
     held = measure_zero_bytes(engine, optimizer.grad_bytes)
     model = config.model_config()
-    kwargs: dict[str, Any] = {"persistence_threshold": config.persistence_threshold, "cpu_offload": config.cpu_offload}
+    kwargs: dict[str, Any] = {"persistence_threshold": knobs.persistence_threshold, "cpu_offload": config.cpu_offload}
     parts = ("params", "master", "grads", "optimizer", "optimizer_step")
     predicted = estimate_rank_state(model, ctx.world_size, config.strategy, config.precision, config.optimizer,
                                     rank=ctx.rank, **kwargs)
@@ -171,7 +172,9 @@ def run(config: ZeroRunConfig, ctx: RankContext) -> RankReport:
     if torch_zero1 is not None:
         checks += [Check(f"loss_step{i + 1}_torch_zero1_vs_deepspeed", ctx.rank, a, b, "nats", tolerance)
                    for i, (a, b) in enumerate(zip(log.losses, torch_zero1["losses"]))]
-    traffic = estimate_zero_step_traffic(model, ctx.world_size, config.strategy, config.precision, **kwargs)
+    traffic = estimate_zero_step_traffic(model, ctx.world_size, config.strategy, config.precision, **kwargs,
+                                         prefetch_bucket_size=knobs.prefetch_bucket_size,
+                                         max_reuse_distance=knobs.max_reuse_distance)
     counted = collective_totals(log.collectives)
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
         records = [r for r in traffic.records if r.kind == kind]

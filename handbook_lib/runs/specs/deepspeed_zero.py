@@ -8,18 +8,20 @@ starts (:class:`~handbook_lib.core.run_spec.RunSpec`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from handbook_lib.core.config import LayoutConfig, LeversConfig, RunConfig
 from handbook_lib.core.run_spec import RunSpec
 from handbook_lib.core.strategies import get_strategy, strategies_where
+from handbook_lib.models.zero_peak import BOOK_RUNS, ZeroKnobs
 
 @dataclass(frozen=True)
 class ZeroRunConfig(RunConfig):
-    """A ZeRO run: the book's run config, a ZeRO strategy, and ZeRO-3's persistence threshold."""
+    """A ZeRO run: the book's run config, a ZeRO strategy, and ZeRO-3's keys (elements)."""
 
-    MINIMUMS: ClassVar[Mapping[str, int]] = {**RunConfig.MINIMUMS, "persistence_threshold": 0}
+    MINIMUMS: ClassVar[Mapping[str, int]] = {**RunConfig.MINIMUMS, "persistence_threshold": 0,
+                                             "prefetch_bucket_size": 0, "max_reuse_distance": 0}
 
     layout: LayoutConfig = field(default_factory=lambda: LayoutConfig(strategy="ZERO3"))
     """``strategy``: ``ZERO1``, ``ZERO2`` or ``ZERO3`` (DeepSpeed's stage); ZERO3 by default."""
@@ -29,6 +31,18 @@ class ZeroRunConfig(RunConfig):
     """ZeRO-3 keeps tensors of at most this many elements whole on every rank
     (``stage3_param_persistence_threshold``; 0 shards every tensor; DeepSpeed's default is
     100000)."""
+    prefetch_bucket_size: int = 0
+    """ZeRO-3 gathers this many elements ahead of their use (``stage3_prefetch_bucket_size``;
+    0, the measurement config, gathers each module when it runs; DeepSpeed's default is 5e7)."""
+    max_reuse_distance: int = 0
+    """ZeRO-3 keeps a module gathered if the step uses it again within this many elements
+    (``stage3_max_reuse_distance``; 0, the measurement config, gathers again in backward;
+    DeepSpeed's default is 1e9)."""
+
+    def zero3_knobs(self) -> ZeroKnobs:
+        """ZeRO-3's keys as the engine gets them."""
+        return replace(BOOK_RUNS, persistence_threshold=self.persistence_threshold,
+                       prefetch_bucket_size=self.prefetch_bucket_size, max_reuse_distance=self.max_reuse_distance)
 
 
 CONFIG = ZeroRunConfig
@@ -53,6 +67,10 @@ def validate(config: ZeroRunConfig, world_size: int) -> None:
                          f"got {config.strategy!r} (run FSDP and DDP with fsdp_train)")
     if world_size < 2:
         raise ValueError(f"deepspeed_zero needs >= 2 ranks to shard anything, got {world_size}")
+    if row.zero_stage != 3 and (config.persistence_threshold or config.prefetch_bucket_size
+                                or config.max_reuse_distance):
+        raise ValueError("config keys 'persistence_threshold', 'prefetch_bucket_size' and 'max_reuse_distance' "
+                         f"are ZeRO-3's; with strategy {config.strategy!r} leave them 0")
     if config.precision not in LOSS_TOLERANCE:
         raise ValueError(f"deepspeed_zero runs precision {', '.join(LOSS_TOLERANCE)}; got {config.precision!r}")
     if config.set_to_none:
