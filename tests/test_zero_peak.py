@@ -84,17 +84,21 @@ def test_zero3_keeps_its_bucket_at_rest_in_the_reduce_dtype():
     assert set(peak.phases) == {"forward_backward", "optimizer_step"}
 
 
-def test_zero3_forward_and_backward_adds_a_gathered_module_and_its_gradient_to_the_unsharded_model():
+def test_zero3_forward_and_backward_adds_a_modules_gradient_and_what_it_holds_gathered():
     from handbook_lib.models.memory import estimate_memory
 
     unsharded = estimate_memory(TINY, 1, "NONE", "fp32", micro_batch=4, seq_len=16, backend="gloo")
     moving = max(v - unsharded.model_state for k, v in unsharded.phases.items() if k != "optimizer_step")
     module = 1001 * 64 + 1001  # the output head, weight and bias: the largest module
-    for knobs, prefetch in ((BOOK_RUNS, 0), (DEEPSPEED_DEFAULTS, sum(_numels(TINY)))):
+    # gathered at once: one module at a time (no prefetch, no reuse); nothing (DeepSpeed's
+    # defaults keep every tensor of this model whole); the whole model (prefetch, reuse, no
+    # tensor kept whole): the first fetch prefetches it all and backward reuses it
+    whole = ZeroKnobs(persistence_threshold=0)
+    for knobs, gathered in ((BOOK_RUNS, module), (DEEPSPEED_DEFAULTS, 0), (whole, sum(_numels(TINY)))):
         peak = estimate_zero_peak(TINY, 2, "ZERO3", "fp32", micro_batch=4, seq_len=16, backend="gloo",
                                   knobs=knobs)
         assert peak.activations == moving
-        assert peak.phases["forward_backward"] - peak.at_rest == moving + 2 * 4 * module + 4 * prefetch
+        assert peak.phases["forward_backward"] - peak.at_rest == moving + 4 * module + 4 * gathered
 
 
 def test_optimizer_default_is_deepspeeds_fused_adam_on_a_gpu_and_torch_on_the_cpu():

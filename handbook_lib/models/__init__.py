@@ -130,7 +130,8 @@ if TYPE_CHECKING:  # what a type checker sees; at run time each name is imported
     from handbook_lib.models.zero import (
         ALIGNMENT, DEFAULT_PERSISTENCE_THRESHOLD, ZERO_STAGES, bookkeeping_reductions,
         estimate_zero_memory, estimate_zero_rank_bytes, estimate_zero_redundancy_rank_bytes,
-        estimate_zero_step_traffic, flat_partition, gather_units, zero3_gathers, zero_redundancy_partition,
+        estimate_zero_step_traffic, flat_partition, gather_units, zero3_gathers, zero3_replay,
+        zero_redundancy_partition,
         zero_stage,
     )
     from handbook_lib.models.zero_peak import (

@@ -57,6 +57,7 @@ __all__ = [
     "estimate_zero_rank_bytes",
     "bookkeeping_reductions",
     "zero3_gathers",
+    "zero3_replay",
     "estimate_zero_step_traffic",
     "largest_module_params",
     "deepspeed_own_estimate",
@@ -259,7 +260,15 @@ def _step_trace(model: ModelLike) -> list[tuple[str, str]]:
 def zero3_gathers(model: ModelLike, *, persistence_threshold: int = 0, prefetch_bucket_size: int = 0,
                   max_reuse_distance: int = 0) -> list[tuple[str, list[int], str]]:
     """ZeRO-3's all-gathers of one training step, in order: ``(modules, tensors' elements, phase)``
-    each, phase ``forward`` or ``backward``.
+    each, phase ``forward`` or ``backward`` (:func:`zero3_replay`)."""
+    return zero3_replay(model, persistence_threshold=persistence_threshold, prefetch_bucket_size=prefetch_bucket_size,
+                        max_reuse_distance=max_reuse_distance)[0]
+
+
+def zero3_replay(model: ModelLike, *, persistence_threshold: int = 0, prefetch_bucket_size: int = 0,
+                 max_reuse_distance: int = 0) -> tuple[list[tuple[str, list[int], str]], int]:
+    """``(gathers, most)``: ZeRO-3's all-gathers of one training step (:func:`zero3_gathers`) and
+    the most elements of sharded tensors it holds gathered at once.
 
     DeepSpeed's ``PartitionedParameterCoordinator`` (release 0.19) replayed on the step's trace
     (:func:`_step_trace`: every module called, those without tensors of their own too), each
@@ -284,15 +293,16 @@ def zero3_gathers(model: ModelLike, *, persistence_threshold: int = 0, prefetch_
     queue = deque((t, step) for step, (m, _) in enumerate(trace) for t in tensors.get(m, []))
     gathered = {t for t, x in numel.items() if x <= persistence_threshold}  # persistent: always whole
     fetched_for: dict[tuple[str, int], int] = {}  # the last queued use a fetch or prefetch passed
-    live, out = 0, []  # elements gathered; the gathers
+    live, most, out = 0, 0, []  # elements gathered now, at most; the gathers
 
     def gather(taken: list[tuple[str, int]], phase: str) -> None:
-        nonlocal live
+        nonlocal live, most
         if taken:
             names = list(dict.fromkeys(m for m, _ in taken))
             out.append((" + ".join(names), [numel[t] for t in taken], phase))
             gathered.update(taken)
             live += sum(numel[t] for t in taken)
+            most = max(most, live)
 
     for step, (module, phase) in enumerate(trace):
         mine = tensors.get(module, [])
@@ -319,7 +329,7 @@ def zero3_gathers(model: ModelLike, *, persistence_threshold: int = 0, prefetch_
         freed = release & gathered
         gathered -= freed
         live -= sum(numel[t] for t in freed)
-    return out
+    return out, most
 
 
 def estimate_zero_step_traffic(

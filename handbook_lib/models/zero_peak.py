@@ -8,8 +8,10 @@ measured on CPU ranks by the ``deepspeed_zero`` run:
 
 - **forward and backward**: the activations, the loss's buffers and the gradients of one
   module, as the same model computes them without sharding (:func:`estimate_memory` with
-  ``NONE``); ZeRO-3 adds the module it has gathered and that module's gradient
-  (``2c·U``, U the largest module), and, with prefetching, the next modules it gathers early
+  ``NONE``); ZeRO-3 adds a module's gradient (``c·U``, U the largest module) and the most it
+  holds gathered at once: for the handbook's model, known tensor by tensor, the replayed
+  step's (:func:`~handbook_lib.models.zero.zero3_replay`: one module with prefetch and reuse
+  off); for a model known by its sizes, a module and the prefetch bucket
   (``stage3_prefetch_bucket_size`` elements). This moment is the approximate one: DeepSpeed's
   own hooks keep a few more tensors than the unsharded model (measured, below).
 - **the gradient buckets** (ZeRO-1/2): with ``contiguous_gradients`` (on by default) every
@@ -56,6 +58,7 @@ from handbook_lib.models.zero import (
     gather_units,
     largest_module_params,
     partition_overlaps,
+    zero3_replay,
     zero_stage,
 )
 
@@ -272,7 +275,13 @@ def estimate_zero_peak(
     if stage == 3:
         module = (max(sum(sizes) for _, sizes in gather_units(layout)) if layout.exact
                   else largest_module_params(layout))
-        moving += 2 * c * module + c * min(knobs.prefetch_bucket_size, layout.num_params)
+        if layout.exact:  # the gradient of one module, and the tensors the replayed step holds gathered
+            gathered = zero3_replay(layout, persistence_threshold=knobs.persistence_threshold,
+                                    prefetch_bucket_size=knobs.prefetch_bucket_size,
+                                    max_reuse_distance=knobs.max_reuse_distance)[1]
+            moving += c * module + c * gathered
+        else:
+            moving += 2 * c * module + c * min(knobs.prefetch_bucket_size, layout.num_params)
         buckets = r * knobs.reduce_bucket_size
         at_rest = state.total + buckets
         phases = {"forward_backward": at_rest + moving}
