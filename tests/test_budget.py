@@ -21,8 +21,8 @@ def test_the_terms_by_hand_for_an_a100_80gb():
 
 
 def test_a_card_without_a_published_runtime_total_keeps_its_whole_total():
-    b = memory_budget(ACCELERATORS["l4-24gb"])
-    assert b.driver_bytes == 0 and b.usable_bytes == 24 * 2**30 - 1_457_521_152
+    b = memory_budget(ACCELERATORS["b200-180gb"])
+    assert b.driver_bytes == 0 and b.usable_bytes == 180 * 2**30 - 1_457_521_152
 
 
 @pytest.mark.parametrize("headroom", [-0.1, 1.0, float("nan")])

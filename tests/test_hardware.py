@@ -88,8 +88,8 @@ def test_usable_memory_is_what_cuda_reports_less_a_training_process_context():
     # vllm-project/vllm#27508: "a total capacity of 79.11 GiB"; the context measured on the H200
     assert h100.runtime_memory_bytes == round(79.11 * 2**30)
     assert usable_memory_bytes(h100) == round(79.11 * 2**30) - 1_457_521_152
-    # no runtime total published for the L4: its preset's total, less the same context
-    assert usable_memory_bytes("l4-24gb") == 24 * 2**30 - 1_457_521_152
+    # ArcInstitute/evo2#190: "a total capacity of 22.03 GiB" on an L4, less the same context
+    assert usable_memory_bytes("l4-24gb") == round(22.03 * 2**30) - 1_457_521_152
     assert usable_memory_bytes("cpu") == get_accelerator("cpu").memory_bytes  # no CUDA context
 
 
@@ -110,10 +110,13 @@ def test_every_runtime_total_is_sourced_and_below_the_cards_total():
     from handbook_lib.models.hardware import ACCELERATORS, RUNTIME_MEMORY_SOURCES
 
     with_total = {k for k, a in ACCELERATORS.items() if a.runtime_memory_bytes is not None}
-    assert with_total == set(RUNTIME_MEMORY_SOURCES) == {"a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb"}
+    assert with_total == set(RUNTIME_MEMORY_SOURCES) == {"a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb",
+                                                         "l4-24gb"}
     for key in with_total:
         acc = ACCELERATORS[key]
-        assert 0.98 * acc.memory_bytes < acc.runtime_memory_bytes < acc.memory_bytes, key
+        # the HBM cards keep back under 2 %; the L4, a GDDR6 card, 8 % (22.03 of 24 GiB)
+        kept = 0.91 if key == "l4-24gb" else 0.98
+        assert kept * acc.memory_bytes < acc.runtime_memory_bytes < acc.memory_bytes, key
 
 
 @pytest.mark.parametrize("name, cpu, cores, link", [

@@ -327,6 +327,8 @@ RUNTIME_MEMORY_SOURCES = {
                  "wbfwonderful/Vad-R1#11 (2026); older drivers report 79.35",
     "h100-80gb": "79.11 GiB in a PyTorch out-of-memory message on an H100 80GB HBM3, "
                  "vllm-project/vllm#27508 (2025)",
+    "l4-24gb": "22.03 GiB in a PyTorch out-of-memory message on an L4, ArcInstitute/evo2#190 (2025); "
+               "nvidia-smi lists 23,034 MiB (lmstudio-ai/lmstudio-bug-tracker#1638)",
     "h200-141gb": "150,109,880,320 B, torch's total_memory measured by make gpu-check "
                   "(results/gpu/nvidia-h200.json): nvidia-smi's 143,771 MiB less the 616 MiB it "
                   "lists as reserved",
@@ -375,7 +377,8 @@ ACCELERATORS: dict[str, Accelerator] = {
                            "g6.48xlarge)", None,
                            Host("96 vCPUs (Google Cloud g2-standard-96)", 48, 384 * 10**9, "pcie4",
                                 "Google Cloud machine types, G2: g2-standard-96 has 8 L4, 96 vCPUs "
-                                "(2 per core, so 48 cores) and 384 GB of memory"), datasheet_gb=24),
+                                "(2 per core, so 48 cores) and 384 GB of memory"), datasheet_gb=24,
+                           runtime_memory_bytes=_cuda_gib(22.03)),
     "b200-180gb": Accelerator("NVIDIA B200 SXM 180GB", 180 * GIB, 2.25e15, 75e12,
                               "NVIDIA DGX B200 datasheet (2024): 1,440 GB HBM3e for 8 GPUs, so 180 GB "
                               f"each{_GIB} (the 2024 launch figure was 192 GB); NVIDIA HGX B200 "
