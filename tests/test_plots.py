@@ -392,7 +392,7 @@ def test_fit_map_of_chapter_4_is_readable(figs: list[Figure]) -> None:
 
     answers = {}
     for model in ("llama2-7b", "llama2-13b", "llama2-70b", "gpt3-175b"):
-        for n in (8, 16, 32, 64, 128):
+        for n in (8, 16, 32, 64, 128, 256, 512, 1024):  # eight columns: names break to fit
             best = plan(model, "h100-80gb", n, seq_len=4096).recommended
             answers[(model, n)] = "none" if best is None else (best.name if best.gpus == n else "more GPUs")
     figs.append(fig := plots.plot_fit_map(answers, title="Recommended on H100 80 GB, s = 4,096"))

@@ -289,13 +289,22 @@ def plot_fit_map(
     labels = sorted(set(answers.values()))
     index = {label: i for i, label in enumerate(labels)}
     grid = [[index[answers[(m, n)]] for n in counts] for m in models]
-    lines = max(a.count(" + ") + 1 for a in answers.values())
+    narrow = len(counts) > 5  # a strategy's name breaks after its first word to fit the cell
+
+    def cell(name: str) -> str:
+        first, *rest = name.split(" + ")
+        if narrow and "_" in first:
+            head, tail = first.split("_", 1)
+            first = f"{head}_\n{tail}"
+        return "\n+ ".join([first, *rest])
+
+    lines = max(cell(a).count("\n") + 1 for a in answers.values())
     fig = Figure(figsize=(BOOK_WIDTH_IN, (0.18 * lines + 0.25) * len(models) + 1.4), layout="constrained")
     ax = fig.add_subplot()
     ax.imshow(grid, cmap="Pastel1", vmin=0, vmax=8, aspect="auto")
     for r, m in enumerate(models):
         for c, n in enumerate(counts):
-            ax.text(c, r, answers[(m, n)].replace(" + ", "\n+ "), ha="center", va="center", fontsize=8)
+            ax.text(c, r, cell(answers[(m, n)]), ha="center", va="center", fontsize=8)
     for m, n in edges:
         r, c = models.index(m), counts.index(n)
         ax.add_patch(Rectangle((c - 0.47, r - 0.45), 0.94, 0.9, fill=False, edgecolor="black",
