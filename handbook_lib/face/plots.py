@@ -289,15 +289,7 @@ def plot_fit_map(
     labels = sorted(set(answers.values()))
     index = {label: i for i, label in enumerate(labels)}
     grid = [[index[answers[(m, n)]] for n in counts] for m in models]
-    narrow = len(counts) > 5  # a strategy's name breaks after its first word to fit the cell
-
-    def cell(name: str) -> str:
-        first, *rest = name.split(" + ")
-        if narrow and "_" in first:
-            head, tail = first.split("_", 1)
-            first = f"{head}_\n{tail}"
-        return "\n+ ".join([first, *rest])
-
+    cell = lambda a: (a.replace("_", "_\n", 1) if len(counts) > 5 else a).replace(" + ", "\n+ ")  # noqa: E731
     lines = max(cell(a).count("\n") + 1 for a in answers.values())
     fig = Figure(figsize=(BOOK_WIDTH_IN, (0.18 * lines + 0.25) * len(models) + 1.4), layout="constrained")
     ax = fig.add_subplot()

@@ -15,10 +15,9 @@ Conventions, so that every figure reads the same way:
   time, so its time is set by the one-way figure.
 - A link's latency is the per-message (per ring step) cost ``alpha``, in seconds. Latencies are
   typical published figures for a collective library's hop over that link, not datasheet values.
-- A link's ``efficiency`` is the fraction of that line rate a collective library achieves on it
-  (NCCL's protocol overhead), from its maintainers' published figures where there are some, and
-  1.0 (the line rate, an upper bound) where there are none; the models price the product,
-  :attr:`Link.achievable_bytes_per_s`.
+- A link's ``efficiency``: the fraction of line rate a collective library reaches on it, from its
+  maintainers' published figures where there are some, else 1.0 (the line rate, an upper bound);
+  the models price the product, :attr:`Link.achievable_bytes_per_s`.
 - A node reaches the others through ``nics_per_node`` network ports of ``inter_link`` each
   (rails): 8 in a DGX, one per GPU. How a collective spread over them is priced is
   :mod:`handbook_lib.models.topology`'s.
@@ -327,11 +326,9 @@ RUNTIME_MEMORY_SOURCES = {
                  "wbfwonderful/Vad-R1#11 (2026); older drivers report 79.35",
     "h100-80gb": "79.11 GiB in a PyTorch out-of-memory message on an H100 80GB HBM3, "
                  "vllm-project/vllm#27508 (2025)",
-    "l4-24gb": "22.03 GiB in a PyTorch out-of-memory message on an L4, ArcInstitute/evo2#190 (2025); "
-               "nvidia-smi lists 23,034 MiB (lmstudio-ai/lmstudio-bug-tracker#1638)",
-    "h200-141gb": "150,109,880,320 B, torch's total_memory measured by make gpu-check "
-                  "(results/gpu/nvidia-h200.json): nvidia-smi's 143,771 MiB less the 616 MiB it "
-                  "lists as reserved",
+    "l4-24gb": "22.03 GiB in a PyTorch out-of-memory message on an L4, ArcInstitute/evo2#190 (2025)",
+    "h200-141gb": "150,109,880,320 B, torch's total_memory measured by make gpu-check (results/gpu/"
+                  "nvidia-h200.json): nvidia-smi's 143,771 MiB less the 616 MiB it lists as reserved",
 }
 """Where each preset's ``runtime_memory_bytes`` comes from (the others have none published)."""
 
