@@ -153,9 +153,10 @@ def partition_overlaps(numels: list[int], world_size: int, rank: int) -> list[tu
 
 
 def gather_units(model: ModelLike) -> list[tuple[str, list[int]]]:
-    """The modules ZeRO-3 gathers one by one, in forward order, with their tensors' element
-    counts: every module that owns parameters — but ``nn.MultiheadAttention`` reads its
-    ``out_proj`` tensors itself, so those are gathered with the attention module."""
+    """The modules ZeRO-3 gathers, in the order the model registers them, with their tensors'
+    element counts: every module that owns parameters — but ``nn.MultiheadAttention`` reads its
+    ``out_proj`` tensors itself, so those are gathered with the attention module. (The order a
+    step gathers them in is :func:`zero3_gathers`'.)"""
     units: dict[str, list[int]] = {}
     layout = model_layout(model)
     layout.require_exact("ZeRO-3's gathered modules")
@@ -307,7 +308,7 @@ def zero3_replay(model: ModelLike, *, persistence_threshold: int = 0, prefetch_b
     for step, (module, phase) in enumerate(trace):
         mine = tensors.get(module, [])
         gather([t for t in mine if t not in gathered], phase)
-        for _ in [t for t in mine if fetched_for.get(t, -1) < step]:  # its own uses, off the queue
+        for _ in range(sum(fetched_for.get(t, -1) < step for t in mine)):  # its own uses, off the queue
             t, use = queue.popleft()
             fetched_for[t] = use
         if prefetch_bucket_size:
