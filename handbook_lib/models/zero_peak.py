@@ -273,14 +273,14 @@ def estimate_zero_peak(
     padded = flat_partition(layout.num_params, world_size)[0]
     notes = []
     if stage == 3:
-        module = (max(sum(sizes) for _, sizes in gather_units(layout)) if layout.exact
-                  else largest_module_params(layout))
-        if layout.exact:  # the gradient of one module, and the tensors the replayed step holds gathered
+        if layout.exact:  # a module's gradient, and what the replayed step holds gathered
+            module = max(sum(sizes) for _, sizes in gather_units(layout))
             gathered = zero3_replay(layout, persistence_threshold=knobs.persistence_threshold,
                                     prefetch_bucket_size=knobs.prefetch_bucket_size,
                                     max_reuse_distance=knobs.max_reuse_distance)[1]
             moving += c * module + c * gathered
-        else:
+        else:  # a module gathered, its gradient, and the prefetch bucket
+            module = largest_module_params(layout)
             moving += 2 * c * module + c * min(knobs.prefetch_bucket_size, layout.num_params)
         buckets = r * knobs.reduce_bucket_size
         at_rest = state.total + buckets
