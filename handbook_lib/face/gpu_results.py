@@ -30,7 +30,7 @@ from handbook_lib.face.display import Table, format_bytes
 from handbook_lib.launch.gpu_check import RESULT_SET_SCHEMA, WRITER, match_accelerator
 from handbook_lib.launch.gpu_smoke import SMOKE_SCHEMA, SMOKE_WRITER
 from handbook_lib.launch.gpu_sweep import predict_max_micro_batch, sweep_peak_bytes
-from handbook_lib.models.allocator import RESERVE_MODEL
+from handbook_lib.models.allocator import RESERVE_MODEL, reserved_bytes
 from handbook_lib.models.hardware import ACCELERATORS, usable_memory_bytes
 from handbook_lib.models.timing import estimate_compute_time, fit_utilization, width_utilization
 
@@ -193,10 +193,8 @@ def gpu_fit_curve(sets: ResultSets, *, step: int = 1) -> dict[str, Any] | None:
         xs = list(range(1, top + 1, step))
         runs = [r for r in gpu_memory_rows({k: v for k, v in sets.items() if v.get("world_size") == world})
                 if r["model"] == _model_label(config) and r["precision"] == config["precision"]]
-        again = root_resharded(sweep)
-        return {"micro_batches": xs,
-                "model_peak": [sweep_peak_bytes(config, world, m, root_reshard_after_forward=again) for m in xs],
-                "model_reserved": [_reserved_peak(config, world, again, m) for m in xs],
+        peaks = [sweep_peak_bytes(config, world, m, root_reshard_after_forward=root_resharded(sweep)) for m in xs]
+        return {"micro_batches": xs, "model_peak": peaks, "model_reserved": [reserved_bytes(p) for p in peaks],
                 "measured": [(r["micro_batch"], r["measured"], r["reserved"]) for r in runs],
                 "capacity": sweep["capacity_bytes"], "largest_fit": sweep["measured_largest_fit"],
                 "first_oom": sweep["measured_first_oom"],
